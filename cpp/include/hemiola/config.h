@@ -1,0 +1,49 @@
+// Plain configuration structs. Every field has a documented default; the
+// Python layer fills them from hemiola.Config.
+#pragma once
+
+#include <cstddef>
+#include <string>
+
+namespace hemiola {
+
+struct EngineOptions {
+  int rank = 0;
+  int world_size = 1;
+  // Network interface to bind (like GLOO_SOCKET_IFNAME), e.g. "eth0". Takes
+  // precedence over `hostname`.
+  std::string iface;
+  // Address or host name to bind. When both this and `iface` are empty the
+  // engine binds the local address that routes to `master_addr`, or, without
+  // one, the machine's host name.
+  std::string hostname;
+  // Address of the rendezvous master (torchrun's MASTER_ADDR), used only to
+  // pick the local address when neither iface nor hostname is given.
+  std::string master_addr;
+  // Any collective (and the rendezvous) that does not complete within this
+  // many seconds fails on every surviving rank with Error(kTimeout), naming
+  // what was pending. Never a silent hang.
+  double timeout_s = 300.0;
+  // Record a timeline of engine events (see Engine::timeline_json).
+  bool timeline = false;
+};
+
+struct ReducerOptions {
+  // Gradients are fused into buckets of at most this many bytes (a tensor
+  // larger than the cap gets a bucket of its own).
+  size_t fusion_bytes = 25u << 20;
+  // The first bucket (the last layers, whose gradients are ready first) is
+  // capped smaller, so communication starts early in backward.
+  size_t first_bucket_bytes = 1u << 20;
+  // Divide the summed gradients by the world size.
+  bool average = true;
+  // Also all-reduce, after the gradient buckets, how many ranks produced a
+  // gradient for each tensor, so callers can tell locally unused parameters
+  // (zero-filled here) from globally unused ones. Costs one small collective.
+  bool track_usage = false;
+  // Record the order in which gradients become ready during the first
+  // iteration, so the plan can be rebuilt to match it.
+  bool record_order = true;
+};
+
+}  // namespace hemiola

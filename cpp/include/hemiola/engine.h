@@ -1,0 +1,63 @@
+// The engine: one object per process and group of ranks. It owns its
+// communicator, its scheduler thread and its buffers; there is no
+// process-global state, so several engines can live in one process (that is
+// how the C++ tests run ranks as threads).
+//
+// Every collective goes through one scheduler thread and is issued in
+// submission order, which is therefore the order on every rank as long as
+// every rank submits the same operations in the same order.
+#pragma once
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "hemiola/config.h"
+#include "hemiola/export.h"
+#include "hemiola/handle.h"
+#include "hemiola/reducer.h"
+#include "hemiola/store.h"
+#include "hemiola/tensor.h"
+
+namespace hemiola {
+
+enum class ReduceOp : int { kSum = 0, kAverage = 1 };
+
+class EngineImpl;
+
+class HEMIOLA_API Engine {
+ public:
+  // Rendezvous with the other `world_size - 1` ranks through `store` and
+  // connect to them. Blocks until all have arrived or `timeout_s` passes.
+  Engine(const EngineOptions& options, std::shared_ptr<Store> store);
+  ~Engine();
+  Engine(const Engine&) = delete;
+  Engine& operator=(const Engine&) = delete;
+
+  int rank() const;
+  int world_size() const;
+  const EngineOptions& options() const;
+
+  // Asynchronous collectives: the tensor must stay alive until the handle is
+  // done. All are in place except all_gather (output holds world_size inputs).
+  Handle all_reduce(const TensorRef& tensor, ReduceOp op = ReduceOp::kSum);
+  Handle broadcast(const TensorRef& tensor, int root = 0);
+  Handle all_gather(const TensorRef& input, const TensorRef& output);
+  Handle barrier();
+
+  // A gradient reducer over `specs` (one per gradient tensor, in registration
+  // order). See reducer.h.
+  std::unique_ptr<Reducer> make_reducer(const std::vector<GradSpec>& specs,
+                                        const ReducerOptions& options);
+
+  // Chrome trace-event JSON ("traceEvents") of what the engine recorded since
+  // construction, when EngineOptions::timeline is on.
+  std::string timeline_json() const;
+
+  EngineImpl& impl() { return *impl_; }
+
+ private:
+  std::unique_ptr<EngineImpl> impl_;
+};
+
+}  // namespace hemiola

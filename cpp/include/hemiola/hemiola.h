@@ -1,0 +1,16 @@
+// Umbrella header for embedding the hemiola engine in a C++ program.
+#pragma once
+
+#include "hemiola/build_config.h"
+#include "hemiola/config.h"
+#include "hemiola/engine.h"
+#include "hemiola/handle.h"
+#include "hemiola/reducer.h"
+#include "hemiola/status.h"
+#include "hemiola/store.h"
+#include "hemiola/tensor.h"
+
+namespace hemiola {
+// One line per feature: what this build compiled in, and why not.
+HEMIOLA_API std::string build_info();
+}  // namespace hemiola

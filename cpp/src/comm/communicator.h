@@ -1,0 +1,28 @@
+// Communicator: the collectives the engine needs, over some transport.
+// Implementations: GlooCommunicator (CPU, TCP). Calls are blocking and are
+// made from a single engine thread at a time, in the same order on every rank.
+#pragma once
+
+#include <memory>
+#include <string>
+
+#include "hemiola/tensor.h"
+
+namespace hemiola {
+
+class Communicator {
+ public:
+  virtual ~Communicator() = default;
+  virtual int rank() const = 0;
+  virtual int size() const = 0;
+  virtual std::string name() const = 0;
+  // In-place sum over all ranks. Floating dtypes (and integer ones, exactly).
+  virtual void all_reduce_sum(const TensorRef& tensor) = 0;
+  // In place: every rank receives root's bytes.
+  virtual void broadcast(const TensorRef& tensor, int root) = 0;
+  // output = concat over ranks of input (output.numel == size() * input.numel).
+  virtual void all_gather(const TensorRef& input, const TensorRef& output) = 0;
+  virtual void barrier() = 0;
+};
+
+}  // namespace hemiola

@@ -1,0 +1,39 @@
+// Bucket assignment: which gradients are fused into which bucket, and in what
+// order buckets are issued. A pure function of the tensor specs, an order and
+// the caps, so every rank computes the same plan from the same inputs.
+#pragma once
+
+#include <cstddef>
+#include <vector>
+
+#include "hemiola/reducer.h"
+#include "hemiola/tensor.h"
+
+namespace hemiola {
+
+struct PlannedBucket {
+  DType dtype = DType::kFloat32;
+  std::vector<size_t> tensors;  // indices into the specs, in pack order
+  std::vector<size_t> offsets;  // element offset of each tensor in the bucket
+  size_t numel = 0;
+  size_t nbytes() const { return numel * dtype_size(dtype); }
+};
+
+// Walks `order` (a permutation of the spec indices: the order in which
+// gradients are expected to become ready) and fills one open bucket per dtype.
+// A bucket is closed before a tensor would push it over its cap; a tensor
+// larger than the cap gets a bucket of its own. The first bucket to close is
+// capped at `first_cap_bytes`, the rest at `cap_bytes`. Buckets are returned
+// in issue order: by the position in `order` of their first tensor.
+std::vector<PlannedBucket> plan_buckets(const std::vector<GradSpec>& specs,
+                                        const std::vector<size_t>& order, size_t first_cap_bytes,
+                                        size_t cap_bytes);
+
+// The initial order: reverse registration order (backward produces the last
+// layers' gradients first).
+std::vector<size_t> reverse_order(size_t n);
+
+// Throws unless `order` is a permutation of 0..n-1.
+void check_permutation(const std::vector<size_t>& order, size_t n);
+
+}  // namespace hemiola

@@ -1,0 +1,178 @@
+#include "hemiola/engine.h"
+
+#include <algorithm>
+#include <sstream>
+#include <thread>
+
+#include "comm/gloo_communicator.h"
+#include "engine/engine_impl.h"
+#include "engine/reducer_impl.h"
+#include "engine/dtype_math.h"
+#include "hemiola/status.h"
+
+namespace hemiola {
+
+namespace {
+
+// A single collective on caller-owned memory.
+class CollectiveWork final : public Work {
+ public:
+  enum class Kind { kAllReduce, kBroadcast, kAllGather, kBarrier };
+  CollectiveWork(Kind kind, TensorRef a, TensorRef b, ReduceOp op, int root, int world)
+      : kind_(kind), a_(a), b_(b), op_(op), root_(root), world_(world) {}
+
+  void run(Communicator& comm, Timeline& timeline) override {
+    const int64_t start = timeline.now_us();
+    switch (kind_) {
+      case Kind::kAllReduce:
+        comm.all_reduce_sum(a_);
+        if (op_ == ReduceOp::kAverage) scale_in_place(a_.dtype, a_.data, a_.numel, 1.0 / world_);
+        break;
+      case Kind::kBroadcast: comm.broadcast(a_, root_); break;
+      case Kind::kAllGather: comm.all_gather(a_, b_); break;
+      case Kind::kBarrier: comm.barrier(); break;
+    }
+    timeline.record("comm", describe(), "collective", start, timeline.now_us());
+  }
+
+  std::string describe() const override {
+    std::ostringstream out;
+    switch (kind_) {
+      case Kind::kAllReduce:
+        out << (op_ == ReduceOp::kAverage ? "all_reduce(avg)" : "all_reduce(sum)");
+        break;
+      case Kind::kBroadcast: out << "broadcast(root " << root_ << ")"; break;
+      case Kind::kAllGather: out << "all_gather"; break;
+      case Kind::kBarrier: return "barrier";
+    }
+    out << " of " << a_.numel << " " << dtype_name(a_.dtype);
+    return out.str();
+  }
+
+ private:
+  Kind kind_;
+  TensorRef a_, b_;
+  ReduceOp op_;
+  int root_;
+  int world_;
+};
+
+// After a transport failure: every surviving rank announces through the store
+// that it reached the failed operation, then waits a short grace period for
+// the others. Ranks that never announce are dead or stalled before it.
+std::string diagnose_missing_ranks(const std::weak_ptr<Store>& weak_store, int rank, int world,
+                                   double timeout_s, uint64_t sequence) {
+  const std::shared_ptr<Store> store = weak_store.lock();
+  if (world <= 1 || !store) return {};
+  const std::string prefix = "hemiola_failure/" + std::to_string(sequence) + "/";
+  try {
+    store->set(prefix + std::to_string(rank), "reached");
+  } catch (const std::exception& e) {
+    return std::string(" (could not tell which ranks are missing: the store is unreachable: ") +
+           e.what() + ")";
+  }
+  const auto grace = std::chrono::milliseconds(
+      static_cast<int64_t>(1000.0 * std::min(10.0, std::max(1.0, timeout_s))));
+  const auto deadline = std::chrono::steady_clock::now() + grace;
+  std::vector<int> missing;
+  for (int r = 0; r < world; ++r) {
+    if (r == rank) continue;
+    const auto left = std::max(std::chrono::milliseconds(1),
+                               std::chrono::duration_cast<std::chrono::milliseconds>(
+                                   deadline - std::chrono::steady_clock::now()));
+    try {
+      store->get(prefix + std::to_string(r), left);
+    } catch (const std::exception&) {
+      missing.push_back(r);
+    }
+  }
+  std::ostringstream out;
+  if (missing.empty()) {
+    out << " (all ranks reached this operation; the transport itself failed)";
+  } else {
+    out << ". Ranks missing (dead, or stalled before operation #" << sequence << "): [";
+    for (size_t i = 0; i < missing.size(); ++i) out << (i ? ", " : "") << missing[i];
+    out << "]";
+  }
+  return out.str();
+}
+
+}  // namespace
+
+EngineImpl::EngineImpl(const EngineOptions& options, std::shared_ptr<Store> store)
+    : options_(options), store_(std::move(store)), timeline_(options.timeline) {
+  HEMIOLA_CHECK(store_ != nullptr || options_.world_size == 1,
+                "an engine with world_size > 1 needs a store for rendezvous");
+  std::shared_ptr<Store> rendezvous = store_;
+  if (!rendezvous) rendezvous = std::make_shared<MemoryStore>();
+  comm_ = std::make_unique<GlooCommunicator>(options_, *rendezvous);
+  // Weak: handles may outlive the engine, and must not keep a (possibly
+  // Python-implemented) store alive from an engine thread.
+  std::weak_ptr<Store> diag_store = store_;
+  const int rank = options_.rank, world = options_.world_size;
+  const double timeout_s = options_.timeout_s;
+  scheduler_ = std::make_unique<Scheduler>(
+      *comm_, timeline_, [diag_store, rank, world, timeout_s](uint64_t sequence) {
+        return diagnose_missing_ranks(diag_store, rank, world, timeout_s, sequence);
+      });
+}
+
+EngineImpl::~EngineImpl() { scheduler_.reset(); }
+
+Engine::Engine(const EngineOptions& options, std::shared_ptr<Store> store)
+    : impl_(std::make_unique<EngineImpl>(options, std::move(store))) {}
+
+Engine::~Engine() = default;
+
+int Engine::rank() const { return impl_->options().rank; }
+int Engine::world_size() const { return impl_->options().world_size; }
+const EngineOptions& Engine::options() const { return impl_->options(); }
+
+Handle EngineImpl::all_reduce(const TensorRef& tensor, ReduceOp op) {
+  HEMIOLA_CHECK(is_floating(tensor.dtype) || op == ReduceOp::kSum, "all_reduce average of ",
+                dtype_name(tensor.dtype), ": only floating dtypes can be averaged");
+  return submit(std::make_shared<CollectiveWork>(CollectiveWork::Kind::kAllReduce, tensor,
+                                                 TensorRef{}, op, 0, options_.world_size));
+}
+
+Handle EngineImpl::broadcast(const TensorRef& tensor, int root) {
+  HEMIOLA_CHECK(root >= 0 && root < options_.world_size, "broadcast root ", root,
+                " is outside [0, ", options_.world_size, ")");
+  return submit(std::make_shared<CollectiveWork>(CollectiveWork::Kind::kBroadcast, tensor,
+                                                 TensorRef{}, ReduceOp::kSum, root,
+                                                 options_.world_size));
+}
+
+Handle EngineImpl::all_gather(const TensorRef& input, const TensorRef& output) {
+  HEMIOLA_CHECK(input.dtype == output.dtype, "all_gather: input is ", dtype_name(input.dtype),
+                " but output is ", dtype_name(output.dtype));
+  HEMIOLA_CHECK(output.numel == input.numel * static_cast<size_t>(options_.world_size),
+                "all_gather: output has ", output.numel, " elements, expected world_size (",
+                options_.world_size, ") * ", input.numel);
+  return submit(std::make_shared<CollectiveWork>(CollectiveWork::Kind::kAllGather, input, output,
+                                                 ReduceOp::kSum, 0, options_.world_size));
+}
+
+Handle EngineImpl::barrier() {
+  return submit(std::make_shared<CollectiveWork>(CollectiveWork::Kind::kBarrier, TensorRef{},
+                                                 TensorRef{}, ReduceOp::kSum, 0,
+                                                 options_.world_size));
+}
+
+Handle Engine::all_reduce(const TensorRef& tensor, ReduceOp op) {
+  return impl_->all_reduce(tensor, op);
+}
+Handle Engine::broadcast(const TensorRef& tensor, int root) { return impl_->broadcast(tensor, root); }
+Handle Engine::all_gather(const TensorRef& input, const TensorRef& output) {
+  return impl_->all_gather(input, output);
+}
+Handle Engine::barrier() { return impl_->barrier(); }
+
+std::unique_ptr<Reducer> Engine::make_reducer(const std::vector<GradSpec>& specs,
+                                              const ReducerOptions& options) {
+  return std::make_unique<Reducer>(std::make_unique<ReducerImpl>(*impl_, specs, options));
+}
+
+std::string Engine::timeline_json() const { return impl_->timeline().json(rank()); }
+
+}  // namespace hemiola

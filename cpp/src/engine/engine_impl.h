@@ -1,0 +1,41 @@
+// Engine internals shared by the engine and the reducers it creates.
+#pragma once
+
+#include <memory>
+#include <string>
+
+#include "comm/communicator.h"
+#include "engine/scheduler.h"
+#include "engine/timeline.h"
+#include "hemiola/config.h"
+#include "hemiola/engine.h"
+#include "hemiola/handle.h"
+#include "hemiola/store.h"
+
+namespace hemiola {
+
+class EngineImpl {
+ public:
+  EngineImpl(const EngineOptions& options, std::shared_ptr<Store> store);
+  ~EngineImpl();
+
+  const EngineOptions& options() const { return options_; }
+  Communicator& comm() { return *comm_; }
+  Timeline& timeline() { return timeline_; }
+  Handle submit(std::shared_ptr<Work> work) { return scheduler_->submit(std::move(work)); }
+
+  // Single collectives on caller-owned memory, through the scheduler.
+  Handle all_reduce(const TensorRef& tensor, ReduceOp op);
+  Handle broadcast(const TensorRef& tensor, int root);
+  Handle all_gather(const TensorRef& input, const TensorRef& output);
+  Handle barrier();
+
+ private:
+  EngineOptions options_;
+  std::shared_ptr<Store> store_;
+  Timeline timeline_;
+  std::unique_ptr<Communicator> comm_;
+  std::unique_ptr<Scheduler> scheduler_;  // destroyed first: joins before comm_ goes
+};
+
+}  // namespace hemiola

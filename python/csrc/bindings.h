@@ -1,0 +1,8 @@
+// Entry points of the binding files, called from module.cpp.
+#pragma once
+
+#include <pybind11/pybind11.h>
+
+namespace hemiola::python {
+void bind_engine(pybind11::module_& m);
+}  // namespace hemiola::python

@@ -1,0 +1,194 @@
+// Bindings for Store, Engine, Handle and Reducer. Tensors cross as integers:
+// (data pointer, dtype code, element count). Calls that block release the GIL;
+// the hook path (mark_ready) keeps it, since it is short.
+#include <pybind11/functional.h>
+#include <pybind11/stl.h>
+
+#include <chrono>
+
+#include "bindings.h"
+#include "hemiola/hemiola.h"
+
+namespace py = pybind11;
+
+namespace hemiola::python {
+
+namespace {
+
+// Lets Python implement a Store (hemiola wraps torch.distributed's store this
+// way). Called from the thread that constructs an engine or waits on a failed
+// handle, never from an engine thread.
+class PyStore : public Store, public py::trampoline_self_life_support {
+ public:
+  void set(const std::string& key, const std::string& value) override {
+    py::gil_scoped_acquire gil;
+    py::function fn = py::get_override(static_cast<const Store*>(this), "set");
+    if (!fn) throw Error(ErrorCode::kInternal, "Store.set is not implemented");
+    fn(key, py::bytes(value));
+  }
+  std::string get(const std::string& key, std::chrono::milliseconds timeout) override {
+    py::gil_scoped_acquire gil;
+    py::function fn = py::get_override(static_cast<const Store*>(this), "get");
+    if (!fn) throw Error(ErrorCode::kInternal, "Store.get is not implemented");
+    try {
+      py::object value = fn(key, static_cast<double>(timeout.count()) / 1000.0);
+      return value.cast<std::string>();
+    } catch (py::error_already_set& e) {
+      if (e.matches(PyExc_TimeoutError)) {
+        throw Error(ErrorCode::kTimeout, "store key '" + key + "' was not set in time: " + e.what());
+      }
+      throw;
+    }
+  }
+  bool check(const std::string& key) override {
+    py::gil_scoped_acquire gil;
+    py::function fn = py::get_override(static_cast<const Store*>(this), "check");
+    if (!fn) throw Error(ErrorCode::kInternal, "Store.check is not implemented");
+    return fn(key).cast<bool>();
+  }
+};
+
+TensorRef make_ref(uintptr_t data, int dtype, size_t numel) {
+  TensorRef ref;
+  ref.data = reinterpret_cast<void*>(data);
+  ref.dtype = static_cast<DType>(dtype);
+  ref.numel = numel;
+  (void)dtype_size(ref.dtype);  // validates the code
+  return ref;
+}
+
+}  // namespace
+
+void bind_engine(py::module_& m) {
+  py::enum_<DType>(m, "DType")
+      .value("float32", DType::kFloat32)
+      .value("float64", DType::kFloat64)
+      .value("float16", DType::kFloat16)
+      .value("bfloat16", DType::kBFloat16)
+      .value("int32", DType::kInt32)
+      .value("int64", DType::kInt64)
+      .value("uint8", DType::kUInt8);
+
+  py::enum_<ReduceOp>(m, "ReduceOp").value("sum", ReduceOp::kSum).value("average", ReduceOp::kAverage);
+
+  py::class_<Store, PyStore, py::smart_holder>(m, "Store",
+                                               "Rendezvous key-value store; subclass it in Python "
+                                               "by implementing set(key, bytes), get(key, "
+                                               "timeout_s) -> bytes and check(key) -> bool.")
+      .def(py::init<>())
+      .def("set", [](Store& s, const std::string& k, const py::bytes& v) { s.set(k, v); })
+      .def("get",
+           [](Store& s, const std::string& k, double timeout_s) {
+             std::string v;
+             {
+               py::gil_scoped_release release;
+               v = s.get(k, std::chrono::milliseconds(static_cast<int64_t>(timeout_s * 1000)));
+             }
+             return py::bytes(v);
+           })
+      .def("check", &Store::check);
+  py::class_<FileStore, Store, py::smart_holder>(m, "FileStore")
+      .def(py::init<std::string>(), py::arg("directory"));
+  py::class_<MemoryStore, Store, py::smart_holder>(m, "MemoryStore").def(py::init<>());
+  py::class_<PrefixStore, Store, py::smart_holder>(m, "PrefixStore")
+      .def(py::init<std::string, std::shared_ptr<Store>>(), py::arg("prefix"), py::arg("base"));
+
+  py::class_<Handle>(m, "Handle", "Completion of an asynchronous engine operation.")
+      .def("wait", &Handle::wait, py::call_guard<py::gil_scoped_release>(),
+           "Block until done; raise the operation's error, if any.")
+      .def("done", &Handle::done)
+      .def(
+          "wait_for",
+          [](const Handle& h, double seconds) {
+            return h.wait_for(std::chrono::milliseconds(static_cast<int64_t>(seconds * 1000)));
+          },
+          py::call_guard<py::gil_scoped_release>())
+      .def_property_readonly("description", &Handle::description);
+
+  py::class_<Reducer>(m, "Reducer")
+      .def("mark_ready",
+           [](Reducer& r, size_t index, uintptr_t data) {
+             r.mark_ready(index, reinterpret_cast<void*>(data));
+           },
+           py::arg("index"), py::arg("data_ptr"))
+      .def("mark_unused", &Reducer::mark_unused)
+      .def("unmarked", &Reducer::unmarked)
+      .def_property_readonly("in_iteration", &Reducer::in_iteration)
+      .def("wait", &Reducer::wait, py::call_guard<py::gil_scoped_release>())
+      .def("abort", &Reducer::abort)
+      .def("copy_out",
+           [](const Reducer& r, size_t index, uintptr_t data, int dtype, size_t numel) {
+             r.copy_out(index, make_ref(data, dtype, numel));
+           })
+      .def("usage", &Reducer::usage)
+      .def("buckets", &Reducer::buckets)
+      .def("observed_order", &Reducer::observed_order)
+      .def("rebuild_from_observed_order", &Reducer::rebuild_from_observed_order,
+           py::call_guard<py::gil_scoped_release>())
+      .def("rebuild", &Reducer::rebuild)
+      .def_property_readonly("iteration", &Reducer::iteration);
+
+  py::class_<Engine>(m, "Engine", "One group of ranks: communicator, scheduler thread, buffers.")
+      .def(py::init([](int rank, int world_size, std::shared_ptr<Store> store,
+                       const std::string& iface, const std::string& hostname,
+                       const std::string& master_addr, double timeout_s, bool timeline) {
+             EngineOptions options;
+             options.rank = rank;
+             options.world_size = world_size;
+             options.iface = iface;
+             options.hostname = hostname;
+             options.master_addr = master_addr;
+             options.timeout_s = timeout_s;
+             options.timeline = timeline;
+             py::gil_scoped_release release;  // rendezvous blocks; the store re-acquires
+             return std::make_unique<Engine>(options, std::move(store));
+           }),
+           py::arg("rank"), py::arg("world_size"), py::arg("store"), py::arg("iface") = "",
+           py::arg("hostname") = "", py::arg("master_addr") = "", py::arg("timeout_s") = 300.0,
+           py::arg("timeline") = false)
+      .def_property_readonly("rank", &Engine::rank)
+      .def_property_readonly("world_size", &Engine::world_size)
+      .def(
+          "all_reduce",
+          [](Engine& e, uintptr_t data, int dtype, size_t numel, ReduceOp op) {
+            return e.all_reduce(make_ref(data, dtype, numel), op);
+          },
+          py::arg("data_ptr"), py::arg("dtype"), py::arg("numel"), py::arg("op") = ReduceOp::kSum)
+      .def(
+          "broadcast",
+          [](Engine& e, uintptr_t data, int dtype, size_t numel, int root) {
+            return e.broadcast(make_ref(data, dtype, numel), root);
+          },
+          py::arg("data_ptr"), py::arg("dtype"), py::arg("numel"), py::arg("root") = 0)
+      .def(
+          "all_gather",
+          [](Engine& e, uintptr_t in, uintptr_t out, int dtype, size_t numel) {
+            const size_t world = static_cast<size_t>(e.world_size());
+            return e.all_gather(make_ref(in, dtype, numel), make_ref(out, dtype, numel * world));
+          },
+          py::arg("input_ptr"), py::arg("output_ptr"), py::arg("dtype"), py::arg("numel"))
+      .def("barrier", &Engine::barrier)
+      .def(
+          "make_reducer",
+          [](Engine& e, const std::vector<std::tuple<int, size_t, std::string>>& specs,
+             size_t fusion_bytes, size_t first_bucket_bytes, bool average, bool track_usage,
+             bool record_order) {
+            std::vector<GradSpec> grad_specs;
+            for (const auto& [dtype, numel, name] : specs) {
+              grad_specs.push_back({static_cast<DType>(dtype), numel, name});
+            }
+            ReducerOptions options;
+            options.fusion_bytes = fusion_bytes;
+            options.first_bucket_bytes = first_bucket_bytes;
+            options.average = average;
+            options.track_usage = track_usage;
+            options.record_order = record_order;
+            return e.make_reducer(grad_specs, options);
+          },
+          py::arg("specs"), py::arg("fusion_bytes"), py::arg("first_bucket_bytes"),
+          py::arg("average") = true, py::arg("track_usage") = false,
+          py::arg("record_order") = true, py::keep_alive<0, 1>())
+      .def("timeline_json", &Engine::timeline_json);
+}
+
+}  // namespace hemiola::python

@@ -1,0 +1,1 @@
+"""hemiola: data-parallel training that schedules communication under computation."""

@@ -1,0 +1,41 @@
+"""The ``hemiola`` command line: ``hemiola <command> [options]``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+
+def _info(_: argparse.Namespace) -> int:
+    from hemiola._native import C
+
+    print(C.build_info(), end="")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="hemiola",
+        description="hemiola: schedule data-parallel communication under computation.",
+    )
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND")
+    commands.required = True
+
+    info = commands.add_parser("info", help="what this build of hemiola compiled in")
+    info.set_defaults(run=_info)
+
+    # Each feature registers its own sub-commands.
+    from hemiola.cluster import cli as cluster_cli
+
+    cluster_cli.register(commands)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return int(args.run(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
