@@ -98,6 +98,8 @@ GlooCommunicator::GlooCommunicator(const EngineOptions& options, Store& store)
   } else {
     std::string host = options.hostname;
     if (host.empty()) host = local_address_reaching(options.master_addr);
+    // Alone, nobody needs to reach us: loopback always binds.
+    if (host.empty() && size_ == 1) host = "127.0.0.1";
     if (host.empty()) host = default_hostname();
     attr.hostname = host;
     address_ = host;

@@ -221,9 +221,13 @@ void ReducerImpl::run_iteration(Communicator& comm, Timeline& timeline, uint64_t
     comm.all_reduce_sum(TensorRef{usage_.data(), DType::kFloat32, usage_.size(), Device{}});
   }
   (void)iteration;
-  reset_iteration();
+  // Slot states stay as they are: the caller may still inspect them (e.g.
+  // unmarked()) until wait() closes the iteration on its own thread.
 }
 
+// Called by wait() on the caller's thread once the iteration's work is done:
+// the scheduler no longer touches the per-iteration state, and hooks of the
+// next iteration cannot have started (they come after wait() returns).
 void ReducerImpl::reset_iteration() {
   for (auto& bucket : buckets_) {
     bucket->pending.store(static_cast<int64_t>(bucket->plan.tensors.size()),
@@ -263,17 +267,17 @@ void ReducerImpl::wait() {
   {
     std::lock_guard<std::mutex> lock(mutex_);
     if (!open_.load(std::memory_order_acquire)) {
-      // Nothing in flight. (A failed iteration stays open, so its error is
-      // rethrown below.)
       if (aborted_.load()) {
         HEMIOLA_THROW(ErrorCode::kAborted, "this reducer was aborted earlier (", abort_reason_,
                       ")");
       }
-      return;
+      return;  // nothing in flight
     }
     current = current_;
   }
-  current.wait();
+  current.wait();  // throws on failure; the iteration then stays open (failed)
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (open_.load(std::memory_order_acquire)) reset_iteration();
 }
 
 void ReducerImpl::abort(const std::string& reason) {

@@ -3,8 +3,9 @@
 // Concurrency: mark_ready/mark_unused run on autograd threads (many at once);
 // the iteration's work runs on the scheduler thread; wait/abort/rebuild on the
 // user's thread. Per-iteration state (slot states, pending counts) is reset by
-// the scheduler thread at the end of an iteration, before the handle that
-// wait() blocks on completes, so the next iteration's hooks see it reset.
+// wait() on the caller's thread after the iteration's work completed, so it
+// is stable while the caller inspects it and reset before the next
+// iteration's hooks run.
 #pragma once
 
 #include <atomic>

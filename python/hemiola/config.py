@@ -1,0 +1,78 @@
+"""Configuration of a wrapped model: every knob, its default and what it does."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+SCHEDULES = ("wfbp",)
+
+
+@dataclass(frozen=True)
+class Config:
+    """Knobs of :func:`hemiola.wrap`. Pass them as keyword arguments to ``wrap``.
+
+    Attributes:
+        schedule: How communication is scheduled. ``"wfbp"``: wait-free
+            back-propagation with tensor fusion; gradients are all-reduced in
+            buckets while backward runs and ``backward()`` returns with averaged
+            gradients (numerically torch DDP).
+        fusion_mb: Gradients are fused into buckets of at most this many MiB
+            (a larger tensor gets a bucket of its own). Like DDP's
+            ``bucket_cap_mb``.
+        first_bucket_mb: Cap of the first bucket (the last layers, whose
+            gradients are ready first), so communication starts early.
+        timeout_s: Any collective that does not complete within this many
+            seconds raises on every surviving rank, naming the pending buckets
+            and parameters and the ranks that are missing.
+        broadcast_buffers: Before each forward with gradients enabled, broadcast
+            the module's buffers (e.g. BatchNorm running statistics) from rank 0,
+            as DDP does by default.
+        find_unused_parameters: Allow parameters that get no gradient in an
+            iteration. When off (the default) such a parameter is an error that
+            names it. When on, missing gradients count as zeros in the average;
+            parameters no rank used keep their ``.grad`` untouched. Costs one
+            small extra all-reduce per iteration.
+        rebuild_buckets: After the first iteration, rebuild the buckets in the
+            order gradients actually became ready (rank 0's order).
+        timeline: Record engine events; read them with ``model.timeline()``.
+    """
+
+    schedule: str = "wfbp"
+    fusion_mb: float = 25.0
+    first_bucket_mb: float = 1.0
+    timeout_s: float = 300.0
+    broadcast_buffers: bool = True
+    find_unused_parameters: bool = False
+    rebuild_buckets: bool = True
+    timeline: bool = False
+
+    def __post_init__(self) -> None:
+        if self.schedule not in SCHEDULES:
+            raise ValueError(
+                f"unknown schedule {self.schedule!r}; available: {', '.join(SCHEDULES)}"
+            )
+        for name in ("fusion_mb", "first_bucket_mb", "timeout_s"):
+            value = getattr(self, name)
+            if not value > 0:
+                raise ValueError(f"{name} must be positive, got {value!r}")
+
+    @property
+    def fusion_bytes(self) -> int:
+        return max(1, int(self.fusion_mb * (1 << 20)))
+
+    @property
+    def first_bucket_bytes(self) -> int:
+        return max(1, int(self.first_bucket_mb * (1 << 20)))
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: object) -> Config:
+        """Builds a Config, naming any unknown keyword."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(kwargs) - known)
+        if unknown:
+            raise TypeError(
+                f"unknown hemiola option(s) {', '.join(unknown)}; "
+                f"known options: {', '.join(sorted(known))}"
+            )
+        return cls(**kwargs)  # type: ignore[arg-type]

@@ -1,0 +1,81 @@
+"""Process-group set-up: from torchrun's environment to a hemiola engine."""
+
+from __future__ import annotations
+
+import datetime
+import itertools
+import os
+import tempfile
+
+import torch.distributed as dist
+
+from hemiola._native import C
+
+_engine_ids = itertools.count()
+
+
+class TorchStore(C.Store):
+    """Adapts a ``torch.distributed.Store`` (e.g. torchrun's TCPStore) to the engine."""
+
+    def __init__(self, store: dist.Store) -> None:
+        super().__init__()
+        self._store = store
+
+    def set(self, key: str, value: bytes) -> None:
+        self._store.set(key, value)
+
+    def get(self, key: str, timeout_s: float) -> bytes:
+        try:
+            self._store.wait([key], datetime.timedelta(seconds=timeout_s))
+        except Exception as e:  # torch raises DistStoreError / RuntimeError
+            raise TimeoutError(f"store key {key!r} not set within {timeout_s:.1f} s: {e}") from e
+        return self._store.get(key)
+
+    def check(self, key: str) -> bool:
+        return bool(self._store.check([key]))
+
+
+def init(timeout_s: float = 300.0) -> None:
+    """Initialises ``torch.distributed`` if it is not initialised yet.
+
+    Under ``torchrun`` (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR`` and
+    ``MASTER_PORT`` set) this joins the launcher's rendezvous, so multi-node
+    launches just work. Without those variables it starts a single-process
+    group, so a script also runs alone. hemiola's engines rendezvous through
+    the default group's store; their collectives use hemiola's own Gloo
+    connections, not the process group.
+    """
+    if dist.is_initialized():
+        return
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")):
+        dist.init_process_group(backend="gloo", timeout=timeout)
+    else:
+        path = tempfile.mktemp(prefix="hemiola-single-")
+        dist.init_process_group(
+            backend="gloo", init_method=f"file://{path}", rank=0, world_size=1, timeout=timeout
+        )
+
+
+def new_engine(timeout_s: float, timeline: bool = False) -> tuple[C.Engine, C.Store]:
+    """Creates an engine for the default process group (a collective call).
+
+    Returns the engine and the (prefixed) store it rendezvoused through.
+    """
+    init(timeout_s)
+    store = dist.distributed_c10d._get_default_store()
+    # Every rank creates engines in the same program order, so the n-th engine
+    # has the same key prefix everywhere.
+    prefix = f"hemiola/engine{next(_engine_ids)}"
+    iface = os.environ.get("GLOO_SOCKET_IFNAME", "").split(",")[0]
+    engine_store = TorchStore(dist.PrefixStore(prefix, store))
+    engine = C.Engine(
+        rank=dist.get_rank(),
+        world_size=dist.get_world_size(),
+        store=engine_store,
+        iface=iface,
+        master_addr=os.environ.get("MASTER_ADDR", ""),
+        timeout_s=timeout_s,
+        timeline=timeline,
+    )
+    return engine, engine_store

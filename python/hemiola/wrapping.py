@@ -1,0 +1,38 @@
+"""``hemiola.wrap``: the one call users make."""
+
+from __future__ import annotations
+
+from typing import Any, TypeVar
+
+from torch import nn
+
+from hemiola.config import Config
+from hemiola.data_parallel import DataParallel
+from hemiola.distributed import new_engine
+
+OptimizerT = TypeVar("OptimizerT")
+
+
+def wrap(
+    model: nn.Module, optimizer: OptimizerT, schedule: str = "wfbp", **options: Any
+) -> tuple[DataParallel, OptimizerT]:
+    """Makes `model` data-parallel across the ranks of the default process group.
+
+    Call it on every rank with the same model. ``torch.distributed`` is
+    initialised from torchrun's environment if needed (see :func:`hemiola.init`).
+
+    Args:
+        model: Any ``nn.Module`` (CPU parameters in this build).
+        optimizer: The optimizer over ``model``'s parameters; returned as is
+            for ``schedule="wfbp"``.
+        schedule: See :class:`hemiola.Config`.
+        **options: Any other field of :class:`hemiola.Config` (``fusion_mb``,
+            ``first_bucket_mb``, ``timeout_s``, ``find_unused_parameters``, ...).
+
+    Returns:
+        ``(wrapped_model, optimizer)``. Train as usual: forward, ``loss.backward()``
+        (gradients come back averaged), ``optimizer.step()``.
+    """
+    config = Config.from_kwargs(schedule=schedule, **options)
+    engine, store = new_engine(config.timeout_s, timeline=config.timeline)
+    return DataParallel(model, config, engine, store), optimizer

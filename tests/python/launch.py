@@ -1,0 +1,97 @@
+"""Runs a function on N real processes, the way torchrun does.
+
+The parent hosts the rendezvous TCPStore (like torchrun's agent), so killing
+any rank, rank 0 included, never takes the store down. Each rank gets RANK,
+WORLD_SIZE, MASTER_ADDR, MASTER_PORT, and its return value (or its traceback)
+comes back to the parent.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import socket
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import torch.distributed as dist
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _child(fn: Callable[..., Any], rank: int, world: int, port: int, env: dict[str, str],
+           args: tuple[Any, ...], results: Any) -> None:
+    os.environ.update(
+        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port), TORCHELASTIC_USE_AGENT_STORE="True", OMP_NUM_THREADS="1",
+    )
+    os.environ.update(env)
+    import torch
+
+    torch.set_num_threads(1)
+    try:
+        results.put((rank, "ok", fn(rank, world, *args)))
+    except BaseException as e:  # noqa: BLE001 - everything goes back to the parent
+        results.put((rank, "error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+
+
+class RankFailure(AssertionError):
+    def __init__(self, errors: dict[int, str]):
+        self.errors = errors
+        super().__init__("\n".join(f"--- rank {r} ---\n{e}" for r, e in sorted(errors.items())))
+
+
+def run_ranks(fn: Callable[..., Any], world: int, *args: Any, timeout_s: float = 120.0,
+              env: dict[str, str] | None = None, expect_errors: bool = False,
+              on_started: Callable[[list[mp.Process]], None] | None = None,
+              ) -> dict[int, Any]:
+    """Runs fn(rank, world, *args) on `world` processes; returns {rank: result}.
+
+    Raises RankFailure with every rank's traceback if any rank raised (unless
+    `expect_errors`, which returns {rank: ("error", text) or ("ok", value)}).
+    A rank still running after `timeout_s` is killed and reported as hung.
+    """
+    ctx = mp.get_context("spawn")
+    port = free_port()
+    store = dist.TCPStore("127.0.0.1", port, world, is_master=True, wait_for_workers=False)
+    results = ctx.Queue()
+    procs = [
+        ctx.Process(target=_child, args=(fn, r, world, port, env or {}, args, results))
+        for r in range(world)
+    ]
+    for p in procs:
+        p.start()
+    if on_started is not None:
+        on_started(procs)
+    outcome: dict[int, tuple[str, Any]] = {}
+    import queue
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while len(outcome) < world and time.monotonic() < deadline:
+        try:
+            rank, status, value = results.get(timeout=0.2)
+            outcome[rank] = (status, value)
+        except queue.Empty:
+            if all(not p.is_alive() for p in procs) and results.empty():
+                break
+    for r, p in enumerate(procs):
+        p.join(timeout=max(0.1, deadline - time.monotonic()))
+        if p.is_alive():
+            p.kill()
+            p.join()
+            outcome.setdefault(r, ("error", f"rank {r} hung: still running after {timeout_s} s"))
+        elif r not in outcome:
+            outcome[r] = ("error", f"rank {r} exited with code {p.exitcode} without a result")
+    del store
+    if expect_errors:
+        return outcome
+    errors = {r: v for r, (s, v) in outcome.items() if s != "ok"}
+    if errors:
+        raise RankFailure(errors)
+    return {r: v for r, (_, v) in outcome.items()}
