@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import pickle
 import socket
 import traceback
 from collections.abc import Callable
@@ -35,7 +36,9 @@ def _child(fn: Callable[..., Any], rank: int, world: int, port: int, env: dict[s
 
     torch.set_num_threads(1)
     try:
-        results.put((rank, "ok", fn(rank, world, *args)))
+        # Plain pickle copies tensors into bytes; the queue's own pickler would
+        # share their memory, which vanishes when this process exits.
+        results.put((rank, "ok", pickle.dumps(fn(rank, world, *args))))
     except BaseException as e:  # noqa: BLE001 - everything goes back to the parent
         results.put((rank, "error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
 
@@ -76,7 +79,7 @@ def run_ranks(fn: Callable[..., Any], world: int, *args: Any, timeout_s: float =
     while len(outcome) < world and time.monotonic() < deadline:
         try:
             rank, status, value = results.get(timeout=0.2)
-            outcome[rank] = (status, value)
+            outcome[rank] = (status, pickle.loads(value) if status == "ok" else value)
         except queue.Empty:
             if all(not p.is_alive() for p in procs) and results.empty():
                 break

@@ -62,3 +62,172 @@ def params_after(rank: int, world: int, model_name: str, steps: int) -> list[tor
     _train(model, opt, model_name, rank, world, steps)
     dist.barrier()
     return [p.detach().clone() for p in model.parameters()]
+
+
+def equivalence_sweep(rank: int, world: int, model_name: str, opt_name: str,
+                      fusion_mbs: list[float]) -> dict[float, dict[str, Any]]:
+    """hemiola_vs_ddp for several fusion thresholds in one process."""
+    return {mb: hemiola_vs_ddp(rank, world, model_name, opt_name, mb) for mb in fusion_mbs}
+
+
+def broadcast_at_wrap(rank: int, world: int) -> dict[str, Any]:
+    hemiola.init()
+    torch.manual_seed(100 + rank)  # every rank starts from different weights
+    m = make_model("cnn")
+    with torch.no_grad():
+        m.features[1].running_mean.fill_(float(rank))  # and different buffers
+    model, _ = hemiola.wrap(m, None, timeout_s=30)
+    flat = torch.cat([t.reshape(-1).float() for t in m.state_dict().values()])
+    return {"flat": flat, "running_mean": m.features[1].running_mean.clone()}
+
+
+def no_sync_accumulation(rank: int, world: int) -> dict[str, torch.Tensor]:
+    """Two micro-batches under no_sync + one synced == one batch of all three."""
+    hemiola.init()
+    torch.manual_seed(0)
+    m = make_model("mlp")
+    model, _ = hemiola.wrap(m, None, timeout_s=30)
+    for micro in range(3):
+        x, y = make_batch("mlp", micro, rank, world)
+        loss = loss_of("mlp", model(x), y) / 3
+        if micro < 2:
+            with model.no_sync():
+                loss.backward()
+        else:
+            loss.backward()
+    accumulated = {n: p.grad.clone() for n, p in m.named_parameters()}
+    # Reference: the gradient of the mean loss over every rank's three micro-batches.
+    torch.manual_seed(0)
+    ref = make_model("mlp")
+    total = 0.0
+    for r in range(world):
+        for micro in range(3):
+            x, y = make_batch("mlp", micro, r, world)
+            total = total + loss_of("mlp", ref(x), y) / 3
+    (total / world).backward()
+    reference = {n: p.grad for n, p in ref.named_parameters()}
+    return {n: (accumulated[n] - reference[n]).abs().max() for n in reference}
+
+
+class TwoBranch(nn.Module):
+    """Branch `b` is used only when the input says so: an unused-parameter case."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+        self.b = nn.Linear(4, 4)
+        self.frozen = nn.Linear(4, 4)
+        self.frozen.requires_grad_(False)
+
+    def forward(self, x: torch.Tensor, use_b: bool) -> torch.Tensor:
+        h = self.frozen(self.a(x))
+        return self.b(h) if use_b else h
+
+
+def unused_parameters(rank: int, world: int, find_unused: bool, pattern: str) -> dict[str, Any]:
+    """pattern: "all" (no rank uses b), "rank0" (only rank 0 uses b)."""
+    hemiola.init()
+    torch.manual_seed(0)
+    m = TwoBranch()
+    model, _ = hemiola.wrap(m, None, find_unused_parameters=find_unused, timeout_s=10)
+    x = torch.full((2, 4), float(rank + 1))
+    use_b = pattern == "rank0" and rank == 0
+    model(x, use_b).sum().backward()
+    out: dict[str, Any] = {"a": m.a.weight.grad.clone(),
+                           "b": None if m.b.weight.grad is None else m.b.weight.grad.clone(),
+                           "frozen": m.frozen.weight.grad}
+    # A second iteration must work too.
+    model(x, use_b).sum().backward()
+    return out
+
+
+def tied_and_noncontiguous(rank: int, world: int) -> dict[str, float]:
+    """Tied weights and channels_last (non-contiguous) gradients against DDP."""
+    hemiola.init()
+    results = {}
+    for name in ("transformer", "channels_last"):
+        torch.manual_seed(0)
+        model_name = "transformer" if name == "transformer" else "cnn"
+        def build() -> nn.Module:
+            torch.manual_seed(0)
+            m = make_model(model_name)
+            return m.to(memory_format=torch.channels_last) if name == "channels_last" else m
+        ref = nn.parallel.DistributedDataParallel(build())
+        mine, _ = hemiola.wrap(build(), None, fusion_mb=0.01, timeout_s=30)
+        for model in (ref, mine):
+            x, y = make_batch(model_name, 0, rank, world)
+            if name == "channels_last":
+                x = x.to(memory_format=torch.channels_last)
+            loss_of(model_name, model(x), y).backward()
+        results[name] = max(
+            (a.grad - b.grad).abs().max().item()
+            for a, b in zip(ref.module.parameters(), mine.module.parameters())
+        )
+    return results
+
+
+def dtype_reduction(rank: int, world: int) -> dict[str, float]:
+    """Gradients of float64 / float16 / bfloat16 parameters are averaged."""
+    hemiola.init()
+    out = {}
+    for dtype in (torch.float64, torch.float16, torch.bfloat16, torch.float32):
+        lin = nn.Linear(8, 8, bias=False).to(dtype)
+        model, _ = hemiola.wrap(lin, None, timeout_s=30)
+        lin.weight.grad = None
+        x = torch.full((1, 8), float(rank + 1), dtype=dtype)
+        model(x).sum().backward()
+        # d(sum(W x))/dW[i,j] = x_j = rank + 1, so the average is (world + 1) / 2.
+        expected = (world + 1) / 2
+        out[str(dtype)] = (lin.weight.grad.double() - expected).abs().max().item()
+    return out
+
+
+def mismatched_model(rank: int, world: int) -> str:
+    hemiola.init()
+    m = nn.Sequential(nn.Linear(4, 8 if rank != 1 else 9), nn.Linear(8 if rank != 1 else 9, 2))
+    hemiola.wrap(m, None, timeout_s=20)
+    return "wrapped"
+
+
+def killed_rank(rank: int, world: int, victim: int, timeout_s: float) -> str:
+    """Trains; `victim` dies (SIGKILL) at step 3. Survivors must raise."""
+    import os
+    import signal
+    import time
+
+    hemiola.init()
+    torch.manual_seed(0)
+    m = make_model("mlp")
+    model, opt = hemiola.wrap(m, make_optimizer("sgd", m.parameters()), timeout_s=timeout_s,
+                              fusion_mb=0.001)
+    for step in range(100):
+        if rank == victim and step == 3:
+            os.kill(os.getpid(), signal.SIGKILL)
+        x, y = make_batch("mlp", step, rank, world)
+        opt.zero_grad()
+        start = time.monotonic()
+        try:
+            loss_of("mlp", model(x), y).backward()
+        except Exception as e:
+            return f"raised after {time.monotonic() - start:.2f}s at step {step}: {type(e).__name__}: {e}"
+        opt.step()
+    return "finished without error"
+
+
+def stalled_rank(rank: int, world: int, timeout_s: float) -> str:
+    """Rank 1 stalls (alive, not communicating) long past the timeout."""
+    import time
+
+    hemiola.init()
+    m = make_model("mlp")
+    model, _ = hemiola.wrap(m, None, timeout_s=timeout_s)
+    x, y = make_batch("mlp", 0, rank, world)
+    if rank == 1:
+        time.sleep(timeout_s * 2 + 8)
+        return "slept"
+    start = time.monotonic()
+    try:
+        loss_of("mlp", model(x), y).backward()
+    except Exception as e:
+        return f"raised after {time.monotonic() - start:.2f}s: {type(e).__name__}: {e}"
+    return "finished without error"

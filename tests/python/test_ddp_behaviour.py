@@ -1,0 +1,99 @@
+"""DDP behaviours users rely on: broadcast at wrap, buffers, no_sync, unused,
+frozen, tied and non-contiguous parameters, dtypes, and clear refusals."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import workers
+from launch import run_ranks
+from torch import nn
+
+import hemiola
+
+
+def test_wrap_broadcasts_parameters_and_buffers_from_rank0() -> None:
+    results = run_ranks(workers.broadcast_at_wrap, 3)
+    for r in (1, 2):
+        assert torch.equal(results[r]["flat"], results[0]["flat"])
+    assert torch.all(results[2]["running_mean"] == 0.0)  # rank 0's value
+
+
+def test_no_sync_accumulation_equals_one_large_batch() -> None:
+    results = run_ranks(workers.no_sync_accumulation, 2)
+    for diffs in results.values():
+        assert max(d.item() for d in diffs.values()) < 1e-6
+
+
+def test_unused_parameter_is_a_clear_error_by_default() -> None:
+    outcome = run_ranks(workers.unused_parameters, 2, False, "all", expect_errors=True,
+                        timeout_s=60)
+    for status, text in outcome.values():
+        assert status == "error"
+        assert "b.weight" in text and "b.bias" in text
+        assert "find_unused_parameters=True" in text
+
+
+def test_unused_everywhere_keeps_grad_none_and_frozen_untouched() -> None:
+    results = run_ranks(workers.unused_parameters, 2, True, "all")
+    for rank, r in results.items():
+        assert r["b"] is None, "a parameter no rank used must keep .grad None"
+        assert r["frozen"] is None
+        # a's gradient is the average over ranks (inputs rank + 1).
+        assert torch.allclose(r["a"], results[0]["a"])
+
+
+def test_unused_on_some_ranks_gets_the_average() -> None:
+    results = run_ranks(workers.unused_parameters, 2, True, "rank0")
+    # Only rank 0 used b: both ranks hold rank 0's gradient divided by 2.
+    assert results[0]["b"] is not None and results[1]["b"] is not None
+    assert torch.allclose(results[0]["b"], results[1]["b"])
+    assert results[0]["b"].abs().sum() > 0
+
+
+def test_tied_weights_and_channels_last_gradients_match_ddp() -> None:
+    results = run_ranks(workers.tied_and_noncontiguous, 2)
+    for r in results.values():
+        assert r["transformer"] < 1e-6
+        assert r["channels_last"] < 1e-6
+
+
+def test_float64_float16_bfloat16_gradients_are_averaged() -> None:
+    results = run_ranks(workers.dtype_reduction, 3)
+    for r in results.values():
+        for dtype, err in r.items():
+            assert err == 0.0, f"{dtype}: off by {err}"  # 2.0 is exact in every dtype
+
+
+def test_mismatched_models_fail_fast_on_every_rank_naming_the_difference() -> None:
+    outcome = run_ranks(workers.mismatched_model, 3, expect_errors=True, timeout_s=60)
+    for rank, (status, text) in outcome.items():
+        assert status == "error", f"rank {rank} did not raise"
+        assert "ValueError" in text and "rank 1" in text and "0.weight" in text
+        assert "[8, 4]" in text and "[9, 4]" in text
+
+
+def test_sparse_gradients_are_refused_at_wrap() -> None:
+    model = nn.Sequential(nn.Embedding(10, 4, sparse=True))
+    with pytest.raises(ValueError, match="sparse=False"):
+        hemiola.wrap(model, None)
+
+
+def test_unsupported_parameter_dtype_is_refused_at_wrap() -> None:
+    model = nn.Linear(2, 2).to(torch.complex64)
+    with pytest.raises(ValueError, match="complex64"):
+        hemiola.wrap(model, None)
+
+
+def test_unknown_option_and_schedule_are_named() -> None:
+    with pytest.raises(TypeError, match="fusion_MB"):
+        hemiola.wrap(nn.Linear(2, 2), None, fusion_MB=3)
+    with pytest.raises(ValueError, match="unknown schedule 'fastest'"):
+        hemiola.wrap(nn.Linear(2, 2), None, schedule="fastest")
+
+
+def test_single_process_without_torchrun() -> None:
+    model, _ = hemiola.wrap(nn.Linear(3, 1), None)
+    model(torch.ones(2, 3)).sum().backward()
+    assert torch.allclose(model.module.weight.grad, torch.full((1, 3), 2.0))
+    assert list(model.state_dict()) == ["weight", "bias"]

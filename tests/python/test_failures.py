@@ -1,0 +1,36 @@
+"""A rank that dies or stalls makes every other rank raise within the timeout,
+naming what was pending and who is missing. Never a silent hang."""
+
+from __future__ import annotations
+
+import re
+
+import workers
+from launch import run_ranks
+
+
+def test_killed_rank_makes_survivors_raise_naming_it() -> None:
+    timeout_s = 5.0
+    outcome = run_ranks(workers.killed_rank, 3, 2, timeout_s, expect_errors=True, timeout_s=90)
+    assert outcome[2][0] == "error"  # killed: no result
+    for rank in (0, 1):
+        status, text = outcome[rank]
+        assert status == "ok", text
+        assert text.startswith("raised after"), text
+        seconds = float(re.search(r"raised after ([\d.]+)s", text).group(1))
+        # Gloo's own timeout plus the short grace period used to name missing ranks.
+        assert seconds < timeout_s + min(10.0, timeout_s) + 5.0, text
+        assert "gradient reduction" in text and "bucket" in text
+        assert "net." in text  # names the pending parameters
+        assert "[2]" in text, f"the dead rank is not named: {text}"
+
+
+def test_stalled_rank_times_out_on_the_others() -> None:
+    timeout_s = 3.0
+    outcome = run_ranks(workers.stalled_rank, 2, timeout_s, expect_errors=True, timeout_s=60)
+    status, text = outcome[0]
+    assert status == "ok", text
+    assert "HemiolaTimeoutError" in text or "TimeoutError" in text, text
+    seconds = float(re.search(r"raised after ([\d.]+)s", text).group(1))
+    assert timeout_s * 0.9 < seconds < timeout_s + 10.0, text
+    assert "[1]" in text, text
