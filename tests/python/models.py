@@ -18,11 +18,16 @@ class MLP(nn.Module):
 
 
 class CNN(nn.Module):
+    # Convolutions before BatchNorm have no bias (as in ResNets): BatchNorm
+    # cancels it, so its gradient is pure rounding noise that Adam would
+    # amplify into lr-sized steps, making any two reduction orders disagree.
     def __init__(self) -> None:
         super().__init__()
         self.features = nn.Sequential(
-            nn.Conv2d(1, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), nn.MaxPool2d(2),
-            nn.Conv2d(8, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU(), nn.MaxPool2d(2),
+            nn.Conv2d(1, 8, 3, padding=1, bias=False), nn.BatchNorm2d(8), nn.ReLU(),
+            nn.MaxPool2d(2),
+            nn.Conv2d(8, 16, 3, padding=1, bias=False), nn.BatchNorm2d(16), nn.ReLU(),
+            nn.MaxPool2d(2),
         )
         self.head = nn.Linear(16 * 2 * 2, 10)
 
@@ -31,14 +36,20 @@ class CNN(nn.Module):
 
 
 class TinyTransformerLM(nn.Module):
-    """Decoder-only LM; the output projection is tied to the embedding."""
+    """Decoder-only LM; the output projection is tied to the embedding.
+
+    Blocks have no biases (as in LLaMA-style models): the key bias of attention
+    has an exactly-zero true gradient (softmax ignores a constant shift), so its
+    computed gradient is rounding noise that Adam amplifies into lr-sized steps,
+    and no two reduction orders would agree on it.
+    """
 
     def __init__(self, vocab: int = 50, dim: int = 32, layers: int = 2, context: int = 16):
         super().__init__()
         self.embed = nn.Embedding(vocab, dim)
         self.pos = nn.Parameter(torch.randn(context, dim) * 0.02)
         layer = nn.TransformerEncoderLayer(dim, nhead=4, dim_feedforward=64, dropout=0.0,
-                                           batch_first=True)
+                                           batch_first=True, bias=False)
         self.blocks = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
         self.norm = nn.LayerNorm(dim)
         self.out = nn.Linear(dim, vocab, bias=False)

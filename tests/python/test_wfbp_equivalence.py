@@ -7,8 +7,8 @@ import pytest
 import workers
 from launch import run_ranks
 
-# 1 byte: every tensor its own bucket; 1 KiB: many small buckets; 1 GiB: one.
-FUSION_MB = [1 / (1 << 20), 1 / 1024, 1024.0]
+# 1 byte: every tensor its own bucket; 16 KiB: a few buckets; 1 GiB: one.
+FUSION_MB = [1 / (1 << 20), 1 / 64, 1024.0]
 
 
 @pytest.mark.parametrize("world", [2, 3])

@@ -80,12 +80,19 @@ class ReadyQueue {
     for (int i = 0; i < 64; ++i) {
       if (try_pop(out)) return true;
     }
+    const auto deadline = std::chrono::steady_clock::now() + timeout;
     std::unique_lock<std::mutex> lock(mutex_);
     parked_.store(true, std::memory_order_relaxed);
     std::atomic_thread_fence(std::memory_order_seq_cst);
     bool got = try_pop(out);
-    if (!got && !woken_) {
-      cv_.wait_for(lock, timeout);
+    // Loop: a notification may come from a producer whose item sits behind
+    // one that another producer has claimed but not yet published; that
+    // producer notifies again when it publishes.
+    while (!got && !woken_) {
+      if (cv_.wait_until(lock, deadline) == std::cv_status::timeout) {
+        got = try_pop(out);
+        break;
+      }
       got = try_pop(out);
     }
     woken_ = false;

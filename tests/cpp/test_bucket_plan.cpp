@@ -1,0 +1,111 @@
+#include <gtest/gtest.h>
+
+#include <numeric>
+#include <set>
+
+#include "engine/bucket_plan.h"
+#include "hemiola/status.h"
+
+namespace hemiola {
+namespace {
+
+std::vector<GradSpec> floats(const std::vector<size_t>& numels) {
+  std::vector<GradSpec> specs;
+  for (size_t i = 0; i < numels.size(); ++i) {
+    specs.push_back({DType::kFloat32, numels[i], "t" + std::to_string(i)});
+  }
+  return specs;
+}
+
+// Every tensor is in exactly one bucket, offsets are contiguous.
+void expect_valid(const std::vector<PlannedBucket>& buckets, const std::vector<GradSpec>& specs) {
+  std::set<size_t> seen;
+  for (const auto& b : buckets) {
+    size_t offset = 0;
+    ASSERT_EQ(b.tensors.size(), b.offsets.size());
+    for (size_t k = 0; k < b.tensors.size(); ++k) {
+      EXPECT_EQ(b.offsets[k], offset);
+      EXPECT_EQ(specs[b.tensors[k]].dtype, b.dtype);
+      offset += specs[b.tensors[k]].numel;
+      EXPECT_TRUE(seen.insert(b.tensors[k]).second) << "tensor in two buckets";
+    }
+    EXPECT_EQ(offset, b.numel);
+  }
+  EXPECT_EQ(seen.size(), specs.size());
+}
+
+TEST(BucketPlan, OneHugeTensorGetsOneBucket) {
+  auto specs = floats({size_t(1) << 28});  // 1 GiB of float32
+  auto buckets = plan_buckets(specs, reverse_order(1), 1 << 20, 25 << 20);
+  ASSERT_EQ(buckets.size(), 1u);
+  EXPECT_EQ(buckets[0].nbytes(), size_t(1) << 30);
+  expect_valid(buckets, specs);
+}
+
+TEST(BucketPlan, ThousandsOfTinyTensorsAreFusedUpToTheCap) {
+  auto specs = floats(std::vector<size_t>(10000, 10));  // 40 bytes each
+  auto buckets = plan_buckets(specs, reverse_order(specs.size()), 400, 4000);
+  expect_valid(buckets, specs);
+  EXPECT_EQ(buckets[0].tensors.size(), 10u);  // first bucket: 400-byte cap
+  for (size_t b = 1; b + 1 < buckets.size(); ++b) EXPECT_EQ(buckets[b].tensors.size(), 100u);
+  EXPECT_EQ(buckets.size(), 1 + (10000 - 10 + 99) / 100);
+  // Reverse registration order: the first bucket holds the last tensors.
+  EXPECT_EQ(buckets[0].tensors.front(), 9999u);
+}
+
+TEST(BucketPlan, ThresholdSmallerThanAnyTensorGivesOneBucketEach) {
+  auto specs = floats({3, 1, 4, 1, 5});
+  auto buckets = plan_buckets(specs, reverse_order(5), 1, 1);
+  ASSERT_EQ(buckets.size(), 5u);
+  for (size_t b = 0; b < 5; ++b) {
+    ASSERT_EQ(buckets[b].tensors.size(), 1u);
+    EXPECT_EQ(buckets[b].tensors[0], 4 - b);
+  }
+}
+
+TEST(BucketPlan, TensorLargerThanCapIsAloneAndNeighboursStillFuse) {
+  auto specs = floats({10, 10, 1000, 10, 10});
+  auto buckets = plan_buckets(specs, {0, 1, 2, 3, 4}, 100, 100);
+  expect_valid(buckets, specs);
+  ASSERT_EQ(buckets.size(), 3u);
+  EXPECT_EQ(buckets[0].tensors, (std::vector<size_t>{0, 1}));
+  EXPECT_EQ(buckets[1].tensors, (std::vector<size_t>{2}));
+  EXPECT_EQ(buckets[2].tensors, (std::vector<size_t>{3, 4}));
+}
+
+TEST(BucketPlan, DtypesNeverShareABucketAndOrderFollowsFirstTensor) {
+  std::vector<GradSpec> specs = {{DType::kFloat32, 4, "a"},
+                                 {DType::kBFloat16, 4, "b"},
+                                 {DType::kFloat32, 4, "c"},
+                                 {DType::kFloat64, 4, "d"}};
+  auto buckets = plan_buckets(specs, {0, 1, 2, 3}, 1 << 20, 1 << 20);
+  expect_valid(buckets, specs);
+  ASSERT_EQ(buckets.size(), 3u);
+  EXPECT_EQ(buckets[0].dtype, DType::kFloat32);
+  EXPECT_EQ(buckets[0].tensors, (std::vector<size_t>{0, 2}));
+  EXPECT_EQ(buckets[1].dtype, DType::kBFloat16);
+  EXPECT_EQ(buckets[2].dtype, DType::kFloat64);
+}
+
+TEST(BucketPlan, ZeroElementTensorsArePlanned) {
+  auto specs = floats({0, 5, 0});
+  auto buckets = plan_buckets(specs, reverse_order(3), 1 << 20, 1 << 20);
+  expect_valid(buckets, specs);
+}
+
+TEST(BucketPlan, RejectsBadOrdersAndNonFloatGradients) {
+  auto specs = floats({1, 2, 3});
+  EXPECT_THROW(plan_buckets(specs, {0, 1}, 8, 8), Error);
+  EXPECT_THROW(plan_buckets(specs, {0, 1, 1}, 8, 8), Error);
+  EXPECT_THROW(plan_buckets(specs, {0, 1, 7}, 8, 8), Error);
+  std::vector<GradSpec> ints = {{DType::kInt64, 2, "steps"}};
+  try {
+    plan_buckets(ints, {0}, 8, 8);
+    FAIL() << "int64 gradient accepted";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("steps"), std::string::npos);
+  }
+}
+
+}  // namespace
+}  // namespace hemiola

@@ -1,0 +1,279 @@
+// The engine end to end with N ranks as threads of this process: real Gloo
+// over loopback TCP, rendezvous through an in-process MemoryStore.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <functional>
+#include <numeric>
+#include <random>
+#include <thread>
+
+#include "engine/dtype_math.h"
+#include "hemiola/hemiola.h"
+
+namespace hemiola {
+namespace {
+
+// Runs body(engine) on `world` threads, one engine per thread.
+void run_ranks(int world, const std::function<void(Engine&)>& body, double timeout_s = 30) {
+  auto store = std::make_shared<MemoryStore>();
+  std::vector<std::thread> threads;
+  std::vector<std::string> failures(world);
+  for (int r = 0; r < world; ++r) {
+    threads.emplace_back([&, r] {
+      try {
+        EngineOptions options;
+        options.rank = r;
+        options.world_size = world;
+        options.hostname = "127.0.0.1";
+        options.timeout_s = timeout_s;
+        Engine engine(options, store);
+        body(engine);
+      } catch (const std::exception& e) {
+        failures[r] = e.what();
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  for (int r = 0; r < world; ++r) EXPECT_EQ(failures[r], "") << "rank " << r;
+}
+
+template <typename T>
+std::vector<T> filled(size_t n, float value, T (*convert)(float)) {
+  return std::vector<T>(n, convert(value));
+}
+
+float identity(float f) { return f; }
+double to_double(float f) { return f; }
+
+class EngineWorlds : public ::testing::TestWithParam<int> {};
+
+TEST_P(EngineWorlds, AllReduceSumAndAverageInEveryFloatDtype) {
+  const int world = GetParam();
+  run_ranks(world, [&](Engine& e) {
+    const float mine = static_cast<float>(e.rank() + 1);
+    const float sum = world * (world + 1) / 2.0f;
+    const size_t n = 1000003;  // odd size: uneven ring segments
+    auto f32 = filled<float>(n, mine, identity);
+    e.all_reduce({f32.data(), DType::kFloat32, n, {}}, ReduceOp::kSum).wait();
+    EXPECT_EQ(f32.front(), sum);
+    EXPECT_EQ(f32.back(), sum);
+    auto f64 = filled<double>(n, mine, to_double);
+    e.all_reduce({f64.data(), DType::kFloat64, n, {}}, ReduceOp::kAverage).wait();
+    EXPECT_EQ(f64[n / 2], sum / world);
+    auto f16 = filled<uint16_t>(77, mine, float_to_fp16);
+    e.all_reduce({f16.data(), DType::kFloat16, 77, {}}, ReduceOp::kSum).wait();
+    EXPECT_EQ(fp16_to_float(f16[76]), sum);
+    auto bf16 = filled<uint16_t>(77, mine, float_to_bf16);
+    e.all_reduce({bf16.data(), DType::kBFloat16, 77, {}}, ReduceOp::kAverage).wait();
+    EXPECT_EQ(bf16_to_float(bf16[3]), sum / world);
+    std::vector<int64_t> counts(5, e.rank());
+    e.all_reduce({counts.data(), DType::kInt64, 5, {}}, ReduceOp::kSum).wait();
+    EXPECT_EQ(counts[4], world * (world - 1) / 2);
+  });
+}
+
+TEST_P(EngineWorlds, BroadcastAllGatherBarrier) {
+  const int world = GetParam();
+  run_ranks(world, [&](Engine& e) {
+    std::vector<int32_t> data(10, e.rank() == world - 1 ? 42 : -1);
+    e.broadcast({data.data(), DType::kInt32, 10, {}}, world - 1).wait();
+    EXPECT_EQ(data[9], 42);
+    std::vector<double> mine(3, e.rank());
+    std::vector<double> all(3 * world, -1);
+    e.all_gather({mine.data(), DType::kFloat64, 3, {}}, {all.data(), DType::kFloat64, all.size(), {}})
+        .wait();
+    for (int r = 0; r < world; ++r) EXPECT_EQ(all[3 * r + 2], r);
+    e.barrier().wait();
+  });
+}
+
+INSTANTIATE_TEST_SUITE_P(Worlds, EngineWorlds, ::testing::Values(1, 2, 3, 4));
+
+TEST(Reducer, AveragesGradientsMarkedInAnyOrderFromManyThreads) {
+  const int world = 3;
+  const size_t tensors = 60;
+  std::vector<std::vector<std::vector<size_t>>> plans(world);
+  run_ranks(world, [&](Engine& e) {
+    std::vector<GradSpec> specs;
+    for (size_t i = 0; i < tensors; ++i) {
+      specs.push_back({DType::kFloat32, 1 + (i * 37) % 500, "p" + std::to_string(i)});
+    }
+    ReducerOptions options;
+    options.fusion_bytes = 1024;
+    options.first_bucket_bytes = 256;
+    auto reducer = e.make_reducer(specs, options);
+    std::vector<std::vector<float>> grads(tensors);
+    std::mt19937 rng(1234 + e.rank());
+    for (int iteration = 0; iteration < 3; ++iteration) {
+      for (size_t i = 0; i < tensors; ++i) {
+        grads[i].assign(specs[i].numel, static_cast<float>((e.rank() + 1) * (i + 1) + iteration));
+      }
+      // Each rank produces gradients in its own random order, from 4 threads.
+      std::vector<size_t> order(tensors);
+      std::iota(order.begin(), order.end(), 0);
+      std::shuffle(order.begin(), order.end(), rng);
+      std::vector<std::thread> hooks;
+      for (int t = 0; t < 4; ++t) {
+        hooks.emplace_back([&, t] {
+          for (size_t k = t; k < tensors; k += 4) {
+            const size_t i = order[k];
+            reducer->mark_ready(i, TensorRef{grads[i].data(), DType::kFloat32, specs[i].numel, {}});
+          }
+        });
+      }
+      for (auto& h : hooks) h.join();
+      reducer->wait();
+      for (size_t i = 0; i < tensors; ++i) {
+        // mean over ranks of (r + 1) * (i + 1) + iteration
+        const float expected = (world + 1) / 2.0f * (i + 1) + iteration;
+        ASSERT_FLOAT_EQ(grads[i].front(), expected) << "tensor " << i << " iteration " << iteration;
+        ASSERT_FLOAT_EQ(grads[i].back(), expected);
+      }
+      if (iteration == 0) {
+        EXPECT_EQ(reducer->observed_order().size(), tensors);
+        reducer->rebuild_from_observed_order();
+      }
+    }
+    EXPECT_EQ(reducer->iteration(), 3u);
+    plans[e.rank()] = reducer->buckets();
+  });
+  // After the rebuild every rank holds rank 0's plan.
+  EXPECT_GT(plans[0].size(), 5u);
+  EXPECT_EQ(plans[1], plans[0]);
+  EXPECT_EQ(plans[2], plans[0]);
+}
+
+TEST(Reducer, MarkingTwiceInOneIterationIsAnError) {
+  run_ranks(1, [&](Engine& e) {
+    std::vector<GradSpec> specs = {{DType::kFloat32, 2, "w"}, {DType::kFloat32, 2, "b"}};
+    auto reducer = e.make_reducer(specs, ReducerOptions{});
+    std::vector<float> g(2, 1.0f);
+    reducer->mark_ready(0, g.data());
+    try {
+      reducer->mark_ready(0, g.data());
+      ADD_FAILURE() << "double mark accepted";
+    } catch (const Error& err) {
+      EXPECT_NE(std::string(err.what()).find("'w' was marked ready twice"), std::string::npos);
+    }
+    EXPECT_EQ(reducer->unmarked(), std::vector<size_t>{1});
+    reducer->mark_ready(1, g.data());
+    reducer->wait();
+  });
+}
+
+TEST(Reducer, UsageCountsRanksThatProducedEachGradient) {
+  const int world = 3;
+  run_ranks(world, [&](Engine& e) {
+    std::vector<GradSpec> specs = {{DType::kFloat32, 4, "used"}, {DType::kFloat32, 4, "rank0"},
+                                   {DType::kFloat32, 4, "nobody"}};
+    ReducerOptions options;
+    options.track_usage = true;
+    auto reducer = e.make_reducer(specs, options);
+    std::vector<float> g0(4, 3.0f), g1(4, 6.0f);
+    reducer->mark_ready(0, g0.data());
+    if (e.rank() == 0) {
+      reducer->mark_ready(1, g1.data());
+    } else {
+      reducer->mark_unused(1);
+    }
+    reducer->mark_unused(2);
+    reducer->wait();
+    EXPECT_EQ(reducer->usage(), (std::vector<int>{world, 1, 0}));
+    std::vector<float> out(4, -1);
+    reducer->copy_out(1, {out.data(), DType::kFloat32, 4, {}});
+    EXPECT_FLOAT_EQ(out[0], 6.0f / world);  // zeros from the ranks that did not use it
+  });
+}
+
+TEST(Reducer, AbortWakesTheSchedulerAndFailsWait) {
+  run_ranks(1, [&](Engine& e) {
+    std::vector<GradSpec> specs = {{DType::kFloat32, 2, "a"}, {DType::kFloat32, 2, "b"}};
+    ReducerOptions options;
+    options.fusion_bytes = options.first_bucket_bytes = 1;
+    auto reducer = e.make_reducer(specs, options);
+    std::vector<float> g(2, 1.0f);
+    reducer->mark_ready(0, g.data());  // "b" never comes
+    const auto start = std::chrono::steady_clock::now();
+    reducer->abort("test abort");
+    try {
+      reducer->wait();
+      ADD_FAILURE() << "wait succeeded after abort";
+    } catch (const Error& err) {
+      EXPECT_EQ(err.code(), ErrorCode::kAborted);
+      EXPECT_NE(std::string(err.what()).find("test abort"), std::string::npos);
+    }
+    EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(5));
+    EXPECT_THROW(reducer->mark_ready(1, g.data()), Error);
+  });
+}
+
+TEST(Engine, CollectiveTimesOutNamingTheMissingRank) {
+  auto store = std::make_shared<MemoryStore>();
+  std::string error;
+  double seconds = 0;
+  std::thread absent([&] {
+    EngineOptions options;
+    options.rank = 1;
+    options.world_size = 2;
+    options.hostname = "127.0.0.1";
+    options.timeout_s = 1.0;
+    Engine engine(options, store);
+    std::this_thread::sleep_for(std::chrono::seconds(4));  // alive but never joins
+  });
+  {
+    EngineOptions options;
+    options.rank = 0;
+    options.world_size = 2;
+    options.hostname = "127.0.0.1";
+    options.timeout_s = 1.0;
+    Engine engine(options, store);
+    std::vector<float> data(16, 1.0f);
+    const auto start = std::chrono::steady_clock::now();
+    try {
+      engine.all_reduce({data.data(), DType::kFloat32, 16, {}}).wait();
+    } catch (const Error& e) {
+      EXPECT_EQ(e.code(), ErrorCode::kTimeout);
+      error = e.what();
+    }
+    seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    // Sticky: the next operation fails at once, saying why.
+    try {
+      engine.barrier().wait();
+      ADD_FAILURE() << "barrier after a failed collective succeeded";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find("failed earlier"), std::string::npos);
+    }
+  }
+  absent.join();
+  EXPECT_NE(error.find("all_reduce(sum) of 16 float32"), std::string::npos) << error;
+  EXPECT_NE(error.find("Ranks missing"), std::string::npos) << error;
+  EXPECT_NE(error.find("[1]"), std::string::npos) << error;
+  EXPECT_LT(seconds, 1.0 + 1.0 + 2.0);  // timeout + grace + slack
+}
+
+TEST(Engine, RendezvousTimesOutWhenARankNeverArrives) {
+  auto store = std::make_shared<MemoryStore>();
+  EngineOptions options;
+  options.rank = 0;
+  options.world_size = 2;
+  options.hostname = "127.0.0.1";
+  options.timeout_s = 0.5;
+  try {
+    Engine engine(options, store);
+    FAIL() << "rendezvous with a missing rank succeeded";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), ErrorCode::kTimeout);
+  }
+}
+
+TEST(Engine, BuildInfoSaysWhatWasCompiledIn) {
+  const std::string info = build_info();
+  EXPECT_NE(info.find("gloo: yes"), std::string::npos);
+  EXPECT_NE(info.find("cuda: "), std::string::npos);
+  EXPECT_NE(info.find("nccl: "), std::string::npos);
+}
+
+}  // namespace
+}  // namespace hemiola
