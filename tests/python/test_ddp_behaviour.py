@@ -3,13 +3,12 @@ frozen, tied and non-contiguous parameters, dtypes, and clear refusals."""
 
 from __future__ import annotations
 
+import hemiola
 import pytest
 import torch
 import workers
 from launch import run_ranks
 from torch import nn
-
-import hemiola
 
 
 def test_wrap_broadcasts_parameters_and_buffers_from_rank0() -> None:
@@ -36,7 +35,7 @@ def test_unused_parameter_is_a_clear_error_by_default() -> None:
 
 def test_unused_everywhere_keeps_grad_none_and_frozen_untouched() -> None:
     results = run_ranks(workers.unused_parameters, 2, True, "all")
-    for rank, r in results.items():
+    for r in results.values():
         assert r["b"] is None, "a parameter no rank used must keep .grad None"
         assert r["frozen"] is None
         # a's gradient is the average over ranks (inputs rank + 1).

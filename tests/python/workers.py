@@ -4,12 +4,11 @@ from __future__ import annotations
 
 from typing import Any
 
+import hemiola
 import torch
 import torch.distributed as dist
 from models import loss_of, make_batch, make_model, make_optimizer
 from torch import nn
-
-import hemiola
 
 
 def _train(model: nn.Module, opt: torch.optim.Optimizer, name: str, rank: int, world: int,
@@ -141,22 +140,25 @@ def unused_parameters(rank: int, world: int, find_unused: bool, pattern: str) ->
     return out
 
 
+def _build(model_name: str, channels_last: bool) -> nn.Module:
+    torch.manual_seed(0)
+    m = make_model(model_name)
+    return m.to(memory_format=torch.channels_last) if channels_last else m
+
+
 def tied_and_noncontiguous(rank: int, world: int) -> dict[str, float]:
     """Tied weights and channels_last (non-contiguous) gradients against DDP."""
     hemiola.init()
     results = {}
     for name in ("transformer", "channels_last"):
-        torch.manual_seed(0)
         model_name = "transformer" if name == "transformer" else "cnn"
-        def build() -> nn.Module:
-            torch.manual_seed(0)
-            m = make_model(model_name)
-            return m.to(memory_format=torch.channels_last) if name == "channels_last" else m
-        ref = nn.parallel.DistributedDataParallel(build())
-        mine, _ = hemiola.wrap(build(), None, fusion_mb=0.01, timeout_s=30)
+        channels_last = name == "channels_last"
+        ref = nn.parallel.DistributedDataParallel(_build(model_name, channels_last))
+        mine, _ = hemiola.wrap(_build(model_name, channels_last), None, fusion_mb=0.01,
+                               timeout_s=30)
         for model in (ref, mine):
             x, y = make_batch(model_name, 0, rank, world)
-            if name == "channels_last":
+            if channels_last:
                 x = x.to(memory_format=torch.channels_last)
             loss_of(model_name, model(x), y).backward()
         results[name] = max(
@@ -209,7 +211,8 @@ def killed_rank(rank: int, world: int, victim: int, timeout_s: float) -> str:
         try:
             loss_of("mlp", model(x), y).backward()
         except Exception as e:
-            return f"raised after {time.monotonic() - start:.2f}s at step {step}: {type(e).__name__}: {e}"
+            elapsed = time.monotonic() - start
+            return f"raised after {elapsed:.2f}s at step {step}: {type(e).__name__}: {e}"
         opt.step()
     return "finished without error"
 
