@@ -3,12 +3,14 @@ frozen, tied and non-contiguous parameters, dtypes, and clear refusals."""
 
 from __future__ import annotations
 
-import hemiola
 import pytest
 import torch
+from torch import nn
+
+import hemiola
+
 import workers
 from launch import run_ranks
-from torch import nn
 
 
 def test_wrap_broadcasts_parameters_and_buffers_from_rank0() -> None:

@@ -4,6 +4,7 @@ steps, same seeds and data shards, real ranks over real Gloo."""
 from __future__ import annotations
 
 import pytest
+
 import workers
 from launch import run_ranks
 

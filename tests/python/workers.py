@@ -4,11 +4,13 @@ from __future__ import annotations
 
 from typing import Any
 
-import hemiola
 import torch
 import torch.distributed as dist
-from models import loss_of, make_batch, make_model, make_optimizer
 from torch import nn
+
+import hemiola
+
+from models import loss_of, make_batch, make_model, make_optimizer
 
 
 def _train(model: nn.Module, opt: torch.optim.Optimizer, name: str, rank: int, world: int,

@@ -1,0 +1,69 @@
+"""The engine's Python surface used directly, without torch.distributed:
+rendezvous through a FileStore, collectives in every dtype, clear errors."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import tempfile
+
+import numpy as np
+import pytest
+
+from hemiola._native import C
+
+
+def _rank(rank: int, world: int, store_dir: str, out: mp.Queue) -> None:
+    engine = C.Engine(rank, world, C.FileStore(store_dir), hostname="127.0.0.1", timeout_s=30)
+    got = {}
+    for dtype, np_dtype in (("float32", np.float32), ("float64", np.float64),
+                            ("float16", np.float16)):
+        a = np.full(1001, rank + 1, dtype=np_dtype)
+        engine.all_reduce(a.ctypes.data, int(getattr(C.DType, dtype)), a.size,
+                          C.ReduceOp.average).wait()
+        got[dtype] = float(a[-1])
+    b = np.full(7, 99 if rank == 0 else -1, dtype=np.int64)
+    engine.broadcast(b.ctypes.data, int(C.DType.int64), b.size, 0).wait()
+    got["broadcast"] = int(b[3])
+    mine = np.array([rank * 10], dtype=np.int32)
+    everyone = np.zeros(world, dtype=np.int32)
+    engine.all_gather(mine.ctypes.data, everyone.ctypes.data, int(C.DType.int32), 1).wait()
+    got["gather"] = everyone.tolist()
+    engine.barrier().wait()
+    out.put((rank, got))
+
+
+def test_file_store_rendezvous_and_collectives() -> None:
+    world = 3
+    store_dir = tempfile.mkdtemp(prefix="hemiola-test-")
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=_rank, args=(r, world, store_dir, out)) for r in range(world)]
+    for p in procs:
+        p.start()
+    results = dict(out.get(timeout=120) for _ in range(world))
+    for p in procs:
+        p.join(timeout=30)
+    for got in results.values():
+        assert got["float32"] == got["float64"] == got["float16"] == 2.0
+        assert got["broadcast"] == 99
+        assert got["gather"] == [0, 10, 20]
+
+
+def test_bad_arguments_raise_value_errors() -> None:
+    engine = C.Engine(0, 1, C.MemoryStore())
+    a = np.zeros(4, dtype=np.int32)
+    with pytest.raises(ValueError, match="only floating dtypes can be averaged"):
+        engine.all_reduce(a.ctypes.data, int(C.DType.int32), 4, C.ReduceOp.average)
+    with pytest.raises(ValueError, match="outside"):
+        engine.broadcast(a.ctypes.data, int(C.DType.int32), 4, 3)
+    with pytest.raises(ValueError, match="rank 2 is outside"):
+        C.Engine(2, 2, C.MemoryStore())
+    with pytest.raises(ValueError, match="int64"):
+        engine.make_reducer([(int(C.DType.int64), 3, "counter")], 1024, 1024)
+
+
+def test_rendezvous_timeout_names_the_missing_key() -> None:
+    with pytest.raises(C.HemiolaTimeoutError, match="not set"):
+        C.Engine(0, 2, C.MemoryStore(), hostname="127.0.0.1", timeout_s=0.3)
+    assert issubclass(C.HemiolaTimeoutError, TimeoutError)
+    assert issubclass(C.HemiolaTimeoutError, C.HemiolaError)
