@@ -26,6 +26,9 @@ def build_parser() -> argparse.ArgumentParser:
     info.set_defaults(run=_info)
 
     # Each feature registers its own sub-commands.
+    from hemiola import demo
+
+    demo.register(commands)
     from hemiola.cluster import cli as cluster_cli
 
     cluster_cli.register(commands)

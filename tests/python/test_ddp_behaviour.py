@@ -8,26 +8,26 @@ import torch
 from torch import nn
 
 import hemiola
+from hemiola.launch import run_local
 
 import workers
-from launch import run_ranks
 
 
 def test_wrap_broadcasts_parameters_and_buffers_from_rank0() -> None:
-    results = run_ranks(workers.broadcast_at_wrap, 3)
+    results = run_local(workers.broadcast_at_wrap, 3)
     for r in (1, 2):
         assert torch.equal(results[r]["flat"], results[0]["flat"])
     assert torch.all(results[2]["running_mean"] == 0.0)  # rank 0's value
 
 
 def test_no_sync_accumulation_equals_one_large_batch() -> None:
-    results = run_ranks(workers.no_sync_accumulation, 2)
+    results = run_local(workers.no_sync_accumulation, 2)
     for diffs in results.values():
         assert max(d.item() for d in diffs.values()) < 1e-6
 
 
 def test_unused_parameter_is_a_clear_error_by_default() -> None:
-    outcome = run_ranks(workers.unused_parameters, 2, False, "all", expect_errors=True,
+    outcome = run_local(workers.unused_parameters, 2, False, "all", expect_errors=True,
                         timeout_s=60)
     for status, text in outcome.values():
         assert status == "error"
@@ -36,7 +36,7 @@ def test_unused_parameter_is_a_clear_error_by_default() -> None:
 
 
 def test_unused_everywhere_keeps_grad_none_and_frozen_untouched() -> None:
-    results = run_ranks(workers.unused_parameters, 2, True, "all")
+    results = run_local(workers.unused_parameters, 2, True, "all")
     for r in results.values():
         assert r["b"] is None, "a parameter no rank used must keep .grad None"
         assert r["frozen"] is None
@@ -45,7 +45,7 @@ def test_unused_everywhere_keeps_grad_none_and_frozen_untouched() -> None:
 
 
 def test_unused_on_some_ranks_gets_the_average() -> None:
-    results = run_ranks(workers.unused_parameters, 2, True, "rank0")
+    results = run_local(workers.unused_parameters, 2, True, "rank0")
     # Only rank 0 used b: both ranks hold rank 0's gradient divided by 2.
     assert results[0]["b"] is not None and results[1]["b"] is not None
     assert torch.allclose(results[0]["b"], results[1]["b"])
@@ -53,21 +53,21 @@ def test_unused_on_some_ranks_gets_the_average() -> None:
 
 
 def test_tied_weights_and_channels_last_gradients_match_ddp() -> None:
-    results = run_ranks(workers.tied_and_noncontiguous, 2)
+    results = run_local(workers.tied_and_noncontiguous, 2)
     for r in results.values():
         assert r["transformer"] < 1e-6
         assert r["channels_last"] < 1e-6
 
 
 def test_float64_float16_bfloat16_gradients_are_averaged() -> None:
-    results = run_ranks(workers.dtype_reduction, 3)
+    results = run_local(workers.dtype_reduction, 3)
     for r in results.values():
         for dtype, err in r.items():
             assert err == 0.0, f"{dtype}: off by {err}"  # 2.0 is exact in every dtype
 
 
 def test_mismatched_models_fail_fast_on_every_rank_naming_the_difference() -> None:
-    outcome = run_ranks(workers.mismatched_model, 3, expect_errors=True, timeout_s=60)
+    outcome = run_local(workers.mismatched_model, 3, expect_errors=True, timeout_s=60)
     for rank, (status, text) in outcome.items():
         assert status == "error", f"rank {rank} did not raise"
         assert "ValueError" in text and "rank 1" in text and "0.weight" in text

@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import re
 
+from hemiola.launch import run_local
+
 import workers
-from launch import run_ranks
 
 
 def test_killed_rank_makes_survivors_raise_naming_it() -> None:
     timeout_s = 5.0
-    outcome = run_ranks(workers.killed_rank, 3, 2, timeout_s, expect_errors=True, timeout_s=90)
+    outcome = run_local(workers.killed_rank, 3, 2, timeout_s, expect_errors=True, timeout_s=90)
     assert outcome[2][0] == "error"  # killed: no result
     for rank in (0, 1):
         status, text = outcome[rank]
@@ -27,7 +28,7 @@ def test_killed_rank_makes_survivors_raise_naming_it() -> None:
 
 def test_stalled_rank_times_out_on_the_others() -> None:
     timeout_s = 3.0
-    outcome = run_ranks(workers.stalled_rank, 2, timeout_s, expect_errors=True, timeout_s=60)
+    outcome = run_local(workers.stalled_rank, 2, timeout_s, expect_errors=True, timeout_s=60)
     status, text = outcome[0]
     assert status == "ok", text
     assert "HemiolaTimeoutError" in text or "TimeoutError" in text, text

@@ -12,7 +12,7 @@ import sys
 import pytest
 import torch.distributed as dist
 
-from launch import free_port
+from hemiola.launch import free_port
 
 # Runs in a fresh interpreter, so the import order below is the real one.
 SCRIPT = """

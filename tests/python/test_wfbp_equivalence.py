@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import pytest
 
+from hemiola.launch import run_local
+
 import workers
-from launch import run_ranks
 
 # 1 byte: every tensor its own bucket; 16 KiB: a few buckets; 1 GiB: one.
 FUSION_MB = [1 / (1 << 20), 1 / 64, 1024.0]
@@ -16,7 +17,7 @@ FUSION_MB = [1 / (1 << 20), 1 / 64, 1024.0]
 @pytest.mark.parametrize("model", ["mlp", "cnn", "transformer"])
 @pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
 def test_matches_ddp(world: int, model: str, optimizer: str) -> None:
-    results = run_ranks(workers.equivalence_sweep, world, model, optimizer, FUSION_MB,
+    results = run_local(workers.equivalence_sweep, world, model, optimizer, FUSION_MB,
                         timeout_s=240)
     for rank, sweep in results.items():
         buckets = {mb: r["buckets"] for mb, r in sweep.items()}

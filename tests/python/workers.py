@@ -1,4 +1,4 @@
-"""Functions that run inside each rank process (see launch.run_ranks)."""
+"""Functions that run inside each rank process (see hemiola.launch.run_local)."""
 
 from __future__ import annotations
 

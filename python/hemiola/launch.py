@@ -1,9 +1,10 @@
-"""Runs a function on N real processes, the way torchrun does.
+"""Run a function on N local processes the way ``torchrun`` would.
 
-The parent hosts the rendezvous TCPStore (like torchrun's agent), so killing
-any rank, rank 0 included, never takes the store down. Each rank gets RANK,
-WORLD_SIZE, MASTER_ADDR, MASTER_PORT, and its return value (or its traceback)
-comes back to the parent.
+A thin convenience for demos, benchmarks and tests on one machine; real jobs
+use ``torchrun``. The parent hosts the rendezvous TCPStore (like torchrun's
+agent), so killing any rank, rank 0 included, never takes the store down.
+Each rank gets RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT; its return value
+(or its traceback) comes back to the parent.
 """
 
 from __future__ import annotations
@@ -11,7 +12,9 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import pickle
+import queue
 import socket
+import time
 import traceback
 from collections.abc import Callable
 from typing import Any
@@ -43,21 +46,24 @@ def _child(fn: Callable[..., Any], rank: int, world: int, port: int, env: dict[s
         results.put((rank, "error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
 
 
-class RankFailure(AssertionError):
-    def __init__(self, errors: dict[int, str]):
+class RankFailure(RuntimeError):
+    """One or more ranks raised; ``errors`` maps rank to its traceback."""
+
+    def __init__(self, errors: dict[int, str]) -> None:
         self.errors = errors
         super().__init__("\n".join(f"--- rank {r} ---\n{e}" for r, e in sorted(errors.items())))
 
 
-def run_ranks(fn: Callable[..., Any], world: int, *args: Any, timeout_s: float = 120.0,
+def run_local(fn: Callable[..., Any], world: int, *args: Any, timeout_s: float = 120.0,
               env: dict[str, str] | None = None, expect_errors: bool = False,
-              on_started: Callable[[list[mp.Process]], None] | None = None,
               ) -> dict[int, Any]:
-    """Runs fn(rank, world, *args) on `world` processes; returns {rank: result}.
+    """Runs ``fn(rank, world, *args)`` on `world` local processes.
 
-    Raises RankFailure with every rank's traceback if any rank raised (unless
-    `expect_errors`, which returns {rank: ("error", text) or ("ok", value)}).
-    A rank still running after `timeout_s` is killed and reported as hung.
+    `fn` must be importable (a module-level function). Returns ``{rank: result}``.
+    Raises :class:`RankFailure` with every failed rank's traceback if any rank
+    raised or died, unless `expect_errors`, which returns
+    ``{rank: ("ok", result) or ("error", text)}`` instead. A rank still running
+    after `timeout_s` is killed and reported as hung: never a silent hang.
     """
     ctx = mp.get_context("spawn")
     port = free_port()
@@ -69,12 +75,7 @@ def run_ranks(fn: Callable[..., Any], world: int, *args: Any, timeout_s: float =
     ]
     for p in procs:
         p.start()
-    if on_started is not None:
-        on_started(procs)
     outcome: dict[int, tuple[str, Any]] = {}
-    import queue
-    import time
-
     deadline = time.monotonic() + timeout_s
     while len(outcome) < world and time.monotonic() < deadline:
         try:
