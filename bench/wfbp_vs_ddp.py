@@ -78,7 +78,7 @@ def bench_rank(rank: int, world: int, name: str, rounds: int, per_round: int) ->
             model, opt = hemiola.wrap(model, opt)
         variants[variant] = (model, opt, x, y)
     samples: dict[str, list[float]] = {v: [] for v in variants}
-    for v, (model, opt, x, y) in variants.items():  # warm-up (and bucket rebuild)
+    for model, opt, x, y in variants.values():  # warm-up (and bucket rebuild)
         _iterations(model, opt, x, y, 3)
     for r in range(rounds):
         order = list(variants) if r % 2 == 0 else list(reversed(variants))
