@@ -31,6 +31,8 @@ PYBIND11_MODULE(_C, m) {
   });
 
   m.def("build_info", &hemiola::build_info, "What this build compiled in, and why not.");
+  m.def("interface_reaching", &hemiola::interface_reaching, py::arg("host"),
+        "The local interface whose address routes to host ('' when none).");
   m.attr("cuda_compiled") = py::bool_(HEMIOLA_CUDA_ENABLED != 0);
   m.attr("__version__") = HEMIOLA_VERSION;
   hemiola::python::bind_engine(m);

@@ -40,7 +40,9 @@ def init(timeout_s: float = 300.0) -> None:
 
     Under ``torchrun`` (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR`` and
     ``MASTER_PORT`` set) this joins the launcher's rendezvous, so multi-node
-    launches just work. Without those variables it starts a single-process
+    launches just work. Unless ``GLOO_SOCKET_IFNAME`` is set, it is set to the
+    interface that routes to ``MASTER_ADDR``, for torch's Gloo and hemiola's
+    alike. Without those variables it starts a single-process
     group, so a script also runs alone. hemiola's engines rendezvous through
     the default group's store; their collectives use hemiola's own Gloo
     connections, not the process group.
@@ -49,6 +51,13 @@ def init(timeout_s: float = 300.0) -> None:
         return
     timeout = datetime.timedelta(seconds=timeout_s)
     if all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")):
+        if "GLOO_SOCKET_IFNAME" not in os.environ:
+            # torch's Gloo binds the address the host name resolves to, which
+            # peers may not reach (containers, network namespaces). Bind the
+            # interface that routes to the master, as hemiola's engine does.
+            iface = C.interface_reaching(os.environ["MASTER_ADDR"])
+            if iface:
+                os.environ["GLOO_SOCKET_IFNAME"] = iface
         dist.init_process_group(backend="gloo", timeout=timeout)
     else:
         path = tempfile.mktemp(prefix="hemiola-single-")

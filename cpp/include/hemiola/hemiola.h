@@ -5,6 +5,7 @@
 #include "hemiola/config.h"
 #include "hemiola/engine.h"
 #include "hemiola/handle.h"
+#include "hemiola/network.h"
 #include "hemiola/reducer.h"
 #include "hemiola/status.h"
 #include "hemiola/store.h"

@@ -1,6 +1,9 @@
 #include "comm/network.h"
 
+#include "hemiola/network.h"
+
 #include <arpa/inet.h>
+#include <ifaddrs.h>
 #include <netdb.h>
 #include <sys/socket.h>
 #include <unistd.h>
@@ -36,6 +39,29 @@ std::string local_address_reaching(const std::string& host) {
   }
   ::freeaddrinfo(result);
   return address;
+}
+
+std::string interface_with_address(const std::string& address) {
+  if (address.empty()) return {};
+  ifaddrs* list = nullptr;
+  if (::getifaddrs(&list) != 0) return {};
+  std::string name;
+  for (ifaddrs* ifa = list; ifa != nullptr && name.empty(); ifa = ifa->ifa_next) {
+    if (ifa->ifa_addr == nullptr) continue;
+    const int family = ifa->ifa_addr->sa_family;
+    if (family != AF_INET && family != AF_INET6) continue;
+    char buf[INET6_ADDRSTRLEN] = {};
+    const void* src = family == AF_INET
+                          ? static_cast<const void*>(&reinterpret_cast<sockaddr_in*>(ifa->ifa_addr)->sin_addr)
+                          : static_cast<const void*>(&reinterpret_cast<sockaddr_in6*>(ifa->ifa_addr)->sin6_addr);
+    if (::inet_ntop(family, src, buf, sizeof buf) != nullptr && address == buf) name = ifa->ifa_name;
+  }
+  ::freeifaddrs(list);
+  return name;
+}
+
+std::string interface_reaching(const std::string& host) {
+  return interface_with_address(local_address_reaching(host));
 }
 
 }  // namespace hemiola

@@ -10,4 +10,7 @@ namespace hemiola {
 // resolve or has no route.
 std::string local_address_reaching(const std::string& host);
 
+// The name of the local interface that holds `address` (e.g. "eth0"), or empty.
+std::string interface_with_address(const std::string& address);
+
 }  // namespace hemiola
