@@ -66,12 +66,15 @@ def compare(
     return rows
 
 
-def aggregate(rows: Sequence[dict[str, Any]]) -> dict[tuple[str, str], dict[str, tuple[float, float]]]:
+Stats = dict[tuple[str, str], dict[str, tuple[float, float]]]
+
+
+def aggregate(rows: Sequence[dict[str, Any]]) -> Stats:
     """(placement, comm) -> metric -> (mean over seeds, sample std over seeds)."""
     groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
     for r in rows:
         groups.setdefault((r["placement"], r["comm"]), []).append(r)
-    out: dict[tuple[str, str], dict[str, tuple[float, float]]] = {}
+    out: Stats = {}
     for key, rs in groups.items():
         stats: dict[str, tuple[float, float]] = {}
         for m in METRICS:

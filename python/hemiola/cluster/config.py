@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
 
 #: Where the Philly trace lives relative to the project root (it may be absent).
 DEFAULT_TRACE = Path("../shared/data/traces/philly.csv")
@@ -41,10 +40,10 @@ class WorkloadConfig:
     kind: str = "paper"
     jobs: int = 160
     seed: int = 0
-    trace_path: Optional[str] = None
+    trace_path: str | None = None
     first_row: int = 0
-    max_rows: Optional[int] = None
-    models_path: Optional[str] = None
+    max_rows: int | None = None
+    models_path: str | None = None
 
     def __post_init__(self) -> None:
         if self.kind not in ("paper", "trace"):
