@@ -94,6 +94,8 @@ void bind_cluster(py::module_& m) {
       .def_readonly("util_time_ms", &SimulationResult::util_time_ms)
       .def_readonly("util_value", &SimulationResult::util_value)
       .def_readonly("events", &SimulationResult::events)
+      .def_readonly("transfers", &SimulationResult::transfers)
+      .def_readonly("shared_transfer_starts", &SimulationResult::shared_transfer_starts)
       .def_readonly("placement", &SimulationResult::placement)
       .def_readonly("comm", &SimulationResult::comm)
       .def_readonly("fidelity", &SimulationResult::fidelity);

@@ -53,3 +53,22 @@ def test_compare_api_same_jobs_per_seed() -> None:
     rows = compare(WorkloadConfig(jobs=25), ClusterConfig(), ["first-fit"], ["srsf:1"],
                    [0, 0], progress=False)
     assert rows[0]["mean_jct_ms"] == rows[1]["mean_jct_ms"]
+
+
+def test_binned_utilization_is_exact() -> None:
+    from hemiola.cluster.compare import binned_utilization
+
+    # 1.0 on [0, 10), 0.5 on [10, 30), 0 at 30: two bins of 15 ms.
+    centres, means = binned_utilization([0.0, 10.0, 30.0], [1.0, 0.5, 0.0], bins=2)
+    assert centres == [7.5, 22.5]
+    assert means[0] == pytest.approx((10 * 1.0 + 5 * 0.5) / 15)
+    assert means[1] == pytest.approx(0.5)
+
+
+def test_srsf1_never_shares_and_srsf2_does() -> None:
+    from hemiola.cluster import PolicyConfig, simulate
+
+    one = simulate(WorkloadConfig(seed=2), ClusterConfig(), PolicyConfig("lwf:4", "srsf:1"))
+    two = simulate(WorkloadConfig(seed=2), ClusterConfig(), PolicyConfig("lwf:4", "srsf:2"))
+    assert one.transfers > 0 and one.shared_transfer_starts == 0
+    assert two.shared_transfer_starts > 0

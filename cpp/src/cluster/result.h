@@ -32,6 +32,10 @@ struct SimulationResult {
   std::vector<double> util_time_ms;
   std::vector<double> util_value;
   long long events = 0;         // event-loop steps taken
+  // Task level only: all-reduces started, and how many of them started next
+  // to another transfer already running on one of their nodes (contention).
+  long long transfers = 0;
+  long long shared_transfer_starts = 0;
   std::string placement, comm, fidelity;
 };
 

@@ -110,6 +110,8 @@ class TaskSimulator {
   std::vector<int> comm_waiting_;  // jobs whose all-reduce is ready but not started
   bool placement_dirty_ = false;   // something arrived or finished since the last try
   int done_ = 0;
+  long long transfers_ = 0;
+  long long shared_starts_ = 0;
 };
 
 void TaskSimulator::admit_and_place(double now) {
@@ -198,6 +200,13 @@ void TaskSimulator::start_transfers() {
       continue;
     }
     j.comm_waiting = false;
+    ++transfers_;
+    for (int node : j.nodes) {
+      if (!network_.on_node(node).empty()) {
+        ++shared_starts_;
+        break;
+      }
+    }
     network_.start(id, j.nodes, j.model->size_mb);
   }
   comm_waiting_.swap(still_waiting);
@@ -329,6 +338,8 @@ SimulationResult TaskSimulator::run() {
   result.gpu_utilization =
       result.makespan_ms > 0.0 ? busy_area / (n_gpus * result.makespan_ms) : 0.0;
   result.events = events;
+  result.transfers = transfers_;
+  result.shared_transfer_starts = shared_starts_;
   return result;
 }
 

@@ -61,6 +61,8 @@ class SimulationSummary:
     gpu_utilization: float
     events: int
     wall_s: float
+    transfers: int = 0
+    shared_transfer_starts: int = 0
     jct_ms: list[float] = field(default_factory=list, repr=False)
     util_time_ms: list[float] = field(default_factory=list, repr=False)
     util_value: list[float] = field(default_factory=list, repr=False)
@@ -79,6 +81,8 @@ class SimulationSummary:
             "gpu_utilization": self.gpu_utilization,
             "events": self.events,
             "wall_s": self.wall_s,
+            "transfers": self.transfers,
+            "shared_transfer_starts": self.shared_transfer_starts,
         }
         if with_series:
             d["jct_ms"] = self.jct_ms
@@ -107,6 +111,8 @@ def run_jobs(jobs: list[Any], models: list[Any], cluster: ClusterConfig,
         gpu_utilization=result.gpu_utilization,
         events=result.events,
         wall_s=wall,
+        transfers=result.transfers,
+        shared_transfer_starts=result.shared_transfer_starts,
         jct_ms=[j.jct_ms for j in result.jobs],
         util_time_ms=list(result.util_time_ms),
         util_value=list(result.util_value),

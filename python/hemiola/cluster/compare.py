@@ -112,42 +112,80 @@ def _pyplot() -> Any:
     return plt
 
 
+def _styles(series: dict[str, list[SimulationSummary]]) -> dict[str, dict[str, Any]]:
+    """One colour per placement, one line style per communication policy."""
+    placements = list(dict.fromkeys(runs[0].placement for runs in series.values()))
+    comms = list(dict.fromkeys(runs[0].comm for runs in series.values()))
+    dashes = ["-", "--", ":", "-."]
+    return {
+        label: {
+            "color": f"C{placements.index(runs[0].placement) % 10}",
+            "linestyle": dashes[comms.index(runs[0].comm) % len(dashes)],
+        }
+        for label, runs in series.items()
+    }
+
+
 def plot_jct_cdf(series: dict[str, list[SimulationSummary]], path: Path) -> None:
     """CDF of job completion times per policy, pooled over seeds."""
     plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    styles = _styles(series)
+    fig, ax = plt.subplots(figsize=(9, 5))
     for label, runs in series.items():
         jct = sorted(j / 1000 for s in runs for j in s.jct_ms)
         if not jct:
             continue
         ys = [(i + 1) / len(jct) for i in range(len(jct))]
-        ax.step(jct, ys, where="post", label=label)
-    ax.set_xlabel("job completion time (s)")
+        ax.step(jct, ys, where="post", label=label, linewidth=1.0, **styles[label])
+    ax.set_xscale("log")
+    ax.set_xlabel("job completion time (s, log scale)")
     ax.set_ylabel("fraction of jobs")
     ax.set_title("JCT CDF per policy (all seeds pooled)")
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
+    ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
 
 
+def binned_utilization(time_ms: Sequence[float], value: Sequence[float],
+                       bins: int = 200) -> tuple[list[float], list[float]]:
+    """Average of a step function (value[i] on [time[i], time[i+1])) over equal bins.
+
+    Returns (bin centres in ms, mean value per bin); exact, because the integral
+    of a step function is piecewise linear between its breakpoints.
+    """
+    import numpy as np
+
+    t = np.asarray(time_ms, dtype=float)
+    v = np.asarray(value, dtype=float)
+    if t.size < 2 or t[-1] <= t[0]:
+        return [], []
+    area = np.concatenate([[0.0], np.cumsum(v[:-1] * np.diff(t))])
+    edges = np.linspace(t[0], t[-1], bins + 1)
+    cum = np.interp(edges, t, area)
+    means = np.diff(cum) / np.diff(edges)
+    centres = 0.5 * (edges[:-1] + edges[1:])
+    return centres.tolist(), means.tolist()
+
+
 def plot_utilization(series: dict[str, list[SimulationSummary]], path: Path) -> None:
-    """GPU utilisation over time for each policy (first seed's run)."""
+    """GPU utilisation over time for each policy (first seed's run, 200 time bins)."""
     plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    styles = _styles(series)
+    fig, ax = plt.subplots(figsize=(9, 5))
     for label, runs in series.items():
         s = runs[0]
-        if not s.util_time_ms:
+        centres, means = binned_utilization(s.util_time_ms, s.util_value)
+        if not centres:
             continue
-        ax.step([t / 1000 for t in s.util_time_ms], s.util_value, where="post", label=label,
-                linewidth=0.8)
+        ax.plot([t / 1000 for t in centres], means, label=label, linewidth=1.0, **styles[label])
     ax.set_xlabel("time (s)")
     ax.set_ylabel("fraction of GPUs computing")
-    ax.set_title("GPU utilisation over time (first seed)")
+    ax.set_title("GPU utilisation over time (first seed; mean per 1/200 of the run)")
     ax.set_ylim(0, 1.05)
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
+    ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
