@@ -1,4 +1,4 @@
-// The communication contention model (Wang et al. 2020, Sec. III) and the set
+// The communication contention model (Wang et al. 2020) and the set
 // of transfers in flight on the cluster's network interfaces.
 #pragma once
 

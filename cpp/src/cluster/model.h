@@ -19,7 +19,7 @@ struct ModelSpec {
   double compute_ms() const { return forward_ms + backward_ms; }
 };
 
-// The four models of the paper (Wang et al. 2020, Table II).
+// The four models of the paper.
 std::vector<ModelSpec> builtin_models();
 
 // Throws std::invalid_argument naming the field when a value is not usable.

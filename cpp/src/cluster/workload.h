@@ -1,4 +1,4 @@
-// The paper's synthetic workload (Wang et al. 2020, Sec. VI-A), seeded.
+// The paper's synthetic workload (Wang et al. 2020), seeded.
 #pragma once
 
 #include <cstdint>
