@@ -72,3 +72,10 @@ def test_srsf1_never_shares_and_srsf2_does() -> None:
     two = simulate(WorkloadConfig(seed=2), ClusterConfig(), PolicyConfig("lwf:4", "srsf:2"))
     assert one.transfers > 0 and one.shared_transfer_starts == 0
     assert two.shared_transfer_starts > 0
+
+
+def test_compare_bad_seeds(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as e:
+        main(["cluster", "compare", "--seeds", "abc"])
+    assert e.value.code == 2
+    assert "comma list of seeds, got 'abc'" in capsys.readouterr().err

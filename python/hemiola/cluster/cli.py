@@ -72,12 +72,20 @@ def _split(text: str) -> list[str]:
 
 def _seeds(text: str) -> list[int]:
     """``"10"`` -> 0..9; ``"3,5,8"`` -> those; ``"2-6"`` -> 2..6."""
-    if "," in text:
-        return [int(t) for t in _split(text)]
-    if "-" in text:
-        lo, hi = text.split("-", 1)
-        return list(range(int(lo), int(hi) + 1))
-    return list(range(int(text)))
+    try:
+        if "," in text:
+            seeds = [int(t) for t in _split(text)]
+        elif "-" in text:
+            lo, hi = text.split("-", 1)
+            seeds = list(range(int(lo), int(hi) + 1))
+        else:
+            seeds = list(range(int(text)))
+    except ValueError:
+        seeds = []
+    if not seeds:
+        raise argparse.ArgumentTypeError(
+            f"expected N (seeds 0..N-1), A-B or a comma list of seeds, got {text!r}")
+    return seeds
 
 
 def _compare(args: argparse.Namespace) -> int:
@@ -91,7 +99,7 @@ def _compare(args: argparse.Namespace) -> int:
             placements.append(p)
     try:
         rows = compare(_workload(args, 0), _cluster(args), placements, _split(args.comms),
-                       _seeds(args.seeds), fidelity=args.fidelity, out_dir=args.out,
+                       args.seeds, fidelity=args.fidelity, out_dir=args.out,
                        progress=not args.no_progress)
     except (ValueError, OSError) as e:
         print(f"hemiola cluster compare: error: {e}", file=sys.stderr)
@@ -122,7 +130,7 @@ def register(subparsers: Any) -> None:
                       help="comma list; 'lwf' expands to lwf:K for each K in --kappas")
     cmp_.add_argument("--kappas", default="1,2,4,8")
     cmp_.add_argument("--comms", default="srsf:1,srsf:2,ada-srsf")
-    cmp_.add_argument("--seeds", default="10", help="N (0..N-1), A-B, or a comma list")
+    cmp_.add_argument("--seeds", type=_seeds, default="10", help="N (0..N-1), A-B, or a comma list")
     cmp_.add_argument("--out", default="bench/results/cluster-compare", help="output folder")
     cmp_.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     cmp_.set_defaults(run=_compare)
