@@ -212,3 +212,23 @@ TEST(IterationSimulator, SharedGpuHalvesSpeed) {
 
 }  // namespace
 }  // namespace hemiola::cluster
+
+namespace hemiola::cluster {
+namespace {
+
+// Two multi-node jobs on disjoint nodes do not contend at either fidelity.
+TEST(Simulators, DisjointJobsRunAsIfAlone) {
+  ClusterSpec c;
+  c.nodes = 4;
+  c.gpus_per_node = 1;
+  const std::vector<ModelSpec> models{{"m", 200.0, 10.0, 20.0, 20000.0}};  // one job per GPU
+  const std::vector<JobSpec> jobs{job(0, 2, 5, 0.0), job(1, 2, 5, 0.0)};
+  for (Fidelity f : {Fidelity::kTask, Fidelity::kIteration}) {
+    auto r = simulate(c, models, jobs, policy("first-fit", "srsf:1", f));
+    EXPECT_EQ(r.jobs[1].gpus, (std::vector<int>{2, 3}));
+    for (const auto& j : r.jobs) EXPECT_NEAR(j.jct_ms, 5 * (30.0 + 200.0 * 0.856), 1e-9);
+  }
+}
+
+}  // namespace
+}  // namespace hemiola::cluster
