@@ -4,12 +4,12 @@
 #include <pybind11/stl.h>
 
 #include "bindings.h"
-#include "contention.h"
-#include "iteration_simulator.h"
-#include "policy.h"
-#include "simulator.h"
-#include "trace.h"
-#include "workload.h"
+#include "cluster/contention.h"
+#include "cluster/iteration_simulator.h"
+#include "cluster/policy.h"
+#include "cluster/simulator.h"
+#include "cluster/trace.h"
+#include "cluster/workload.h"
 
 namespace py = pybind11;
 

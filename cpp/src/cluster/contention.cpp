@@ -41,7 +41,10 @@ double Network::rate(int id) const {
 }
 
 void Network::start(int id, const std::vector<int>& nodes, double size_mb) {
-  if (is_active(id)) throw std::logic_error("Network::start: transfer " + std::to_string(id) + " is already active");
+  if (is_active(id)) {
+    throw std::logic_error("Network::start: transfer " + std::to_string(id) +
+                           " is already active");
+  }
   if (nodes.empty()) throw std::logic_error("Network::start: a transfer needs at least one node");
   if (!(size_mb >= 0.0)) throw std::invalid_argument("Network::start: size must be >= 0");
   active_.push_back({id, nodes, size_mb, 0.0, 0.0, now_});
@@ -92,7 +95,8 @@ std::vector<Network::Completed> Network::advance_to(double t_ms) {
                                [t_ms](const Transfer& t) { return t.finish_ms <= t_ms; }),
                 active_.end());
   recompute_rates();
-  std::sort(done.begin(), done.end(), [](const Completed& a, const Completed& b) { return a.id < b.id; });
+  std::sort(done.begin(), done.end(),
+            [](const Completed& a, const Completed& b) { return a.id < b.id; });
   return done;
 }
 

@@ -11,7 +11,8 @@ void validate_job(const JobSpec& job, const std::vector<ModelSpec>& models,
     throw std::invalid_argument(who + ": unknown model index " + std::to_string(job.model));
   }
   if (job.num_gpus <= 0) {
-    throw std::invalid_argument(who + ": num_gpus must be > 0, got " + std::to_string(job.num_gpus));
+    throw std::invalid_argument(who + ": num_gpus must be > 0, got " +
+                                std::to_string(job.num_gpus));
   }
   if (job.num_gpus > cluster.total_gpus()) {
     throw std::invalid_argument(who + ": needs " + std::to_string(job.num_gpus) +

@@ -33,7 +33,8 @@ std::vector<int> place_job(const PolicyConfig& policy, const ClusterSpec& cluste
     case PlacementKind::kRandom:
       // Partial Fisher-Yates over the eligible GPUs.
       for (int i = 0; i < req.num_gpus; ++i) {
-        const auto j = static_cast<size_t>(rng.uniform_int(i, static_cast<long long>(eligible.size()) - 1));
+        const auto last = static_cast<long long>(eligible.size()) - 1;
+        const auto j = static_cast<size_t>(rng.uniform_int(i, last));
         std::swap(eligible[i], eligible[j]);
       }
       chosen.assign(eligible.begin(), eligible.begin() + req.num_gpus);

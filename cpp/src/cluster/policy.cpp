@@ -14,7 +14,8 @@ int parse_suffix(const std::string& text, size_t colon, const std::string& what)
   errno = 0;
   long v = std::strtol(num.c_str(), &end, 10);
   if (num.empty() || end != num.c_str() + num.size() || errno != 0 || v <= 0 || v > 1000000) {
-    throw std::invalid_argument(what + " '" + text + "': the number after ':' must be a positive integer");
+    throw std::invalid_argument(what + " '" + text +
+                                "': the number after ':' must be a positive integer");
   }
   return static_cast<int>(v);
 }
@@ -29,7 +30,8 @@ void parse_placement(const std::string& text, PolicyConfig& c) {
     c.placement = PlacementKind::kLeastWorkloadFirst;
     c.kappa = parse_suffix(text, 3, "placement");
   } else {
-    throw std::invalid_argument("unknown placement '" + text + "' (use first-fit, random or lwf:K)");
+    throw std::invalid_argument("unknown placement '" + text +
+                                "' (use first-fit, random or lwf:K)");
   }
 }
 

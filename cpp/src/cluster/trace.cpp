@@ -80,7 +80,8 @@ std::vector<JobSpec> parse_trace(std::istream& in, const std::string& source,
     }
     const double gpus = reader.number("num_gpus");
     if (gpus != std::floor(gpus) || gpus <= 0.0 || gpus > 1e9) {
-      throw std::invalid_argument(reader.where() + ": column 'num_gpus' must be a positive integer, got '" +
+      throw std::invalid_argument(reader.where() +
+                                  ": column 'num_gpus' must be a positive integer, got '" +
                                   reader.field("num_gpus") + "'");
     }
     job.num_gpus = static_cast<int>(gpus);

@@ -80,7 +80,8 @@ TEST(Trace, MalformedRowsNameTheLine) {
   expect_error([&] { trace("timestamp,num_gpus\n"); }, "missing column 'duration'");
   expect_error([&] { trace(""); }, "empty file");
   // Wider than the cluster (64 GPUs by default).
-  expect_error([&] { trace(h + "2017-10-09 07:01:55,60,1,60,x\n2017-10-09 07:01:55,60,128,60,x\n"); },
+  expect_error(
+      [&] { trace(h + "2017-10-09 07:01:55,60,1,60,x\n2017-10-09 07:01:55,60,128,60,x\n"); },
                "t.csv line 3: needs 128 GPUs but the cluster has only 64");
   expect_error([&] { load_trace("/nonexistent/philly.csv", builtin_models(), ClusterSpec{}, {}); },
                "cannot open trace file '/nonexistent/philly.csv'");

@@ -15,7 +15,8 @@ struct Fixture {
     free.assign(8, 10000.0);
     load.assign(8, 0.0);
   }
-  std::vector<int> place(const std::string& policy, int gpus, double memory, std::uint64_t seed = 0) {
+  std::vector<int> place(const std::string& policy, int gpus, double memory,
+                         std::uint64_t seed = 0) {
     PolicyConfig p;
     parse_placement(policy, p);
     Rng rng(seed);

@@ -190,7 +190,8 @@ TEST(IterationSimulator, FluidCommLaw) {
 TEST(IterationSimulator, AloneMatchesIsolatedTime) {
   ClusterSpec c;
   const auto models = builtin_models();
-  auto r = simulate(c, models, {job(0, 8, 40, 5.0)}, policy("lwf:4", "srsf:1", Fidelity::kIteration));
+  auto r = simulate(c, models, {job(0, 8, 40, 5.0)},
+                    policy("lwf:4", "srsf:1", Fidelity::kIteration));
   EXPECT_NEAR(r.jobs[0].jct_ms, 40 * (90.0 + 526.4 * 0.856), 1e-6);
   EXPECT_NEAR(r.makespan_ms, 5.0 + 40 * (90.0 + 526.4 * 0.856), 1e-6);
 }
