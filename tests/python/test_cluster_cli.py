@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
+
 from hemiola.cli import main
 from hemiola.cluster import ClusterConfig, WorkloadConfig, compare
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+
 from hemiola import _C
 from hemiola.cluster import ClusterConfig, PolicyConfig, WorkloadConfig, simulate
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from hemiola import _C
 from hemiola.cluster import ClusterConfig, PolicyConfig, WorkloadConfig, simulate
 from hemiola.cluster.api import make_cluster
