@@ -39,7 +39,8 @@ def make_jobs(workload: WorkloadConfig, cluster: ClusterConfig, models: list[Any
     c = native()
     if workload.kind == "paper":
         return list(c.paper_workload(jobs=workload.jobs, seed=workload.seed,
-                                     num_models=len(models)))
+                                     num_models=len(models),
+                                     arrival_window_ms=workload.arrival_window_ms))
     assert workload.trace_path is not None
     return list(c.load_trace(workload.trace_path, models, make_cluster(cluster),
                              seed=workload.seed, first_row=workload.first_row,

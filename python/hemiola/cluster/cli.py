@@ -15,6 +15,8 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     w.add_argument("--workload", choices=("paper", "trace"), default=None,
                    help="the paper's synthetic workload (default) or a trace (--trace)")
     w.add_argument("--jobs", type=int, default=160, help="jobs in the paper workload (160)")
+    w.add_argument("--arrival-window-ms", type=float, default=12000.0,
+                   help="paper workload: arrivals uniform in [0, this) (12000)")
     w.add_argument("--trace", metavar="PATH", default=None,
                    help="Philly-format CSV (timestamp,duration,num_gpus); "
                         "e.g. ../shared/data/traces/philly.csv")
@@ -33,7 +35,8 @@ def _add_common(p: argparse.ArgumentParser) -> None:
 
 def _workload(args: argparse.Namespace, seed: int) -> WorkloadConfig:
     kind = args.workload or ("trace" if args.trace else "paper")
-    return WorkloadConfig(kind=kind, jobs=args.jobs, seed=seed, trace_path=args.trace,
+    return WorkloadConfig(kind=kind, jobs=args.jobs, seed=seed,
+                          arrival_window_ms=args.arrival_window_ms, trace_path=args.trace,
                           first_row=args.first_row, max_rows=args.max_rows,
                           models_path=args.models)
 

@@ -30,7 +30,8 @@ class ClusterConfig:
 class WorkloadConfig:
     """Which jobs to simulate.
 
-    ``kind="paper"``: the paper's seeded synthetic workload of ``jobs`` jobs.
+    ``kind="paper"``: the paper's seeded synthetic workload of ``jobs`` jobs
+    arriving uniformly within ``arrival_window_ms`` (the paper: 12 s).
     ``kind="trace"``: rows of a Philly-format CSV (``trace_path``), optionally a
     slice (``first_row``, ``max_rows``); ``seed`` picks each row's model.
     ``models_path`` replaces the four built-in models with a CSV of
@@ -40,6 +41,7 @@ class WorkloadConfig:
     kind: str = "paper"
     jobs: int = 160
     seed: int = 0
+    arrival_window_ms: float = 12000.0
     trace_path: str | None = None
     first_row: int = 0
     max_rows: int | None = None
@@ -52,6 +54,8 @@ class WorkloadConfig:
             raise ValueError("a trace workload needs trace_path")
         if self.jobs < 0:
             raise ValueError(f"jobs must be >= 0, got {self.jobs}")
+        if not self.arrival_window_ms >= 0:
+            raise ValueError(f"arrival_window_ms must be >= 0, got {self.arrival_window_ms}")
 
 
 @dataclass(frozen=True)
