@@ -2,8 +2,8 @@
 
 Grid: placements first-fit, random, lwf:{1,2,4,8,16,32} x communication
 srsf:1, srsf:2, ada-srsf x seeds 0..N-1 (task level, 16 x 4 GPUs, 160 jobs).
-Writes runs.jsonl, table.md, jct_cdf.png, utilization.png and reproduction.md
-(the paper-vs-measured summary) under --out.
+Writes runs.jsonl, table.md, jct_cdf.png, utilization.png, kappa.png (mean JCT
+vs κ) and reproduction.md (the paper-vs-measured summary) under --out.
 
     python bench/cluster/reproduce.py --seeds 20 --out bench/results/cluster/reproduce
 """
@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from hemiola.cluster import ClusterConfig, WorkloadConfig, compare
+from hemiola.cluster import ClusterConfig, WorkloadConfig, aggregate, compare
 
 PLACEMENTS = ["first-fit", "random", "lwf:1", "lwf:2", "lwf:4", "lwf:8", "lwf:16", "lwf:32"]
 COMMS = ["srsf:1", "srsf:2", "ada-srsf"]
@@ -57,6 +57,36 @@ def summary(rows: Sequence[dict[str, Any]], seeds: Sequence[int]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def plot_kappa(rows: Sequence[dict[str, Any]], path: Path) -> None:
+    """Mean JCT (mean ± std over seeds) against κ, one line per comm policy;
+    first-fit and random as horizontal references."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    agg = aggregate(rows)
+    kappas = [int(p.split(":")[1]) for p in PLACEMENTS if p.startswith("lwf:")]
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for i, comm in enumerate(COMMS):
+        mean = [agg[(f"lwf:{k}", comm)]["mean_jct_ms"][0] / 1000 for k in kappas]
+        std = [agg[(f"lwf:{k}", comm)]["mean_jct_ms"][1] / 1000 for k in kappas]
+        ax.errorbar(kappas, mean, yerr=std, marker="o", capsize=3, color=f"C{i}",
+                    label=f"LWF-κ / {comm}")
+        for base, style in (("first-fit", "--"), ("random", ":")):
+            ax.axhline(agg[(base, comm)]["mean_jct_ms"][0] / 1000, color=f"C{i}",
+                       linestyle=style, linewidth=0.8, label=f"{base} / {comm}")
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(kappas, [str(k) for k in kappas])
+    ax.set_xlabel("κ (jobs of ≤ κ GPUs spread; larger jobs packed by node)")
+    ax.set_ylabel("mean JCT (s), mean ± std over seeds")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, ncol=3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", type=int, default=20)
@@ -68,6 +98,7 @@ def main() -> int:
                    COMMS, seeds, fidelity="task", out_dir=args.out)
     text = summary(rows, seeds)
     Path(args.out, "reproduction.md").write_text(text)
+    plot_kappa(rows, Path(args.out, "kappa.png"))
     print(Path(args.out, "table.md").read_text())
     print(text)
     return 0
