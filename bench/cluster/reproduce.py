@@ -92,10 +92,11 @@ def main() -> int:
     parser.add_argument("--seeds", type=int, default=20)
     parser.add_argument("--jobs", type=int, default=160)
     parser.add_argument("--out", default="bench/results/cluster/reproduce")
+    parser.add_argument("--workers", type=int, default=1, help="threads for the grid")
     args = parser.parse_args()
     seeds = list(range(args.seeds))
     rows = compare(WorkloadConfig(kind="paper", jobs=args.jobs), ClusterConfig(), PLACEMENTS,
-                   COMMS, seeds, fidelity="task", out_dir=args.out)
+                   COMMS, seeds, fidelity="task", out_dir=args.out, workers=args.workers)
     text = summary(rows, seeds)
     Path(args.out, "reproduction.md").write_text(text)
     plot_kappa(rows, Path(args.out, "kappa.png"))

@@ -80,3 +80,12 @@ def test_compare_bad_seeds(capsys: pytest.CaptureFixture[str]) -> None:
         main(["cluster", "compare", "--seeds", "abc"])
     assert e.value.code == 2
     assert "comma list of seeds, got 'abc'" in capsys.readouterr().err
+
+
+def test_compare_threads_give_identical_rows() -> None:
+    args = (WorkloadConfig(jobs=40), ClusterConfig(), ["first-fit", "random", "lwf:2"],
+            ["srsf:1", "ada-srsf"], [0, 1])
+    one = compare(*args, progress=False, workers=1)
+    two = compare(*args, progress=False, workers=2)
+    keys = ("placement", "comm", "seed", "mean_jct_ms", "makespan_ms", "gpu_utilization")
+    assert [[r[k] for k in keys] for r in one] == [[r[k] for k in keys] for r in two]

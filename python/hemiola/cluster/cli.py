@@ -103,7 +103,7 @@ def _compare(args: argparse.Namespace) -> int:
     try:
         rows = compare(_workload(args, 0), _cluster(args), placements, _split(args.comms),
                        args.seeds, fidelity=args.fidelity, out_dir=args.out,
-                       progress=not args.no_progress)
+                       progress=not args.no_progress, workers=args.workers)
     except (ValueError, OSError) as e:
         print(f"hemiola cluster compare: error: {e}", file=sys.stderr)
         return 2
@@ -136,4 +136,6 @@ def register(subparsers: Any) -> None:
     cmp_.add_argument("--seeds", type=_seeds, default="10", help="N (0..N-1), A-B, or a comma list")
     cmp_.add_argument("--out", default="bench/results/cluster-compare", help="output folder")
     cmp_.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    cmp_.add_argument("--workers", type=int, default=1,
+                      help="simulations run in parallel on this many threads (1)")
     cmp_.set_defaults(run=_compare)
