@@ -54,6 +54,21 @@ def summary(rows: Sequence[dict[str, Any]], seeds: Sequence[int]) -> str:
             ch = [100 * (jct[(p, "ada-srsf", s)] / jct[(p, base, s)] - 1) for s in seeds]
             cells.append(_stat(ch))
         lines.append(f"| {p} | {cells[0]} | {cells[1]} |")
+    lines += ["", "## Diagnostics: how often transfers start next to another one, and the "
+              "mean JCT of jobs spanning several nodes (mean ± std over seeds)", "",
+              "| placement | comm | transfers shared (%) | multi-node jobs | "
+              "their mean JCT (s) |", "|---|---|---|---|---|"]
+    by_key: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    for r in rows:
+        by_key.setdefault((r["placement"], r["comm"]), []).append(r)
+    for (p, comm), rs in by_key.items():
+        shared = [100 * r["shared_transfer_starts"] / max(1, r["transfers"]) for r in rs]
+        multi = [float(r["multi_node_jobs"]) for r in rs]
+        jct = [r["mean_jct_multi_node_ms"] / 1000 for r in rs]
+        lines.append(f"| {p} | {comm} | {statistics.fmean(shared):.1f} ± "
+                     f"{statistics.stdev(shared) if len(rs) > 1 else 0:.1f} | "
+                     f"{statistics.fmean(multi):.1f} | {statistics.fmean(jct):.2f} ± "
+                     f"{statistics.stdev(jct) if len(rs) > 1 else 0:.2f} |")
     return "\n".join(lines) + "\n"
 
 

@@ -64,6 +64,8 @@ class SimulationSummary:
     wall_s: float
     transfers: int = 0
     shared_transfer_starts: int = 0
+    multi_node_jobs: int = 0
+    mean_jct_multi_node_ms: float = 0.0
     jct_ms: list[float] = field(default_factory=list, repr=False)
     util_time_ms: list[float] = field(default_factory=list, repr=False)
     util_value: list[float] = field(default_factory=list, repr=False)
@@ -84,6 +86,8 @@ class SimulationSummary:
             "wall_s": self.wall_s,
             "transfers": self.transfers,
             "shared_transfer_starts": self.shared_transfer_starts,
+            "multi_node_jobs": self.multi_node_jobs,
+            "mean_jct_multi_node_ms": self.mean_jct_multi_node_ms,
         }
         if with_series:
             d["jct_ms"] = self.jct_ms
@@ -100,6 +104,7 @@ def run_jobs(jobs: list[Any], models: list[Any], cluster: ClusterConfig,
     start = time.perf_counter()
     result = c.simulate(make_cluster(cluster), models, jobs, native_policy)
     wall = time.perf_counter() - start
+    multi = [j.jct_ms for j in result.jobs if j.multi_node]
     summary = SimulationSummary(
         placement=result.placement,
         comm=result.comm,
@@ -114,6 +119,8 @@ def run_jobs(jobs: list[Any], models: list[Any], cluster: ClusterConfig,
         wall_s=wall,
         transfers=result.transfers,
         shared_transfer_starts=result.shared_transfer_starts,
+        multi_node_jobs=len(multi),
+        mean_jct_multi_node_ms=sum(multi) / len(multi) if multi else 0.0,
         jct_ms=[j.jct_ms for j in result.jobs],
         util_time_ms=list(result.util_time_ms),
         util_value=list(result.util_value),
