@@ -43,6 +43,24 @@ def test_malformed_trace_rows(tmp_path: Path, body: str, message: str) -> None:
         _run_trace(_trace(tmp_path, body))
 
 
+def test_trace_unknown_model_names_the_row(tmp_path: Path) -> None:
+    p = tmp_path / "jobs.csv"
+    p.write_text("timestamp,duration,num_gpus,model,iterations\n"
+                 "2017-10-09 07:00:00,0,8,vgg16,10\n"
+                 "2017-10-09 07:00:05,0,2,bert,10\n")
+    with pytest.raises(ValueError, match="jobs.csv line 3: column 'model': unknown model 'bert'"):
+        _run_trace(str(p))
+
+
+def test_trace_as_job_list(tmp_path: Path) -> None:
+    # An explicit job list: 8-GPU VGG-16 for 10 iterations, alone on 2 nodes.
+    p = tmp_path / "jobs.csv"
+    p.write_text("timestamp,duration,num_gpus,model,iterations\n2017-10-09 07:00:00,0,8,vgg16,10\n")
+    s = simulate(WorkloadConfig(kind="trace", trace_path=str(p)), ClusterConfig(),
+                 PolicyConfig("lwf:4", "srsf:1", "task"))
+    assert s.mean_jct_ms == pytest.approx(10 * (90 + 526.4 * 0.856))
+
+
 def test_missing_trace_file() -> None:
     with pytest.raises(ValueError, match="cannot open trace file '/no/such.csv'"):
         _run_trace("/no/such.csv")

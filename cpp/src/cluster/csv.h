@@ -17,6 +17,7 @@ class CsvReader {
   // Advances to the next non-empty data row; false at end of input.
   bool next();
 
+  bool has(const std::string& column) const { return columns_.count(column) > 0; }
   const std::string& field(const std::string& column) const;
   double number(const std::string& column) const;  // finite double or throws
   long long integer(const std::string& column) const;

@@ -85,11 +85,28 @@ std::vector<JobSpec> parse_trace(std::istream& in, const std::string& source,
                                   reader.field("num_gpus") + "'");
     }
     job.num_gpus = static_cast<int>(gpus);
+    // Drawn for every row, even one that names its model, so that adding a
+    // model to one row does not change the models drawn for the others.
     job.model = static_cast<int>(rng.uniform_int(0, static_cast<long long>(models.size()) - 1));
+    if (reader.has("model") && !reader.field("model").empty()) {
+      try {
+        job.model = find_model(models, reader.field("model"));
+      } catch (const std::invalid_argument& e) {
+        throw std::invalid_argument(reader.where() + ": column 'model': " + e.what());
+      }
+    }
     const ModelSpec& m = models[job.model];
-    double iteration_ms = m.compute_ms();
-    if (job.num_gpus > cluster.gpus_per_node) iteration_ms += m.size_mb * cluster.beta_ms_per_mb;
-    job.iterations = std::max<long long>(1, std::llround(duration_s * 1000.0 / iteration_ms));
+    if (reader.has("iterations") && !reader.field("iterations").empty()) {
+      job.iterations = reader.integer("iterations");
+      if (job.iterations <= 0) {
+        throw std::invalid_argument(reader.where() + ": column 'iterations' must be > 0, got " +
+                                    reader.field("iterations"));
+      }
+    } else {
+      double iteration_ms = m.compute_ms();
+      if (job.num_gpus > cluster.gpus_per_node) iteration_ms += m.size_mb * cluster.beta_ms_per_mb;
+      job.iterations = std::max<long long>(1, std::llround(duration_s * 1000.0 / iteration_ms));
+    }
     validate_job(job, models, cluster);  // wider than the cluster, memory, ...
     jobs.push_back(job);
     stamps.push_back(stamp);

@@ -25,6 +25,9 @@ struct TraceOptions {
 //    isolated iteration time is forward + backward, plus size * beta when the job
 //    needs more GPUs than one node has (an uncontended all-reduce). A job alone on
 //    an empty cluster therefore runs for about its recorded duration.
+// Two optional columns turn the format into a general job list: `model` (a
+// model name; empty = the seeded choice) and `iterations` (a positive integer;
+// empty = derived from the duration as above).
 // Jobs are returned sorted by arrival (ties in file order) with ids 0..n-1.
 // Malformed rows throw std::invalid_argument naming the source and line.
 std::vector<JobSpec> parse_trace(std::istream& in, const std::string& source,

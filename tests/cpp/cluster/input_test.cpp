@@ -87,6 +87,22 @@ TEST(Trace, MalformedRowsNameTheLine) {
                "cannot open trace file '/nonexistent/philly.csv'");
 }
 
+TEST(Trace, OptionalModelAndIterationColumns) {
+  auto jobs = trace("timestamp,duration,num_gpus,model,iterations\n"
+                    "2017-10-09 07:00:00,60,4,resnet50,25\n"
+                    "2017-10-09 07:00:01,60,2,,\n");
+  ASSERT_EQ(jobs.size(), 2u);
+  EXPECT_EQ(jobs[0].model, 1);  // resnet50
+  EXPECT_EQ(jobs[0].iterations, 25);
+  EXPECT_GE(jobs[1].iterations, 1);  // derived from the duration
+  expect_error(
+      [] { trace("timestamp,duration,num_gpus,model\n2017-10-09 07:00:00,60,4,gpt\n"); },
+      "t.csv line 2: column 'model': unknown model 'gpt' (known: vgg16,");
+  expect_error(
+      [] { trace("timestamp,duration,num_gpus,iterations\n2017-10-09 07:00:00,60,4,-2\n"); },
+      "t.csv line 2: column 'iterations' must be > 0, got -2");
+}
+
 TEST(Models, UnknownAndNegative) {
   expect_error([] { find_model(builtin_models(), "gpt-5"); },
                "unknown model 'gpt-5' (known: vgg16, resnet50, inception-v3, lstm-ptb)");
