@@ -157,7 +157,8 @@ def plot_jct_cdf(series: dict[str, list[SimulationSummary]], path: Path) -> None
     ax.set_ylabel("fraction of jobs")
     ax.set_title("JCT CDF per policy (all seeds pooled)")
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))
+    if ax.get_legend_handles_labels()[0]:  # nothing to label when every run was empty
+        ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -200,7 +201,8 @@ def plot_utilization(series: dict[str, list[SimulationSummary]], path: Path) -> 
     ax.set_title("GPU utilisation over time (first seed; mean per 1/200 of the run)")
     ax.set_ylim(0, 1.05)
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))
+    if ax.get_legend_handles_labels()[0]:  # nothing to label when every run was empty
+        ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
