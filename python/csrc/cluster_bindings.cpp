@@ -56,20 +56,24 @@ void bind_cluster(py::module_& m) {
 
   py::class_<PolicyConfig>(c, "PolicyConfig", "Placement, communication policy and fidelity.")
       .def(py::init([](const std::string& placement, const std::string& comm,
-                       const std::string& fidelity, std::uint64_t seed) {
+                       const std::string& fidelity, std::uint64_t seed,
+                       const std::string& job_order) {
              PolicyConfig p;
              parse_placement(placement, p);
              parse_comm(comm, p);
              p.fidelity = parse_fidelity(fidelity);
              p.seed = seed;
+             p.job_order = parse_job_order(job_order);
              return p;
            }),
            py::arg("placement") = "lwf:4", py::arg("comm") = "ada-srsf",
-           py::arg("fidelity") = "task", py::arg("seed") = 0)
+           py::arg("fidelity") = "task", py::arg("seed") = 0, py::arg("job_order") = "fifo")
       .def_property_readonly("placement", &placement_name)
       .def_property_readonly("comm", &comm_name)
       .def_property_readonly("fidelity",
                              [](const PolicyConfig& p) { return fidelity_name(p.fidelity); })
+      .def_property_readonly("job_order",
+                             [](const PolicyConfig& p) { return job_order_name(p.job_order); })
       .def_readonly("kappa", &PolicyConfig::kappa)
       .def_readonly("seed", &PolicyConfig::seed);
 
@@ -98,7 +102,8 @@ void bind_cluster(py::module_& m) {
       .def_readonly("shared_transfer_starts", &SimulationResult::shared_transfer_starts)
       .def_readonly("placement", &SimulationResult::placement)
       .def_readonly("comm", &SimulationResult::comm)
-      .def_readonly("fidelity", &SimulationResult::fidelity);
+      .def_readonly("fidelity", &SimulationResult::fidelity)
+      .def_readonly("job_order", &SimulationResult::job_order);
 
   c.def("builtin_models", &builtin_models, "The paper's four models.");
   c.def("load_models_csv", &load_models_csv, py::arg("path"),

@@ -97,3 +97,25 @@ def test_deterministic_for_a_seed() -> None:
 def test_paper_task_level_is_fast() -> None:
     s = simulate(WorkloadConfig(jobs=160, seed=0), ClusterConfig(), PolicyConfig())
     assert s.wall_s < 0.5
+
+
+def test_job_order_fifo_vs_srsf() -> None:
+    # One GPU that holds one VGG-16 (4527 MB of 5000): jobs run one at a time.
+    # A (10 iterations) arrives at 0, B (20) at 1, C (5) at 2; 90 ms/iteration.
+    cluster = make_cluster(ClusterConfig(nodes=1, gpus_per_node=1, gpu_memory_mb=5000))
+    models = list(C.builtin_models())  # model 0 = vgg16
+    jobs = [_job(0, 1, 10, 0.0), _job(1, 1, 20, 1.0), _job(2, 1, 5, 2.0)]
+    for fidelity in ("task", "iteration"):
+        fifo = C.simulate(cluster, models, jobs, C.PolicyConfig("first-fit", "srsf:1", fidelity))
+        assert [j.finish_ms for j in fifo.jobs] == pytest.approx([900, 2700, 3150])
+        srsf = C.simulate(cluster, models, jobs,
+                          C.PolicyConfig("first-fit", "srsf:1", fidelity, job_order="srsf"))
+        assert [j.finish_ms for j in srsf.jobs] == pytest.approx([900, 3150, 1350])
+        assert srsf.job_order == "srsf"
+
+
+def test_accept_all_contention() -> None:
+    p = C.PolicyConfig("lwf:4", "srsf:inf")
+    assert p.comm == "srsf:inf"
+    r = simulate(WorkloadConfig(seed=1), ClusterConfig(), PolicyConfig("lwf:4", "srsf:inf"))
+    assert r.comm == "srsf:inf" and r.shared_transfer_starts > 0

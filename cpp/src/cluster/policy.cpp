@@ -1,6 +1,7 @@
 #include "policy.h"
 
 #include <cerrno>
+#include <climits>
 #include <cstdlib>
 #include <stdexcept>
 
@@ -39,12 +40,15 @@ void parse_comm(const std::string& text, PolicyConfig& c) {
   if (text == "ada-srsf") {
     c.comm = CommKind::kAdaSrsf;
     c.max_concurrent = 2;
+  } else if (text == "srsf:inf") {  // accept all contention
+    c.comm = CommKind::kSrsf;
+    c.max_concurrent = INT_MAX;
   } else if (text.rfind("srsf:", 0) == 0) {
     c.comm = CommKind::kSrsf;
     c.max_concurrent = parse_suffix(text, 4, "communication policy");
   } else {
     throw std::invalid_argument("unknown communication policy '" + text +
-                                "' (use srsf:N or ada-srsf)");
+                                "' (use srsf:N, srsf:inf or ada-srsf)");
   }
 }
 
@@ -53,6 +57,14 @@ Fidelity parse_fidelity(const std::string& text) {
   if (text == "iteration") return Fidelity::kIteration;
   throw std::invalid_argument("unknown fidelity '" + text + "' (use task or iteration)");
 }
+
+JobOrder parse_job_order(const std::string& text) {
+  if (text == "fifo") return JobOrder::kFifo;
+  if (text == "srsf") return JobOrder::kSrsf;
+  throw std::invalid_argument("unknown job order '" + text + "' (use fifo or srsf)");
+}
+
+std::string job_order_name(JobOrder order) { return order == JobOrder::kFifo ? "fifo" : "srsf"; }
 
 std::string placement_name(const PolicyConfig& c) {
   switch (c.placement) {
@@ -65,6 +77,7 @@ std::string placement_name(const PolicyConfig& c) {
 
 std::string comm_name(const PolicyConfig& c) {
   if (c.comm == CommKind::kAdaSrsf) return "ada-srsf";
+  if (c.max_concurrent == INT_MAX) return "srsf:inf";
   return "srsf:" + std::to_string(c.max_concurrent);
 }
 

@@ -34,4 +34,9 @@ double isolated_time_ms(const ModelSpec& m, long long iterations, bool multi_nod
   return static_cast<double>(iterations) * per_iter;
 }
 
+double job_gpu_time_ms(const JobSpec& job, const ModelSpec& model, const ClusterSpec& cluster) {
+  return job.num_gpus *
+         isolated_time_ms(model, job.iterations, job.num_gpus > cluster.gpus_per_node, cluster);
+}
+
 }  // namespace hemiola::cluster

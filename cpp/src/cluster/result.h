@@ -36,11 +36,16 @@ struct SimulationResult {
   // to another transfer already running on one of their nodes (contention).
   long long transfers = 0;
   long long shared_transfer_starts = 0;
-  std::string placement, comm, fidelity;
+  std::string placement, comm, fidelity, job_order;
 };
 
 // Fills the JCT statistics and the makespan from `result.jobs`.
 void summarize(SimulationResult& result);
+
+// A job's total GPU-time if it ran alone: num_gpus x isolated time, counting an
+// all-reduce when it needs more GPUs than one node has. The key of the "srsf"
+// job order (smallest first) for jobs that have not started.
+double job_gpu_time_ms(const JobSpec& job, const ModelSpec& model, const ClusterSpec& cluster);
 
 // Lower bound on one job's completion time: its iterations run alone with no
 // sharing and an uncontended all-reduce when `multi_node`.

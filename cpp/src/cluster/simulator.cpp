@@ -18,6 +18,7 @@ SimulationResult simulate(const ClusterSpec& cluster, const std::vector<ModelSpe
   r.placement = placement_name(policy);
   r.comm = comm_name(policy);
   r.fidelity = fidelity_name(policy.fidelity);
+  r.job_order = job_order_name(policy.job_order);
   return r;
 }
 

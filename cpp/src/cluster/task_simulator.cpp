@@ -106,7 +106,7 @@ class TaskSimulator {
   Network network_;  // all-reduces in flight, keyed by job id
   std::vector<int> arrival_order_;
   size_t next_arrival_ = 0;
-  std::vector<int> pending_;       // arrived, not yet placed, in arrival order
+  std::vector<int> pending_;       // arrived, not yet placed (arrival or srsf order)
   std::vector<int> comm_waiting_;  // jobs whose all-reduce is ready but not started
   bool placement_dirty_ = false;   // something arrived or finished since the last try
   int done_ = 0;
@@ -136,8 +136,15 @@ void TaskSimulator::admit_and_place(double now) {
     }
   };
   refresh();
-  // First come, first served with backfilling: a job that does not fit now
-  // does not block later jobs that do.
+  // First come (or smallest first), first served with backfilling: a job that
+  // does not fit now does not block later jobs that do.
+  if (policy_.job_order == JobOrder::kSrsf) {
+    // Smallest total GPU-time first; ties keep arrival order.
+    std::stable_sort(pending_.begin(), pending_.end(), [&](int a, int b) {
+      return job_gpu_time_ms(*jobs_[a].spec, *jobs_[a].model, cluster_) <
+             job_gpu_time_ms(*jobs_[b].spec, *jobs_[b].model, cluster_);
+    });
+  }
   std::vector<int> still_pending;
   for (int id : pending_) {
     Job& j = jobs_[id];

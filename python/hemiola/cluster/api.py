@@ -54,6 +54,7 @@ class SimulationSummary:
     placement: str
     comm: str
     fidelity: str
+    job_order: str
     jobs: int
     mean_jct_ms: float
     median_jct_ms: float
@@ -76,6 +77,7 @@ class SimulationSummary:
             "placement": self.placement,
             "comm": self.comm,
             "fidelity": self.fidelity,
+            "job_order": self.job_order,
             "jobs": self.jobs,
             "mean_jct_ms": self.mean_jct_ms,
             "median_jct_ms": self.median_jct_ms,
@@ -100,7 +102,8 @@ def run_jobs(jobs: list[Any], models: list[Any], cluster: ClusterConfig,
              policy: PolicyConfig) -> tuple[SimulationSummary, Any]:
     """Simulate prepared native jobs; returns the summary and the native result."""
     c = native()
-    native_policy = c.PolicyConfig(policy.placement, policy.comm, policy.fidelity, policy.seed)
+    native_policy = c.PolicyConfig(policy.placement, policy.comm, policy.fidelity, policy.seed,
+                                   policy.job_order)
     start = time.perf_counter()
     result = c.simulate(make_cluster(cluster), models, jobs, native_policy)
     wall = time.perf_counter() - start
@@ -109,6 +112,7 @@ def run_jobs(jobs: list[Any], models: list[Any], cluster: ClusterConfig,
         placement=result.placement,
         comm=result.comm,
         fidelity=result.fidelity,
+        job_order=result.job_order,
         jobs=len(jobs),
         mean_jct_ms=result.mean_jct_ms,
         median_jct_ms=result.median_jct_ms,

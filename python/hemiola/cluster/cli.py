@@ -31,6 +31,8 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     c.add_argument("--beta", type=float, default=0.856, help="ms per MB on an idle link")
     c.add_argument("--eta", type=float, default=0.235, help="extra ms per MB per added transfer")
     p.add_argument("--fidelity", choices=("task", "iteration"), default="task")
+    p.add_argument("--job-order", choices=("fifo", "srsf"), default="fifo",
+                   help="order in which waiting jobs are offered to placement (fifo)")
 
 
 def _workload(args: argparse.Namespace, seed: int) -> WorkloadConfig:
@@ -53,7 +55,8 @@ def _simulate(args: argparse.Namespace) -> int:
     try:
         summary = simulate(_workload(args, args.seed), _cluster(args),
                            PolicyConfig(placement=args.placement, comm=args.comm,
-                                        fidelity=args.fidelity, seed=args.seed))
+                                        fidelity=args.fidelity, seed=args.seed,
+                                        job_order=args.job_order))
     except (ValueError, OSError) as e:
         print(f"hemiola cluster simulate: error: {e}", file=sys.stderr)
         return 2
@@ -61,7 +64,8 @@ def _simulate(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(d, indent=2))
     else:
-        print(f"{d['jobs']} jobs, {d['placement']} / {d['comm']} ({d['fidelity']} level)")
+        print(f"{d['jobs']} jobs, {d['placement']} / {d['comm']} / {d['job_order']} "
+              f"({d['fidelity']} level)")
         for key in ("mean_jct_ms", "median_jct_ms", "p99_jct_ms", "makespan_ms"):
             print(f"  {key:<16} {d[key] / 1000:12.3f} s")
         print(f"  {'gpu_utilization':<16} {d['gpu_utilization']:12.3f}")
@@ -103,7 +107,8 @@ def _compare(args: argparse.Namespace) -> int:
     try:
         rows = compare(_workload(args, 0), _cluster(args), placements, _split(args.comms),
                        args.seeds, fidelity=args.fidelity, out_dir=args.out,
-                       progress=not args.no_progress, workers=args.workers)
+                       progress=not args.no_progress, workers=args.workers,
+                       job_order=args.job_order)
     except (ValueError, OSError) as e:
         print(f"hemiola cluster compare: error: {e}", file=sys.stderr)
         return 2
@@ -123,7 +128,7 @@ def register(subparsers: Any) -> None:
     _add_common(sim)
     sim.add_argument("--seed", type=int, default=0, help="workload / random-placement seed")
     sim.add_argument("--placement", default="lwf:4", help="first-fit | random | lwf:K")
-    sim.add_argument("--comm", default="ada-srsf", help="srsf:N | ada-srsf")
+    sim.add_argument("--comm", default="ada-srsf", help="srsf:N | srsf:inf | ada-srsf")
     sim.add_argument("--json", action="store_true", help="print JSON")
     sim.set_defaults(run=_simulate)
 

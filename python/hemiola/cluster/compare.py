@@ -26,6 +26,7 @@ def compare(
     out_dir: str | Path | None = None,
     progress: bool = True,
     workers: int = 1,
+    job_order: str = "fifo",
 ) -> list[dict[str, Any]]:
     """Run every (placement, comm) pair on every seed's workload.
 
@@ -49,7 +50,8 @@ def compare(
         jobs = make_jobs(wl, cluster, models)
         for placement in placements:
             for comm in comms:
-                policy = PolicyConfig(placement=placement, comm=comm, fidelity=fidelity, seed=seed)
+                policy = PolicyConfig(placement=placement, comm=comm, fidelity=fidelity,
+                                      seed=seed, job_order=job_order)
                 tasks.append((seed, jobs, models, policy))
 
     def run(task: tuple[int, list[Any], list[Any], PolicyConfig]) -> SimulationSummary:
@@ -72,7 +74,7 @@ def compare(
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
         with open(out / "runs.jsonl", "w") as f:
-            meta = {"workload": asdict(workload), "cluster": asdict(cluster), "fidelity": fidelity}
+            meta = {"workload": asdict(workload), "cluster": asdict(cluster)}
             for row in rows:
                 f.write(json.dumps({**row, **meta}) + "\n")
         (out / "table.md").write_text(format_table(rows))

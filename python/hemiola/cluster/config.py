@@ -68,10 +68,14 @@ class PolicyConfig:
     GPU-time first, at most N transfers per node) or ``ada-srsf`` (SRSF order +
     AdaDUAL). ``fidelity``: ``task`` (DAG of forward/backward/all-reduce tasks)
     or ``iteration`` (fluid model for trace-scale runs). ``seed`` drives random
-    placement.
+    placement. ``job_order``: the order in which waiting jobs are offered to
+    placement, ``fifo`` (arrival) or ``srsf`` (smallest total GPU-time first);
+    either way a job that does not fit does not block the others.
+    ``srsf:inf`` accepts all contention (no limit per node).
     """
 
     placement: str = "lwf:4"
     comm: str = "ada-srsf"
     fidelity: str = "task"
     seed: int = 0
+    job_order: str = "fifo"
