@@ -14,12 +14,9 @@ namespace {
 
 constexpr double kInf = std::numeric_limits<double>::infinity();
 
-enum class JobState { kNotArrived, kPending, kRunning, kDone };
-
 struct Job {
   const JobSpec* spec = nullptr;
   const ModelSpec* model = nullptr;
-  JobState state = JobState::kNotArrived;
   std::vector<int> gpus;
   std::vector<int> nodes;  // distinct nodes of `gpus`, ascending
   bool multi_node = false;
@@ -118,7 +115,6 @@ void TaskSimulator::admit_and_place(double now) {
   while (next_arrival_ < arrival_order_.size() &&
          jobs_[arrival_order_[next_arrival_]].spec->arrival_ms <= now) {
     const int id = arrival_order_[next_arrival_++];
-    jobs_[id].state = JobState::kPending;
     pending_.push_back(id);
     placement_dirty_ = true;
   }
@@ -162,7 +158,6 @@ void TaskSimulator::admit_and_place(double now) {
       if (j.nodes.empty() || j.nodes.back() != node) j.nodes.push_back(node);
     }
     j.multi_node = j.nodes.size() > 1;
-    j.state = JobState::kRunning;
     j.start_ms = now;
     start_iteration(id);
     refresh();
@@ -263,7 +258,6 @@ void TaskSimulator::finish_iteration(int id, double now) {
     start_iteration(id);
     return;
   }
-  j.state = JobState::kDone;
   j.finish_ms = now;
   for (int g : j.gpus) {
     gpus_[g].free_memory_mb += j.model->memory_mb;
