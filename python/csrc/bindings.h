@@ -5,4 +5,5 @@
 
 namespace hemiola::python {
 void bind_engine(pybind11::module_& m);
+void bind_cluster(pybind11::module_& m);
 }  // namespace hemiola::python

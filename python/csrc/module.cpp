@@ -36,4 +36,5 @@ PYBIND11_MODULE(_C, m) {
   m.attr("cuda_compiled") = py::bool_(HEMIOLA_CUDA_ENABLED != 0);
   m.attr("__version__") = HEMIOLA_VERSION;
   hemiola::python::bind_engine(m);
+  hemiola::python::bind_cluster(m);
 }

@@ -1,0 +1,55 @@
+// What a simulation returns, and the summary statistics computed from it.
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include "job.h"
+
+namespace hemiola::cluster {
+
+struct JobResult {
+  int id = 0;
+  double arrival_ms = 0.0;
+  double start_ms = 0.0;   // when it was placed
+  double finish_ms = 0.0;
+  double jct_ms = 0.0;     // finish - arrival
+  double transferred_mb = 0.0;  // inter-node all-reduce volume actually moved
+  long long iterations = 0;
+  bool multi_node = false;      // its placement spans more than one node
+  std::vector<int> gpus;
+};
+
+struct SimulationResult {
+  std::vector<JobResult> jobs;  // indexed by job id
+  double mean_jct_ms = 0.0;
+  double median_jct_ms = 0.0;
+  double p99_jct_ms = 0.0;      // nearest-rank 99th percentile
+  double makespan_ms = 0.0;     // last finish time (the clock starts at 0)
+  double gpu_utilization = 0.0; // busy GPU-time / (GPUs * makespan)
+  // Utilisation over time as a step function: util_value[i] holds on
+  // [util_time_ms[i], util_time_ms[i+1]).
+  std::vector<double> util_time_ms;
+  std::vector<double> util_value;
+  long long events = 0;         // event-loop steps taken
+  // Task level only: all-reduces started, and how many of them started next
+  // to another transfer already running on one of their nodes (contention).
+  long long transfers = 0;
+  long long shared_transfer_starts = 0;
+  std::string placement, comm, fidelity, job_order;
+};
+
+// Fills the JCT statistics and the makespan from `result.jobs`.
+void summarize(SimulationResult& result);
+
+// A job's total GPU-time if it ran alone: num_gpus x isolated time, counting an
+// all-reduce when it needs more GPUs than one node has. The key of the "srsf"
+// job order (smallest first) for jobs that have not started.
+double job_gpu_time_ms(const JobSpec& job, const ModelSpec& model, const ClusterSpec& cluster);
+
+// Lower bound on one job's completion time: its iterations run alone with no
+// sharing and an uncontended all-reduce when `multi_node`.
+double isolated_time_ms(const ModelSpec& model, long long iterations, bool multi_node,
+                        const ClusterSpec& cluster);
+
+}  // namespace hemiola::cluster

@@ -1,0 +1,20 @@
+// The entry point: validate the inputs, then run the chosen fidelity.
+#pragma once
+
+#include <vector>
+
+#include "iteration_simulator.h"
+#include "job.h"
+#include "policy.h"
+#include "result.h"
+#include "task_simulator.h"
+
+namespace hemiola::cluster {
+
+// Throws std::invalid_argument (naming the job's origin) for inputs the
+// simulators cannot run: bad cluster, bad model, a job wider than the cluster
+// or needing more memory than a GPU has, non-positive iterations, ...
+SimulationResult simulate(const ClusterSpec& cluster, const std::vector<ModelSpec>& models,
+                          const std::vector<JobSpec>& jobs, const PolicyConfig& policy);
+
+}  // namespace hemiola::cluster

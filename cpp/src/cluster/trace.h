@@ -1,0 +1,42 @@
+// Loader for the Philly trace as pre-processed by the Pollux artifact
+// (columns timestamp,duration,num_gpus[,gpu_time,cluster]; duration in seconds).
+#pragma once
+
+#include <cstdint>
+#include <iosfwd>
+#include <string>
+#include <vector>
+
+#include "job.h"
+
+namespace hemiola::cluster {
+
+struct TraceOptions {
+  std::uint64_t seed = 0;     // picks each row's model
+  long long first_row = 0;    // 0-based index of the first data row to use
+  long long max_rows = -1;    // -1: all rows from first_row on
+};
+
+// Mapping of a row to a job (documented in docs/cluster.md):
+//  - arrival = timestamp - earliest timestamp among the selected rows;
+//  - model   = uniform over `models`, drawn from a generator seeded with `seed`
+//              in file order (so a seed fixes the mapping);
+//  - iterations = max(1, round(duration / isolated iteration time)), where the
+//    isolated iteration time is forward + backward, plus size * beta when the job
+//    needs more GPUs than one node has (an uncontended all-reduce). A job alone on
+//    an empty cluster therefore runs for about its recorded duration.
+// Two optional columns turn the format into a general job list: `model` (a
+// model name; empty = the seeded choice) and `iterations` (a positive integer;
+// empty = derived from the duration as above).
+// Jobs are returned sorted by arrival (ties in file order) with ids 0..n-1.
+// Malformed rows throw std::invalid_argument naming the source and line.
+std::vector<JobSpec> parse_trace(std::istream& in, const std::string& source,
+                                 const std::vector<ModelSpec>& models, const ClusterSpec& cluster,
+                                 const TraceOptions& options);
+std::vector<JobSpec> load_trace(const std::string& path, const std::vector<ModelSpec>& models,
+                                const ClusterSpec& cluster, const TraceOptions& options);
+
+// "YYYY-MM-DD HH:MM:SS" (UTC) -> seconds since 1970-01-01; throws on anything else.
+long long parse_timestamp(const std::string& text);
+
+}  // namespace hemiola::cluster
