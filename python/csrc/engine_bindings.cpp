@@ -105,28 +105,45 @@ void bind_engine(py::module_& m) {
           py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("description", &Handle::description);
 
-  py::class_<Reducer>(m, "Reducer")
-      .def("mark_ready",
-           [](Reducer& r, size_t index, uintptr_t data) {
-             r.mark_ready(index, reinterpret_cast<void*>(data));
-           },
-           py::arg("index"), py::arg("data_ptr"))
+  py::class_<Reducer>(m, "Reducer", "Gradient reducer; see hemiola/reducer.h.")
+      .def(
+          "mark_ready",
+          [](Reducer& r, size_t index, uintptr_t data) {
+            r.mark_ready(index, reinterpret_cast<void*>(data));
+          },
+          py::arg("index"), py::arg("data_ptr"), "Reduce in place: the result goes back to data.")
+      .def(
+          "mark_ready_to",
+          [](Reducer& r, size_t index, uintptr_t source, uintptr_t out) {
+            r.mark_ready(index, reinterpret_cast<const void*>(source),
+                         reinterpret_cast<void*>(out));
+          },
+          py::arg("index"), py::arg("source_ptr"), py::arg("out_ptr"),
+          "Copy source in; the result goes to out (0: keep it only in the reducer).")
       .def("mark_unused", &Reducer::mark_unused)
       .def("unmarked", &Reducer::unmarked)
-      .def_property_readonly("in_iteration", &Reducer::in_iteration)
-      .def("wait", &Reducer::wait, py::call_guard<py::gil_scoped_release>())
+      .def_property_readonly("marking", &Reducer::marking)
+      .def("finish_marking", &Reducer::finish_marking)
+      .def("wait", py::overload_cast<uint64_t>(&Reducer::wait), py::arg("iteration"),
+           py::call_guard<py::gil_scoped_release>())
+      .def("wait_all", py::overload_cast<>(&Reducer::wait),
+           py::call_guard<py::gil_scoped_release>())
       .def("abort", &Reducer::abort)
-      .def("copy_out",
-           [](const Reducer& r, size_t index, uintptr_t data, int dtype, size_t numel) {
-             r.copy_out(index, make_ref(data, dtype, numel));
-           })
-      .def("usage", &Reducer::usage)
+      .def(
+          "result_view",
+          [](const Reducer& r, uint64_t iteration, size_t index) {
+            const TensorRef ref = r.result(iteration, index);
+            return py::memoryview::from_memory(ref.data, static_cast<ssize_t>(ref.nbytes()));
+          },
+          py::arg("iteration"), py::arg("index"),
+          "Writable memoryview of the reduced gradient inside the reducer (no copy).")
+      .def("usage", &Reducer::usage, py::arg("iteration"))
       .def("buckets", &Reducer::buckets)
       .def("observed_order", &Reducer::observed_order)
       .def("rebuild_from_observed_order", &Reducer::rebuild_from_observed_order,
            py::call_guard<py::gil_scoped_release>())
-      .def("rebuild", &Reducer::rebuild)
-      .def_property_readonly("iteration", &Reducer::iteration);
+      .def("rebuild", &Reducer::rebuild, py::call_guard<py::gil_scoped_release>())
+      .def_property_readonly("iterations_started", &Reducer::iterations_started);
 
   py::class_<Engine>(m, "Engine", "One group of ranks: communicator, scheduler thread, buffers.")
       .def(py::init([](int rank, int world_size, std::shared_ptr<Store> store,
@@ -172,7 +189,7 @@ void bind_engine(py::module_& m) {
           "make_reducer",
           [](Engine& e, const std::vector<std::tuple<int, size_t, std::string>>& specs,
              size_t fusion_bytes, size_t first_bucket_bytes, bool average, bool track_usage,
-             bool record_order) {
+             bool record_order, size_t in_flight) {
             std::vector<GradSpec> grad_specs;
             for (const auto& [dtype, numel, name] : specs) {
               grad_specs.push_back({static_cast<DType>(dtype), numel, name});
@@ -183,11 +200,12 @@ void bind_engine(py::module_& m) {
             options.average = average;
             options.track_usage = track_usage;
             options.record_order = record_order;
+            options.in_flight = in_flight;
             return e.make_reducer(grad_specs, options);
           },
           py::arg("specs"), py::arg("fusion_bytes"), py::arg("first_bucket_bytes"),
           py::arg("average") = true, py::arg("track_usage") = false,
-          py::arg("record_order") = true, py::keep_alive<0, 1>())
+          py::arg("record_order") = true, py::arg("in_flight") = 0, py::keep_alive<0, 1>())
       .def("timeline_json", &Engine::timeline_json);
 }
 

@@ -156,9 +156,10 @@ class DataParallel(nn.Module):
                     raise RuntimeError(message)
                 for i in unmarked:
                     reducer.mark_unused(i)
-            reducer.wait()
+            iteration = reducer.finish_marking()
+            reducer.wait(iteration)
             if unmarked:
-                self._write_back_unused(unmarked)
+                self._write_back_unused(iteration, unmarked)
             for grad, staged in self._staged:
                 grad.copy_(staged)
         finally:
@@ -168,18 +169,18 @@ class DataParallel(nn.Module):
             reducer.rebuild_from_observed_order()
             self._rebuilt = True
 
-    def _write_back_unused(self, unmarked: list[int]) -> None:
+    def _write_back_unused(self, iteration: int, unmarked: list[int]) -> None:
         # A parameter this rank did not use but another did gets the average;
         # one no rank used keeps its .grad as it was (as in DDP).
         assert self._reducer is not None
-        usage = self._reducer.usage()
+        usage = self._reducer.usage(iteration)
         for i in unmarked:
             if usage[i] == 0:
                 continue
             p = self._params[i]
+            reduced = torch.frombuffer(self._reducer.result_view(iteration, i),
+                                       dtype=p.dtype).view(p.shape)
             if p.grad is None:
-                p.grad = torch.empty_like(p, memory_format=torch.contiguous_format)
-            target = p.grad if p.grad.is_contiguous() else p.grad.contiguous()
-            self._reducer.copy_out(i, target.data_ptr(), dtype_code(p.dtype), p.numel())
-            if target is not p.grad:
-                p.grad.copy_(target)
+                p.grad = reduced.clone()
+            else:
+                p.grad.copy_(reduced)

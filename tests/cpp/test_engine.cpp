@@ -136,7 +136,7 @@ TEST(Reducer, AveragesGradientsMarkedInAnyOrderFromManyThreads) {
         reducer->rebuild_from_observed_order();
       }
     }
-    EXPECT_EQ(reducer->iteration(), 3u);
+    EXPECT_EQ(reducer->iterations_started(), 3u);
     plans[e.rank()] = reducer->buckets();
   });
   // After the rebuild every rank holds rank 0's plan.
@@ -179,11 +179,66 @@ TEST(Reducer, UsageCountsRanksThatProducedEachGradient) {
       reducer->mark_unused(1);
     }
     reducer->mark_unused(2);
+    const int64_t iteration = reducer->finish_marking();
+    ASSERT_EQ(iteration, 0);
+    reducer->wait(iteration);
+    EXPECT_EQ(reducer->usage(iteration), (std::vector<int>{world, 1, 0}));
+    const TensorRef result = reducer->result(iteration, 1);
+    ASSERT_EQ(result.numel, 4u);
+    // zeros from the ranks that did not use it
+    EXPECT_FLOAT_EQ(static_cast<const float*>(result.data)[0], 6.0f / world);
+  });
+}
+
+TEST(Reducer, NextIterationMarksWhileThePreviousOneIsStillReducing) {
+  // in_flight = 1: iteration k + 1 packs its gradients into buffers of its own
+  // while iteration k's reduction may still run; results of k stay readable
+  // (without write-back) until k + 2 starts.
+  const int world = 2;
+  run_ranks(world, [&](Engine& e) {
+    std::vector<GradSpec> specs = {{DType::kFloat32, 1000, "w"}, {DType::kFloat64, 10, "b"}};
+    ReducerOptions options;
+    options.in_flight = 1;
+    options.fusion_bytes = options.first_bucket_bytes = 64;
+    auto reducer = e.make_reducer(specs, options);
+    std::vector<float> w(1000);
+    std::vector<double> b(10);
+    for (uint64_t k = 0; k < 6; ++k) {
+      std::fill(w.begin(), w.end(), static_cast<float>((e.rank() + 1) * (k + 1)));
+      std::fill(b.begin(), b.end(), static_cast<double>(e.rank() * 10 + k));
+      reducer->mark_ready(1, b.data(), nullptr);  // source reusable at once
+      reducer->mark_ready(0, w.data(), nullptr);
+      std::fill(w.begin(), w.end(), -1.0f);  // clobber the source: must not matter
+      EXPECT_EQ(reducer->finish_marking(), static_cast<int64_t>(k));
+      if (k > 0) {
+        // The previous iteration: wait and read it now, while k is in flight.
+        reducer->wait(k - 1);
+        const TensorRef rw = reducer->result(k - 1, 0);
+        const TensorRef rb = reducer->result(k - 1, 1);
+        EXPECT_FLOAT_EQ(static_cast<const float*>(rw.data)[999], 1.5f * k);
+        EXPECT_DOUBLE_EQ(static_cast<const double*>(rb.data)[0], 5.0 + (k - 1));
+      }
+    }
+    reducer->wait(5);
+    EXPECT_THROW(reducer->result(3, 0), Error);  // reused by iteration 5
+    EXPECT_DOUBLE_EQ(static_cast<const double*>(reducer->result(5, 1).data)[9], 10.0);
+  });
+}
+
+TEST(Reducer, FinishingWithMissingGradientsNamesThem) {
+  run_ranks(1, [&](Engine& e) {
+    std::vector<GradSpec> specs = {{DType::kFloat32, 2, "seen"}, {DType::kFloat32, 2, "lost"}};
+    auto reducer = e.make_reducer(specs, ReducerOptions{});
+    std::vector<float> g(2, 1.0f);
+    reducer->mark_ready(0, g.data());
+    try {
+      reducer->finish_marking();
+      ADD_FAILURE() << "finish_marking accepted a missing gradient";
+    } catch (const Error& err) {
+      EXPECT_NE(std::string(err.what()).find("lost"), std::string::npos);
+    }
+    reducer->mark_unused(1);
     reducer->wait();
-    EXPECT_EQ(reducer->usage(), (std::vector<int>{world, 1, 0}));
-    std::vector<float> out(4, -1);
-    reducer->copy_out(1, {out.data(), DType::kFloat32, 4, {}});
-    EXPECT_FLOAT_EQ(out[0], 6.0f / world);  // zeros from the ranks that did not use it
   });
 }
 

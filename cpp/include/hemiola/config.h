@@ -44,6 +44,10 @@ struct ReducerOptions {
   // Record the order in which gradients become ready during the first
   // iteration, so the plan can be rebuilt to match it.
   bool record_order = true;
+  // How many earlier iterations may still be reducing while a new one marks
+  // gradients (0: each iteration is waited for before the next starts). Each
+  // costs one more set of bucket buffers.
+  size_t in_flight = 0;
 };
 
 }  // namespace hemiola

@@ -45,6 +45,8 @@ class HEMIOLA_API Handle {
   // Blocks at most `timeout`; returns done(). Does not throw on failure.
   bool wait_for(std::chrono::milliseconds timeout) const;
   const std::string& description() const;
+  // Position in the engine's issue order.
+  uint64_t sequence() const;
 
  private:
   std::shared_ptr<detail::HandleState> state_;

@@ -1,17 +1,24 @@
 // Gradient reducer: fuses gradients into buckets and all-reduces each bucket
 // as soon as all its gradients are ready, while backward is still running.
 //
-// Life of one iteration:
-//   mark_ready(i, grad) for each gradient as autograd produces it (any thread,
+// Life of iteration k:
+//   mark_ready(i, ...) for each gradient as autograd produces it (any thread,
 //   lock-free: copies the gradient into its bucket and decrements the bucket's
-//   atomic pending count; the last one enqueues the bucket), optionally
-//   mark_unused(i) for gradients that will not come, then wait(). The engine's
-//   scheduler issues buckets strictly in plan order 0, 1, 2, ... on every rank,
-//   whatever order they become ready in, and writes the (averaged) result back
-//   to the tensors given to mark_ready.
+//   atomic pending count; the last one enqueues the bucket), mark_unused(i)
+//   for gradients that will not come, finish_marking() at the end of backward,
+//   then wait(k) whenever the result is needed. The engine's scheduler issues
+//   buckets strictly in plan order 0, 1, 2, ... on every rank, whatever order
+//   they become ready in, and writes the (averaged) results to the outputs
+//   given to mark_ready and keeps them readable through result(k, i).
+//
+// Up to `ReducerOptions::in_flight` earlier iterations may still be reducing
+// while a new one marks gradients: each in-flight iteration has buffers of its
+// own. Iteration k's results stay readable until iteration k + in_flight + 1
+// starts marking.
 #pragma once
 
 #include <cstddef>
+#include <cstdint>
 #include <memory>
 #include <string>
 #include <vector>
@@ -35,34 +42,43 @@ class HEMIOLA_API Reducer {
   explicit Reducer(std::unique_ptr<ReducerImpl> impl);
   ~Reducer();
 
-  // Hook path. `grad` must match spec `index` in dtype and element count and
-  // stay alive until wait() returns. Throws if `index` was already marked in
-  // this iteration.
+  // Hook path. Copies gradient `index` into its bucket; the reduced value is
+  // written back to the same memory. `grad` must match spec `index` and stay
+  // alive until the iteration's wait() returns. Throws if `index` was already
+  // marked in this iteration.
   void mark_ready(size_t index, const TensorRef& grad);
   // Same, taking only the data pointer (dtype and count from the spec).
   void mark_ready(size_t index, void* data);
-  // Contributes zeros for `index` this iteration; its result is not written
-  // back anywhere (read it with copy_out).
+  // Source and destination apart: `out` receives the reduced value, or, when
+  // null, it is only kept in the reducer (see result()). `source` may be
+  // reused as soon as this returns.
+  void mark_ready(size_t index, const void* source, void* out);
+  // Contributes zeros for `index` this iteration; nothing is written back.
   void mark_unused(size_t index);
-  // Indices not yet marked in the current iteration (in index order).
+  // Indices not yet marked in the iteration being marked (all, if none is).
   std::vector<size_t> unmarked() const;
-  // True when an iteration has started (something was marked) and not yet
-  // been waited for.
-  bool in_iteration() const;
+  // True while an iteration is being marked (something was marked and
+  // finish_marking() was not called yet).
+  bool marking() const;
+  // Ends the marking of the current iteration and returns its number, or -1
+  // when nothing was marked. Throws, naming them, if gradients are missing.
+  int64_t finish_marking();
 
-  // Blocks until every bucket of the current iteration is reduced and written
-  // back. Throws on failure or after the engine's timeout, naming the pending
-  // buckets and their tensors.
+  // Blocks until iteration `iteration` is reduced and written back. Throws on
+  // failure or after the engine's timeout, naming the pending buckets.
+  void wait(uint64_t iteration);
+  // finish_marking(), then waits for every iteration submitted so far.
   void wait();
   // Cancels the current iteration: the scheduler stops waiting for buckets
   // that will not become ready. The reducer is unusable afterwards.
   void abort(const std::string& reason);
 
-  // After wait(): copies the reduced value of `index` into dst.
-  void copy_out(size_t index, const TensorRef& dst) const;
-  // After wait() with track_usage: how many ranks produced a gradient for each
-  // tensor in the last iteration.
-  std::vector<int> usage() const;
+  // After wait(iteration): the reduced value of `index` inside the reducer's
+  // buffers (valid until iteration + in_flight + 1 starts marking).
+  TensorRef result(uint64_t iteration, size_t index) const;
+  // After wait(iteration) with track_usage: how many ranks produced a
+  // gradient for each tensor.
+  std::vector<int> usage(uint64_t iteration) const;
 
   // The current plan: bucket b holds tensors buckets()[b], in pack order.
   std::vector<std::vector<size_t>> buckets() const;
@@ -74,8 +90,8 @@ class HEMIOLA_API Reducer {
   // Local: rebuild the plan so tensors are bucketed in `order`.
   void rebuild(const std::vector<size_t>& order);
 
-  // Iterations completed.
-  uint64_t iteration() const;
+  // Iterations started so far (the next iteration's number).
+  uint64_t iterations_started() const;
 
  private:
   std::unique_ptr<ReducerImpl> impl_;

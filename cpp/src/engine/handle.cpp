@@ -41,6 +41,11 @@ void Handle::wait() const {
   std::rethrow_exception(state_->error);
 }
 
+uint64_t Handle::sequence() const {
+  HEMIOLA_CHECK(state_ != nullptr, "Handle::sequence on an empty handle");
+  return state_->sequence;
+}
+
 const std::string& Handle::description() const {
   HEMIOLA_CHECK(state_ != nullptr, "Handle::description on an empty handle");
   return state_->description;

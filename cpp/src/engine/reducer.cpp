@@ -13,27 +13,6 @@ namespace hemiola {
 
 namespace {
 
-class IterationWork final : public Work {
- public:
-  IterationWork(ReducerImpl& reducer, uint64_t iteration)
-      : reducer_(reducer), iteration_(iteration) {}
-  void run(Communicator& comm, Timeline& timeline) override {
-    reducer_.run_iteration(comm, timeline, iteration_, &current_bucket_);
-  }
-  std::string describe() const override {
-    std::ostringstream out;
-    out << "gradient reduction of iteration " << iteration_;
-    if (current_bucket_ != kNotStarted) out << reducer_.describe_pending(current_bucket_);
-    return out.str();
-  }
-
- private:
-  static constexpr size_t kNotStarted = static_cast<size_t>(-1);
-  ReducerImpl& reducer_;
-  uint64_t iteration_;
-  size_t current_bucket_ = kNotStarted;  // written and read on the scheduler thread
-};
-
 std::string join_names(const std::vector<GradSpec>& specs, const std::vector<size_t>& indices,
                        size_t limit = 8) {
   std::ostringstream out;
@@ -45,6 +24,27 @@ std::string join_names(const std::vector<GradSpec>& specs, const std::vector<siz
 }
 
 }  // namespace
+
+// The scheduler's view of one iteration: reduce its buckets in plan order.
+class ReducerImpl::Work final : public hemiola::Work {
+ public:
+  Work(ReducerImpl& reducer, Flight& flight) : reducer_(reducer), flight_(flight) {}
+  void run(Communicator& comm, Timeline& timeline) override {
+    reducer_.run(flight_, comm, timeline, &current_bucket_);
+  }
+  std::string describe() const override {
+    std::ostringstream out;
+    out << "gradient reduction of iteration " << flight_.iteration;
+    if (current_bucket_ != kNotStarted) out << reducer_.describe(flight_, current_bucket_);
+    return out.str();
+  }
+
+ private:
+  static constexpr size_t kNotStarted = static_cast<size_t>(-1);
+  ReducerImpl& reducer_;
+  Flight& flight_;
+  size_t current_bucket_ = kNotStarted;  // written and read on the scheduler thread
+};
 
 ReducerImpl::ReducerImpl(EngineImpl& engine, std::vector<GradSpec> specs,
                          const ReducerOptions& options)
@@ -62,118 +62,142 @@ ReducerImpl::ReducerImpl(EngineImpl& engine, std::vector<GradSpec> specs,
                   "; supported gradient dtypes are float32, float64, float16 and bfloat16");
   }
   observed_.assign(specs_.size(), 0);
-  usage_.assign(specs_.size(), 0.0f);
   build(reverse_order(specs_.size()));
 }
 
 ReducerImpl::~ReducerImpl() {
-  // The iteration's work refers to this reducer: never let it outlive us.
-  Handle current;
-  {
-    std::lock_guard<std::mutex> lock(mutex_);
-    current = current_;
-  }
-  if (current.valid() && !current.done()) {
-    abort("reducer destroyed during an iteration");
-    current.wait_for(std::chrono::hours(1));
+  // Iteration work refers to our flights: never let it outlive us.
+  abort("reducer destroyed");
+  for (auto& flight : flights_) {
+    if (flight->handle.valid()) flight->handle.wait_for(std::chrono::hours(1));
   }
 }
 
 void ReducerImpl::build(const std::vector<size_t>& order) {
-  auto planned = plan_buckets(specs_, order, options_.first_bucket_bytes, options_.fusion_bytes);
-  std::vector<std::unique_ptr<Bucket>> buckets;
-  auto slots = std::make_unique<Slot[]>(specs_.size());
-  for (size_t b = 0; b < planned.size(); ++b) {
-    auto bucket = std::make_unique<Bucket>();
-    bucket->plan = std::move(planned[b]);
-    // Zero-filled, so a zero-element bucket and unused slots read as zeros.
-    bucket->buffer.reset(new unsigned char[std::max<size_t>(bucket->plan.nbytes(), 1)]());
-    bucket->pending.store(static_cast<int64_t>(bucket->plan.tensors.size()));
-    for (size_t k = 0; k < bucket->plan.tensors.size(); ++k) {
-      Slot& slot = slots[bucket->plan.tensors[k]];
-      slot.bucket = b;
-      slot.offset = bucket->plan.offsets[k];
+  plan_ = plan_buckets(specs_, order, options_.first_bucket_bytes, options_.fusion_bytes);
+  placement_.assign(specs_.size(), Placement{});
+  for (size_t b = 0; b < plan_.size(); ++b) {
+    for (size_t k = 0; k < plan_[b].tensors.size(); ++k) {
+      placement_[plan_[b].tensors[k]] = {b, plan_[b].offsets[k]};
     }
-    buckets.push_back(std::move(bucket));
   }
-  buckets_ = std::move(buckets);
-  slots_ = std::move(slots);
-  queue_ = std::make_unique<ReadyQueue<uint32_t>>(buckets_.size());
+  flights_.clear();
+  for (size_t f = 0; f < options_.in_flight + 1; ++f) {
+    auto flight = std::make_unique<Flight>();
+    for (const auto& bucket : plan_) {
+      // Zero-filled: unused slots and zero-element buckets read as zeros.
+      flight->buffers.emplace_back(new unsigned char[std::max<size_t>(bucket.nbytes(), 1)]());
+    }
+    flight->pending.reset(new std::atomic<int64_t>[plan_.size()]);
+    flight->state.reset(new std::atomic<uint8_t>[specs_.size()]);
+    flight->out.assign(specs_.size(), nullptr);
+    flight->usage.assign(specs_.size(), 0.0f);
+    flight->queue = std::make_unique<ReadyQueue<uint32_t>>(plan_.size());
+    flights_.push_back(std::move(flight));
+  }
 }
 
 void ReducerImpl::check_usable() const {
   if (aborted_.load(std::memory_order_acquire)) {
-    std::lock_guard<std::mutex> lock(mutex_);
+    std::lock_guard<std::mutex> lock(abort_mutex_);
     HEMIOLA_THROW(ErrorCode::kAborted, "this reducer was aborted earlier (", abort_reason_,
                   "); re-create the wrapped model to continue");
   }
 }
 
-void ReducerImpl::begin_iteration() {
+ReducerImpl::Flight& ReducerImpl::begin_iteration() {
   std::lock_guard<std::mutex> lock(mutex_);
-  if (open_.load(std::memory_order_acquire)) return;
-  current_ = engine_.submit(std::make_shared<IterationWork>(*this, iteration_.load()));
-  open_.store(true, std::memory_order_release);
+  if (Flight* current = marking_.load(std::memory_order_acquire)) return *current;
+  const uint64_t iteration = started_.load();
+  Flight& flight = *flights_[iteration % flights_.size()];
+  // The in-flight bound: the iteration that used this flight last must be
+  // done before its buffers are reused.
+  if (flight.handle.valid()) flight.handle.wait();
+  for (size_t b = 0; b < plan_.size(); ++b) {
+    flight.pending[b].store(static_cast<int64_t>(plan_[b].tensors.size()),
+                            std::memory_order_relaxed);
+  }
+  for (size_t i = 0; i < specs_.size(); ++i) {
+    flight.state[i].store(kPending, std::memory_order_relaxed);
+    flight.out[i] = nullptr;
+  }
+  flight.iteration = iteration;
+  flight.handle = engine_.submit(std::make_shared<Work>(*this, flight));
+  started_.store(iteration + 1, std::memory_order_release);
+  marking_.store(&flight, std::memory_order_release);
+  return flight;
 }
 
-void ReducerImpl::claim(size_t index, SlotState state, const void* source) {
+void ReducerImpl::mark(size_t index, const void* source, void* out, bool used) {
   HEMIOLA_CHECK(index < specs_.size(), "gradient index ", index, " is out of range (",
                 specs_.size(), " gradients)");
-  check_usable();
-  if (!open_.load(std::memory_order_acquire)) begin_iteration();
-  Slot& slot = slots_[index];
-  uint8_t expected = kPending;
-  if (!slot.state.compare_exchange_strong(expected, state, std::memory_order_acq_rel)) {
-    HEMIOLA_THROW(ErrorCode::kInvalidArgument, "gradient '", specs_[index].name,
-                  "' was marked ready twice in one iteration. Each parameter must produce one "
-                  "gradient per backward pass (reentrant checkpointing or a second backward "
-                  "before the reduction finished can cause this)");
-  }
-  Bucket& bucket = *buckets_[slot.bucket];
   const GradSpec& spec = specs_[index];
-  const size_t elem = dtype_size(spec.dtype);
-  unsigned char* dst = bucket.buffer.get() + slot.offset * elem;
-  if (state == kReady) {
-    slot.out = const_cast<void*>(source);
-    std::memcpy(dst, source, spec.numel * elem);
-    usage_[index] = 1.0f;
-  } else {
-    slot.out = nullptr;
-    std::memset(dst, 0, spec.numel * elem);
-    usage_[index] = 0.0f;
+  HEMIOLA_CHECK(!used || source != nullptr || spec.numel == 0, "gradient '", spec.name,
+                "' has a null data pointer");
+  check_usable();
+  Flight* current = marking_.load(std::memory_order_acquire);
+  Flight& flight = current ? *current : begin_iteration();
+  uint8_t expected = kPending;
+  if (!flight.state[index].compare_exchange_strong(expected, used ? kReady : kUnused,
+                                                    std::memory_order_acq_rel)) {
+    HEMIOLA_THROW(ErrorCode::kInvalidArgument, "gradient '", spec.name,
+                  "' was marked ready twice in one iteration. Each parameter must produce one "
+                  "gradient per backward pass (reentrant checkpointing, or a second backward "
+                  "without finishing the first, can cause this)");
   }
+  const Placement& where = placement_[index];
+  const size_t elem = dtype_size(spec.dtype);
+  unsigned char* dst = flight.buffers[where.bucket].get() + where.offset * elem;
+  if (used) {
+    flight.out[index] = out;
+    std::memcpy(dst, source, spec.numel * elem);
+  } else {
+    std::memset(dst, 0, spec.numel * elem);
+  }
+  flight.usage[index] = used ? 1.0f : 0.0f;
   if (recording_.load(std::memory_order_relaxed)) {
     observed_[observed_count_.fetch_add(1, std::memory_order_relaxed)] = index;
   }
   // The last gradient of a bucket enqueues it. acq_rel: the scheduler, which
   // reads the buffer after popping, must see every producer's memcpy.
-  if (bucket.pending.fetch_sub(1, std::memory_order_acq_rel) == 1) {
-    const bool pushed = queue_->push(static_cast<uint32_t>(slot.bucket));
-    if (!pushed) HEMIOLA_THROW(ErrorCode::kInternal, "ready queue overflow");
+  if (flight.pending[where.bucket].fetch_sub(1, std::memory_order_acq_rel) == 1) {
+    if (!flight.queue->push(static_cast<uint32_t>(where.bucket))) {
+      HEMIOLA_THROW(ErrorCode::kInternal, "ready queue overflow");
+    }
   }
 }
 
-void ReducerImpl::mark_ready(size_t index, const void* data) {
-  HEMIOLA_CHECK(data != nullptr || specs_.at(index).numel == 0, "gradient '",
-                specs_.at(index).name, "' has a null data pointer");
-  claim(index, kReady, data);
-}
-
-void ReducerImpl::mark_unused(size_t index) { claim(index, kUnused, nullptr); }
-
 std::vector<size_t> ReducerImpl::unmarked() const {
+  const Flight* flight = marking_.load(std::memory_order_acquire);
   std::vector<size_t> out;
   for (size_t i = 0; i < specs_.size(); ++i) {
-    if (slots_[i].state.load(std::memory_order_acquire) == kPending) out.push_back(i);
+    if (!flight || flight->state[i].load(std::memory_order_acquire) == kPending) out.push_back(i);
   }
   return out;
 }
 
-void ReducerImpl::run_iteration(Communicator& comm, Timeline& timeline, uint64_t iteration,
-                                size_t* current_bucket) {
+int64_t ReducerImpl::finish_marking() {
+  check_usable();
+  std::lock_guard<std::mutex> lock(mutex_);
+  Flight* flight = marking_.load(std::memory_order_acquire);
+  if (!flight) return -1;
+  std::vector<size_t> missing;
+  for (size_t i = 0; i < specs_.size(); ++i) {
+    if (flight->state[i].load(std::memory_order_acquire) == kPending) missing.push_back(i);
+  }
+  HEMIOLA_CHECK(missing.empty(), "iteration ", flight->iteration, " finished without gradients ",
+                "for ", missing.size(), " tensor(s): ", join_names(specs_, missing),
+                " (mark them ready or unused first)");
+  if (recording_.load()) recording_.store(false);  // the first iteration is recorded
+  marking_.store(nullptr, std::memory_order_release);
+  return static_cast<int64_t>(flight->iteration);
+}
+
+void ReducerImpl::run(Flight& flight, Communicator& comm, Timeline& timeline,
+                      size_t* current_bucket) {
   const auto timeout = std::chrono::milliseconds(
       static_cast<int64_t>(engine_.options().timeout_s * 1000.0));
-  const size_t count = buckets_.size();
+  const size_t count = plan_.size();
   std::vector<bool> ready(count, false);
   for (size_t b = 0; b < count; ++b) {
     *current_bucket = b;
@@ -183,12 +207,12 @@ void ReducerImpl::run_iteration(Communicator& comm, Timeline& timeline, uint64_t
     const int64_t wait_us = timeline.now_us();
     while (!ready[b]) {
       uint32_t id;
-      if (queue_->pop_wait(id, std::chrono::milliseconds(100))) {
+      if (flight.queue->pop_wait(id, std::chrono::milliseconds(100))) {
         ready[id] = true;
         continue;
       }
       if (aborted_.load(std::memory_order_acquire)) {
-        std::lock_guard<std::mutex> lock(mutex_);
+        std::lock_guard<std::mutex> lock(abort_mutex_);
         HEMIOLA_THROW(ErrorCode::kAborted, "aborted: ", abort_reason_);
       }
       if (std::chrono::steady_clock::now() - wait_start > timeout) {
@@ -196,121 +220,121 @@ void ReducerImpl::run_iteration(Communicator& comm, Timeline& timeline, uint64_t
                       engine_.options().timeout_s, " s: its gradients were never produced");
       }
     }
-    Bucket& bucket = *buckets_[b];
-    const PlannedBucket& plan = bucket.plan;
+    const PlannedBucket& plan = plan_[b];
+    unsigned char* buffer = flight.buffers[b].get();
     const int64_t start_us = timeline.now_us();
     if (timeline.enabled() && start_us - wait_us > 1) {
       timeline.record("comm", "wait bucket " + std::to_string(b), "wait", wait_us, start_us);
     }
-    TensorRef ref{bucket.buffer.get(), plan.dtype, plan.numel, Device{}};
-    comm.all_reduce_sum(ref);
-    if (scale_ != 1.0) scale_in_place(plan.dtype, ref.data, ref.numel, scale_);
+    comm.all_reduce_sum(TensorRef{buffer, plan.dtype, plan.numel, Device{}});
+    if (scale_ != 1.0) scale_in_place(plan.dtype, buffer, plan.numel, scale_);
     const size_t elem = dtype_size(plan.dtype);
     for (size_t k = 0; k < plan.tensors.size(); ++k) {
-      const Slot& slot = slots_[plan.tensors[k]];
-      if (slot.out != nullptr) {
-        std::memcpy(slot.out, bucket.buffer.get() + plan.offsets[k] * elem,
-                    specs_[plan.tensors[k]].numel * elem);
+      void* out = flight.out[plan.tensors[k]];
+      if (out != nullptr) {
+        std::memcpy(out, buffer + plan.offsets[k] * elem, specs_[plan.tensors[k]].numel * elem);
       }
     }
-    timeline.record("comm", "allreduce bucket " + std::to_string(b), "allreduce", start_us,
-                    timeline.now_us());
+    timeline.record("comm",
+                    "allreduce bucket " + std::to_string(b) + " (iteration " +
+                        std::to_string(flight.iteration) + ")",
+                    "allreduce", start_us, timeline.now_us());
   }
   *current_bucket = count;
   if (options_.track_usage) {
-    comm.all_reduce_sum(TensorRef{usage_.data(), DType::kFloat32, usage_.size(), Device{}});
+    comm.all_reduce_sum(TensorRef{flight.usage.data(), DType::kFloat32, flight.usage.size(), {}});
   }
-  (void)iteration;
-  // Slot states stay as they are: the caller may still inspect them (e.g.
-  // unmarked()) until wait() closes the iteration on its own thread.
 }
 
-// Called by wait() on the caller's thread once the iteration's work is done:
-// the scheduler no longer touches the per-iteration state, and hooks of the
-// next iteration cannot have started (they come after wait() returns).
-void ReducerImpl::reset_iteration() {
-  for (auto& bucket : buckets_) {
-    bucket->pending.store(static_cast<int64_t>(bucket->plan.tensors.size()),
-                          std::memory_order_relaxed);
-  }
-  for (size_t i = 0; i < specs_.size(); ++i) {
-    slots_[i].state.store(kPending, std::memory_order_relaxed);
-  }
-  if (recording_.load(std::memory_order_relaxed)) recording_.store(false);
-  iteration_.fetch_add(1, std::memory_order_release);
-  open_.store(false, std::memory_order_release);
-}
-
-std::string ReducerImpl::describe_pending(size_t from_bucket) const {
+std::string ReducerImpl::describe(const Flight& flight, size_t from_bucket) const {
   std::ostringstream out;
-  const size_t count = buckets_.size();
+  const size_t count = plan_.size();
   if (from_bucket >= count) {
     out << ", at the usage all-reduce after all " << count << " buckets";
     return out.str();
   }
-  const PlannedBucket& plan = buckets_[from_bucket]->plan;
+  const PlannedBucket& plan = plan_[from_bucket];
   out << ", at bucket " << from_bucket << " of " << count << " (" << dtype_name(plan.dtype) << ", "
       << plan.nbytes() << " bytes; parameters: " << join_names(specs_, plan.tensors) << ")";
   if (from_bucket + 1 < count) {
     std::vector<size_t> rest;
     for (size_t b = from_bucket + 1; b < count; ++b) {
-      for (size_t t : buckets_[b]->plan.tensors) rest.push_back(t);
+      for (size_t t : plan_[b].tensors) rest.push_back(t);
     }
     out << "; still pending after it: buckets " << from_bucket + 1 << ".." << count - 1
         << " (parameters: " << join_names(specs_, rest, 4) << ")";
   }
+  (void)flight;
   return out.str();
 }
 
-void ReducerImpl::wait() {
-  Handle current;
+void ReducerImpl::wait(uint64_t iteration) {
+  Handle handle;
   {
     std::lock_guard<std::mutex> lock(mutex_);
-    if (!open_.load(std::memory_order_acquire)) {
-      if (aborted_.load()) {
-        HEMIOLA_THROW(ErrorCode::kAborted, "this reducer was aborted earlier (", abort_reason_,
-                      ")");
-      }
-      return;  // nothing in flight
-    }
-    current = current_;
+    HEMIOLA_CHECK(iteration < started_.load(), "iteration ", iteration, " has not started");
+    const Flight& flight = *flights_[iteration % flights_.size()];
+    if (flight.iteration != iteration) return;  // reused: it completed long ago
+    HEMIOLA_CHECK(marking_.load() != &flight, "wait(", iteration,
+                  ") while its gradients are still being marked; call finish_marking() first");
+    handle = flight.handle;
   }
-  current.wait();  // throws on failure; the iteration then stays open (failed)
-  std::lock_guard<std::mutex> lock(mutex_);
-  if (open_.load(std::memory_order_acquire)) reset_iteration();
+  handle.wait();
+}
+
+void ReducerImpl::wait_all() {
+  std::vector<Handle> handles;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    for (const auto& flight : flights_) {
+      if (flight->handle.valid()) handles.push_back(flight->handle);
+    }
+  }
+  // In iteration order, so the first failure reported is the earliest.
+  std::sort(handles.begin(), handles.end(), [](const Handle& a, const Handle& b) {
+    return a.sequence() < b.sequence();
+  });
+  for (const auto& handle : handles) handle.wait();
 }
 
 void ReducerImpl::abort(const std::string& reason) {
   {
-    std::lock_guard<std::mutex> lock(mutex_);
+    std::lock_guard<std::mutex> lock(abort_mutex_);
     if (!aborted_.load()) abort_reason_ = reason;
     aborted_.store(true, std::memory_order_release);
   }
-  if (queue_) queue_->wake();
+  for (auto& flight : flights_) flight->queue->wake();
 }
 
-void ReducerImpl::copy_out(size_t index, const TensorRef& dst) const {
+const ReducerImpl::Flight& ReducerImpl::completed_flight(uint64_t iteration) const {
+  const Flight& flight = *flights_[iteration % flights_.size()];
+  HEMIOLA_CHECK(iteration < started_.load() && flight.iteration == iteration, "iteration ",
+                iteration, "'s results are gone (its buffers were reused by a later iteration)");
+  HEMIOLA_CHECK(marking_.load() != &flight && flight.handle.done(), "iteration ", iteration,
+                " is not reduced yet; call wait(", iteration, ") first");
+  return flight;
+}
+
+TensorRef ReducerImpl::result(uint64_t iteration, size_t index) const {
   HEMIOLA_CHECK(index < specs_.size(), "gradient index ", index, " is out of range");
+  const Flight& flight = completed_flight(iteration);
+  const Placement& where = placement_[index];
   const GradSpec& spec = specs_[index];
-  HEMIOLA_CHECK(dst.dtype == spec.dtype && dst.numel == spec.numel, "copy_out: destination for '",
-                spec.name, "' must be ", spec.numel, " x ", dtype_name(spec.dtype));
-  HEMIOLA_CHECK(!open_.load(), "copy_out during an iteration; call wait() first");
-  const Slot& slot = slots_[index];
-  const size_t elem = dtype_size(spec.dtype);
-  std::memcpy(dst.data, buckets_[slot.bucket]->buffer.get() + slot.offset * elem,
-              spec.numel * elem);
+  return TensorRef{flight.buffers[where.bucket].get() + where.offset * dtype_size(spec.dtype),
+                   spec.dtype, spec.numel, Device{}};
 }
 
-std::vector<int> ReducerImpl::usage() const {
+std::vector<int> ReducerImpl::usage(uint64_t iteration) const {
   HEMIOLA_CHECK(options_.track_usage, "usage() needs ReducerOptions::track_usage");
-  std::vector<int> out(usage_.size());
-  for (size_t i = 0; i < usage_.size(); ++i) out[i] = static_cast<int>(usage_[i] + 0.5f);
+  const Flight& flight = completed_flight(iteration);
+  std::vector<int> out(flight.usage.size());
+  for (size_t i = 0; i < out.size(); ++i) out[i] = static_cast<int>(flight.usage[i] + 0.5f);
   return out;
 }
 
 std::vector<std::vector<size_t>> ReducerImpl::buckets() const {
   std::vector<std::vector<size_t>> out;
-  for (const auto& bucket : buckets_) out.push_back(bucket->plan.tensors);
+  for (const auto& bucket : plan_) out.push_back(bucket.tensors);
   return out;
 }
 
@@ -335,13 +359,13 @@ void ReducerImpl::rebuild_from_observed_order() {
     }
   }
   engine_.broadcast(TensorRef{order.data(), DType::kInt64, order.size(), Device{}}, 0).wait();
-  std::vector<size_t> adopted(order.begin(), order.end());
-  rebuild(adopted);
+  rebuild(std::vector<size_t>(order.begin(), order.end()));
 }
 
 void ReducerImpl::rebuild(const std::vector<size_t>& order) {
+  HEMIOLA_CHECK(!marking(), "rebuild while gradients are being marked; finish the iteration first");
+  wait_all();
   std::lock_guard<std::mutex> lock(mutex_);
-  HEMIOLA_CHECK(!open_.load(), "rebuild during an iteration; call wait() first");
   build(order);
   recording_.store(false);
 }
@@ -361,20 +385,30 @@ void Reducer::mark_ready(size_t index, const TensorRef& grad) {
                 " elements but was registered with ", spec.numel);
   HEMIOLA_CHECK(grad.device.type == DeviceType::kCPU,
                 "gradient '", spec.name, "' is on a CUDA device; this build reduces CPU tensors only");
-  impl_->mark_ready(index, grad.data);
+  impl_->mark(index, grad.data, grad.data, true);
 }
-void Reducer::mark_ready(size_t index, void* data) { impl_->mark_ready(index, data); }
-void Reducer::mark_unused(size_t index) { impl_->mark_unused(index); }
+void Reducer::mark_ready(size_t index, void* data) { impl_->mark(index, data, data, true); }
+void Reducer::mark_ready(size_t index, const void* source, void* out) {
+  impl_->mark(index, source, out, true);
+}
+void Reducer::mark_unused(size_t index) { impl_->mark(index, nullptr, nullptr, false); }
 std::vector<size_t> Reducer::unmarked() const { return impl_->unmarked(); }
-bool Reducer::in_iteration() const { return impl_->in_iteration(); }
-void Reducer::wait() { impl_->wait(); }
+bool Reducer::marking() const { return impl_->marking(); }
+int64_t Reducer::finish_marking() { return impl_->finish_marking(); }
+void Reducer::wait(uint64_t iteration) { impl_->wait(iteration); }
+void Reducer::wait() {
+  impl_->finish_marking();
+  impl_->wait_all();
+}
 void Reducer::abort(const std::string& reason) { impl_->abort(reason); }
-void Reducer::copy_out(size_t index, const TensorRef& dst) const { impl_->copy_out(index, dst); }
-std::vector<int> Reducer::usage() const { return impl_->usage(); }
+TensorRef Reducer::result(uint64_t iteration, size_t index) const {
+  return impl_->result(iteration, index);
+}
+std::vector<int> Reducer::usage(uint64_t iteration) const { return impl_->usage(iteration); }
 std::vector<std::vector<size_t>> Reducer::buckets() const { return impl_->buckets(); }
 std::vector<size_t> Reducer::observed_order() const { return impl_->observed_order(); }
 void Reducer::rebuild_from_observed_order() { impl_->rebuild_from_observed_order(); }
 void Reducer::rebuild(const std::vector<size_t>& order) { impl_->rebuild(order); }
-uint64_t Reducer::iteration() const { return impl_->iteration(); }
+uint64_t Reducer::iterations_started() const { return impl_->iterations_started(); }
 
 }  // namespace hemiola

@@ -1,11 +1,15 @@
 // Reducer internals. See hemiola/reducer.h for the contract.
 //
 // Concurrency: mark_ready/mark_unused run on autograd threads (many at once);
-// the iteration's work runs on the scheduler thread; wait/abort/rebuild on the
-// user's thread. Per-iteration state (slot states, pending counts) is reset by
-// wait() on the caller's thread after the iteration's work completed, so it
-// is stable while the caller inspects it and reset before the next
-// iteration's hooks run.
+// an iteration's work runs on the scheduler thread; finish_marking, wait,
+// abort and rebuild on the user's thread.
+//
+// Each iteration k owns a Flight: bucket buffers, pending counts, slot states
+// and a ready queue. Iteration k uses flights_[k % flights_.size()]; before a
+// flight is reused, the iteration that used it last must be done (that is the
+// in-flight bound). A flight's per-iteration state is reset when it is taken,
+// on the marking side, after its previous work completed, so the scheduler
+// never sees it change underneath.
 #pragma once
 
 #include <atomic>
@@ -27,69 +31,74 @@ class ReducerImpl {
   ReducerImpl(EngineImpl& engine, std::vector<GradSpec> specs, const ReducerOptions& options);
   ~ReducerImpl();
 
-  void mark_ready(size_t index, const void* data);
-  void mark_unused(size_t index);
+  void mark(size_t index, const void* source, void* out, bool used);
   std::vector<size_t> unmarked() const;
-  bool in_iteration() const { return open_.load(std::memory_order_acquire); }
-  void wait();
+  bool marking() const { return marking_.load(std::memory_order_acquire) != nullptr; }
+  int64_t finish_marking();
+  void wait(uint64_t iteration);
+  void wait_all();
   void abort(const std::string& reason);
-  void copy_out(size_t index, const TensorRef& dst) const;
-  std::vector<int> usage() const;
+  TensorRef result(uint64_t iteration, size_t index) const;
+  std::vector<int> usage(uint64_t iteration) const;
   std::vector<std::vector<size_t>> buckets() const;
   std::vector<size_t> observed_order() const;
   void rebuild_from_observed_order();
   void rebuild(const std::vector<size_t>& order);
-  uint64_t iteration() const { return iteration_.load(std::memory_order_acquire); }
+  uint64_t iterations_started() const { return started_.load(std::memory_order_acquire); }
   const GradSpec& spec(size_t index) const { return specs_.at(index); }
   size_t size() const { return specs_.size(); }
 
-  // Called by the iteration's work on the scheduler thread.
-  void run_iteration(Communicator& comm, Timeline& timeline, uint64_t iteration,
-                     size_t* current_bucket);
-  std::string describe_pending(size_t from_bucket) const;
-
  private:
   enum SlotState : uint8_t { kPending = 0, kReady = 1, kUnused = 2 };
-  struct Slot {
+  // Where tensor i lives in the plan.
+  struct Placement {
     size_t bucket = 0;
     size_t offset = 0;  // in elements, within the bucket
-    const void* source = nullptr;
-    void* out = nullptr;  // where the reduced value goes; null for unused
-    std::atomic<uint8_t> state{kPending};
   };
-  struct Bucket {
-    PlannedBucket plan;
-    std::unique_ptr<unsigned char[]> buffer;
-    std::atomic<int64_t> pending{0};
+  // One iteration's state.
+  struct Flight {
+    uint64_t iteration = 0;
+    std::vector<std::unique_ptr<unsigned char[]>> buffers;  // per bucket
+    std::unique_ptr<std::atomic<int64_t>[]> pending;        // per bucket
+    std::unique_ptr<std::atomic<uint8_t>[]> state;          // per tensor (SlotState)
+    std::vector<void*> out;                                  // per tensor; null: keep only
+    std::vector<float> usage;                                // per tensor, summed over ranks
+    std::unique_ptr<ReadyQueue<uint32_t>> queue;
+    Handle handle;
   };
+  class Work;
 
   void build(const std::vector<size_t>& order);
-  void begin_iteration();
-  void claim(size_t index, SlotState state, const void* source);
-  void reset_iteration();
+  Flight& begin_iteration();
+  const Flight& completed_flight(uint64_t iteration) const;
   void check_usable() const;
+  void run(Flight& flight, Communicator& comm, Timeline& timeline, size_t* current_bucket);
+  std::string describe(const Flight& flight, size_t from_bucket) const;
 
   EngineImpl& engine_;
   const std::vector<GradSpec> specs_;
   const ReducerOptions options_;
   const double scale_;  // 1/world when averaging
 
-  // The plan and its buffers. Replaced only by rebuild(), between iterations.
-  std::vector<std::unique_ptr<Bucket>> buckets_;
-  std::unique_ptr<Slot[]> slots_;
-  std::unique_ptr<ReadyQueue<uint32_t>> queue_;
-  std::vector<float> usage_;  // 1 per tensor marked ready this iteration; summed over ranks
+  // The plan. Replaced only by rebuild(), with no iteration in flight.
+  std::vector<PlannedBucket> plan_;
+  std::vector<Placement> placement_;
+  std::vector<std::unique_ptr<Flight>> flights_;  // in_flight + 1
+
+  std::atomic<Flight*> marking_{nullptr};  // the iteration being marked, if any
+  std::atomic<uint64_t> started_{0};
 
   // Order recording (first iteration): each hook claims a position.
   std::atomic<bool> recording_;
   std::atomic<size_t> observed_count_{0};
   std::vector<size_t> observed_;
 
-  std::atomic<bool> open_{false};
+  // Guards taking and releasing flights (begin, finish, rebuild). May be held
+  // while waiting for an earlier iteration's work, so that work must never
+  // take it.
+  mutable std::mutex mutex_;
   std::atomic<bool> aborted_{false};
-  std::atomic<uint64_t> iteration_{0};
-  mutable std::mutex mutex_;  // guards current_, abort_reason_, begin/rebuild
-  Handle current_;
+  mutable std::mutex abort_mutex_;  // guards abort_reason_
   std::string abort_reason_;
 };
 
