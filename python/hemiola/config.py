@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-SCHEDULES = ("wfbp",)
+SCHEDULES = ("wfbp", "decoupled")
 
 
 @dataclass(frozen=True)
@@ -16,7 +16,11 @@ class Config:
         schedule: How communication is scheduled. ``"wfbp"``: wait-free
             back-propagation with tensor fusion; gradients are all-reduced in
             buckets while backward runs and ``backward()`` returns with averaged
-            gradients (numerically torch DDP).
+            gradients (numerically torch DDP). ``"decoupled"``: ``backward()``
+            does not wait; ``optimizer.step()`` applies this rank's own
+            gradient so the next iteration computes on approximate parameters
+            while the all-reduce runs under it, and the exact step lands at the
+            following ``optimizer.step()`` (or ``model.synchronize()``).
         fusion_mb: Gradients are fused into buckets of at most this many MiB
             (a larger tensor gets a bucket of its own). Like DDP's
             ``bucket_cap_mb``.

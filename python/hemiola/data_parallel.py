@@ -1,4 +1,10 @@
-"""The wrapped model: hooks autograd into the engine's gradient reducer."""
+"""The wrapped model: hooks autograd into the engine's gradient reducer.
+
+What happens around a backward pass is the same for every schedule (hooks mark
+gradients ready; at the end, missing gradients are handled and the iteration's
+marking is closed); what happens next is the schedule's business (see
+``hemiola.schedules``).
+"""
 
 from __future__ import annotations
 
@@ -11,18 +17,20 @@ from torch import nn
 
 from hemiola._native import C
 from hemiola.config import Config
+from hemiola.schedules import Schedule, make_schedule
 from hemiola.tensors import broadcast_tensors, dtype_code
 from hemiola.validate import check_module, check_same_model
 
 
 class DataParallel(nn.Module):
-    """A module whose gradients are averaged across ranks during ``backward()``.
+    """A module whose gradients are reduced across ranks while backward runs.
 
     Made by :func:`hemiola.wrap`. Behaves like ``torch.nn.parallel.
     DistributedDataParallel``: parameters and buffers are broadcast from rank 0
-    when wrapped, buffers again before each forward (``broadcast_buffers``),
-    and ``loss.backward()`` returns with every gradient averaged over ranks.
-    ``state_dict()`` is the wrapped module's own (no ``module.`` prefix).
+    when wrapped, buffers are kept in sync with rank 0's, and ``state_dict()``
+    is the wrapped module's own (no ``module.`` prefix). When gradients come
+    back and how the optimizer uses them depends on the schedule
+    (:class:`hemiola.Config`).
     """
 
     def __init__(self, module: nn.Module, config: Config, engine: C.Engine, store: C.Store):
@@ -38,6 +46,7 @@ class DataParallel(nn.Module):
         self._names = [n for n, _ in named]
         self._params = [p for _, p in named]
         self._buffers_to_sync = [b for b in module.buffers() if b.numel() > 0]
+        self._schedule: Schedule = make_schedule(config.schedule, self)
         self._reducer: C.Reducer | None = None
         if self._params:
             specs = [(dtype_code(p.dtype), p.numel(), n) for n, p in named]
@@ -47,14 +56,10 @@ class DataParallel(nn.Module):
                 first_bucket_bytes=config.first_bucket_bytes,
                 track_usage=config.find_unused_parameters,
                 record_order=config.rebuild_buckets,
+                in_flight=self._schedule.in_flight,
             )
         self._require_sync = True
         self._in_backward = False
-        self._rebuilt = not config.rebuild_buckets
-        # Gradients handed to the engine stay referenced until it wrote back.
-        self._inflight: list[torch.Tensor] = []
-        # Non-contiguous gradients are reduced through a contiguous copy.
-        self._staged: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._hook_handles = [
             p.register_post_accumulate_grad_hook(self._make_hook(i))
             for i, p in enumerate(self._params)
@@ -63,13 +68,7 @@ class DataParallel(nn.Module):
     # ---- user API ----------------------------------------------------------
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        if (
-            self.config.broadcast_buffers
-            and self._require_sync
-            and torch.is_grad_enabled()
-            and self._buffers_to_sync
-        ):
-            broadcast_tensors(self._engine, self._buffers_to_sync)
+        self._schedule.before_forward()
         return self.module(*args, **kwargs)
 
     @contextlib.contextmanager
@@ -83,11 +82,26 @@ class DataParallel(nn.Module):
         finally:
             self._require_sync = previous
 
+    def synchronize(self) -> None:
+        """Lands every pending correction: afterwards every rank holds the
+        exact global parameters (bitwise identical across ranks). Local: no
+        communication beyond waiting for this rank's own reductions."""
+        self._schedule.synchronize()
+
     def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:  # type: ignore[override]
+        self.synchronize()
         return self.module.state_dict(*args, **kwargs)
 
     def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
-        return self.module.load_state_dict(state_dict, strict=strict, assign=assign)
+        self.synchronize()
+        result = self.module.load_state_dict(state_dict, strict=strict, assign=assign)
+        self._schedule.parameters_replaced()
+        return result
+
+    def train(self, mode: bool = True) -> DataParallel:
+        if not mode:
+            self.synchronize()  # evaluate the exact parameters
+        return super().train(mode)
 
     @property
     def rank(self) -> int:
@@ -125,13 +139,7 @@ class DataParallel(nn.Module):
                     f"parameter {self._names[index]!r} got a sparse gradient; hemiola reduces "
                     "dense gradients only"
                 )
-            if not grad.is_contiguous():
-                staged = grad.contiguous()
-                self._staged.append((grad, staged))
-                grad = staged
-            self._inflight.append(grad)
-            assert self._reducer is not None
-            self._reducer.mark_ready(index, grad.data_ptr())
+            self._schedule.mark(index, grad)
 
         return hook
 
@@ -139,48 +147,30 @@ class DataParallel(nn.Module):
         self._in_backward = False
         reducer = self._reducer
         assert reducer is not None
-        try:
-            unmarked = reducer.unmarked()
-            if unmarked:
-                if not self.config.find_unused_parameters:
-                    names = [self._names[i] for i in unmarked]
-                    message = (
-                        f"hemiola: {len(names)} parameter(s) received no gradient in this "
-                        f"backward pass: {', '.join(names[:10])}"
-                        f"{' ...' if len(names) > 10 else ''}. If they are not used in forward "
-                        "in some iterations, pass find_unused_parameters=True to hemiola.wrap; "
-                        "if they should never be trained, set requires_grad=False before "
-                        "wrapping."
-                    )
-                    reducer.abort(message)
-                    raise RuntimeError(message)
-                for i in unmarked:
-                    reducer.mark_unused(i)
-            iteration = reducer.finish_marking()
-            reducer.wait(iteration)
-            if unmarked:
-                self._write_back_unused(iteration, unmarked)
-            for grad, staged in self._staged:
-                grad.copy_(staged)
-        finally:
-            self._inflight.clear()
-            self._staged.clear()
-        if not self._rebuilt:
-            reducer.rebuild_from_observed_order()
-            self._rebuilt = True
+        unmarked = reducer.unmarked()
+        if unmarked:
+            if not self.config.find_unused_parameters:
+                names = [self._names[i] for i in unmarked]
+                message = (
+                    f"hemiola: {len(names)} parameter(s) received no gradient in this "
+                    f"backward pass: {', '.join(names[:10])}"
+                    f"{' ...' if len(names) > 10 else ''}. If they are not used in forward "
+                    "in some iterations, pass find_unused_parameters=True to hemiola.wrap; "
+                    "if they should never be trained, set requires_grad=False before "
+                    "wrapping."
+                )
+                reducer.abort(message)
+                raise RuntimeError(message)
+            for i in unmarked:
+                reducer.mark_unused(i)
+        self._schedule.backward_done(reducer.finish_marking(), unmarked)
 
-    def _write_back_unused(self, iteration: int, unmarked: list[int]) -> None:
-        # A parameter this rank did not use but another did gets the average;
-        # one no rank used keeps its .grad as it was (as in DDP).
+    def _reduced(self, iteration: int, index: int) -> torch.Tensor:
+        """A view (no copy) of parameter `index`'s reduced gradient of `iteration`."""
         assert self._reducer is not None
-        usage = self._reducer.usage(iteration)
-        for i in unmarked:
-            if usage[i] == 0:
-                continue
-            p = self._params[i]
-            reduced = torch.frombuffer(self._reducer.result_view(iteration, i),
-                                       dtype=p.dtype).view(p.shape)
-            if p.grad is None:
-                p.grad = reduced.clone()
-            else:
-                p.grad.copy_(reduced)
+        p = self._params[index]
+        view = self._reducer.result_view(iteration, index)
+        return torch.frombuffer(view, dtype=p.dtype).view(p.shape)
+
+    def _sync_buffers(self) -> None:
+        broadcast_tensors(self._engine, self._buffers_to_sync)

@@ -24,7 +24,8 @@ def wrap(
     Args:
         model: Any ``nn.Module`` (CPU parameters in this build).
         optimizer: The optimizer over ``model``'s parameters; returned as is
-            for ``schedule="wfbp"``.
+            for ``schedule="wfbp"``; for ``"decoupled"`` its ``step``,
+            ``state_dict`` and ``load_state_dict`` are taken over (same object).
         schedule: See :class:`hemiola.Config`.
         **options: Any other field of :class:`hemiola.Config` (``fusion_mb``,
             ``first_bucket_mb``, ``timeout_s``, ``find_unused_parameters``, ...).
@@ -35,4 +36,5 @@ def wrap(
     """
     config = Config.from_kwargs(schedule=schedule, **options)
     engine, store = new_engine(config.timeout_s, timeline=config.timeline)
-    return DataParallel(model, config, engine, store), optimizer
+    wrapped = DataParallel(model, config, engine, store)
+    return wrapped, wrapped._schedule.wrap_optimizer(optimizer)

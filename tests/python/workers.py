@@ -236,3 +236,95 @@ def stalled_rank(rank: int, world: int, timeout_s: float) -> str:
     except Exception as e:
         return f"raised after {time.monotonic() - start:.2f}s: {type(e).__name__}: {e}"
     return "finished without error"
+
+
+def _optimizer(name: str, params: Any) -> torch.optim.Optimizer:
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=0.05, momentum=0.9, weight_decay=1e-4)
+    if name == "nesterov":
+        return torch.optim.SGD(params, lr=0.05, momentum=0.9, nesterov=True, weight_decay=1e-3)
+    if name == "adam":
+        return torch.optim.Adam(params, lr=1e-3)
+    if name == "adamw":
+        return torch.optim.AdamW(params, lr=1e-3, weight_decay=0.01)
+    if name == "rmsprop":
+        return torch.optim.RMSprop(params, lr=1e-3, momentum=0.5)
+    raise ValueError(name)
+
+
+def schedule_run(rank: int, world: int, schedule: str, model_name: str, opt_name: str,
+                 steps: int, same_data: bool) -> dict[str, Any]:
+    """Trains with `schedule`; returns the parameters after synchronize() and
+    the losses. `same_data`: every rank sees the same batch (rank 0's shard)."""
+    hemiola.init()
+    torch.manual_seed(0)
+    m = make_model(model_name)
+    opt = _optimizer(opt_name, m.parameters())
+    model, opt = hemiola.wrap(m, opt, schedule=schedule, fusion_mb=1 / 64, timeout_s=60)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)
+    losses = []
+    for step in range(steps):
+        x, y = make_batch(model_name, step, 0 if same_data else rank, world)
+        opt.zero_grad()
+        loss = loss_of(model_name, model(x), y)
+        loss.backward()
+        opt.step()
+        sched.step()
+        losses.append(loss.item())
+    model.synchronize()
+    return {"params": [p.detach().clone() for p in m.parameters()], "losses": losses,
+            "state": {k: v.clone() for k, v in model.state_dict().items()}}
+
+
+def schedules_agree(rank: int, world: int, model_name: str, opt_name: str,
+                    steps: int) -> dict[str, float]:
+    """With identical data on every rank, decoupled must equal wfbp."""
+    a = schedule_run(rank, world, "wfbp", model_name, opt_name, steps, True)
+    b = schedule_run(rank, world, "decoupled", model_name, opt_name, steps, True)
+    return {
+        "max_param_diff": max((x - y).abs().max().item()
+                              for x, y in zip(a["params"], b["params"])),
+        "max_loss_diff": max(abs(x - y) for x, y in zip(a["losses"], b["losses"])),
+    }
+
+
+class Residual(nn.Module):
+    """Not a layer-by-layer stack: a residual block, one module used twice in
+    a forward, tied weights, and a branch used only in some iterations."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(20, 32)
+        self.shared = nn.Linear(32, 32)  # used twice per forward
+        self.norm = nn.LayerNorm(32)
+        self.sometimes = nn.Linear(32, 32)
+        self.out = nn.Linear(32, 20, bias=False)
+        self.back = nn.Linear(20, 32, bias=False)
+        self.back.weight = nn.Parameter(self.out.weight.t().contiguous())
+        self.out2 = nn.Linear(32, 5)
+
+    def forward(self, x: torch.Tensor, step: int) -> torch.Tensor:
+        h = torch.relu(self.inp(x))
+        h = h + self.shared(torch.relu(self.shared(h)))  # residual, module used twice
+        h = self.norm(h)
+        if step % 2 == 0:
+            h = h + self.sometimes(h)
+        h = h + self.back(self.out(h))
+        return self.out2(h)
+
+
+def irregular_model(rank: int, world: int, schedule: str, opt_name: str,
+                    steps: int) -> list[torch.Tensor]:
+    hemiola.init()
+    torch.manual_seed(0)
+    m = Residual()
+    opt = _optimizer(opt_name, m.parameters())
+    model, opt = hemiola.wrap(m, opt, schedule=schedule, find_unused_parameters=True,
+                              fusion_mb=1 / 256, timeout_s=60)
+    for step in range(steps):
+        x, y = make_batch("mlp", step, rank, world)
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(x, step), y).backward()
+        opt.step()
+    model.synchronize()
+    return [p.detach().clone() for p in m.parameters()]

@@ -1,0 +1,29 @@
+"""Communication schedules: what happens after gradients are marked ready.
+
+- ``wfbp``: wait-free back-propagation; ``backward()`` returns with averaged
+  gradients (torch DDP's behaviour).
+- ``decoupled``: the reduction of iteration t runs under the whole of
+  iteration t+1, which computes on approximate parameters (the exact ones
+  stepped with this rank's own gradient); the exact step lands at the next
+  ``optimizer.step()``.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from hemiola.schedules.base import Schedule
+from hemiola.schedules.decoupled import Decoupled
+from hemiola.schedules.wfbp import Wfbp
+
+if TYPE_CHECKING:
+    from hemiola.data_parallel import DataParallel
+
+_SCHEDULES: dict[str, type[Schedule]] = {"wfbp": Wfbp, "decoupled": Decoupled}
+
+
+def make_schedule(name: str, model: DataParallel) -> Schedule:
+    return _SCHEDULES[name](model)
+
+
+__all__ = ["Decoupled", "Schedule", "Wfbp", "make_schedule"]

@@ -1,0 +1,240 @@
+"""``decoupled``: iteration t's reduction runs under the whole of iteration t+1.
+
+The dependency between iteration t's communication and iteration t+1's
+computation is removed. After backward t the rank does not wait: its
+optimizer step applies its *own* gradient g_local(t) to the exact parameters
+w_t, giving approximate parameters w~_{t+1} on which iteration t+1 computes
+while the all-reduce of iteration t proceeds. At the next ``optimizer.step()``
+the averaged gradient g(t) has arrived, and the exact step lands:
+
+    w_{t+1} = step(w_t, state_t, g(t))       (exact, committed)
+    w~_{t+2} = step(w_{t+1}, state_{t+1}, g_local(t+1))   (approximate, not committed)
+
+The exact parameters and optimizer state live in a shadow copy; both steps
+are the user's own optimizer, so every ``torch.optim`` optimizer works (SGD
+with momentum/Nesterov/weight decay, Adam, AdamW, RMSprop, ...), learning-rate
+schedulers included (each exact step uses the hyper-parameters its iteration
+ran with). Because every rank computes the shadow from the same inputs with
+the same arithmetic, the exact parameters are bitwise identical across ranks.
+For the SGD family this equals the linear correction w <- w~ + lr (g_local - g)
+(and the same for the momentum buffer); computing it from the shadow instead
+keeps ranks from drifting apart by rounding.
+
+Parameters are never written while autograd may read them: the exact step
+lands in ``optimizer.step()`` (after backward) or ``synchronize()``.
+"""
+
+from __future__ import annotations
+
+import copy
+import types
+from typing import Any
+
+import torch
+
+from hemiola.schedules.base import Schedule
+from hemiola.tensors import UINT8
+
+
+def _copy_state(src: dict[str, Any], dst: dict[str, Any] | None) -> dict[str, Any]:
+    """A copy of optimizer state `src`, reusing `dst`'s tensors where they fit."""
+    out: dict[str, Any] = {}
+    for key, value in src.items():
+        if isinstance(value, torch.Tensor):
+            old = dst.get(key) if dst is not None else None
+            if (isinstance(old, torch.Tensor) and old.shape == value.shape
+                    and old.dtype == value.dtype and old is not value):
+                out[key] = old.copy_(value)
+            else:
+                out[key] = value.detach().clone()
+        else:
+            out[key] = copy.deepcopy(value)
+    return out
+
+
+def _hyper_parameters(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
+    def copy_value(v: Any) -> Any:
+        return v.clone() if isinstance(v, torch.Tensor) else v
+
+    return [{k: copy_value(v) for k, v in g.items() if k != "params"}
+            for g in optimizer.param_groups]
+
+
+class Decoupled(Schedule):
+    """The decoupled schedule; see the module docstring."""
+
+    in_flight = 1
+
+    def __init__(self, model) -> None:  # type: ignore[no-untyped-def]
+        super().__init__(model)
+        self._optimizer: torch.optim.Optimizer | None = None
+        self._inner_step: Any = None
+        # Exact parameters w_t and optimizer state (per parameter index).
+        self._shadow_params = [p.detach().clone() for p in model._params]
+        self._shadow_state: list[dict[str, Any]] = [{} for _ in model._params]
+        # The iteration whose local gradients are in .grad (marking closed,
+        # local step not taken yet), and the one whose exact step is pending.
+        self._finished: int | None = None
+        self._pending: tuple[int, list[dict[str, Any]], list[int] | None] | None = None
+        self._unmarked: dict[int, list[int]] = {}
+        self._rebuilt = not model.config.rebuild_buckets
+        # Buffers: rank 0's, broadcast asynchronously after backward, applied
+        # with the next exact step (a forward never waits for communication).
+        self._buffer_stage: torch.Tensor | None = None
+        self._buffer_handle: Any = None
+
+    # ---- model side ----------------------------------------------------------
+
+    def mark(self, index: int, grad: torch.Tensor) -> None:
+        source = grad if grad.is_contiguous() else grad.contiguous()
+        # The engine copies the gradient in now; the result stays in the
+        # reducer (no write-back: .grad keeps the local gradient).
+        self.model._reducer.mark_ready_to(index, source.data_ptr(), 0)
+
+    def backward_done(self, iteration: int, unmarked: list[int]) -> None:
+        self._finished = iteration
+        if unmarked:
+            self._unmarked[iteration] = unmarked
+        m = self.model
+        if m.config.broadcast_buffers and m._buffers_to_sync and m.world_size > 1:
+            self._start_buffer_broadcast()
+
+    def wrap_optimizer(self, optimizer: Any) -> Any:
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise ValueError(
+                "schedule='decoupled' needs the torch.optim.Optimizer that trains the model: "
+                "it takes the optimizer's step to apply the exact update one iteration later"
+            )
+        ours = {id(p) for p in self.model._params}
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                if p.requires_grad and id(p) not in ours:
+                    raise ValueError(
+                        "schedule='decoupled': the optimizer holds a trainable parameter that "
+                        "is not a parameter of the wrapped model; wrap the model that owns "
+                        "every parameter the optimizer steps"
+                    )
+        self._optimizer = optimizer
+        self._inner_step = optimizer.step
+        inner_state_dict = optimizer.state_dict
+        inner_load = optimizer.load_state_dict
+        schedule = self
+
+        def step(opt: torch.optim.Optimizer, closure: Any = None) -> None:
+            if closure is not None:
+                raise ValueError("schedule='decoupled' does not support optimizer closures")
+            schedule.step()
+
+        def state_dict(opt: torch.optim.Optimizer) -> dict[str, Any]:
+            schedule.synchronize()  # the exact state, not the approximate one
+            return inner_state_dict()
+
+        def load_state_dict(opt: torch.optim.Optimizer, state: dict[str, Any]) -> None:
+            schedule.synchronize()
+            inner_load(state)
+            schedule.parameters_replaced()
+
+        optimizer.step = types.MethodType(step, optimizer)  # type: ignore[method-assign]
+        optimizer.state_dict = types.MethodType(state_dict, optimizer)  # type: ignore[method-assign]
+        optimizer.load_state_dict = types.MethodType(load_state_dict, optimizer)  # type: ignore[method-assign]
+        return optimizer
+
+    # ---- optimizer side ------------------------------------------------------
+
+    def step(self) -> None:
+        """``optimizer.step()``: land the previous iteration's exact step, then
+        take this iteration's local (approximate) step."""
+        self._land()
+        iteration, self._finished = self._finished, None
+        if iteration is None:  # no synchronised backward since the last step
+            self._inner_step()
+            self._commit_shadow()
+            return
+        if not self._rebuilt:
+            # The first iteration runs synchronously: its exact step is taken
+            # at once, then the buckets are rebuilt in the observed order
+            # (which needs every reduction finished).
+            self._pending = (iteration, _hyper_parameters(self._optimizer),
+                             self._unmarked.pop(iteration, None))
+            self._land()
+            self.model._reducer.rebuild_from_observed_order()
+            self._rebuilt = True
+            return
+        hyper = _hyper_parameters(self._optimizer)
+        self._inner_step()  # from the exact w_t with the local gradient: w~_{t+1}
+        self._pending = (iteration, hyper, self._unmarked.pop(iteration, None))
+
+    def synchronize(self) -> None:
+        self._land()
+
+    def parameters_replaced(self) -> None:
+        # Whatever was pending belongs to the old parameters.
+        self._pending = None
+        self._commit_shadow()
+
+    def _land(self) -> None:
+        """Replaces the approximate parameters by the exact step of the
+        pending iteration (waiting for its reduction if needed)."""
+        if self._pending is None:
+            return
+        iteration, hyper, unmarked = self._pending
+        self._pending = None
+        m = self.model
+        opt = self._optimizer
+        assert opt is not None
+        m._reducer.wait(iteration)
+        usage = m._reducer.usage(iteration) if unmarked else None
+        params = m._params
+        local_grads = [p.grad for p in params]
+        current_hyper = _hyper_parameters(opt)
+        with torch.no_grad():
+            for i, p in enumerate(params):
+                p.copy_(self._shadow_params[i])
+                opt.state[p] = _copy_state(self._shadow_state[i], opt.state.get(p))
+                globally_unused = usage is not None and usage[i] == 0
+                p.grad = None if globally_unused else m._reduced(iteration, i)
+            for group, h in zip(opt.param_groups, hyper):
+                group.update(h)
+            self._inner_step()
+            for group, h in zip(opt.param_groups, current_hyper):
+                group.update(h)
+            self._commit_shadow()
+            for p, g in zip(params, local_grads):
+                p.grad = g
+        self._finish_buffer_broadcast()
+
+    def _commit_shadow(self) -> None:
+        """The live parameters and optimizer state are exact: remember them."""
+        opt = self._optimizer
+        with torch.no_grad():
+            for i, p in enumerate(self.model._params):
+                self._shadow_params[i].copy_(p)
+                if opt is not None:
+                    self._shadow_state[i] = _copy_state(opt.state.get(p, {}),
+                                                        self._shadow_state[i])
+
+    # ---- buffers ---------------------------------------------------------------
+
+    def _start_buffer_broadcast(self) -> None:
+        self._finish_buffer_broadcast()
+        buffers = self.model._buffers_to_sync
+        self._buffer_stage = torch.cat(
+            [b.detach().reshape(-1).view(torch.uint8) for b in buffers])
+        stage = self._buffer_stage
+        self._buffer_handle = self.model._engine.broadcast(stage.data_ptr(), UINT8,
+                                                           stage.numel(), 0)
+
+    def _finish_buffer_broadcast(self) -> None:
+        if self._buffer_handle is None:
+            return
+        handle, stage = self._buffer_handle, self._buffer_stage
+        self._buffer_handle = self._buffer_stage = None
+        handle.wait()
+        if self.model.rank == 0:
+            return
+        offset = 0
+        with torch.no_grad():
+            for b in self.model._buffers_to_sync:
+                nbytes = b.numel() * b.element_size()
+                b.copy_(stage[offset:offset + nbytes].view(b.dtype).view(b.shape))
+                offset += nbytes

@@ -1,0 +1,65 @@
+"""``wfbp``: wait-free back-propagation with tensor fusion (torch DDP's math)."""
+
+from __future__ import annotations
+
+import torch
+
+from hemiola.schedules.base import Schedule
+
+
+class Wfbp(Schedule):
+    """Buckets are reduced while backward runs; the end of backward waits for
+    the last one, so ``backward()`` returns with every gradient averaged."""
+
+    in_flight = 0
+
+    def __init__(self, model) -> None:  # type: ignore[no-untyped-def]
+        super().__init__(model)
+        # Gradients handed to the engine stay referenced until it wrote back.
+        self._inflight: list[torch.Tensor] = []
+        # Non-contiguous gradients are reduced through a contiguous copy.
+        self._staged: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._rebuilt = not model.config.rebuild_buckets
+
+    def before_forward(self) -> None:
+        m = self.model
+        if (m.config.broadcast_buffers and m._require_sync and torch.is_grad_enabled()
+                and m._buffers_to_sync):
+            m._sync_buffers()
+
+    def mark(self, index: int, grad: torch.Tensor) -> None:
+        if not grad.is_contiguous():
+            staged = grad.contiguous()
+            self._staged.append((grad, staged))
+            grad = staged
+        self._inflight.append(grad)
+        self.model._reducer.mark_ready(index, grad.data_ptr())
+
+    def backward_done(self, iteration: int, unmarked: list[int]) -> None:
+        reducer = self.model._reducer
+        try:
+            reducer.wait(iteration)
+            if unmarked:
+                self._write_back_unused(iteration, unmarked)
+            for grad, staged in self._staged:
+                grad.copy_(staged)
+        finally:
+            self._inflight.clear()
+            self._staged.clear()
+        if not self._rebuilt:
+            reducer.rebuild_from_observed_order()
+            self._rebuilt = True
+
+    def _write_back_unused(self, iteration: int, unmarked: list[int]) -> None:
+        # A parameter this rank did not use but another did gets the average;
+        # one no rank used keeps its .grad as it was (as in DDP).
+        usage = self.model._reducer.usage(iteration)
+        for i in unmarked:
+            if usage[i] == 0:
+                continue
+            p = self.model._params[i]
+            reduced = self.model._reduced(iteration, i)
+            if p.grad is None:
+                p.grad = reduced.clone()
+            else:
+                p.grad.copy_(reduced)
