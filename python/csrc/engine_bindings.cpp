@@ -206,7 +206,12 @@ void bind_engine(py::module_& m) {
           py::arg("specs"), py::arg("fusion_bytes"), py::arg("first_bucket_bytes"),
           py::arg("average") = true, py::arg("track_usage") = false,
           py::arg("record_order") = true, py::arg("in_flight") = 0, py::keep_alive<0, 1>())
-      .def("timeline_json", &Engine::timeline_json);
+      .def("timeline_json", &Engine::timeline_json)
+      .def_property_readonly("timeline_enabled",
+                             [](const Engine& e) { return e.options().timeline; })
+      .def("timeline_now_us", &Engine::timeline_now_us)
+      .def("timeline_record", &Engine::timeline_record, py::arg("lane"), py::arg("name"),
+           py::arg("category"), py::arg("start_us"), py::arg("end_us"));
 }
 
 }  // namespace hemiola::python

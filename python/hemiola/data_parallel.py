@@ -19,6 +19,7 @@ from hemiola._native import C
 from hemiola.config import Config
 from hemiola.schedules import Schedule, make_schedule
 from hemiola.tensors import broadcast_tensors, dtype_code
+from hemiola.timeline import Recorder
 from hemiola.validate import check_module, check_same_model
 
 
@@ -60,6 +61,9 @@ class DataParallel(nn.Module):
             )
         self._require_sync = True
         self._in_backward = False
+        self._backward_start = 0
+        self.timeline_recorder = Recorder(engine)
+        self.timeline_recorder.watch_modules(module)
         self._hook_handles = [
             p.register_post_accumulate_grad_hook(self._make_hook(i))
             for i, p in enumerate(self._params)
@@ -69,7 +73,8 @@ class DataParallel(nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         self._schedule.before_forward()
-        return self.module(*args, **kwargs)
+        with self.timeline_recorder.span("compute", "forward", "forward"):
+            return self.module(*args, **kwargs)
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -132,6 +137,7 @@ class DataParallel(nn.Module):
                 return
             if not self._in_backward:
                 self._in_backward = True
+                self._backward_start = self.timeline_recorder.now()
                 # Runs once, when the whole backward pass has finished.
                 torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
             if grad.is_sparse:
@@ -145,6 +151,7 @@ class DataParallel(nn.Module):
 
     def _finish_backward(self) -> None:
         self._in_backward = False
+        self.timeline_recorder.record("compute", "backward", "backward", self._backward_start)
         reducer = self._reducer
         assert reducer is not None
         unmarked = reducer.unmarked()

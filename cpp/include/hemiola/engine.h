@@ -53,6 +53,11 @@ class HEMIOLA_API Engine {
   // Chrome trace-event JSON ("traceEvents") of what the engine recorded since
   // construction, when EngineOptions::timeline is on.
   std::string timeline_json() const;
+  // Adds a caller's event (e.g. a forward pass) to the timeline, on `lane`.
+  // Times are timeline_now_us() readings. A no-op when the timeline is off.
+  void timeline_record(const std::string& lane, const std::string& name,
+                       const std::string& category, int64_t start_us, int64_t end_us);
+  int64_t timeline_now_us() const;
 
   EngineImpl& impl() { return *impl_; }
 

@@ -175,4 +175,11 @@ std::unique_ptr<Reducer> Engine::make_reducer(const std::vector<GradSpec>& specs
 
 std::string Engine::timeline_json() const { return impl_->timeline().json(rank()); }
 
+void Engine::timeline_record(const std::string& lane, const std::string& name,
+                             const std::string& category, int64_t start_us, int64_t end_us) {
+  impl_->timeline().record(lane, name, category, start_us, end_us);
+}
+
+int64_t Engine::timeline_now_us() const { return impl_->timeline().now_us(); }
+
 }  // namespace hemiola

@@ -161,7 +161,8 @@ class Decoupled(Schedule):
             self._rebuilt = True
             return
         hyper = _hyper_parameters(self._optimizer)
-        self._inner_step()  # from the exact w_t with the local gradient: w~_{t+1}
+        with self.model.timeline_recorder.span("compute", f"local step {iteration}", "step"):
+            self._inner_step()  # from the exact w_t with the local gradient: w~_{t+1}
         self._pending = (iteration, hyper, self._unmarked.pop(iteration, None))
 
     def synchronize(self) -> None:
@@ -182,7 +183,10 @@ class Decoupled(Schedule):
         m = self.model
         opt = self._optimizer
         assert opt is not None
-        m._reducer.wait(iteration)
+        recorder = m.timeline_recorder
+        with recorder.span("compute", f"wait reduction {iteration}", "wait"):
+            m._reducer.wait(iteration)
+        start = recorder.now()
         usage = m._reducer.usage(iteration) if unmarked else None
         params = m._params
         local_grads = [p.grad for p in params]
@@ -201,6 +205,7 @@ class Decoupled(Schedule):
             self._commit_shadow()
             for p, g in zip(params, local_grads):
                 p.grad = g
+        recorder.record("compute", f"exact step {iteration}", "correction", start)
         self._finish_buffer_broadcast()
 
     def _commit_shadow(self) -> None:

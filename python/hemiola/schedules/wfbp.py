@@ -38,7 +38,9 @@ class Wfbp(Schedule):
     def backward_done(self, iteration: int, unmarked: list[int]) -> None:
         reducer = self.model._reducer
         try:
-            reducer.wait(iteration)
+            with self.model.timeline_recorder.span("compute", f"wait reduction {iteration}",
+                                                   "wait"):
+                reducer.wait(iteration)
             if unmarked:
                 self._write_back_unused(iteration, unmarked)
             for grad, staged in self._staged:
