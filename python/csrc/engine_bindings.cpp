@@ -128,6 +128,12 @@ void bind_engine(py::module_& m) {
            py::call_guard<py::gil_scoped_release>())
       .def("wait_all", py::overload_cast<>(&Reducer::wait),
            py::call_guard<py::gil_scoped_release>())
+      .def("wait_bucket", &Reducer::wait_bucket, py::arg("iteration"), py::arg("bucket"),
+           py::call_guard<py::gil_scoped_release>())
+      .def("bucket_done", &Reducer::bucket_done, py::arg("iteration"), py::arg("bucket"))
+      .def("set_issue_order", &Reducer::set_issue_order, py::arg("order"),
+           py::call_guard<py::gil_scoped_release>())
+      .def("issue_order", &Reducer::issue_order)
       .def("abort", &Reducer::abort)
       .def(
           "result_view",

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-SCHEDULES = ("wfbp", "decoupled")
+SCHEDULES = ("wfbp", "priority", "decoupled")
 
 
 @dataclass(frozen=True)
@@ -21,6 +21,10 @@ class Config:
             gradient so the next iteration computes on approximate parameters
             while the all-reduce runs under it, and the exact step lands at the
             following ``optimizer.step()`` (or ``model.synchronize()``).
+            ``"priority"``: wfbp's math, but ``backward()`` does not wait; each
+            bucket's update is applied as soon as it is reduced, the next
+            forward of a module waits only for its own parameters, and the
+            front layers are reduced first once backward is done.
         fusion_mb: Gradients are fused into buckets of at most this many MiB
             (a larger tensor gets a bucket of its own). Like DDP's
             ``bucket_cap_mb``.
@@ -39,6 +43,10 @@ class Config:
             small extra all-reduce per iteration.
         rebuild_buckets: After the first iteration, rebuild the buckets in the
             order gradients actually became ready (rank 0's order).
+        priority_front_fraction: ``priority`` only: the buckets holding this
+            fraction of the gradient bytes, counted from the front layers, are
+            reduced front-first after backward (the rest in backward order,
+            during backward).
         timeline: Record engine events; read them with ``model.timeline()``.
     """
 
@@ -49,6 +57,7 @@ class Config:
     broadcast_buffers: bool = True
     find_unused_parameters: bool = False
     rebuild_buckets: bool = True
+    priority_front_fraction: float = 0.25
     timeline: bool = False
 
     def __post_init__(self) -> None:
@@ -60,6 +69,9 @@ class Config:
             value = getattr(self, name)
             if not value > 0:
                 raise ValueError(f"{name} must be positive, got {value!r}")
+        if not 0.0 <= self.priority_front_fraction <= 1.0:
+            raise ValueError("priority_front_fraction must be in [0, 1], got "
+                             f"{self.priority_front_fraction!r}")
 
     @property
     def fusion_bytes(self) -> int:

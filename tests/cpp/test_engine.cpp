@@ -225,6 +225,39 @@ TEST(Reducer, NextIterationMarksWhileThePreviousOneIsStillReducing) {
   });
 }
 
+TEST(Reducer, CustomIssueOrderAndPerBucketWaits) {
+  // Buckets are issued in the order set (the same on every rank), and each
+  // can be waited for on its own.
+  const int world = 2;
+  run_ranks(world, [&](Engine& e) {
+    std::vector<GradSpec> specs;
+    for (int i = 0; i < 6; ++i) specs.push_back({DType::kFloat32, 100, "p" + std::to_string(i)});
+    ReducerOptions options;
+    options.fusion_bytes = options.first_bucket_bytes = 400;  // one tensor per bucket
+    options.in_flight = 1;
+    auto reducer = e.make_reducer(specs, options);
+    ASSERT_EQ(reducer->buckets().size(), 6u);
+    const std::vector<size_t> order = {0, 1, 2, 5, 4, 3};
+    reducer->set_issue_order(order);
+    EXPECT_EQ(reducer->issue_order(), order);
+    std::vector<std::vector<float>> grads(6, std::vector<float>(100));
+    for (size_t i = 0; i < 6; ++i) {
+      std::fill(grads[i].begin(), grads[i].end(), static_cast<float>(e.rank() + i));
+      reducer->mark_ready(i, grads[i].data(), nullptr);
+    }
+    const int64_t it = reducer->finish_marking();
+    // Bucket 3 (tensor 0, registered first) is issued last here.
+    reducer->wait_bucket(it, 5);
+    for (size_t b = 0; b < 6; ++b) {
+      reducer->wait_bucket(it, b);
+      EXPECT_TRUE(reducer->bucket_done(it, b));
+      const size_t tensor = reducer->buckets()[b][0];
+      EXPECT_FLOAT_EQ(static_cast<const float*>(reducer->result(0, tensor).data)[0],
+                      static_cast<float>(tensor) + 0.5f);
+    }
+  });
+}
+
 TEST(Reducer, FinishingWithMissingGradientsNamesThem) {
   run_ranks(1, [&](Engine& e) {
     std::vector<GradSpec> specs = {{DType::kFloat32, 2, "seen"}, {DType::kFloat32, 2, "lost"}};

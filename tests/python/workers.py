@@ -328,3 +328,11 @@ def irregular_model(rank: int, world: int, schedule: str, opt_name: str,
         opt.step()
     model.synchronize()
     return [p.detach().clone() for p in m.parameters()]
+
+
+def priority_matches_wfbp(rank: int, world: int, model_name: str, opt_name: str,
+                          steps: int) -> float:
+    """Different data per rank: priority is exact, so it must follow wfbp."""
+    a = schedule_run(rank, world, "wfbp", model_name, opt_name, steps, False)
+    b = schedule_run(rank, world, "priority", model_name, opt_name, steps, False)
+    return max((x - y).abs().max().item() for x, y in zip(a["params"], b["params"]))

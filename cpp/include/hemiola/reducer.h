@@ -67,14 +67,19 @@ class HEMIOLA_API Reducer {
   // Blocks until iteration `iteration` is reduced and written back. Throws on
   // failure or after the engine's timeout, naming the pending buckets.
   void wait(uint64_t iteration);
+  // Blocks until bucket `bucket` of `iteration` is reduced (other buckets may
+  // still be in flight); throws like wait(). bucket_done() never blocks.
+  void wait_bucket(uint64_t iteration, size_t bucket);
+  bool bucket_done(uint64_t iteration, size_t bucket) const;
   // finish_marking(), then waits for every iteration submitted so far.
   void wait();
   // Cancels the current iteration: the scheduler stops waiting for buckets
   // that will not become ready. The reducer is unusable afterwards.
   void abort(const std::string& reason);
 
-  // After wait(iteration): the reduced value of `index` inside the reducer's
-  // buffers (valid until iteration + in_flight + 1 starts marking).
+  // Once its bucket is reduced (wait() or wait_bucket()): the reduced value of
+  // `index` inside the reducer's buffers (valid until iteration + in_flight + 1
+  // starts marking).
   TensorRef result(uint64_t iteration, size_t index) const;
   // After wait(iteration) with track_usage: how many ranks produced a
   // gradient for each tensor.
@@ -89,6 +94,11 @@ class HEMIOLA_API Reducer {
   void rebuild_from_observed_order();
   // Local: rebuild the plan so tensors are bucketed in `order`.
   void rebuild(const std::vector<size_t>& order);
+  // The order in which buckets are issued: a permutation of the plan's
+  // buckets (default: plan order). Must be the same on every rank. Reset to
+  // plan order by a rebuild. Call between iterations.
+  void set_issue_order(const std::vector<size_t>& order);
+  std::vector<size_t> issue_order() const;
 
   // Iterations started so far (the next iteration's number).
   uint64_t iterations_started() const;

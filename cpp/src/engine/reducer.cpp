@@ -81,6 +81,8 @@ void ReducerImpl::build(const std::vector<size_t>& order) {
       placement_[plan_[b].tensors[k]] = {b, plan_[b].offsets[k]};
     }
   }
+  issue_order_.resize(plan_.size());
+  for (size_t b = 0; b < plan_.size(); ++b) issue_order_[b] = b;
   flights_.clear();
   for (size_t f = 0; f < options_.in_flight + 1; ++f) {
     auto flight = std::make_unique<Flight>();
@@ -89,6 +91,7 @@ void ReducerImpl::build(const std::vector<size_t>& order) {
       flight->buffers.emplace_back(new unsigned char[std::max<size_t>(bucket.nbytes(), 1)]());
     }
     flight->pending.reset(new std::atomic<int64_t>[plan_.size()]);
+    flight->bucket_done.reset(new std::atomic<bool>[plan_.size()]);
     flight->state.reset(new std::atomic<uint8_t>[specs_.size()]);
     flight->out.assign(specs_.size(), nullptr);
     flight->usage.assign(specs_.size(), 0.0f);
@@ -116,6 +119,7 @@ ReducerImpl::Flight& ReducerImpl::begin_iteration() {
   for (size_t b = 0; b < plan_.size(); ++b) {
     flight.pending[b].store(static_cast<int64_t>(plan_[b].tensors.size()),
                             std::memory_order_relaxed);
+    flight.bucket_done[b].store(false, std::memory_order_relaxed);
   }
   for (size_t i = 0; i < specs_.size(); ++i) {
     flight.state[i].store(kPending, std::memory_order_relaxed);
@@ -199,10 +203,11 @@ void ReducerImpl::run(Flight& flight, Communicator& comm, Timeline& timeline,
       static_cast<int64_t>(engine_.options().timeout_s * 1000.0));
   const size_t count = plan_.size();
   std::vector<bool> ready(count, false);
-  for (size_t b = 0; b < count; ++b) {
-    *current_bucket = b;
-    // Fixed issue order: bucket b goes only after 0..b-1, whatever order
-    // buckets became ready in on this rank.
+  for (size_t position = 0; position < count; ++position) {
+    const size_t b = issue_order_[position];
+    *current_bucket = position;
+    // Fixed issue order: bucket b goes only after the buckets before it in
+    // issue_order_, whatever order buckets became ready in on this rank.
     const auto wait_start = std::chrono::steady_clock::now();
     const int64_t wait_us = timeline.now_us();
     while (!ready[b]) {
@@ -235,6 +240,11 @@ void ReducerImpl::run(Flight& flight, Communicator& comm, Timeline& timeline,
         std::memcpy(out, buffer + plan.offsets[k] * elem, specs_[plan.tensors[k]].numel * elem);
       }
     }
+    {
+      std::lock_guard<std::mutex> lock(flight.bucket_mutex);
+      flight.bucket_done[b].store(true, std::memory_order_release);
+    }
+    flight.bucket_cv.notify_all();
     timeline.record("comm",
                     "allreduce bucket " + std::to_string(b) + " (iteration " +
                         std::to_string(flight.iteration) + ")",
@@ -246,23 +256,25 @@ void ReducerImpl::run(Flight& flight, Communicator& comm, Timeline& timeline,
   }
 }
 
-std::string ReducerImpl::describe(const Flight& flight, size_t from_bucket) const {
+std::string ReducerImpl::describe(const Flight& flight, size_t position) const {
   std::ostringstream out;
   const size_t count = plan_.size();
-  if (from_bucket >= count) {
+  if (position >= count) {
     out << ", at the usage all-reduce after all " << count << " buckets";
     return out.str();
   }
-  const PlannedBucket& plan = plan_[from_bucket];
-  out << ", at bucket " << from_bucket << " of " << count << " (" << dtype_name(plan.dtype) << ", "
-      << plan.nbytes() << " bytes; parameters: " << join_names(specs_, plan.tensors) << ")";
-  if (from_bucket + 1 < count) {
+  const size_t b = issue_order_[position];
+  const PlannedBucket& plan = plan_[b];
+  out << ", at bucket " << b << " (" << position + 1 << " of " << count << " in issue order; "
+      << dtype_name(plan.dtype) << ", " << plan.nbytes()
+      << " bytes; parameters: " << join_names(specs_, plan.tensors) << ")";
+  if (position + 1 < count) {
     std::vector<size_t> rest;
-    for (size_t b = from_bucket + 1; b < count; ++b) {
-      for (size_t t : plan_[b].tensors) rest.push_back(t);
+    for (size_t p = position + 1; p < count; ++p) {
+      for (size_t t : plan_[issue_order_[p]].tensors) rest.push_back(t);
     }
-    out << "; still pending after it: buckets " << from_bucket + 1 << ".." << count - 1
-        << " (parameters: " << join_names(specs_, rest, 4) << ")";
+    out << "; still pending after it: " << count - position - 1
+        << " bucket(s) (parameters: " << join_names(specs_, rest, 4) << ")";
   }
   (void)flight;
   return out.str();
@@ -280,6 +292,50 @@ void ReducerImpl::wait(uint64_t iteration) {
     handle = flight.handle;
   }
   handle.wait();
+}
+
+void ReducerImpl::wait_bucket(uint64_t iteration, size_t bucket) {
+  HEMIOLA_CHECK(bucket < plan_.size(), "bucket ", bucket, " is out of range (", plan_.size(),
+                " buckets)");
+  Flight* flight;
+  Handle handle;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    HEMIOLA_CHECK(iteration < started_.load(), "iteration ", iteration, " has not started");
+    flight = flights_[iteration % flights_.size()].get();
+    if (flight->iteration != iteration) return;  // reused: it completed long ago
+    handle = flight->handle;
+  }
+  // Wake up for the bucket, or for the end of the whole iteration (which is
+  // also how a failure arrives); the handle then rethrows it.
+  std::unique_lock<std::mutex> lock(flight->bucket_mutex);
+  while (!flight->bucket_done[bucket].load(std::memory_order_acquire)) {
+    if (handle.done()) break;
+    flight->bucket_cv.wait_for(lock, std::chrono::milliseconds(50));
+  }
+  lock.unlock();
+  if (!flight->bucket_done[bucket].load(std::memory_order_acquire)) handle.wait();
+}
+
+bool ReducerImpl::bucket_done(uint64_t iteration, size_t bucket) const {
+  HEMIOLA_CHECK(bucket < plan_.size(), "bucket ", bucket, " is out of range");
+  if (iteration >= started_.load()) return false;
+  const Flight& flight = *flights_[iteration % flights_.size()];
+  if (flight.iteration != iteration) return true;  // reused: it completed long ago
+  return flight.bucket_done[bucket].load(std::memory_order_acquire);
+}
+
+void ReducerImpl::set_issue_order(const std::vector<size_t>& order) {
+  check_permutation(order, plan_.size());
+  HEMIOLA_CHECK(!marking(), "set_issue_order while gradients are being marked");
+  wait_all();
+  std::lock_guard<std::mutex> lock(mutex_);
+  issue_order_ = order;
+}
+
+std::vector<size_t> ReducerImpl::issue_order() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return issue_order_;
 }
 
 void ReducerImpl::wait_all() {
@@ -317,8 +373,13 @@ const ReducerImpl::Flight& ReducerImpl::completed_flight(uint64_t iteration) con
 
 TensorRef ReducerImpl::result(uint64_t iteration, size_t index) const {
   HEMIOLA_CHECK(index < specs_.size(), "gradient index ", index, " is out of range");
-  const Flight& flight = completed_flight(iteration);
   const Placement& where = placement_[index];
+  const Flight& flight = *flights_[iteration % flights_.size()];
+  HEMIOLA_CHECK(iteration < started_.load() && flight.iteration == iteration, "iteration ",
+                iteration, "'s results are gone (its buffers were reused by a later iteration)");
+  HEMIOLA_CHECK(flight.bucket_done[where.bucket].load(std::memory_order_acquire), "iteration ",
+                iteration, "'s bucket ", where.bucket, " ('", specs_[index].name,
+                "') is not reduced yet; call wait() or wait_bucket() first");
   const GradSpec& spec = specs_[index];
   return TensorRef{flight.buffers[where.bucket].get() + where.offset * dtype_size(spec.dtype),
                    spec.dtype, spec.numel, Device{}};
@@ -400,6 +461,14 @@ void Reducer::wait() {
   impl_->finish_marking();
   impl_->wait_all();
 }
+void Reducer::wait_bucket(uint64_t iteration, size_t bucket) {
+  impl_->wait_bucket(iteration, bucket);
+}
+bool Reducer::bucket_done(uint64_t iteration, size_t bucket) const {
+  return impl_->bucket_done(iteration, bucket);
+}
+void Reducer::set_issue_order(const std::vector<size_t>& order) { impl_->set_issue_order(order); }
+std::vector<size_t> Reducer::issue_order() const { return impl_->issue_order(); }
 void Reducer::abort(const std::string& reason) { impl_->abort(reason); }
 TensorRef Reducer::result(uint64_t iteration, size_t index) const {
   return impl_->result(iteration, index);

@@ -13,6 +13,7 @@
 #pragma once
 
 #include <atomic>
+#include <condition_variable>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -36,7 +37,11 @@ class ReducerImpl {
   bool marking() const { return marking_.load(std::memory_order_acquire) != nullptr; }
   int64_t finish_marking();
   void wait(uint64_t iteration);
+  void wait_bucket(uint64_t iteration, size_t bucket);
+  bool bucket_done(uint64_t iteration, size_t bucket) const;
   void wait_all();
+  void set_issue_order(const std::vector<size_t>& order);
+  std::vector<size_t> issue_order() const;
   void abort(const std::string& reason);
   TensorRef result(uint64_t iteration, size_t index) const;
   std::vector<int> usage(uint64_t iteration) const;
@@ -65,6 +70,11 @@ class ReducerImpl {
     std::vector<float> usage;                                // per tensor, summed over ranks
     std::unique_ptr<ReadyQueue<uint32_t>> queue;
     Handle handle;
+    // Per bucket: reduced and written back. Set by the scheduler thread;
+    // bucket_cv is notified under bucket_mutex so waiters never miss it.
+    std::unique_ptr<std::atomic<bool>[]> bucket_done;
+    std::mutex bucket_mutex;
+    std::condition_variable bucket_cv;
   };
   class Work;
 
@@ -82,6 +92,7 @@ class ReducerImpl {
 
   // The plan. Replaced only by rebuild(), with no iteration in flight.
   std::vector<PlannedBucket> plan_;
+  std::vector<size_t> issue_order_;  // a permutation of plan_'s indices
   std::vector<Placement> placement_;
   std::vector<std::unique_ptr<Flight>> flights_;  // in_flight + 1
 

@@ -2,6 +2,9 @@
 
 - ``wfbp``: wait-free back-propagation; ``backward()`` returns with averaged
   gradients (torch DDP's behaviour).
+- ``priority``: exact (wfbp's math); each bucket's update is applied when its
+  reduction arrives, the next forward of a module waits only for its own
+  parameters, and the front layers are reduced first after backward.
 - ``decoupled``: the reduction of iteration t runs under the whole of
   iteration t+1, which computes on approximate parameters (the exact ones
   stepped with this rank's own gradient); the exact step lands at the next
@@ -14,16 +17,19 @@ from typing import TYPE_CHECKING
 
 from hemiola.schedules.base import Schedule
 from hemiola.schedules.decoupled import Decoupled
+from hemiola.schedules.priority import Priority
 from hemiola.schedules.wfbp import Wfbp
 
 if TYPE_CHECKING:
     from hemiola.data_parallel import DataParallel
 
-_SCHEDULES: dict[str, type[Schedule]] = {"wfbp": Wfbp, "decoupled": Decoupled}
+_SCHEDULES: dict[str, type[Schedule]] = {
+    "wfbp": Wfbp, "priority": Priority, "decoupled": Decoupled,
+}
 
 
 def make_schedule(name: str, model: DataParallel) -> Schedule:
     return _SCHEDULES[name](model)
 
 
-__all__ = ["Decoupled", "Schedule", "Wfbp", "make_schedule"]
+__all__ = ["Decoupled", "Priority", "Schedule", "Wfbp", "make_schedule"]

@@ -1,10 +1,15 @@
-"""The interface between the wrapped model and a communication schedule."""
+"""The interface between the wrapped model and a communication schedule, and
+helpers shared by the schedules that take over the optimizer's step."""
 
 from __future__ import annotations
 
+import types
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
+
+from hemiola.tensors import UINT8
 
 if TYPE_CHECKING:
     from hemiola.data_parallel import DataParallel
@@ -40,3 +45,98 @@ class Schedule:
 
     def parameters_replaced(self) -> None:
         """The parameters were overwritten (load_state_dict)."""
+
+
+def hyper_parameters(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
+    """A snapshot of every param group's hyper-parameters (lr, momentum, ...)."""
+
+    def copy_value(v: Any) -> Any:
+        return v.clone() if isinstance(v, torch.Tensor) else v
+
+    return [{k: copy_value(v) for k, v in g.items() if k != "params"}
+            for g in optimizer.param_groups]
+
+
+def set_hyper_parameters(optimizer: torch.optim.Optimizer, hyper: list[dict[str, Any]]) -> None:
+    for group, h in zip(optimizer.param_groups, hyper):
+        group.update(h)
+
+
+def take_over_optimizer(schedule: Schedule, optimizer: Any, step: Callable[[], None]) -> Any:
+    """Makes ``optimizer.step()`` call `step` (the schedule decides when and
+    with which gradients the real step runs), and ``state_dict`` /
+    ``load_state_dict`` synchronize first. Returns the original bound step."""
+    name = schedule.model.config.schedule
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise ValueError(
+            f"schedule={name!r} needs the torch.optim.Optimizer that trains the model: it "
+            "takes over the optimizer's step to apply updates when reductions arrive"
+        )
+    ours = {id(p) for p in schedule.model._params}
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if p.requires_grad and id(p) not in ours:
+                raise ValueError(
+                    f"schedule={name!r}: the optimizer holds a trainable parameter that is not "
+                    "a parameter of the wrapped model; wrap the model that owns every parameter "
+                    "the optimizer steps"
+                )
+    inner_step = optimizer.step
+    inner_state_dict = optimizer.state_dict
+    inner_load = optimizer.load_state_dict
+
+    def wrapped_step(opt: torch.optim.Optimizer, closure: Any = None) -> None:
+        if closure is not None:
+            raise ValueError(f"schedule={name!r} does not support optimizer closures")
+        step()
+
+    def state_dict(opt: torch.optim.Optimizer) -> dict[str, Any]:
+        schedule.synchronize()  # the exact state
+        return inner_state_dict()
+
+    def load_state_dict(opt: torch.optim.Optimizer, state: dict[str, Any]) -> None:
+        schedule.synchronize()
+        inner_load(state)
+        schedule.parameters_replaced()
+
+    optimizer.step = types.MethodType(wrapped_step, optimizer)
+    optimizer.state_dict = types.MethodType(state_dict, optimizer)
+    optimizer.load_state_dict = types.MethodType(load_state_dict, optimizer)
+    return inner_step
+
+
+class BufferBroadcast:
+    """Rank 0's buffers, broadcast asynchronously after backward and applied
+    later, so that a forward never waits behind an in-flight reduction."""
+
+    def __init__(self, model: DataParallel) -> None:
+        self.model = model
+        self._stage: torch.Tensor | None = None
+        self._handle: Any = None
+
+    @property
+    def wanted(self) -> bool:
+        m = self.model
+        return bool(m.config.broadcast_buffers and m._buffers_to_sync and m.world_size > 1)
+
+    def start(self) -> None:
+        self.finish()
+        buffers = self.model._buffers_to_sync
+        self._stage = torch.cat([b.detach().reshape(-1).view(torch.uint8) for b in buffers])
+        self._handle = self.model._engine.broadcast(self._stage.data_ptr(), UINT8,
+                                                    self._stage.numel(), 0)
+
+    def finish(self) -> None:
+        if self._handle is None:
+            return
+        handle, stage = self._handle, self._stage
+        self._handle = self._stage = None
+        handle.wait()
+        if self.model.rank == 0:
+            return
+        offset = 0
+        with torch.no_grad():
+            for b in self.model._buffers_to_sync:
+                nbytes = b.numel() * b.element_size()
+                b.copy_(stage[offset:offset + nbytes].view(b.dtype).view(b.shape))
+                offset += nbytes

@@ -27,13 +27,17 @@ lands in ``optimizer.step()`` (after backward) or ``synchronize()``.
 from __future__ import annotations
 
 import copy
-import types
 from typing import Any
 
 import torch
 
-from hemiola.schedules.base import Schedule
-from hemiola.tensors import UINT8
+from hemiola.schedules.base import (
+    BufferBroadcast,
+    Schedule,
+    hyper_parameters,
+    set_hyper_parameters,
+    take_over_optimizer,
+)
 
 
 def _copy_state(src: dict[str, Any], dst: dict[str, Any] | None) -> dict[str, Any]:
@@ -50,14 +54,6 @@ def _copy_state(src: dict[str, Any], dst: dict[str, Any] | None) -> dict[str, An
         else:
             out[key] = copy.deepcopy(value)
     return out
-
-
-def _hyper_parameters(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
-    def copy_value(v: Any) -> Any:
-        return v.clone() if isinstance(v, torch.Tensor) else v
-
-    return [{k: copy_value(v) for k, v in g.items() if k != "params"}
-            for g in optimizer.param_groups]
 
 
 class Decoupled(Schedule):
@@ -78,10 +74,8 @@ class Decoupled(Schedule):
         self._pending: tuple[int, list[dict[str, Any]], list[int] | None] | None = None
         self._unmarked: dict[int, list[int]] = {}
         self._rebuilt = not model.config.rebuild_buckets
-        # Buffers: rank 0's, broadcast asynchronously after backward, applied
-        # with the next exact step (a forward never waits for communication).
-        self._buffer_stage: torch.Tensor | None = None
-        self._buffer_handle: Any = None
+        # Rank 0's buffers arrive with the next exact step.
+        self._buffers = BufferBroadcast(model)
 
     # ---- model side ----------------------------------------------------------
 
@@ -95,48 +89,12 @@ class Decoupled(Schedule):
         self._finished = iteration
         if unmarked:
             self._unmarked[iteration] = unmarked
-        m = self.model
-        if m.config.broadcast_buffers and m._buffers_to_sync and m.world_size > 1:
-            self._start_buffer_broadcast()
+        if self._buffers.wanted:
+            self._buffers.start()
 
     def wrap_optimizer(self, optimizer: Any) -> Any:
-        if not isinstance(optimizer, torch.optim.Optimizer):
-            raise ValueError(
-                "schedule='decoupled' needs the torch.optim.Optimizer that trains the model: "
-                "it takes the optimizer's step to apply the exact update one iteration later"
-            )
-        ours = {id(p) for p in self.model._params}
-        for group in optimizer.param_groups:
-            for p in group["params"]:
-                if p.requires_grad and id(p) not in ours:
-                    raise ValueError(
-                        "schedule='decoupled': the optimizer holds a trainable parameter that "
-                        "is not a parameter of the wrapped model; wrap the model that owns "
-                        "every parameter the optimizer steps"
-                    )
+        self._inner_step = take_over_optimizer(self, optimizer, self.step)
         self._optimizer = optimizer
-        self._inner_step = optimizer.step
-        inner_state_dict = optimizer.state_dict
-        inner_load = optimizer.load_state_dict
-        schedule = self
-
-        def step(opt: torch.optim.Optimizer, closure: Any = None) -> None:
-            if closure is not None:
-                raise ValueError("schedule='decoupled' does not support optimizer closures")
-            schedule.step()
-
-        def state_dict(opt: torch.optim.Optimizer) -> dict[str, Any]:
-            schedule.synchronize()  # the exact state, not the approximate one
-            return inner_state_dict()
-
-        def load_state_dict(opt: torch.optim.Optimizer, state: dict[str, Any]) -> None:
-            schedule.synchronize()
-            inner_load(state)
-            schedule.parameters_replaced()
-
-        optimizer.step = types.MethodType(step, optimizer)  # type: ignore[method-assign]
-        optimizer.state_dict = types.MethodType(state_dict, optimizer)  # type: ignore[method-assign]
-        optimizer.load_state_dict = types.MethodType(load_state_dict, optimizer)  # type: ignore[method-assign]
         return optimizer
 
     # ---- optimizer side ------------------------------------------------------
@@ -154,13 +112,13 @@ class Decoupled(Schedule):
             # The first iteration runs synchronously: its exact step is taken
             # at once, then the buckets are rebuilt in the observed order
             # (which needs every reduction finished).
-            self._pending = (iteration, _hyper_parameters(self._optimizer),
+            self._pending = (iteration, hyper_parameters(self._optimizer),
                              self._unmarked.pop(iteration, None))
             self._land()
             self.model._reducer.rebuild_from_observed_order()
             self._rebuilt = True
             return
-        hyper = _hyper_parameters(self._optimizer)
+        hyper = hyper_parameters(self._optimizer)
         with self.model.timeline_recorder.span("compute", f"local step {iteration}", "step"):
             self._inner_step()  # from the exact w_t with the local gradient: w~_{t+1}
         self._pending = (iteration, hyper, self._unmarked.pop(iteration, None))
@@ -190,23 +148,21 @@ class Decoupled(Schedule):
         usage = m._reducer.usage(iteration) if unmarked else None
         params = m._params
         local_grads = [p.grad for p in params]
-        current_hyper = _hyper_parameters(opt)
+        current_hyper = hyper_parameters(opt)
         with torch.no_grad():
             for i, p in enumerate(params):
                 p.copy_(self._shadow_params[i])
                 opt.state[p] = _copy_state(self._shadow_state[i], opt.state.get(p))
                 globally_unused = usage is not None and usage[i] == 0
                 p.grad = None if globally_unused else m._reduced(iteration, i)
-            for group, h in zip(opt.param_groups, hyper):
-                group.update(h)
+            set_hyper_parameters(opt, hyper)
             self._inner_step()
-            for group, h in zip(opt.param_groups, current_hyper):
-                group.update(h)
+            set_hyper_parameters(opt, current_hyper)
             self._commit_shadow()
             for p, g in zip(params, local_grads):
                 p.grad = g
         recorder.record("compute", f"exact step {iteration}", "correction", start)
-        self._finish_buffer_broadcast()
+        self._buffers.finish()
 
     def _commit_shadow(self) -> None:
         """The live parameters and optimizer state are exact: remember them."""
@@ -217,29 +173,3 @@ class Decoupled(Schedule):
                 if opt is not None:
                     self._shadow_state[i] = _copy_state(opt.state.get(p, {}),
                                                         self._shadow_state[i])
-
-    # ---- buffers ---------------------------------------------------------------
-
-    def _start_buffer_broadcast(self) -> None:
-        self._finish_buffer_broadcast()
-        buffers = self.model._buffers_to_sync
-        self._buffer_stage = torch.cat(
-            [b.detach().reshape(-1).view(torch.uint8) for b in buffers])
-        stage = self._buffer_stage
-        self._buffer_handle = self.model._engine.broadcast(stage.data_ptr(), UINT8,
-                                                           stage.numel(), 0)
-
-    def _finish_buffer_broadcast(self) -> None:
-        if self._buffer_handle is None:
-            return
-        handle, stage = self._buffer_handle, self._buffer_stage
-        self._buffer_handle = self._buffer_stage = None
-        handle.wait()
-        if self.model.rank == 0:
-            return
-        offset = 0
-        with torch.no_grad():
-            for b in self.model._buffers_to_sync:
-                nbytes = b.numel() * b.element_size()
-                b.copy_(stage[offset:offset + nbytes].view(b.dtype).view(b.shape))
-                offset += nbytes

@@ -1,12 +1,14 @@
-"""The decoupled schedule: exact where it must be, identical across ranks."""
+"""The decoupled and priority schedules: exact where they must be, identical
+across ranks, on regular and irregular modules."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-import workers
 
 from hemiola.launch import run_local
+
+import workers
 
 
 @pytest.mark.parametrize("model,optimizer", [
@@ -21,9 +23,21 @@ def test_equals_wfbp_when_every_rank_sees_the_same_data(model: str, optimizer: s
         assert r["max_loss_diff"] < 1e-4, r
 
 
+@pytest.mark.parametrize("model,optimizer", [
+    ("mlp", "sgd"), ("cnn", "nesterov"), ("transformer", "adamw"), ("cnn", "rmsprop"),
+])
+@pytest.mark.parametrize("world", [2, 3])
+def test_priority_equals_wfbp(world: int, model: str, optimizer: str) -> None:
+    results = run_local(workers.priority_matches_wfbp, world, model, optimizer, 8, timeout_s=240)
+    for rank, diff in results.items():
+        assert diff < 1e-6, f"rank {rank}: priority differs from wfbp by {diff}"
+
+
+@pytest.mark.parametrize("schedule", ["decoupled", "priority"])
 @pytest.mark.parametrize("optimizer", ["sgd", "nesterov", "adam", "adamw", "rmsprop"])
-def test_ranks_hold_bitwise_identical_parameters_after_synchronize(optimizer: str) -> None:
-    results = run_local(workers.schedule_run, 3, "decoupled", "cnn", optimizer, 7, False,
+def test_ranks_hold_bitwise_identical_parameters_after_synchronize(schedule: str,
+                                                                   optimizer: str) -> None:
+    results = run_local(workers.schedule_run, 3, schedule, "cnn", optimizer, 7, False,
                         timeout_s=240)
     for rank in (1, 2):
         for a, b in zip(results[0]["params"], results[rank]["params"]):
@@ -43,7 +57,7 @@ def test_decoupled_trains_and_differs_from_wfbp_only_by_the_approximation() -> N
     assert 0 < diff < 0.05
 
 
-@pytest.mark.parametrize("schedule", ["wfbp", "decoupled"])
+@pytest.mark.parametrize("schedule", ["wfbp", "priority", "decoupled"])
 def test_irregular_modules(schedule: str) -> None:
     results = run_local(workers.irregular_model, 2, schedule, "adamw", 6, timeout_s=120)
     for a, b in zip(results[0], results[1]):

@@ -1,0 +1,197 @@
+"""``priority``: exact synchronous SGD with layer-wise overlap (the
+ByteScheduler / P3 idea, with a fixed order instead of a tuned one).
+
+Same math as ``wfbp``, different timing:
+
+- ``backward()`` returns without waiting; ``optimizer.step()`` applies the
+  update of each bucket whose reduction has arrived and defers the rest.
+- The next forward of a module waits only for its own parameters' buckets
+  (a forward pre-hook waits for them and applies their update), so the front
+  layers compute while the rest is still being reduced.
+- Front layers get priority: after the bucket plan is rebuilt in backward
+  order, the buckets that hold the first ``priority_front_fraction`` of the
+  gradient bytes (the front layers, whose gradients are ready last) are
+  issued front-first once backward is done, instead of back-to-front. The
+  issue order is a fixed permutation derived from the plan, so it is the same
+  on every rank without negotiation.
+
+Each bucket's update is the user's own optimizer stepping only that bucket's
+parameters (the others' gradients are hidden), with the hyper-parameters of
+the iteration it belongs to, so every ``torch.optim`` optimizer whose update
+is per parameter works, LR schedulers included.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from hemiola.schedules.base import (
+    BufferBroadcast,
+    Schedule,
+    hyper_parameters,
+    set_hyper_parameters,
+    take_over_optimizer,
+)
+
+
+class _Pending:
+    """An iteration whose update is partly applied."""
+
+    def __init__(self, iteration: int, hyper: list[dict[str, Any]], unmarked: list[int] | None,
+                 buckets: int) -> None:
+        self.iteration = iteration
+        self.hyper = hyper
+        self.unmarked = unmarked
+        self.remaining = set(range(buckets))
+
+
+class Priority(Schedule):
+    """The priority schedule; see the module docstring."""
+
+    in_flight = 1
+
+    def __init__(self, model) -> None:  # type: ignore[no-untyped-def]
+        super().__init__(model)
+        self._optimizer: torch.optim.Optimizer | None = None
+        self._inner_step: Any = None
+        self._finished: int | None = None
+        self._unmarked: dict[int, list[int]] = {}
+        self._pending: _Pending | None = None
+        self._rebuilt = not model.config.rebuild_buckets
+        self._buffers = BufferBroadcast(model)
+        self._bucket_of: list[int] = []
+        index_of = {id(p): i for i, p in enumerate(model._params)}
+        # Forward pre-hooks: a module waits only for the parameters it owns.
+        for module in model.module.modules():
+            owned = [index_of[id(p)] for p in module.parameters(recurse=False)
+                     if id(p) in index_of]
+            if owned:
+                module.register_forward_pre_hook(self._pre_forward_hook(owned))
+
+    # ---- model side ----------------------------------------------------------
+
+    def mark(self, index: int, grad: torch.Tensor) -> None:
+        source = grad if grad.is_contiguous() else grad.contiguous()
+        self.model._reducer.mark_ready_to(index, source.data_ptr(), 0)
+
+    def backward_done(self, iteration: int, unmarked: list[int]) -> None:
+        self._finished = iteration
+        if unmarked:
+            self._unmarked[iteration] = unmarked
+        if self._buffers.wanted:
+            self._buffers.start()
+
+    def wrap_optimizer(self, optimizer: Any) -> Any:
+        self._inner_step = take_over_optimizer(self, optimizer, self.step)
+        self._optimizer = optimizer
+        return optimizer
+
+    def synchronize(self) -> None:
+        self._apply_all()
+
+    def parameters_replaced(self) -> None:
+        self._pending = None
+
+    def _pre_forward_hook(self, owned: list[int]) -> Any:
+        def hook(module: nn.Module, args: Any) -> None:
+            pending = self._pending
+            if pending is None or not pending.remaining:
+                return
+            for b in sorted({self._bucket_of[i] for i in owned}):
+                if b in pending.remaining:
+                    self._apply(pending, b, wait=True)
+        return hook
+
+    # ---- optimizer side ------------------------------------------------------
+
+    def step(self) -> None:
+        self._apply_all()  # whatever the previous iteration left (rare)
+        iteration, self._finished = self._finished, None
+        if iteration is None:  # no synchronised backward since the last step
+            self._inner_step()
+            return
+        self._refresh_buckets()
+        pending = _Pending(iteration, hyper_parameters(self._optimizer),
+                           self._unmarked.pop(iteration, None), len(self._bucket_of_buckets))
+        self._pending = pending
+        if not self._rebuilt:
+            # The first iteration runs synchronously; then the buckets are
+            # rebuilt in the observed order and the issue order is derived.
+            self._apply_all()
+            reducer = self.model._reducer
+            reducer.rebuild_from_observed_order()
+            self._refresh_buckets()
+            reducer.set_issue_order(self._priority_order())
+            self._rebuilt = True
+            return
+        for b in sorted(pending.remaining):
+            if self.model._reducer.bucket_done(iteration, b):
+                self._apply(pending, b, wait=False)
+
+    def _refresh_buckets(self) -> None:
+        self._bucket_of_buckets = self.model._reducer.buckets()
+        self._bucket_of = [0] * len(self.model._params)
+        for b, members in enumerate(self._bucket_of_buckets):
+            for i in members:
+                self._bucket_of[i] = b
+
+    def _priority_order(self) -> list[int]:
+        """Plan order (backward order), except that the buckets holding the
+        front layers' first `priority_front_fraction` of the bytes go last,
+        front-most first."""
+        buckets = self._bucket_of_buckets
+        params = self.model._params
+        sizes = [sum(params[i].numel() * params[i].element_size() for i in b) for b in buckets]
+        budget = self.model.config.priority_front_fraction * sum(sizes)
+        tail: list[int] = []
+        covered = 0.0
+        for b in reversed(range(len(buckets))):  # the last buckets hold the front layers
+            if covered >= budget or len(tail) == len(buckets) - 1:
+                break
+            tail.append(b)
+            covered += sizes[b]
+        head = [b for b in range(len(buckets)) if b not in set(tail)]
+        return head + tail  # tail is already front-most first
+
+    def _apply_all(self) -> None:
+        pending = self._pending
+        if pending is None:
+            return
+        for b in self.model._reducer.issue_order():
+            if b in pending.remaining:
+                self._apply(pending, b, wait=True)
+        self._pending = None
+        self._buffers.finish()
+
+    def _apply(self, pending: _Pending, bucket: int, wait: bool) -> None:
+        """Steps the optimizer on bucket `bucket`'s parameters only."""
+        m = self.model
+        reducer = m._reducer
+        recorder = m.timeline_recorder
+        if wait:
+            with recorder.span("compute", f"wait bucket {bucket} ({pending.iteration})", "wait"):
+                if pending.unmarked:
+                    reducer.wait(pending.iteration)  # usage counts come at the very end
+                else:
+                    reducer.wait_bucket(pending.iteration, bucket)
+        usage = reducer.usage(pending.iteration) if pending.unmarked else None
+        start = recorder.now()
+        opt = self._optimizer
+        assert opt is not None
+        members = set(self._bucket_of_buckets[bucket])
+        saved = [p.grad for p in m._params]
+        current_hyper = hyper_parameters(opt)
+        with torch.no_grad():
+            for i, p in enumerate(m._params):
+                used = i in members and (usage is None or usage[i] > 0)
+                p.grad = m._reduced(pending.iteration, i) if used else None
+            set_hyper_parameters(opt, pending.hyper)
+            self._inner_step()
+            set_hyper_parameters(opt, current_hyper)
+            for p, g in zip(m._params, saved):
+                p.grad = g
+        pending.remaining.discard(bucket)
+        recorder.record("compute", f"update bucket {bucket} ({pending.iteration})", "step", start)
