@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -46,7 +47,7 @@ from wfbp_vs_ddp import make_model as make_wfbp_model
 #: Batch of the ``mlp`` model, chosen so that on the development machine its
 #: compute alone takes about as long as its all-reduce at 1 Gbit/s (see
 #: bench/BANDWIDTH.md for how it was measured).
-MLP_BATCH = 768
+MLP_BATCH = 896
 MODELS = {
     "mlp": "4.2M-parameter MLP (16.8 MB of gradients): communication ~ computation at 1 Gbit/s",
     "cnn": "0.39M-parameter CNN (1.6 MB of gradients): computation dominates",
@@ -247,6 +248,8 @@ def main() -> None:
         parser.error(f"unknown schedule(s) {', '.join(unknown)}; known: {', '.join(SCHEDULES)}")
     if args.iterations < args.blocks:
         parser.error("--iterations must be at least --blocks")
+    # SIGTERM (e.g. from `timeout`) unwinds like Ctrl-C, so the namespaces are removed.
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     # Rank 0 hosts the store itself (torch's env:// default).
     os.environ.pop("TORCHELASTIC_USE_AGENT_STORE", None)
     rows = []
