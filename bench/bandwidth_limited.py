@@ -1,0 +1,272 @@
+"""Iteration time over a real, rate-limited network on one machine: torch DDP,
+each hemiola schedule, compute alone and communication alone, in the same run.
+
+    python bench/bandwidth_limited.py --rates 1gbit,5gbit --iterations 20
+
+Needs root. For each rate, N network namespaces are joined through veth pairs
+limited by ``tc tbf`` (bench/netlab.py); for each model, one fresh interpreter
+per rank runs inside its namespace. Rank 0 hosts torch's TCPStore (env://) at
+its namespace's address, and every rank's Gloo (torch's and hemiola's) binds
+its veth. Each rank alternates blocks of iterations of every variant, with a
+barrier before each block:
+
+- ``ddp``: torch DistributedDataParallel over Gloo;
+- ``hemiola_<schedule>``: ``hemiola.wrap(..., schedule=<schedule>)``, for each
+  schedule in ``--schedules`` (default: all of ``hemiola.config.SCHEDULES``);
+- ``compute``: the bare model, no communication;
+- ``comm``: one all-reduce (average) through a hemiola engine of a flat
+  float32 buffer as large as all the gradients, no computation.
+
+DDP and hemiola use the same bucket cap, ``--fusion-mb`` (default 25 MiB, the
+default of both).
+The lower bound of an iteration is max(compute, comm) (medians). Rank 0's
+medians are reported. Writes bench/results/bandwidth_limited.jsonl and .png
+and prints a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from common import RESULTS, median, write_results
+from netlab import Network
+from torch import nn
+from wfbp_vs_ddp import _iterations
+from wfbp_vs_ddp import make_model as make_wfbp_model
+
+#: Batch of the ``mlp`` model, chosen so that on the development machine its
+#: compute alone takes about as long as its all-reduce at 1 Gbit/s (see
+#: bench/BANDWIDTH.md for how it was measured).
+MLP_BATCH = 896
+MODELS = {
+    "mlp": "4.2M-parameter MLP (16.8 MB of gradients): communication ~ computation at 1 Gbit/s",
+    "cnn": "0.39M-parameter CNN (1.6 MB of gradients): computation dominates",
+}
+RESULT_TAG = "RESULT "
+
+
+def make_model(name: str, mlp_batch: int) -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
+    """A model of MODELS and one batch for it (per rank), the same on every rank."""
+    if name == "cnn":  # bench/wfbp_vs_ddp.py's CNN, batch 16 of 32x32 images
+        return make_wfbp_model("cnn")
+    if name == "mlp":  # four 1024x1024 layers and a classifier
+        torch.manual_seed(0)
+        layers: list[nn.Module] = []
+        for _ in range(4):
+            layers += [nn.Linear(1024, 1024), nn.ReLU()]
+        model = nn.Sequential(*layers, nn.Linear(1024, 10))
+        x = torch.randn(mlp_batch, 1024)
+        y = torch.randint(0, 10, (mlp_batch,))
+        return model, x, y
+    raise ValueError(f"unknown model {name!r}; known: {', '.join(MODELS)}")
+
+
+def worker(config: dict[str, Any]) -> dict[str, Any]:
+    """One rank (RANK, WORLD_SIZE, MASTER_* and GLOO_SOCKET_IFNAME in the environment)."""
+    import torch.distributed as dist
+
+    import hemiola
+    from hemiola._native import C
+    from hemiola.distributed import new_engine
+    from hemiola.tensors import dtype_code
+
+    torch.set_num_threads(1)
+    hemiola.init()
+    name, schedules = config["model"], config["schedules"]
+    variants: dict[str, tuple[nn.Module, torch.optim.Optimizer, torch.Tensor, torch.Tensor]] = {}
+    for variant in ["ddp", *[f"hemiola_{s}" for s in schedules], "compute"]:
+        model, x, y = make_model(name, config["mlp_batch"])
+        if variant == "ddp":
+            model = nn.parallel.DistributedDataParallel(model,
+                                                        bucket_cap_mb=config["fusion_mb"])
+        opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+        if variant.startswith("hemiola_"):
+            model, opt = hemiola.wrap(model, opt, schedule=variant[len("hemiola_"):],
+                                      fusion_mb=config["fusion_mb"])
+        variants[variant] = (model, opt, x, y)
+    params = sum(p.numel() for p in variants["compute"][0].parameters() if p.requires_grad)
+    engine, _store = new_engine(timeout_s=300.0)
+    flat = torch.zeros(params, dtype=torch.float32)
+
+    def comm(n: int) -> list[float]:
+        times = []
+        for _ in range(n):
+            start = time.perf_counter()
+            engine.all_reduce(flat.data_ptr(), dtype_code(torch.float32), flat.numel(),
+                              C.ReduceOp.average).wait()
+            times.append(time.perf_counter() - start)
+        return times
+
+    def block(variant: str, n: int) -> list[float]:
+        if variant == "comm":
+            return comm(n)
+        model, opt, x, y = variants[variant]
+        return _iterations(model, opt, x, y, n)
+
+    order = [*variants, "comm"]
+    for variant in order:  # warm-up (and bucket rebuild)
+        block(variant, 2)
+    samples: dict[str, list[float]] = {v: [] for v in order}
+    blocks = config["blocks"]
+    for b in range(blocks):
+        per_block = config["iterations"] // blocks + (b < config["iterations"] % blocks)
+        for variant in order if b % 2 == 0 else reversed(order):
+            dist.barrier()
+            samples[variant] += block(variant, per_block)
+    dist.barrier()
+    return {"params": params, "batch": int(variants["compute"][2].shape[0]),
+            **{f"{v}_ms": 1e3 * median(s) for v, s in samples.items()}}
+
+
+def run_model(net: Network, model: str, args: argparse.Namespace, port: int) -> dict[str, Any]:
+    """Runs the ranks of one model inside `net`'s namespaces; returns rank 0's medians."""
+    config = {"model": model, "schedules": args.schedules, "iterations": args.iterations,
+              "blocks": args.blocks, "mlp_batch": args.mlp_batch, "fusion_mb": args.fusion_mb}
+    logs = [tempfile.TemporaryFile("w+") for _ in range(net.n)]
+    procs = []
+    for rank in range(net.n):
+        env = {"RANK": str(rank), "WORLD_SIZE": str(net.n), "MASTER_ADDR": net.addrs[0],
+               "MASTER_PORT": str(port), "GLOO_SOCKET_IFNAME": net.ifaces[rank],
+               "OMP_NUM_THREADS": "1"}
+        procs.append(net.popen(rank, [sys.executable, __file__, "--worker", json.dumps(config)],
+                               env=env, stdout=logs[rank], stderr=subprocess.STDOUT))
+    deadline = time.monotonic() + args.timeout_s
+    while any(p.poll() is None for p in procs):
+        failed = [r for r, p in enumerate(procs) if p.returncode not in (None, 0)]
+        if failed or time.monotonic() > deadline:
+            rank = failed[0] if failed else 0
+            logs[rank].seek(0)
+            raise RuntimeError(f"rank {rank} " + (f"exited with {procs[rank].returncode}"
+                               if failed else f"still running after {args.timeout_s} s")
+                               + f"; its output ends:\n{logs[rank].read()[-4000:]}")
+        time.sleep(0.2)
+    for rank, (proc, log) in enumerate(zip(procs, logs)):
+        log.seek(0)
+        text = log.read()
+        if proc.returncode != 0:
+            raise RuntimeError(f"rank {rank} exited with {proc.returncode}:\n{text[-4000:]}")
+        if rank == 0:
+            result = text
+    lines = [line for line in result.splitlines() if line.startswith(RESULT_TAG)]
+    return dict(json.loads(lines[-1][len(RESULT_TAG):]))
+
+
+def summarise(rate: str, model: str, world: int, schedules: list[str], iterations: int,
+              result: dict[str, Any]) -> dict[str, Any]:
+    """A result row: the medians, the lower bound and every schedule's ratios."""
+    bound = max(result["compute_ms"], result["comm_ms"])
+    row = {"bench": "bandwidth_limited", "rate": rate, "model": model, "world": world,
+           "iterations": iterations, **result, "grad_mb": 4 * result["params"] / 1e6,
+           "lower_bound_ms": bound, "ddp_vs_bound": result["ddp_ms"] / bound}
+    for s in schedules:
+        ms = result[f"hemiola_{s}_ms"]
+        row[f"hemiola_{s}_vs_ddp"] = ms / result["ddp_ms"]
+        row[f"hemiola_{s}_vs_bound"] = ms / bound
+    return row
+
+
+def print_table(rows: list[dict[str, Any]], schedules: list[str]) -> None:
+    """A markdown table of every row (times in ms)."""
+    head = ["rate", "model", "compute", "comm", "bound", "DDP", "DDP/bound"]
+    for s in schedules:
+        head += [s, f"{s}/DDP", f"{s}/bound"]
+    print("| " + " | ".join(head) + " |")
+    print("|" + "---|" * len(head))
+    for r in rows:
+        cells = [r["rate"], r["model"], *(f"{r[k]:.1f}" for k in
+                 ("compute_ms", "comm_ms", "lower_bound_ms", "ddp_ms")), f"{r['ddp_vs_bound']:.2f}"]
+        for s in schedules:
+            cells += [f"{r[f'hemiola_{s}_ms']:.1f}", f"{r[f'hemiola_{s}_vs_ddp']:.2f}",
+                      f"{r[f'hemiola_{s}_vs_bound']:.2f}"]
+        print("| " + " | ".join(cells) + " |")
+
+
+def plot(rows: list[dict[str, Any]], schedules: list[str], path: Path) -> None:
+    """Grouped bars: per model, one group per rate, one bar per variant."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    models = list(dict.fromkeys(r["model"] for r in rows))
+    keys = ["compute_ms", "comm_ms", "lower_bound_ms", "ddp_ms",
+            *[f"hemiola_{s}_ms" for s in schedules]]
+    labels = ["compute alone", "comm alone", "lower bound", "torch DDP",
+              *[f"hemiola {s}" for s in schedules]]
+    fig, axes = plt.subplots(1, len(models), figsize=(6 * len(models), 4), squeeze=False)
+    width = 0.8 / len(keys)
+    for ax, model in zip(axes[0], models):
+        mrows = [r for r in rows if r["model"] == model]
+        for k, (key, label) in enumerate(zip(keys, labels)):
+            ax.bar([i + k * width for i in range(len(mrows))], [r[key] for r in mrows], width,
+                   label=label, hatch="//" if key == "lower_bound_ms" else None)
+        ax.set_xticks([i + width * (len(keys) - 1) / 2 for i in range(len(mrows))],
+                      [r["rate"] for r in mrows])
+        ax.set_title(f"{model} ({mrows[0]['world']} ranks)")
+        ax.set_ylabel("median iteration time (ms)")
+    axes[0][0].legend(fontsize="small")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main() -> None:
+    from hemiola.config import SCHEDULES
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rates", default="1gbit,5gbit", help="tc rates, comma-separated")
+    parser.add_argument("--models", default=",".join(MODELS), help=", ".join(MODELS))
+    parser.add_argument("--schedules", default=",".join(SCHEDULES),
+                        help=f"hemiola schedules (default: all of {', '.join(SCHEDULES)})")
+    parser.add_argument("--iterations", type=int, default=20,
+                        help="measured iterations per variant (after 2 of warm-up)")
+    parser.add_argument("--blocks", type=int, default=4,
+                        help="alternating blocks the iterations are split into")
+    parser.add_argument("--world-size", type=int, default=2)
+    parser.add_argument("--fusion-mb", type=float, default=25.0,
+                        help="bucket cap in MiB of DDP (bucket_cap_mb) and hemiola (fusion_mb)")
+    parser.add_argument("--mlp-batch", type=int, default=MLP_BATCH)
+    parser.add_argument("--timeout-s", type=float, default=1800.0, help="per rate and model")
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker is not None:
+        print(RESULT_TAG + json.dumps(worker(json.loads(args.worker))), flush=True)
+        return
+    args.schedules = [s for s in args.schedules.split(",") if s]
+    unknown = sorted(set(args.schedules) - set(SCHEDULES))
+    if unknown:
+        parser.error(f"unknown schedule(s) {', '.join(unknown)}; known: {', '.join(SCHEDULES)}")
+    if args.iterations < args.blocks:
+        parser.error("--iterations must be at least --blocks")
+    # SIGTERM (e.g. from `timeout`) unwinds like Ctrl-C, so the namespaces are removed.
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+    # Rank 0 hosts the store itself (torch's env:// default).
+    os.environ.pop("TORCHELASTIC_USE_AGENT_STORE", None)
+    rows = []
+    for rate in args.rates.split(","):
+        with Network(args.world_size, rate) as net:
+            for k, model in enumerate(args.models.split(",")):
+                result = run_model(net, model, args, port=29500 + k)
+                rows.append(summarise(rate, model, args.world_size, args.schedules,
+                                      args.iterations, result))
+                print(f"{rate:>7s} {model:4s}: " + "  ".join(
+                    f"{key[:-3]} {value:.1f} ms" for key, value in result.items()
+                    if key.endswith("_ms")), flush=True)
+    print_table(rows, args.schedules)
+    path = write_results("bandwidth_limited", rows)
+    plot(rows, args.schedules, RESULTS / "bandwidth_limited.png")
+    print(f"wrote {path} and {RESULTS / 'bandwidth_limited.png'}")
+
+
+if __name__ == "__main__":
+    main()

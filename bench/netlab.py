@@ -1,0 +1,164 @@
+"""A rate-limited network of Linux network namespaces on this one machine.
+
+    with Network(2, rate="1gbit") as net:
+        proc = net.popen(0, [sys.executable, "-c", "..."], env={"RANK": "0"})
+
+creates, for each of the N ranks, a namespace ``hemiola-bench-<tag>-<i>``
+holding one end of a veth pair (``net.ifaces[i]``, address ``net.addrs[i]`` in
+10.233.0.0/24, and ``lo`` up); the other ends are enslaved to a bridge in a
+namespace of its own, ``hemiola-bench-<tag>-br``. Both ends of every pair get
+``tc qdisc ... root tbf rate <rate> burst 256kb latency 50ms``, so each rank
+sends and receives at most ``rate``. Nothing is created in the root namespace,
+and the namespaces have no route out: traffic only ever reaches the addresses
+of the namespaces created here.
+
+Everything is removed on exit, also on exceptions and KeyboardInterrupt:
+processes started with :meth:`Network.popen` are killed first, then the
+namespaces (and with them their interfaces) are deleted. Needs root and
+iproute2's ``ip`` and ``tc``.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import uuid
+from collections.abc import Mapping, Sequence
+from types import TracebackType
+
+PREFIX = "hemiola-bench-"
+SUBNET = "10.233.0"  # a private /24; rank i has SUBNET.(i + 1)
+
+
+class NetlabError(RuntimeError):
+    """Setting up the namespaces failed, or this process may not do it."""
+
+
+def available() -> str | None:
+    """None when namespaces can be created here, else the reason they cannot."""
+    if os.geteuid() != 0:
+        return "network namespaces need root (run as root or with sudo)"
+    for tool in ("ip", "tc"):
+        if shutil.which(tool) is None:
+            return f"`{tool}` (iproute2) is not installed"
+    probe = f"{PREFIX}probe-{uuid.uuid4().hex[:6]}"
+    result = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True)
+    if result.returncode != 0:
+        return f"`ip netns add` failed: {result.stderr.strip()}"
+    subprocess.run(["ip", "netns", "del", probe], capture_output=True)
+    return None
+
+
+def _run(*command: str) -> None:
+    result = subprocess.run(command, capture_output=True, text=True)
+    if result.returncode != 0:
+        raise NetlabError(f"`{' '.join(command)}` failed: {result.stderr.strip()}")
+
+
+class Network:
+    """N namespaces joined by a bridge through rate-limited veth pairs.
+
+    Attributes (valid inside the ``with`` block):
+        namespaces: the rank namespaces, ``hemiola-bench-<tag>-<i>``.
+        ifaces: the rank end of each veth pair (inside its namespace); set
+            ``GLOO_SOCKET_IFNAME`` to it.
+        addrs: the IPv4 address of each rank namespace.
+        bridge_namespace: the namespace that holds the bridge.
+    """
+
+    def __init__(self, n: int, rate: str = "1gbit") -> None:
+        if not 1 <= n <= 250:
+            raise ValueError(f"between 1 and 250 namespaces, got {n}")
+        self.n = n
+        self.rate = rate
+        self.tag = uuid.uuid4().hex[:6]
+        self.namespaces = [f"{PREFIX}{self.tag}-{i}" for i in range(n)]
+        self.bridge_namespace = f"{PREFIX}{self.tag}-br"
+        # Interface names are per namespace and at most 15 characters.
+        self.ifaces = [f"hb{self.tag}r{i}" for i in range(n)]
+        self.addrs = [f"{SUBNET}.{i + 1}" for i in range(n)]
+        self._created: list[str] = []
+        self._procs: list[subprocess.Popen[str]] = []
+
+    def __enter__(self) -> Network:
+        reason = available()
+        if reason is not None:
+            raise NetlabError(reason)
+        try:
+            self._create()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.close()
+
+    def _create(self) -> None:
+        br, bridge = self.bridge_namespace, f"hb{self.tag}br"
+        _run("ip", "netns", "add", br)
+        self._created.append(br)
+        _run("ip", "-n", br, "link", "add", bridge, "type", "bridge")
+        _run("ip", "-n", br, "link", "set", bridge, "up")
+        tbf = ["root", "tbf", "rate", self.rate, "burst", "256kb", "latency", "50ms"]
+        for i, (ns, iface, addr) in enumerate(zip(self.namespaces, self.ifaces, self.addrs)):
+            _run("ip", "netns", "add", ns)
+            self._created.append(ns)
+            port = f"hb{self.tag}p{i}"  # the bridge end
+            _run("ip", "-n", br, "link", "add", port, "type", "veth", "peer", "name", iface,
+                 "netns", ns)
+            _run("ip", "-n", br, "link", "set", port, "master", bridge)
+            _run("ip", "-n", br, "link", "set", port, "up")
+            _run("ip", "netns", "exec", br, "tc", "qdisc", "add", "dev", port, *tbf)
+            _run("ip", "-n", ns, "addr", "add", f"{addr}/24", "dev", iface)
+            _run("ip", "-n", ns, "link", "set", iface, "up")
+            _run("ip", "-n", ns, "link", "set", "lo", "up")
+            _run("ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", iface, *tbf)
+
+    def popen(self, i: int, command: Sequence[str], env: Mapping[str, str] | None = None,
+              **kwargs: object) -> subprocess.Popen[str]:
+        """Starts `command` inside namespace `i` (text mode).
+
+        `env` is added to this process's environment. Other keyword arguments
+        go to :class:`subprocess.Popen` (e.g. ``stdout=subprocess.PIPE``). The
+        process is killed when the network is closed, if it still runs.
+        """
+        full_env = {**os.environ, **(env or {})}
+        proc: subprocess.Popen[str] = subprocess.Popen(  # type: ignore[call-overload]
+            ["ip", "netns", "exec", self.namespaces[i], *command], env=full_env, text=True,
+            **kwargs)
+        self._procs.append(proc)
+        return proc
+
+    def run(self, i: int, command: Sequence[str], env: Mapping[str, str] | None = None,
+            timeout_s: float | None = None) -> subprocess.CompletedProcess[str]:
+        """Runs `command` inside namespace `i` to completion, capturing its output."""
+        proc = self.popen(i, command, env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        try:
+            out, err = proc.communicate(timeout=timeout_s)
+        except BaseException:
+            proc.kill()
+            proc.wait()
+            raise
+        return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+    def close(self) -> None:
+        """Kills the processes started here and deletes every namespace (idempotent)."""
+        for proc in self._procs:
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait()
+        self._procs.clear()
+        # Deleting a namespace deletes the interfaces in it; a veth pair goes
+        # when either end does.
+        for ns in reversed(self._created):
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+        self._created.clear()
+
+
+def leftovers() -> list[str]:
+    """Namespaces named ``hemiola-bench-*`` that exist now (for checks after cleanup)."""
+    out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    return [line.split()[0] for line in out.splitlines() if line.startswith(PREFIX)]

@@ -1,0 +1,67 @@
+"""bench/netlab.py: two ranks in rate-limited network namespaces train a step
+with hemiola, and every namespace and interface is gone afterwards (also when
+the block raises). Skipped without root or `ip netns`."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+import netlab  # noqa: E402
+
+REASON = netlab.available()
+pytestmark = pytest.mark.skipif(REASON is not None, reason=f"netlab unavailable: {REASON}")
+
+SCRIPT = """
+import json, torch, hemiola
+torch.set_num_threads(1)
+hemiola.init()
+rank = torch.distributed.get_rank()
+model, _ = hemiola.wrap(torch.nn.Linear(100, 100), None, timeout_s=30)
+model(torch.full((2, 100), float(rank + 1))).sum().backward()
+print(json.dumps(model.module.weight.grad[0, 0].item()))
+"""
+
+
+def _assert_gone(tag: str) -> None:
+    assert not [ns for ns in netlab.leftovers() if tag in ns]
+    links = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True).stdout
+    assert tag not in links
+
+
+def test_two_ranks_reduce_over_rate_limited_namespaces() -> None:
+    with netlab.Network(2, rate="100mbit") as net:
+        tag = net.tag
+        assert set(net.namespaces) <= set(netlab.leftovers())
+        qdisc = net.run(1, ["tc", "qdisc", "show", "dev", net.ifaces[1]]).stdout
+        assert "tbf" in qdisc and "100Mbit" in qdisc
+        procs = [
+            net.popen(rank, [sys.executable, "-c", SCRIPT],
+                      env={"RANK": str(rank), "WORLD_SIZE": "2", "MASTER_ADDR": net.addrs[0],
+                           "MASTER_PORT": "29500", "GLOO_SOCKET_IFNAME": net.ifaces[rank],
+                           # rank 0 hosts the store (not an agent: unset)
+                           "OMP_NUM_THREADS": "1", "TORCHELASTIC_USE_AGENT_STORE": ""},
+                      stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+            for rank in range(2)
+        ]
+        for rank, proc in enumerate(procs):
+            out, err = proc.communicate(timeout=60)
+            assert proc.returncode == 0, f"rank {rank}:\n{err[-3000:]}"
+            # Inputs are all 1 on rank 0 and all 2 on rank 1: the average is 2 * 1.5.
+            assert json.loads(out.strip().splitlines()[-1]) == pytest.approx(2 * 1.5)
+    _assert_gone(tag)
+
+
+def test_cleanup_when_the_block_raises() -> None:
+    with pytest.raises(KeyboardInterrupt):
+        with netlab.Network(2, rate="100mbit") as net:
+            tag = net.tag
+            sleeper = net.popen(0, ["sleep", "60"])
+            raise KeyboardInterrupt
+    assert sleeper.returncode is not None
+    _assert_gone(tag)
