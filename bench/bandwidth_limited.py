@@ -92,7 +92,8 @@ def worker(config: dict[str, Any]) -> dict[str, Any]:
         opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
         if variant.startswith("hemiola_"):
             model, opt = hemiola.wrap(model, opt, schedule=variant[len("hemiola_"):],
-                                      fusion_mb=config["fusion_mb"])
+                                      fusion_mb=config["fusion_mb"],
+                                      timeline=config["timeline"] is not None)
         variants[variant] = (model, opt, x, y)
     params = sum(p.numel() for p in variants["compute"][0].parameters() if p.requires_grad)
     engine, _store = new_engine(timeout_s=300.0)
@@ -124,14 +125,25 @@ def worker(config: dict[str, Any]) -> dict[str, Any]:
             dist.barrier()
             samples[variant] += block(variant, per_block)
     dist.barrier()
+    if config["timeline"] is not None and dist.get_rank() == 0:
+        for variant, (model, *_) in variants.items():
+            if variant.startswith("hemiola_"):
+                Path(f"{config['timeline']}-{variant[len('hemiola_'):]}.json").write_text(
+                    model.timeline())
     return {"params": params, "batch": int(variants["compute"][2].shape[0]),
             **{f"{v}_ms": 1e3 * median(s) for v, s in samples.items()}}
 
 
-def run_model(net: Network, model: str, args: argparse.Namespace, port: int) -> dict[str, Any]:
+def run_model(net: Network, model: str, rate: str, args: argparse.Namespace,
+              port: int) -> dict[str, Any]:
     """Runs the ranks of one model inside `net`'s namespaces; returns rank 0's medians."""
+    timeline = None
+    if args.timeline:
+        Path(args.timeline).mkdir(parents=True, exist_ok=True)
+        timeline = str(Path(args.timeline).resolve() / f"{rate}-{model}")
     config = {"model": model, "schedules": args.schedules, "iterations": args.iterations,
-              "blocks": args.blocks, "mlp_batch": args.mlp_batch, "fusion_mb": args.fusion_mb}
+              "blocks": args.blocks, "mlp_batch": args.mlp_batch, "fusion_mb": args.fusion_mb,
+              "timeline": timeline}
     logs = [tempfile.TemporaryFile("w+") for _ in range(net.n)]
     procs = []
     for rank in range(net.n):
@@ -237,6 +249,9 @@ def main() -> None:
                         help="bucket cap in MiB of DDP (bucket_cap_mb) and hemiola (fusion_mb)")
     parser.add_argument("--mlp-batch", type=int, default=MLP_BATCH)
     parser.add_argument("--timeout-s", type=float, default=1800.0, help="per rate and model")
+    parser.add_argument("--timeline", metavar="DIR",
+                        help="write rank 0's timeline of each hemiola schedule here "
+                             "(<rate>-<model>-<schedule>.json; plot with bench/plot_timeline.py)")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker is not None:
@@ -256,7 +271,7 @@ def main() -> None:
     for rate in args.rates.split(","):
         with Network(args.world_size, rate) as net:
             for k, model in enumerate(args.models.split(",")):
-                result = run_model(net, model, args, port=29500 + k)
+                result = run_model(net, model, rate, args, port=29500 + k)
                 rows.append(summarise(rate, model, args.world_size, args.schedules,
                                       args.iterations, result))
                 print(f"{rate:>7s} {model:4s}: " + "  ".join(
