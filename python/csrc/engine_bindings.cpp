@@ -195,7 +195,7 @@ void bind_engine(py::module_& m) {
           "make_reducer",
           [](Engine& e, const std::vector<std::tuple<int, size_t, std::string>>& specs,
              size_t fusion_bytes, size_t first_bucket_bytes, bool average, bool track_usage,
-             bool record_order, size_t in_flight) {
+             bool record_order, size_t in_flight, size_t partition_bytes) {
             std::vector<GradSpec> grad_specs;
             for (const auto& [dtype, numel, name] : specs) {
               grad_specs.push_back({static_cast<DType>(dtype), numel, name});
@@ -207,11 +207,13 @@ void bind_engine(py::module_& m) {
             options.track_usage = track_usage;
             options.record_order = record_order;
             options.in_flight = in_flight;
+            options.partition_bytes = partition_bytes;
             return e.make_reducer(grad_specs, options);
           },
           py::arg("specs"), py::arg("fusion_bytes"), py::arg("first_bucket_bytes"),
           py::arg("average") = true, py::arg("track_usage") = false,
-          py::arg("record_order") = true, py::arg("in_flight") = 0, py::keep_alive<0, 1>())
+          py::arg("record_order") = true, py::arg("in_flight") = 0,
+          py::arg("partition_bytes") = 0, py::keep_alive<0, 1>())
       .def("timeline_json", &Engine::timeline_json)
       .def_property_readonly("timeline_enabled",
                              [](const Engine& e) { return e.options().timeline; })

@@ -43,6 +43,10 @@ class Config:
             small extra all-reduce per iteration.
         rebuild_buckets: After the first iteration, rebuild the buckets in the
             order gradients actually became ready (rank 0's order).
+        partition_mb: Gradients larger than this many MiB are cut into pieces
+            that may go to different buckets, so a huge tensor cannot hold up
+            the front layers' buckets behind it. ``None`` (default): 4 MiB for
+            ``priority``, off for the other schedules.
         priority_front_fraction: ``priority`` only: the buckets holding this
             fraction of the gradient bytes, counted from the front layers, are
             reduced front-first after backward (the rest in backward order,
@@ -57,6 +61,7 @@ class Config:
     broadcast_buffers: bool = True
     find_unused_parameters: bool = False
     rebuild_buckets: bool = True
+    partition_mb: float | None = None
     priority_front_fraction: float = 0.25
     timeline: bool = False
 
@@ -69,6 +74,8 @@ class Config:
             value = getattr(self, name)
             if not value > 0:
                 raise ValueError(f"{name} must be positive, got {value!r}")
+        if self.partition_mb is not None and self.partition_mb < 0:
+            raise ValueError(f"partition_mb must be >= 0, got {self.partition_mb!r}")
         if not 0.0 <= self.priority_front_fraction <= 1.0:
             raise ValueError("priority_front_fraction must be in [0, 1], got "
                              f"{self.priority_front_fraction!r}")
@@ -76,6 +83,14 @@ class Config:
     @property
     def fusion_bytes(self) -> int:
         return max(1, int(self.fusion_mb * (1 << 20)))
+
+    @property
+    def partition_bytes(self) -> int:
+        """Partition size in bytes (0: never partition)."""
+        mb = self.partition_mb
+        if mb is None:
+            mb = 4.0 if self.schedule == "priority" else 0.0
+        return max(0, int(mb * (1 << 20)))
 
     @property
     def first_bucket_bytes(self) -> int:

@@ -58,7 +58,16 @@ class DataParallel(nn.Module):
                 track_usage=config.find_unused_parameters,
                 record_order=config.rebuild_buckets,
                 in_flight=self._schedule.in_flight,
+                partition_bytes=config.partition_bytes,
             )
+        # Partitioned gradients are spread over several buckets; schedules that
+        # read results in place get them gathered into tensors of their own.
+        self._partitioned = {
+            i for i, p in enumerate(self._params)
+            if 0 < config.partition_bytes < p.numel() * p.element_size()
+        }
+        self._gathered: dict[tuple[int, int], torch.Tensor] = {}
+        self._marking_iteration = 0
         self._require_sync = True
         self._in_backward = False
         self._backward_start = 0
@@ -138,6 +147,8 @@ class DataParallel(nn.Module):
             if not self._in_backward:
                 self._in_backward = True
                 self._backward_start = self.timeline_recorder.now()
+                if not self._reducer.marking:
+                    self._marking_iteration = self._reducer.iterations_started
                 # Runs once, when the whole backward pass has finished.
                 torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
             if grad.is_sparse:
@@ -173,11 +184,28 @@ class DataParallel(nn.Module):
         self._schedule.backward_done(reducer.finish_marking(), unmarked)
 
     def _reduced(self, iteration: int, index: int) -> torch.Tensor:
-        """A view (no copy) of parameter `index`'s reduced gradient of `iteration`."""
+        """Parameter `index`'s reduced gradient of `iteration`: a view into the
+        engine's buffers, or, for a partitioned gradient, its gathered copy."""
         assert self._reducer is not None
         p = self._params[index]
+        if index in self._partitioned:
+            return self._gathered[(iteration % (self._schedule.in_flight + 1), index)]
         view = self._reducer.result_view(iteration, index)
         return torch.frombuffer(view, dtype=p.dtype).view(p.shape)
+
+    def _result_target(self, index: int) -> int:
+        """Where the engine should write parameter `index`'s reduced gradient
+        of the iteration being marked: 0 (keep it in the engine) unless it is
+        partitioned."""
+        if index not in self._partitioned:
+            return 0
+        key = (self._marking_iteration % (self._schedule.in_flight + 1), index)
+        target = self._gathered.get(key)
+        if target is None:
+            p = self._params[index]
+            target = torch.empty(p.shape, dtype=p.dtype)
+            self._gathered[key] = target
+        return target.data_ptr()
 
     def _sync_buffers(self) -> None:
         broadcast_tensors(self._engine, self._buffers_to_sync)

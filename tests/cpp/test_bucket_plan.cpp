@@ -17,21 +17,31 @@ std::vector<GradSpec> floats(const std::vector<size_t>& numels) {
   return specs;
 }
 
-// Every tensor is in exactly one bucket, offsets are contiguous.
+// Every element of every tensor is in exactly one piece, pieces of a tensor
+// come in order, offsets within a bucket are contiguous.
 void expect_valid(const std::vector<PlannedBucket>& buckets, const std::vector<GradSpec>& specs) {
-  std::set<size_t> seen;
+  std::vector<size_t> next(specs.size(), 0);  // next element expected per tensor
+  std::vector<int> pieces(specs.size(), 0);
   for (const auto& b : buckets) {
     size_t offset = 0;
     ASSERT_EQ(b.tensors.size(), b.offsets.size());
+    ASSERT_EQ(b.tensors.size(), b.begins.size());
+    ASSERT_EQ(b.tensors.size(), b.counts.size());
     for (size_t k = 0; k < b.tensors.size(); ++k) {
+      const size_t t = b.tensors[k];
       EXPECT_EQ(b.offsets[k], offset);
-      EXPECT_EQ(specs[b.tensors[k]].dtype, b.dtype);
-      offset += specs[b.tensors[k]].numel;
-      EXPECT_TRUE(seen.insert(b.tensors[k]).second) << "tensor in two buckets";
+      EXPECT_EQ(specs[t].dtype, b.dtype);
+      EXPECT_EQ(b.begins[k], next[t]) << "tensor " << t << " pieces out of order";
+      next[t] += b.counts[k];
+      offset += b.counts[k];
+      ++pieces[t];
     }
     EXPECT_EQ(offset, b.numel);
   }
-  EXPECT_EQ(seen.size(), specs.size());
+  for (size_t t = 0; t < specs.size(); ++t) {
+    EXPECT_EQ(next[t], specs[t].numel) << "tensor " << t << " not fully covered";
+    EXPECT_GE(pieces[t], 1);
+  }
 }
 
 TEST(BucketPlan, OneHugeTensorGetsOneBucket) {
@@ -85,6 +95,28 @@ TEST(BucketPlan, DtypesNeverShareABucketAndOrderFollowsFirstTensor) {
   EXPECT_EQ(buckets[0].tensors, (std::vector<size_t>{0, 2}));
   EXPECT_EQ(buckets[1].dtype, DType::kBFloat16);
   EXPECT_EQ(buckets[2].dtype, DType::kFloat64);
+}
+
+TEST(BucketPlan, LargeTensorsArePartitionedIntoPiecesAcrossBuckets) {
+  // 1000 floats (4000 bytes) with 1024-byte pieces: 256 + 256 + 256 + 232.
+  auto specs = floats({10, 1000, 10});
+  auto buckets = plan_buckets(specs, {0, 1, 2}, 1024, 1024, 1024);
+  expect_valid(buckets, specs);
+  std::vector<size_t> counts_of_1;
+  for (const auto& b : buckets) {
+    for (size_t k = 0; k < b.tensors.size(); ++k) {
+      if (b.tensors[k] == 1) counts_of_1.push_back(b.counts[k]);
+    }
+    EXPECT_LE(b.nbytes(), 1024u + 40u);  // a cap of 1 KiB, give or take the small tensors
+  }
+  EXPECT_EQ(counts_of_1, (std::vector<size_t>{256, 256, 256, 232}));
+  EXPECT_GE(buckets.size(), 4u);
+  // Small tensors are not partitioned; partitioning off gives one piece.
+  auto whole = plan_buckets(specs, {0, 1, 2}, 1024, 1024, 0);
+  expect_valid(whole, specs);
+  for (const auto& b : whole) {
+    for (size_t k = 0; k < b.tensors.size(); ++k) EXPECT_EQ(b.counts[k], specs[b.tensors[k]].numel);
+  }
 }
 
 TEST(BucketPlan, ZeroElementTensorsArePlanned) {

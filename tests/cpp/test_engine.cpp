@@ -258,6 +258,43 @@ TEST(Reducer, CustomIssueOrderAndPerBucketWaits) {
   });
 }
 
+TEST(Reducer, PartitionedTensorsAreReducedPieceByPiece) {
+  const int world = 3;
+  run_ranks(world, [&](Engine& e) {
+    std::vector<GradSpec> specs = {{DType::kFloat32, 10, "small"},
+                                   {DType::kFloat32, 100003, "huge"},
+                                   {DType::kBFloat16, 5000, "half"}};
+    ReducerOptions options;
+    options.partition_bytes = 4096;
+    options.fusion_bytes = 8192;
+    options.first_bucket_bytes = 4096;
+    auto reducer = e.make_reducer(specs, options);
+    size_t buckets_with_huge = 0;
+    for (const auto& bucket : reducer->buckets()) {
+      buckets_with_huge += std::count(bucket.begin(), bucket.end(), size_t{1});
+    }
+    EXPECT_GT(buckets_with_huge, 40u);
+    std::vector<float> small(10), huge(100003);
+    std::vector<uint16_t> half(5000);
+    for (int iteration = 0; iteration < 2; ++iteration) {
+      for (size_t i = 0; i < huge.size(); ++i) huge[i] = static_cast<float>(i % 97) * (e.rank() + 1);
+      std::fill(small.begin(), small.end(), 1.0f);
+      std::fill(half.begin(), half.end(), float_to_bf16(static_cast<float>(e.rank())));
+      reducer->mark_ready(1, huge.data());
+      reducer->mark_ready(2, half.data());
+      reducer->mark_ready(0, small.data());
+      reducer->wait();
+      for (size_t i = 0; i < huge.size(); i += 997) {
+        ASSERT_FLOAT_EQ(huge[i], static_cast<float>(i % 97) * 2.0f) << i;  // mean of 1, 2, 3
+      }
+      ASSERT_FLOAT_EQ(huge.back(), static_cast<float>((huge.size() - 1) % 97) * 2.0f);
+      EXPECT_EQ(bf16_to_float(half[4999]), 1.0f);
+      EXPECT_THROW(reducer->result(iteration, 1), Error);  // partitioned: no single view
+      EXPECT_NO_THROW(reducer->result(iteration, 0));
+    }
+  });
+}
+
 TEST(Reducer, FinishingWithMissingGradientsNamesThem) {
   run_ranks(1, [&](Engine& e) {
     std::vector<GradSpec> specs = {{DType::kFloat32, 2, "seen"}, {DType::kFloat32, 2, "lost"}};

@@ -11,24 +11,31 @@ from hemiola.launch import run_local
 import workers
 
 
-@pytest.mark.parametrize("model,optimizer", [
-    ("mlp", "sgd"), ("cnn", "nesterov"), ("transformer", "adamw"), ("mlp", "rmsprop"),
+@pytest.mark.parametrize("model,optimizer,partition_mb", [
+    ("mlp", "sgd", None), ("cnn", "nesterov", None), ("transformer", "adamw", 0.001),
+    ("mlp", "rmsprop", 0.001),
 ])
-def test_equals_wfbp_when_every_rank_sees_the_same_data(model: str, optimizer: str) -> None:
+def test_equals_wfbp_when_every_rank_sees_the_same_data(model: str, optimizer: str,
+                                                        partition_mb: float | None) -> None:
     # Then the local gradient is the average, the approximation is exact, and
     # decoupled must follow wfbp's trajectory (LR scheduler included).
-    results = run_local(workers.schedules_agree, 2, model, optimizer, 8, timeout_s=240)
+    results = run_local(workers.schedules_agree, 2, model, optimizer, 8, partition_mb,
+                        timeout_s=240)
     for r in results.values():
         assert r["max_param_diff"] < 1e-5, r
         assert r["max_loss_diff"] < 1e-4, r
 
 
-@pytest.mark.parametrize("model,optimizer", [
-    ("mlp", "sgd"), ("cnn", "nesterov"), ("transformer", "adamw"), ("cnn", "rmsprop"),
+@pytest.mark.parametrize("model,optimizer,partition_mb", [
+    ("mlp", "sgd", None), ("cnn", "nesterov", 0.001), ("transformer", "adamw", 0.001),
+    ("cnn", "rmsprop", None),
 ])
 @pytest.mark.parametrize("world", [2, 3])
-def test_priority_equals_wfbp(world: int, model: str, optimizer: str) -> None:
-    results = run_local(workers.priority_matches_wfbp, world, model, optimizer, 8, timeout_s=240)
+def test_priority_equals_wfbp(world: int, model: str, optimizer: str,
+                              partition_mb: float | None) -> None:
+    # partition_mb=0.001 (1 KiB) cuts most gradients into several buckets.
+    results = run_local(workers.priority_matches_wfbp, world, model, optimizer, 8, partition_mb,
+                        timeout_s=240)
     for rank, diff in results.items():
         assert diff < 1e-6, f"rank {rank}: priority differs from wfbp by {diff}"
 

@@ -253,14 +253,15 @@ def _optimizer(name: str, params: Any) -> torch.optim.Optimizer:
 
 
 def schedule_run(rank: int, world: int, schedule: str, model_name: str, opt_name: str,
-                 steps: int, same_data: bool) -> dict[str, Any]:
+                 steps: int, same_data: bool, **options: Any) -> dict[str, Any]:
     """Trains with `schedule`; returns the parameters after synchronize() and
     the losses. `same_data`: every rank sees the same batch (rank 0's shard)."""
     hemiola.init()
     torch.manual_seed(0)
     m = make_model(model_name)
     opt = _optimizer(opt_name, m.parameters())
-    model, opt = hemiola.wrap(m, opt, schedule=schedule, fusion_mb=1 / 64, timeout_s=60)
+    model, opt = hemiola.wrap(m, opt, schedule=schedule, **{"fusion_mb": 1 / 64, "timeout_s": 60,
+                                                             **options})
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)
     losses = []
     for step in range(steps):
@@ -277,10 +278,11 @@ def schedule_run(rank: int, world: int, schedule: str, model_name: str, opt_name
 
 
 def schedules_agree(rank: int, world: int, model_name: str, opt_name: str,
-                    steps: int) -> dict[str, float]:
+                    steps: int, partition_mb: float | None = None) -> dict[str, float]:
     """With identical data on every rank, decoupled must equal wfbp."""
     a = schedule_run(rank, world, "wfbp", model_name, opt_name, steps, True)
-    b = schedule_run(rank, world, "decoupled", model_name, opt_name, steps, True)
+    b = schedule_run(rank, world, "decoupled", model_name, opt_name, steps, True,
+                     partition_mb=partition_mb)
     return {
         "max_param_diff": max((x - y).abs().max().item()
                               for x, y in zip(a["params"], b["params"])),
@@ -331,8 +333,9 @@ def irregular_model(rank: int, world: int, schedule: str, opt_name: str,
 
 
 def priority_matches_wfbp(rank: int, world: int, model_name: str, opt_name: str,
-                          steps: int) -> float:
+                          steps: int, partition_mb: float | None = None) -> float:
     """Different data per rank: priority is exact, so it must follow wfbp."""
     a = schedule_run(rank, world, "wfbp", model_name, opt_name, steps, False)
-    b = schedule_run(rank, world, "priority", model_name, opt_name, steps, False)
+    b = schedule_run(rank, world, "priority", model_name, opt_name, steps, False,
+                     partition_mb=partition_mb)
     return max((x - y).abs().max().item() for x, y in zip(a["params"], b["params"]))

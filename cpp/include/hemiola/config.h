@@ -44,6 +44,10 @@ struct ReducerOptions {
   // Record the order in which gradients become ready during the first
   // iteration, so the plan can be rebuilt to match it.
   bool record_order = true;
+  // A gradient larger than this many bytes is cut into pieces of at most this
+  // size, which may go to different buckets (0: never). Lets a fixed issue
+  // order put small front-layer buckets ahead of the tail of a huge tensor.
+  size_t partition_bytes = 0;
   // How many earlier iterations may still be reducing while a new one marks
   // gradients (0: each iteration is waited for before the next starts). Each
   // costs one more set of bucket buffers.

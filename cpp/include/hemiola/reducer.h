@@ -79,13 +79,15 @@ class HEMIOLA_API Reducer {
 
   // Once its bucket is reduced (wait() or wait_bucket()): the reduced value of
   // `index` inside the reducer's buffers (valid until iteration + in_flight + 1
-  // starts marking).
+  // starts marking). Not for a partitioned tensor (its pieces live in several
+  // buckets): give mark_ready an output instead.
   TensorRef result(uint64_t iteration, size_t index) const;
   // After wait(iteration) with track_usage: how many ranks produced a
   // gradient for each tensor.
   std::vector<int> usage(uint64_t iteration) const;
 
-  // The current plan: bucket b holds tensors buckets()[b], in pack order.
+  // The current plan: bucket b holds (pieces of) tensors buckets()[b], in pack
+  // order; a partitioned tensor appears in several buckets.
   std::vector<std::vector<size_t>> buckets() const;
   // Order in which tensors became ready in the first recorded iteration.
   std::vector<size_t> observed_order() const;

@@ -25,7 +25,7 @@ void check_permutation(const std::vector<size_t>& order, size_t n) {
 
 std::vector<PlannedBucket> plan_buckets(const std::vector<GradSpec>& specs,
                                         const std::vector<size_t>& order, size_t first_cap_bytes,
-                                        size_t cap_bytes) {
+                                        size_t cap_bytes, size_t partition_bytes) {
   check_permutation(order, specs.size());
   struct Open {
     PlannedBucket bucket;
@@ -44,16 +44,26 @@ std::vector<PlannedBucket> plan_buckets(const std::vector<GradSpec>& specs,
     HEMIOLA_CHECK(is_floating(spec.dtype), "tensor ", index, " ('", spec.name, "') has dtype ",
                   dtype_name(spec.dtype), "; gradients must be float32, float64, float16 or bfloat16");
     Open& o = open[spec.dtype];
-    const size_t cap = closed.empty() ? first_cap_bytes : cap_bytes;
-    const size_t tensor_bytes = spec.numel * dtype_size(spec.dtype);
-    if (!o.bucket.tensors.empty() && o.bucket.nbytes() + tensor_bytes > cap) close(o);
-    if (o.bucket.tensors.empty()) {
-      o.bucket.dtype = spec.dtype;
-      o.first_position = position;
-    }
-    o.bucket.tensors.push_back(index);
-    o.bucket.offsets.push_back(o.bucket.numel);
-    o.bucket.numel += spec.numel;
+    const size_t elem = dtype_size(spec.dtype);
+    const size_t piece = partition_bytes > 0 && spec.numel * elem > partition_bytes
+                             ? std::max<size_t>(1, partition_bytes / elem)
+                             : std::max<size_t>(1, spec.numel);
+    size_t begin = 0;
+    do {  // at least one piece, also for a zero-element tensor
+      const size_t count = std::min(piece, spec.numel - begin);
+      const size_t cap = closed.empty() ? first_cap_bytes : cap_bytes;
+      if (!o.bucket.tensors.empty() && (o.bucket.numel + count) * elem > cap) close(o);
+      if (o.bucket.tensors.empty()) {
+        o.bucket.dtype = spec.dtype;
+        o.first_position = position;
+      }
+      o.bucket.tensors.push_back(index);
+      o.bucket.begins.push_back(begin);
+      o.bucket.counts.push_back(count);
+      o.bucket.offsets.push_back(o.bucket.numel);
+      o.bucket.numel += count;
+      begin += count;
+    } while (begin < spec.numel);
   }
   for (auto& [dtype, o] : open) {
     if (!o.bucket.tensors.empty()) close(o);

@@ -11,23 +11,31 @@
 
 namespace hemiola {
 
+// A bucket holds pieces of tensors: whole tensors, or, for a partitioned
+// tensor, a contiguous range of its elements. Entry k is elements
+// [begins[k], begins[k] + counts[k]) of tensor tensors[k], stored at element
+// offsets[k] of the bucket.
 struct PlannedBucket {
   DType dtype = DType::kFloat32;
   std::vector<size_t> tensors;  // indices into the specs, in pack order
-  std::vector<size_t> offsets;  // element offset of each tensor in the bucket
+  std::vector<size_t> begins;   // first element of the piece within its tensor
+  std::vector<size_t> counts;   // elements in the piece
+  std::vector<size_t> offsets;  // element offset of the piece in the bucket
   size_t numel = 0;
   size_t nbytes() const { return numel * dtype_size(dtype); }
 };
 
 // Walks `order` (a permutation of the spec indices: the order in which
 // gradients are expected to become ready) and fills one open bucket per dtype.
-// A bucket is closed before a tensor would push it over its cap; a tensor
-// larger than the cap gets a bucket of its own. The first bucket to close is
-// capped at `first_cap_bytes`, the rest at `cap_bytes`. Buckets are returned
-// in issue order: by the position in `order` of their first tensor.
+// A tensor larger than `partition_bytes` (when non-zero) is cut into pieces of
+// at most that size, placed one after another as if they were tensors. A
+// bucket is closed before a piece would push it over its cap; a piece larger
+// than the cap gets a bucket of its own. The first bucket to close is capped
+// at `first_cap_bytes`, the rest at `cap_bytes`. Buckets are returned in plan
+// order: by the position in `order` of their first piece.
 std::vector<PlannedBucket> plan_buckets(const std::vector<GradSpec>& specs,
                                         const std::vector<size_t>& order, size_t first_cap_bytes,
-                                        size_t cap_bytes);
+                                        size_t cap_bytes, size_t partition_bytes = 0);
 
 // The initial order: reverse registration order (backward produces the last
 // layers' gradients first).

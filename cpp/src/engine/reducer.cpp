@@ -13,13 +13,19 @@ namespace hemiola {
 
 namespace {
 
+// Names of the tensors `indices` (adjacent repeats, i.e. pieces of one
+// partitioned tensor, named once), at most `limit` of them.
 std::string join_names(const std::vector<GradSpec>& specs, const std::vector<size_t>& indices,
                        size_t limit = 8) {
-  std::ostringstream out;
-  for (size_t i = 0; i < indices.size() && i < limit; ++i) {
-    out << (i ? ", " : "") << specs[indices[i]].name;
+  std::vector<size_t> unique;
+  for (size_t i : indices) {
+    if (unique.empty() || unique.back() != i) unique.push_back(i);
   }
-  if (indices.size() > limit) out << ", ... (" << indices.size() - limit << " more)";
+  std::ostringstream out;
+  for (size_t i = 0; i < unique.size() && i < limit; ++i) {
+    out << (i ? ", " : "") << specs[unique[i]].name;
+  }
+  if (unique.size() > limit) out << ", ... (" << unique.size() - limit << " more)";
   return out.str();
 }
 
@@ -74,11 +80,14 @@ ReducerImpl::~ReducerImpl() {
 }
 
 void ReducerImpl::build(const std::vector<size_t>& order) {
-  plan_ = plan_buckets(specs_, order, options_.first_bucket_bytes, options_.fusion_bytes);
-  placement_.assign(specs_.size(), Placement{});
+  plan_ = plan_buckets(specs_, order, options_.first_bucket_bytes, options_.fusion_bytes,
+                       options_.partition_bytes);
+  placement_.assign(specs_.size(), {});
   for (size_t b = 0; b < plan_.size(); ++b) {
-    for (size_t k = 0; k < plan_[b].tensors.size(); ++k) {
-      placement_[plan_[b].tensors[k]] = {b, plan_[b].offsets[k]};
+    const PlannedBucket& bucket = plan_[b];
+    for (size_t k = 0; k < bucket.tensors.size(); ++k) {
+      placement_[bucket.tensors[k]].push_back(
+          {b, bucket.offsets[k], bucket.begins[k], bucket.counts[k]});
     }
   }
   issue_order_.resize(plan_.size());
@@ -149,24 +158,26 @@ void ReducerImpl::mark(size_t index, const void* source, void* out, bool used) {
                   "gradient per backward pass (reentrant checkpointing, or a second backward "
                   "without finishing the first, can cause this)");
   }
-  const Placement& where = placement_[index];
   const size_t elem = dtype_size(spec.dtype);
-  unsigned char* dst = flight.buffers[where.bucket].get() + where.offset * elem;
-  if (used) {
-    flight.out[index] = out;
-    std::memcpy(dst, source, spec.numel * elem);
-  } else {
-    std::memset(dst, 0, spec.numel * elem);
-  }
+  if (used) flight.out[index] = out;
   flight.usage[index] = used ? 1.0f : 0.0f;
   if (recording_.load(std::memory_order_relaxed)) {
     observed_[observed_count_.fetch_add(1, std::memory_order_relaxed)] = index;
   }
-  // The last gradient of a bucket enqueues it. acq_rel: the scheduler, which
-  // reads the buffer after popping, must see every producer's memcpy.
-  if (flight.pending[where.bucket].fetch_sub(1, std::memory_order_acq_rel) == 1) {
-    if (!flight.queue->push(static_cast<uint32_t>(where.bucket))) {
-      HEMIOLA_THROW(ErrorCode::kInternal, "ready queue overflow");
+  for (const Placement& piece : placement_[index]) {
+    unsigned char* dst = flight.buffers[piece.bucket].get() + piece.offset * elem;
+    if (used) {
+      std::memcpy(dst, static_cast<const unsigned char*>(source) + piece.begin * elem,
+                  piece.count * elem);
+    } else {
+      std::memset(dst, 0, piece.count * elem);
+    }
+    // The last piece of a bucket enqueues it. acq_rel: the scheduler, which
+    // reads the buffer after popping, must see every producer's memcpy.
+    if (flight.pending[piece.bucket].fetch_sub(1, std::memory_order_acq_rel) == 1) {
+      if (!flight.queue->push(static_cast<uint32_t>(piece.bucket))) {
+        HEMIOLA_THROW(ErrorCode::kInternal, "ready queue overflow");
+      }
     }
   }
 }
@@ -235,9 +246,10 @@ void ReducerImpl::run(Flight& flight, Communicator& comm, Timeline& timeline,
     if (scale_ != 1.0) scale_in_place(plan.dtype, buffer, plan.numel, scale_);
     const size_t elem = dtype_size(plan.dtype);
     for (size_t k = 0; k < plan.tensors.size(); ++k) {
-      void* out = flight.out[plan.tensors[k]];
+      auto* out = static_cast<unsigned char*>(flight.out[plan.tensors[k]]);
       if (out != nullptr) {
-        std::memcpy(out, buffer + plan.offsets[k] * elem, specs_[plan.tensors[k]].numel * elem);
+        std::memcpy(out + plan.begins[k] * elem, buffer + plan.offsets[k] * elem,
+                    plan.counts[k] * elem);
       }
     }
     {
@@ -373,7 +385,10 @@ const ReducerImpl::Flight& ReducerImpl::completed_flight(uint64_t iteration) con
 
 TensorRef ReducerImpl::result(uint64_t iteration, size_t index) const {
   HEMIOLA_CHECK(index < specs_.size(), "gradient index ", index, " is out of range");
-  const Placement& where = placement_[index];
+  HEMIOLA_CHECK(placement_[index].size() == 1, "gradient '", specs_[index].name,
+                "' is partitioned across ", placement_[index].size(),
+                " buckets, so its result is not contiguous here: pass an output to mark_ready");
+  const Placement& where = placement_[index].front();
   const Flight& flight = *flights_[iteration % flights_.size()];
   HEMIOLA_CHECK(iteration < started_.load() && flight.iteration == iteration, "iteration ",
                 iteration, "'s results are gone (its buffers were reused by a later iteration)");
@@ -395,7 +410,14 @@ std::vector<int> ReducerImpl::usage(uint64_t iteration) const {
 
 std::vector<std::vector<size_t>> ReducerImpl::buckets() const {
   std::vector<std::vector<size_t>> out;
-  for (const auto& bucket : plan_) out.push_back(bucket.tensors);
+  for (const auto& bucket : plan_) {
+    // Pieces of one tensor are adjacent within a bucket: list it once.
+    std::vector<size_t> tensors;
+    for (size_t t : bucket.tensors) {
+      if (tensors.empty() || tensors.back() != t) tensors.push_back(t);
+    }
+    out.push_back(std::move(tensors));
+  }
   return out;
 }
 

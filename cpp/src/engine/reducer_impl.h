@@ -55,10 +55,13 @@ class ReducerImpl {
 
  private:
   enum SlotState : uint8_t { kPending = 0, kReady = 1, kUnused = 2 };
-  // Where tensor i lives in the plan.
+  // Where a piece of tensor i lives in the plan (one piece unless the tensor
+  // is partitioned).
   struct Placement {
     size_t bucket = 0;
     size_t offset = 0;  // in elements, within the bucket
+    size_t begin = 0;   // first element of the piece within the tensor
+    size_t count = 0;   // elements in the piece
   };
   // One iteration's state.
   struct Flight {
@@ -93,7 +96,7 @@ class ReducerImpl {
   // The plan. Replaced only by rebuild(), with no iteration in flight.
   std::vector<PlannedBucket> plan_;
   std::vector<size_t> issue_order_;  // a permutation of plan_'s indices
-  std::vector<Placement> placement_;
+  std::vector<std::vector<Placement>> placement_;  // per tensor, its pieces
   std::vector<std::unique_ptr<Flight>> flights_;  // in_flight + 1
 
   std::atomic<Flight*> marking_{nullptr};  // the iteration being marked, if any

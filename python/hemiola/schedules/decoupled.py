@@ -82,8 +82,10 @@ class Decoupled(Schedule):
     def mark(self, index: int, grad: torch.Tensor) -> None:
         source = grad if grad.is_contiguous() else grad.contiguous()
         # The engine copies the gradient in now; the result stays in the
-        # reducer (no write-back: .grad keeps the local gradient).
-        self.model._reducer.mark_ready_to(index, source.data_ptr(), 0)
+        # reducer (or, if partitioned, goes to a tensor of ours): .grad keeps
+        # the local gradient.
+        self.model._reducer.mark_ready_to(index, source.data_ptr(),
+                                          self.model._result_target(index))
 
     def backward_done(self, iteration: int, unmarked: list[int]) -> None:
         self._finished = iteration

@@ -14,6 +14,10 @@ Same math as ``wfbp``, different timing:
   issued front-first once backward is done, instead of back-to-front. The
   issue order is a fixed permutation derived from the plan, so it is the same
   on every rank without negotiation.
+- Large tensors are partitioned (``partition_mb``, 4 MiB by default) into
+  pieces in separate buckets, so the tail of a huge tensor can wait behind
+  the front layers' buckets; a parameter is updated once all its pieces are
+  reduced.
 
 Each bucket's update is the user's own optimizer stepping only that bucket's
 parameters (the others' gradients are hidden), with the hyper-parameters of
@@ -41,11 +45,11 @@ class _Pending:
     """An iteration whose update is partly applied."""
 
     def __init__(self, iteration: int, hyper: list[dict[str, Any]], unmarked: list[int] | None,
-                 buckets: int) -> None:
+                 params: int) -> None:
         self.iteration = iteration
         self.hyper = hyper
         self.unmarked = unmarked
-        self.remaining = set(range(buckets))
+        self.remaining = set(range(params))  # parameters not updated yet
 
 
 class Priority(Schedule):
@@ -62,7 +66,8 @@ class Priority(Schedule):
         self._pending: _Pending | None = None
         self._rebuilt = not model.config.rebuild_buckets
         self._buffers = BufferBroadcast(model)
-        self._bucket_of: list[int] = []
+        self._members: list[list[int]] = []     # per bucket: its parameters
+        self._buckets_of: list[list[int]] = []  # per parameter: its buckets (pieces)
         index_of = {id(p): i for i, p in enumerate(model._params)}
         # Forward pre-hooks: a module waits only for the parameters it owns.
         for module in model.module.modules():
@@ -75,7 +80,8 @@ class Priority(Schedule):
 
     def mark(self, index: int, grad: torch.Tensor) -> None:
         source = grad if grad.is_contiguous() else grad.contiguous()
-        self.model._reducer.mark_ready_to(index, source.data_ptr(), 0)
+        self.model._reducer.mark_ready_to(index, source.data_ptr(),
+                                          self.model._result_target(index))
 
     def backward_done(self, iteration: int, unmarked: list[int]) -> None:
         self._finished = iteration
@@ -98,11 +104,10 @@ class Priority(Schedule):
     def _pre_forward_hook(self, owned: list[int]) -> Any:
         def hook(module: nn.Module, args: Any) -> None:
             pending = self._pending
-            if pending is None or not pending.remaining:
-                return
-            for b in sorted({self._bucket_of[i] for i in owned}):
-                if b in pending.remaining:
-                    self._apply(pending, b, wait=True)
+            if pending is not None:
+                todo = [i for i in owned if i in pending.remaining]
+                if todo:
+                    self._update(pending, todo, wait=True)
         return hook
 
     # ---- optimizer side ------------------------------------------------------
@@ -113,9 +118,10 @@ class Priority(Schedule):
         if iteration is None:  # no synchronised backward since the last step
             self._inner_step()
             return
-        self._refresh_buckets()
+        if not self._members:
+            self._refresh_buckets()
         pending = _Pending(iteration, hyper_parameters(self._optimizer),
-                           self._unmarked.pop(iteration, None), len(self._bucket_of_buckets))
+                           self._unmarked.pop(iteration, None), len(self.model._params))
         self._pending = pending
         if not self._rebuilt:
             # The first iteration runs synchronously; then the buckets are
@@ -127,71 +133,79 @@ class Priority(Schedule):
             reducer.set_issue_order(self._priority_order())
             self._rebuilt = True
             return
-        for b in sorted(pending.remaining):
-            if self.model._reducer.bucket_done(iteration, b):
-                self._apply(pending, b, wait=False)
+        if pending.unmarked is None:  # usage counts would need the whole iteration
+            self._update(pending, sorted(pending.remaining), wait=False)
 
     def _refresh_buckets(self) -> None:
-        self._bucket_of_buckets = self.model._reducer.buckets()
-        self._bucket_of = [0] * len(self.model._params)
-        for b, members in enumerate(self._bucket_of_buckets):
+        self._members = self.model._reducer.buckets()
+        self._buckets_of = [[] for _ in self.model._params]
+        for b, members in enumerate(self._members):
             for i in members:
-                self._bucket_of[i] = b
+                self._buckets_of[i].append(b)
 
     def _priority_order(self) -> list[int]:
         """Plan order (backward order), except that the buckets holding the
         front layers' first `priority_front_fraction` of the bytes go last,
         front-most first."""
-        buckets = self._bucket_of_buckets
         params = self.model._params
-        sizes = [sum(params[i].numel() * params[i].element_size() for i in b) for b in buckets]
+        sizes = [sum(params[i].numel() * params[i].element_size() / len(self._buckets_of[i])
+                     for i in members) for members in self._members]
         budget = self.model.config.priority_front_fraction * sum(sizes)
         tail: list[int] = []
         covered = 0.0
-        for b in reversed(range(len(buckets))):  # the last buckets hold the front layers
-            if covered >= budget or len(tail) == len(buckets) - 1:
+        for b in reversed(range(len(sizes))):  # the last buckets hold the front layers
+            if covered >= budget or len(tail) == len(sizes) - 1:
                 break
             tail.append(b)
             covered += sizes[b]
-        head = [b for b in range(len(buckets)) if b not in set(tail)]
+        head = [b for b in range(len(sizes)) if b not in set(tail)]
         return head + tail  # tail is already front-most first
 
     def _apply_all(self) -> None:
         pending = self._pending
         if pending is None:
             return
-        for b in self.model._reducer.issue_order():
-            if b in pending.remaining:
-                self._apply(pending, b, wait=True)
+        if pending.remaining:
+            self._update(pending, sorted(pending.remaining), wait=True)
         self._pending = None
         self._buffers.finish()
 
-    def _apply(self, pending: _Pending, bucket: int, wait: bool) -> None:
-        """Steps the optimizer on bucket `bucket`'s parameters only."""
+    def _update(self, pending: _Pending, wanted: list[int], wait: bool) -> None:
+        """Applies the update of the parameters in `wanted` (waiting for their
+        buckets if `wait`, else only those already reduced), and of every other
+        parameter whose buckets are reduced by then: one optimizer step."""
         m = self.model
         reducer = m._reducer
         recorder = m.timeline_recorder
+        it = pending.iteration
         if wait:
-            with recorder.span("compute", f"wait bucket {bucket} ({pending.iteration})", "wait"):
+            needed = {b for i in wanted for b in self._buckets_of[i]}
+            with recorder.span("compute", f"wait buckets {sorted(needed)} ({it})", "wait"):
                 if pending.unmarked:
-                    reducer.wait(pending.iteration)  # usage counts come at the very end
+                    reducer.wait(it)  # usage counts come at the very end
                 else:
-                    reducer.wait_bucket(pending.iteration, bucket)
-        usage = reducer.usage(pending.iteration) if pending.unmarked else None
+                    for b in reducer.issue_order():
+                        if b in needed:
+                            reducer.wait_bucket(it, b)
+        ready = [i for i in sorted(pending.remaining)
+                 if all(reducer.bucket_done(it, b) for b in self._buckets_of[i])]
+        if not ready:
+            return
+        usage = reducer.usage(it) if pending.unmarked else None
         start = recorder.now()
         opt = self._optimizer
         assert opt is not None
-        members = set(self._bucket_of_buckets[bucket])
+        chosen = set(ready)
         saved = [p.grad for p in m._params]
         current_hyper = hyper_parameters(opt)
         with torch.no_grad():
             for i, p in enumerate(m._params):
-                used = i in members and (usage is None or usage[i] > 0)
-                p.grad = m._reduced(pending.iteration, i) if used else None
+                used = i in chosen and (usage is None or usage[i] > 0)
+                p.grad = m._reduced(it, i) if used else None
             set_hyper_parameters(opt, pending.hyper)
             self._inner_step()
             set_hyper_parameters(opt, current_hyper)
             for p, g in zip(m._params, saved):
                 p.grad = g
-        pending.remaining.discard(bucket)
-        recorder.record("compute", f"update bucket {bucket} ({pending.iteration})", "step", start)
+        pending.remaining -= chosen
+        recorder.record("compute", f"update {len(ready)} parameters ({it})", "step", start)
