@@ -140,3 +140,46 @@ class BufferBroadcast:
                 nbytes = b.numel() * b.element_size()
                 b.copy_(stage[offset:offset + nbytes].view(b.dtype).view(b.shape))
                 offset += nbytes
+
+
+class DeferredSchedule(Schedule):
+    """Base of the schedules whose ``backward()`` does not wait (``priority``,
+    ``decoupled``): gradients are copied into the engine and their results
+    stay there (``.grad`` keeps the local gradient), buffers follow rank 0's
+    asynchronously, and ``optimizer.step()`` is taken over so that updates
+    are applied when the reductions arrive."""
+
+    in_flight = 1
+
+    def __init__(self, model: DataParallel) -> None:
+        super().__init__(model)
+        self._optimizer: torch.optim.Optimizer | None = None
+        self._inner_step: Any = None
+        # The iteration whose marking closed and whose step is not taken yet.
+        self._finished: int | None = None
+        self._unmarked: dict[int, list[int]] = {}
+        self._rebuilt = not model.config.rebuild_buckets
+        self._buffers = BufferBroadcast(model)
+
+    def mark(self, index: int, grad: torch.Tensor) -> None:
+        source = grad if grad.is_contiguous() else grad.contiguous()
+        # The engine copies the gradient in now; the result stays in the
+        # reducer (or, if partitioned, goes to a tensor of the model's).
+        self.model._reducer.mark_ready_to(index, source.data_ptr(),
+                                          self.model._result_target(index))
+
+    def backward_done(self, iteration: int, unmarked: list[int]) -> None:
+        self._finished = iteration
+        if unmarked:
+            self._unmarked[iteration] = unmarked
+        if self._buffers.wanted:
+            self._buffers.start()
+
+    def wrap_optimizer(self, optimizer: Any) -> Any:
+        self._inner_step = take_over_optimizer(self, optimizer, self.step)
+        self._optimizer = optimizer
+        return optimizer
+
+    def step(self) -> None:
+        """What ``optimizer.step()`` does under this schedule."""
+        raise NotImplementedError

@@ -31,13 +31,7 @@ from typing import Any
 
 import torch
 
-from hemiola.schedules.base import (
-    BufferBroadcast,
-    Schedule,
-    hyper_parameters,
-    set_hyper_parameters,
-    take_over_optimizer,
-)
+from hemiola.schedules.base import DeferredSchedule, hyper_parameters, set_hyper_parameters
 
 
 def _copy_state(src: dict[str, Any], dst: dict[str, Any] | None) -> dict[str, Any]:
@@ -56,48 +50,17 @@ def _copy_state(src: dict[str, Any], dst: dict[str, Any] | None) -> dict[str, An
     return out
 
 
-class Decoupled(Schedule):
+class Decoupled(DeferredSchedule):
     """The decoupled schedule; see the module docstring."""
-
-    in_flight = 1
 
     def __init__(self, model) -> None:  # type: ignore[no-untyped-def]
         super().__init__(model)
-        self._optimizer: torch.optim.Optimizer | None = None
-        self._inner_step: Any = None
         # Exact parameters w_t and optimizer state (per parameter index).
         self._shadow_params = [p.detach().clone() for p in model._params]
         self._shadow_state: list[dict[str, Any]] = [{} for _ in model._params]
-        # The iteration whose local gradients are in .grad (marking closed,
-        # local step not taken yet), and the one whose exact step is pending.
-        self._finished: int | None = None
+        # The iteration whose exact step is pending (with its hyper-parameters
+        # and the parameters it had no gradient for).
         self._pending: tuple[int, list[dict[str, Any]], list[int] | None] | None = None
-        self._unmarked: dict[int, list[int]] = {}
-        self._rebuilt = not model.config.rebuild_buckets
-        # Rank 0's buffers arrive with the next exact step.
-        self._buffers = BufferBroadcast(model)
-
-    # ---- model side ----------------------------------------------------------
-
-    def mark(self, index: int, grad: torch.Tensor) -> None:
-        source = grad if grad.is_contiguous() else grad.contiguous()
-        # The engine copies the gradient in now; the result stays in the
-        # reducer (or, if partitioned, goes to a tensor of ours): .grad keeps
-        # the local gradient.
-        self.model._reducer.mark_ready_to(index, source.data_ptr(),
-                                          self.model._result_target(index))
-
-    def backward_done(self, iteration: int, unmarked: list[int]) -> None:
-        self._finished = iteration
-        if unmarked:
-            self._unmarked[iteration] = unmarked
-        if self._buffers.wanted:
-            self._buffers.start()
-
-    def wrap_optimizer(self, optimizer: Any) -> Any:
-        self._inner_step = take_over_optimizer(self, optimizer, self.step)
-        self._optimizer = optimizer
-        return optimizer
 
     # ---- optimizer side ------------------------------------------------------
 

@@ -32,13 +32,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from hemiola.schedules.base import (
-    BufferBroadcast,
-    Schedule,
-    hyper_parameters,
-    set_hyper_parameters,
-    take_over_optimizer,
-)
+from hemiola.schedules.base import DeferredSchedule, hyper_parameters, set_hyper_parameters
 
 
 class _Pending:
@@ -52,20 +46,12 @@ class _Pending:
         self.remaining = set(range(params))  # parameters not updated yet
 
 
-class Priority(Schedule):
+class Priority(DeferredSchedule):
     """The priority schedule; see the module docstring."""
-
-    in_flight = 1
 
     def __init__(self, model) -> None:  # type: ignore[no-untyped-def]
         super().__init__(model)
-        self._optimizer: torch.optim.Optimizer | None = None
-        self._inner_step: Any = None
-        self._finished: int | None = None
-        self._unmarked: dict[int, list[int]] = {}
         self._pending: _Pending | None = None
-        self._rebuilt = not model.config.rebuild_buckets
-        self._buffers = BufferBroadcast(model)
         self._members: list[list[int]] = []     # per bucket: its parameters
         self._buckets_of: list[list[int]] = []  # per parameter: its buckets (pieces)
         index_of = {id(p): i for i, p in enumerate(model._params)}
@@ -75,25 +61,6 @@ class Priority(Schedule):
                      if id(p) in index_of]
             if owned:
                 module.register_forward_pre_hook(self._pre_forward_hook(owned))
-
-    # ---- model side ----------------------------------------------------------
-
-    def mark(self, index: int, grad: torch.Tensor) -> None:
-        source = grad if grad.is_contiguous() else grad.contiguous()
-        self.model._reducer.mark_ready_to(index, source.data_ptr(),
-                                          self.model._result_target(index))
-
-    def backward_done(self, iteration: int, unmarked: list[int]) -> None:
-        self._finished = iteration
-        if unmarked:
-            self._unmarked[iteration] = unmarked
-        if self._buffers.wanted:
-            self._buffers.start()
-
-    def wrap_optimizer(self, optimizer: Any) -> Any:
-        self._inner_step = take_over_optimizer(self, optimizer, self.step)
-        self._optimizer = optimizer
-        return optimizer
 
     def synchronize(self) -> None:
         self._apply_all()
