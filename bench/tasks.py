@@ -255,9 +255,19 @@ class LMTask(Task):
 
 TASKS: dict[str, type[Task]] = {"digits": DigitsTask, "lm": LMTask}
 
-# The headline held-out metric of each task and whether higher is better.
-HEADLINE: dict[str, tuple[str, bool]] = {"digits": ("test_accuracy", True),
-                                         "lm": ("heldout_loss", False)}
+
+
+@dataclass(frozen=True)
+class Headline:
+    """A task's main held-out metric, and the value that counts as converged."""
+
+    metric: str
+    higher_is_better: bool
+    target: float
+
+
+HEADLINE: dict[str, Headline] = {"digits": Headline("test_accuracy", True, 0.97),
+                                 "lm": Headline("heldout_loss", False, 2.1)}
 
 
 # ---- one rank's run ---------------------------------------------------------
