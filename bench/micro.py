@@ -15,7 +15,7 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-from common import write_results
+from common import median, write_results
 
 ROOT = Path(__file__).resolve().parents[1]
 BUILD = ROOT / "build" / "bench"
@@ -42,19 +42,32 @@ def main() -> None:
           f"floats: median {hook['median_ns']:.0f} ns, p99 {hook['p99_ns']:.0f} ns "
           f"(timer itself {hook['timer_overhead_median_ns']:.0f} ns)")
 
-    store = tempfile.mkdtemp(prefix="hemiola-bench-")
-    world = 2
-    procs = [subprocess.Popen([str(binaries / "bench_allreduce_bandwidth"), str(r), str(world),
-                               store, "21"], stdout=subprocess.PIPE, text=True)
-             for r in range(world)]
-    lines = procs[0].communicate(timeout=900)[0]
-    procs[1].wait(timeout=60)
-    print(f"{'bytes':>12s} {'engine ms':>10s} {'raw gloo ms':>12s} {'engine/raw bw':>14s}")
-    for line in lines.splitlines():
-        row = json.loads(line)
+    # Several independent runs (fresh processes); the table shows, per buffer
+    # size, the median over runs of each run's median.
+    world, runs = 2, 5
+    by_size: dict[int, list[dict[str, float]]] = {}
+    for _ in range(runs):
+        store = tempfile.mkdtemp(prefix="hemiola-bench-")
+        procs = [subprocess.Popen([str(binaries / "bench_allreduce_bandwidth"), str(r),
+                                   str(world), store, "21"], stdout=subprocess.PIPE, text=True)
+                 for r in range(world)]
+        lines = procs[0].communicate(timeout=900)[0]
+        procs[1].wait(timeout=60)
+        for line in lines.splitlines():
+            row = json.loads(line)
+            by_size.setdefault(row["bytes"], []).append(row)
+    print(f"{'bytes':>12s} {'engine ms':>10s} {'raw gloo ms':>12s} {'engine/raw bw':>14s} "
+          f"{'(min..max over runs)':>22s}")
+    for size, samples in by_size.items():
+        ratios = [r["engine_vs_raw"] for r in samples]
+        row = {"bench": "allreduce_bandwidth", "world": world, "bytes": size, "runs": runs,
+               "engine_ms": median([r["engine_ms"] for r in samples]),
+               "raw_gloo_ms": median([r["raw_gloo_ms"] for r in samples]),
+               "engine_vs_raw": median(ratios), "engine_vs_raw_min": min(ratios),
+               "engine_vs_raw_max": max(ratios)}
         rows.append(row)
-        print(f"{row['bytes']:12d} {row['engine_ms']:10.3f} {row['raw_gloo_ms']:12.3f} "
-              f"{row['engine_vs_raw']:14.3f}")
+        print(f"{size:12d} {row['engine_ms']:10.3f} {row['raw_gloo_ms']:12.3f} "
+              f"{row['engine_vs_raw']:14.3f} {min(ratios):10.3f}..{max(ratios):.3f}")
     print(f"wrote {write_results('micro', rows)}")
 
 

@@ -1,6 +1,7 @@
 // Completion handle of an operation submitted to the engine.
 #pragma once
 
+#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
@@ -21,6 +22,8 @@ struct HandleState {
   std::mutex mutex;
   std::condition_variable cv;
   bool done = false;
+  // Mirrors `done` for waiters that poll briefly before sleeping.
+  std::atomic<bool> done_flag{false};
   std::exception_ptr error;
   std::string description;  // what the operation is, for error messages
   uint64_t sequence = 0;    // position in the engine's issue order

@@ -1,5 +1,7 @@
 #include "hemiola/handle.h"
 
+#include <thread>
+
 #include "hemiola/status.h"
 
 namespace hemiola {
@@ -18,6 +20,13 @@ bool Handle::wait_for(std::chrono::milliseconds timeout) const {
 
 void Handle::wait() const {
   HEMIOLA_CHECK(state_ != nullptr, "Handle::wait on an empty handle");
+  // Small collectives finish within tens of microseconds: poll briefly
+  // (yielding the core) before paying for a sleep and a wake-up.
+  const auto poll_until = std::chrono::steady_clock::now() + std::chrono::microseconds(100);
+  while (!state_->done_flag.load(std::memory_order_acquire) &&
+         std::chrono::steady_clock::now() < poll_until) {
+    std::this_thread::yield();
+  }
   std::unique_lock<std::mutex> lock(state_->mutex);
   state_->cv.wait(lock, [&] { return state_->done; });
   if (!state_->error) return;

@@ -41,6 +41,7 @@ void Scheduler::finish(detail::HandleState& state, std::exception_ptr error) {
     state.error = std::move(error);
     state.done = true;
   }
+  state.done_flag.store(true, std::memory_order_release);
   state.cv.notify_all();
 }
 
