@@ -256,6 +256,9 @@ def main() -> None:
     args = parser.parse_args()
     if args.worker is not None:
         print(RESULT_TAG + json.dumps(worker(json.loads(args.worker))), flush=True)
+        import torch.distributed as dist
+
+        dist.destroy_process_group()  # torch's Gloo thread must not outlive the interpreter
         return
     args.schedules = [s for s in args.schedules.split(",") if s]
     unknown = sorted(set(args.schedules) - set(SCHEDULES))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import itertools
 import os
@@ -43,7 +44,8 @@ def init(timeout_s: float = 300.0) -> None:
     launches just work. Unless ``GLOO_SOCKET_IFNAME`` is set, it is set to the
     interface that routes to ``MASTER_ADDR``, for torch's Gloo and hemiola's
     alike. Without those variables it starts a single-process
-    group, so a script also runs alone. hemiola's engines rendezvous through
+    group, so a script also runs alone. A group created here is destroyed at
+    exit. hemiola's engines rendezvous through
     the default group's store; their collectives use hemiola's own Gloo
     connections, not the process group.
     """
@@ -64,6 +66,15 @@ def init(timeout_s: float = 300.0) -> None:
         dist.init_process_group(
             backend="gloo", init_method=f"file://{path}", rank=0, world_size=1, timeout=timeout
         )
+    # We created the group, so we also take it down at exit: torch's Gloo
+    # worker thread must not outlive the interpreter (it can abort the process
+    # at shutdown when a script ends without destroy_process_group()).
+    atexit.register(_destroy_process_group)
+
+
+def _destroy_process_group() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def new_engine(timeout_s: float, timeline: bool = False) -> tuple[C.Engine, C.Store]:

@@ -44,6 +44,19 @@ def _child(fn: Callable[..., Any], rank: int, world: int, port: int, env: dict[s
         results.put((rank, "ok", pickle.dumps(fn(rank, world, *args))))
     except BaseException as e:  # noqa: BLE001 - everything goes back to the parent
         results.put((rank, "error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+    finally:
+        _shut_down_process_group()
+
+
+def _shut_down_process_group() -> None:
+    """Tears torch's process group down before the interpreter exits: its
+    Gloo worker thread may otherwise still release Python objects while the
+    interpreter is finalising, which aborts the process."""
+    if dist.is_available() and dist.is_initialized():
+        try:
+            dist.destroy_process_group()
+        except Exception:  # noqa: BLE001 - a dead peer must not turn success into failure
+            pass
 
 
 class RankFailure(RuntimeError):

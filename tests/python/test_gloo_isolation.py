@@ -32,6 +32,7 @@ model(torch.full((4, 1000), float(rank + 1))).sum().backward()
 theirs = torch.full((1000,), float(rank + 1))
 dist.all_reduce(theirs)  # torch's own Gloo
 print(json.dumps([model.module.weight.grad[0, 0].item(), theirs[0].item()]))
+dist.destroy_process_group()  # torch's Gloo thread must not outlive the interpreter
 """
 
 

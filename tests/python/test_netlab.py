@@ -25,6 +25,7 @@ rank = torch.distributed.get_rank()
 model, _ = hemiola.wrap(torch.nn.Linear(100, 100), None, timeout_s=30)
 model(torch.full((2, 100), float(rank + 1))).sum().backward()
 print(json.dumps(model.module.weight.grad[0, 0].item()))
+torch.distributed.destroy_process_group()
 """
 
 
