@@ -1,0 +1,59 @@
+"""The convergence benchmark's tasks (bench/tasks.py): they build, the text
+corpus is deterministic, and a tiny 2-rank wfbp run of each learns."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from hemiola.launch import run_local
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+import tasks  # noqa: E402 - bench/ is not a package
+
+
+def test_corpus_is_deterministic_and_plausible() -> None:
+    first, second = tasks.load_corpus(), tasks.load_corpus()
+    assert first == second
+    assert 200_000 < len(first) < 2_000_000
+    assert b"The \"assert\" statement" in first  # Python's language reference
+    lm = tasks.LMTask()
+    assert lm.tokens.dtype == torch.int64 and lm.tokens.max() < 256
+    assert torch.equal(lm.tokens, tasks.LMTask().tokens)
+    # Windows overlap by one byte, so every byte of the split is predicted once.
+    x, y = lm.epoch_samples(seed=0, epoch=0)
+    assert x.shape[1] == y.shape[1] == lm.context
+    assert torch.equal(x[1:, 0], y[:-1, -1])
+    assert torch.equal(x, lm.epoch_samples(seed=0, epoch=0)[0])
+
+
+@pytest.mark.parametrize("name", ["digits", "lm"])
+def test_task_builds(name: str) -> None:
+    task = tasks.TASKS[name]()
+    model = task.model()
+    optimizer = task.optimizer(model)
+    assert sum(len(g["params"]) for g in optimizer.param_groups) == len(list(model.parameters()))
+    x, y = task.epoch_samples(seed=0, epoch=0)
+    loss = task.loss(model, x[:4], y[:4])
+    assert loss.ndim == 0 and torch.isfinite(loss)
+    assert task.steps_per_epoch(world=4) > 10
+    model.eval()
+    with torch.no_grad():
+        metrics = task.evaluate(model)
+    assert tasks.HEADLINE[name].metric in metrics
+
+
+@pytest.mark.parametrize("name", ["digits", "lm"])
+def test_two_rank_wfbp_run_learns(name: str) -> None:
+    results = run_local(tasks.train_rank, 2, name, "wfbp", 0, None, 30, 1, timeout_s=120)
+    r0 = results[0]
+    assert r0.steps == 30 and len(r0.losses) == 30
+    assert [e["step"] for e in r0.evals] == [0, 30]
+    for r in results.values():  # every rank's own loss went down
+        assert sum(r.losses[-5:]) < 0.8 * sum(r.losses[:5])
+    headline = tasks.HEADLINE[name]
+    before, after = (e[headline.metric] for e in r0.evals)
+    assert after > before if headline.higher_is_better else after < before
