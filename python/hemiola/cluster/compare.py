@@ -158,6 +158,11 @@ def plot_jct_cdf(series: dict[str, list[SimulationSummary]], path: Path) -> None
     ax.set_xlabel("job completion time (s, log scale)")
     ax.set_ylabel("fraction of jobs")
     ax.set_title("JCT CDF per policy (all seeds pooled)")
+    _finish(plt, fig, ax, path)
+
+
+def _finish(plt: Any, fig: Any, ax: Any, path: Path) -> None:
+    """Grid, a legend beside the axes (when there is anything to label), save."""
     ax.grid(alpha=0.3)
     if ax.get_legend_handles_labels()[0]:  # nothing to label when every run was empty
         ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))
@@ -202,9 +207,4 @@ def plot_utilization(series: dict[str, list[SimulationSummary]], path: Path) -> 
     ax.set_ylabel("fraction of GPUs computing")
     ax.set_title("GPU utilisation over time (first seed; mean per 1/200 of the run)")
     ax.set_ylim(0, 1.05)
-    ax.grid(alpha=0.3)
-    if ax.get_legend_handles_labels()[0]:  # nothing to label when every run was empty
-        ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    _finish(plt, fig, ax, path)
