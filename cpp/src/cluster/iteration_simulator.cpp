@@ -92,13 +92,7 @@ void IterationSimulator::place_pending(double now) {
     }
   };
   refresh_load();
-  if (policy_.job_order == JobOrder::kSrsf) {
-    // Smallest total GPU-time first; ties keep arrival order.
-    std::stable_sort(pending_.begin(), pending_.end(), [&](int a, int b) {
-      return job_gpu_time_ms(*jobs_[a].spec, *jobs_[a].model, cluster_) <
-             job_gpu_time_ms(*jobs_[b].spec, *jobs_[b].model, cluster_);
-    });
-  }
+  order_for_admission(pending_, jobs_, policy_.job_order, cluster_);
   std::vector<int> still_pending;
   for (int id : pending_) {
     Job& j = jobs_[id];

@@ -1,10 +1,12 @@
 // What a simulation returns, and the summary statistics computed from it.
 #pragma once
 
+#include <algorithm>
 #include <string>
 #include <vector>
 
 #include "job.h"
+#include "policy.h"
 
 namespace hemiola::cluster {
 
@@ -46,6 +48,19 @@ void summarize(SimulationResult& result);
 // all-reduce when it needs more GPUs than one node has. The key of the "srsf"
 // job order (smallest first) for jobs that have not started.
 double job_gpu_time_ms(const JobSpec& job, const ModelSpec& model, const ClusterSpec& cluster);
+
+// Puts waiting job ids in admission order: unchanged (arrival order) for
+// kFifo; smallest total GPU-time first for kSrsf, ties keeping arrival order.
+// `Job` is either simulator's job record (it has `spec` and `model` pointers).
+template <typename Job>
+void order_for_admission(std::vector<int>& pending, const std::vector<Job>& jobs, JobOrder order,
+                         const ClusterSpec& cluster) {
+  if (order != JobOrder::kSrsf) return;
+  std::stable_sort(pending.begin(), pending.end(), [&](int a, int b) {
+    return job_gpu_time_ms(*jobs[a].spec, *jobs[a].model, cluster) <
+           job_gpu_time_ms(*jobs[b].spec, *jobs[b].model, cluster);
+  });
+}
 
 // Lower bound on one job's completion time: its iterations run alone with no
 // sharing and an uncontended all-reduce when `multi_node`.
