@@ -49,6 +49,22 @@ void summarize(SimulationResult& result);
 // job order (smallest first) for jobs that have not started.
 double job_gpu_time_ms(const JobSpec& job, const ModelSpec& model, const ClusterSpec& cluster);
 
+// The result row of a finished job; `Job` is either simulator's job record.
+template <typename Job>
+JobResult job_result(const Job& j) {
+  JobResult r;
+  r.id = j.spec->id;
+  r.arrival_ms = j.spec->arrival_ms;
+  r.start_ms = j.start_ms;
+  r.finish_ms = j.finish_ms;
+  r.jct_ms = j.finish_ms - j.spec->arrival_ms;
+  r.transferred_mb = j.transferred_mb;
+  r.iterations = j.spec->iterations;
+  r.multi_node = j.multi_node;
+  r.gpus = j.gpus;
+  return r;
+}
+
 // Puts waiting job ids in admission order: unchanged (arrival order) for
 // kFifo; smallest total GPU-time first for kSrsf, ties keeping arrival order.
 // `Job` is either simulator's job record (it has `spec` and `model` pointers).

@@ -315,20 +315,8 @@ SimulationResult TaskSimulator::run() {
   result.util_time_ms.push_back(now);
   result.util_value.push_back(0.0);
 
-  result.jobs.resize(jobs_.size());
-  for (size_t i = 0; i < jobs_.size(); ++i) {
-    const Job& j = jobs_[i];
-    JobResult& r = result.jobs[i];
-    r.id = j.spec->id;
-    r.arrival_ms = j.spec->arrival_ms;
-    r.start_ms = j.start_ms;
-    r.finish_ms = j.finish_ms;
-    r.jct_ms = j.finish_ms - j.spec->arrival_ms;
-    r.transferred_mb = j.transferred_mb;
-    r.iterations = j.spec->iterations;
-    r.multi_node = j.multi_node;
-    r.gpus = j.gpus;
-  }
+  result.jobs.clear();
+  for (const Job& j : jobs_) result.jobs.push_back(job_result(j));
   summarize(result);
   result.gpu_utilization =
       result.makespan_ms > 0.0 ? busy_area / (n_gpus * result.makespan_ms) : 0.0;
