@@ -5,41 +5,15 @@
 #include <gloo/barrier.h>
 #include <gloo/broadcast.h>
 #include <gloo/common/error.h>
-#include <gloo/rendezvous/context.h>
-#include <gloo/rendezvous/store.h>
-#include <gloo/transport/tcp/device.h>
-#include <unistd.h>
+#include <gloo/context.h>
 
-#include "comm/network.h"
+#include "comm/gloo_setup.h"
 #include "engine/dtype_math.h"
 #include "hemiola/status.h"
 
 namespace hemiola {
 
 namespace {
-
-// Gloo's rendezvous talks to a gloo::rendezvous::Store; forward to ours.
-class GlooStoreAdapter final : public gloo::rendezvous::Store {
- public:
-  GlooStoreAdapter(hemiola::Store& store, std::chrono::milliseconds timeout)
-      : store_(store), timeout_(timeout) {}
-  void set(const std::string& key, const std::vector<char>& data) override {
-    store_.set(key, std::string(data.begin(), data.end()));
-  }
-  std::vector<char> get(const std::string& key) override {
-    const std::string value = store_.get(key, timeout_);
-    return std::vector<char>(value.begin(), value.end());
-  }
-  void wait(const std::vector<std::string>& keys) override { wait(keys, timeout_); }
-  void wait(const std::vector<std::string>& keys,
-            const std::chrono::milliseconds& timeout) override {
-    for (const auto& key : keys) store_.get(key, timeout);
-  }
-
- private:
-  hemiola::Store& store_;
-  std::chrono::milliseconds timeout_;
-};
 
 // Gloo throws its own exception types; turn them into ours with the op named.
 template <typename Fn>
@@ -75,12 +49,6 @@ void require_cpu(const TensorRef& t, const char* op) {
   HEMIOLA_CHECK(t.data != nullptr || t.numel == 0, "gloo ", op, ": null data pointer");
 }
 
-std::string default_hostname() {
-  char name[256] = {};
-  if (::gethostname(name, sizeof name - 1) != 0) return "127.0.0.1";
-  return name;
-}
-
 }  // namespace
 
 GlooCommunicator::GlooCommunicator(const EngineOptions& options, Store& store)
@@ -91,37 +59,9 @@ GlooCommunicator::GlooCommunicator(const EngineOptions& options, Store& store)
   HEMIOLA_CHECK(rank_ >= 0 && rank_ < size_, "rank ", rank_, " is outside [0, ", size_, ")");
   HEMIOLA_CHECK(options.timeout_s > 0, "timeout_s must be positive, got ", options.timeout_s);
 
-  gloo::transport::tcp::attr attr;
-  if (!options.iface.empty()) {
-    attr.iface = options.iface;
-    address_ = "iface " + options.iface;
-  } else {
-    std::string host = options.hostname;
-    if (host.empty()) host = local_address_reaching(options.master_addr);
-    // Alone, nobody needs to reach us: loopback always binds.
-    if (host.empty() && size_ == 1) host = "127.0.0.1";
-    if (host.empty()) host = default_hostname();
-    attr.hostname = host;
-    address_ = host;
-  }
-  std::shared_ptr<gloo::transport::Device> device;
-  try {
-    device = gloo::transport::tcp::CreateDevice(attr);
-  } catch (const std::exception& e) {
-    HEMIOLA_THROW(ErrorCode::kInvalidArgument, "cannot bind a Gloo TCP device on ", address_,
-                  ": ", e.what(), " (set GLOO_SOCKET_IFNAME or EngineOptions::iface)");
-  }
-  auto context = std::make_shared<gloo::rendezvous::Context>(rank_, size_);
-  context->setTimeout(timeout_);
-  GlooStoreAdapter adapter(store, timeout_);
-  try {
-    context->connectFullMesh(adapter, device);
-  } catch (const hemiola::Error&) {
-    throw;  // store timeout: already says which key was missing
-  } catch (const std::exception& e) {
-    HEMIOLA_THROW(ErrorCode::kCommFailure, "rank ", rank_, ": Gloo rendezvous failed: ", e.what());
-  }
-  context_ = std::move(context);
+  BindSpec spec{options.iface, options.hostname, options.master_addr, size_ == 1};
+  context_ = connect_gloo_context(rank_, size_, store, make_gloo_device(spec, &address_),
+                                  timeout_);
 }
 
 GlooCommunicator::~GlooCommunicator() = default;

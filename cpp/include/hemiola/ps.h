@@ -1,0 +1,189 @@
+// Parameter server: servers hold the global parameters and optimizer state,
+// sharded by key; workers push gradients and pull parameters per tensor.
+//
+// Every (server, worker) pair talks over its own two-rank Gloo context (point-
+// to-point unbound buffers), so one dead worker breaks exactly its own
+// connections. Parameters are float32 on the wire and in the server.
+//
+// Versions: each shard counts the optimizer updates applied to it. A pulled
+// shard carries its version; a pushed gradient carries the version it was
+// computed on; the server applies it at its current version, and the
+// difference is the gradient's staleness tau, reported back to the worker.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "hemiola/export.h"
+#include "hemiola/store.h"
+
+namespace hemiola::ps {
+
+// When a worker may read parameters, and when the server applies gradients.
+enum class Consistency : int32_t {
+  kBsp = 0,    // synchronous: a shard steps once all workers pushed; pulls wait for that step
+  kAsp = 1,    // asynchronous: each push steps at once; a pull follows the worker's own push
+  kSsp = 2,    // asp, but a worker may be at most `staleness_bound` pushes ahead of the slowest
+  kEager = 3,  // asp with pull and push decoupled: the pull of the next iteration is answered
+               // at once, without waiting for this worker's own push
+};
+
+enum class OptimizerKind : int32_t { kSgd = 0, kAdam = 1, kAdamW = 2 };
+
+// How a gradient tau versions old scales the learning rate it is applied with.
+enum class StalenessRule : int32_t {
+  kNone = 0,     // lr
+  kInverse = 1,  // lr / (1 + tau)
+  kZhang = 2,    // lr / max(1, tau): staleness-aware ASGD (Zhang et al., IJCAI'16)
+};
+
+HEMIOLA_API const char* consistency_name(Consistency c);
+HEMIOLA_API Consistency consistency_from_name(const std::string& name);
+HEMIOLA_API StalenessRule staleness_rule_from_name(const std::string& name);
+HEMIOLA_API double staleness_factor(StalenessRule rule, int64_t tau);
+
+// Optimizer hyper-parameters, following torch.optim's names and formulas.
+struct Hyper {
+  double lr = 0.01;
+  double momentum = 0.0;      // SGD
+  double dampening = 0.0;     // SGD
+  double weight_decay = 0.0;  // SGD and Adam: added to the gradient; AdamW: decoupled
+  double beta1 = 0.9;         // Adam/AdamW
+  double beta2 = 0.999;       // Adam/AdamW
+  double eps = 1e-8;          // Adam/AdamW
+  bool nesterov = false;      // SGD
+};
+
+// One shard: elements [begin, begin + count) of tensor `tensor`, held by `server`.
+struct Shard {
+  int32_t key = 0;
+  int32_t tensor = 0;
+  int64_t begin = 0;
+  int64_t count = 0;
+  int32_t server = 0;
+};
+
+// Splits each tensor into parts of at most `partition_elems` elements (near-
+// equal parts) and assigns parts to servers so that servers balance by
+// elements: largest part first, to the least-loaded server (ties: lowest
+// index). Deterministic, so every worker computes the same plan. Keys are
+// numbered in tensor order, then part order.
+HEMIOLA_API std::vector<Shard> plan_shards(const std::vector<int64_t>& numels, int num_servers,
+                                           int64_t partition_elems);
+
+struct ServerOptions {
+  int server_index = 0;
+  int num_servers = 1;
+  int num_workers = 1;
+  Consistency consistency = Consistency::kBsp;
+  int staleness_bound = 0;  // kSsp only
+  double timeout_s = 300.0;  // connection set-up, and how long a bsp round may wait for a worker
+  // Where snapshot() writes; with `restore`, serve() starts from the state there.
+  std::string snapshot_path;
+  bool restore = false;
+  double snapshot_every_s = 0.0;  // > 0: also snapshot periodically
+  std::string iface;     // network interface to bind (empty: `hostname`)
+  std::string hostname;  // address to bind (empty: the one routing to master_addr)
+  std::string master_addr;
+};
+
+// Per-server counters (for logs and tests).
+struct ServerStats {
+  int64_t pushes_applied = 0;
+  int64_t pulls_answered = 0;
+  int64_t rejected = 0;  // malformed, out-of-order or inconsistent messages
+  int64_t snapshots = 0;
+  std::vector<int32_t> dead_workers;
+  std::vector<std::string> rejections;  // the reasons, newest last (at most 32)
+};
+
+class HEMIOLA_API Server {
+ public:
+  // Connects to every worker (blocking, up to timeout_s).
+  Server(const ServerOptions& options, std::shared_ptr<Store> store);
+  ~Server();
+  Server(const Server&) = delete;
+  Server& operator=(const Server&) = delete;
+
+  // Serves until every worker has said goodbye or died. Throws Error when the
+  // job cannot go on (a bsp worker died or stalled), after telling the workers.
+  void serve();
+  // Writes the state to options.snapshot_path (atomically: temp file + rename).
+  void snapshot();
+  ServerStats stats() const;
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+struct ClientOptions {
+  int worker_index = 0;
+  int num_workers = 1;
+  int num_servers = 1;
+  Consistency consistency = Consistency::kBsp;
+  StalenessRule staleness_rule = StalenessRule::kNone;
+  OptimizerKind optimizer = OptimizerKind::kSgd;
+  int64_t partition_elems = 1 << 20;
+  double timeout_s = 300.0;
+  std::string iface;
+  std::string hostname;
+  std::string master_addr;
+};
+
+// One applied push, as the server reported it.
+struct PushRecord {
+  int32_t tensor = 0;
+  int32_t key = 0;
+  int64_t computed_on = 0;  // version the gradient was computed on
+  int64_t applied_at = 0;   // version it was applied to (before the step)
+  int64_t staleness = 0;    // applied_at - computed_on
+  double lr_factor = 1.0;   // what the staleness rule made of it
+};
+
+class HEMIOLA_API Client {
+ public:
+  // `numels`: the trained tensors (float32, contiguous), the same on every
+  // worker. Connects to every server (blocking, up to timeout_s).
+  Client(const ClientOptions& options, const std::vector<std::string>& names,
+         const std::vector<int64_t>& numels, std::shared_ptr<Store> store);
+  ~Client();
+  Client(const Client&) = delete;
+  Client& operator=(const Client&) = delete;
+
+  const std::vector<Shard>& shards() const;
+
+  // Registers with every server; worker 0 sends the initial values (one
+  // pointer per tensor), the others pass an empty vector. Then pulls every
+  // tensor: call wait_pull before using one.
+  void initialize(const std::vector<const float*>& initial, const std::vector<Hyper>& hyper);
+  // Hyper-parameters for the following pushes of `tensor`.
+  void set_hyper(int tensor, const Hyper& hyper);
+  // Copies the gradient and sends it; returns at once.
+  void push(int tensor, const float* grad);
+  // This iteration has no gradient for `tensor` (unused): counts as a push
+  // that contributes nothing.
+  void push_none(int tensor);
+  // Requests the newest parameters of `tensor` (as the consistency model allows).
+  void pull(int tensor);
+  // Waits for the latest requested pull of `tensor` and copies it into dst.
+  void wait_pull(int tensor, float* dst);
+  // True when the latest requested pull of `tensor` has arrived.
+  bool pull_ready(int tensor);
+  // Waits until every push so far has been applied (acknowledged).
+  void flush();
+  // Asks every server to write its snapshot; waits for the confirmations.
+  void snapshot();
+  // Everything the servers reported about this worker's pushes, oldest first.
+  std::vector<PushRecord> push_records() const;
+  // Says goodbye to the servers (after flush()). Also done by the destructor.
+  void close();
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace hemiola::ps

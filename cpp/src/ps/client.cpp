@@ -1,0 +1,372 @@
+// The worker side of the parameter server. Calls come from the training
+// thread (and autograd hooks); one receive thread per server connection
+// handles replies. Pulled values land in client-owned staging buffers and are
+// copied into the caller's tensor only in wait_pull, so a reply never writes
+// memory that a running forward or backward may be reading.
+#include <algorithm>
+#include <chrono>
+#include <condition_variable>
+#include <cstring>
+#include <mutex>
+#include <thread>
+
+#include "comm/gloo_setup.h"
+#include "hemiola/ps.h"
+#include "hemiola/status.h"
+#include "ps/channel.h"
+#include "ps/protocol.h"
+#include "ps/table.h"
+
+namespace hemiola::ps {
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+struct KeyState {
+  std::vector<float> staging;
+  int64_t requested = 0;        // pulls sent
+  int64_t arrived = 0;          // pull replies received
+  int64_t arrived_version = 0;  // version of the newest reply
+  int64_t used_version = 0;     // version the caller last took (gradients are computed on it)
+  int64_t min_next = 0;         // bsp: the version the next pull must wait for
+};
+
+}  // namespace
+
+struct Client::Impl {
+  ClientOptions opt;
+  std::vector<std::string> names;
+  std::vector<int64_t> numels;
+  std::vector<Shard> shards;
+  std::vector<std::vector<int32_t>> keys_of_tensor;
+  std::shared_ptr<Store> store;
+  std::vector<std::unique_ptr<Channel>> channels;  // index = server
+  std::vector<std::thread> receivers;
+
+  mutable std::mutex mutex;
+  std::condition_variable changed;
+  std::vector<KeyState> keys;
+  std::vector<Hyper> hyper;  // per tensor
+  int64_t outstanding = 0;   // pushes not yet acknowledged
+  int registered = 0;
+  int snapshots_done = 0;
+  std::vector<PushRecord> records;
+  std::string failure;
+  ErrorCode failure_code = ErrorCode::kCommFailure;
+  bool closed = false;
+
+  std::chrono::milliseconds timeout() const {
+    return std::chrono::milliseconds(static_cast<int64_t>(opt.timeout_s * 1000.0));
+  }
+  std::string server_name(int s) const { return detail::concat("server ", s, " (rank ", s, ")"); }
+
+  void throw_if_failed() const {
+    if (!failure.empty()) throw Error(failure_code, failure);
+  }
+
+  // Waits (lock held) until `done`, a failure, or the timeout; `what` names the wait.
+  template <typename Pred>
+  void wait(std::unique_lock<std::mutex>& lock, Pred done, const std::string& what) {
+    const auto deadline = Clock::now() + timeout();
+    while (!done()) {
+      throw_if_failed();
+      if (changed.wait_until(lock, deadline) == std::cv_status::timeout && !done()) {
+        throw_if_failed();
+        HEMIOLA_THROW(ErrorCode::kTimeout, "worker ", opt.worker_index, ": ", what,
+                      " did not complete within ", opt.timeout_s,
+                      " s (a server or another worker died or stalled)");
+      }
+    }
+    throw_if_failed();
+  }
+
+  void send(const Shard& shard, MessageType type, int64_t version, std::vector<char> payload,
+            int tensor) {
+    Header h;
+    h.type = static_cast<uint16_t>(type);
+    h.key = shard.key;
+    h.worker = opt.worker_index;
+    h.version = version;
+    h.rule = static_cast<int32_t>(opt.staleness_rule);
+    h.optimizer = static_cast<int32_t>(opt.optimizer);
+    if (tensor >= 0) put_hyper(h, hyper[static_cast<size_t>(tensor)]);
+    channels[static_cast<size_t>(shard.server)]->send(h, std::move(payload));
+  }
+
+  void send_control(int server, MessageType type, std::vector<char> payload = {}) {
+    Header h;
+    h.type = static_cast<uint16_t>(type);
+    h.worker = opt.worker_index;
+    h.optimizer = static_cast<int32_t>(opt.optimizer);
+    channels[static_cast<size_t>(server)]->send(h, std::move(payload));
+  }
+
+  void set_failure(const std::string& message, ErrorCode code) {
+    if (failure.empty()) {
+      failure = message;
+      failure_code = code;
+    }
+    changed.notify_all();
+  }
+
+  void on_message(int s, const Header& h, const std::vector<char>& payload) {
+    if (const auto problem = header_problem(h); !problem.empty())
+      return set_failure(detail::concat("malformed message from ", server_name(s), ": ", problem),
+                         ErrorCode::kCommFailure);
+    const auto type = static_cast<MessageType>(h.type);
+    if (type == MessageType::kError) {
+      return set_failure(std::string(payload.begin(), payload.end()),
+                         static_cast<ErrorCode>(h.aux));
+    }
+    if (type == MessageType::kRegistered) {
+      registered += 1;
+    } else if (type == MessageType::kSnapshotDone) {
+      snapshots_done += 1;
+    } else if (h.key < 0 || static_cast<size_t>(h.key) >= shards.size() ||
+               shards[static_cast<size_t>(h.key)].server != s) {
+      return set_failure(detail::concat(server_name(s), " answered for key ", h.key,
+                                        ", which it does not hold"),
+                         ErrorCode::kInternal);
+    } else if (type == MessageType::kPullReply) {
+      auto& k = keys[static_cast<size_t>(h.key)];
+      if (payload.size() != k.staging.size() * sizeof(float))
+        return set_failure(detail::concat(server_name(s), " sent ", payload.size(),
+                                          " bytes for key ", h.key),
+                           ErrorCode::kInternal);
+      std::memcpy(k.staging.data(), payload.data(), payload.size());
+      k.arrived += 1;
+      k.arrived_version = h.version;
+    } else if (type == MessageType::kPushAck) {
+      outstanding -= 1;
+      const auto& shard = shards[static_cast<size_t>(h.key)];
+      records.push_back(
+          PushRecord{shard.tensor, shard.key, h.version, h.aux, h.aux - h.version, h.factor});
+    } else {
+      return set_failure(detail::concat("unexpected ", message_type_name(h.type), " from ",
+                                        server_name(s)),
+                         ErrorCode::kInternal);
+    }
+    changed.notify_all();
+  }
+
+  void receive_loop(int s) {
+    Header h;
+    std::vector<char> payload;
+    for (;;) {
+      try {
+        if (!channels[static_cast<size_t>(s)]->receive(&h, &payload)) return;
+      } catch (const std::exception& e) {
+        std::lock_guard<std::mutex> lock(mutex);
+        if (!closed)
+          set_failure(detail::concat(server_name(s), " is unreachable: ", e.what(),
+                                     ". The server died; restart the job, with its snapshot "
+                                     "if it wrote one."),
+                      ErrorCode::kCommFailure);
+        return;
+      }
+      std::lock_guard<std::mutex> lock(mutex);
+      on_message(s, h, payload);
+    }
+  }
+
+  const std::vector<int32_t>& keys_of(int tensor) const {
+    HEMIOLA_CHECK(tensor >= 0 && static_cast<size_t>(tensor) < keys_of_tensor.size(),
+                  "tensor index ", tensor, " is outside [0, ", keys_of_tensor.size(), ")");
+    return keys_of_tensor[static_cast<size_t>(tensor)];
+  }
+
+  void push(int tensor, const float* grad) {
+    const auto& ids = keys_of(tensor);
+    std::lock_guard<std::mutex> lock(mutex);
+    throw_if_failed();
+    HEMIOLA_CHECK(!closed, "push after close()");
+    for (int32_t id : ids) {
+      const Shard& shard = shards[static_cast<size_t>(id)];
+      auto& k = keys[static_cast<size_t>(id)];
+      std::vector<char> payload;
+      MessageType type = MessageType::kPushNone;
+      if (grad) {
+        type = MessageType::kPush;
+        payload.resize(static_cast<size_t>(shard.count) * sizeof(float));
+        std::memcpy(payload.data(), grad + shard.begin, payload.size());
+      }
+      outstanding += 1;
+      if (opt.consistency == Consistency::kBsp) k.min_next = k.used_version + 1;
+      send(shard, type, k.used_version, std::move(payload), tensor);
+    }
+  }
+};
+
+Client::Client(const ClientOptions& options, const std::vector<std::string>& names,
+               const std::vector<int64_t>& numels, std::shared_ptr<Store> store)
+    : impl_(std::make_unique<Impl>()) {
+  auto& im = *impl_;
+  HEMIOLA_CHECK(store, "a store is required");
+  HEMIOLA_CHECK(names.size() == numels.size(), "names and numels differ in length");
+  HEMIOLA_CHECK(options.num_workers >= 1 && options.worker_index >= 0 &&
+                    options.worker_index < options.num_workers,
+                "worker index ", options.worker_index, " is outside [0, ", options.num_workers, ")");
+  HEMIOLA_CHECK(options.timeout_s > 0, "timeout_s must be positive");
+  im.opt = options;
+  im.names = names;
+  im.numels = numels;
+  im.store = std::move(store);
+  im.shards = plan_shards(numels, options.num_servers, options.partition_elems);
+  im.keys_of_tensor.resize(numels.size());
+  im.keys.resize(im.shards.size());
+  for (const auto& s : im.shards) {
+    im.keys_of_tensor[static_cast<size_t>(s.tensor)].push_back(s.key);
+    im.keys[static_cast<size_t>(s.key)].staging.resize(static_cast<size_t>(s.count));
+  }
+  im.hyper.resize(numels.size());
+
+  BindSpec spec{options.iface, options.hostname, options.master_addr, false};
+  auto device = make_gloo_device(spec, nullptr);
+  for (int s = 0; s < options.num_servers; ++s) {
+    PrefixStore pair(detail::concat("ps/s", s, "/w", options.worker_index, "/"), im.store);
+    im.channels.push_back(
+        std::make_unique<Channel>(device, pair, 1, im.timeout(), im.server_name(s)));
+  }
+  for (int s = 0; s < options.num_servers; ++s)
+    im.receivers.emplace_back([&im, s] { im.receive_loop(s); });
+}
+
+Client::~Client() {
+  try {
+    close();
+  } catch (...) {  // a destructor must not throw; close() already reported through failure
+  }
+}
+
+const std::vector<Shard>& Client::shards() const { return impl_->shards; }
+
+void Client::initialize(const std::vector<const float*>& initial, const std::vector<Hyper>& hyper) {
+  auto& im = *impl_;
+  HEMIOLA_CHECK(hyper.size() == im.numels.size(), "one Hyper per tensor expected, got ",
+                hyper.size());
+  HEMIOLA_CHECK(im.opt.worker_index == 0 ? initial.size() == im.numels.size() : initial.empty(),
+                "worker 0 passes one initial pointer per tensor; other workers pass none");
+  {
+    std::unique_lock<std::mutex> lock(im.mutex);
+    im.hyper = hyper;
+    for (int s = 0; s < im.opt.num_servers; ++s) {
+      const std::string table = make_table(im.shards, im.names, s, im.opt.optimizer);
+      im.send_control(s, MessageType::kRegister, std::vector<char>(table.begin(), table.end()));
+    }
+    im.wait(lock, [&] { return im.registered == im.opt.num_servers; }, "registration");
+    if (im.opt.worker_index == 0) {
+      for (const auto& shard : im.shards) {
+        std::vector<char> payload(static_cast<size_t>(shard.count) * sizeof(float));
+        std::memcpy(payload.data(), initial[static_cast<size_t>(shard.tensor)] + shard.begin,
+                    payload.size());
+        im.send(shard, MessageType::kInit, 0, std::move(payload), shard.tensor);
+      }
+    }
+  }
+  for (size_t t = 0; t < im.numels.size(); ++t) pull(static_cast<int>(t));
+}
+
+void Client::set_hyper(int tensor, const Hyper& hyper) {
+  impl_->keys_of(tensor);  // range check
+  std::lock_guard<std::mutex> lock(impl_->mutex);
+  impl_->hyper[static_cast<size_t>(tensor)] = hyper;
+}
+
+void Client::push(int tensor, const float* grad) {
+  HEMIOLA_CHECK(grad != nullptr, "push: null gradient (use push_none for an unused tensor)");
+  impl_->push(tensor, grad);
+}
+
+void Client::push_none(int tensor) { impl_->push(tensor, nullptr); }
+
+void Client::pull(int tensor) {
+  auto& im = *impl_;
+  const auto& ids = im.keys_of(tensor);
+  std::lock_guard<std::mutex> lock(im.mutex);
+  im.throw_if_failed();
+  HEMIOLA_CHECK(!im.closed, "pull after close()");
+  for (int32_t id : ids) {
+    auto& k = im.keys[static_cast<size_t>(id)];
+    k.requested += 1;
+    im.send(im.shards[static_cast<size_t>(id)], MessageType::kPull, k.min_next, {}, -1);
+  }
+}
+
+bool Client::pull_ready(int tensor) {
+  auto& im = *impl_;
+  const auto& ids = im.keys_of(tensor);
+  std::lock_guard<std::mutex> lock(im.mutex);
+  im.throw_if_failed();
+  return std::all_of(ids.begin(), ids.end(), [&](int32_t id) {
+    const auto& k = im.keys[static_cast<size_t>(id)];
+    return k.arrived >= k.requested;
+  });
+}
+
+void Client::wait_pull(int tensor, float* dst) {
+  auto& im = *impl_;
+  const auto& ids = im.keys_of(tensor);
+  HEMIOLA_CHECK(dst != nullptr || ids.empty(), "wait_pull: null destination");
+  std::unique_lock<std::mutex> lock(im.mutex);
+  for (int32_t id : ids) {
+    auto& k = im.keys[static_cast<size_t>(id)];
+    const auto& shard = im.shards[static_cast<size_t>(id)];
+    im.wait(lock, [&] { return k.arrived >= k.requested; },
+            detail::concat("the pull of '", im.names[static_cast<size_t>(tensor)], "' (key ", id,
+                           ") from ", im.server_name(shard.server)));
+    std::memcpy(dst + shard.begin, k.staging.data(), k.staging.size() * sizeof(float));
+    k.used_version = k.arrived_version;
+  }
+}
+
+void Client::flush() {
+  auto& im = *impl_;
+  std::unique_lock<std::mutex> lock(im.mutex);
+  im.wait(lock, [&] { return im.outstanding == 0; },
+          detail::concat("acknowledging ", im.outstanding, " pushes"));
+}
+
+void Client::snapshot() {
+  auto& im = *impl_;
+  std::unique_lock<std::mutex> lock(im.mutex);
+  im.throw_if_failed();
+  const int target = im.snapshots_done + im.opt.num_servers;
+  for (int s = 0; s < im.opt.num_servers; ++s) im.send_control(s, MessageType::kSnapshot);
+  im.wait(lock, [&] { return im.snapshots_done >= target; }, "the servers' snapshots");
+}
+
+std::vector<PushRecord> Client::push_records() const {
+  std::lock_guard<std::mutex> lock(impl_->mutex);
+  return impl_->records;
+}
+
+void Client::close() {
+  auto& im = *impl_;
+  {
+    std::lock_guard<std::mutex> lock(im.mutex);
+    if (im.closed) return;
+  }
+  // Pushes in flight are part of the training: wait for them unless the job failed.
+  std::string error;
+  try {
+    flush();
+  } catch (const std::exception& e) {
+    error = e.what();
+  }
+  {
+    std::lock_guard<std::mutex> lock(im.mutex);
+    im.closed = true;
+    for (int s = 0; s < im.opt.num_servers; ++s) im.send_control(s, MessageType::kBye);
+  }
+  for (auto& c : im.channels) c->drain(std::chrono::seconds(5));
+  for (auto& c : im.channels) c->close();
+  for (auto& t : im.receivers)
+    if (t.joinable()) t.join();
+  if (!error.empty()) {
+    std::lock_guard<std::mutex> lock(im.mutex);
+    throw Error(im.failure.empty() ? ErrorCode::kTimeout : im.failure_code, error);
+  }
+}
+
+}  // namespace hemiola::ps

@@ -1,0 +1,37 @@
+#include "ps/protocol.h"
+
+#include "hemiola/status.h"
+
+namespace hemiola::ps {
+
+const char* message_type_name(uint16_t type) {
+  switch (static_cast<MessageType>(type)) {
+    case MessageType::kRegister: return "register";
+    case MessageType::kInit: return "init";
+    case MessageType::kPush: return "push";
+    case MessageType::kPushNone: return "push-none";
+    case MessageType::kPull: return "pull";
+    case MessageType::kSnapshot: return "snapshot";
+    case MessageType::kBye: return "bye";
+    case MessageType::kRegistered: return "registered";
+    case MessageType::kPullReply: return "pull-reply";
+    case MessageType::kPushAck: return "push-ack";
+    case MessageType::kSnapshotDone: return "snapshot-done";
+    case MessageType::kError: return "error";
+  }
+  return "unknown";
+}
+
+std::string header_problem(const Header& h) {
+  if (h.magic != kMagic) return "bad magic (not a hemiola parameter-server message)";
+  if (h.protocol != kProtocolVersion)
+    return detail::concat("protocol version ", h.protocol, ", expected ", kProtocolVersion);
+  if (h.checksum != header_checksum(h)) return "header checksum mismatch (garbled message)";
+  if (std::string(message_type_name(h.type)) == "unknown")
+    return detail::concat("unknown message type ", h.type);
+  if (h.payload_bytes < 0 || h.payload_bytes > kMaxPayloadBytes)
+    return detail::concat("payload of ", h.payload_bytes, " bytes is out of range");
+  return {};
+}
+
+}  // namespace hemiola::ps

@@ -1,0 +1,98 @@
+// The wire format between parameter-server workers and servers.
+//
+// Every message is a fixed-size Header, followed by `payload_bytes` bytes of
+// payload on a second Gloo slot when payload_bytes > 0. The header carries a
+// per-direction sequence number and a checksum, so a receiver can reject a
+// garbled, replayed or reordered message instead of applying it.
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+#include <string>
+#include <type_traits>
+
+#include "hemiola/ps.h"
+
+namespace hemiola::ps {
+
+constexpr uint32_t kMagic = 0x53504d48;  // "HMPS"
+constexpr uint16_t kProtocolVersion = 1;
+// Payloads larger than this are a protocol violation, never an allocation.
+constexpr int64_t kMaxPayloadBytes = int64_t(1) << 32;
+
+enum class MessageType : uint16_t {
+  // worker -> server
+  kRegister = 1,   // payload: the worker's shard table for this server (text)
+  kInit = 2,       // payload: initial float32 values of one key (worker 0 only)
+  kPush = 3,       // payload: float32 gradient of one key; version = computed on
+  kPushNone = 4,   // no gradient this iteration for the key
+  kPull = 5,       // version = the smallest version the worker may receive (bsp)
+  kSnapshot = 6,   // write a snapshot now
+  kBye = 7,        // the worker is done
+  // server -> worker
+  kRegistered = 20,    // aux = 1 when the server restored its state from a snapshot
+  kPullReply = 21,     // payload: float32 values; version = their version
+  kPushAck = 22,       // version = computed on, aux = applied at, factor = lr factor
+  kSnapshotDone = 23,
+  kError = 24,         // payload: the message; the worker must stop
+};
+
+const char* message_type_name(uint16_t type);
+
+struct Header {
+  uint32_t magic = kMagic;
+  uint16_t protocol = kProtocolVersion;
+  uint16_t type = 0;
+  uint64_t seq = 0;  // set by the channel: 0, 1, 2, ... per direction
+  int32_t key = -1;
+  int32_t worker = -1;
+  int64_t version = 0;
+  int64_t aux = 0;
+  int64_t payload_bytes = 0;
+  double hyper[7] = {};  // lr, momentum, dampening, weight_decay, beta1, beta2, eps
+  int32_t flags = 0;     // kFlagNesterov
+  int32_t optimizer = 0;
+  int32_t rule = 0;      // the worker's StalenessRule
+  int32_t reserved = 0;
+  double factor = 1.0;
+  uint64_t checksum = 0;  // set by the channel: FNV-1a of the header with this field zero
+};
+static_assert(std::is_trivially_copyable_v<Header>);
+constexpr int32_t kFlagNesterov = 1;
+
+inline uint64_t header_checksum(Header h) {
+  h.checksum = 0;
+  uint64_t hash = 1469598103934665603ull;
+  const auto* bytes = reinterpret_cast<const unsigned char*>(&h);
+  for (size_t i = 0; i < sizeof h; ++i) {
+    hash ^= bytes[i];
+    hash *= 1099511628211ull;
+  }
+  return hash;
+}
+
+inline void put_hyper(Header& h, const Hyper& hp) {
+  const double values[7] = {hp.lr, hp.momentum, hp.dampening, hp.weight_decay,
+                            hp.beta1, hp.beta2, hp.eps};
+  std::memcpy(h.hyper, values, sizeof values);
+  h.flags = hp.nesterov ? (h.flags | kFlagNesterov) : (h.flags & ~kFlagNesterov);
+}
+
+inline Hyper get_hyper(const Header& h) {
+  Hyper hp;
+  hp.lr = h.hyper[0];
+  hp.momentum = h.hyper[1];
+  hp.dampening = h.hyper[2];
+  hp.weight_decay = h.hyper[3];
+  hp.beta1 = h.hyper[4];
+  hp.beta2 = h.hyper[5];
+  hp.eps = h.hyper[6];
+  hp.nesterov = (h.flags & kFlagNesterov) != 0;
+  return hp;
+}
+
+// Empty when the header is well formed (magic, protocol, checksum, type,
+// payload size within limits); otherwise why not.
+std::string header_problem(const Header& h);
+
+}  // namespace hemiola::ps

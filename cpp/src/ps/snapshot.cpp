@@ -1,0 +1,152 @@
+#include "ps/snapshot.h"
+
+#include <cstdio>
+#include <cstring>
+#include <fstream>
+#include <iterator>
+
+#include "hemiola/status.h"
+
+namespace hemiola::ps {
+
+namespace {
+
+constexpr char kFileMagic[8] = {'H', 'M', 'P', 'S', 'S', 'N', 'A', 'P'};
+constexpr uint32_t kFormat = 1;
+
+uint64_t fnv1a(const std::string& bytes) {
+  uint64_t hash = 1469598103934665603ull;
+  for (unsigned char c : bytes) {
+    hash ^= c;
+    hash *= 1099511628211ull;
+  }
+  return hash;
+}
+
+class Writer {
+ public:
+  template <typename T>
+  void put(const T& value) {
+    out_.append(reinterpret_cast<const char*>(&value), sizeof value);
+  }
+  void put_floats(const std::vector<float>& values) {
+    put<uint64_t>(values.size());
+    out_.append(reinterpret_cast<const char*>(values.data()), values.size() * sizeof(float));
+  }
+  void put_string(const std::string& s) {
+    put<uint64_t>(s.size());
+    out_.append(s);
+  }
+  std::string& bytes() { return out_; }
+
+ private:
+  std::string out_;
+};
+
+class Reader {
+ public:
+  Reader(const std::string& bytes, const std::string& path) : in_(bytes), path_(path) {}
+  template <typename T>
+  T get() {
+    T value;
+    need(sizeof value);
+    std::memcpy(&value, in_.data() + at_, sizeof value);
+    at_ += sizeof value;
+    return value;
+  }
+  std::vector<float> get_floats() {
+    const auto n = get<uint64_t>();
+    need(n * sizeof(float));
+    std::vector<float> values(n);
+    std::memcpy(values.data(), in_.data() + at_, n * sizeof(float));
+    at_ += n * sizeof(float);
+    return values;
+  }
+  std::string get_string() {
+    const auto n = get<uint64_t>();
+    need(n);
+    std::string s = in_.substr(at_, n);
+    at_ += n;
+    return s;
+  }
+
+ private:
+  void need(uint64_t n) {
+    if (at_ + n > in_.size())
+      HEMIOLA_THROW(ErrorCode::kInvalidArgument, "snapshot ", path_, " is truncated");
+  }
+  const std::string& in_;
+  const std::string& path_;
+  size_t at_ = 0;
+};
+
+}  // namespace
+
+void write_snapshot(const std::string& path, const ServerSnapshot& s) {
+  Writer w;
+  w.bytes().append(kFileMagic, sizeof kFileMagic);
+  w.put(kFormat);
+  w.put(s.server_index);
+  w.put(s.num_servers);
+  w.put_string(s.table);
+  w.put<uint64_t>(s.keys.size());
+  for (const auto& k : s.keys) {
+    w.put(k.key);
+    w.put(k.version);
+    w.put_floats(k.param);
+    w.put(static_cast<int32_t>(k.optimizer.kind));
+    w.put(k.optimizer.step);
+    w.put<uint8_t>(k.optimizer.has_momentum ? 1 : 0);
+    w.put_floats(k.optimizer.m);
+    w.put_floats(k.optimizer.v);
+  }
+  w.put(fnv1a(w.bytes()));
+
+  const std::string tmp = path + ".tmp";
+  {
+    std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
+    HEMIOLA_CHECK(out.good(), "cannot write snapshot ", tmp);
+    out.write(w.bytes().data(), static_cast<std::streamsize>(w.bytes().size()));
+    out.flush();
+    HEMIOLA_CHECK(out.good(), "writing snapshot ", tmp, " failed (disk full?)");
+  }
+  HEMIOLA_CHECK(std::rename(tmp.c_str(), path.c_str()) == 0, "cannot rename ", tmp, " to ", path);
+}
+
+ServerSnapshot read_snapshot(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  HEMIOLA_CHECK(in.good(), "snapshot ", path, " does not exist or cannot be read");
+  const std::string bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  HEMIOLA_CHECK(bytes.size() >= sizeof kFileMagic + sizeof(uint64_t) &&
+                    std::memcmp(bytes.data(), kFileMagic, sizeof kFileMagic) == 0,
+                path, " is not a hemiola parameter-server snapshot");
+  uint64_t stored = 0;
+  std::memcpy(&stored, bytes.data() + bytes.size() - sizeof stored, sizeof stored);
+  const std::string body = bytes.substr(0, bytes.size() - sizeof stored);
+  HEMIOLA_CHECK(fnv1a(body) == stored, "snapshot ", path, " is corrupted (checksum mismatch)");
+
+  Reader r(body, path);
+  for (size_t i = 0; i < sizeof kFileMagic; ++i) r.get<char>();
+  const auto format = r.get<uint32_t>();
+  HEMIOLA_CHECK(format == kFormat, "snapshot ", path, " has format ", format, ", expected ",
+                kFormat);
+  ServerSnapshot s;
+  s.server_index = r.get<int32_t>();
+  s.num_servers = r.get<int32_t>();
+  s.table = r.get_string();
+  const auto n = r.get<uint64_t>();
+  s.keys.resize(n);
+  for (auto& k : s.keys) {
+    k.key = r.get<int32_t>();
+    k.version = r.get<int64_t>();
+    k.param = r.get_floats();
+    k.optimizer.kind = static_cast<OptimizerKind>(r.get<int32_t>());
+    k.optimizer.step = r.get<int64_t>();
+    k.optimizer.has_momentum = r.get<uint8_t>() != 0;
+    k.optimizer.m = r.get_floats();
+    k.optimizer.v = r.get_floats();
+  }
+  return s;
+}
+
+}  // namespace hemiola::ps

@@ -1,0 +1,502 @@
+// Parameter server: servers and workers as threads of one process, over real
+// Gloo TCP connections on loopback, rendezvousing through a MemoryStore.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdio>
+#include <fstream>
+#include <future>
+#include <numeric>
+#include <thread>
+
+#include <gloo/transport/tcp/device.h>
+
+#include "comm/gloo_setup.h"
+#include "hemiola/ps.h"
+#include "hemiola/status.h"
+#include "ps/channel.h"
+#include "ps/optimizer.h"
+#include "ps/snapshot.h"
+#include "ps/table.h"
+
+using namespace hemiola;
+using namespace hemiola::ps;
+
+namespace {
+
+ServerOptions server_options(int index, int servers, int workers, Consistency c) {
+  ServerOptions o;
+  o.server_index = index;
+  o.num_servers = servers;
+  o.num_workers = workers;
+  o.consistency = c;
+  o.timeout_s = 20;
+  o.hostname = "127.0.0.1";
+  return o;
+}
+
+ClientOptions client_options(int index, int servers, int workers, Consistency c) {
+  ClientOptions o;
+  o.worker_index = index;
+  o.num_servers = servers;
+  o.num_workers = workers;
+  o.consistency = c;
+  o.timeout_s = 20;
+  o.hostname = "127.0.0.1";
+  o.partition_elems = 4;
+  return o;
+}
+
+// Runs `servers` servers in threads for the lifetime of the object.
+class ServerFleet {
+ public:
+  ServerFleet(std::shared_ptr<Store> store, int servers, int workers, Consistency c,
+              std::string snapshot_dir = "", bool restore = false) {
+    for (int s = 0; s < servers; ++s) {
+      auto o = server_options(s, servers, workers, c);
+      if (!snapshot_dir.empty()) o.snapshot_path = snapshot_dir + "/server" + std::to_string(s);
+      o.restore = restore;
+      done_.push_back(std::async(std::launch::async, [o, store] {
+        Server server(o, store);
+        server.serve();
+        return server.stats();
+      }));
+    }
+  }
+  std::vector<ServerStats> join() {
+    std::vector<ServerStats> stats;
+    for (auto& f : done_) stats.push_back(f.get());
+    return stats;
+  }
+
+ private:
+  std::vector<std::future<ServerStats>> done_;
+};
+
+Hyper sgd(double lr) {
+  Hyper h;
+  h.lr = lr;
+  return h;
+}
+
+std::string temp_dir() {
+  char templ[] = "/tmp/hemiola-ps-XXXXXX";
+  return mkdtemp(templ);
+}
+
+}  // namespace
+
+TEST(ShardPlan, OneHugeTensorBalancesAcrossServers) {
+  const auto shards = plan_shards({1000}, 3, 100);
+  ASSERT_EQ(shards.size(), 10u);
+  std::vector<int64_t> load(3, 0);
+  int64_t covered = 0;
+  for (const auto& s : shards) {
+    EXPECT_EQ(s.begin, covered);  // contiguous, in order
+    covered += s.count;
+    load[static_cast<size_t>(s.server)] += s.count;
+  }
+  EXPECT_EQ(covered, 1000);
+  EXPECT_EQ(*std::max_element(load.begin(), load.end()), 400);  // 4+3+3 parts of 100
+  EXPECT_EQ(*std::min_element(load.begin(), load.end()), 300);
+}
+
+TEST(ShardPlan, ManyTinyTensorsAndMoreServersThanTensors) {
+  std::vector<int64_t> tiny(50, 3);
+  auto shards = plan_shards(tiny, 4, 1 << 20);
+  ASSERT_EQ(shards.size(), 50u);
+  std::vector<int> per_server(4, 0);
+  for (const auto& s : shards) per_server[static_cast<size_t>(s.server)] += 1;
+  for (int n : per_server) EXPECT_TRUE(n == 12 || n == 13);
+
+  shards = plan_shards({5, 7}, 5, 1 << 20);
+  ASSERT_EQ(shards.size(), 2u);
+  EXPECT_NE(shards[0].server, shards[1].server);
+  shards = plan_shards({0}, 2, 10);  // an empty tensor still gets a (zero-length) key
+  ASSERT_EQ(shards.size(), 1u);
+  EXPECT_EQ(shards[0].count, 0);
+  EXPECT_THROW(plan_shards({10}, 0, 10), Error);
+}
+
+TEST(ServerOptimizer, SgdMomentumFollowsTorch) {
+  OptimizerState s;
+  std::vector<float> p = {1.0f, -2.0f};
+  const std::vector<float> g = {0.5f, 0.25f};
+  Hyper h;
+  h.lr = 0.1;
+  h.momentum = 0.9;
+  h.weight_decay = 0.01;
+  optimizer_step(s, p.data(), g.data(), 2, h, 1.0);
+  // First step: buf = g + wd*p (no dampening), p -= lr*buf.
+  const double d0 = 0.5 + 0.01 * 1.0;
+  EXPECT_NEAR(p[0], 1.0 - 0.1 * d0, 1e-6);
+  const double p0 = 1.0 - 0.1 * d0;
+  optimizer_step(s, p.data(), g.data(), 2, h, 0.5);  // lr factor 0.5
+  const double d1 = 0.5 + 0.01 * p0;
+  const double buf = 0.9 * d0 + d1;
+  EXPECT_NEAR(p[0], p0 - 0.05 * buf, 1e-6);
+}
+
+TEST(ServerOptimizer, AdamWFollowsTorch) {
+  OptimizerState s;
+  s.kind = OptimizerKind::kAdamW;
+  std::vector<float> p = {0.3f};
+  const std::vector<float> g = {0.2f};
+  Hyper h;
+  h.lr = 0.01;
+  h.weight_decay = 0.1;
+  double pd = 0.3, m = 0, v = 0;
+  for (int step = 1; step <= 3; ++step) {
+    optimizer_step(s, p.data(), g.data(), 1, h, 1.0);
+    pd *= 1 - 0.01 * 0.1;
+    m = 0.9 * m + 0.1 * 0.2;
+    v = 0.999 * v + 0.001 * 0.04;
+    const double mhat = m / (1 - std::pow(0.9, step));
+    const double vhat = v / (1 - std::pow(0.999, step));
+    pd -= 0.01 * mhat / (std::sqrt(vhat) + 1e-8);
+    EXPECT_NEAR(p[0], pd, 1e-6) << "step " << step;
+  }
+}
+
+TEST(Snapshot, RoundTripsAndDetectsCorruption) {
+  const std::string dir = temp_dir();
+  ServerSnapshot s;
+  s.server_index = 1;
+  s.num_servers = 2;
+  s.table = "optimizer 1\n0 0 0 2 w\n";
+  KeySnapshot k;
+  k.key = 0;
+  k.version = 7;
+  k.param = {1.5f, -2.5f};
+  k.optimizer.kind = OptimizerKind::kAdam;
+  k.optimizer.step = 7;
+  k.optimizer.m = {0.1f, 0.2f};
+  k.optimizer.v = {0.3f, 0.4f};
+  s.keys.push_back(k);
+  write_snapshot(dir + "/snap", s);
+  const auto r = read_snapshot(dir + "/snap");
+  EXPECT_EQ(r.table, s.table);
+  ASSERT_EQ(r.keys.size(), 1u);
+  EXPECT_EQ(r.keys[0].version, 7);
+  EXPECT_EQ(r.keys[0].param, k.param);
+  EXPECT_EQ(r.keys[0].optimizer.v, k.optimizer.v);
+
+  {  // flip one byte in the middle
+    std::fstream f(dir + "/snap", std::ios::in | std::ios::out | std::ios::binary);
+    f.seekp(30);
+    f.put('\x7f');
+  }
+  try {
+    read_snapshot(dir + "/snap");
+    FAIL() << "a corrupted snapshot was accepted";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("corrupted"), std::string::npos) << e.what();
+  }
+  EXPECT_THROW(read_snapshot(dir + "/missing"), Error);
+}
+
+TEST(ParameterServer, BspAveragesGradientsAcrossWorkersAndServers) {
+  auto store = std::make_shared<MemoryStore>();
+  const int servers = 2, workers = 3;
+  ServerFleet fleet(store, servers, workers, Consistency::kBsp);
+  const std::vector<int64_t> numels = {10, 3};
+  std::vector<std::future<std::vector<std::vector<float>>>> results;
+  for (int w = 0; w < workers; ++w) {
+    results.push_back(std::async(std::launch::async, [&, w] {
+      Client c(client_options(w, servers, workers, Consistency::kBsp), {"a", "b"}, numels, store);
+      std::vector<std::vector<float>> params = {std::vector<float>(10), std::vector<float>(3)};
+      for (size_t t = 0; t < 2; ++t) std::iota(params[t].begin(), params[t].end(), 1.0f);
+      std::vector<const float*> init;
+      if (w == 0) init = {params[0].data(), params[1].data()};
+      c.initialize(init, {sgd(0.5), sgd(0.5)});
+      for (int step = 0; step < 3; ++step) {
+        for (int t = 0; t < 2; ++t) c.wait_pull(t, params[static_cast<size_t>(t)].data());
+        for (int t = 0; t < 2; ++t) {
+          std::vector<float> grad(static_cast<size_t>(numels[static_cast<size_t>(t)]),
+                                  static_cast<float>(w + 1));
+          c.push(t, grad.data());
+        }
+        for (int t = 0; t < 2; ++t) c.pull(t);
+      }
+      for (int t = 0; t < 2; ++t) c.wait_pull(t, params[static_cast<size_t>(t)].data());
+      for (const auto& r : c.push_records()) EXPECT_EQ(r.staleness, 0);
+      c.close();
+      return params;
+    }));
+  }
+  for (auto& r : results) {
+    const auto params = r.get();
+    // Mean gradient 2, lr 0.5, three steps: each element moved by -3.
+    for (size_t t = 0; t < 2; ++t)
+      for (size_t i = 0; i < params[t].size(); ++i)
+        EXPECT_FLOAT_EQ(params[t][i], static_cast<float>(i + 1) - 3.0f);
+  }
+  for (const auto& s : fleet.join()) EXPECT_EQ(s.rejected, 0);
+}
+
+TEST(ParameterServer, AsyncStalenessMatchesThePushSchedule) {
+  auto store = std::make_shared<MemoryStore>();
+  ServerFleet fleet(store, 1, 2, Consistency::kAsp);
+  std::promise<void> w0_done_three;
+  auto w0_signal = w0_done_three.get_future().share();
+  std::promise<void> w1_pulled;
+  auto w1_signal = w1_pulled.get_future().share();
+  auto worker = [&](int w) {
+    auto o = client_options(w, 1, 2, Consistency::kAsp);
+    o.staleness_rule = StalenessRule::kInverse;
+    Client c(o, {"x"}, {4}, store);
+    std::vector<float> x(4, 1.0f), g(4, 1.0f);
+    c.initialize(w == 0 ? std::vector<const float*>{x.data()} : std::vector<const float*>{},
+                 {sgd(0.1)});
+    c.wait_pull(0, x.data());
+    if (w == 0) {
+      w1_signal.wait();  // worker 1 holds version 0
+      for (int i = 0; i < 3; ++i) {
+        c.push(0, g.data());
+        c.pull(0);
+        c.wait_pull(0, x.data());
+      }
+      c.flush();
+      w0_done_three.set_value();
+    } else {
+      w1_pulled.set_value();
+      w0_signal.wait();
+      c.push(0, g.data());  // computed on version 0, applied at version 3
+      c.flush();
+    }
+    auto records = c.push_records();
+    c.close();
+    return records;
+  };
+  auto r0 = std::async(std::launch::async, worker, 0);
+  auto r1 = std::async(std::launch::async, worker, 1);
+  const auto rec0 = r0.get();
+  const auto rec1 = r1.get();
+  ASSERT_EQ(rec0.size(), 3u);
+  for (size_t i = 0; i < 3; ++i) {
+    EXPECT_EQ(rec0[i].computed_on, static_cast<int64_t>(i));
+    EXPECT_EQ(rec0[i].staleness, 0);
+    EXPECT_DOUBLE_EQ(rec0[i].lr_factor, 1.0);
+  }
+  ASSERT_EQ(rec1.size(), 1u);
+  EXPECT_EQ(rec1[0].computed_on, 0);
+  EXPECT_EQ(rec1[0].applied_at, 3);
+  EXPECT_EQ(rec1[0].staleness, 3);
+  EXPECT_DOUBLE_EQ(rec1[0].lr_factor, 0.25);
+  fleet.join();
+}
+
+// A hand-driven worker: a raw channel that speaks the protocol directly.
+class RawWorker {
+ public:
+  RawWorker(std::shared_ptr<Store> store, int worker) : worker_(worker) {
+    BindSpec spec{"", "127.0.0.1", "", false};
+    PrefixStore pair("ps/s0/w" + std::to_string(worker) + "/", store);
+    channel_ = std::make_unique<Channel>(make_gloo_device(spec, nullptr), pair, 1,
+                                         std::chrono::seconds(20), "server 0");
+  }
+  Header header(MessageType type, int32_t key = -1, int64_t version = 0) {
+    Header h;
+    h.type = static_cast<uint16_t>(type);
+    h.worker = worker_;
+    h.key = key;
+    h.version = version;
+    put_hyper(h, sgd(1.0));
+    return h;
+  }
+  static std::vector<char> floats(std::vector<float> v) {
+    std::vector<char> out(v.size() * sizeof(float));
+    std::memcpy(out.data(), v.data(), out.size());
+    return out;
+  }
+  Header receive(std::vector<char>* payload) {
+    Header h;
+    EXPECT_TRUE(channel_->receive(&h, payload));
+    return h;
+  }
+  Channel& channel() { return *channel_; }
+
+ private:
+  int worker_;
+  std::unique_ptr<Channel> channel_;
+};
+
+TEST(ParameterServer, RejectsMalformedAndOutOfOrderMessagesWithoutApplyingThem) {
+  auto store = std::make_shared<MemoryStore>();
+  ServerFleet fleet(store, 1, 1, Consistency::kAsp);
+  RawWorker w(store, 0);
+  std::vector<char> payload;
+  const std::string table = make_table(plan_shards({2}, 1, 1 << 20), {"w"}, 0, OptimizerKind::kSgd);
+  w.channel().send(w.header(MessageType::kRegister), std::vector<char>(table.begin(), table.end()));
+  EXPECT_EQ(w.receive(&payload).type, static_cast<uint16_t>(MessageType::kRegistered));
+  w.channel().send(w.header(MessageType::kInit, 0), RawWorker::floats({1.0f, 2.0f}));
+
+  auto expect_rejected = [&](const std::string& why_fragment) {
+    const Header h = w.receive(&payload);
+    ASSERT_EQ(h.type, static_cast<uint16_t>(MessageType::kError));
+    const std::string text(payload.begin(), payload.end());
+    EXPECT_NE(text.find("rejected"), std::string::npos) << text;
+    EXPECT_NE(text.find(why_fragment), std::string::npos) << text;
+  };
+  // A gradient of the wrong size.
+  w.channel().send(w.header(MessageType::kPush, 0), RawWorker::floats({5.0f}));
+  expect_rejected("expected 8");
+  // A key this server does not hold.
+  w.channel().send(w.header(MessageType::kPush, 9), RawWorker::floats({5.0f, 5.0f}));
+  expect_rejected("no key 9");
+  // A gradient "computed" on a version that does not exist yet.
+  w.channel().send(w.header(MessageType::kPush, 0, 4), RawWorker::floats({5.0f, 5.0f}));
+  expect_rejected("computed on version 4");
+  // A garbled header: right sequence number, wrong checksum.
+  Header garbled = w.header(MessageType::kPush, 0);
+  garbled.seq = 5;  // register, init and three rejected pushes came before
+  garbled.payload_bytes = 8;
+  garbled.checksum = 12345;
+  w.channel().send_raw(garbled, RawWorker::floats({5.0f, 5.0f}));
+  expect_rejected("checksum");
+  // A replayed (out-of-order) message: a valid checksum but an old sequence number.
+  // (Rejected messages do not advance the server's expected sequence number.)
+  Header replay = w.header(MessageType::kPush, 0);
+  replay.seq = 1;
+  replay.payload_bytes = 8;
+  replay.checksum = header_checksum(replay);
+  w.channel().send_raw(replay, RawWorker::floats({5.0f, 5.0f}));
+  expect_rejected("out of order");
+
+  // None of them was applied: the parameters are still the initial values at version 0.
+  // (The channel's own counter is behind the server's expectation after the raw
+  // messages, so continue with raw, correctly numbered messages.)
+  Header pull = w.header(MessageType::kPull, 0);
+  pull.seq = 5;
+  pull.checksum = header_checksum(pull);
+  w.channel().send_raw(pull);
+  Header reply = w.receive(&payload);
+  ASSERT_EQ(reply.type, static_cast<uint16_t>(MessageType::kPullReply));
+  EXPECT_EQ(reply.version, 0);
+  std::vector<float> values(2);
+  std::memcpy(values.data(), payload.data(), 8);
+  EXPECT_EQ(values, (std::vector<float>{1.0f, 2.0f}));
+  Header bye = w.header(MessageType::kBye);
+  bye.seq = 6;
+  bye.checksum = header_checksum(bye);
+  w.channel().send_raw(bye);
+  w.channel().drain(std::chrono::seconds(5));
+  const auto stats = fleet.join();
+  EXPECT_EQ(stats[0].rejected, 5);
+  EXPECT_EQ(stats[0].pushes_applied, 0);
+}
+
+TEST(ParameterServer, BspFailsNamingADeadWorkerWhileAspGoesOn) {
+  for (Consistency c : {Consistency::kBsp, Consistency::kAsp}) {
+    auto store = std::make_shared<MemoryStore>();
+    ServerFleet fleet(store, 1, 2, c);
+    std::string error;
+    {
+      // The server connects worker 0, then worker 1: construct them in that order.
+      Client healthy(client_options(0, 1, 2, c), {"w"}, {2}, store);
+      auto raw = std::make_unique<RawWorker>(store, 1);
+      const std::string table =
+          make_table(plan_shards({2}, 1, 4), {"w"}, 0, OptimizerKind::kSgd);
+      raw->channel().send(raw->header(MessageType::kRegister),
+                          std::vector<char>(table.begin(), table.end()));
+      std::vector<float> x = {1.0f, 1.0f}, g = {1.0f, 1.0f};
+      healthy.initialize({x.data()}, {sgd(0.1)});
+      healthy.wait_pull(0, x.data());
+      raw.reset();  // worker 1 "dies": its connection closes without a goodbye
+      try {
+        for (int i = 0; i < 3; ++i) {
+          healthy.push(0, g.data());
+          healthy.pull(0);
+          healthy.wait_pull(0, x.data());
+        }
+        healthy.close();
+      } catch (const Error& e) {
+        error = e.what();
+      }
+    }
+    if (c == Consistency::kBsp) {
+      EXPECT_NE(error.find("worker 1 (rank 2)"), std::string::npos) << error;
+      try {
+        fleet.join();
+        ADD_FAILURE() << "the bsp server did not fail";
+      } catch (const Error& e) {
+        EXPECT_EQ(e.code(), ErrorCode::kTimeout);
+      }
+    } else {
+      EXPECT_EQ(error, "");
+      const auto stats = fleet.join();
+      EXPECT_EQ(stats[0].pushes_applied, 3);
+      EXPECT_EQ(stats[0].dead_workers, std::vector<int32_t>{1});
+    }
+  }
+}
+
+TEST(ParameterServer, RestoresFromSnapshot) {
+  const std::string dir = temp_dir();
+  std::vector<float> after_first(3);
+  {
+    auto store = std::make_shared<MemoryStore>();
+    ServerFleet fleet(store, 1, 1, Consistency::kAsp, dir);
+    auto o = client_options(0, 1, 1, Consistency::kAsp);
+    o.optimizer = OptimizerKind::kAdam;
+    Client c(o, {"w"}, {3}, store);
+    std::vector<float> x = {1, 2, 3}, g = {0.5f, -0.5f, 1.0f};
+    c.initialize({x.data()}, {sgd(0.1)});
+    c.wait_pull(0, x.data());
+    for (int i = 0; i < 2; ++i) {
+      c.push(0, g.data());
+      c.pull(0);
+      c.wait_pull(0, x.data());
+    }
+    c.snapshot();
+    after_first = x;
+    c.close();
+    fleet.join();
+  }
+  auto store = std::make_shared<MemoryStore>();
+  ServerFleet fleet(store, 1, 1, Consistency::kAsp, dir, /*restore=*/true);
+  auto o = client_options(0, 1, 1, Consistency::kAsp);
+  o.optimizer = OptimizerKind::kAdam;
+  Client c(o, {"w"}, {3}, store);
+  std::vector<float> fresh = {9, 9, 9};
+  c.initialize({fresh.data()}, {sgd(0.1)});  // ignored: the snapshot wins
+  std::vector<float> x(3);
+  c.wait_pull(0, x.data());
+  EXPECT_EQ(x, after_first);
+  // The Adam moments came back too: one more step equals a third uninterrupted step.
+  std::vector<float> g = {0.5f, -0.5f, 1.0f};
+  c.push(0, g.data());
+  c.pull(0);
+  c.wait_pull(0, x.data());
+  OptimizerState s;
+  s.kind = OptimizerKind::kAdam;
+  std::vector<float> ref = {1, 2, 3};
+  for (int i = 0; i < 3; ++i) optimizer_step(s, ref.data(), g.data(), 3, sgd(0.1), 1.0);
+  EXPECT_EQ(x, ref);
+  c.close();
+  fleet.join();
+}
+
+TEST(ParameterServer, MismatchedModelsFailAtRegistration) {
+  auto store = std::make_shared<MemoryStore>();
+  ServerFleet fleet(store, 1, 2, Consistency::kBsp);
+  auto run = [&](int w, int64_t numel) -> std::string {
+    try {
+      Client c(client_options(w, 1, 2, Consistency::kBsp), {"w"}, {numel}, store);
+      std::vector<float> x(static_cast<size_t>(numel), 1.0f);
+      c.initialize(w == 0 ? std::vector<const float*>{x.data()} : std::vector<const float*>{},
+                   {sgd(0.1)});
+      c.wait_pull(0, x.data());
+      c.close();
+    } catch (const Error& e) {
+      return e.what();
+    }
+    return "";
+  };
+  auto a = std::async(std::launch::async, run, 0, 3);
+  auto b = std::async(std::launch::async, run, 1, 5);
+  const std::string ea = a.get(), eb = b.get();
+  EXPECT_NE(ea.find("differs"), std::string::npos) << ea;
+  EXPECT_NE(eb.find("differs"), std::string::npos) << eb;
+  EXPECT_THROW(fleet.join(), Error);
+}
