@@ -120,9 +120,9 @@ bool Channel::receive(Header* header, std::vector<char>* payload) {
       if (closed_) return false;
       receiving_ = buffer.get();
     }
-    buffer->recv(peer_rank_, slot);
     bool completed = false;
-    try {
+    try {  // recv itself throws when the pair already failed
+      buffer->recv(peer_rank_, slot);
       completed = buffer->waitRecv(nullptr, kReceiveWait);
     } catch (const std::exception& e) {
       std::lock_guard<std::mutex> lock(mutex_);
