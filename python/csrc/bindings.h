@@ -6,4 +6,5 @@
 namespace hemiola::python {
 void bind_engine(pybind11::module_& m);
 void bind_cluster(pybind11::module_& m);
+void bind_ps(pybind11::module_& m);
 }  // namespace hemiola::python

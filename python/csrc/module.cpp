@@ -37,4 +37,5 @@ PYBIND11_MODULE(_C, m) {
   m.attr("__version__") = HEMIOLA_VERSION;
   hemiola::python::bind_engine(m);
   hemiola::python::bind_cluster(m);
+  hemiola::python::bind_ps(m);
 }

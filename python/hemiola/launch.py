@@ -42,6 +42,12 @@ def _child(fn: Callable[..., Any], rank: int, world: int, port: int, env: dict[s
         # Plain pickle copies tensors into bytes; the queue's own pickler would
         # share their memory, which vanishes when this process exits.
         results.put((rank, "ok", pickle.dumps(fn(rank, world, *args))))
+    except SystemExit as e:
+        # A clean sys.exit() (e.g. a parameter server that finished serving) is a result.
+        if e.code in (None, 0):
+            results.put((rank, "ok", pickle.dumps(None)))
+        else:
+            results.put((rank, "error", f"SystemExit({e.code!r})"))
     except BaseException as e:  # noqa: BLE001 - everything goes back to the parent
         results.put((rank, "error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
     finally:

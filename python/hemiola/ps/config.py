@@ -1,0 +1,85 @@
+"""Configuration of the parameter server (``hemiola.ps``)."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+CONSISTENCIES = ("bsp", "asp", "ssp", "eager")
+STALENESS_RULES = ("none", "inverse", "zhang")
+
+
+@dataclass(frozen=True)
+class PSConfig:
+    """How a parameter-server job runs. Every rank must use the same values.
+
+    Attributes:
+        consistency: ``"bsp"`` (synchronous, equals all-reduce training),
+            ``"asp"`` (asynchronous), ``"ssp"`` (asynchronous, at most
+            `staleness_bound` pushes ahead of the slowest worker) or
+            ``"eager"`` (asynchronous with pull and push decoupled: the next
+            iteration's parameters are pulled without waiting for this
+            worker's own push, so both overlap computation).
+        num_servers: the first `num_servers` ranks of the job are servers,
+            the rest are workers.
+        staleness_bound: the ``ssp`` bound *s*.
+        staleness_rule: how the learning rate of a gradient that is tau
+            versions stale is scaled: ``"inverse"`` lr/(1+tau), ``"zhang"``
+            lr/max(1,tau) (Zhang et al., IJCAI'16) or ``"none"``. Default:
+            ``"inverse"`` for ``eager``, ``"none"`` otherwise.
+        partition_mb: tensors larger than this are split into parts, and
+            parts are balanced across servers by bytes.
+        timeout_s: connection set-up; how long a pull may wait; how long a
+            ``bsp`` round waits for a worker before the job fails naming it.
+        snapshot_dir: where servers write snapshots (``server-<i>.snap``).
+        snapshot_every_s: > 0: servers also snapshot periodically.
+        restore: servers start from the snapshots in `snapshot_dir`.
+    """
+
+    consistency: str = "bsp"
+    num_servers: int = 1
+    staleness_bound: int = 2
+    staleness_rule: str | None = None
+    partition_mb: float = 1.0
+    timeout_s: float = 300.0
+    snapshot_dir: str | None = None
+    snapshot_every_s: float = 0.0
+    restore: bool = False
+
+    def __post_init__(self) -> None:
+        if self.consistency not in CONSISTENCIES:
+            raise ValueError(f"consistency={self.consistency!r}: choose one of {CONSISTENCIES}")
+        if self.staleness_rule is not None and self.staleness_rule not in STALENESS_RULES:
+            raise ValueError(
+                f"staleness_rule={self.staleness_rule!r}: choose one of {STALENESS_RULES}")
+        if self.num_servers < 1:
+            raise ValueError(f"num_servers must be >= 1, got {self.num_servers}")
+        if self.staleness_bound < 0:
+            raise ValueError(f"staleness_bound must be >= 0, got {self.staleness_bound}")
+        if self.partition_mb <= 0 or self.timeout_s <= 0:
+            raise ValueError("partition_mb and timeout_s must be positive")
+        if self.restore and not self.snapshot_dir:
+            raise ValueError("restore=True needs snapshot_dir")
+
+    @property
+    def rule(self) -> str:
+        """The staleness rule in effect."""
+        if self.staleness_rule is not None:
+            return self.staleness_rule
+        return "inverse" if self.consistency == "eager" else "none"
+
+    @property
+    def partition_elems(self) -> int:
+        return max(1, int(self.partition_mb * (1 << 20)) // 4)
+
+    def snapshot_path(self, server_index: int) -> str:
+        return f"{self.snapshot_dir}/server-{server_index}.snap" if self.snapshot_dir else ""
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> PSConfig:
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(kwargs) - names)
+        if unknown:
+            raise ValueError(f"unknown hemiola.ps option(s) {unknown}; known: {sorted(names)}")
+        return cls(**kwargs)

@@ -1,0 +1,71 @@
+"""Who is who in a parameter-server job launched by torchrun.
+
+Ranks ``0 .. num_servers-1`` are servers; rank ``num_servers + i`` is worker
+*i*. Every rank finds the others through torchrun's rendezvous store; the
+servers and workers then talk over their own Gloo connections.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch.distributed as dist
+
+from hemiola._native import C
+from hemiola.distributed import TorchStore
+
+
+@dataclass(frozen=True)
+class Role:
+    """This process's place in the job."""
+
+    rank: int
+    world_size: int
+    num_servers: int
+
+    @property
+    def is_server(self) -> bool:
+        return self.rank < self.num_servers
+
+    @property
+    def num_workers(self) -> int:
+        return self.world_size - self.num_servers
+
+    @property
+    def server_index(self) -> int:
+        return self.rank
+
+    @property
+    def worker_index(self) -> int:
+        return self.rank - self.num_servers
+
+
+def role(num_servers: int) -> Role:
+    """This process's role, from torchrun's ``RANK`` and ``WORLD_SIZE``."""
+    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+        raise RuntimeError(
+            "hemiola.ps needs a launcher: run the script under torchrun (or "
+            "hemiola.launch.run_local) with num_servers servers plus at least one worker")
+    r = Role(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), num_servers)
+    if r.num_workers < 1:
+        raise ValueError(f"world size {r.world_size} leaves no workers after {num_servers} "
+                         "server(s): launch more processes or use fewer servers")
+    return r
+
+
+def rendezvous_store(timeout_s: float) -> tuple[C.Store, str, str]:
+    """The job's store (prefixed for hemiola.ps), the interface to bind and the
+    master address. Binds the interface that routes to ``MASTER_ADDR`` unless
+    ``GLOO_SOCKET_IFNAME`` says otherwise."""
+    import datetime
+
+    if dist.is_initialized():
+        store = dist.distributed_c10d._get_default_store()
+    else:
+        store, _, _ = next(dist.rendezvous("env://", timeout=datetime.timedelta(seconds=timeout_s)))
+    master = os.environ.get("MASTER_ADDR", "")
+    iface = os.environ.get("GLOO_SOCKET_IFNAME", "").split(",")[0]
+    if not iface and master:
+        iface = C.interface_reaching(master)
+    return TorchStore(dist.PrefixStore("hemiola/ps", store)), iface, master

@@ -1,0 +1,281 @@
+"""The worker side: a module wrapper that pushes gradients per tensor as
+backward produces them and pulls parameters per module as forward needs them."""
+
+from __future__ import annotations
+
+import atexit
+import collections
+import contextlib
+import types
+import weakref
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from hemiola._native import C
+from hemiola.ps.config import PSConfig
+from hemiola.ps.roles import Role, rendezvous_store
+
+_OPTIMIZERS = {torch.optim.SGD: "sgd", torch.optim.Adam: "adam", torch.optim.AdamW: "adamw"}
+
+
+def _optimizer_kind(optimizer: Any) -> str:
+    kind = _OPTIMIZERS.get(type(optimizer))
+    if kind is None:
+        raise ValueError(
+            f"hemiola.ps runs the optimizer on the servers and supports torch.optim.SGD, Adam "
+            f"and AdamW; got {type(optimizer).__name__}")
+    for group in optimizer.param_groups:
+        if group.get("maximize") or group.get("amsgrad") or group.get("differentiable"):
+            raise ValueError("hemiola.ps does not support maximize, amsgrad or differentiable "
+                             "optimizers")
+    return kind
+
+
+def _hyper(group: dict[str, Any]) -> tuple[float, ...]:
+    betas = group.get("betas", (0.9, 0.999))
+    return (float(group["lr"]), float(group.get("momentum", 0.0)),
+            float(group.get("dampening", 0.0)), float(group.get("weight_decay", 0.0)),
+            float(betas[0]), float(betas[1]), float(group.get("eps", 1e-8)),
+            bool(group.get("nesterov", False)))
+
+
+class ParameterServerModel(nn.Module):
+    """A module trained through parameter servers. Create it with
+    :func:`hemiola.ps.wrap`.
+
+    Forward is the wrapped module's forward; before a submodule runs, it waits
+    for the pull of its own parameters only. Each parameter's gradient is
+    pushed as soon as backward has accumulated it; ``optimizer.step()``
+    finishes the iteration (the servers run the optimizer) and requests the
+    next parameters in the order the last forward used them.
+    """
+
+    def __init__(self, module: nn.Module, optimizer: torch.optim.Optimizer, config: PSConfig,
+                 worker: Role) -> None:
+        super().__init__()
+        self.module = module
+        self.config = config
+        self.role = worker
+        named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+        if not named:
+            raise ValueError("the model has no trainable parameters")
+        for name, p in named:
+            if p.device.type != "cpu" or p.dtype != torch.float32 or not p.is_contiguous():
+                raise ValueError(
+                    f"parameter {name!r} is {p.dtype} on {p.device}"
+                    f"{'' if p.is_contiguous() else ', non-contiguous'}: hemiola.ps trains "
+                    "contiguous float32 CPU parameters")
+        self._names = [n for n, _ in named]
+        self._params = [p for _, p in named]
+        self._index = {id(p): i for i, p in enumerate(self._params)}
+        self._kind = _optimizer_kind(optimizer)
+        self._optimizer = optimizer
+        self._group_of = self._groups_of_params(optimizer)
+
+        store, iface, master = rendezvous_store(config.timeout_s)
+        self._client = C.ps.Client(
+            worker_index=worker.worker_index, num_workers=worker.num_workers,
+            num_servers=worker.num_servers, consistency=config.consistency,
+            staleness_rule=config.rule, optimizer=self._kind,
+            partition_elems=config.partition_elems, timeout_s=config.timeout_s,
+            names=self._names, numels=[p.numel() for p in self._params], store=store,
+            iface=iface, master_addr=master)
+        self._hypers = [_hyper(g) for g in optimizer.param_groups]
+        initial = [p.data_ptr() for p in self._params] if worker.worker_index == 0 else []
+        self._client.initialize(
+            initial, [C.ps.Hyper(*self._hypers[g]) for g in self._group_of])
+        n = len(self._params)
+        self._pending = [True] * n  # a pull is outstanding
+        self._pushed = [False] * n  # pushed in this iteration
+        self._sync = True
+        self._order: list[int] = []  # first use in the last forward
+        self._closed = False
+        self.synchronize()  # every worker starts from worker 0's parameters
+
+        # Which module's forward waits for which parameter: at first its owner;
+        # after the first forward, the nearest ancestor-or-self whose forward
+        # actually ran (nn.MultiheadAttention reads out_proj.weight without
+        # calling out_proj, for example).
+        self._modules_by_name = dict(module.named_modules())
+        self._waits: dict[str, list[int]] = collections.defaultdict(list)
+        for name, sub in self._modules_by_name.items():
+            for p in sub.parameters(recurse=False):
+                if id(p) in self._index:
+                    self._waits[name].append(self._index[id(p)])
+        self._fired: set[str] | None = set()  # modules that ran in the first forward
+        self._hooks = [module.register_forward_pre_hook(self._on_forward)]
+        for name, sub in self._modules_by_name.items():
+            self._hooks.append(sub.register_forward_pre_hook(self._pull_hook(name)))
+        for p in self._params:
+            self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad))
+        optimizer.step = types.MethodType(self._optimizer_step, optimizer)
+        atexit.register(_close_at_exit, weakref.ref(self))
+
+    # ---- set-up helpers -----------------------------------------------------
+
+    def _groups_of_params(self, optimizer: torch.optim.Optimizer) -> list[int]:
+        group_of: dict[int, int] = {}
+        for g, group in enumerate(optimizer.param_groups):
+            for p in group["params"]:
+                if p.requires_grad and id(p) not in self._index:
+                    raise ValueError("the optimizer holds a trainable parameter that is not a "
+                                     "parameter of the wrapped model")
+                group_of[id(p)] = g
+        missing = [n for n, p in zip(self._names, self._params) if id(p) not in group_of]
+        if missing:
+            raise ValueError(f"parameters {missing[:3]} are trainable but not in the optimizer")
+        return [group_of[id(p)] for p in self._params]
+
+    # ---- hooks ----------------------------------------------------------------
+
+    def _on_forward(self, module: nn.Module, args: Any) -> None:
+        # Learning-rate schedules change param_groups between iterations: the
+        # pushes of this iteration carry the values in effect now.
+        for g, group in enumerate(self._optimizer.param_groups):
+            h = _hyper(group)
+            if h != self._hypers[g]:
+                self._hypers[g] = h
+                for i, gi in enumerate(self._group_of):
+                    if gi == g:
+                        self._client.set_hyper(i, C.ps.Hyper(*h))
+        self._order = []
+
+    def _pull_hook(self, name: str) -> Any:
+        def hook(module: nn.Module, args: Any) -> None:
+            if self._fired is not None:
+                self._fired.add(name)
+            for i in self._waits.get(name, ()):
+                self._take_pull(i)
+        return hook
+
+    def _learn_waits(self) -> None:
+        """After the first forward: move each parameter's wait to the nearest
+        ancestor-or-self module whose forward ran."""
+        fired, self._fired = self._fired, None
+        if not fired:
+            return  # no forward ran through the hooks: keep the owners
+        waits: dict[str, list[int]] = collections.defaultdict(list)
+        for owner, indices in self._waits.items():
+            name = owner
+            while name and name not in fired:
+                name = name.rpartition(".")[0]
+            for i in indices:
+                if i not in waits[name]:
+                    waits[name].append(i)
+        self._waits = waits
+
+    def _take_pull(self, i: int) -> None:
+        if self._pending[i]:
+            self._client.wait_pull(i, self._params[i].data_ptr())
+            self._pending[i] = False
+            self._order.append(i)
+
+    def _on_grad(self, p: torch.Tensor) -> None:
+        if not self._sync:
+            return
+        i = self._index[id(p)]
+        name = self._names[i]
+        if self._pending[i]:
+            raise RuntimeError(
+                f"parameter {name!r} got a gradient while its pull was still pending: it was "
+                "used without its own module's forward running (e.g. a parent module read "
+                "child.weight directly). Call model.synchronize() before such a forward.")
+        if self._pushed[i]:
+            raise RuntimeError(
+                f"parameter {name!r} got a second gradient in one iteration: call "
+                "optimizer.step() between backward passes, or accumulate under model.no_sync()")
+        grad = p.grad
+        if grad is None or grad.is_sparse:
+            raise ValueError(f"parameter {name!r}: hemiola.ps needs dense gradients")
+        grad = grad.contiguous()
+        if self.config.consistency == "eager":
+            # Pull first: the server answers with the newest parameters without
+            # waiting for this push, and the reply overlaps the rest of backward.
+            self._client.pull(i)
+            self._pending[i] = True
+        self._client.push(i, grad.data_ptr())
+        self._pushed[i] = True
+
+    def _optimizer_step(self, optimizer: torch.optim.Optimizer, closure: Any = None) -> None:
+        if closure is not None:
+            raise ValueError("hemiola.ps does not support optimizer closures")
+        if self._fired is not None:
+            self._learn_waits()
+        eager = self.config.consistency == "eager"
+        for i in range(len(self._params)):
+            if not self._pushed[i]:
+                if eager:
+                    self._client.pull(i)
+                    self._pending[i] = True
+                self._client.push_none(i)  # unused this iteration: counts, contributes nothing
+        if not eager:
+            first = self._order + [i for i in range(len(self._params)) if i not in self._order]
+            for i in first:  # front layers first: the next forward needs them first
+                self._client.pull(i)
+                self._pending[i] = True
+        self._pushed = [False] * len(self._params)
+
+    # ---- public API -------------------------------------------------------------
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.module(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backward passes inside accumulate gradients locally without pushing."""
+        old, self._sync = self._sync, False
+        try:
+            yield
+        finally:
+            self._sync = old
+
+    def synchronize(self) -> None:
+        """Waits for every push to be applied and every requested pull to land in
+        the parameters."""
+        self._client.flush()
+        for i in range(len(self._params)):
+            self._take_pull(i)
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        """The wrapped module's state dict, after :meth:`synchronize`."""
+        self.synchronize()
+        return self.module.state_dict(*args, **kwargs)
+
+    def snapshot(self) -> None:
+        """Asks every server to write its snapshot (``PSConfig.snapshot_dir``) now."""
+        self._client.snapshot()
+
+    def push_records(self) -> list[dict[str, Any]]:
+        """Every applied push of this worker: the tensor, the version its gradient
+        was computed on, the version it was applied at, the staleness tau and the
+        learning-rate factor the staleness rule gave it."""
+        return [{"tensor": self._names[r.tensor], "key": r.key, "computed_on": r.computed_on,
+                 "applied_at": r.applied_at, "staleness": r.staleness, "lr_factor": r.lr_factor}
+                for r in self._client.push_records()]
+
+    def staleness(self) -> dict[str, Any]:
+        """This worker's staleness statistics over all applied pushes."""
+        records = self._client.push_records()
+        taus = [r.staleness for r in records]
+        if not taus:
+            return {"pushes": 0, "mean": 0.0, "max": 0, "histogram": {}, "mean_lr_factor": 1.0}
+        return {"pushes": len(taus), "mean": sum(taus) / len(taus), "max": max(taus),
+                "histogram": dict(sorted(collections.Counter(taus).items())),
+                "mean_lr_factor": sum(r.lr_factor for r in records) / len(records)}
+
+    def close(self) -> None:
+        """Waits for the last pushes, then leaves the job (servers stop when every
+        worker has left). Called at exit if you do not."""
+        if not self._closed:
+            self._closed = True
+            self._client.close()
+
+
+def _close_at_exit(ref: weakref.ref[ParameterServerModel]) -> None:
+    model = ref()
+    if model is not None:
+        with contextlib.suppress(Exception):  # the job may already have failed
+            model.close()

@@ -1,0 +1,112 @@
+"""Functions that run inside each rank of a parameter-server job (see
+hemiola.launch.run_local). Ranks 0..S-1 are servers, the rest workers."""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+import torch
+
+import hemiola
+import hemiola.ps
+from models import loss_of, make_batch, make_model, make_optimizer
+
+
+def server_or_none(config: hemiola.ps.PSConfig) -> dict[str, Any] | None:
+    """Serves if this rank is a server (returning its stats), else None."""
+    r = hemiola.ps.role(config.num_servers)
+    if not r.is_server:
+        return None
+    stats = hemiola.ps.serve(config, r)
+    return {"server": r.server_index, "pushes_applied": stats.pushes_applied,
+            "rejected": stats.rejected, "dead_workers": list(stats.dead_workers),
+            "snapshots": stats.snapshots}
+
+
+def train(rank: int, world: int, options: dict[str, Any], model_name: str, opt_name: str,
+          steps: int, delays: dict[int, float] | None = None, same_batch: bool = False
+          ) -> dict[str, Any]:
+    """Trains `model_name` for `steps` iterations; worker i reads batch shard i
+    (of batch 0 every time when `same_batch`, a task the model can learn).
+    `delays` maps a worker index to seconds slept per iteration (a straggler)."""
+    config = hemiola.ps.PSConfig.from_kwargs(**options)
+    served = server_or_none(config)
+    if served is not None:
+        return served
+    r = hemiola.ps.role(config.num_servers)
+    torch.manual_seed(0 if r.worker_index == 0 else 100 + rank)  # wrap must use worker 0's
+    m = make_model(model_name)
+    model, opt = hemiola.ps.wrap(m, make_optimizer(opt_name, m.parameters()), config)
+    losses = []
+    for step in range(steps):
+        x, y = make_batch(model_name, 0 if same_batch else step, r.worker_index, r.num_workers)
+        opt.zero_grad()
+        loss = loss_of(model_name, model(x), y)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+        if delays and r.worker_index in delays:
+            time.sleep(delays[r.worker_index])
+    model.synchronize()
+    params = {n: p.detach().clone() for n, p in m.named_parameters()}
+    out = {"worker": r.worker_index, "params": params, "losses": losses,
+           "records": model.push_records(), "staleness": model.staleness()}
+    model.close()
+    return out
+
+
+def wfbp_train(rank: int, world: int, model_name: str, opt_name: str, steps: int
+               ) -> dict[str, torch.Tensor]:
+    """The all-reduce reference: hemiola wfbp on `world` ranks, same batches."""
+    hemiola.init()
+    torch.manual_seed(0)
+    m = make_model(model_name)
+    model, opt = hemiola.wrap(m, make_optimizer(opt_name, m.parameters()), timeout_s=60)
+    for step in range(steps):
+        x, y = make_batch(model_name, step, rank, world)
+        opt.zero_grad()
+        loss_of(model_name, model(x), y).backward()
+        opt.step()
+    return {n: p.detach().clone() for n, p in m.named_parameters()}
+
+
+def scheduled_staleness(rank: int, world: int, consistency: str) -> dict[str, Any] | None:
+    """Two workers, one server. Worker 1 runs its forward on version 0, then
+    waits (through the store) until worker 0 has had 3 pushes applied before
+    its backward pushes: its gradient must be reported with tau = 3. Worker 0
+    pulls after its own push in asp (taus 0, 0, 0); in eager it pulls before
+    its own push lands, so the schedule gives it taus 0, 1, 1."""
+    import torch.distributed as dist
+
+    config = hemiola.ps.PSConfig(consistency=consistency, num_servers=1, timeout_s=30)
+    served = server_or_none(config)
+    if served is not None:
+        return served
+    r = hemiola.ps.role(1)
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                          is_master=False)
+    torch.manual_seed(0)
+    m = torch.nn.Linear(3, 1)
+    model, opt = hemiola.ps.wrap(m, torch.optim.SGD(m.parameters(), lr=0.1), config)
+    x = torch.ones(2, 3)
+    if r.worker_index == 1:
+        y = model(x)  # computed on version 0; backward pushes it
+        store.set("w1_forward", "1")
+        store.wait(["w0_pushed_3"])
+        y.sum().backward()
+        opt.step()
+        model.synchronize()
+    else:
+        store.wait(["w1_forward"])
+        for _ in range(3):
+            opt.zero_grad()
+            model(x).sum().backward()
+            opt.step()
+        model.synchronize()
+        store.set("w0_pushed_3", "1")
+    out = {"worker": r.worker_index, "records": model.push_records(),
+           "staleness": model.staleness()}
+    model.close()
+    return out

@@ -1,0 +1,67 @@
+"""Parameter server, end to end: real server and worker processes over Gloo."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hemiola.launch import run_local
+
+import ps_workers
+
+
+def _workers(results: dict[int, object]) -> list[dict]:
+    out = [v for v in results.values() if isinstance(v, dict) and "worker" in v]
+    return sorted(out, key=lambda v: v["worker"])
+
+
+@pytest.mark.parametrize("servers,workers,model,opt", [
+    (1, 2, "mlp", "sgd"),
+    (2, 3, "cnn", "sgd"),
+    (2, 2, "transformer", "adamw"),
+])
+def test_bsp_equals_wfbp_allreduce(servers: int, workers: int, model: str, opt: str) -> None:
+    steps = 4
+    reference = run_local(ps_workers.wfbp_train, workers, model, opt, steps)[0]
+    # Small partitions, so tensors are split across servers too.
+    options = {"consistency": "bsp", "num_servers": servers, "partition_mb": 0.004,
+               "timeout_s": 60}
+    results = run_local(ps_workers.train, servers + workers, options, model, opt, steps)
+    ws = _workers(results)
+    assert len(ws) == workers
+    for w in ws:
+        for name, ref in reference.items():
+            torch.testing.assert_close(w["params"][name], ref, rtol=1e-4, atol=1e-5,
+                                       msg=lambda m, n=name: f"worker {w['worker']} {n}: {m}")
+        assert all(r["staleness"] == 0 for r in w["records"])
+    served = [v for v in results.values() if isinstance(v, dict) and "server" in v]
+    assert sum(s["pushes_applied"] for s in served) > 0
+    assert all(s["rejected"] == 0 for s in served)
+
+
+@pytest.mark.parametrize("consistency,w0_taus", [("asp", [0, 0, 0]), ("eager", [0, 1, 1])])
+def test_staleness_matches_the_push_schedule(consistency: str, w0_taus: list[int]) -> None:
+    results = run_local(ps_workers.scheduled_staleness, 3, consistency)
+    w0, w1 = _workers(results)
+    for key in (0, 1):  # weight and bias
+        taus = [r["staleness"] for r in w0["records"] if r["key"] == key]
+        assert taus == w0_taus
+        [late] = [r for r in w1["records"] if r["key"] == key]
+        assert (late["computed_on"], late["applied_at"], late["staleness"]) == (0, 3, 3)
+        expected_factor = 0.25 if consistency == "eager" else 1.0  # eager: lr/(1+tau)
+        assert late["lr_factor"] == pytest.approx(expected_factor)
+    assert w1["staleness"]["max"] == 3
+
+
+def test_async_modes_train(tmp_path: object) -> None:
+    """asp, ssp and eager all reduce the loss of a real model with a straggler."""
+    for consistency in ("asp", "ssp", "eager"):
+        options = {"consistency": consistency, "num_servers": 1, "timeout_s": 60,
+                   "staleness_bound": 1}
+        results = run_local(ps_workers.train, 3, options, "mlp", "sgd", 30, {1: 0.02}, True)
+        for w in _workers(results):
+            first, last = w["losses"][0], w["losses"][-1]
+            assert last < 0.7 * first, (consistency, w["worker"], w["losses"])
+            if consistency == "ssp":
+                # Bound 1: a gradient is at most (bound + 1) * (workers - 1) + 1 pushes stale.
+                assert w["staleness"]["max"] <= 2 * 1 + 1
