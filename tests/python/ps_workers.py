@@ -110,3 +110,109 @@ def scheduled_staleness(rank: int, world: int, consistency: str) -> dict[str, An
            "staleness": model.staleness()}
     model.close()
     return out
+
+
+def _store() -> Any:
+    import torch.distributed as dist
+
+    return dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                         is_master=False)
+
+
+def worker_dies(rank: int, world: int, consistency: str) -> dict[str, Any] | None:
+    """Worker 1 is killed (SIGKILL) after 3 iterations; the others go on for 12."""
+    import signal
+
+    config = hemiola.ps.PSConfig(consistency=consistency, num_servers=1, timeout_s=30)
+    served = server_or_none(config)
+    if served is not None:
+        return served
+    r = hemiola.ps.role(1)
+    torch.manual_seed(0)
+    m = make_model("mlp")
+    model, opt = hemiola.ps.wrap(m, make_optimizer("sgd", m.parameters()), config)
+    done = 0
+    try:
+        for step in range(12):
+            if r.worker_index == 1 and step == 3:
+                os.kill(os.getpid(), signal.SIGKILL)
+            x, y = make_batch("mlp", step, r.worker_index, r.num_workers)
+            opt.zero_grad()
+            loss_of("mlp", model(x), y).backward()
+            opt.step()
+            done += 1
+        model.synchronize()
+    except Exception as e:  # noqa: BLE001 - the error is the result
+        return {"worker": r.worker_index, "done": done, "error": f"{type(e).__name__}: {e}"}
+    model.close()
+    return {"worker": r.worker_index, "done": done, "error": None}
+
+
+def snapshot_then_server_dies(rank: int, world: int, snapshot_dir: str) -> dict[str, Any] | None:
+    """bsp, 2 workers: after 5 iterations worker 0 asks for a snapshot, records
+    the parameters, and kills the server; the workers must then fail naming it."""
+    import signal
+
+    config = hemiola.ps.PSConfig(consistency="bsp", num_servers=1, timeout_s=30,
+                                 snapshot_dir=snapshot_dir)
+    store = _store()
+    if hemiola.ps.role(1).is_server:
+        store.set("server_pid", str(os.getpid()))
+    served = server_or_none(config)
+    if served is not None:
+        return served
+    r = hemiola.ps.role(1)
+    torch.manual_seed(0)
+    m = make_model("mlp")
+    model, opt = hemiola.ps.wrap(m, make_optimizer("sgd", m.parameters()), config)
+    snapshot = None
+    try:
+        for step in range(10):
+            x, y = make_batch("mlp", step, r.worker_index, r.num_workers)
+            opt.zero_grad()
+            loss_of("mlp", model(x), y).backward()
+            opt.step()
+            if step == 4:
+                model.synchronize()
+                if r.worker_index == 0:
+                    model.snapshot()
+                    snapshot = {n: p.detach().clone() for n, p in m.named_parameters()}
+                    os.kill(int(store.get("server_pid")), signal.SIGKILL)
+        model.synchronize()
+    except Exception as e:  # noqa: BLE001 - the error is the result
+        return {"worker": r.worker_index, "snapshot": snapshot, "error": f"{type(e).__name__}: {e}"}
+    return {"worker": r.worker_index, "snapshot": snapshot, "error": None}
+
+
+def restart_from_snapshot(rank: int, world: int, snapshot_dir: str) -> dict[str, Any] | None:
+    """The restarted job: fresh random models, servers restored from the snapshot."""
+    config = hemiola.ps.PSConfig(consistency="bsp", num_servers=1, timeout_s=30,
+                                 snapshot_dir=snapshot_dir, restore=True)
+    served = server_or_none(config)
+    if served is not None:
+        return served
+    r = hemiola.ps.role(1)
+    torch.manual_seed(1234)  # not the snapshot's values: the restore must overwrite them
+    m = make_model("mlp")
+    model, opt = hemiola.ps.wrap(m, make_optimizer("sgd", m.parameters()), config)
+    restored = {n: p.detach().clone() for n, p in m.named_parameters()}
+    for step in range(5, 8):
+        x, y = make_batch("mlp", step, r.worker_index, r.num_workers)
+        opt.zero_grad()
+        loss_of("mlp", model(x), y).backward()
+        opt.step()
+    model.synchronize()
+    out = {"worker": r.worker_index, "restored": restored, "records": model.push_records()}
+    model.close()
+    return out
+
+
+def mismatched_models(rank: int, world: int) -> dict[str, Any] | None:
+    config = hemiola.ps.PSConfig(consistency="bsp", num_servers=1, timeout_s=20)
+    served = server_or_none(config)
+    if served is not None:
+        return served
+    r = hemiola.ps.role(1)
+    m = make_model("mlp" if r.worker_index == 0 else "cnn")
+    model, opt = hemiola.ps.wrap(m, make_optimizer("sgd", m.parameters()), config)
+    return {"worker": r.worker_index}
