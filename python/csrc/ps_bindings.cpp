@@ -145,6 +145,7 @@ void bind_ps(py::module_& parent) {
              c.wait_pull(tensor, reinterpret_cast<float*>(dst));
            },
            py::call_guard<py::gil_scoped_release>())
+      .def("version", &Client::version)
       .def("flush", &Client::flush, py::call_guard<py::gil_scoped_release>())
       .def("snapshot", &Client::snapshot, py::call_guard<py::gil_scoped_release>())
       .def("push_records", &Client::push_records)

@@ -172,6 +172,9 @@ class HEMIOLA_API Client {
   void wait_pull(int tensor, float* dst);
   // True when the latest requested pull of `tensor` has arrived.
   bool pull_ready(int tensor);
+  // The version of `tensor`'s first shard that wait_pull last delivered: the
+  // number of updates the servers had applied to it (in bsp, rounds).
+  int64_t version(int tensor) const;
   // Waits until every push so far has been applied (acknowledged).
   void flush();
   // Asks every server to write its snapshot; waits for the confirmations.

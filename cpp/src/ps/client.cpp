@@ -320,6 +320,12 @@ void Client::wait_pull(int tensor, float* dst) {
   }
 }
 
+int64_t Client::version(int tensor) const {
+  const auto& ids = impl_->keys_of(tensor);
+  std::lock_guard<std::mutex> lock(impl_->mutex);
+  return ids.empty() ? 0 : impl_->keys[static_cast<size_t>(ids.front())].used_version;
+}
+
 void Client::flush() {
   auto& im = *impl_;
   std::unique_lock<std::mutex> lock(im.mutex);

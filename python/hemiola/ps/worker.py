@@ -244,6 +244,11 @@ class ParameterServerModel(nn.Module):
         self.synchronize()
         return self.module.state_dict(*args, **kwargs)
 
+    def version(self) -> int:
+        """How many updates the servers had applied to the parameters this worker
+        last received (in ``bsp``: completed rounds; asynchronous: pushes)."""
+        return int(self._client.version(0))
+
     def snapshot(self) -> None:
         """Asks every server to write its snapshot (``PSConfig.snapshot_dir``) now."""
         self._client.snapshot()

@@ -1,0 +1,219 @@
+"""Parameter server with a straggler: every consistency model against
+all-reduce, on a real task, per iteration and to a target accuracy.
+
+    python bench/ps_straggler.py                      # 1x, 2x, 4x straggler, every scheme
+    python bench/ps_straggler.py --slowdowns 4 --schemes bsp eager --iterations 100
+
+Task: ``hemiola.demo.DigitsCNN`` on scikit-learn's digits (bench/tasks.py's
+``digits``: SGD, lr 0.02, momentum 0.9, weight decay 5e-4, 16 samples per
+worker and iteration). 4 workers; the parameter-server schemes (``bsp``,
+``asp``, ``ssp`` with s=2, ``eager``) add `--servers` server processes; the
+all-reduce schedules (``wfbp``, ``decoupled``) use hemiola.wrap on the 4
+workers alone. The last worker is the straggler: after each of its iterations
+it sleeps (k-1) x T, where T is the time per iteration of ``bsp`` without a
+straggler, measured first in the same invocation; so a k-times straggler
+needs k times a normal iteration (a sleep, so it takes no CPU from the others
+on this small machine; slowing it by its own measured time would not do, as
+on 2 cores most of an iteration is waiting for the CPU, not computing).
+
+An *iteration* is 4 mini-batches (one per worker): one synchronous step. For
+the asynchronous schemes, iterations = applied pushes / 4, read from the
+version of the parameters worker 0 receives. Every scheme runs until
+`--iterations` iterations; worker 0 evaluates test accuracy every 5 of its
+own iterations (evaluation time is excluded from its clock). Reported per
+run: time per iteration, iterations and wall time to reach `--target` test
+accuracy (first evaluation at or above it), final accuracy and staleness.
+
+Targets (issue 5): with a 4x straggler, ``eager`` time per iteration <= 0.5 x
+``bsp``; ``eager`` reaches the target in <= 0.7 x the iterations ``asp`` needs,
+with final accuracy within 0.5 points of ``bsp``.
+
+Writes bench/results/ps_straggler.jsonl and docs/images/ps_straggler.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+import torch
+from common import write_results
+from tasks import DigitsTask
+from tqdm import tqdm
+
+import hemiola
+import hemiola.ps
+from hemiola.launch import run_local
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402 - after choosing the backend
+
+WORKERS = 4
+PS_SCHEMES = ("bsp", "asp", "ssp", "eager")
+ALLREDUCE = ("wfbp", "decoupled")
+EVAL_EVERY = 5
+IMAGES = Path(__file__).resolve().parent.parent / "docs" / "images"
+
+
+def run_rank(rank: int, world: int, scheme: str, servers: int, delay_s: float,
+             iterations: int, seed: int) -> dict[str, Any] | None:
+    """One rank of one run (called by run_local)."""
+    task = DigitsTask()
+    is_ps = scheme in PS_SCHEMES
+    if is_ps:
+        config = hemiola.ps.PSConfig(consistency=scheme, num_servers=servers,
+                                     staleness_bound=2, timeout_s=120)
+        r = hemiola.ps.role(servers)
+        if r.is_server:
+            hemiola.ps.serve(config, r)
+            return None
+        worker = r.worker_index
+    else:
+        hemiola.init()
+        worker = rank
+    torch.manual_seed(seed)
+    model = task.model()
+    optimizer = task.optimizer(model)
+    if is_ps:
+        wrapped, optimizer = hemiola.ps.wrap(model, optimizer, config)
+    else:
+        wrapped, optimizer = hemiola.wrap(model, optimizer, schedule=scheme, timeout_s=120)
+    x_train, y_train, x_test, y_test = task.data
+    mine = torch.arange(worker, len(y_train), WORKERS)
+    g = torch.Generator().manual_seed(seed * 100 + worker)
+    straggler = worker == WORKERS - 1
+
+    def global_iterations(own: int) -> float:
+        return wrapped.version() / WORKERS if is_ps and scheme != "bsp" else float(own)
+
+    evals: list[dict[str, float]] = []
+    clock = 0.0  # training time, evaluation excluded
+    own = 0
+    start = time.perf_counter()
+    while global_iterations(own) < iterations:
+        idx = mine[torch.randint(len(mine), (task.batch_size,), generator=g)]
+        optimizer.zero_grad()
+        task.loss(wrapped, x_train[idx], y_train[idx]).backward()
+        optimizer.step()
+        own += 1
+        if straggler and delay_s > 0:
+            time.sleep(delay_s)
+        if worker == 0 and own % EVAL_EVERY == 0:
+            clock += time.perf_counter() - start
+            model.eval()
+            with torch.no_grad():
+                # Through the wrapper's hooks: the parameters this worker trains on now.
+                accuracy = (wrapped(x_test).argmax(1) == y_test).float().mean().item()
+            model.train()
+            evals.append({"iteration": global_iterations(own), "seconds": clock,
+                          "accuracy": accuracy})
+            start = time.perf_counter()
+    clock += time.perf_counter() - start
+    result = {"worker": worker, "own_iterations": own, "seconds": clock, "evals": evals}
+    if is_ps:
+        result["staleness"] = wrapped.staleness()
+        wrapped.close()
+    return result
+
+
+def summarize(scheme: str, slowdown: float, seed: int, results: dict[int, Any], target: float,
+              iterations: int) -> dict[str, Any]:
+    workers = sorted((v for v in results.values() if v), key=lambda v: v["worker"])
+    w0 = workers[0]
+    reached = next((e for e in w0["evals"] if e["accuracy"] >= target), None)
+    final = w0["evals"][-1]
+    row: dict[str, Any] = {
+        "scheme": scheme, "slowdown": slowdown, "seed": seed, "target": target,
+        "iterations": final["iteration"], "seconds": w0["seconds"],
+        "ms_per_iteration": 1000 * w0["seconds"] / max(final["iteration"], 1e-9),
+        "iterations_to_target": reached["iteration"] if reached else None,
+        "seconds_to_target": reached["seconds"] if reached else None,
+        "final_accuracy": final["accuracy"],
+        "best_accuracy": max(e["accuracy"] for e in w0["evals"]),
+        "own_iterations": [w["own_iterations"] for w in workers],
+        "evals": w0["evals"],
+    }
+    if "staleness" in w0:
+        row["mean_staleness"] = {w["worker"]: round(w["staleness"]["mean"], 2) for w in workers}
+        row["max_staleness"] = max(w["staleness"]["max"] for w in workers)
+    return row
+
+
+def plot(rows: list[dict[str, Any]], slowdown: float, path: Path) -> None:
+    runs = [r for r in rows if r["slowdown"] == slowdown and r["seed"] == rows[0]["seed"]]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    for r in runs:
+        its = [e["iteration"] for e in r["evals"]]
+        secs = [e["seconds"] for e in r["evals"]]
+        acc = [100 * e["accuracy"] for e in r["evals"]]
+        style = "--" if r["scheme"] in ALLREDUCE else "-"
+        left.plot(its, acc, style, label=r["scheme"])
+        right.plot(secs, acc, style, label=r["scheme"])
+    for ax, xlabel in ((left, "iterations (4 mini-batches each)"), (right, "seconds")):
+        ax.axhline(100 * runs[0]["target"], color="grey", lw=0.8)
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel("test accuracy (%)")
+        ax.set_ylim(50, 100)
+        ax.grid(alpha=0.3)
+    left.legend()
+    fig.suptitle(f"digits, 4 workers, worker 3 slowed {slowdown:g}x")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--schemes", nargs="+", default=list(PS_SCHEMES + ALLREDUCE))
+    parser.add_argument("--slowdowns", nargs="+", type=float, default=[1, 2, 4])
+    parser.add_argument("--servers", type=int, default=1)
+    parser.add_argument("--iterations", type=int, default=200)
+    parser.add_argument("--target", type=float, default=0.95)
+    parser.add_argument("--seeds", type=int, default=1)
+    args = parser.parse_args()
+
+    def run(scheme: str, slowdown: float, seed: int, delay_s: float) -> dict[str, Any]:
+        world = WORKERS + (args.servers if scheme in PS_SCHEMES else 0)
+        results = run_local(run_rank, world, scheme, args.servers, delay_s, args.iterations,
+                            seed, timeout_s=900)
+        return summarize(scheme, slowdown, seed, results, args.target, args.iterations)
+
+    # T: bsp's time per iteration without a straggler, the unit of the slowdowns.
+    calibration = run("bsp", 1.0, 0, 0.0)
+    t_ref = calibration["ms_per_iteration"] / 1000
+    print(f"T = {1000 * t_ref:.1f} ms per bsp iteration without a straggler")
+    plan = list(itertools.product(range(args.seeds), args.slowdowns, args.schemes))
+    rows = []
+    for seed, slowdown, scheme in tqdm(plan, desc="ps straggler", unit="run"):
+        rows.append(run(scheme, slowdown, seed, (slowdown - 1) * t_ref))
+
+    print(f"\n4 workers + {args.servers} server(s), digits CNN, target {100 * args.target:.0f}%"
+          f" test accuracy, {args.iterations} iterations, {args.seeds} seed(s) (mean); "
+          f"straggler delay (k-1) x {1000 * t_ref:.1f} ms")
+    print(f"{'slowdown':>8} {'scheme':>10} {'ms/iter':>8} {'iters→target':>13} "
+          f"{'s→target':>9} {'final acc':>9} {'staleness (mean, per worker)':>30}")
+    for slowdown, scheme in itertools.product(args.slowdowns, args.schemes):
+        runs = [r for r in rows if r["slowdown"] == slowdown and r["scheme"] == scheme]
+
+        def mean(key: str, runs: list[dict[str, Any]] = runs) -> float | None:
+            values = [r[key] for r in runs if r[key] is not None]
+            return statistics.mean(values) if len(values) == len(runs) else None
+
+        its, secs = mean("iterations_to_target"), mean("seconds_to_target")
+        stale = runs[0].get("mean_staleness", "")
+        print(f"{slowdown:>7g}x {scheme:>10} {mean('ms_per_iteration'):>8.1f} "
+              f"{'—' if its is None else f'{its:.0f}':>13} "
+              f"{'—' if secs is None else f'{secs:.2f}':>9} "
+              f"{100 * mean('final_accuracy'):>8.1f}% {str(stale):>30}")
+    path = write_results("ps_straggler", rows)
+    plot(rows, max(args.slowdowns), IMAGES / "ps_straggler.png")
+    print(f"\nwrote {path} and {IMAGES / 'ps_straggler.png'}")
+
+
+if __name__ == "__main__":
+    main()
