@@ -28,7 +28,7 @@ Targets (issue 5): with a 4x straggler, ``eager`` time per iteration <= 0.5 x
 ``bsp``; ``eager`` reaches the target in <= 0.7 x the iterations ``asp`` needs,
 with final accuracy within 0.5 points of ``bsp``.
 
-Writes bench/results/ps_straggler.jsonl and docs/images/ps_straggler.png.
+Writes bench/results/<--name>.jsonl and docs/images/<--name>.png.
 """
 
 from __future__ import annotations
@@ -64,10 +64,12 @@ def run_rank(rank: int, world: int, scheme: str, servers: int, delay_s: float,
              iterations: int, seed: int) -> dict[str, Any] | None:
     """One rank of one run (called by run_local)."""
     task = DigitsTask()
-    is_ps = scheme in PS_SCHEMES
+    consistency, _, rule = scheme.partition(":")  # e.g. "eager:none" overrides the rule
+    is_ps = consistency in PS_SCHEMES
     if is_ps:
-        config = hemiola.ps.PSConfig(consistency=scheme, num_servers=servers,
-                                     staleness_bound=2, timeout_s=120)
+        config = hemiola.ps.PSConfig(consistency=consistency, num_servers=servers,
+                                     staleness_rule=rule or None, staleness_bound=2,
+                                     timeout_s=120)
         r = hemiola.ps.role(servers)
         if r.is_server:
             hemiola.ps.serve(config, r)
@@ -89,7 +91,7 @@ def run_rank(rank: int, world: int, scheme: str, servers: int, delay_s: float,
     straggler = worker == WORKERS - 1
 
     def global_iterations(own: int) -> float:
-        return wrapped.version() / WORKERS if is_ps and scheme != "bsp" else float(own)
+        return wrapped.version() / WORKERS if is_ps and consistency != "bsp" else float(own)
 
     evals: list[dict[str, float]] = []
     clock = 0.0  # training time, evaluation excluded
@@ -169,16 +171,19 @@ def plot(rows: list[dict[str, Any]], slowdown: float, path: Path) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--schemes", nargs="+", default=list(PS_SCHEMES + ALLREDUCE))
+    parser.add_argument("--schemes", nargs="+", default=list(PS_SCHEMES + ALLREDUCE),
+                        help="consistency models and all-reduce schedules; CONSISTENCY:RULE "
+                             "overrides the staleness rule (e.g. eager:none, asp:inverse)")
     parser.add_argument("--slowdowns", nargs="+", type=float, default=[1, 2, 4])
     parser.add_argument("--servers", type=int, default=1)
     parser.add_argument("--iterations", type=int, default=200)
     parser.add_argument("--target", type=float, default=0.95)
     parser.add_argument("--seeds", type=int, default=1)
+    parser.add_argument("--name", default="ps_straggler", help="name of the result files")
     args = parser.parse_args()
 
     def run(scheme: str, slowdown: float, seed: int, delay_s: float) -> dict[str, Any]:
-        world = WORKERS + (args.servers if scheme in PS_SCHEMES else 0)
+        world = WORKERS + (args.servers if scheme.partition(":")[0] in PS_SCHEMES else 0)
         results = run_local(run_rank, world, scheme, args.servers, delay_s, args.iterations,
                             seed, timeout_s=900)
         return summarize(scheme, slowdown, seed, results, args.target, args.iterations)
@@ -210,9 +215,9 @@ def main() -> None:
               f"{'—' if its is None else f'{its:.0f}':>13} "
               f"{'—' if secs is None else f'{secs:.2f}':>9} "
               f"{100 * mean('final_accuracy'):>8.1f}% {str(stale):>30}")
-    path = write_results("ps_straggler", rows)
-    plot(rows, max(args.slowdowns), IMAGES / "ps_straggler.png")
-    print(f"\nwrote {path} and {IMAGES / 'ps_straggler.png'}")
+    path = write_results(args.name, rows)
+    plot(rows, max(args.slowdowns), IMAGES / f"{args.name}.png")
+    print(f"\nwrote {path} and {IMAGES / f'{args.name}.png'}")
 
 
 if __name__ == "__main__":

@@ -32,6 +32,9 @@ def build_parser() -> argparse.ArgumentParser:
     from hemiola.cluster import cli as cluster_cli
 
     cluster_cli.register(commands)
+    from hemiola.ps import cli as ps_cli
+
+    ps_cli.register(commands)
     return parser
 
 

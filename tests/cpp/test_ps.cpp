@@ -500,3 +500,46 @@ TEST(ParameterServer, MismatchedModelsFailAtRegistration) {
   EXPECT_NE(eb.find("differs"), std::string::npos) << eb;
   EXPECT_THROW(fleet.join(), Error);
 }
+
+// bsp end to end for a given set of tensors and servers: two workers push
+// gradients 1 and 3 for two steps; every element must move by -lr * 2 * 2.
+void run_bsp_plan(const std::vector<int64_t>& numels, int servers, int64_t partition) {
+  auto store = std::make_shared<MemoryStore>();
+  ServerFleet fleet(store, servers, 2, Consistency::kBsp);
+  std::vector<std::string> names;
+  for (size_t t = 0; t < numels.size(); ++t) names.push_back("t" + std::to_string(t));
+  auto worker = [&](int w) {
+    auto o = client_options(w, servers, 2, Consistency::kBsp);
+    o.partition_elems = partition;
+    Client c(o, names, numels, store);
+    std::vector<std::vector<float>> params;
+    std::vector<const float*> init;
+    for (auto n : numels) params.emplace_back(static_cast<size_t>(n), 1.0f);
+    if (w == 0)
+      for (auto& p : params) init.push_back(p.data());
+    c.initialize(init, std::vector<Hyper>(numels.size(), sgd(0.25)));
+    for (int step = 0; step < 2; ++step) {
+      for (size_t t = 0; t < numels.size(); ++t) {
+        c.wait_pull(static_cast<int>(t), params[t].data());
+        std::vector<float> g(params[t].size(), w == 0 ? 1.0f : 3.0f);
+        c.push(static_cast<int>(t), g.data());
+        c.pull(static_cast<int>(t));
+      }
+    }
+    for (size_t t = 0; t < numels.size(); ++t) c.wait_pull(static_cast<int>(t), params[t].data());
+    c.close();
+    return params;
+  };
+  auto a = std::async(std::launch::async, worker, 0);
+  auto b = std::async(std::launch::async, worker, 1);
+  for (const auto& params : {a.get(), b.get()})
+    for (const auto& p : params)
+      for (float v : p) ASSERT_FLOAT_EQ(v, 1.0f - 0.25f * 2.0f * 2.0f);
+  fleet.join();
+}
+
+TEST(ParameterServer, ShardingEdgeCasesEndToEnd) {
+  run_bsp_plan({1000}, 3, 64);              // one huge tensor over three servers
+  run_bsp_plan(std::vector<int64_t>(40, 1), 2, 1 << 20);  // many tiny tensors
+  run_bsp_plan({3, 2}, 4, 1 << 20);         // more servers than tensors: two hold nothing
+}

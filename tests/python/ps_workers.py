@@ -11,6 +11,7 @@ import torch
 
 import hemiola
 import hemiola.ps
+
 from models import loss_of, make_batch, make_model, make_optimizer
 
 
@@ -216,3 +217,15 @@ def mismatched_models(rank: int, world: int) -> dict[str, Any] | None:
     m = make_model("mlp" if r.worker_index == 0 else "cnn")
     model, opt = hemiola.ps.wrap(m, make_optimizer("sgd", m.parameters()), config)
     return {"worker": r.worker_index}
+
+
+def through_cli(rank: int, world: int) -> dict[str, Any] | None:
+    """Rank 0 serves through the ``hemiola ps-server`` entry point."""
+    from hemiola.cli import main
+
+    if rank == 0:
+        assert main(["ps-server", "--num-servers", "1", "--consistency", "asp",
+                     "--timeout-s", "30"]) == 0
+        return None
+    return train(rank, world, {"consistency": "asp", "num_servers": 1, "timeout_s": 30}, "mlp",
+                 "sgd", 3)

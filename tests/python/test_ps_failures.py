@@ -5,12 +5,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import ps_workers
 import pytest
 import torch
 
 from hemiola.launch import run_local
-
-import ps_workers
 
 
 def _by_worker(outcome: dict[int, tuple[str, object]], servers: int = 1) -> dict[int, object]:
