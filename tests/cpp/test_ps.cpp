@@ -543,3 +543,38 @@ TEST(ParameterServer, ShardingEdgeCasesEndToEnd) {
   run_bsp_plan(std::vector<int64_t>(40, 1), 2, 1 << 20);  // many tiny tensors
   run_bsp_plan({3, 2}, 4, 1 << 20);         // more servers than tensors: two hold nothing
 }
+
+TEST(ParameterServer, BspTensorUnusedForRoundsThenUsed) {
+  // Tensor b has no gradient in rounds 0 and 1 (push_none by both workers,
+  // its pulls never taken), then gets one in rounds 2 and 3: its pushes must
+  // join the right rounds and its values come out of the rounds that used it.
+  auto store = std::make_shared<MemoryStore>();
+  ServerFleet fleet(store, 1, 2, Consistency::kBsp);
+  auto worker = [&](int w) {
+    Client c(client_options(w, 1, 2, Consistency::kBsp), {"a", "b"}, {2, 2}, store);
+    std::vector<float> a(2, 1.0f), b(2, 1.0f), g(2, w == 0 ? 1.0f : 3.0f);
+    c.initialize(w == 0 ? std::vector<const float*>{a.data(), b.data()}
+                        : std::vector<const float*>{},
+                 {sgd(0.25), sgd(0.25)});
+    for (int round = 0; round < 4; ++round) {
+      const bool b_used = round >= 2;
+      c.wait_pull(0, a.data());
+      if (b_used || round == 0) c.wait_pull(1, b.data());
+      c.push(0, g.data());
+      if (b_used) c.push(1, g.data()); else c.push_none(1);
+      c.pull(0);
+      c.pull(1);
+    }
+    c.wait_pull(0, a.data());
+    c.wait_pull(1, b.data());
+    c.close();
+    return std::make_pair(a, b);
+  };
+  auto r0 = std::async(std::launch::async, worker, 0);
+  auto r1 = std::async(std::launch::async, worker, 1);
+  for (const auto& [a, b] : {r0.get(), r1.get()}) {
+    for (float v : a) EXPECT_FLOAT_EQ(v, 1.0f - 4 * 0.25f * 2.0f);  // four rounds
+    for (float v : b) EXPECT_FLOAT_EQ(v, 1.0f - 2 * 0.25f * 2.0f);  // two rounds
+  }
+  for (const auto& s : fleet.join()) EXPECT_EQ(s.rejected, 0);
+}

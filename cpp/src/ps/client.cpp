@@ -29,7 +29,7 @@ struct KeyState {
   int64_t arrived = 0;          // pull replies received
   int64_t arrived_version = 0;  // version of the newest reply
   int64_t used_version = 0;     // version the caller last took (gradients are computed on it)
-  int64_t min_next = 0;         // bsp: the version the next pull must wait for
+  int64_t min_next = 0;         // bsp: the version the next pull must wait for (0: none yet)
 };
 
 }  // namespace
@@ -192,8 +192,18 @@ struct Client::Impl {
         std::memcpy(payload.data(), grad + shard.begin, payload.size());
       }
       outstanding += 1;
-      if (opt.consistency == Consistency::kBsp) k.min_next = k.used_version + 1;
-      send(shard, type, k.used_version, std::move(payload), tensor);
+      int64_t version = k.used_version;
+      if (opt.consistency == Consistency::kBsp) {
+        // Every worker pushes every key once per round, so this push belongs to
+        // the round after the last one pushed (min_next - 1), or to the version
+        // taken last, whichever is newer; the next pull must wait for its end.
+        // A push without a gradient names the round even when the tensor's
+        // newest values were never taken (it was unused).
+        const int64_t round = std::max(k.min_next, k.used_version);
+        if (!grad) version = round;
+        k.min_next = round + 1;
+      }
+      send(shard, type, version, std::move(payload), tensor);
     }
   }
 };

@@ -88,7 +88,11 @@ class ParameterServerModel(nn.Module):
         self._client.initialize(
             initial, [C.ps.Hyper(*self._hypers[g]) for g in self._group_of])
         n = len(self._params)
-        self._pending = [True] * n  # a pull is outstanding
+        self._pending = [True] * n  # a pull is outstanding; the next forward takes it
+        # eager: pulls for the next iteration, requested when this forward ended;
+        # they become takeable at optimizer.step() (so a second forward before
+        # backward can never overwrite parameters that autograd saved).
+        self._prefetching = [False] * n
         self._pushed = [False] * n  # pushed in this iteration
         self._sync = True
         self._order: list[int] = []  # first use in the last forward
@@ -107,6 +111,8 @@ class ParameterServerModel(nn.Module):
                     self._waits[name].append(self._index[id(p)])
         self._fired: set[str] | None = set()  # modules that ran in the first forward
         self._hooks = [module.register_forward_pre_hook(self._on_forward)]
+        if config.consistency == "eager":
+            self._hooks.append(module.register_forward_hook(self._after_forward))
         for name, sub in self._modules_by_name.items():
             self._hooks.append(sub.register_forward_pre_hook(self._pull_hook(name)))
         for p in self._params:
@@ -191,31 +197,39 @@ class ParameterServerModel(nn.Module):
         if grad is None or grad.is_sparse:
             raise ValueError(f"parameter {name!r}: hemiola.ps needs dense gradients")
         grad = grad.contiguous()
-        if self.config.consistency == "eager":
-            # Pull first: the server answers with the newest parameters without
-            # waiting for this push, and the reply overlaps the rest of backward.
-            self._client.pull(i)
-            self._pending[i] = True
         self._client.push(i, grad.data_ptr())
         self._pushed[i] = True
+
+    def _after_forward(self, module: nn.Module, args: Any, output: Any) -> None:
+        """eager: request the next iteration's parameters now, front layers first.
+        The server answers at once, before this iteration's pushes arrive, so the
+        replies stream in under backward and the next forward need not wait."""
+        if not (self._sync and module.training and torch.is_grad_enabled()):
+            return  # evaluation, or a micro-batch under no_sync(): not the end of an iteration
+        used = self._order + [i for i in range(len(self._params)) if i not in self._order]
+        for i in used:
+            if not self._pending[i] and not self._prefetching[i]:
+                self._client.pull(i)
+                self._prefetching[i] = True
 
     def _optimizer_step(self, optimizer: torch.optim.Optimizer, closure: Any = None) -> None:
         if closure is not None:
             raise ValueError("hemiola.ps does not support optimizer closures")
         if self._fired is not None:
             self._learn_waits()
-        eager = self.config.consistency == "eager"
         for i in range(len(self._params)):
             if not self._pushed[i]:
-                if eager:
-                    self._client.pull(i)
-                    self._pending[i] = True
                 self._client.push_none(i)  # unused this iteration: counts, contributes nothing
-        if not eager:
-            first = self._order + [i for i in range(len(self._params)) if i not in self._order]
-            for i in first:  # front layers first: the next forward needs them first
+        # Front layers first: the next forward needs them first. A parameter
+        # whose pull is still pending (unused lately) is pulled again: in bsp
+        # the pending reply may be a round old.
+        first = self._order + [i for i in range(len(self._params)) if i not in self._order]
+        for i in first:
+            if self._prefetching[i]:  # eager: requested when the forward ended
+                self._prefetching[i] = False
+            else:
                 self._client.pull(i)
-                self._pending[i] = True
+            self._pending[i] = True
         self._pushed = [False] * len(self._params)
 
     # ---- public API -------------------------------------------------------------

@@ -1,0 +1,143 @@
+"""Parameter-server iteration time over a real, rate-limited network: does
+``eager`` (pull and push both under computation) beat ``asp`` and ``bsp``?
+
+    python bench/ps_bandwidth.py                     # 1 Gbit/s, 1 server + 2 workers
+    python bench/ps_bandwidth.py --rate 5gbit --iterations 10
+
+Needs root. 1 + `--workers` network namespaces joined through veth pairs
+limited by ``tc tbf`` (bench/netlab.py): rank 0 (the server) in the first,
+one worker in each of the others, every process binding its veth. The model
+is bench/bandwidth_limited.py's 4.2M-parameter MLP (16.8 MB of float32
+gradients and as many of parameters) with its batch (896), so on the
+development machine its compute alone takes about as long as moving it once
+at 1 Gbit/s. Each worker first times the bare model (compute alone), then
+trains through the parameter server for `--iterations` iterations after 3 of
+warm-up, for each consistency model in turn (one job per model).
+
+Every iteration, each worker's gradients go in to the server and its
+parameters come back out, so the server's link carries W x 16.8 MB in each
+direction: at 1 Gbit/s that is the floor of a synchronous iteration, and
+max(compute, that) is the lower bound reported. Worker 0's median per
+iteration is reported. Writes bench/results/ps_bandwidth.jsonl.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any
+
+import torch
+from bandwidth_limited import MLP_BATCH, make_model
+from common import median, write_results
+from netlab import Network
+
+RESULT_TAG = "RESULT "
+SCHEMES = ("bsp", "asp", "eager")
+
+
+def rank_main(config: dict[str, Any]) -> dict[str, Any] | None:
+    """One process of one job (RANK etc. and GLOO_SOCKET_IFNAME in the environment)."""
+    import hemiola.ps
+
+    torch.set_num_threads(1)
+    ps_config = hemiola.ps.PSConfig(consistency=config["scheme"], num_servers=1, timeout_s=600)
+    role = hemiola.ps.role(1)
+    if role.is_server:
+        hemiola.ps.serve(ps_config, role)
+        return None
+    model, x, y = make_model("mlp", config["batch"])
+    loss_fn = torch.nn.CrossEntropyLoss()
+
+    def compute_alone() -> float:
+        times = []
+        for _ in range(5):
+            start = time.perf_counter()
+            model.zero_grad()
+            loss_fn(model(x), y).backward()
+            times.append(time.perf_counter() - start)
+        return median(times[1:])
+
+    compute = compute_alone()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    wrapped, optimizer = hemiola.ps.wrap(model, optimizer, ps_config)
+    times = []
+    for i in range(3 + config["iterations"]):
+        start = time.perf_counter()
+        optimizer.zero_grad()
+        loss_fn(wrapped(x), y).backward()
+        optimizer.step()
+        if i >= 3:
+            times.append(time.perf_counter() - start)
+    staleness = wrapped.staleness()
+    wrapped.close()
+    return {"worker": role.worker_index, "compute_ms": 1e3 * compute,
+            "iteration_ms": 1e3 * median(times), "mean_staleness": staleness["mean"],
+            "params": sum(p.numel() for p in model.parameters())}
+
+
+def run_job(net: Network, scheme: str, args: argparse.Namespace, port: int) -> dict[str, Any]:
+    config = {"scheme": scheme, "batch": args.batch, "iterations": args.iterations}
+    logs = [tempfile.TemporaryFile("w+") for _ in range(net.n)]
+    procs = []
+    for rank in range(net.n):
+        env = {"RANK": str(rank), "WORLD_SIZE": str(net.n), "MASTER_ADDR": net.addrs[0],
+               "MASTER_PORT": str(port), "GLOO_SOCKET_IFNAME": net.ifaces[rank],
+               "OMP_NUM_THREADS": "1"}
+        procs.append(net.popen(rank, [sys.executable, __file__, "--rank", json.dumps(config)],
+                               env=env, stdout=logs[rank], stderr=subprocess.STDOUT))
+    deadline = time.monotonic() + args.timeout_s
+    while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    results = {}
+    for rank, (proc, log) in enumerate(zip(procs, logs)):
+        log.seek(0)
+        text = log.read()
+        if proc.returncode != 0:
+            raise RuntimeError(f"{scheme}: rank {rank} exited with {proc.returncode}:\n"
+                               f"{text[-4000:]}")
+        lines = [line for line in text.splitlines() if line.startswith(RESULT_TAG)]
+        results[rank] = json.loads(lines[-1][len(RESULT_TAG):])
+    return results[1]  # worker 0
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rate", default="1gbit")
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--iterations", type=int, default=15)
+    parser.add_argument("--batch", type=int, default=MLP_BATCH)
+    parser.add_argument("--schemes", nargs="+", default=list(SCHEMES))
+    parser.add_argument("--timeout-s", type=float, default=900.0)
+    parser.add_argument("--rank", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.rank is not None:
+        print(RESULT_TAG + json.dumps(rank_main(json.loads(args.rank))), flush=True)
+        return
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+    os.environ.pop("TORCHELASTIC_USE_AGENT_STORE", None)  # rank 0 hosts the store
+    rate_bits = float(args.rate.lower().replace("gbit", "e9").replace("mbit", "e6"))
+    rows = []
+    with Network(1 + args.workers, args.rate) as net:
+        for k, scheme in enumerate(args.schemes):
+            result = run_job(net, scheme, args, port=29600 + k)
+            link_ms = 1e3 * args.workers * result["params"] * 4 * 8 / rate_bits
+            bound = max(result["compute_ms"], link_ms)
+            rows.append({"rate": args.rate, "workers": args.workers, "scheme": scheme, **result,
+                         "server_link_ms": link_ms, "lower_bound_ms": bound})
+            print(f"{scheme:>6}: {result['iteration_ms']:7.1f} ms/iteration "
+                  f"(compute alone {result['compute_ms']:.1f}, server link {link_ms:.1f}, "
+                  f"bound {bound:.1f}, x{result['iteration_ms'] / bound:.2f}; "
+                  f"mean staleness {result['mean_staleness']:.2f})", flush=True)
+    path = write_results("ps_bandwidth", rows)
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
