@@ -2,11 +2,11 @@
 ``eager`` (pull and push both under computation) beat ``asp`` and ``bsp``?
 
     python bench/ps_bandwidth.py                     # 1 Gbit/s, 1 server + 2 workers
-    python bench/ps_bandwidth.py --rate 5gbit --iterations 10
+    python bench/ps_bandwidth.py --servers 2         # 2 servers: communication ~ computation
 
-Needs root. 1 + `--workers` network namespaces joined through veth pairs
-limited by ``tc tbf`` (bench/netlab.py): rank 0 (the server) in the first,
-one worker in each of the others, every process binding its veth. The model
+Needs root. `--servers` + `--workers` network namespaces joined through veth
+pairs limited by ``tc tbf`` (bench/netlab.py), one process in each, every
+process binding its veth (the servers are the first ranks). The model
 is bench/bandwidth_limited.py's 4.2M-parameter MLP (16.8 MB of float32
 gradients and as many of parameters) with its batch (896), so on the
 development machine its compute alone takes about as long as moving it once
@@ -14,10 +14,10 @@ at 1 Gbit/s. Each worker first times the bare model (compute alone), then
 trains through the parameter server for `--iterations` iterations after 3 of
 warm-up, for each consistency model in turn (one job per model).
 
-Every iteration, each worker's gradients go in to the server and its
-parameters come back out, so the server's link carries W x 16.8 MB in each
-direction: at 1 Gbit/s that is the floor of a synchronous iteration, and
-max(compute, that) is the lower bound reported. Worker 0's median per
+Every iteration, each worker's gradients go in to the servers and its
+parameters come back out: each server's link carries W x 16.8 MB / S in each
+direction and each worker's 16.8 MB. The busiest link's time is the floor of
+an iteration, and max(compute, that) is the lower bound reported. Worker 0's median per
 iteration is reported. Writes bench/results/ps_bandwidth.jsonl.
 """
 
@@ -47,8 +47,9 @@ def rank_main(config: dict[str, Any]) -> dict[str, Any] | None:
     import hemiola.ps
 
     torch.set_num_threads(1)
-    ps_config = hemiola.ps.PSConfig(consistency=config["scheme"], num_servers=1, timeout_s=600)
-    role = hemiola.ps.role(1)
+    ps_config = hemiola.ps.PSConfig(consistency=config["scheme"], num_servers=config["servers"],
+                                    timeout_s=600)
+    role = hemiola.ps.role(config["servers"])
     if role.is_server:
         hemiola.ps.serve(ps_config, role)
         return None
@@ -83,7 +84,8 @@ def rank_main(config: dict[str, Any]) -> dict[str, Any] | None:
 
 
 def run_job(net: Network, scheme: str, args: argparse.Namespace, port: int) -> dict[str, Any]:
-    config = {"scheme": scheme, "batch": args.batch, "iterations": args.iterations}
+    config = {"scheme": scheme, "batch": args.batch, "iterations": args.iterations,
+              "servers": args.servers}
     logs = [tempfile.TemporaryFile("w+") for _ in range(net.n)]
     procs = []
     for rank in range(net.n):
@@ -104,12 +106,13 @@ def run_job(net: Network, scheme: str, args: argparse.Namespace, port: int) -> d
                                f"{text[-4000:]}")
         lines = [line for line in text.splitlines() if line.startswith(RESULT_TAG)]
         results[rank] = json.loads(lines[-1][len(RESULT_TAG):])
-    return results[1]  # worker 0
+    return results[args.servers]  # worker 0
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rate", default="1gbit")
+    parser.add_argument("--servers", type=int, default=1)
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--iterations", type=int, default=15)
     parser.add_argument("--batch", type=int, default=MLP_BATCH)
@@ -124,15 +127,17 @@ def main() -> None:
     os.environ.pop("TORCHELASTIC_USE_AGENT_STORE", None)  # rank 0 hosts the store
     rate_bits = float(args.rate.lower().replace("gbit", "e9").replace("mbit", "e6"))
     rows = []
-    with Network(1 + args.workers, args.rate) as net:
+    with Network(args.servers + args.workers, args.rate) as net:
         for k, scheme in enumerate(args.schemes):
             result = run_job(net, scheme, args, port=29600 + k)
-            link_ms = 1e3 * args.workers * result["params"] * 4 * 8 / rate_bits
+            link_ms = (1e3 * max(1.0, args.workers / args.servers) * result["params"] * 4 * 8
+                       / rate_bits)
             bound = max(result["compute_ms"], link_ms)
-            rows.append({"rate": args.rate, "workers": args.workers, "scheme": scheme, **result,
-                         "server_link_ms": link_ms, "lower_bound_ms": bound})
+            rows.append({"rate": args.rate, "servers": args.servers, "workers": args.workers,
+                         "scheme": scheme, **result,
+                         "busiest_link_ms": link_ms, "lower_bound_ms": bound})
             print(f"{scheme:>6}: {result['iteration_ms']:7.1f} ms/iteration "
-                  f"(compute alone {result['compute_ms']:.1f}, server link {link_ms:.1f}, "
+                  f"(compute alone {result['compute_ms']:.1f}, busiest link {link_ms:.1f}, "
                   f"bound {bound:.1f}, x{result['iteration_ms'] / bound:.2f}; "
                   f"mean staleness {result['mean_staleness']:.2f})", flush=True)
     path = write_results("ps_bandwidth", rows)
