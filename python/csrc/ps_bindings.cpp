@@ -149,6 +149,17 @@ void bind_ps(py::module_& parent) {
       .def("flush", &Client::flush, py::call_guard<py::gil_scoped_release>())
       .def("snapshot", &Client::snapshot, py::call_guard<py::gil_scoped_release>())
       .def("push_records", &Client::push_records)
+      .def("staleness",
+           [](const Client& c) {
+             const StalenessSummary s = c.staleness();
+             py::dict histogram;
+             for (const auto& [tau, n] : s.histogram) histogram[py::int_(tau)] = n;
+             return py::dict(py::arg("pushes") = s.pushes,
+                             py::arg("mean") = s.pushes ? double(s.staleness_sum) / s.pushes : 0.0,
+                             py::arg("max") = s.max_staleness, py::arg("histogram") = histogram,
+                             py::arg("mean_lr_factor") =
+                                 s.pushes ? s.lr_factor_sum / s.pushes : 1.0);
+           })
       .def("close", &Client::close, py::call_guard<py::gil_scoped_release>());
 }
 

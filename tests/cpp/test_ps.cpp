@@ -309,6 +309,11 @@ class RawWorker {
     std::memcpy(out.data(), v.data(), out.size());
     return out;
   }
+  Header register_header(Consistency c) {
+    Header h = header(MessageType::kRegister);
+    h.aux = static_cast<int64_t>(c);  // the consistency the worker runs
+    return h;
+  }
   Header receive(std::vector<char>* payload) {
     Header h;
     EXPECT_TRUE(channel_->receive(&h, payload));
@@ -327,7 +332,8 @@ TEST(ParameterServer, RejectsMalformedAndOutOfOrderMessagesWithoutApplyingThem) 
   RawWorker w(store, 0);
   std::vector<char> payload;
   const std::string table = make_table(plan_shards({2}, 1, 1 << 20), {"w"}, 0, OptimizerKind::kSgd);
-  w.channel().send(w.header(MessageType::kRegister), std::vector<char>(table.begin(), table.end()));
+  w.channel().send(w.register_header(Consistency::kAsp),
+                   std::vector<char>(table.begin(), table.end()));
   EXPECT_EQ(w.receive(&payload).type, static_cast<uint16_t>(MessageType::kRegistered));
   w.channel().send(w.header(MessageType::kInit, 0), RawWorker::floats({1.0f, 2.0f}));
 
@@ -397,7 +403,7 @@ TEST(ParameterServer, BspFailsNamingADeadWorkerWhileAspGoesOn) {
       auto raw = std::make_unique<RawWorker>(store, 1);
       const std::string table =
           make_table(plan_shards({2}, 1, 4), {"w"}, 0, OptimizerKind::kSgd);
-      raw->channel().send(raw->header(MessageType::kRegister),
+      raw->channel().send(raw->register_header(c),
                           std::vector<char>(table.begin(), table.end()));
       std::vector<float> x = {1.0f, 1.0f}, g = {1.0f, 1.0f};
       healthy.initialize({x.data()}, {sgd(0.1)});
@@ -577,4 +583,56 @@ TEST(ParameterServer, BspTensorUnusedForRoundsThenUsed) {
     for (float v : b) EXPECT_FLOAT_EQ(v, 1.0f - 2 * 0.25f * 2.0f);  // two rounds
   }
   for (const auto& s : fleet.join()) EXPECT_EQ(s.rejected, 0);
+}
+
+TEST(ParameterServer, ConsistencyMismatchFailsAtRegistration) {
+  auto store = std::make_shared<MemoryStore>();
+  ServerFleet fleet(store, 1, 1, Consistency::kBsp);
+  std::string error;
+  try {
+    Client c(client_options(0, 1, 1, Consistency::kAsp), {"w"}, {2}, store);
+    std::vector<float> x(2, 1.0f);
+    c.initialize({x.data()}, {sgd(0.1)});
+  } catch (const Error& e) {
+    error = e.what();
+  }
+  EXPECT_NE(error.find("consistency 'asp' but server 0 runs 'bsp'"), std::string::npos) << error;
+  EXPECT_THROW(fleet.join(), Error);
+}
+
+TEST(ParameterServer, BspWorkerLeavingEarlyFailsTheOthersAtOnce) {
+  // Worker 1 runs one iteration fewer and leaves normally; worker 0's next
+  // round must fail at once naming it, not after the timeout.
+  auto store = std::make_shared<MemoryStore>();
+  ServerFleet fleet(store, 1, 2, Consistency::kBsp);
+  auto worker = [&](int w) -> std::string {
+    try {
+      Client c(client_options(w, 1, 2, Consistency::kBsp), {"w"}, {2}, store);
+      std::vector<float> x(2, 1.0f), g(2, 1.0f);
+      c.initialize(w == 0 ? std::vector<const float*>{x.data()} : std::vector<const float*>{},
+                   {sgd(0.1)});
+      for (int i = 0; i < (w == 0 ? 3 : 2); ++i) {
+        c.wait_pull(0, x.data());
+        c.push(0, g.data());
+        c.pull(0);
+      }
+      c.wait_pull(0, x.data());
+      c.close();
+      EXPECT_THROW(c.pull(0), Error);  // closed
+    } catch (const Error& e) {
+      return e.what();
+    }
+    return "";
+  };
+  const auto started = std::chrono::steady_clock::now();
+  auto r0 = std::async(std::launch::async, worker, 0);
+  auto r1 = std::async(std::launch::async, worker, 1);
+  const std::string e0 = r0.get(), e1 = r1.get();
+  EXPECT_EQ(e1, "");
+  // Depending on whether worker 0's push or worker 1's goodbye comes first:
+  // "... worker 1 (rank 2) already left" or "worker 1 (rank 2) left while ...".
+  EXPECT_NE(e0.find("worker 1 (rank 2)"), std::string::npos) << e0;
+  EXPECT_NE(e0.find("left"), std::string::npos) << e0;
+  EXPECT_LT(std::chrono::steady_clock::now() - started, std::chrono::seconds(10));  // timeout 20
+  EXPECT_THROW(fleet.join(), Error);
 }

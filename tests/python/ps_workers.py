@@ -55,6 +55,12 @@ def train(rank: int, world: int, options: dict[str, Any], model_name: str, opt_n
     out = {"worker": r.worker_index, "params": params, "losses": losses,
            "records": model.push_records(), "staleness": model.staleness()}
     model.close()
+    model(x)  # after close the hooks are gone: a plain local forward
+    try:
+        opt.step()
+        out["step_after_close"] = None
+    except ValueError as e:
+        out["step_after_close"] = str(e)
     return out
 
 

@@ -33,6 +33,7 @@ def test_bsp_equals_wfbp_allreduce(servers: int, workers: int, model: str, opt: 
             torch.testing.assert_close(w["params"][name], ref, rtol=1e-4, atol=1e-5,
                                        msg=lambda m, n=name, i=w["worker"]: f"worker {i} {n}: {m}")
         assert all(r["staleness"] == 0 for r in w["records"])
+        assert "closed" in w["step_after_close"]
     served = [v for v in results.values() if isinstance(v, dict) and "server" in v]
     assert sum(s["pushes_applied"] for s in served) > 0
     assert all(s["rejected"] == 0 for s in served)

@@ -12,6 +12,7 @@
 #pragma once
 
 #include <cstdint>
+#include <map>
 #include <memory>
 #include <string>
 #include <vector>
@@ -143,6 +144,16 @@ struct PushRecord {
   double lr_factor = 1.0;   // what the staleness rule made of it
 };
 
+// All of a worker's applied gradient pushes, aggregated (pushes without a
+// gradient are not counted).
+struct StalenessSummary {
+  int64_t pushes = 0;
+  int64_t staleness_sum = 0;
+  int64_t max_staleness = 0;
+  double lr_factor_sum = 0.0;
+  std::map<int64_t, int64_t> histogram;  // tau -> pushes
+};
+
 class HEMIOLA_API Client {
  public:
   // `numels`: the trained tensors (float32, contiguous), the same on every
@@ -179,9 +190,16 @@ class HEMIOLA_API Client {
   void flush();
   // Asks every server to write its snapshot; waits for the confirmations.
   void snapshot();
-  // Everything the servers reported about this worker's pushes, oldest first.
+  // The newest 4096 applied gradient pushes as the servers reported them,
+  // oldest first.
   std::vector<PushRecord> push_records() const;
-  // Says goodbye to the servers (after flush()). Also done by the destructor.
+  // Every applied gradient push, aggregated.
+  StalenessSummary staleness() const;
+  // Waits for the pushes in flight, says goodbye to the servers and closes the
+  // connections; later calls return at once, and pushes, pulls and snapshots
+  // after it throw. If the pushes cannot be completed it leaves without a
+  // goodbye (the servers see a dead worker) and throws. Also done by the
+  // destructor.
   void close();
 
  private:

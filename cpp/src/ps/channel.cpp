@@ -75,7 +75,7 @@ std::string Channel::send_failure() const {
 }
 
 void Channel::sender_loop() {
-  const auto timeout = context_->getTimeout();
+  const auto timeout = context_->getTimeout();  // the context outlives this thread
   for (;;) {
     Outgoing message;
     {
@@ -158,6 +158,11 @@ void Channel::close() {
   std::lock_guard<std::mutex> lock(mutex_);
   closed_ = true;
   if (receiving_) receiving_->abortWaitRecv();
+}
+
+void Channel::disconnect() {
+  close();
+  context_.reset();
 }
 
 }  // namespace hemiola::ps

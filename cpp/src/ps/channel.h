@@ -55,6 +55,11 @@ class Channel {
 
   // Stops the sender after the queue drains and aborts a blocked receive.
   void close();
+  // After close() and once no thread is inside receive(): destroys the Gloo
+  // context, closing the connection. Without it a receive that close() aborted
+  // stays posted inside Gloo, and a late message from the peer would make
+  // Gloo's event loop spin (and the peer's send hang until its timeout).
+  void disconnect();
   const std::string& peer() const { return peer_; }
   // Why sending stopped (empty while healthy).
   std::string send_failure() const;

@@ -7,6 +7,7 @@
 #include <chrono>
 #include <condition_variable>
 #include <cstring>
+#include <deque>
 #include <mutex>
 #include <thread>
 
@@ -22,6 +23,7 @@ namespace hemiola::ps {
 namespace {
 
 using Clock = std::chrono::steady_clock;
+constexpr size_t kMaxRecords = 4096;
 
 struct KeyState {
   std::vector<float> staging;
@@ -30,6 +32,7 @@ struct KeyState {
   int64_t arrived_version = 0;  // version of the newest reply
   int64_t used_version = 0;     // version the caller last took (gradients are computed on it)
   int64_t min_next = 0;         // bsp: the version the next pull must wait for (0: none yet)
+  int64_t unacked = 0;          // pushes not yet acknowledged
 };
 
 }  // namespace
@@ -51,10 +54,13 @@ struct Client::Impl {
   int64_t outstanding = 0;   // pushes not yet acknowledged
   int registered = 0;
   int snapshots_done = 0;
-  std::vector<PushRecord> records;
+  std::deque<PushRecord> records;  // the newest kMaxRecords
+  StalenessSummary summary;
+  std::vector<uint64_t> expected_seq;  // per server
   std::string failure;
   ErrorCode failure_code = ErrorCode::kCommFailure;
-  bool closed = false;
+  bool closing = false;  // close() has begun: no new requests
+  bool closed = false;   // the channels are closing: connection errors are expected
 
   std::chrono::milliseconds timeout() const {
     return std::chrono::milliseconds(static_cast<int64_t>(opt.timeout_s * 1000.0));
@@ -91,7 +97,26 @@ struct Client::Impl {
     h.rule = static_cast<int32_t>(opt.staleness_rule);
     h.optimizer = static_cast<int32_t>(opt.optimizer);
     if (tensor >= 0) put_hyper(h, hyper[static_cast<size_t>(tensor)]);
-    channels[static_cast<size_t>(shard.server)]->send(h, std::move(payload));
+    send_on(shard.server, h, std::move(payload));
+  }
+
+  // Lock held. A send that cannot be queued means the connection failed: the
+  // job cannot go on, so that becomes this worker's failure, not a silent drop.
+  void send_on(int server, const Header& h, std::vector<char> payload) {
+    auto& channel = *channels[static_cast<size_t>(server)];
+    if (!channel.send(h, std::move(payload))) {
+      const std::string why = channel.send_failure();
+      set_failure(why.empty() ? detail::concat("the connection to ", server_name(server),
+                                               " is closed")
+                              : why,
+                  ErrorCode::kCommFailure);
+      throw_if_failed();
+    }
+  }
+
+  void require_open() const {
+    if (closing) HEMIOLA_THROW(ErrorCode::kInvalidArgument, "the parameter-server client of "
+                               "worker ", opt.worker_index, " is closed");
   }
 
   void send_control(int server, MessageType type, std::vector<char> payload = {}) {
@@ -99,7 +124,8 @@ struct Client::Impl {
     h.type = static_cast<uint16_t>(type);
     h.worker = opt.worker_index;
     h.optimizer = static_cast<int32_t>(opt.optimizer);
-    channels[static_cast<size_t>(server)]->send(h, std::move(payload));
+    h.aux = static_cast<int64_t>(opt.consistency);  // checked by the server at registration
+    send_on(server, h, std::move(payload));
   }
 
   void set_failure(const std::string& message, ErrorCode code) {
@@ -114,6 +140,12 @@ struct Client::Impl {
     if (const auto problem = header_problem(h); !problem.empty())
       return set_failure(detail::concat("malformed message from ", server_name(s), ": ", problem),
                          ErrorCode::kCommFailure);
+    auto& expected = expected_seq[static_cast<size_t>(s)];
+    if (h.seq != expected)
+      return set_failure(detail::concat("out-of-order message from ", server_name(s),
+                                        ": sequence number ", h.seq, ", expected ", expected),
+                         ErrorCode::kCommFailure);
+    expected += 1;
     const auto type = static_cast<MessageType>(h.type);
     if (type == MessageType::kError) {
       return set_failure(std::string(payload.begin(), payload.end()),
@@ -139,9 +171,19 @@ struct Client::Impl {
       k.arrived_version = h.version;
     } else if (type == MessageType::kPushAck) {
       outstanding -= 1;
-      const auto& shard = shards[static_cast<size_t>(h.key)];
-      records.push_back(
-          PushRecord{shard.tensor, shard.key, h.version, h.aux, h.aux - h.version, h.factor});
+      keys[static_cast<size_t>(h.key)].unacked -= 1;
+      if (!(h.flags & kFlagNoGradient)) {  // a push without gradient has no staleness
+        const auto& shard = shards[static_cast<size_t>(h.key)];
+        const PushRecord r{shard.tensor, shard.key, h.version, h.aux, h.aux - h.version,
+                           h.factor};
+        records.push_back(r);
+        if (records.size() > kMaxRecords) records.pop_front();
+        summary.pushes += 1;
+        summary.staleness_sum += r.staleness;
+        summary.max_staleness = std::max(summary.max_staleness, r.staleness);
+        summary.lr_factor_sum += r.lr_factor;
+        summary.histogram[r.staleness] += 1;
+      }
     } else {
       return set_failure(detail::concat("unexpected ", message_type_name(h.type), " from ",
                                         server_name(s)),
@@ -178,12 +220,20 @@ struct Client::Impl {
 
   void push(int tensor, const float* grad) {
     const auto& ids = keys_of(tensor);
-    std::lock_guard<std::mutex> lock(mutex);
+    std::unique_lock<std::mutex> lock(mutex);
+    require_open();
     throw_if_failed();
-    HEMIOLA_CHECK(!closed, "push after close()");
     for (int32_t id : ids) {
       const Shard& shard = shards[static_cast<size_t>(id)];
       auto& k = keys[static_cast<size_t>(id)];
+      if (opt.consistency == Consistency::kBsp && k.unacked > 0) {
+        // Only a tensor left unused (whose pull nobody waited for) can get
+        // here: its previous round may still be open, and a push for the round
+        // after it must not overtake it.
+        wait(lock, [&] { return k.unacked == 0; },
+             detail::concat("the previous bsp round of '", names[static_cast<size_t>(tensor)],
+                            "' (key ", id, ")"));
+      }
       std::vector<char> payload;
       MessageType type = MessageType::kPushNone;
       if (grad) {
@@ -192,6 +242,7 @@ struct Client::Impl {
         std::memcpy(payload.data(), grad + shard.begin, payload.size());
       }
       outstanding += 1;
+      k.unacked += 1;
       int64_t version = k.used_version;
       if (opt.consistency == Consistency::kBsp) {
         // Every worker pushes every key once per round, so this push belongs to
@@ -199,7 +250,7 @@ struct Client::Impl {
         // taken last, whichever is newer; the next pull must wait for its end.
         // A push without a gradient names the round even when the tensor's
         // newest values were never taken (it was unused).
-        const int64_t round = std::max(k.min_next, k.used_version);
+        const int64_t round = std::max({k.min_next, k.used_version, k.arrived_version});
         if (!grad) version = round;
         k.min_next = round + 1;
       }
@@ -230,6 +281,7 @@ Client::Client(const ClientOptions& options, const std::vector<std::string>& nam
     im.keys[static_cast<size_t>(s.key)].staging.resize(static_cast<size_t>(s.count));
   }
   im.hyper.resize(numels.size());
+  im.expected_seq.assign(static_cast<size_t>(options.num_servers), 0);
 
   BindSpec spec{options.iface, options.hostname, options.master_addr, false};
   auto device = make_gloo_device(spec, nullptr);
@@ -294,8 +346,8 @@ void Client::pull(int tensor) {
   auto& im = *impl_;
   const auto& ids = im.keys_of(tensor);
   std::lock_guard<std::mutex> lock(im.mutex);
+  im.require_open();
   im.throw_if_failed();
-  HEMIOLA_CHECK(!im.closed, "pull after close()");
   for (int32_t id : ids) {
     auto& k = im.keys[static_cast<size_t>(id)];
     k.requested += 1;
@@ -307,6 +359,7 @@ bool Client::pull_ready(int tensor) {
   auto& im = *impl_;
   const auto& ids = im.keys_of(tensor);
   std::lock_guard<std::mutex> lock(im.mutex);
+  im.require_open();
   im.throw_if_failed();
   return std::all_of(ids.begin(), ids.end(), [&](int32_t id) {
     const auto& k = im.keys[static_cast<size_t>(id)];
@@ -319,6 +372,7 @@ void Client::wait_pull(int tensor, float* dst) {
   const auto& ids = im.keys_of(tensor);
   HEMIOLA_CHECK(dst != nullptr || ids.empty(), "wait_pull: null destination");
   std::unique_lock<std::mutex> lock(im.mutex);
+  im.require_open();
   for (int32_t id : ids) {
     auto& k = im.keys[static_cast<size_t>(id)];
     const auto& shard = im.shards[static_cast<size_t>(id)];
@@ -346,6 +400,7 @@ void Client::flush() {
 void Client::snapshot() {
   auto& im = *impl_;
   std::unique_lock<std::mutex> lock(im.mutex);
+  im.require_open();
   im.throw_if_failed();
   const int target = im.snapshots_done + im.opt.num_servers;
   for (int s = 0; s < im.opt.num_servers; ++s) im.send_control(s, MessageType::kSnapshot);
@@ -354,31 +409,49 @@ void Client::snapshot() {
 
 std::vector<PushRecord> Client::push_records() const {
   std::lock_guard<std::mutex> lock(impl_->mutex);
-  return impl_->records;
+  return {impl_->records.begin(), impl_->records.end()};
+}
+
+StalenessSummary Client::staleness() const {
+  std::lock_guard<std::mutex> lock(impl_->mutex);
+  return impl_->summary;
 }
 
 void Client::close() {
   auto& im = *impl_;
   {
     std::lock_guard<std::mutex> lock(im.mutex);
-    if (im.closed) return;
+    if (im.closing) return;
+    im.closing = true;  // concurrent or later calls return at once
   }
-  // Pushes in flight are part of the training: wait for them unless the job failed.
+  // Pushes in flight are part of the training: wait for them, then say goodbye.
+  // If that fails, leave without a goodbye: the servers then see this worker
+  // as dead, which is what it is to a bsp job.
   std::string error;
   try {
-    flush();
+    std::unique_lock<std::mutex> lock(im.mutex);
+    im.wait(lock, [&] { return im.outstanding == 0; },
+            detail::concat("acknowledging ", im.outstanding, " pushes"));
   } catch (const std::exception& e) {
     error = e.what();
   }
   {
     std::lock_guard<std::mutex> lock(im.mutex);
     im.closed = true;
-    for (int s = 0; s < im.opt.num_servers; ++s) im.send_control(s, MessageType::kBye);
+    if (error.empty()) {
+      for (int s = 0; s < im.opt.num_servers; ++s) {
+        Header h;
+        h.type = static_cast<uint16_t>(MessageType::kBye);
+        h.worker = im.opt.worker_index;
+        im.channels[static_cast<size_t>(s)]->send(h);
+      }
+    }
   }
   for (auto& c : im.channels) c->drain(std::chrono::seconds(5));
   for (auto& c : im.channels) c->close();
   for (auto& t : im.receivers)
     if (t.joinable()) t.join();
+  for (auto& c : im.channels) c->disconnect();
   if (!error.empty()) {
     std::lock_guard<std::mutex> lock(im.mutex);
     throw Error(im.failure.empty() ? ErrorCode::kTimeout : im.failure_code, error);

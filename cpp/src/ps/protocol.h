@@ -22,7 +22,7 @@ constexpr int64_t kMaxPayloadBytes = int64_t(1) << 32;
 
 enum class MessageType : uint16_t {
   // worker -> server
-  kRegister = 1,   // payload: the worker's shard table for this server (text)
+  kRegister = 1,   // payload: the worker's shard table for this server (text); aux = consistency
   kInit = 2,       // payload: initial float32 values of one key (worker 0 only)
   kPush = 3,       // payload: float32 gradient of one key; version = computed on
   kPushNone = 4,   // no gradient this iteration for the key
@@ -50,7 +50,7 @@ struct Header {
   int64_t aux = 0;
   int64_t payload_bytes = 0;
   double hyper[7] = {};  // lr, momentum, dampening, weight_decay, beta1, beta2, eps
-  int32_t flags = 0;     // kFlagNesterov
+  int32_t flags = 0;     // kFlagNesterov (worker -> server), kFlagNoGradient (push-ack)
   int32_t optimizer = 0;
   int32_t rule = 0;      // the worker's StalenessRule
   int32_t reserved = 0;
@@ -59,6 +59,7 @@ struct Header {
 };
 static_assert(std::is_trivially_copyable_v<Header>);
 constexpr int32_t kFlagNesterov = 1;
+constexpr int32_t kFlagNoGradient = 2;
 
 inline uint64_t header_checksum(Header h) {
   h.checksum = 0;

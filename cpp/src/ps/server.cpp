@@ -83,10 +83,17 @@ struct Server::Impl {
 
   // ---- replies -------------------------------------------------------------
 
+  bool live(int w) const {
+    const auto s = workers[static_cast<size_t>(w)];
+    return s == WorkerState::kConnected || s == WorkerState::kRegistered;
+  }
+
   void send(int w, MessageType type, int32_t key, int64_t version = 0, int64_t aux = 0,
-            std::vector<char> payload = {}, double factor = 1.0) {
-    if (workers[static_cast<size_t>(w)] == WorkerState::kDead) return;
+            std::vector<char> payload = {}, double factor = 1.0, int32_t flags = 0) {
+    // A worker that left or died receives nothing more (its connection is closing).
+    if (!live(w)) return;
     Header h;
+    h.flags = flags;
     h.type = static_cast<uint16_t>(type);
     h.key = key;
     h.worker = w;
@@ -123,11 +130,6 @@ struct Server::Impl {
   }
 
   // ---- pulls -----------------------------------------------------------------
-
-  bool live(int w) const {
-    const auto s = workers[static_cast<size_t>(w)];
-    return s == WorkerState::kConnected || s == WorkerState::kRegistered;
-  }
 
   bool may_read(const Key& k, const Waiting& p) const {
     if (!k.initialized) return false;
@@ -174,7 +176,7 @@ struct Server::Impl {
       k.any_gradient = false;
       k.round_started = Clock::now();
     }
-    k.contributed[static_cast<size_t>(w)] = 1;
+    k.contributed[static_cast<size_t>(w)] = grad ? 1 : 2;
     k.contributions += 1;
     if (grad) {
       for (size_t i = 0; i < n; ++i) k.sum[i] += grad[i];
@@ -194,7 +196,8 @@ struct Server::Impl {
     k.contributions = 0;
     stats.pushes_applied += opt.num_workers;
     for (int v = 0; v < opt.num_workers; ++v)
-      send(v, MessageType::kPushAck, k.entry.shard.key, applied_at, applied_at);
+      send(v, MessageType::kPushAck, k.entry.shard.key, applied_at, applied_at, {}, 1.0,
+           k.contributed[static_cast<size_t>(v)] == 2 ? kFlagNoGradient : 0);
     answer_pulls(k);
   }
 
@@ -208,10 +211,9 @@ struct Server::Impl {
     }
     k.pushes[static_cast<size_t>(w)] += 1;
     stats.pushes_applied += 1;
-    send(w, MessageType::kPushAck, k.entry.shard.key, h.version, applied_at, {}, factor);
-    answer_pulls(k);
-    // In ssp this push may release a faster worker waiting on another key? No:
-    // the bound is per key, and only this key's counts changed.
+    send(w, MessageType::kPushAck, k.entry.shard.key, h.version, applied_at, {}, factor,
+         grad ? 0 : kFlagNoGradient);
+    answer_pulls(k);  // the ssp bound is per key: only this key's waiters can move
   }
 
   // ---- one message -------------------------------------------------------------
@@ -231,12 +233,7 @@ struct Server::Impl {
     auto& state = workers[static_cast<size_t>(w)];
 
     if (type == MessageType::kRegister) return on_register(w, h, payload);
-    if (type == MessageType::kBye) {
-      state = WorkerState::kGone;
-      answer_all_pulls();  // ssp: a finished worker no longer holds the others back
-      changed.notify_all();
-      return;
-    }
+    if (type == MessageType::kBye) return on_bye(w);
     if (state != WorkerState::kRegistered) return reject(w, h, "the worker has not registered");
     if (type == MessageType::kSnapshot) {
       if (opt.snapshot_path.empty())
@@ -282,6 +279,12 @@ struct Server::Impl {
                                                ", but this round steps version ", k.version));
           if (k.contributions > 0 && k.contributed[static_cast<size_t>(w)])
             return reject(w, h, "a second gradient in the same bsp round");
+          if (const auto gone = gone_workers(); !gone.empty())
+            return fail(detail::concat("bsp round ", k.version, " of '", k.entry.name,
+                                       "' needs every worker, but ", gone,
+                                       " already left (finished its iterations or exited). "
+                                       "Every worker must run the same number of iterations."),
+                        ErrorCode::kTimeout);
           return apply_bsp(w, k, h, grad);
         }
         return apply_async(w, k, h, grad);
@@ -294,6 +297,16 @@ struct Server::Impl {
   void on_register(int w, const Header& h, const std::vector<char>& payload) {
     if (workers[static_cast<size_t>(w)] != WorkerState::kConnected)
       return reject(w, h, "the worker registered twice");
+    if (h.aux != static_cast<int64_t>(opt.consistency)) {
+      const auto theirs = static_cast<Consistency>(h.aux);
+      return fail(detail::concat(
+                      who(w), " runs consistency '",
+                      h.aux >= 0 && h.aux <= 3 ? consistency_name(theirs) : "unknown",
+                      "' but server ", opt.server_index, " runs '",
+                      consistency_name(opt.consistency),
+                      "': give servers and workers the same consistency"),
+                  ErrorCode::kInvalidArgument);
+    }
     const std::string text(payload.begin(), payload.end());
     if (table.empty()) {
       std::vector<TableEntry> entries;
@@ -320,6 +333,33 @@ struct Server::Impl {
     }
     workers[static_cast<size_t>(w)] = WorkerState::kRegistered;
     send(w, MessageType::kRegistered, -1, 0, restored ? 1 : 0);
+  }
+
+  std::string gone_workers() const {
+    std::string names;
+    for (int v = 0; v < opt.num_workers; ++v)
+      if (workers[static_cast<size_t>(v)] == WorkerState::kGone)
+        names += (names.empty() ? "" : ", ") + who(v);
+    return names;
+  }
+
+  void on_bye(int w) {
+    workers[static_cast<size_t>(w)] = WorkerState::kGone;
+    for (auto& [id, k] : keys) {
+      // Its pulls will never be taken (and nothing more is sent to it).
+      k.waiting.erase(std::remove_if(k.waiting.begin(), k.waiting.end(),
+                                     [w](const Waiting& p) { return p.worker == w; }),
+                      k.waiting.end());
+      if (opt.consistency == Consistency::kBsp && k.contributions > 0 &&
+          !k.contributed[static_cast<size_t>(w)]) {
+        return fail(detail::concat(who(w), " left while bsp round ", k.version, " of '",
+                                   k.entry.name, "' still needed its gradient. Every worker "
+                                   "must run the same number of iterations."),
+                    ErrorCode::kTimeout);
+      }
+    }
+    answer_all_pulls();  // ssp: a finished worker no longer holds the others back
+    changed.notify_all();
   }
 
   void on_disconnect(int w, const std::string& what) {
@@ -471,7 +511,11 @@ void Server::serve() {
       im.check_stalled_rounds();
       if (im.opt.snapshot_every_s > 0 &&
           Clock::now() - last_snapshot >= millis(im.opt.snapshot_every_s)) {
-        im.take_snapshot_locked();
+        try {
+          im.take_snapshot_locked();
+        } catch (const std::exception& e) {  // keep serving; the previous snapshot stays
+          std::cerr << im.tag() << "periodic snapshot failed: " << e.what() << std::endl;
+        }
         last_snapshot = Clock::now();
       }
     }
@@ -481,6 +525,7 @@ void Server::serve() {
   for (auto& c : im.channels) c->close();
   for (auto& t : im.receivers) t.join();
   im.receivers.clear();
+  for (auto& c : im.channels) c->disconnect();
   std::lock_guard<std::mutex> lock(im.mutex);
   if (!im.fatal.empty()) throw Error(im.fatal_code, im.fatal);
 }

@@ -23,6 +23,8 @@ _OPTIMIZERS = {torch.optim.SGD: "sgd", torch.optim.Adam: "adam", torch.optim.Ada
 
 def _optimizer_kind(optimizer: Any) -> str:
     kind = _OPTIMIZERS.get(type(optimizer))
+    if kind == "adam" and any(g.get("decoupled_weight_decay") for g in optimizer.param_groups):
+        kind = "adamw"  # torch.optim.Adam(decoupled_weight_decay=True) is AdamW
     if kind is None:
         raise ValueError(
             f"hemiola.ps runs the optimizer on the servers and supports torch.optim.SGD, Adam "
@@ -94,6 +96,7 @@ class ParameterServerModel(nn.Module):
         # backward can never overwrite parameters that autograd saved).
         self._prefetching = [False] * n
         self._pushed = [False] * n  # pushed in this iteration
+        self._accumulated = [False] * n  # got gradient under no_sync() since the last push
         self._sync = True
         self._order: list[int] = []  # first use in the last forward
         self._closed = False
@@ -180,9 +183,10 @@ class ParameterServerModel(nn.Module):
             self._order.append(i)
 
     def _on_grad(self, p: torch.Tensor) -> None:
-        if not self._sync:
-            return
         i = self._index[id(p)]
+        if not self._sync:
+            self._accumulated[i] = True  # pushed by the synced backward, or at step()
+            return
         name = self._names[i]
         if self._pending[i]:
             raise RuntimeError(
@@ -193,12 +197,16 @@ class ParameterServerModel(nn.Module):
             raise RuntimeError(
                 f"parameter {name!r} got a second gradient in one iteration: call "
                 "optimizer.step() between backward passes, or accumulate under model.no_sync()")
-        grad = p.grad
+        self._push(i)
+
+    def _push(self, i: int) -> None:
+        grad = self._params[i].grad
         if grad is None or grad.is_sparse:
-            raise ValueError(f"parameter {name!r}: hemiola.ps needs dense gradients")
+            raise ValueError(f"parameter {self._names[i]!r}: hemiola.ps needs dense gradients")
         grad = grad.contiguous()
         self._client.push(i, grad.data_ptr())
         self._pushed[i] = True
+        self._accumulated[i] = False
 
     def _after_forward(self, module: nn.Module, args: Any, output: Any) -> None:
         """eager: request the next iteration's parameters now, front layers first.
@@ -218,7 +226,11 @@ class ParameterServerModel(nn.Module):
         if self._fired is not None:
             self._learn_waits()
         for i in range(len(self._params)):
-            if not self._pushed[i]:
+            if self._pushed[i]:
+                continue
+            if self._accumulated[i] and self._params[i].grad is not None:
+                self._push(i)  # gradient from no_sync() micro-batches only
+            else:
                 self._client.push_none(i)  # unused this iteration: counts, contributes nothing
         # Front layers first: the next forward needs them first. A parameter
         # whose pull is still pending (unused lately) is pulled again: in bsp
@@ -268,7 +280,8 @@ class ParameterServerModel(nn.Module):
         self._client.snapshot()
 
     def push_records(self) -> list[dict[str, Any]]:
-        """Every applied push of this worker: the tensor, the version its gradient
+        """The newest 4096 applied gradient pushes (one per shard) of this worker,
+        oldest first: the tensor, the version its gradient
         was computed on, the version it was applied at, the staleness tau and the
         learning-rate factor the staleness rule gave it."""
         return [{"tensor": self._names[r.tensor], "key": r.key, "computed_on": r.computed_on,
@@ -276,20 +289,29 @@ class ParameterServerModel(nn.Module):
                 for r in self._client.push_records()]
 
     def staleness(self) -> dict[str, Any]:
-        """This worker's staleness statistics over all applied pushes."""
-        records = self._client.push_records()
-        taus = [r.staleness for r in records]
-        if not taus:
-            return {"pushes": 0, "mean": 0.0, "max": 0, "histogram": {}, "mean_lr_factor": 1.0}
-        return {"pushes": len(taus), "mean": sum(taus) / len(taus), "max": max(taus),
-                "histogram": dict(sorted(collections.Counter(taus).items())),
-                "mean_lr_factor": sum(r.lr_factor for r in records) / len(records)}
+        """This worker's staleness statistics over all applied gradient pushes
+        (one per shard): ``pushes``, ``mean``, ``max``, ``histogram`` {tau:
+        count} and ``mean_lr_factor``."""
+        return dict(self._client.staleness())
+
+    def load_state_dict(self, *args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError(
+            "the servers hold the parameters of a hemiola.ps model: load the state into the "
+            "module before hemiola.ps.wrap (worker 0's values initialise the servers), or "
+            "restart the servers from a snapshot (PSConfig(restore=True))")
 
     def close(self) -> None:
-        """Waits for the last pushes, then leaves the job (servers stop when every
-        worker has left). Called at exit if you do not."""
-        if not self._closed:
-            self._closed = True
+        """Waits for the last pushes and pulls (so the parameters hold the last
+        update), then leaves the job (servers stop when every worker has left)
+        and removes the hooks. Called at exit if you do not."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self.synchronize()
+        finally:
+            for hook in self._hooks:
+                hook.remove()
             self._client.close()
 
 
