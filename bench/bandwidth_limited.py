@@ -30,9 +30,7 @@ import argparse
 import json
 import os
 import signal
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -144,31 +142,8 @@ def run_model(net: Network, model: str, rate: str, args: argparse.Namespace,
     config = {"model": model, "schedules": args.schedules, "iterations": args.iterations,
               "blocks": args.blocks, "mlp_batch": args.mlp_batch, "fusion_mb": args.fusion_mb,
               "timeline": timeline}
-    logs = [tempfile.TemporaryFile("w+") for _ in range(net.n)]
-    procs = []
-    for rank in range(net.n):
-        env = {"RANK": str(rank), "WORLD_SIZE": str(net.n), "MASTER_ADDR": net.addrs[0],
-               "MASTER_PORT": str(port), "GLOO_SOCKET_IFNAME": net.ifaces[rank],
-               "OMP_NUM_THREADS": "1"}
-        procs.append(net.popen(rank, [sys.executable, __file__, "--worker", json.dumps(config)],
-                               env=env, stdout=logs[rank], stderr=subprocess.STDOUT))
-    deadline = time.monotonic() + args.timeout_s
-    while any(p.poll() is None for p in procs):
-        failed = [r for r, p in enumerate(procs) if p.returncode not in (None, 0)]
-        if failed or time.monotonic() > deadline:
-            rank = failed[0] if failed else 0
-            logs[rank].seek(0)
-            raise RuntimeError(f"rank {rank} " + (f"exited with {procs[rank].returncode}"
-                               if failed else f"still running after {args.timeout_s} s")
-                               + f"; its output ends:\n{logs[rank].read()[-4000:]}")
-        time.sleep(0.2)
-    for rank, (proc, log) in enumerate(zip(procs, logs)):
-        log.seek(0)
-        text = log.read()
-        if proc.returncode != 0:
-            raise RuntimeError(f"rank {rank} exited with {proc.returncode}:\n{text[-4000:]}")
-        if rank == 0:
-            result = text
+    result = net.run_ranks([sys.executable, __file__, "--worker", json.dumps(config)], port,
+                           args.timeout_s)[0]
     lines = [line for line in result.splitlines() if line.startswith(RESULT_TAG)]
     return dict(json.loads(lines[-1][len(RESULT_TAG):]))
 

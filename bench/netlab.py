@@ -23,6 +23,8 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import tempfile
+import time
 import uuid
 from collections.abc import Mapping, Sequence
 from types import TracebackType
@@ -143,6 +145,43 @@ class Network:
             proc.wait()
             raise
         return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+    def run_ranks(self, command: Sequence[str], port: int, timeout_s: float) -> list[str]:
+        """Runs `command` once per namespace as the ranks of one job, and returns
+        each rank's output (stdout and stderr).
+
+        Rank i runs in namespace i with RANK, WORLD_SIZE, MASTER_ADDR (rank 0's
+        address), MASTER_PORT=`port`, GLOO_SOCKET_IFNAME (its veth) and
+        OMP_NUM_THREADS=1. Raises RuntimeError with the output's end as soon as
+        a rank fails, or when one still runs after `timeout_s`.
+        """
+        logs = [tempfile.TemporaryFile("w+") for _ in range(self.n)]
+        procs = []
+        for rank in range(self.n):
+            env = {"RANK": str(rank), "WORLD_SIZE": str(self.n), "MASTER_ADDR": self.addrs[0],
+                   "MASTER_PORT": str(port), "GLOO_SOCKET_IFNAME": self.ifaces[rank],
+                   "OMP_NUM_THREADS": "1"}
+            procs.append(self.popen(rank, command, env=env, stdout=logs[rank],
+                                    stderr=subprocess.STDOUT))
+
+        def output(rank: int) -> str:
+            logs[rank].seek(0)
+            return logs[rank].read()
+
+        deadline = time.monotonic() + timeout_s
+        while any(p.poll() is None for p in procs):
+            failed = [r for r, p in enumerate(procs) if p.returncode not in (None, 0)]
+            if failed or time.monotonic() > deadline:
+                rank = failed[0] if failed else 0
+                raise RuntimeError(f"rank {rank} " + (f"exited with {procs[rank].returncode}"
+                                   if failed else f"still running after {timeout_s} s")
+                                   + f"; its output ends:\n{output(rank)[-4000:]}")
+            time.sleep(0.2)
+        for rank, proc in enumerate(procs):
+            if proc.returncode != 0:
+                raise RuntimeError(f"rank {rank} exited with {proc.returncode}:\n"
+                                   f"{output(rank)[-4000:]}")
+        return [output(rank) for rank in range(self.n)]
 
     def close(self) -> None:
         """Kills the processes started here and deletes every namespace (idempotent)."""

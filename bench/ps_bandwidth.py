@@ -27,9 +27,7 @@ import argparse
 import json
 import os
 import signal
-import subprocess
 import sys
-import tempfile
 import time
 from typing import Any
 
@@ -86,27 +84,11 @@ def rank_main(config: dict[str, Any]) -> dict[str, Any] | None:
 def run_job(net: Network, scheme: str, args: argparse.Namespace, port: int) -> dict[str, Any]:
     config = {"scheme": scheme, "batch": args.batch, "iterations": args.iterations,
               "servers": args.servers}
-    logs = [tempfile.TemporaryFile("w+") for _ in range(net.n)]
-    procs = []
-    for rank in range(net.n):
-        env = {"RANK": str(rank), "WORLD_SIZE": str(net.n), "MASTER_ADDR": net.addrs[0],
-               "MASTER_PORT": str(port), "GLOO_SOCKET_IFNAME": net.ifaces[rank],
-               "OMP_NUM_THREADS": "1"}
-        procs.append(net.popen(rank, [sys.executable, __file__, "--rank", json.dumps(config)],
-                               env=env, stdout=logs[rank], stderr=subprocess.STDOUT))
-    deadline = time.monotonic() + args.timeout_s
-    while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    results = {}
-    for rank, (proc, log) in enumerate(zip(procs, logs)):
-        log.seek(0)
-        text = log.read()
-        if proc.returncode != 0:
-            raise RuntimeError(f"{scheme}: rank {rank} exited with {proc.returncode}:\n"
-                               f"{text[-4000:]}")
-        lines = [line for line in text.splitlines() if line.startswith(RESULT_TAG)]
-        results[rank] = json.loads(lines[-1][len(RESULT_TAG):])
-    return results[args.servers]  # worker 0
+    outputs = net.run_ranks([sys.executable, __file__, "--rank", json.dumps(config)], port,
+                            args.timeout_s)
+    text = outputs[args.servers]  # worker 0
+    lines = [line for line in text.splitlines() if line.startswith(RESULT_TAG)]
+    return dict(json.loads(lines[-1][len(RESULT_TAG):]))
 
 
 def main() -> None:

@@ -85,15 +85,13 @@ def scheduled_staleness(rank: int, world: int, consistency: str) -> dict[str, An
     its backward pushes: its gradient must be reported with tau = 3. Worker 0
     pulls after its own push in asp (taus 0, 0, 0); in eager it pulls before
     its own push lands, so the schedule gives it taus 0, 1, 1."""
-    import torch.distributed as dist
 
     config = hemiola.ps.PSConfig(consistency=consistency, num_servers=1, timeout_s=30)
     served = server_or_none(config)
     if served is not None:
         return served
     r = hemiola.ps.role(1)
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
-                          is_master=False)
+    store = _store()
     torch.manual_seed(0)
     m = torch.nn.Linear(3, 1)
     model, opt = hemiola.ps.wrap(m, torch.optim.SGD(m.parameters(), lr=0.1), config)
@@ -126,6 +124,22 @@ def _store() -> Any:
                          is_master=False)
 
 
+def _wrapped_mlp(config: hemiola.ps.PSConfig, seed: int = 0) -> tuple[Any, Any, Any, Any]:
+    """(role, module, wrapped model, optimizer) of the test MLP on a worker."""
+    r = hemiola.ps.role(config.num_servers)
+    torch.manual_seed(seed)
+    m = make_model("mlp")
+    model, opt = hemiola.ps.wrap(m, make_optimizer("sgd", m.parameters()), config)
+    return r, m, model, opt
+
+
+def _mlp_step(model: Any, opt: Any, step: int, r: Any) -> None:
+    x, y = make_batch("mlp", step, r.worker_index, r.num_workers)
+    opt.zero_grad()
+    loss_of("mlp", model(x), y).backward()
+    opt.step()
+
+
 def worker_dies(rank: int, world: int, consistency: str) -> dict[str, Any] | None:
     """Worker 1 is killed (SIGKILL) after 3 iterations; the others go on for 12."""
     import signal
@@ -134,19 +148,13 @@ def worker_dies(rank: int, world: int, consistency: str) -> dict[str, Any] | Non
     served = server_or_none(config)
     if served is not None:
         return served
-    r = hemiola.ps.role(1)
-    torch.manual_seed(0)
-    m = make_model("mlp")
-    model, opt = hemiola.ps.wrap(m, make_optimizer("sgd", m.parameters()), config)
+    r, m, model, opt = _wrapped_mlp(config)
     done = 0
     try:
         for step in range(12):
             if r.worker_index == 1 and step == 3:
                 os.kill(os.getpid(), signal.SIGKILL)
-            x, y = make_batch("mlp", step, r.worker_index, r.num_workers)
-            opt.zero_grad()
-            loss_of("mlp", model(x), y).backward()
-            opt.step()
+            _mlp_step(model, opt, step, r)
             done += 1
         model.synchronize()
     except Exception as e:  # noqa: BLE001 - the error is the result
@@ -168,17 +176,11 @@ def snapshot_then_server_dies(rank: int, world: int, snapshot_dir: str) -> dict[
     served = server_or_none(config)
     if served is not None:
         return served
-    r = hemiola.ps.role(1)
-    torch.manual_seed(0)
-    m = make_model("mlp")
-    model, opt = hemiola.ps.wrap(m, make_optimizer("sgd", m.parameters()), config)
+    r, m, model, opt = _wrapped_mlp(config)
     snapshot = None
     try:
         for step in range(10):
-            x, y = make_batch("mlp", step, r.worker_index, r.num_workers)
-            opt.zero_grad()
-            loss_of("mlp", model(x), y).backward()
-            opt.step()
+            _mlp_step(model, opt, step, r)
             if step == 4:
                 model.synchronize()
                 if r.worker_index == 0:
@@ -198,16 +200,11 @@ def restart_from_snapshot(rank: int, world: int, snapshot_dir: str) -> dict[str,
     served = server_or_none(config)
     if served is not None:
         return served
-    r = hemiola.ps.role(1)
-    torch.manual_seed(1234)  # not the snapshot's values: the restore must overwrite them
-    m = make_model("mlp")
-    model, opt = hemiola.ps.wrap(m, make_optimizer("sgd", m.parameters()), config)
+    # Seed 1234, not the snapshot's values: the restore must overwrite them.
+    r, m, model, opt = _wrapped_mlp(config, seed=1234)
     restored = {n: p.detach().clone() for n, p in m.named_parameters()}
     for step in range(5, 8):
-        x, y = make_batch("mlp", step, r.worker_index, r.num_workers)
-        opt.zero_grad()
-        loss_of("mlp", model(x), y).backward()
-        opt.step()
+        _mlp_step(model, opt, step, r)
     model.synchronize()
     out = {"worker": r.worker_index, "restored": restored, "records": model.push_records()}
     model.close()
