@@ -289,11 +289,14 @@ TEST(ParameterServer, AsyncStalenessMatchesThePushSchedule) {
 // A hand-driven worker: a raw channel that speaks the protocol directly.
 class RawWorker {
  public:
-  RawWorker(std::shared_ptr<Store> store, int worker) : worker_(worker) {
+  // heartbeat 0: it never pings, like a worker whose machine vanished.
+  RawWorker(std::shared_ptr<Store> store, int worker,
+            std::chrono::milliseconds heartbeat = std::chrono::milliseconds(500))
+      : worker_(worker) {
     BindSpec spec{"", "127.0.0.1", "", false};
     PrefixStore pair("ps/s0/w" + std::to_string(worker) + "/", store);
     channel_ = std::make_unique<Channel>(make_gloo_device(spec, nullptr), pair, 1,
-                                         std::chrono::seconds(20), "server 0");
+                                         std::chrono::seconds(20), "server 0", heartbeat);
   }
   Header header(MessageType type, int32_t key = -1, int64_t version = 0) {
     Header h;
@@ -493,6 +496,9 @@ TEST(ParameterServer, MismatchedModelsFailAtRegistration) {
       c.initialize(w == 0 ? std::vector<const float*>{x.data()} : std::vector<const float*>{},
                    {sgd(0.1)});
       c.wait_pull(0, x.data());
+      c.push(0, x.data());  // a bsp round: worker 0 cannot finish without worker 1
+      c.pull(0);
+      c.wait_pull(0, x.data());
       c.close();
     } catch (const Error& e) {
       return e.what();
@@ -635,4 +641,40 @@ TEST(ParameterServer, BspWorkerLeavingEarlyFailsTheOthersAtOnce) {
   EXPECT_NE(e0.find("left"), std::string::npos) << e0;
   EXPECT_LT(std::chrono::steady_clock::now() - started, std::chrono::seconds(10));  // timeout 20
   EXPECT_THROW(fleet.join(), Error);
+}
+
+TEST(ParameterServer, AWorkerThatFallsSilentIsDeclaredDead) {
+  // Worker 1 registers and then sends nothing, not even heartbeats, without
+  // closing its connection (its machine vanished). With timeout_s = 2 the asp
+  // server must declare it dead and finish once worker 0 leaves; worker 0
+  // trains on meanwhile, for longer than the timeout.
+  auto store = std::make_shared<MemoryStore>();
+  auto o = server_options(0, 1, 2, Consistency::kAsp);
+  o.timeout_s = 2;
+  auto done = std::async(std::launch::async, [o, store] {
+    Server server(o, store);
+    server.serve();
+    return server.stats();
+  });
+  auto co = client_options(0, 1, 2, Consistency::kAsp);
+  co.timeout_s = 2;
+  Client healthy(co, {"w"}, {2}, store);
+  RawWorker silent(store, 1, std::chrono::milliseconds(0));
+  const std::string table = make_table(plan_shards({2}, 1, 4), {"w"}, 0, OptimizerKind::kSgd);
+  silent.channel().send(silent.register_header(Consistency::kAsp),
+                        std::vector<char>(table.begin(), table.end()));
+  std::vector<float> x = {1.0f, 1.0f}, g = {1.0f, 1.0f};
+  healthy.initialize({x.data()}, {sgd(0.1)});
+  const auto until = std::chrono::steady_clock::now() + std::chrono::milliseconds(3500);
+  while (std::chrono::steady_clock::now() < until) {  // idle gaps of 0.3 s: pings keep it alive
+    healthy.wait_pull(0, x.data());
+    healthy.push(0, g.data());
+    healthy.pull(0);
+    std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  }
+  healthy.wait_pull(0, x.data());
+  healthy.close();
+  const auto stats = done.get();
+  EXPECT_EQ(stats.dead_workers, std::vector<int32_t>{1});
+  EXPECT_GE(stats.pushes_applied, 8);
 }

@@ -23,10 +23,12 @@ constexpr std::chrono::hours kReceiveWait(24 * 365);
 }  // namespace
 
 Channel::Channel(const std::shared_ptr<gloo::transport::Device>& device, Store& store,
-                 int my_rank, std::chrono::milliseconds connect_timeout, std::string peer)
-    : peer_(std::move(peer)), my_rank_(my_rank), peer_rank_(1 - my_rank) {
+                 int my_rank, std::chrono::milliseconds connect_timeout, std::string peer,
+                 std::chrono::milliseconds heartbeat)
+    : peer_(std::move(peer)), heartbeat_(heartbeat), my_rank_(my_rank), peer_rank_(1 - my_rank) {
   HEMIOLA_CHECK(my_rank == 0 || my_rank == 1, "channel rank must be 0 or 1");
   context_ = connect_gloo_context(my_rank, 2, store, device, connect_timeout);
+  last_heard_ = std::chrono::steady_clock::now();
   sender_ = std::thread([this] { sender_loop(); });
 }
 
@@ -69,6 +71,11 @@ void Channel::drain(std::chrono::milliseconds timeout) {
   });
 }
 
+std::chrono::steady_clock::duration Channel::silent_for() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return std::chrono::steady_clock::now() - last_heard_;
+}
+
 std::string Channel::send_failure() const {
   std::lock_guard<std::mutex> lock(mutex_);
   return send_failure_;
@@ -80,10 +87,20 @@ void Channel::sender_loop() {
     Outgoing message;
     {
       std::unique_lock<std::mutex> lock(mutex_);
-      changed_.wait(lock, [&] { return !queue_.empty() || closing_; });
-      if (queue_.empty()) return;  // closing and drained
-      message = std::move(queue_.front());
-      queue_.pop_front();
+      const auto ready = [&] { return !queue_.empty() || closing_; };
+      if (heartbeat_.count() > 0) {
+        changed_.wait_for(lock, heartbeat_, ready);
+      } else {
+        changed_.wait(lock, ready);
+      }
+      if (queue_.empty() && closing_) return;  // closing and drained
+      if (queue_.empty()) {  // idle for a heartbeat: say we are here
+        message.header.type = static_cast<uint16_t>(MessageType::kPing);
+        message.header.checksum = header_checksum(message.header);
+      } else {
+        message = std::move(queue_.front());
+        queue_.pop_front();
+      }
       sending_ = true;
     }
     std::string failure;
@@ -134,7 +151,12 @@ bool Channel::receive(Header* header, std::vector<char>* payload) {
     receiving_ = nullptr;
     return completed && !closed_;
   };
-  if (!receive_into(header, sizeof(Header), header_slot(peer_rank_))) return false;
+  do {
+    if (!receive_into(header, sizeof(Header), header_slot(peer_rank_))) return false;
+    std::lock_guard<std::mutex> lock(mutex_);
+    last_heard_ = std::chrono::steady_clock::now();
+  } while (header->type == static_cast<uint16_t>(MessageType::kPing) &&
+           header->payload_bytes == 0);  // a ping carries no sequence number for the owner
   payload->clear();
   if (header->payload_bytes > 0) {
     if (header->payload_bytes > kMaxPayloadBytes) {

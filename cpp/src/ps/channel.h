@@ -6,6 +6,12 @@
 // caller never blocks on the network (a server's receive loop must never wait
 // for a worker to post a receive). Messages arrive in the order they were
 // sent. receive() is meant for one thread.
+//
+// Liveness: when nothing has been sent for `heartbeat`, the sender thread
+// sends a ping (which receive() swallows), so a peer that is alive is never
+// silent for long, whatever its training thread does; silent_for() lets the
+// owner notice a peer whose machine or network vanished without closing the
+// connection.
 #pragma once
 
 #include <chrono>
@@ -30,12 +36,17 @@ class UnboundBuffer;
 
 namespace hemiola::ps {
 
+// The ping interval for a connection whose peer counts as gone after timeout_s.
+std::chrono::milliseconds heartbeat_for(double timeout_s);
+
 class Channel {
  public:
   // Connects through `store` (keys are used as given; pass a PrefixStore).
   // `peer` names the other side in error messages ("server 1", "worker 3").
+  // heartbeat 0: never ping (tests use it to play a vanished peer).
   Channel(const std::shared_ptr<gloo::transport::Device>& device, Store& store, int my_rank,
-          std::chrono::milliseconds connect_timeout, std::string peer);
+          std::chrono::milliseconds connect_timeout, std::string peer,
+          std::chrono::milliseconds heartbeat);
   ~Channel();
   Channel(const Channel&) = delete;
   Channel& operator=(const Channel&) = delete;
@@ -63,6 +74,8 @@ class Channel {
   const std::string& peer() const { return peer_; }
   // Why sending stopped (empty while healthy).
   std::string send_failure() const;
+  // How long since anything (a message or a ping) arrived from the peer.
+  std::chrono::steady_clock::duration silent_for() const;
 
  private:
   struct Outgoing {
@@ -73,6 +86,7 @@ class Channel {
   void sender_loop();
 
   std::string peer_;
+  std::chrono::milliseconds heartbeat_;
   int my_rank_;
   int peer_rank_;
   std::shared_ptr<gloo::Context> context_;
@@ -86,6 +100,7 @@ class Channel {
   uint64_t next_seq_ = 0;
   gloo::transport::UnboundBuffer* receiving_ = nullptr;  // guarded by mutex_
   bool closed_ = false;
+  std::chrono::steady_clock::time_point last_heard_;  // guarded by mutex_
   std::thread sender_;
 };
 

@@ -77,7 +77,9 @@ struct Client::Impl {
     const auto deadline = Clock::now() + timeout();
     while (!done()) {
       throw_if_failed();
-      if (changed.wait_until(lock, deadline) == std::cv_status::timeout && !done()) {
+      check_silent_servers();
+      changed.wait_until(lock, std::min(deadline, Clock::now() + std::chrono::seconds(1)));
+      if (!done() && Clock::now() >= deadline) {
         throw_if_failed();
         HEMIOLA_THROW(ErrorCode::kTimeout, "worker ", opt.worker_index, ": ", what,
                       " did not complete within ", opt.timeout_s,
@@ -85,6 +87,16 @@ struct Client::Impl {
       }
     }
     throw_if_failed();
+  }
+
+  // A server that sent nothing, not even a heartbeat, for timeout_s is gone.
+  void check_silent_servers() {
+    for (int s = 0; s < opt.num_servers; ++s) {
+      if (channels[static_cast<size_t>(s)]->silent_for() < timeout()) continue;
+      set_failure(detail::concat(server_name(s), " sent nothing, not even a heartbeat, for ",
+                                 opt.timeout_s, " s: its machine or network is gone"),
+                  ErrorCode::kTimeout);
+    }
   }
 
   void send(const Shard& shard, MessageType type, int64_t version, std::vector<char> payload,
@@ -288,7 +300,8 @@ Client::Client(const ClientOptions& options, const std::vector<std::string>& nam
   for (int s = 0; s < options.num_servers; ++s) {
     PrefixStore pair(detail::concat("ps/s", s, "/w", options.worker_index, "/"), im.store);
     im.channels.push_back(
-        std::make_unique<Channel>(device, pair, 1, im.timeout(), im.server_name(s)));
+        std::make_unique<Channel>(device, pair, 1, im.timeout(), im.server_name(s),
+                                  heartbeat_for(options.timeout_s)));
   }
   for (int s = 0; s < options.num_servers; ++s)
     im.receivers.emplace_back([&im, s] { im.receive_loop(s); });

@@ -13,6 +13,7 @@ const char* message_type_name(uint16_t type) {
     case MessageType::kPull: return "pull";
     case MessageType::kSnapshot: return "snapshot";
     case MessageType::kBye: return "bye";
+    case MessageType::kPing: return "ping";
     case MessageType::kRegistered: return "registered";
     case MessageType::kPullReply: return "pull-reply";
     case MessageType::kPushAck: return "push-ack";

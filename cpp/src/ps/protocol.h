@@ -29,6 +29,7 @@ enum class MessageType : uint16_t {
   kPull = 5,       // version = the smallest version the worker may receive (bsp)
   kSnapshot = 6,   // write a snapshot now
   kBye = 7,        // the worker is done
+  kPing = 8,       // either direction: "still here" (handled inside Channel)
   // server -> worker
   kRegistered = 20,    // aux = 1 when the server restored its state from a snapshot
   kPullReply = 21,     // payload: float32 values; version = their version

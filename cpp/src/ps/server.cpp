@@ -58,6 +58,17 @@ std::chrono::milliseconds millis(double seconds) {
 
 }  // namespace
 
+// How often an idle channel pings: often enough that a peer silent for
+// timeout_s is surely gone, rarely enough to cost nothing.
+std::chrono::milliseconds heartbeat_for(double timeout_s) {
+  return std::clamp(millis(timeout_s / 5), std::chrono::milliseconds(100),
+                    std::chrono::milliseconds(5000));
+}
+
+namespace {
+
+}  // namespace
+
 struct Server::Impl {
   ServerOptions opt;
   std::shared_ptr<Store> store;
@@ -365,6 +376,7 @@ struct Server::Impl {
   void on_disconnect(int w, const std::string& what) {
     auto& state = workers[static_cast<size_t>(w)];
     if (state == WorkerState::kGone) return;  // said goodbye first: a normal exit
+    if (state == WorkerState::kDead) return;  // already declared (silent, then the socket)
     state = WorkerState::kDead;
     stats.dead_workers.push_back(w);
     changed.notify_all();
@@ -451,6 +463,18 @@ struct Server::Impl {
     });
   }
 
+  // A worker whose connection neither closed nor carried anything (not even
+  // its channel's pings) for timeout_s is gone: its machine or network vanished.
+  void check_silent_workers() {
+    for (int w = 0; w < opt.num_workers; ++w) {
+      if (!live(w)) continue;
+      const auto silent = channels[static_cast<size_t>(w)]->silent_for();
+      if (silent < millis(opt.timeout_s)) continue;
+      on_disconnect(w, detail::concat("nothing heard from it, not even a heartbeat, for ",
+                                      opt.timeout_s, " s: its machine or network is gone"));
+    }
+  }
+
   void check_stalled_rounds() {
     if (opt.consistency != Consistency::kBsp) return;
     const auto now = Clock::now();
@@ -489,7 +513,7 @@ Server::Server(const ServerOptions& options, std::shared_ptr<Store> store)
   for (int w = 0; w < options.num_workers; ++w) {
     PrefixStore pair(detail::concat("ps/s", options.server_index, "/w", w, "/"), im.store);
     im.channels.push_back(std::make_unique<Channel>(device, pair, 0, millis(options.timeout_s),
-                                                    im.who(w)));
+                                                    im.who(w), heartbeat_for(options.timeout_s)));
   }
 }
 
@@ -508,6 +532,7 @@ void Server::serve() {
     std::unique_lock<std::mutex> lock(im.mutex);
     while (im.fatal.empty() && !im.everyone_left()) {
       im.changed.wait_for(lock, std::chrono::milliseconds(100));
+      im.check_silent_workers();
       im.check_stalled_rounds();
       if (im.opt.snapshot_every_s > 0 &&
           Clock::now() - last_snapshot >= millis(im.opt.snapshot_every_s)) {
