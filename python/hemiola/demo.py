@@ -58,16 +58,27 @@ class DemoResult:
 
 
 def _train(rank: int, world: int, schedule: str, epochs: int, batch_size: int,
-           timeline_path: str | None) -> DemoResult:
+           timeline_path: str | None, ps: str | None = None) -> DemoResult | None:
     from tqdm import tqdm
 
-    hemiola.init()
     torch.manual_seed(0)
     x_train, y_train, x_test, y_test = load_digits()
     model = DigitsCNN()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    model, optimizer = hemiola.wrap(model, optimizer, schedule=schedule,
-                                    timeline=timeline_path is not None)
+    if ps is not None:  # rank 0 serves; ranks 1.. are workers 0..
+        from hemiola import ps as hemiola_ps
+
+        config = hemiola_ps.PSConfig(consistency=ps, num_servers=1)
+        role = hemiola_ps.role(1)
+        if role.is_server:
+            hemiola_ps.serve(config, role)
+            return None
+        model, optimizer = hemiola_ps.wrap(model, optimizer, config)
+        rank, world, schedule = role.worker_index, role.num_workers, f"ps/{ps}"
+    else:
+        hemiola.init()
+        model, optimizer = hemiola.wrap(model, optimizer, schedule=schedule,
+                                        timeline=timeline_path is not None)
     loss_fn = nn.CrossEntropyLoss()
     # Each rank trains on its own shard of every epoch's shuffled data.
     steps_per_epoch = len(y_train) // (batch_size * world)
@@ -92,29 +103,43 @@ def _train(rank: int, world: int, schedule: str, epochs: int, batch_size: int,
     model.eval()
     with torch.no_grad():
         accuracy = (model(x_test).argmax(1) == y_test).float().mean().item()
-    if timeline_path is not None and rank == 0:
+    if ps is not None:
+        model.close()
+    elif timeline_path is not None and rank == 0:
         with open(timeline_path, "w") as f:
             f.write(model.timeline())
     return DemoResult(losses, accuracy, seconds, epochs * steps_per_epoch * batch_size * world)
 
 
 def run(world_size: int = 2, schedule: str = "wfbp", epochs: int = 5, batch_size: int = 32,
-        timeline_path: str | None = None) -> dict[int, DemoResult]:
-    """Trains on `world_size` local ranks; returns each rank's result."""
-    return run_local(_train, world_size, schedule, epochs, batch_size, timeline_path,
-                     timeout_s=1800)
+        timeline_path: str | None = None, ps: str | None = None) -> dict[int, DemoResult]:
+    """Trains on `world_size` local ranks (with `ps`, on `world_size` workers and
+    one parameter server); returns each trainer's result, by rank."""
+    world = world_size + (1 if ps is not None else 0)
+    results = run_local(_train, world, schedule, epochs, batch_size, timeline_path, ps,
+                        timeout_s=1800)
+    return {r: v for r, v in results.items() if v is not None}
 
 
 def main(args: Any) -> int:
-    results = run(args.world_size, args.schedule, args.epochs, args.batch_size, args.timeline)
-    r0 = results[0]
+    if args.ps is not None and args.timeline:
+        raise SystemExit("--timeline records the all-reduce engine; it does not apply to --ps")
+    results = run(args.world_size, args.schedule, args.epochs, args.batch_size, args.timeline,
+                  args.ps)
+    r0 = results[min(results)]
     n = len(r0.losses)
     first = sum(r0.losses[: max(1, n // 10)]) / max(1, n // 10)
     last = sum(r0.losses[-max(1, n // 10):]) / max(1, n // 10)
-    print(f"schedule {args.schedule}, {args.world_size} ranks, {n} steps of "
-          f"{args.batch_size} samples per rank")
+    if args.ps is None:
+        print(f"schedule {args.schedule}, {args.world_size} ranks, {n} steps of "
+              f"{args.batch_size} samples per rank")
+    else:
+        print(f"parameter server ({args.ps}), 1 server + {args.world_size} workers, {n} steps "
+              f"of {args.batch_size} samples per worker")
     print(f"loss: {first:.3f} (first 10% of steps) -> {last:.3f} (last 10%)")
-    print(f"test accuracy: {100 * r0.test_accuracy:.1f}% (rank 0; identical on every rank)")
+    # Through a parameter server, buffers (BatchNorm statistics) stay each worker's own.
+    which = "rank 0; identical on every rank" if args.ps is None else "worker 0"
+    print(f"test accuracy: {100 * r0.test_accuracy:.1f}% ({which})")
     print(f"throughput: {r0.samples / r0.seconds:.0f} samples/s, "
           f"{1000 * r0.seconds / n:.1f} ms per iteration")
     if args.timeline:
@@ -131,4 +156,7 @@ def register(commands: Any) -> None:
     p.add_argument("--epochs", type=int, default=5, help="epochs (default 5)")
     p.add_argument("--batch-size", type=int, default=32, help="samples per rank per step")
     p.add_argument("--timeline", metavar="PATH", help="write rank 0's engine timeline here")
+    p.add_argument("--ps", metavar="CONSISTENCY", choices=("bsp", "asp", "ssp", "eager"),
+                   help="train through one parameter server instead of all-reduce, with "
+                        "this consistency model (bsp, asp, ssp, eager)")
     p.set_defaults(run=main)
