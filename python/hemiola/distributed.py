@@ -77,6 +77,16 @@ def _destroy_process_group() -> None:
         dist.destroy_process_group()
 
 
+def bind_interface(master_addr: str) -> str:
+    """The network interface hemiola's Gloo binds: the first of
+    ``GLOO_SOCKET_IFNAME``, else the one that routes to `master_addr` ('' when
+    none is known: the engine then binds the address that routes there)."""
+    iface = os.environ.get("GLOO_SOCKET_IFNAME", "").split(",")[0]
+    if not iface and master_addr:
+        iface = C.interface_reaching(master_addr)
+    return iface
+
+
 def new_engine(timeout_s: float, timeline: bool = False) -> tuple[C.Engine, C.Store]:
     """Creates an engine for the default process group (a collective call).
 
@@ -87,14 +97,14 @@ def new_engine(timeout_s: float, timeline: bool = False) -> tuple[C.Engine, C.St
     # Every rank creates engines in the same program order, so the n-th engine
     # has the same key prefix everywhere.
     prefix = f"hemiola/engine{next(_engine_ids)}"
-    iface = os.environ.get("GLOO_SOCKET_IFNAME", "").split(",")[0]
+    master = os.environ.get("MASTER_ADDR", "")
     engine_store = TorchStore(dist.PrefixStore(prefix, store))
     engine = C.Engine(
         rank=dist.get_rank(),
         world_size=dist.get_world_size(),
         store=engine_store,
-        iface=iface,
-        master_addr=os.environ.get("MASTER_ADDR", ""),
+        iface=bind_interface(master),
+        master_addr=master,
         timeout_s=timeout_s,
         timeline=timeline,
     )

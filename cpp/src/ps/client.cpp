@@ -442,9 +442,7 @@ void Client::close() {
   // as dead, which is what it is to a bsp job.
   std::string error;
   try {
-    std::unique_lock<std::mutex> lock(im.mutex);
-    im.wait(lock, [&] { return im.outstanding == 0; },
-            detail::concat("acknowledging ", im.outstanding, " pushes"));
+    flush();
   } catch (const std::exception& e) {
     error = e.what();
   }

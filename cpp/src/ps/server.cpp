@@ -305,6 +305,17 @@ struct Server::Impl {
     }
   }
 
+  // The keys of a table (the first registration's, or a restored snapshot's).
+  void add_keys(const std::vector<TableEntry>& entries) {
+    for (const auto& e : entries) {
+      Key k;
+      k.entry = e;
+      k.optimizer.kind = optimizer;
+      k.pushes.assign(static_cast<size_t>(opt.num_workers), 0);
+      keys.emplace(e.shard.key, std::move(k));
+    }
+  }
+
   void on_register(int w, const Header& h, const std::vector<char>& payload) {
     if (workers[static_cast<size_t>(w)] != WorkerState::kConnected)
       return reject(w, h, "the worker registered twice");
@@ -327,13 +338,7 @@ struct Server::Impl {
         return reject(w, h, e.what());
       }
       table = text;
-      for (auto& e : entries) {
-        Key k;
-        k.entry = e;
-        k.optimizer.kind = optimizer;
-        k.pushes.assign(static_cast<size_t>(opt.num_workers), 0);
-        keys.emplace(e.shard.key, std::move(k));
-      }
+      add_keys(entries);
     } else if (const auto diff = first_difference(table, text); !diff.empty()) {
       return fail(detail::concat("the model of ", who(w), " differs from ",
                                  restored ? "the restored snapshot's" : "the first registered",
@@ -413,13 +418,7 @@ struct Server::Impl {
                   "snapshot ", opt.snapshot_path, " belongs to server ", s.server_index, " of ",
                   s.num_servers, ", not server ", opt.server_index, " of ", opt.num_servers);
     table = s.table;
-    for (auto& e : parse_table(table, &optimizer)) {
-      Key k;
-      k.entry = e;
-      k.optimizer.kind = optimizer;
-      k.pushes.assign(static_cast<size_t>(opt.num_workers), 0);
-      keys.emplace(e.shard.key, std::move(k));
-    }
+    add_keys(parse_table(table, &optimizer));
     for (auto& ks : s.keys) {
       auto found = keys.find(ks.key);
       HEMIOLA_CHECK(found != keys.end() &&

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch.distributed as dist
 
 from hemiola._native import C
-from hemiola.distributed import TorchStore
+from hemiola.distributed import TorchStore, bind_interface
 
 
 @dataclass(frozen=True)
@@ -65,7 +65,4 @@ def rendezvous_store(timeout_s: float) -> tuple[C.Store, str, str]:
     else:
         store, _, _ = next(dist.rendezvous("env://", timeout=datetime.timedelta(seconds=timeout_s)))
     master = os.environ.get("MASTER_ADDR", "")
-    iface = os.environ.get("GLOO_SOCKET_IFNAME", "").split(",")[0]
-    if not iface and master:
-        iface = C.interface_reaching(master)
-    return TorchStore(dist.PrefixStore("hemiola/ps", store)), iface, master
+    return TorchStore(dist.PrefixStore("hemiola/ps", store)), bind_interface(master), master

@@ -208,14 +208,18 @@ class ParameterServerModel(nn.Module):
         self._pushed[i] = True
         self._accumulated[i] = False
 
+    def _forward_order(self) -> list[int]:
+        """Parameter indices in the order the last forward took them, then the rest."""
+        taken = set(self._order)
+        return self._order + [i for i in range(len(self._params)) if i not in taken]
+
     def _after_forward(self, module: nn.Module, args: Any, output: Any) -> None:
         """eager: request the next iteration's parameters now, front layers first.
         The server answers at once, before this iteration's pushes arrive, so the
         replies stream in under backward and the next forward need not wait."""
         if not (self._sync and module.training and torch.is_grad_enabled()):
             return  # evaluation, or a micro-batch under no_sync(): not the end of an iteration
-        used = self._order + [i for i in range(len(self._params)) if i not in self._order]
-        for i in used:
+        for i in self._forward_order():
             if not self._pending[i] and not self._prefetching[i]:
                 self._client.pull(i)
                 self._prefetching[i] = True
@@ -235,8 +239,7 @@ class ParameterServerModel(nn.Module):
         # Front layers first: the next forward needs them first. A parameter
         # whose pull is still pending (unused lately) is pulled again: in bsp
         # the pending reply may be a round old.
-        first = self._order + [i for i in range(len(self._params)) if i not in self._order]
-        for i in first:
+        for i in self._forward_order():
             if self._prefetching[i]:  # eager: requested when the forward ended
                 self._prefetching[i] = False
             else:
