@@ -19,8 +19,10 @@ class Config:
             gradients (numerically torch DDP). ``"decoupled"``: ``backward()``
             does not wait; ``optimizer.step()`` applies this rank's own
             gradient so the next iteration computes on approximate parameters
-            while the all-reduce runs under it, and the exact step lands at the
-            following ``optimizer.step()`` (or ``model.synchronize()``).
+            while the all-reduce runs under it; the exact step lands as soon
+            as the reduction has arrived and no forward still needs the
+            approximate value, at the latest in the ``optimizer.step()`` that
+            would exceed ``in_flight`` (or in ``model.synchronize()``).
             ``"priority"``: wfbp's math, but ``backward()`` does not wait; each
             bucket's update is applied as soon as it is reduced, the next
             forward of a module waits only for its own parameters, and the
@@ -51,6 +53,17 @@ class Config:
             fraction of the gradient bytes, counted from the front layers, are
             reduced front-first after backward (the rest in backward order,
             during backward).
+        in_flight: ``decoupled`` only: how many iterations' reductions may be
+            pending while the next one computes (1: iteration t's reduction
+            overlaps iteration t+1, and the step of t+1 waits for it). A larger
+            bound hides a reduction slower than a whole iteration, at the
+            price of an approximation that lags further behind.
+        correct_on_arrival: ``decoupled`` only: land each exact step as soon
+            as its reduction has arrived (in the forward pre-hook of the module
+            that reads the parameter first, or in ``optimizer.step()``), so
+            the approximation is used only while communication is really in
+            flight. ``False``: land only when ``in_flight`` requires it, which
+            makes the trajectory independent of network timing.
         timeline: Record engine events; read them with ``model.timeline()``.
     """
 
@@ -63,6 +76,8 @@ class Config:
     rebuild_buckets: bool = True
     partition_mb: float | None = None
     priority_front_fraction: float = 0.25
+    in_flight: int = 1
+    correct_on_arrival: bool = True
     timeline: bool = False
 
     def __post_init__(self) -> None:
@@ -76,6 +91,8 @@ class Config:
                 raise ValueError(f"{name} must be positive, got {value!r}")
         if self.partition_mb is not None and self.partition_mb < 0:
             raise ValueError(f"partition_mb must be >= 0, got {self.partition_mb!r}")
+        if not (isinstance(self.in_flight, int) and self.in_flight >= 1):
+            raise ValueError(f"in_flight must be an integer >= 1, got {self.in_flight!r}")
         if not 0.0 <= self.priority_front_fraction <= 1.0:
             raise ValueError("priority_front_fraction must be in [0, 1], got "
                              f"{self.priority_front_fraction!r}")

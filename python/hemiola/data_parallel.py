@@ -82,7 +82,8 @@ class DataParallel(nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         self._schedule.before_forward()
-        with self.timeline_recorder.span("compute", "forward", "forward"):
+        with (self.timeline_recorder.span("compute", "forward", "forward"),
+              self._schedule.forward_scope()):
             return self.module(*args, **kwargs)
 
     @contextlib.contextmanager
@@ -101,6 +102,19 @@ class DataParallel(nn.Module):
         exact global parameters (bitwise identical across ranks). Local: no
         communication beyond waiting for this rank's own reductions."""
         self._schedule.synchronize()
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """``torch.nn.utils.clip_grad_norm_`` for the gradients the optimizer
+        will apply; call it between ``backward()`` and ``optimizer.step()``.
+
+        Under ``wfbp`` that is the averaged ``.grad``. Under ``priority`` and
+        ``decoupled`` ``.grad`` holds this rank's own gradient when
+        ``backward()`` returns: it is clipped now (``decoupled``'s local step
+        uses it) and the averaged gradient is clipped by the same rule, with
+        its own global norm, when the update is applied. Returns the norm of
+        ``.grad`` as it was (for ``priority``/``decoupled``, the local one).
+        """
+        return self._schedule.clip_grad_norm_(max_norm, norm_type)
 
     def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:  # type: ignore[override]
         self.synchronize()

@@ -3,6 +3,8 @@ across ranks, on regular and irregular modules."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -26,6 +28,21 @@ def test_equals_wfbp_when_every_rank_sees_the_same_data(model: str, optimizer: s
         assert r["max_loss_diff"] < 1e-4, r
 
 
+@pytest.mark.parametrize("options", [
+    {"in_flight": 2}, {"in_flight": 3},
+    {"correct_on_arrival": False}, {"clip": 0.05},
+])
+def test_decoupled_options_equal_wfbp_when_every_rank_sees_the_same_data(
+        options: dict[str, object]) -> None:
+    # in_flight > 1 re-takes the local steps of younger iterations after an
+    # older one lands; clip 0.05 is below the gradient norm, so it clips.
+    results = run_local(workers.schedules_agree, 2, "transformer", "adamw", 8, None, options,
+                        timeout_s=240)
+    for r in results.values():
+        assert r["max_param_diff"] < 1e-5, r
+        assert r["max_loss_diff"] < 1e-4, r
+
+
 @pytest.mark.parametrize("model,optimizer,partition_mb", [
     ("mlp", "sgd", None), ("cnn", "nesterov", 0.001), ("transformer", "adamw", 0.001),
     ("cnn", "rmsprop", None),
@@ -40,12 +57,22 @@ def test_priority_equals_wfbp(world: int, model: str, optimizer: str,
         assert diff < 1e-6, f"rank {rank}: priority differs from wfbp by {diff}"
 
 
-@pytest.mark.parametrize("schedule", ["decoupled", "priority"])
-@pytest.mark.parametrize("optimizer", ["sgd", "nesterov", "adam", "adamw", "rmsprop"])
-def test_ranks_hold_bitwise_identical_parameters_after_synchronize(schedule: str,
-                                                                   optimizer: str) -> None:
-    results = run_local(workers.schedule_run, 3, schedule, "cnn", optimizer, 7, False,
+def test_priority_with_clipping_equals_wfbp_with_clipping() -> None:
+    results = run_local(workers.priority_matches_wfbp, 2, "mlp", "sgd", 6, None, 0.05,
                         timeout_s=240)
+    for rank, diff in results.items():
+        assert diff < 1e-6, f"rank {rank}: priority differs from wfbp by {diff}"
+
+
+@pytest.mark.parametrize("schedule,options", [
+    ("decoupled", {}), ("priority", {}), ("decoupled", {"in_flight": 2}),
+    ("decoupled", {"in_flight": 2, "clip": 0.05}),
+])
+@pytest.mark.parametrize("optimizer", ["sgd", "nesterov", "adam", "adamw", "rmsprop"])
+def test_ranks_hold_bitwise_identical_parameters_after_synchronize(
+        schedule: str, options: dict[str, object], optimizer: str) -> None:
+    results = run_local(workers.schedule_run_with, 3, schedule, "cnn", optimizer, 7, False,
+                        options, timeout_s=240)
     for rank in (1, 2):
         for a, b in zip(results[0]["params"], results[rank]["params"]):
             assert torch.equal(a, b), f"rank {rank} differs from rank 0"
@@ -69,3 +96,24 @@ def test_irregular_modules(schedule: str) -> None:
     results = run_local(workers.irregular_model, 2, schedule, "adamw", 6, timeout_s=120)
     for a, b in zip(results[0], results[1]):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("schedule", ["decoupled", "priority"])
+def test_editing_grad_before_step_is_an_error(schedule: str) -> None:
+    results = run_local(workers.grad_edited_before_step, 2, schedule, timeout_s=120)
+    for message in results.values():
+        assert "modified in place between backward() and optimizer.step()" in message
+        assert "model.clip_grad_norm_" in message
+
+
+def test_priority_refuses_a_parameter_read_before_its_update() -> None:
+    results = run_local(workers.read_order_changes, 2, "priority", timeout_s=120)
+    for message in results.values():
+        assert re.search(r"'layer\.(weight|bias)' was read in this forward before its update",
+                         message)
+
+
+def test_decoupled_allows_a_parameter_read_before_its_correction() -> None:
+    # decoupled computes on approximate values by design: no error.
+    results = run_local(workers.read_order_changes, 2, "decoupled", timeout_s=120)
+    assert set(results.values()) == {"trained"}

@@ -253,9 +253,11 @@ def _optimizer(name: str, params: Any) -> torch.optim.Optimizer:
 
 
 def schedule_run(rank: int, world: int, schedule: str, model_name: str, opt_name: str,
-                 steps: int, same_data: bool, **options: Any) -> dict[str, Any]:
+                 steps: int, same_data: bool, clip: float | None = None,
+                 **options: Any) -> dict[str, Any]:
     """Trains with `schedule`; returns the parameters after synchronize() and
-    the losses. `same_data`: every rank sees the same batch (rank 0's shard)."""
+    the losses. `same_data`: every rank sees the same batch (rank 0's shard);
+    `clip`: model.clip_grad_norm_(clip) before every step."""
     hemiola.init()
     torch.manual_seed(0)
     m = make_model(model_name)
@@ -269,6 +271,8 @@ def schedule_run(rank: int, world: int, schedule: str, model_name: str, opt_name
         opt.zero_grad()
         loss = loss_of(model_name, model(x), y)
         loss.backward()
+        if clip is not None:
+            model.clip_grad_norm_(clip)
         opt.step()
         sched.step()
         losses.append(loss.item())
@@ -277,12 +281,24 @@ def schedule_run(rank: int, world: int, schedule: str, model_name: str, opt_name
             "state": {k: v.clone() for k, v in model.state_dict().items()}}
 
 
+def schedule_run_with(rank: int, world: int, schedule: str, model_name: str, opt_name: str,
+                      steps: int, same_data: bool, options: dict[str, Any]) -> dict[str, Any]:
+    """schedule_run with its keyword options as one dict (run_local passes
+    positional arguments only)."""
+    return schedule_run(rank, world, schedule, model_name, opt_name, steps, same_data,
+                        **options)
+
+
 def schedules_agree(rank: int, world: int, model_name: str, opt_name: str,
-                    steps: int, partition_mb: float | None = None) -> dict[str, float]:
-    """With identical data on every rank, decoupled must equal wfbp."""
-    a = schedule_run(rank, world, "wfbp", model_name, opt_name, steps, True)
-    b = schedule_run(rank, world, "decoupled", model_name, opt_name, steps, True,
-                     partition_mb=partition_mb)
+                    steps: int, partition_mb: float | None = None,
+                    options: dict[str, Any] | None = None) -> dict[str, float]:
+    """With identical data on every rank, decoupled must equal wfbp.
+    `options`: decoupled's wrap options, and `clip` (both schedules)."""
+    options = dict(options or {})
+    clip = options.pop("clip", None)
+    a = schedule_run(rank, world, "wfbp", model_name, opt_name, steps, True, clip)
+    b = schedule_run(rank, world, "decoupled", model_name, opt_name, steps, True, clip,
+                     partition_mb=partition_mb, **options)
     return {
         "max_param_diff": max((x - y).abs().max().item()
                               for x, y in zip(a["params"], b["params"])),
@@ -333,9 +349,64 @@ def irregular_model(rank: int, world: int, schedule: str, opt_name: str,
 
 
 def priority_matches_wfbp(rank: int, world: int, model_name: str, opt_name: str,
-                          steps: int, partition_mb: float | None = None) -> float:
+                          steps: int, partition_mb: float | None = None,
+                          clip: float | None = None) -> float:
     """Different data per rank: priority is exact, so it must follow wfbp."""
-    a = schedule_run(rank, world, "wfbp", model_name, opt_name, steps, False)
-    b = schedule_run(rank, world, "priority", model_name, opt_name, steps, False,
+    a = schedule_run(rank, world, "wfbp", model_name, opt_name, steps, False, clip)
+    b = schedule_run(rank, world, "priority", model_name, opt_name, steps, False, clip,
                      partition_mb=partition_mb)
     return max((x - y).abs().max().item() for x, y in zip(a["params"], b["params"]))
+
+
+def grad_edited_before_step(rank: int, world: int, schedule: str) -> str:
+    """torch's own clip_grad_norm_ between backward and step: an edit of
+    .grad that priority/decoupled would not apply; must raise, not ignore."""
+    hemiola.init()
+    torch.manual_seed(0)
+    m = make_model("mlp")
+    model, opt = hemiola.wrap(m, _optimizer("sgd", m.parameters()), schedule=schedule,
+                              timeout_s=60)
+    for step in range(3):
+        x, y = make_batch("mlp", step, rank, world)
+        opt.zero_grad()
+        loss_of("mlp", model(x), y).backward()
+        if step == 2:
+            nn.utils.clip_grad_norm_(model.parameters(), 1e-3)
+        try:
+            opt.step()
+        except RuntimeError as e:
+            return str(e)
+    return "no error"
+
+
+class SometimesFunctional(nn.Module):
+    """Calls `layer` in the first iteration, later reads its weight
+    functionally from the outer forward: the module learnt as the place to
+    update `layer.weight` no longer runs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = nn.Linear(20, 5)
+
+    def forward(self, x: torch.Tensor, step: int) -> torch.Tensor:
+        if step == 0:
+            return self.layer(x)
+        return nn.functional.linear(x, self.layer.weight, self.layer.bias)
+
+
+def read_order_changes(rank: int, world: int, schedule: str) -> str:
+    hemiola.init()
+    torch.manual_seed(0)
+    m = SometimesFunctional()
+    model, opt = hemiola.wrap(m, _optimizer("sgd", m.parameters()), schedule=schedule,
+                              timeout_s=60)
+    try:
+        for step in range(4):
+            x, y = make_batch("mlp", step, rank, world)
+            opt.zero_grad()
+            nn.functional.cross_entropy(model(x, step), y).backward()
+            opt.step()
+    except RuntimeError as e:
+        return str(e)
+    model.synchronize()
+    return "trained"

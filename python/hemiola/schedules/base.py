@@ -3,12 +3,14 @@ helpers shared by the schedules that take over the optimizer's step."""
 
 from __future__ import annotations
 
+import contextlib
 import types
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from hemiola.schedules.gate import ForwardGate
 from hemiola.tensors import UINT8
 
 if TYPE_CHECKING:
@@ -35,6 +37,15 @@ class Schedule:
 
     def before_forward(self) -> None:
         """Called at the start of every forward of the wrapped model."""
+
+    def forward_scope(self) -> contextlib.AbstractContextManager[None]:
+        """A context around every forward of the wrapped module."""
+        return contextlib.nullcontext()
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float) -> torch.Tensor:
+        """``model.clip_grad_norm_``: clips what the optimizer will apply."""
+        params = [p for p in self.model._params if p.grad is not None]
+        return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type)
 
     def wrap_optimizer(self, optimizer: Any) -> Any:
         """Returns the optimizer users step (possibly the same object)."""
@@ -160,6 +171,114 @@ class DeferredSchedule(Schedule):
         self._unmarked: dict[int, list[int]] = {}
         self._rebuilt = not model.config.rebuild_buckets
         self._buffers = BufferBroadcast(model)
+        self._gate = ForwardGate(model.module, model._params, self.land_before_forward)
+        # The local gradients as backward left them (object, version), to
+        # catch code that edits .grad before optimizer.step(): that edit would
+        # not reach the reduced gradient the update uses.
+        self._grads_seen: list[tuple[int, int]] | None = None
+        #: per iteration: (max_norm, norm_type) of model.clip_grad_norm_
+        self._clip: dict[int, tuple[float, float]] = {}
+        self._members: list[list[int]] = []     # per bucket: its parameters
+        self._buckets_of: list[list[int]] = []  # per parameter: its buckets (pieces)
+
+    def refresh_buckets(self) -> None:
+        """Reads the reducer's bucket plan (after it was built or rebuilt)."""
+        self._members = self.model._reducer.buckets()
+        self._buckets_of = [[] for _ in self.model._params]
+        for b, members in enumerate(self._members):
+            for i in members:
+                self._buckets_of[i].append(b)
+
+    def wait_buckets(self, iteration: int, indices: list[int]) -> None:
+        """Waits for the buckets holding parameters `indices` of `iteration`,
+        in issue order."""
+        reducer = self.model._reducer
+        needed = {b for i in indices for b in self._buckets_of[i]}
+        with self.model.timeline_recorder.span(
+                "compute", f"wait buckets {sorted(needed)} ({iteration})", "wait"):
+            for b in reducer.issue_order():
+                if b in needed:
+                    reducer.wait_bucket(iteration, b)
+
+    def step_with(self, grads: list[torch.Tensor | None], hyper: list[dict[str, Any]]) -> None:
+        """One step of the user's optimizer, with the hyper-parameters
+        `hyper`, over the parameters that have a gradient in `grads`: the
+        others' gradients are hidden, and torch optimizers skip a parameter
+        without a gradient. ``.grad`` is left as it was."""
+        opt = self._optimizer
+        assert opt is not None
+        params = self.model._params
+        saved = [p.grad for p in params]
+        current = hyper_parameters(opt)
+        try:
+            with torch.no_grad():
+                for p, g in zip(params, grads):
+                    p.grad = g
+                set_hyper_parameters(opt, hyper)
+                self._inner_step()
+        finally:
+            set_hyper_parameters(opt, current)
+            for p, g in zip(params, saved):
+                p.grad = g
+
+    def arrived(self, iteration: int, indices: list[int]) -> list[int]:
+        """Those of `indices` whose every bucket of `iteration` is reduced."""
+        reducer = self.model._reducer
+        return [i for i in indices
+                if all(reducer.bucket_done(iteration, b) for b in self._buckets_of[i])]
+
+    def forward_scope(self) -> contextlib.AbstractContextManager[None]:
+        return self._gate.scope()
+
+    def land_before_forward(self, indices: list[int]) -> None:
+        """The forward pre-hook of the module that reads `indices` first."""
+        raise NotImplementedError
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float) -> torch.Tensor:
+        # The local gradients are clipped now (decoupled's local step uses
+        # them); the reduced gradient is clipped by the same rule, with its
+        # own global norm, when the update is applied.
+        if self._finished is None:
+            raise RuntimeError("model.clip_grad_norm_() goes between backward() and "
+                               "optimizer.step()")
+        self._clip[self._finished] = (float(max_norm), float(norm_type))
+        norm = super().clip_grad_norm_(max_norm, norm_type)
+        self._grads_seen = self._grad_versions()
+        return norm
+
+    def _grad_versions(self) -> list[tuple[int, int]]:
+        return [(id(p.grad), p.grad._version) if p.grad is not None else (0, 0)
+                for p in self.model._params]
+
+    def check_grads_untouched(self) -> None:
+        """Raises if .grad was modified in place since backward (clipping,
+        unscaling): under this schedule the update applies the reduced
+        gradient, which such an edit never reaches."""
+        seen, self._grads_seen = self._grads_seen, None
+        if seen is None:
+            return
+        m = self.model
+        for (grad_id, version), p, name in zip(seen, m._params, m._names):
+            if grad_id and id(p.grad) == grad_id and p.grad._version != version:
+                raise RuntimeError(
+                    f"parameter {name!r}: its .grad was modified in place between backward() "
+                    f"and optimizer.step(). schedule={m.config.schedule!r} updates with the "
+                    "reduced gradient, which such an edit does not reach. To clip, call "
+                    "model.clip_grad_norm_(max_norm) instead of torch.nn.utils."
+                    "clip_grad_norm_; for other gradient edits use schedule='wfbp'."
+                )
+
+    def take_clip(self, iteration: int) -> tuple[float, float] | None:
+        """(max_norm, norm_type) if `iteration`'s gradients were clipped."""
+        return self._clip.pop(iteration, None)
+
+    @staticmethod
+    def clip_coefficient(clip: tuple[float, float], grads: list[torch.Tensor]) -> torch.Tensor:
+        """torch's clip_grad_norm_ coefficient for the reduced gradients
+        `grads` (all of one iteration's)."""
+        max_norm, norm_type = clip
+        total = torch.nn.utils.get_total_norm(grads, norm_type)
+        return torch.clamp(max_norm / (total + 1e-6), max=1.0)
 
     def mark(self, index: int, grad: torch.Tensor) -> None:
         source = grad if grad.is_contiguous() else grad.contiguous()
@@ -170,6 +289,8 @@ class DeferredSchedule(Schedule):
 
     def backward_done(self, iteration: int, unmarked: list[int]) -> None:
         self._finished = iteration
+        self._gate.clear_reads()
+        self._grads_seen = self._grad_versions()
         if unmarked:
             self._unmarked[iteration] = unmarked
         if self._buffers.wanted:

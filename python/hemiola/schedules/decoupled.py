@@ -1,37 +1,49 @@
-"""``decoupled``: iteration t's reduction runs under the whole of iteration t+1.
+"""``decoupled``: iteration t's reduction runs under the next iteration(s).
 
 The dependency between iteration t's communication and iteration t+1's
 computation is removed. After backward t the rank does not wait: its
 optimizer step applies its *own* gradient g_local(t) to the exact parameters
 w_t, giving approximate parameters w~_{t+1} on which iteration t+1 computes
-while the all-reduce of iteration t proceeds. At the next ``optimizer.step()``
-the averaged gradient g(t) has arrived, and the exact step lands:
+while the all-reduce of iteration t proceeds. When the averaged gradient g(t)
+has arrived, the exact step lands:
 
     w_{t+1} = step(w_t, state_t, g(t))       (exact, committed)
-    w~_{t+2} = step(w_{t+1}, state_{t+1}, g_local(t+1))   (approximate, not committed)
+
+and the approximation is re-derived from it. The invariant, per parameter:
+
+    live value = shadow (exact through its newest landed iteration)
+                 stepped with the local gradient of every iteration after that
+                 whose step was taken (at most ``in_flight`` of them)
+
+When does an exact step land? As soon as it has arrived, but never while a
+forward may still need the value it read: in the forward pre-hook of the
+module that reads the parameter first (see ``hemiola.schedules.gate``), or
+in ``optimizer.step()``; and at the latest when ``in_flight`` iterations are
+pending, in ``optimizer.step()``, which then waits. With
+``correct_on_arrival=False`` it lands only then, which makes training
+independent of network timing (bitwise reproducible).
 
 The exact parameters and optimizer state live in a shadow copy; both steps
-are the user's own optimizer, so every ``torch.optim`` optimizer works (SGD
-with momentum/Nesterov/weight decay, Adam, AdamW, RMSprop, ...), learning-rate
-schedulers included (each exact step uses the hyper-parameters its iteration
-ran with). Because every rank computes the shadow from the same inputs with
-the same arithmetic, the exact parameters are bitwise identical across ranks.
-For the SGD family this equals the linear correction w <- w~ + lr (g_local - g)
+are the user's own optimizer (the others' gradients hidden), so every
+``torch.optim`` optimizer whose update is per parameter works (SGD with
+momentum/Nesterov/weight decay, Adam, AdamW, RMSprop, ...), learning-rate
+schedulers included (each step uses the hyper-parameters its iteration ran
+with). Every rank computes the shadow from the same inputs with the same
+arithmetic, so the exact parameters are bitwise identical across ranks. For
+the SGD family this equals the linear correction w <- w~ + lr (g_local - g)
 (and the same for the momentum buffer); computing it from the shadow instead
 keeps ranks from drifting apart by rounding.
-
-Parameters are never written while autograd may read them: the exact step
-lands in ``optimizer.step()`` (after backward) or ``synchronize()``.
 """
 
 from __future__ import annotations
 
 import copy
+from collections import deque
 from typing import Any
 
 import torch
 
-from hemiola.schedules.base import DeferredSchedule, hyper_parameters, set_hyper_parameters
+from hemiola.schedules.base import DeferredSchedule, hyper_parameters
 
 
 def _copy_state(src: dict[str, Any], dst: dict[str, Any] | None) -> dict[str, Any]:
@@ -50,90 +62,188 @@ def _copy_state(src: dict[str, Any], dst: dict[str, Any] | None) -> dict[str, An
     return out
 
 
+class _Iteration:
+    """An iteration whose local step was taken and whose exact step has not
+    landed for every parameter yet."""
+
+    def __init__(self, iteration: int, hyper: list[dict[str, Any]], unmarked: list[int] | None,
+                 clip: tuple[float, float] | None,
+                 local_grads: list[torch.Tensor | None] | None) -> None:
+        self.iteration = iteration
+        self.hyper = hyper
+        self.unmarked = unmarked
+        self.clip = clip
+        # Copies of the local gradients, to re-take the local step after an
+        # older iteration lands (only needed with in_flight > 1).
+        self.local_grads = local_grads
+        # Clipping coefficient of the reduced gradient, once computed.
+        self.coef: torch.Tensor | None = None
+
+    @property
+    def needs_whole(self) -> bool:
+        """Usage counts (unused parameters) and the clipping norm exist only
+        once the whole iteration is reduced."""
+        return bool(self.unmarked) or self.clip is not None
+
+
 class Decoupled(DeferredSchedule):
     """The decoupled schedule; see the module docstring."""
 
     def __init__(self, model) -> None:  # type: ignore[no-untyped-def]
         super().__init__(model)
-        # Exact parameters w_t and optimizer state (per parameter index).
+        self.in_flight = model.config.in_flight
+        self._on_arrival = model.config.correct_on_arrival
+        # Exact parameters and optimizer state, per parameter index.
         self._shadow_params = [p.detach().clone() for p in model._params]
         self._shadow_state: list[dict[str, Any]] = [{} for _ in model._params]
-        # The iteration whose exact step is pending (with its hyper-parameters
-        # and the parameters it had no gradient for).
-        self._pending: tuple[int, list[dict[str, Any]], list[int] | None] | None = None
+        # Per parameter: the newest iteration whose exact step is in the shadow.
+        self._landed = [-1] * len(model._params)
+        self._pending: deque[_Iteration] = deque()
 
     # ---- optimizer side ------------------------------------------------------
 
     def step(self) -> None:
-        """``optimizer.step()``: land the previous iteration's exact step, then
-        take this iteration's local (approximate) step."""
-        self._land()
+        """``optimizer.step()``: land what has arrived (and, waiting, what the
+        in-flight bound requires), then take this iteration's local step."""
+        self.check_grads_untouched()
+        self._gate.clear_reads()
         iteration, self._finished = self._finished, None
+        everything = list(range(len(self.model._params)))
         if iteration is None:  # no synchronised backward since the last step
+            self._advance(everything, must=len(self._pending))
             self._inner_step()
-            self._commit_shadow()
+            self._commit(everything)
             return
+        if not self._members:
+            self.refresh_buckets()
         if not self._rebuilt:
             # The first iteration runs synchronously: its exact step is taken
             # at once, then the buckets are rebuilt in the observed order
             # (which needs every reduction finished).
-            self._pending = (iteration, hyper_parameters(self._optimizer),
-                             self._unmarked.pop(iteration, None))
-            self._land()
+            self._pending.append(_Iteration(iteration, hyper_parameters(self._optimizer),
+                                            self._unmarked.pop(iteration, None),
+                                            self.take_clip(iteration), None))
+            self._advance(everything, must=len(self._pending))
             self.model._reducer.rebuild_from_observed_order()
+            self.refresh_buckets()
             self._rebuilt = True
             return
+        self._advance(everything, must=len(self._pending) + 1 - self.in_flight)
         hyper = hyper_parameters(self._optimizer)
         with self.model.timeline_recorder.span("compute", f"local step {iteration}", "step"):
-            self._inner_step()  # from the exact w_t with the local gradient: w~_{t+1}
-        self._pending = (iteration, hyper, self._unmarked.pop(iteration, None))
+            self._inner_step()  # from the live values with the local gradient
+        local = None
+        if self.in_flight > 1:
+            local = [None if p.grad is None else p.grad.detach().clone()
+                     for p in self.model._params]
+        self._pending.append(_Iteration(iteration, hyper, self._unmarked.pop(iteration, None),
+                                        self.take_clip(iteration), local))
 
     def synchronize(self) -> None:
-        self._land()
+        self._advance(list(range(len(self.model._params))), must=len(self._pending))
+        self._buffers.finish()
 
     def parameters_replaced(self) -> None:
         # Whatever was pending belongs to the old parameters.
-        self._pending = None
-        self._commit_shadow()
+        self._pending.clear()
+        self._commit(list(range(len(self.model._params))))
 
-    def _land(self) -> None:
-        """Replaces the approximate parameters by the exact step of the
-        pending iteration (waiting for its reduction if needed)."""
-        if self._pending is None:
-            return
-        iteration, hyper, unmarked = self._pending
-        self._pending = None
+    def land_before_forward(self, indices: list[int]) -> None:
+        if self._pending and self._on_arrival:
+            # Everything that has arrived and that no forward read since the
+            # last backward, not only `indices`: one optimizer step.
+            self._advance(self._gate.unread(list(range(len(self.model._params)))), must=0)
+
+    # ---- landing -------------------------------------------------------------
+
+    def _advance(self, indices: list[int], must: int) -> None:
+        """Lands exact steps for parameters `indices`: of the `must` oldest
+        pending iterations waiting for their reductions, of the newer ones
+        those that have arrived (if correcting on arrival). Per parameter the
+        steps land in order; then the approximation is re-derived."""
         m = self.model
-        opt = self._optimizer
-        assert opt is not None
+        reducer = m._reducer
         recorder = m.timeline_recorder
-        with recorder.span("compute", f"wait reduction {iteration}", "wait"):
-            m._reducer.wait(iteration)
+        plan: list[tuple[_Iteration, list[int]]] = []
+        blocked: set[int] = set()  # an older iteration has not landed for them
+        for age, pending in enumerate(self._pending):
+            it = pending.iteration
+            wanted = [i for i in indices if i not in blocked and self._landed[i] < it]
+            if not wanted:
+                continue
+            if age < must:
+                if pending.needs_whole:
+                    with recorder.span("compute", f"wait reduction {it}", "wait"):
+                        reducer.wait(it)
+                else:
+                    self.wait_buckets(it, wanted)
+                ready = wanted
+            elif self._on_arrival and not pending.needs_whole:
+                ready = self.arrived(it, wanted)
+            else:
+                ready = []
+            blocked.update(set(wanted) - set(ready))
+            if ready:
+                plan.append((pending, ready))
+        if not plan:
+            return
         start = recorder.now()
-        usage = m._reducer.usage(iteration) if unmarked else None
-        params = m._params
-        local_grads = [p.grad for p in params]
-        current_hyper = hyper_parameters(opt)
-        with torch.no_grad():
-            for i, p in enumerate(params):
-                p.copy_(self._shadow_params[i])
-                opt.state[p] = _copy_state(self._shadow_state[i], opt.state.get(p))
-                globally_unused = usage is not None and usage[i] == 0
-                p.grad = None if globally_unused else m._reduced(iteration, i)
-            set_hyper_parameters(opt, hyper)
-            self._inner_step()
-            set_hyper_parameters(opt, current_hyper)
-            self._commit_shadow()
-            for p, g in zip(params, local_grads):
-                p.grad = g
-        recorder.record("compute", f"exact step {iteration}", "correction", start)
-        self._buffers.finish()
+        touched = sorted({i for _, ready in plan for i in ready})
+        self._restore(touched)
+        for pending, ready in plan:
+            self._exact_step(pending, ready)
+            self._commit(ready)
+            for i in ready:
+                self._landed[i] = pending.iteration
+        # Re-take the local steps of the iterations still pending for them.
+        for pending in self._pending:
+            again = [i for i in touched if self._landed[i] < pending.iteration]
+            if again:
+                assert pending.local_grads is not None, "in_flight == 1 never re-steps"
+                self.step_with([pending.local_grads[i] if i in set(again) else None
+                                for i in range(len(m._params))], pending.hyper)
+        while self._pending and min(self._landed) >= self._pending[0].iteration:
+            self._pending.popleft()
+        recorder.record("compute", f"exact step ({len(touched)} parameters)", "correction",
+                        start)
 
-    def _commit_shadow(self) -> None:
-        """The live parameters and optimizer state are exact: remember them."""
+    def _exact_step(self, pending: _Iteration, ready: list[int]) -> None:
+        m = self.model
+        it = pending.iteration
+        usage = m._reducer.usage(it) if pending.unmarked else None
+        if pending.clip is not None and pending.coef is None:  # whole: all arrived
+            pending.coef = self.clip_coefficient(
+                pending.clip, [m._reduced(it, i) for i in range(len(m._params))
+                               if usage is None or usage[i] > 0])
+        chosen = set(ready)
+        grads: list[torch.Tensor | None] = []
+        for i in range(len(m._params)):
+            if i not in chosen or (usage is not None and usage[i] == 0):
+                grads.append(None)
+                continue
+            g = m._reduced(it, i)
+            grads.append(g if pending.coef is None else g * pending.coef)
+        self.step_with(grads, pending.hyper)
+
+    def _restore(self, indices: list[int]) -> None:
+        """Live parameters and optimizer state `indices` <- the shadow."""
         opt = self._optimizer
+        params = self.model._params
         with torch.no_grad():
-            for i, p in enumerate(self.model._params):
+            for i in indices:
+                p = params[i]
+                p.copy_(self._shadow_params[i])
+                if opt is not None:
+                    opt.state[p] = _copy_state(self._shadow_state[i], opt.state.get(p))
+
+    def _commit(self, indices: list[int]) -> None:
+        """The live parameters and optimizer state `indices` are exact:
+        remember them."""
+        opt = self._optimizer
+        params = self.model._params
+        with torch.no_grad():
+            for i in indices:
+                p = params[i]
                 self._shadow_params[i].copy_(p)
                 if opt is not None:
                     self._shadow_state[i] = _copy_state(opt.state.get(p, {}),

@@ -5,9 +5,13 @@ Same math as ``wfbp``, different timing:
 
 - ``backward()`` returns without waiting; ``optimizer.step()`` applies the
   update of each bucket whose reduction has arrived and defers the rest.
-- The next forward of a module waits only for its own parameters' buckets
-  (a forward pre-hook waits for them and applies their update), so the front
-  layers compute while the rest is still being reduced.
+- The next forward of a module waits only for the buckets of the parameters
+  it reads first (a forward pre-hook waits for them and applies their update;
+  which module reads a parameter first is learnt in the first forward, see
+  ``hemiola.schedules.gate``), so the front layers compute while the rest is
+  still being reduced. A parameter that receives a gradient while its update
+  is still pending was read before it was updated: that is an error, never a
+  silently stale gradient.
 - Front layers get priority: after the bucket plan is rebuilt in backward
   order, the buckets that hold the first ``priority_front_fraction`` of the
   gradient bytes (the front layers, whose gradients are ready last) are
@@ -30,20 +34,26 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch import nn
 
-from hemiola.schedules.base import DeferredSchedule, hyper_parameters, set_hyper_parameters
+from hemiola.schedules.base import DeferredSchedule, hyper_parameters
 
 
 class _Pending:
     """An iteration whose update is partly applied."""
 
     def __init__(self, iteration: int, hyper: list[dict[str, Any]], unmarked: list[int] | None,
-                 params: int) -> None:
+                 clip: tuple[float, float] | None, params: int) -> None:
         self.iteration = iteration
         self.hyper = hyper
         self.unmarked = unmarked
+        self.clip = clip
         self.remaining = set(range(params))  # parameters not updated yet
+
+    @property
+    def needs_whole(self) -> bool:
+        """Usage counts (unused parameters) and the clipping norm exist only
+        once the whole iteration is reduced."""
+        return bool(self.unmarked) or self.clip is not None
 
 
 class Priority(DeferredSchedule):
@@ -52,15 +62,6 @@ class Priority(DeferredSchedule):
     def __init__(self, model) -> None:  # type: ignore[no-untyped-def]
         super().__init__(model)
         self._pending: _Pending | None = None
-        self._members: list[list[int]] = []     # per bucket: its parameters
-        self._buckets_of: list[list[int]] = []  # per parameter: its buckets (pieces)
-        index_of = {id(p): i for i, p in enumerate(model._params)}
-        # Forward pre-hooks: a module waits only for the parameters it owns.
-        for module in model.module.modules():
-            owned = [index_of[id(p)] for p in module.parameters(recurse=False)
-                     if id(p) in index_of]
-            if owned:
-                module.register_forward_pre_hook(self._pre_forward_hook(owned))
 
     def synchronize(self) -> None:
         self._apply_all()
@@ -68,27 +69,44 @@ class Priority(DeferredSchedule):
     def parameters_replaced(self) -> None:
         self._pending = None
 
-    def _pre_forward_hook(self, owned: list[int]) -> Any:
-        def hook(module: nn.Module, args: Any) -> None:
-            pending = self._pending
-            if pending is not None:
-                todo = [i for i in owned if i in pending.remaining]
-                if todo:
-                    self._update(pending, todo, wait=True)
-        return hook
+    def land_before_forward(self, indices: list[int]) -> None:
+        pending = self._pending
+        if pending is not None:
+            todo = [i for i in indices if i in pending.remaining]
+            if todo:
+                self._update(pending, todo, wait=True)
+
+    def mark(self, index: int, grad: torch.Tensor) -> None:
+        pending = self._pending
+        if pending is not None and index in pending.remaining:
+            m = self.model
+            lander = self._gate.lander.get(index)
+            message = (
+                f"schedule='priority': parameter {m._names[index]!r} was read in this forward "
+                "before its update from the previous iteration was applied, so its gradient "
+                "would be wrong. Its update is applied in the forward pre-hook of the module "
+                f"that read it first in the first training forward ({type(lander).__name__}); "
+                "that module did not run first this time. Use schedule='wfbp' for models whose "
+                "order of parameter reads changes between iterations."
+            )
+            m._reducer.abort(message)
+            raise RuntimeError(message)
+        super().mark(index, grad)
 
     # ---- optimizer side ------------------------------------------------------
 
     def step(self) -> None:
+        self.check_grads_untouched()
         self._apply_all()  # whatever the previous iteration left (rare)
         iteration, self._finished = self._finished, None
         if iteration is None:  # no synchronised backward since the last step
             self._inner_step()
             return
         if not self._members:
-            self._refresh_buckets()
+            self.refresh_buckets()
         pending = _Pending(iteration, hyper_parameters(self._optimizer),
-                           self._unmarked.pop(iteration, None), len(self.model._params))
+                           self._unmarked.pop(iteration, None), self.take_clip(iteration),
+                           len(self.model._params))
         self._pending = pending
         if not self._rebuilt:
             # The first iteration runs synchronously; then the buckets are
@@ -96,19 +114,12 @@ class Priority(DeferredSchedule):
             self._apply_all()
             reducer = self.model._reducer
             reducer.rebuild_from_observed_order()
-            self._refresh_buckets()
+            self.refresh_buckets()
             reducer.set_issue_order(self._priority_order())
             self._rebuilt = True
             return
-        if pending.unmarked is None:  # usage counts would need the whole iteration
+        if not pending.needs_whole:
             self._update(pending, sorted(pending.remaining), wait=False)
-
-    def _refresh_buckets(self) -> None:
-        self._members = self.model._reducer.buckets()
-        self._buckets_of = [[] for _ in self.model._params]
-        for b, members in enumerate(self._members):
-            for i in members:
-                self._buckets_of[i].append(b)
 
     def _priority_order(self) -> list[int]:
         """Plan order (backward order), except that the buckets holding the
@@ -146,33 +157,22 @@ class Priority(DeferredSchedule):
         recorder = m.timeline_recorder
         it = pending.iteration
         if wait:
-            needed = {b for i in wanted for b in self._buckets_of[i]}
-            with recorder.span("compute", f"wait buckets {sorted(needed)} ({it})", "wait"):
-                if pending.unmarked:
-                    reducer.wait(it)  # usage counts come at the very end
-                else:
-                    for b in reducer.issue_order():
-                        if b in needed:
-                            reducer.wait_bucket(it, b)
-        ready = [i for i in sorted(pending.remaining)
-                 if all(reducer.bucket_done(it, b) for b in self._buckets_of[i])]
+            if pending.needs_whole:
+                with recorder.span("compute", f"wait reduction {it}", "wait"):
+                    reducer.wait(it)
+            else:
+                self.wait_buckets(it, wanted)
+        ready = self.arrived(it, sorted(pending.remaining))
         if not ready:
             return
         usage = reducer.usage(it) if pending.unmarked else None
         start = recorder.now()
-        opt = self._optimizer
-        assert opt is not None
         chosen = set(ready)
-        saved = [p.grad for p in m._params]
-        current_hyper = hyper_parameters(opt)
-        with torch.no_grad():
-            for i, p in enumerate(m._params):
-                used = i in chosen and (usage is None or usage[i] > 0)
-                p.grad = m._reduced(it, i) if used else None
-            set_hyper_parameters(opt, pending.hyper)
-            self._inner_step()
-            set_hyper_parameters(opt, current_hyper)
-            for p, g in zip(m._params, saved):
-                p.grad = g
+        grads = [m._reduced(it, i) if i in chosen and (usage is None or usage[i] > 0)
+                 else None for i in range(len(m._params))]
+        if pending.clip is not None:  # needs_whole: this update is all of them
+            coef = self.clip_coefficient(pending.clip, [g for g in grads if g is not None])
+            grads = [None if g is None else g * coef for g in grads]
+        self.step_with(grads, pending.hyper)
         pending.remaining -= chosen
         recorder.record("compute", f"update {len(ready)} parameters ({it})", "step", start)

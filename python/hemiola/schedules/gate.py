@@ -1,0 +1,145 @@
+"""Where, in the next forward, each parameter must be brought up to date.
+
+The schedules that update parameters after ``backward()`` returns
+(``priority``, ``decoupled``) bring a parameter up to date just before the
+first module that reads it runs its forward. Which module that is cannot be
+read off the module tree: ``nn.MultiheadAttention`` reads
+``out_proj.weight`` without calling ``out_proj``, tied weights are owned by
+two modules, and any module may read a sibling's parameter functionally.
+
+So the first training forward is observed: a ``TorchFunctionMode`` sees
+every torch call with its arguments, and the first call that reads a
+parameter names the innermost module running at that moment; its forward
+pre-hook ran before the read, so that is where the parameter is landed from
+then on. Parameters that first forward did not read are landed by the
+wrapped module's own pre-hook (the very start of the forward), which is
+always early enough.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+from torch.overrides import TorchFunctionMode
+
+Land = Callable[[list[int]], None]
+
+
+class _FirstReads(TorchFunctionMode):
+    """Records, for each parameter, the module running when a torch call
+    first read it."""
+
+    def __init__(self, index_of: dict[int, int], stack: list[nn.Module]) -> None:
+        super().__init__()
+        self.index_of = index_of
+        self.stack = stack
+        self.reader: dict[int, nn.Module] = {}
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (),
+                           kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        for tensor in _tensors((args, kwargs)):
+            index = self.index_of.get(id(tensor))
+            if index is not None and index not in self.reader:
+                self.reader[index] = self.stack[-1]
+        return func(*args, **kwargs)
+
+
+def _tensors(value: Any) -> Iterator[torch.Tensor]:
+    """The tensors in a torch call's arguments (nested lists, tuples, dicts)."""
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            yield from _tensors(item)
+    elif isinstance(value, dict):
+        for item in value.values():
+            yield from _tensors(item)
+
+
+class ForwardGate:
+    """Calls ``land(indices)`` in the forward pre-hook of the module that
+    reads parameters ``indices`` first (learnt in the first forward with
+    gradients enabled; until then the root module lands everything)."""
+
+    def __init__(self, root: nn.Module, params: list[torch.Tensor], land: Land) -> None:
+        self._root = root
+        self._params = params
+        self._land = land
+        self._all = list(range(len(params)))
+        self._learnt = False
+        self._handles: list[Any] = [root.register_forward_pre_hook(self._land_all)]
+        #: per parameter index: the module whose pre-hook lands it (after learning)
+        self.lander: dict[int, nn.Module] = {}
+        # Parameters whose landing point has passed since the last
+        # clear_reads(): a forward may have read them, and autograd may still
+        # need the values it read, so they must not be written until then.
+        self._read: set[int] = set()
+
+    def unread(self, indices: list[int]) -> list[int]:
+        """Those of `indices` that no forward has read since clear_reads()."""
+        return [i for i in indices if i not in self._read]
+
+    def clear_reads(self) -> None:
+        """Backward has finished: nothing read so far is needed any more."""
+        self._read.clear()
+
+    @contextlib.contextmanager
+    def scope(self) -> Iterator[None]:
+        """Wraps one forward of the wrapped module; the first one with
+        gradients enabled is observed to learn the landing points."""
+        if self._learnt or not torch.is_grad_enabled():
+            yield
+            return
+        stack: list[nn.Module] = [self._root]
+        index_of = {id(p): i for i, p in enumerate(self._params)}
+
+        def enter(module: nn.Module, args: Any) -> None:
+            stack.append(module)
+
+        def leave(module: nn.Module, args: Any, out: Any) -> None:
+            stack.pop()  # (a forward hook that returns a value replaces the output)
+
+        handles = []
+        for module in self._root.modules():
+            handles.append(module.register_forward_pre_hook(enter))
+            handles.append(module.register_forward_hook(leave, always_call=True))
+        reads = _FirstReads(index_of, stack)
+        try:
+            with reads:
+                yield
+        finally:
+            for h in handles:
+                h.remove()
+        self._install(reads.reader)
+
+    def _install(self, reader: dict[int, nn.Module]) -> None:
+        by_module: dict[nn.Module, list[int]] = {}
+        for i in self._all:
+            module = reader.get(i, self._root)
+            self.lander[i] = module
+            by_module.setdefault(module, []).append(i)
+        for h in self._handles:
+            h.remove()
+        self._handles = [module.register_forward_pre_hook(self._hook(indices))
+                         for module, indices in by_module.items()]
+        self._learnt = True
+
+    def _hook(self, indices: list[int]) -> Callable[[nn.Module, Any], None]:
+        def hook(module: nn.Module, args: Any) -> None:
+            self._land(indices)
+            self._read.update(indices)
+        return hook
+
+    def _land_all(self, module: nn.Module, args: Any) -> None:
+        self._land(self._all)
+        self._read.update(self._all)
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []
