@@ -27,7 +27,7 @@ from typing import Any
 
 import matplotlib
 from common import RESULTS, write_results
-from tasks import HEADLINE, TASKS, RankResult, corpus_info, train_rank
+from tasks import HEADLINE, TASKS, VARIANTS, RankResult, corpus_info, train_rank
 from tqdm import tqdm
 
 from hemiola.config import SCHEDULES
@@ -76,6 +76,7 @@ def run_one(task: str, schedule: str, seed: int, world: int, epochs: int | None,
         "steps_to_target": steps_to_target(task, r0.evals),
         "train_seconds": r0.train_seconds, "ms_per_step": 1e3 * r0.train_seconds / r0.steps,
         "wall_seconds": wall, "losses": r0.losses, "evals": r0.evals,
+        **{f"rank0_{k}": v for k, v in r0.stats.items()},
     }
 
 
@@ -105,8 +106,9 @@ def summarize(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
         reached = [r["steps_to_target"] for r in mine if r["steps_to_target"] is not None]
         row["steps_to_target"] = spread(reached) if reached else None
         row["target_reached"] = f"{len(reached)}/{len(mine)}"
-        for key in ["ms_per_step", "wall_seconds"]:
-            row[key] = spread([r[key] for r in mine])
+        for key in ["ms_per_step", "wall_seconds", "rank0_approximate_read_fraction"]:
+            if all(key in r for r in mine):
+                row[key] = spread([r[key] for r in mine])
         verdicts = []
         for metric in metrics_of(task):
             row[metric] = spread([r[metric] for r in mine])
@@ -194,6 +196,9 @@ def print_table(summaries: list[dict[str, Any]]) -> None:
               f"{fmt(row['ms_per_step'], digits=1)} ms/step, "
               f"target reached {row['target_reached']} "
               f"(at step {fmt(row['steps_to_target'], digits=0)})")
+        if "rank0_approximate_read_fraction" in row:
+            print("  forward reads of approximate values (rank 0): "
+                  f"{fmt(row['rank0_approximate_read_fraction'], 100, 1)}%")
         for metric in metrics_of(row["task"]):
             s = row[metric]
             scale, unit, digits = (100, "%", 2) if metric == "test_accuracy" else (1, "", 4)
@@ -208,8 +213,9 @@ def print_table(summaries: list[dict[str, Any]]) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tasks", default="digits,lm", help="comma-separated: digits,lm")
-    parser.add_argument("--schedules", default=",".join(SCHEDULES),
-                        help=f"comma-separated (default: all of {', '.join(SCHEDULES)})")
+    parser.add_argument("--schedules", default=",".join([*SCHEDULES, *VARIANTS]),
+                        help="comma-separated (default: all of "
+                             f"{', '.join([*SCHEDULES, *VARIANTS])})")
     parser.add_argument("--seeds", type=int, default=3, help="seeds 0..N-1 (default 3)")
     parser.add_argument("--world-size", type=int, default=4, help="local ranks (default 4)")
     parser.add_argument("--epochs", type=int, help="override every task's number of epochs")
@@ -225,8 +231,9 @@ def main() -> None:
         if t not in TASKS:
             parser.error(f"unknown task {t!r}; available: {', '.join(TASKS)}")
     for s in schedules:
-        if s not in SCHEDULES:
-            parser.error(f"unknown schedule {s!r}; available: {', '.join(SCHEDULES)}")
+        if s not in SCHEDULES and s not in VARIANTS:
+            parser.error(f"unknown schedule {s!r}; available: "
+                         f"{', '.join([*SCHEDULES, *VARIANTS])}")
     if BASELINE not in schedules:
         print(f"note: {BASELINE} is not in --schedules, so there is no comparison with it")
 

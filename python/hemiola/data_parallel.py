@@ -139,6 +139,14 @@ class DataParallel(nn.Module):
     def world_size(self) -> int:
         return self._engine.world_size
 
+    def stats(self) -> dict[str, float]:
+        """Counters of the schedule. ``decoupled``: ``approximate_read_fraction``,
+        the fraction of parameter elements that training forwards read while
+        they still held the approximation (0: every correction had landed
+        before its first read; 1: communication always took the whole next
+        iteration)."""
+        return self._schedule.stats()
+
     def buckets(self) -> list[list[str]]:
         """The current fusion plan: parameter names per bucket, in issue order."""
         if self._reducer is None:

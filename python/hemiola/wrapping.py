@@ -24,15 +24,17 @@ def wrap(
     Args:
         model: Any ``nn.Module`` (CPU parameters in this build).
         optimizer: The optimizer over ``model``'s parameters; returned as is
-            for ``schedule="wfbp"``; for ``"decoupled"`` its ``step``,
-            ``state_dict`` and ``load_state_dict`` are taken over (same object).
+            for ``schedule="wfbp"``; for ``"priority"`` and ``"decoupled"`` its
+            ``step``, ``state_dict`` and ``load_state_dict`` are taken over
+            (same object). Clip with ``wrapped_model.clip_grad_norm_``.
         schedule: See :class:`hemiola.Config`.
         **options: Any other field of :class:`hemiola.Config` (``fusion_mb``,
             ``first_bucket_mb``, ``timeout_s``, ``find_unused_parameters``, ...).
 
     Returns:
-        ``(wrapped_model, optimizer)``. Train as usual: forward, ``loss.backward()``
-        (gradients come back averaged), ``optimizer.step()``.
+        ``(wrapped_model, optimizer)``. Train as usual: forward, ``loss.backward()``,
+        ``optimizer.step()`` (under ``wfbp`` gradients come back averaged; the
+        other schedules apply the averaged gradient in their own time).
     """
     config = Config.from_kwargs(schedule=schedule, **options)
     engine, store = new_engine(config.timeout_s, timeline=config.timeline)

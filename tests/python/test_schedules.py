@@ -57,9 +57,10 @@ def test_priority_equals_wfbp(world: int, model: str, optimizer: str,
         assert diff < 1e-6, f"rank {rank}: priority differs from wfbp by {diff}"
 
 
-def test_priority_with_clipping_equals_wfbp_with_clipping() -> None:
+@pytest.mark.parametrize("use_closure", [False, True])
+def test_priority_with_clipping_equals_wfbp_with_clipping(use_closure: bool) -> None:
     results = run_local(workers.priority_matches_wfbp, 2, "mlp", "sgd", 6, None, 0.05,
-                        timeout_s=240)
+                        use_closure, timeout_s=240)
     for rank, diff in results.items():
         assert diff < 1e-6, f"rank {rank}: priority differs from wfbp by {diff}"
 

@@ -254,10 +254,11 @@ def _optimizer(name: str, params: Any) -> torch.optim.Optimizer:
 
 def schedule_run(rank: int, world: int, schedule: str, model_name: str, opt_name: str,
                  steps: int, same_data: bool, clip: float | None = None,
-                 **options: Any) -> dict[str, Any]:
+                 use_closure: bool = False, **options: Any) -> dict[str, Any]:
     """Trains with `schedule`; returns the parameters after synchronize() and
     the losses. `same_data`: every rank sees the same batch (rank 0's shard);
-    `clip`: model.clip_grad_norm_(clip) before every step."""
+    `clip`: model.clip_grad_norm_(clip) before every step; `use_closure`:
+    forward and backward run in the closure passed to ``optimizer.step``."""
     hemiola.init()
     torch.manual_seed(0)
     m = make_model(model_name)
@@ -268,12 +269,20 @@ def schedule_run(rank: int, world: int, schedule: str, model_name: str, opt_name
     losses = []
     for step in range(steps):
         x, y = make_batch(model_name, step, 0 if same_data else rank, world)
-        opt.zero_grad()
-        loss = loss_of(model_name, model(x), y)
-        loss.backward()
-        if clip is not None:
-            model.clip_grad_norm_(clip)
-        opt.step()
+
+        def closure(x: torch.Tensor = x, y: torch.Tensor = y) -> torch.Tensor:
+            opt.zero_grad()
+            loss = loss_of(model_name, model(x), y)
+            loss.backward()
+            if clip is not None:
+                model.clip_grad_norm_(clip)
+            return loss
+
+        if use_closure:
+            loss = opt.step(closure)
+        else:
+            loss = closure()
+            opt.step()
         sched.step()
         losses.append(loss.item())
     model.synchronize()
@@ -350,11 +359,12 @@ def irregular_model(rank: int, world: int, schedule: str, opt_name: str,
 
 def priority_matches_wfbp(rank: int, world: int, model_name: str, opt_name: str,
                           steps: int, partition_mb: float | None = None,
-                          clip: float | None = None) -> float:
-    """Different data per rank: priority is exact, so it must follow wfbp."""
+                          clip: float | None = None, use_closure: bool = False) -> float:
+    """Different data per rank: priority is exact, so it must follow wfbp
+    (which is given no closure: torch's own step runs it)."""
     a = schedule_run(rank, world, "wfbp", model_name, opt_name, steps, False, clip)
     b = schedule_run(rank, world, "priority", model_name, opt_name, steps, False, clip,
-                     partition_mb=partition_mb)
+                     use_closure, partition_mb=partition_mb)
     return max((x - y).abs().max().item() for x, y in zip(a["params"], b["params"]))
 
 

@@ -3,12 +3,15 @@
 - ``wfbp``: wait-free back-propagation; ``backward()`` returns with averaged
   gradients (torch DDP's behaviour).
 - ``priority``: exact (wfbp's math); each bucket's update is applied when its
-  reduction arrives, the next forward of a module waits only for its own
-  parameters, and the front layers are reduced first after backward.
-- ``decoupled``: the reduction of iteration t runs under the whole of
-  iteration t+1, which computes on approximate parameters (the exact ones
-  stepped with this rank's own gradient); the exact step lands at the next
-  ``optimizer.step()``.
+  reduction arrives, the next forward of a module waits only for the
+  parameters it reads first, and the front layers are reduced first after
+  backward.
+- ``decoupled``: the reduction of iteration t runs under iteration t+1, which
+  computes on approximate parameters (the exact ones stepped with this rank's
+  own gradient); the exact step lands as soon as it has arrived and no forward
+  still needs the approximate value, at the latest in ``optimizer.step()``.
+
+``gate`` learns where in the forward each parameter must be up to date.
 """
 
 from __future__ import annotations

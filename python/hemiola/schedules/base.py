@@ -54,6 +54,10 @@ class Schedule:
     def synchronize(self) -> None:
         """Lands everything pending, so parameters are exact."""
 
+    def stats(self) -> dict[str, float]:
+        """Schedule-specific counters (see ``DataParallel.stats``)."""
+        return {}
+
     def parameters_replaced(self) -> None:
         """The parameters were overwritten (load_state_dict)."""
 
@@ -96,10 +100,16 @@ def take_over_optimizer(schedule: Schedule, optimizer: Any, step: Callable[[], N
     inner_state_dict = optimizer.state_dict
     inner_load = optimizer.load_state_dict
 
-    def wrapped_step(opt: torch.optim.Optimizer, closure: Any = None) -> None:
+    def wrapped_step(opt: torch.optim.Optimizer, closure: Any = None) -> Any:
+        # As torch's per-parameter optimizers do: the closure (forward and
+        # backward) runs once, first. (L-BFGS, which needs it called many
+        # times, is refused by its own step.)
+        loss = None
         if closure is not None:
-            raise ValueError(f"schedule={name!r} does not support optimizer closures")
+            with torch.enable_grad():
+                loss = closure()
         step()
+        return loss
 
     def state_dict(opt: torch.optim.Optimizer) -> dict[str, Any]:
         schedule.synchronize()  # the exact state

@@ -99,6 +99,9 @@ class Decoupled(DeferredSchedule):
         # Per parameter: the newest iteration whose exact step is in the shadow.
         self._landed = [-1] * len(model._params)
         self._pending: deque[_Iteration] = deque()
+        # Elements read by forwards in total, and while still approximate.
+        self._reads = 0
+        self._approximate_reads = 0
 
     # ---- optimizer side ------------------------------------------------------
 
@@ -153,6 +156,16 @@ class Decoupled(DeferredSchedule):
             # Everything that has arrived and that no forward read since the
             # last backward, not only `indices`: one optimizer step.
             self._advance(self._gate.unread(list(range(len(self.model._params)))), must=0)
+        if torch.is_grad_enabled():
+            newest = self._pending[-1].iteration if self._pending else -1
+            params = self.model._params
+            for i in indices:
+                self._reads += params[i].numel()
+                if self._landed[i] < newest:
+                    self._approximate_reads += params[i].numel()
+
+    def stats(self) -> dict[str, float]:
+        return {"approximate_read_fraction": self._approximate_reads / max(1, self._reads)}
 
     # ---- landing -------------------------------------------------------------
 
