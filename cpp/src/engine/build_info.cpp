@@ -4,6 +4,9 @@
 #if HEMIOLA_CUDA_ENABLED
 #include "device.h"
 #endif
+#if HEMIOLA_NCCL_ENABLED
+#include "comm/nccl_library.h"
+#endif
 
 namespace hemiola {
 
@@ -18,7 +21,20 @@ std::string build_info() {
   const int devices = cuda::device_count(&reason);
   out += "cuda devices: " + std::to_string(devices) + (devices ? "" : " (" + reason + ")") + "\n";
 #endif
-  out += "nccl: no (the GPU/NCCL path is not built yet; CUDA tensors are refused)\n";
+#if HEMIOLA_NCCL_ENABLED
+  // Loaded for the report and closed again: no library stays open on behalf
+  // of a process that only asked what the build contains.
+  const comm::NcclLibrary nccl;
+  if (nccl.loaded()) {
+    out += "nccl: yes (" + nccl.version() + " from " + nccl.path() + "; built against " +
+           comm::nccl_version_string(NCCL_VERSION_CODE) + ")\n";
+  } else {
+    out += "nccl: no (" + nccl.reason() + ")\n";
+  }
+#else
+  out += "nccl: no (" HEMIOLA_NCCL_REASON ")\n";
+#endif
+  out += "cuda tensors: refused (the engine's GPU path is not built yet)\n";
   return out;
 }
 

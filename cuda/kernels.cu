@@ -1,0 +1,511 @@
+// Kernels behind kernels.h. Design notes:
+//
+// Fusion (pack/unpack) splits the *buffer* into fixed chunks of kChunk
+// elements, one block per chunk; a block finds the first slot overlapping its
+// chunk by one binary search over the slot offsets (by one thread, shared
+// through shared memory) and walks forward over the slots its chunk touches.
+// Compared with assigning blocks per tensor, this balances load whatever the
+// size mix (a 64-element bias does not occupy a whole block, a 2M-element
+// weight is split evenly), the grid is simply ceil(extent / kChunk), and
+// every access to the buffer side is coalesced across slot boundaries. The
+// search costs log2(slots) dependent loads of a few hundred bytes that stay in
+// L2, hidden behind other resident blocks' traffic. A chunk that lies inside
+// one slot (nearly all of them for large tensors) takes an unrolled path that
+// issues all kItems loads of a thread before its stores, so each thread keeps
+// kItems requests in flight, which is what a bandwidth-bound copy needs.
+//
+// Element-wise kernels (casts, optimizer steps) use a grid-stride loop over a
+// grid capped at kMaxBlocks, so any size launches a valid grid.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+
+#include "hemiola/status.h"
+#include "kernels.h"
+
+namespace hemiola::cuda {
+
+namespace {
+
+constexpr int kThreads = 256;
+constexpr int kItems = 8;
+constexpr std::int64_t kChunk = std::int64_t{kThreads} * kItems;
+constexpr std::int64_t kMaxBlocks = 1 << 16;
+
+cudaStream_t as_stream(void* stream) { return static_cast<cudaStream_t>(stream); }
+
+// Throws hemiola::Error naming the launch site when the last launch failed.
+void check_launch(const char* file, int line, const char* kernel) {
+  const cudaError_t status = cudaGetLastError();
+  if (status != cudaSuccess) {
+    detail::throw_error(ErrorCode::kInternal, file, line,
+                        detail::concat(kernel, " launch failed: ", cudaGetErrorName(status), ": ",
+                                       cudaGetErrorString(status)));
+  }
+}
+#define HEMIOLA_CHECK_LAUNCH(kernel) check_launch(__FILE__, __LINE__, kernel)
+
+unsigned elementwise_blocks(std::int64_t numel) {
+  return static_cast<unsigned>(std::min((numel + kThreads - 1) / kThreads, kMaxBlocks));
+}
+
+// ---- element types: storage T, arithmetic in Elem<T>::Math ----------------
+
+template <typename T>
+struct Elem;
+template <>
+struct Elem<float> {
+  using Math = float;
+  static __device__ float to_math(float x) { return x; }
+  static __device__ float from_math(float x) { return x; }
+};
+template <>
+struct Elem<double> {
+  using Math = double;
+  static __device__ double to_math(double x) { return x; }
+  static __device__ double from_math(double x) { return x; }
+};
+template <>
+struct Elem<__half> {
+  using Math = float;
+  static __device__ float to_math(__half x) { return __half2float(x); }
+  static __device__ __half from_math(float x) { return __float2half_rn(x); }
+};
+template <>
+struct Elem<__nv_bfloat16> {
+  using Math = float;
+  static __device__ float to_math(__nv_bfloat16 x) { return __bfloat162float(x); }
+  static __device__ __nv_bfloat16 from_math(float x) { return __float2bfloat16_rn(x); }
+};
+
+// Rounds a float through T, so that state carried in T is used as stored.
+template <typename T>
+__device__ float round_through(float x) {
+  return Elem<T>::to_math(Elem<T>::from_math(x));
+}
+
+template <typename T>
+struct Tag {
+  using type = T;
+};
+
+// Calls fn(Tag<T>{}) with T the storage type of `dtype`: float32, float16,
+// bfloat16 and, when with_double, float64; anything else is refused.
+template <typename Fn>
+void dispatch_floating(DType dtype, bool with_double, const char* what, Fn&& fn) {
+  switch (dtype) {
+    case DType::kFloat32: return fn(Tag<float>{});
+    case DType::kFloat16: return fn(Tag<__half>{});
+    case DType::kBFloat16: return fn(Tag<__nv_bfloat16>{});
+    case DType::kFloat64:
+      if (with_double) return fn(Tag<double>{});
+      break;
+    default: break;
+  }
+  HEMIOLA_THROW(ErrorCode::kInvalidArgument, what, ": unsupported dtype ", dtype_name(dtype));
+}
+
+// Calls fn(Tag<U>{}) with U an unsigned integer as wide as one element.
+template <typename Fn>
+void dispatch_raw(DType dtype, Fn&& fn) {
+  switch (dtype_size(dtype)) {
+    case 1: return fn(Tag<std::uint8_t>{});
+    case 2: return fn(Tag<std::uint16_t>{});
+    case 4: return fn(Tag<std::uint32_t>{});
+    case 8: return fn(Tag<std::uint64_t>{});
+    default: HEMIOLA_THROW(ErrorCode::kInternal, "no raw type for ", dtype_name(dtype));
+  }
+}
+
+// ---- fusion ---------------------------------------------------------------
+
+// Index of the last slot with offset <= position, or -1 when there is none.
+__device__ std::int64_t last_slot_at_or_before(const FusionSlot* slots, std::int64_t count,
+                                               std::int64_t position) {
+  std::int64_t low = 0;
+  std::int64_t high = count;  // invariant: slots[< low] <= position < slots[>= high]
+  while (low < high) {
+    const std::int64_t mid = low + (high - low) / 2;
+    if (slots[mid].offset <= position) {
+      low = mid + 1;
+    } else {
+      high = mid;
+    }
+  }
+  return low - 1;
+}
+
+// Pack copies tensor -> buffer; unpack copies buffer -> tensor through
+// Transform (a raw copy, or a scaling). One block per kChunk of the buffer.
+struct RawCopy {
+  template <typename T>
+  __device__ T operator()(T x) const {
+    return x;
+  }
+};
+
+template <typename T>
+struct Scale {
+  typename Elem<T>::Math factor;
+  __device__ T operator()(T x) const {
+    return Elem<T>::from_math(Elem<T>::to_math(x) * factor);
+  }
+};
+
+template <bool kPack, typename T, typename Transform>
+__global__ void __launch_bounds__(kThreads)
+    fusion_kernel(const FusionSlot* __restrict__ slots, std::int64_t count, T* buffer,
+                  Transform transform) {
+  __shared__ std::int64_t first_slot;
+  const std::int64_t chunk_begin = static_cast<std::int64_t>(blockIdx.x) * kChunk;
+  const std::int64_t chunk_end = chunk_begin + kChunk;
+  if (threadIdx.x == 0) first_slot = last_slot_at_or_before(slots, count, chunk_begin);
+  __syncthreads();
+
+  for (std::int64_t s = first_slot < 0 ? 0 : first_slot; s < count; ++s) {
+    const FusionSlot slot = slots[s];  // same address in every thread: one broadcast load
+    if (slot.offset >= chunk_end) break;
+    const std::int64_t slot_end = slot.offset + slot.numel;
+    const std::int64_t begin = slot.offset > chunk_begin ? slot.offset : chunk_begin;
+    const std::int64_t end = slot_end < chunk_end ? slot_end : chunk_end;
+    if (begin >= end) continue;  // the chunk starts in the gap after this slot
+    T* tensor = static_cast<T*>(slot.data);
+    const std::int64_t shift = slot.offset;  // buffer index - tensor index
+    if (end - begin == kChunk) {
+      T values[kItems];
+#pragma unroll
+      for (int k = 0; k < kItems; ++k) {
+        const std::int64_t i = begin + k * kThreads + threadIdx.x;
+        if constexpr (kPack) {
+          values[k] = tensor[i - shift];
+        } else {
+          values[k] = buffer[i];
+        }
+      }
+#pragma unroll
+      for (int k = 0; k < kItems; ++k) {
+        const std::int64_t i = begin + k * kThreads + threadIdx.x;
+        if constexpr (kPack) {
+          buffer[i] = values[k];
+        } else {
+          tensor[i - shift] = transform(values[k]);
+        }
+      }
+    } else {
+      for (std::int64_t i = begin + threadIdx.x; i < end; i += kThreads) {
+        if constexpr (kPack) {
+          buffer[i] = tensor[i - shift];
+        } else {
+          tensor[i - shift] = transform(buffer[i]);
+        }
+      }
+    }
+  }
+}
+
+void check_fusion_args(const FusionSlot* slots, std::int64_t slot_count, std::int64_t extent,
+                       const void* buffer) {
+  HEMIOLA_CHECK(slot_count >= 0 && extent >= 0, "fusion: negative slot count ", slot_count,
+                " or extent ", extent);
+  HEMIOLA_CHECK(slot_count == 0 || extent == 0 || (slots && buffer),
+                "fusion: null slot array or buffer");
+  HEMIOLA_CHECK((extent + kChunk - 1) / kChunk <= INT32_MAX, "fusion: extent ", extent,
+                " is too large for one launch");
+}
+
+template <bool kPack, typename T, typename Transform>
+void launch_fusion(const FusionSlot* slots, std::int64_t slot_count, std::int64_t extent,
+                   void* buffer, Transform transform, void* stream) {
+  const auto blocks = static_cast<unsigned>((extent + kChunk - 1) / kChunk);
+  fusion_kernel<kPack, T><<<blocks, kThreads, 0, as_stream(stream)>>>(
+      slots, slot_count, static_cast<T*>(buffer), transform);
+  HEMIOLA_CHECK_LAUNCH(kPack ? "pack" : "unpack");
+}
+
+// ---- casts ----------------------------------------------------------------
+
+template <typename From, typename To>
+__global__ void __launch_bounds__(kThreads)
+    cast_kernel(const From* __restrict__ src, To* __restrict__ dst, std::int64_t numel) {
+  const std::int64_t stride = static_cast<std::int64_t>(blockDim.x) * gridDim.x;
+  for (std::int64_t i = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+       i < numel; i += stride) {
+    dst[i] = Elem<To>::from_math(Elem<From>::to_math(src[i]));
+  }
+}
+
+template <typename From, typename To>
+void launch_cast(const void* src, void* dst, std::int64_t numel, void* stream) {
+  cast_kernel<From, To><<<elementwise_blocks(numel), kThreads, 0, as_stream(stream)>>>(
+      static_cast<const From*>(src), static_cast<To*>(dst), numel);
+  HEMIOLA_CHECK_LAUNCH("cast");
+}
+
+// ---- SGD ------------------------------------------------------------------
+
+// Float constants of one SGD step, derived on the host in double.
+struct SgdArgs {
+  float lr;
+  float momentum;
+  float one_minus_dampening;
+  float weight_decay;
+  float sign;  // -1 under maximize
+  bool nesterov;
+  bool first_step;
+};
+
+// param, shadow and momentum are not __restrict__: param and shadow may be the
+// same memory (a committing step without a shadow copy). Each element is read
+// before it is written by the same thread, so aliasing is harmless.
+template <typename T>
+__global__ void __launch_bounds__(kThreads)
+    sgd_step_kernel(T* param, T* shadow, T* momentum, const T* __restrict__ grad,
+                    std::int64_t numel, SgdArgs args, bool commit) {
+  using E = Elem<T>;
+  const std::int64_t stride = static_cast<std::int64_t>(blockDim.x) * gridDim.x;
+  for (std::int64_t i = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+       i < numel; i += stride) {
+    const float w = E::to_math(shadow[i]);
+    float g = args.sign * E::to_math(grad[i]);
+    if (args.weight_decay != 0.0f) g += args.weight_decay * w;
+    float d = g;
+    if (args.momentum != 0.0f) {
+      const float buf =
+          args.first_step ? g
+                          : args.momentum * E::to_math(momentum[i]) + args.one_minus_dampening * g;
+      // torch keeps the buffer in T and Nesterov reads it back from there.
+      const float stored = round_through<T>(buf);
+      d = args.nesterov ? g + args.momentum * stored : stored;
+      if (commit) momentum[i] = E::from_math(stored);
+    }
+    const T updated = E::from_math(w - args.lr * d);
+    param[i] = updated;
+    if (commit) shadow[i] = updated;
+  }
+}
+
+// Float constants of one linear correction.
+struct SgdCorrectionArgs {
+  float param_factor;   // -lr * kp * sign
+  float buffer_factor;  // kb * sign; 0 without momentum
+};
+
+template <typename T>
+__global__ void __launch_bounds__(kThreads)
+    sgd_correct_kernel(T* __restrict__ param, T* __restrict__ momentum,
+                       const T* __restrict__ grad_local, const T* __restrict__ grad_global,
+                       std::int64_t numel, SgdCorrectionArgs args) {
+  using E = Elem<T>;
+  const std::int64_t stride = static_cast<std::int64_t>(blockDim.x) * gridDim.x;
+  for (std::int64_t i = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+       i < numel; i += stride) {
+    const float delta = E::to_math(grad_global[i]) - E::to_math(grad_local[i]);
+    if (args.buffer_factor != 0.0f) {
+      momentum[i] = E::from_math(E::to_math(momentum[i]) + args.buffer_factor * delta);
+    }
+    param[i] = E::from_math(E::to_math(param[i]) + args.param_factor * delta);
+  }
+}
+
+void check_sgd_hyper(const SgdHyper& hyper) {
+  HEMIOLA_CHECK(hyper.lr >= 0.0, "sgd: invalid learning rate ", hyper.lr);
+  HEMIOLA_CHECK(hyper.momentum >= 0.0, "sgd: invalid momentum ", hyper.momentum);
+  HEMIOLA_CHECK(hyper.weight_decay >= 0.0, "sgd: invalid weight_decay ", hyper.weight_decay);
+  HEMIOLA_CHECK(!hyper.nesterov || (hyper.momentum > 0.0 && hyper.dampening == 0.0),
+                "sgd: Nesterov momentum requires a momentum and zero dampening");
+}
+
+// ---- Adam / AdamW -------------------------------------------------------
+
+// Float constants of one Adam step, derived on the host in double.
+struct AdamArgs {
+  float step_size;         // lr / (1 - beta1^step)
+  float bias2_sqrt;        // sqrt(1 - beta2^step)
+  float eps;
+  float lerp_weight;       // 1 - beta1
+  float beta2;
+  float one_minus_beta2;
+  float coupled_decay;     // Adam: added to the gradient (times w); 0 for AdamW
+  float decoupled_factor;  // AdamW: 1 - lr * weight_decay; 1 for Adam
+  float sign;              // -1 under maximize
+};
+
+// torch's lerp (at::lerp): exact at both ends, the form chosen by the weight.
+__device__ float torch_lerp(float start, float end, float weight) {
+  return weight < 0.5f ? start + weight * (end - start) : end - (end - start) * (1.0f - weight);
+}
+
+template <typename T>
+__global__ void __launch_bounds__(kThreads)
+    adam_step_kernel(T* param, T* shadow, T* exp_avg, T* exp_avg_sq, const T* __restrict__ grad,
+                     std::int64_t numel, AdamArgs args, bool commit) {
+  using E = Elem<T>;
+  const std::int64_t stride = static_cast<std::int64_t>(blockDim.x) * gridDim.x;
+  for (std::int64_t i = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+       i < numel; i += stride) {
+    const float shadow_w = E::to_math(shadow[i]);
+    float g = args.sign * E::to_math(grad[i]);
+    // Tested rather than always added, as torch does: 0 * inf would be NaN.
+    if (args.coupled_decay != 0.0f) g += args.coupled_decay * shadow_w;
+    const float w = shadow_w * args.decoupled_factor;
+    // Moments are rounded through T as torch stores them before reading them.
+    const float m = round_through<T>(torch_lerp(E::to_math(exp_avg[i]), g, args.lerp_weight));
+    const float v = round_through<T>(args.beta2 * E::to_math(exp_avg_sq[i]) +
+                                     args.one_minus_beta2 * g * g);
+    const float denom = sqrtf(v) / args.bias2_sqrt + args.eps;
+    const T updated = E::from_math(w - args.step_size * (m / denom));
+    param[i] = updated;
+    if (commit) {
+      shadow[i] = updated;
+      exp_avg[i] = E::from_math(m);
+      exp_avg_sq[i] = E::from_math(v);
+    }
+  }
+}
+
+void check_adam_hyper(const AdamHyper& hyper) {
+  HEMIOLA_CHECK(!hyper.amsgrad, "adam: amsgrad is not supported by the fused step");
+  HEMIOLA_CHECK(hyper.lr >= 0.0, "adam: invalid learning rate ", hyper.lr);
+  HEMIOLA_CHECK(hyper.beta1 >= 0.0 && hyper.beta1 < 1.0, "adam: invalid beta1 ", hyper.beta1);
+  HEMIOLA_CHECK(hyper.beta2 >= 0.0 && hyper.beta2 < 1.0, "adam: invalid beta2 ", hyper.beta2);
+  HEMIOLA_CHECK(hyper.eps >= 0.0, "adam: invalid eps ", hyper.eps);
+  HEMIOLA_CHECK(hyper.weight_decay >= 0.0, "adam: invalid weight_decay ", hyper.weight_decay);
+  HEMIOLA_CHECK(hyper.step >= 1, "adam: step counts from 1, got ", hyper.step);
+}
+
+}  // namespace
+
+void pack(const FusionSlot* slots, std::int64_t slot_count, std::int64_t extent, DType dtype,
+          void* buffer, void* stream) {
+  check_fusion_args(slots, slot_count, extent, buffer);
+  if (slot_count == 0 || extent == 0) return;
+  dispatch_raw(dtype, [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    launch_fusion<true, T>(slots, slot_count, extent, buffer, RawCopy{}, stream);
+  });
+}
+
+void unpack(const FusionSlot* slots, std::int64_t slot_count, std::int64_t extent, DType dtype,
+            const void* buffer, double scale, void* stream) {
+  check_fusion_args(slots, slot_count, extent, buffer);
+  HEMIOLA_CHECK(scale == 1.0 || is_floating(dtype), "unpack: cannot scale ", dtype_name(dtype));
+  if (slot_count == 0 || extent == 0) return;
+  // The kernel reads the buffer only; it is typed T* to share the pack kernel.
+  void* source = const_cast<void*>(buffer);
+  if (scale == 1.0) {
+    dispatch_raw(dtype, [&](auto tag) {
+      using T = typename decltype(tag)::type;
+      launch_fusion<false, T>(slots, slot_count, extent, source, RawCopy{}, stream);
+    });
+    return;
+  }
+  dispatch_floating(dtype, /*with_double=*/true, "unpack with scale", [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    const Scale<T> transform{static_cast<typename Elem<T>::Math>(scale)};
+    launch_fusion<false, T>(slots, slot_count, extent, source, transform, stream);
+  });
+}
+
+void cast(const void* src, DType src_dtype, void* dst, DType dst_dtype, std::int64_t numel,
+          void* stream) {
+  HEMIOLA_CHECK(numel >= 0, "cast: negative element count ", numel);
+  HEMIOLA_CHECK(numel == 0 || (src && dst), "cast: null pointer");
+  const bool narrowing = src_dtype == DType::kFloat32 &&
+                         (dst_dtype == DType::kFloat16 || dst_dtype == DType::kBFloat16);
+  const bool widening = dst_dtype == DType::kFloat32 &&
+                        (src_dtype == DType::kFloat16 || src_dtype == DType::kBFloat16);
+  HEMIOLA_CHECK(narrowing || widening, "cast: unsupported conversion ", dtype_name(src_dtype),
+                " -> ", dtype_name(dst_dtype), " (float32 <-> float16/bfloat16 only)");
+  if (numel == 0) return;
+  if (src_dtype == DType::kFloat16) return launch_cast<__half, float>(src, dst, numel, stream);
+  if (src_dtype == DType::kBFloat16) {
+    return launch_cast<__nv_bfloat16, float>(src, dst, numel, stream);
+  }
+  if (dst_dtype == DType::kFloat16) return launch_cast<float, __half>(src, dst, numel, stream);
+  launch_cast<float, __nv_bfloat16>(src, dst, numel, stream);
+}
+
+void sgd_step(const SgdTensors& tensors, std::int64_t numel, DType dtype, const SgdHyper& hyper,
+              bool commit, void* stream) {
+  check_sgd_hyper(hyper);
+  HEMIOLA_CHECK(numel >= 0, "sgd: negative element count ", numel);
+  HEMIOLA_CHECK(numel == 0 || (tensors.param && tensors.shadow && tensors.grad),
+                "sgd: null parameter, shadow or gradient");
+  HEMIOLA_CHECK(numel == 0 || hyper.momentum == 0.0 || tensors.momentum,
+                "sgd: momentum ", hyper.momentum, " needs a momentum buffer");
+  const SgdArgs args{static_cast<float>(hyper.lr),
+                     static_cast<float>(hyper.momentum),
+                     static_cast<float>(1.0 - hyper.dampening),
+                     static_cast<float>(hyper.weight_decay),
+                     hyper.maximize ? -1.0f : 1.0f,
+                     hyper.nesterov,
+                     hyper.first_step};
+  dispatch_floating(dtype, /*with_double=*/false, "sgd", [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    if (numel == 0) return;
+    sgd_step_kernel<T><<<elementwise_blocks(numel), kThreads, 0, as_stream(stream)>>>(
+        static_cast<T*>(tensors.param), static_cast<T*>(tensors.shadow),
+        static_cast<T*>(tensors.momentum), static_cast<const T*>(tensors.grad), numel, args,
+        commit);
+    HEMIOLA_CHECK_LAUNCH("sgd_step");
+  });
+}
+
+void sgd_correct(void* param, void* momentum, const void* grad_local, const void* grad_global,
+                 std::int64_t numel, DType dtype, const SgdHyper& hyper, void* stream) {
+  check_sgd_hyper(hyper);
+  HEMIOLA_CHECK(numel >= 0, "sgd_correct: negative element count ", numel);
+  HEMIOLA_CHECK(numel == 0 || (param && grad_local && grad_global),
+                "sgd_correct: null parameter or gradient");
+  HEMIOLA_CHECK(numel == 0 || hyper.momentum == 0.0 || momentum,
+                "sgd_correct: momentum ", hyper.momentum, " needs a momentum buffer");
+  const double sign = hyper.maximize ? -1.0 : 1.0;
+  const double kb = hyper.first_step ? 1.0 : 1.0 - hyper.dampening;
+  const double kp = hyper.momentum == 0.0 ? 1.0 : hyper.nesterov ? 1.0 + hyper.momentum * kb : kb;
+  const SgdCorrectionArgs args{static_cast<float>(-hyper.lr * kp * sign),
+                               hyper.momentum == 0.0 ? 0.0f : static_cast<float>(kb * sign)};
+  dispatch_floating(dtype, /*with_double=*/false, "sgd_correct", [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    if (numel == 0) return;
+    sgd_correct_kernel<T><<<elementwise_blocks(numel), kThreads, 0, as_stream(stream)>>>(
+        static_cast<T*>(param), static_cast<T*>(momentum), static_cast<const T*>(grad_local),
+        static_cast<const T*>(grad_global), numel, args);
+    HEMIOLA_CHECK_LAUNCH("sgd_correct");
+  });
+}
+
+void adam_step(const AdamTensors& tensors, std::int64_t numel, DType dtype,
+               const AdamHyper& hyper, bool commit, void* stream) {
+  check_adam_hyper(hyper);
+  HEMIOLA_CHECK(numel >= 0, "adam: negative element count ", numel);
+  HEMIOLA_CHECK(numel == 0 || (tensors.param && tensors.shadow && tensors.exp_avg &&
+                               tensors.exp_avg_sq && tensors.grad),
+                "adam: null parameter, shadow, moment or gradient");
+  const double step = static_cast<double>(hyper.step);
+  const bool decoupled = hyper.decoupled_weight_decay;
+  const AdamArgs args{
+      static_cast<float>(hyper.lr / (1.0 - std::pow(hyper.beta1, step))),
+      static_cast<float>(std::sqrt(1.0 - std::pow(hyper.beta2, step))),
+      static_cast<float>(hyper.eps),
+      static_cast<float>(1.0 - hyper.beta1),
+      static_cast<float>(hyper.beta2),
+      static_cast<float>(1.0 - hyper.beta2),
+      decoupled ? 0.0f : static_cast<float>(hyper.weight_decay),
+      decoupled ? static_cast<float>(1.0 - hyper.lr * hyper.weight_decay) : 1.0f,
+      hyper.maximize ? -1.0f : 1.0f};
+  dispatch_floating(dtype, /*with_double=*/false, "adam", [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    if (numel == 0) return;
+    adam_step_kernel<T><<<elementwise_blocks(numel), kThreads, 0, as_stream(stream)>>>(
+        static_cast<T*>(tensors.param), static_cast<T*>(tensors.shadow),
+        static_cast<T*>(tensors.exp_avg), static_cast<T*>(tensors.exp_avg_sq),
+        static_cast<const T*>(tensors.grad), numel, args, commit);
+    HEMIOLA_CHECK_LAUNCH("adam_step");
+  });
+}
+
+}  // namespace hemiola::cuda

@@ -1,0 +1,143 @@
+// The engine's CUDA kernels behind a plain C++ interface: raw device pointers,
+// element counts, hemiola::DType and an opaque stream (a cudaStream_t passed as
+// void*; nullptr is the legacy default stream). No CUDA or framework type
+// appears here, so code compiled without nvcc can call these.
+//
+// Every function only enqueues work on `stream` and returns: the host never
+// waits. Arguments are checked on the host (hemiola::Error, kInvalidArgument);
+// a failed launch throws hemiola::Error (a std::runtime_error) whose message
+// starts with the file:line of the launch. Empty work launches nothing.
+#pragma once
+
+#include <cstdint>
+
+#include "hemiola/export.h"
+#include "hemiola/tensor.h"
+
+namespace hemiola::cuda {
+
+// ---- fusion buffers -----------------------------------------------------
+
+// One tensor's place in a fusion buffer: `numel` elements at `data` occupy
+// elements [offset, offset + numel) of the buffer. An array of slots lives in
+// device memory (the caller uploads it once per bucket layout and keeps it
+// while kernels using it may run). Invariant the kernels rely on (not checked:
+// the array is on the device): slots[i].offset + slots[i].numel <=
+// slots[i + 1].offset, and every slot lies inside the buffer. Gaps between
+// slots (alignment padding) are allowed and never touched.
+struct FusionSlot {
+  void* data;
+  std::int64_t offset;
+  std::int64_t numel;
+};
+static_assert(sizeof(FusionSlot) == 24, "FusionSlot is uploaded as three 64-bit words");
+
+// Copies every slot's tensor into `buffer`, in one launch. Any dtype (a raw
+// copy of dtype_size(dtype)-byte elements). `extent` is the end of the last
+// slot (offset + numel), i.e. how much of the buffer the slots span.
+HEMIOLA_API void pack(const FusionSlot* slots, std::int64_t slot_count, std::int64_t extent,
+                      DType dtype, void* buffer, void* stream);
+
+// Copies `buffer` back into every slot's tensor, multiplied by `scale` (1/world
+// to turn a sum into an average), in one launch. scale == 1 is a raw copy of
+// any dtype; otherwise the dtype must be floating and the product is computed
+// in float (double for float64) and rounded once to the dtype.
+HEMIOLA_API void unpack(const FusionSlot* slots, std::int64_t slot_count, std::int64_t extent,
+                        DType dtype, const void* buffer, double scale, void* stream);
+
+// ---- casts (compressed wire format) --------------------------------------
+
+// dst[i] = src[i] converted, for float32 -> float16/bfloat16 (round to nearest
+// even, as torch's .to()) and float16/bfloat16 -> float32 (exact).
+HEMIOLA_API void cast(const void* src, DType src_dtype, void* dst, DType dst_dtype,
+                      std::int64_t numel, void* stream);
+
+// ---- fused optimizer steps for the decoupled schedule ---------------------
+//
+// Parameters, gradients and optimizer state share one floating dtype (float32,
+// float16 or bfloat16, as torch.optim keeps them); arithmetic is in float.
+// `shadow` is the exact, globally agreed copy of the parameters and state; the
+// live parameters `param` are what forward reads. A step either *commits*
+// (the exact step with the averaged gradient: shadow and state advance, and
+// param receives the new exact values) or does not (the approximate step with
+// this rank's own gradient: only param is written, from the shadow). Live and
+// shadow may be the same memory when committing.
+
+// torch.optim.SGD's hyper-parameters for one step. Doubles, as torch holds
+// them (Python floats): derived constants are computed in double on the host
+// and rounded to float once.
+struct SgdHyper {
+  double lr = 0.0;
+  double momentum = 0.0;
+  double dampening = 0.0;
+  double weight_decay = 0.0;
+  bool nesterov = false;
+  bool maximize = false;
+  // True on the step that creates the momentum buffer (torch: buf = d_p);
+  // the buffer's old contents are then not read.
+  bool first_step = false;
+};
+
+struct SgdTensors {
+  void* param;           // live parameters (written)
+  void* shadow;          // exact parameters (read; written when committing)
+  void* momentum;        // momentum buffer (read unless first_step; written when committing);
+                         // unused (may be null) when momentum == 0
+  const void* grad;      // the gradient this step applies
+};
+
+// One torch.optim.SGD step (weight decay, momentum with dampening, Nesterov,
+// maximize), in one launch:
+//   g = ±grad + weight_decay * shadow
+//   buf' = first_step ? g : momentum * buf + (1 - dampening) * g
+//   d = momentum == 0 ? g : nesterov ? g + momentum * buf' : buf'
+//   param = shadow - lr * d;   when committing also shadow = param, buf = buf'.
+HEMIOLA_API void sgd_step(const SgdTensors& tensors, std::int64_t numel, DType dtype,
+                          const SgdHyper& hyper, bool commit, void* stream);
+
+// The SGD family's linear correction, for a schedule that committed the
+// approximate step into param and the momentum buffer (no shadow copy): since
+// d and buf' are affine in the gradient with the same shadow parameters,
+//   buf += kb * (grad_global - grad_local)             kb = first_step ? 1 : 1 - dampening
+//   param -= lr * kp * (grad_global - grad_local)       kp = momentum == 0 ? 1
+//                                                          : nesterov ? 1 + momentum * kb : kb
+// (signs flipped under maximize) turns both into the exact step's results, up
+// to rounding. `hyper` must be the one the approximate step used.
+HEMIOLA_API void sgd_correct(void* param, void* momentum, const void* grad_local,
+                             const void* grad_global, std::int64_t numel, DType dtype,
+                             const SgdHyper& hyper, void* stream);
+
+// torch.optim.Adam / AdamW's hyper-parameters for one step (doubles, as for
+// SGD: the bias corrections are computed in double on the host). amsgrad is
+// not supported: refused, so a caller mirroring a torch param group cannot
+// silently drop it.
+struct AdamHyper {
+  double lr = 0.0;
+  double beta1 = 0.9;
+  double beta2 = 0.999;
+  double eps = 1e-8;
+  double weight_decay = 0.0;
+  bool decoupled_weight_decay = false;  // AdamW
+  bool maximize = false;
+  bool amsgrad = false;
+  std::int64_t step = 1;  // the step being taken, counted from 1 (bias correction)
+};
+
+struct AdamTensors {
+  void* param;        // live parameters (written)
+  void* shadow;       // exact parameters (read; written when committing)
+  void* exp_avg;      // first moment (read; written when committing)
+  void* exp_avg_sq;   // second moment (read; written when committing)
+  const void* grad;   // the gradient this step applies
+};
+
+// One torch.optim.Adam (or AdamW) step, in one launch, with torch's formulas:
+//   g = ±grad (+ weight_decay * shadow for Adam)
+//   w = shadow (* (1 - lr * weight_decay) for AdamW)
+//   m' = lerp(m, g, 1 - beta1);  v' = beta2 * v + (1 - beta2) * g * g
+//   param = w - lr / (1 - beta1^step) * m' / (sqrt(v') / sqrt(1 - beta2^step) + eps)
+// When committing also shadow = param, exp_avg = m', exp_avg_sq = v'.
+HEMIOLA_API void adam_step(const AdamTensors& tensors, std::int64_t numel, DType dtype,
+                           const AdamHyper& hyper, bool commit, void* stream);
+
+}  // namespace hemiola::cuda
