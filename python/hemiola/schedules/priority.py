@@ -47,6 +47,7 @@ class _Pending:
         self.hyper = hyper
         self.unmarked = unmarked
         self.clip = clip
+        self.coef: torch.Tensor | None = None  # clipping coefficient, once computed
         self.remaining = set(range(params))  # parameters not updated yet
 
     @property
@@ -151,7 +152,7 @@ class Priority(DeferredSchedule):
     def _update(self, pending: _Pending, wanted: list[int], wait: bool) -> None:
         """Applies the update of the parameters in `wanted` (waiting for their
         buckets if `wait`, else only those already reduced), and of every other
-        parameter whose buckets are reduced by then: one optimizer step."""
+        unread parameter whose buckets are reduced by then: one optimizer step."""
         m = self.model
         reducer = m._reducer
         recorder = m.timeline_recorder
@@ -162,7 +163,11 @@ class Priority(DeferredSchedule):
                     reducer.wait(it)
             else:
                 self.wait_buckets(it, wanted)
-        ready = self.arrived(it, sorted(pending.remaining))
+        # Besides `wanted`, only parameters no forward has read since the last
+        # backward: updating one that was read would change a value autograd
+        # may still need.
+        candidates = set(self._gate.unread(sorted(pending.remaining))) | set(wanted)
+        ready = self.arrived(it, sorted(candidates & pending.remaining))
         if not ready:
             return
         usage = reducer.usage(it) if pending.unmarked else None
@@ -170,9 +175,12 @@ class Priority(DeferredSchedule):
         chosen = set(ready)
         grads = [m._reduced(it, i) if i in chosen and (usage is None or usage[i] > 0)
                  else None for i in range(len(m._params))]
-        if pending.clip is not None:  # needs_whole: this update is all of them
-            coef = self.clip_coefficient(pending.clip, [g for g in grads if g is not None])
-            grads = [None if g is None else g * coef for g in grads]
+        if pending.clip is not None:  # needs_whole: every reduction has arrived
+            if pending.coef is None:
+                pending.coef = self.clip_coefficient(
+                    pending.clip, [m._reduced(it, i) for i in range(len(m._params))
+                                   if usage is None or usage[i] > 0])
+            grads = [None if g is None else g * pending.coef for g in grads]
         self.step_with(grads, pending.hyper)
         pending.remaining -= chosen
         recorder.record("compute", f"update {len(ready)} parameters ({it})", "step", start)
