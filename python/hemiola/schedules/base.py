@@ -163,6 +163,25 @@ class BufferBroadcast:
                 offset += nbytes
 
 
+class PendingUpdate:
+    """An iteration whose reduced gradients have not been applied to every
+    parameter yet."""
+
+    def __init__(self, iteration: int, hyper: list[dict[str, Any]], unmarked: list[int] | None,
+                 clip: tuple[float, float] | None) -> None:
+        self.iteration = iteration
+        self.hyper = hyper  # the hyper-parameters the iteration ran with
+        self.unmarked = unmarked  # parameters this rank contributed as zeros
+        self.clip = clip  # (max_norm, norm_type) of model.clip_grad_norm_
+        self.coef: torch.Tensor | None = None  # clipping coefficient, once computed
+
+    @property
+    def needs_whole(self) -> bool:
+        """Usage counts (unused parameters) and the clipping norm exist only
+        once the whole iteration is reduced."""
+        return bool(self.unmarked) or self.clip is not None
+
+
 class DeferredSchedule(Schedule):
     """Base of the schedules whose ``backward()`` does not wait (``priority``,
     ``decoupled``): gradients are copied into the engine and their results
@@ -282,13 +301,36 @@ class DeferredSchedule(Schedule):
         """(max_norm, norm_type) if `iteration`'s gradients were clipped."""
         return self._clip.pop(iteration, None)
 
-    @staticmethod
-    def clip_coefficient(clip: tuple[float, float], grads: list[torch.Tensor]) -> torch.Tensor:
-        """torch's clip_grad_norm_ coefficient for the reduced gradients
-        `grads` (all of one iteration's)."""
-        max_norm, norm_type = clip
-        total = torch.nn.utils.get_total_norm(grads, norm_type)
-        return torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    def wait_for(self, pending: PendingUpdate, indices: list[int]) -> None:
+        """Waits until `pending`'s reduced gradients of parameters `indices`
+        can be applied: their buckets, or the whole iteration if it needs it."""
+        if pending.needs_whole:
+            with self.model.timeline_recorder.span(
+                    "compute", f"wait reduction {pending.iteration}", "wait"):
+                self.model._reducer.wait(pending.iteration)
+        else:
+            self.wait_buckets(pending.iteration, indices)
+
+    def apply_reduced(self, pending: PendingUpdate, chosen: set[int]) -> None:
+        """One step of the user's optimizer applying `pending`'s reduced
+        gradients to the parameters `chosen` (all arrived): parameters no rank
+        used are skipped, and a clipped iteration's gradients are scaled by
+        torch's clip_grad_norm_ coefficient of the whole reduced gradient."""
+        m = self.model
+        it = pending.iteration
+        count = len(m._params)
+        usage = m._reducer.usage(it) if pending.unmarked else None
+        used = [usage is None or usage[i] > 0 for i in range(count)]
+        if pending.clip is not None and pending.coef is None:  # needs_whole: all arrived
+            max_norm, norm_type = pending.clip
+            total = torch.nn.utils.get_total_norm(
+                [m._reduced(it, i) for i in range(count) if used[i]], norm_type)
+            pending.coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        grads: list[torch.Tensor | None] = []
+        for i in range(count):
+            g = m._reduced(it, i) if i in chosen and used[i] else None
+            grads.append(g if g is None or pending.coef is None else g * pending.coef)
+        self.step_with(grads, pending.hyper)
 
     def mark(self, index: int, grad: torch.Tensor) -> None:
         source = grad if grad.is_contiguous() else grad.contiguous()

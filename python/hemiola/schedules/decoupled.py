@@ -43,7 +43,7 @@ from typing import Any
 
 import torch
 
-from hemiola.schedules.base import DeferredSchedule, hyper_parameters
+from hemiola.schedules.base import DeferredSchedule, PendingUpdate, hyper_parameters
 
 
 def _copy_state(src: dict[str, Any], dst: dict[str, Any] | None) -> dict[str, Any]:
@@ -62,28 +62,17 @@ def _copy_state(src: dict[str, Any], dst: dict[str, Any] | None) -> dict[str, An
     return out
 
 
-class _Iteration:
+class _Iteration(PendingUpdate):
     """An iteration whose local step was taken and whose exact step has not
     landed for every parameter yet."""
 
     def __init__(self, iteration: int, hyper: list[dict[str, Any]], unmarked: list[int] | None,
                  clip: tuple[float, float] | None,
                  local_grads: list[torch.Tensor | None] | None) -> None:
-        self.iteration = iteration
-        self.hyper = hyper
-        self.unmarked = unmarked
-        self.clip = clip
+        super().__init__(iteration, hyper, unmarked, clip)
         # Copies of the local gradients, to re-take the local step after an
         # older iteration lands (only needed with in_flight > 1).
         self.local_grads = local_grads
-        # Clipping coefficient of the reduced gradient, once computed.
-        self.coef: torch.Tensor | None = None
-
-    @property
-    def needs_whole(self) -> bool:
-        """Usage counts (unused parameters) and the clipping norm exist only
-        once the whole iteration is reduced."""
-        return bool(self.unmarked) or self.clip is not None
 
 
 class Decoupled(DeferredSchedule):
@@ -174,9 +163,7 @@ class Decoupled(DeferredSchedule):
         pending iterations waiting for their reductions, of the newer ones
         those that have arrived (if correcting on arrival). Per parameter the
         steps land in order; then the approximation is re-derived."""
-        m = self.model
-        reducer = m._reducer
-        recorder = m.timeline_recorder
+        recorder = self.model.timeline_recorder
         plan: list[tuple[_Iteration, list[int]]] = []
         blocked: set[int] = set()  # an older iteration has not landed for them
         for age, pending in enumerate(self._pending):
@@ -185,11 +172,7 @@ class Decoupled(DeferredSchedule):
             if not wanted:
                 continue
             if age < must:
-                if pending.needs_whole:
-                    with recorder.span("compute", f"wait reduction {it}", "wait"):
-                        reducer.wait(it)
-                else:
-                    self.wait_buckets(it, wanted)
+                self.wait_for(pending, wanted)
                 ready = wanted
             elif self._on_arrival and not pending.needs_whole:
                 ready = self.arrived(it, wanted)
@@ -204,39 +187,21 @@ class Decoupled(DeferredSchedule):
         touched = sorted({i for _, ready in plan for i in ready})
         self._restore(touched)
         for pending, ready in plan:
-            self._exact_step(pending, ready)
+            self.apply_reduced(pending, set(ready))
             self._commit(ready)
             for i in ready:
                 self._landed[i] = pending.iteration
         # Re-take the local steps of the iterations still pending for them.
         for pending in self._pending:
-            again = [i for i in touched if self._landed[i] < pending.iteration]
+            again = {i for i in touched if self._landed[i] < pending.iteration}
             if again:
                 assert pending.local_grads is not None, "in_flight == 1 never re-steps"
-                self.step_with([pending.local_grads[i] if i in set(again) else None
-                                for i in range(len(m._params))], pending.hyper)
+                self.step_with([g if i in again else None
+                                for i, g in enumerate(pending.local_grads)], pending.hyper)
         while self._pending and min(self._landed) >= self._pending[0].iteration:
             self._pending.popleft()
         recorder.record("compute", f"exact step ({len(touched)} parameters)", "correction",
                         start)
-
-    def _exact_step(self, pending: _Iteration, ready: list[int]) -> None:
-        m = self.model
-        it = pending.iteration
-        usage = m._reducer.usage(it) if pending.unmarked else None
-        if pending.clip is not None and pending.coef is None:  # whole: all arrived
-            pending.coef = self.clip_coefficient(
-                pending.clip, [m._reduced(it, i) for i in range(len(m._params))
-                               if usage is None or usage[i] > 0])
-        chosen = set(ready)
-        grads: list[torch.Tensor | None] = []
-        for i in range(len(m._params)):
-            if i not in chosen or (usage is not None and usage[i] == 0):
-                grads.append(None)
-                continue
-            g = m._reduced(it, i)
-            grads.append(g if pending.coef is None else g * pending.coef)
-        self.step_with(grads, pending.hyper)
 
     def _restore(self, indices: list[int]) -> None:
         """Live parameters and optimizer state `indices` <- the shadow."""

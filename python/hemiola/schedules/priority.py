@@ -35,26 +35,16 @@ from typing import Any
 
 import torch
 
-from hemiola.schedules.base import DeferredSchedule, hyper_parameters
+from hemiola.schedules.base import DeferredSchedule, PendingUpdate, hyper_parameters
 
 
-class _Pending:
+class _Pending(PendingUpdate):
     """An iteration whose update is partly applied."""
 
     def __init__(self, iteration: int, hyper: list[dict[str, Any]], unmarked: list[int] | None,
                  clip: tuple[float, float] | None, params: int) -> None:
-        self.iteration = iteration
-        self.hyper = hyper
-        self.unmarked = unmarked
-        self.clip = clip
-        self.coef: torch.Tensor | None = None  # clipping coefficient, once computed
+        super().__init__(iteration, hyper, unmarked, clip)
         self.remaining = set(range(params))  # parameters not updated yet
-
-    @property
-    def needs_whole(self) -> bool:
-        """Usage counts (unused parameters) and the clipping norm exist only
-        once the whole iteration is reduced."""
-        return bool(self.unmarked) or self.clip is not None
 
 
 class Priority(DeferredSchedule):
@@ -153,16 +143,10 @@ class Priority(DeferredSchedule):
         """Applies the update of the parameters in `wanted` (waiting for their
         buckets if `wait`, else only those already reduced), and of every other
         unread parameter whose buckets are reduced by then: one optimizer step."""
-        m = self.model
-        reducer = m._reducer
-        recorder = m.timeline_recorder
+        recorder = self.model.timeline_recorder
         it = pending.iteration
         if wait:
-            if pending.needs_whole:
-                with recorder.span("compute", f"wait reduction {it}", "wait"):
-                    reducer.wait(it)
-            else:
-                self.wait_buckets(it, wanted)
+            self.wait_for(pending, wanted)
         # Besides `wanted`, only parameters no forward has read since the last
         # backward: updating one that was read would change a value autograd
         # may still need.
@@ -170,17 +154,8 @@ class Priority(DeferredSchedule):
         ready = self.arrived(it, sorted(candidates & pending.remaining))
         if not ready:
             return
-        usage = reducer.usage(it) if pending.unmarked else None
         start = recorder.now()
         chosen = set(ready)
-        grads = [m._reduced(it, i) if i in chosen and (usage is None or usage[i] > 0)
-                 else None for i in range(len(m._params))]
-        if pending.clip is not None:  # needs_whole: every reduction has arrived
-            if pending.coef is None:
-                pending.coef = self.clip_coefficient(
-                    pending.clip, [m._reduced(it, i) for i in range(len(m._params))
-                                   if usage is None or usage[i] > 0])
-            grads = [None if g is None else g * pending.coef for g in grads]
-        self.step_with(grads, pending.hyper)
+        self.apply_reduced(pending, chosen)
         pending.remaining -= chosen
         recorder.record("compute", f"update {len(ready)} parameters ({it})", "step", start)
