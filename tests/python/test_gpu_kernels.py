@@ -461,75 +461,20 @@ def test_refusals_need_no_gpu():
     f32, f16, bf16, i32 = (
         CODES[t] for t in (torch.float32, torch.float16, torch.bfloat16, torch.int32)
     )
+    nowhere = (0, 0, 0, 0, 0, 0)  # pointers and numel: refused before any is used
+    adam = {**ADAM, **ADAM_CASES[0], "commit": False, "stream": 0}
+    sgd = {"lr": LR, "maximize": False, "first_step": False, "commit": False, "stream": 0}
     with pytest.raises(ValueError, match="amsgrad"):
-        KERNELS.adam_step(
-            0,
-            0,
-            0,
-            0,
-            0,
-            0,
-            f32,
-            **ADAM,
-            **ADAM_CASES[0],
-            amsgrad=True,
-            step=1,
-            commit=False,
-            stream=0,
-        )
+        KERNELS.adam_step(*nowhere, f32, **adam, amsgrad=True, step=1)
     with pytest.raises(ValueError, match="step counts from 1"):
-        KERNELS.adam_step(
-            0,
-            0,
-            0,
-            0,
-            0,
-            0,
-            f32,
-            **ADAM,
-            **ADAM_CASES[0],
-            amsgrad=False,
-            step=0,
-            commit=False,
-            stream=0,
-        )
+        KERNELS.adam_step(*nowhere, f32, **adam, amsgrad=False, step=0)
     with pytest.raises(ValueError, match="Nesterov"):
-        KERNELS.sgd_step(
-            0,
-            0,
-            0,
-            0,
-            0,
-            f32,
-            lr=LR,
-            momentum=0.9,
-            dampening=0.1,
-            weight_decay=0.0,
-            nesterov=True,
-            maximize=False,
-            first_step=False,
-            commit=False,
-            stream=0,
-        )
+        KERNELS.sgd_step(*nowhere[:5], f32, **sgd, momentum=0.9, dampening=0.1,
+                         weight_decay=0.0, nesterov=True)
     with pytest.raises(ValueError, match="unsupported conversion"):
         KERNELS.cast(0, f16, 0, bf16, 0, 0)
     with pytest.raises(ValueError, match="cannot scale"):
         KERNELS.unpack(0, 0, 0, i32, 0, 0.5, 0)
     with pytest.raises(ValueError, match="unsupported dtype"):
-        KERNELS.sgd_step(
-            0,
-            0,
-            0,
-            0,
-            0,
-            i32,
-            lr=LR,
-            momentum=0.0,
-            dampening=0.0,
-            weight_decay=0.0,
-            nesterov=False,
-            maximize=False,
-            first_step=False,
-            commit=False,
-            stream=0,
-        )
+        KERNELS.sgd_step(*nowhere[:5], i32, **sgd, momentum=0.0, dampening=0.0,
+                         weight_decay=0.0, nesterov=False)
