@@ -406,6 +406,25 @@ def adam_reference(w, m, v, grad, case, step):
     return p.detach(), state["exp_avg"], state["exp_avg_sq"]
 
 
+def adam_param_from_moments(w, m, v, case, step):
+    """The parameter torch's Adam step computes from the new moments `m`, `v`, in float64.
+
+    torch stores the moments in the parameter's dtype before it reads them
+    back, and so does the kernel; where float16 moments are subnormal that
+    rounding changes the parameter far beyond float16's epsilon. So the
+    parameter's reference is this formula applied to the moments rounded to
+    the storage dtype; test_adam_formula_is_torchs checks that on unrounded
+    moments it is torch's own step.
+    """
+    w = w.double()
+    if case["decoupled_weight_decay"]:
+        w = w * (1 - ADAM["lr"] * case["weight_decay"])
+    bias1 = 1 - ADAM["beta1"] ** step
+    bias2 = 1 - ADAM["beta2"] ** step
+    denom = v.double().sqrt() / bias2**0.5 + ADAM["eps"]
+    return w - ADAM["lr"] / bias1 * m.double() / denom
+
+
 @gpu
 @pytest.mark.parametrize("commit", [False, True])
 @pytest.mark.parametrize("step", [1, 7])
@@ -440,7 +459,9 @@ def test_adam_step_matches_torch(dtype, numel, case, step, commit):
         )
     )
 
-    torch.testing.assert_close(param.view.double(), expected[0], **TOLERANCE[dtype])
+    stored_m, stored_v = expected[1].to(dtype), expected[2].to(dtype)
+    expected_param = adam_param_from_moments(shadow.view, stored_m, stored_v, case, step)
+    torch.testing.assert_close(param.view.double(), expected_param, **TOLERANCE[dtype])
     state = (shadow, exp_avg, exp_avg_sq)
     if commit:
         assert torch.equal(bits(shadow.view), bits(param.view))
@@ -451,6 +472,18 @@ def test_adam_step_matches_torch(dtype, numel, case, step, commit):
             assert torch.equal(bits(t.view), old)
     for t in (param, grad, *state):
         assert t.guards_intact()
+
+
+@pytest.mark.parametrize("step", [1, 7])
+@pytest.mark.parametrize("case", ADAM_CASES)
+def test_adam_formula_is_torchs(case, step):
+    """adam_param_from_moments (the fused step's parameter reference) is torch's step."""
+    gen = torch.Generator().manual_seed(step)
+    w, grad = torch.randn(1000, generator=gen), torch.randn(1000, generator=gen)
+    m, v = 0.1 * torch.randn(1000, generator=gen), 0.01 * torch.randn(1000, generator=gen) ** 2
+    p, new_m, new_v = adam_reference(w, m, v, grad, case, step)
+    formula = adam_param_from_moments(w, new_m, new_v, case, step)
+    torch.testing.assert_close(formula, p, rtol=1e-12, atol=1e-12)
 
 
 # ---- argument checks: raised on the host, before any launch -------------------
