@@ -27,8 +27,11 @@ from gpu_shapes import resnet50_shapes  # noqa: E402
 
 from hemiola._native import C  # noqa: E402
 
-CODES = {torch.float32: int(C.DType.float32), torch.bfloat16: int(C.DType.bfloat16),
-         torch.float16: int(C.DType.float16)}
+CODES = {
+    torch.float32: int(C.DType.float32),
+    torch.bfloat16: int(C.DType.bfloat16),
+    torch.float16: int(C.DType.float16),
+}
 
 
 def time_ms(launch: Callable[[], None], repeats: int) -> float:
@@ -56,17 +59,28 @@ def measure(dtype: torch.dtype, repeats: int) -> dict[str, float | str | int]:
     extent = offsets[-1] + tensors[-1].numel()
     buffer = torch.empty(extent, dtype=dtype, device="cuda")
     other = torch.empty_like(buffer)
-    slots = torch.tensor([[t.data_ptr(), o, t.numel()] for t, o in zip(tensors, offsets)],
-                         dtype=torch.int64, device="cuda")
+    slots = torch.tensor(
+        [[t.data_ptr(), o, t.numel()] for t, o in zip(tensors, offsets)],
+        dtype=torch.int64,
+        device="cuda",
+    )
     stream = torch.cuda.current_stream().cuda_stream
     code = CODES[dtype]
     payload = sum(t.numel() for t in tensors) * buffer.element_size()
 
     copy = time_ms(lambda: other.copy_(buffer), repeats)
-    pack = time_ms(lambda: kernels.pack(slots.data_ptr(), len(tensors), extent, code,
-                                        buffer.data_ptr(), stream), repeats)
-    unpack = time_ms(lambda: kernels.unpack(slots.data_ptr(), len(tensors), extent, code,
-                                            buffer.data_ptr(), 0.25, stream), repeats)
+    pack = time_ms(
+        lambda: kernels.pack(
+            slots.data_ptr(), len(tensors), extent, code, buffer.data_ptr(), stream
+        ),
+        repeats,
+    )
+    unpack = time_ms(
+        lambda: kernels.unpack(
+            slots.data_ptr(), len(tensors), extent, code, buffer.data_ptr(), 0.25, stream
+        ),
+        repeats,
+    )
     # Correctness guard: what unpack wrote is a quarter of what pack read.
     kernels.pack(slots.data_ptr(), len(tensors), extent, code, buffer.data_ptr(), stream)
     before = [t.clone() for t in tensors]
@@ -79,10 +93,15 @@ def measure(dtype: torch.dtype, repeats: int) -> dict[str, float | str | int]:
 
     copy_bw = gbps(copy, buffer.numel() * buffer.element_size())
     return {
-        "device": torch.cuda.get_device_name(), "dtype": str(dtype).removeprefix("torch."),
-        "tensors": len(tensors), "bytes": payload,
-        "copy_ms": copy, "pack_ms": pack, "unpack_ms": unpack,
-        "copy_gbps": copy_bw, "pack_gbps": gbps(pack, payload),
+        "device": torch.cuda.get_device_name(),
+        "dtype": str(dtype).removeprefix("torch."),
+        "tensors": len(tensors),
+        "bytes": payload,
+        "copy_ms": copy,
+        "pack_ms": pack,
+        "unpack_ms": unpack,
+        "copy_gbps": copy_bw,
+        "pack_gbps": gbps(pack, payload),
         "unpack_gbps": gbps(unpack, payload),
         "pack_fraction": gbps(pack, payload) / copy_bw,
         "unpack_fraction": gbps(unpack, payload) / copy_bw,
@@ -96,12 +115,16 @@ def main() -> None:
     if not torch.cuda.is_available() or not hasattr(C, "cuda"):
         sys.exit("needs a CUDA GPU and a CUDA build of hemiola")
     rows = [measure(dtype, args.repeats) for dtype in (torch.float32, torch.bfloat16)]
-    print(f"{'dtype':9} {'MB':>7} {'copy GB/s':>10} {'pack GB/s':>10} {'unpack GB/s':>12}"
-          f" {'pack/copy':>10} {'unpack/copy':>12}")
+    print(
+        f"{'dtype':9} {'MB':>7} {'copy GB/s':>10} {'pack GB/s':>10} {'unpack GB/s':>12}"
+        f" {'pack/copy':>10} {'unpack/copy':>12}"
+    )
     for r in rows:
-        print(f"{r['dtype']:9} {r['bytes'] / 1e6:7.1f} {r['copy_gbps']:10.0f}"
-              f" {r['pack_gbps']:10.0f} {r['unpack_gbps']:12.0f}"
-              f" {r['pack_fraction']:10.1%} {r['unpack_fraction']:12.1%}")
+        print(
+            f"{r['dtype']:9} {r['bytes'] / 1e6:7.1f} {r['copy_gbps']:10.0f}"
+            f" {r['pack_gbps']:10.0f} {r['unpack_gbps']:12.0f}"
+            f" {r['pack_fraction']:10.1%} {r['unpack_fraction']:12.1%}"
+        )
     print("device:", rows[0]["device"], "| written", write_results("gpu_kernels", rows))
 
 

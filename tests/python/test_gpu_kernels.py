@@ -502,12 +502,14 @@ def test_refusals_need_no_gpu():
     with pytest.raises(ValueError, match="step counts from 1"):
         KERNELS.adam_step(*nowhere, f32, **adam, amsgrad=False, step=0)
     with pytest.raises(ValueError, match="Nesterov"):
-        KERNELS.sgd_step(*nowhere[:5], f32, **sgd, momentum=0.9, dampening=0.1,
-                         weight_decay=0.0, nesterov=True)
+        KERNELS.sgd_step(
+            *nowhere[:5], f32, **sgd, momentum=0.9, dampening=0.1, weight_decay=0.0, nesterov=True
+        )
     with pytest.raises(ValueError, match="unsupported conversion"):
         KERNELS.cast(0, f16, 0, bf16, 0, 0)
     with pytest.raises(ValueError, match="cannot scale"):
         KERNELS.unpack(0, 0, 0, i32, 0, 0.5, 0)
     with pytest.raises(ValueError, match="unsupported dtype"):
-        KERNELS.sgd_step(*nowhere[:5], i32, **sgd, momentum=0.0, dampening=0.0,
-                         weight_decay=0.0, nesterov=False)
+        KERNELS.sgd_step(
+            *nowhere[:5], i32, **sgd, momentum=0.0, dampening=0.0, weight_decay=0.0, nesterov=False
+        )
