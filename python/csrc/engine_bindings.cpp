@@ -108,28 +108,47 @@ void bind_engine(py::module_& m) {
   py::class_<Reducer>(m, "Reducer", "Gradient reducer; see hemiola/reducer.h.")
       .def(
           "mark_ready",
-          [](Reducer& r, size_t index, uintptr_t data) {
-            r.mark_ready(index, reinterpret_cast<void*>(data));
+          [](Reducer& r, size_t index, uintptr_t data, uintptr_t stream) {
+            r.mark_ready(index, reinterpret_cast<void*>(data), StreamRef{reinterpret_cast<void*>(stream)});
           },
-          py::arg("index"), py::arg("data_ptr"), "Reduce in place: the result goes back to data.")
+          py::arg("index"), py::arg("data_ptr"), py::arg("stream") = 0,
+          "Reduce in place: the result goes back to data. `stream`: on a CUDA reducer, the "
+          "stream that produced the gradient (torch.cuda.current_stream().cuda_stream).")
       .def(
           "mark_ready_to",
-          [](Reducer& r, size_t index, uintptr_t source, uintptr_t out) {
+          [](Reducer& r, size_t index, uintptr_t source, uintptr_t out, uintptr_t stream) {
             r.mark_ready(index, reinterpret_cast<const void*>(source),
-                         reinterpret_cast<void*>(out));
+                         reinterpret_cast<void*>(out), StreamRef{reinterpret_cast<void*>(stream)});
           },
-          py::arg("index"), py::arg("source_ptr"), py::arg("out_ptr"),
+          py::arg("index"), py::arg("source_ptr"), py::arg("out_ptr"), py::arg("stream") = 0,
           "Copy source in; the result goes to out (0: keep it only in the reducer).")
-      .def("mark_unused", &Reducer::mark_unused)
+      .def(
+          "mark_unused",
+          [](Reducer& r, size_t index, uintptr_t stream) {
+            r.mark_unused(index, StreamRef{reinterpret_cast<void*>(stream)});
+          },
+          py::arg("index"), py::arg("stream") = 0)
       .def("unmarked", &Reducer::unmarked)
       .def_property_readonly("marking", &Reducer::marking)
       .def("finish_marking", &Reducer::finish_marking)
-      .def("wait", py::overload_cast<uint64_t>(&Reducer::wait), py::arg("iteration"),
-           py::call_guard<py::gil_scoped_release>())
-      .def("wait_all", py::overload_cast<>(&Reducer::wait),
-           py::call_guard<py::gil_scoped_release>())
-      .def("wait_bucket", &Reducer::wait_bucket, py::arg("iteration"), py::arg("bucket"),
-           py::call_guard<py::gil_scoped_release>())
+      .def(
+          "wait",
+          [](Reducer& r, uint64_t iteration, uintptr_t stream) {
+            r.wait(iteration, StreamRef{reinterpret_cast<void*>(stream)});
+          },
+          py::arg("iteration"), py::arg("stream") = 0, py::call_guard<py::gil_scoped_release>(),
+          "Wait for `iteration`'s results. CUDA: returns once they are enqueued and makes "
+          "`stream` wait for them on the device.")
+      .def(
+          "wait_all", [](Reducer& r, uintptr_t stream) { r.wait(StreamRef{reinterpret_cast<void*>(stream)}); },
+          py::arg("stream") = 0, py::call_guard<py::gil_scoped_release>())
+      .def(
+          "wait_bucket",
+          [](Reducer& r, uint64_t iteration, size_t bucket, uintptr_t stream) {
+            r.wait_bucket(iteration, bucket, StreamRef{reinterpret_cast<void*>(stream)});
+          },
+          py::arg("iteration"), py::arg("bucket"), py::arg("stream") = 0,
+          py::call_guard<py::gil_scoped_release>())
       .def("bucket_done", &Reducer::bucket_done, py::arg("iteration"), py::arg("bucket"))
       .def("set_issue_order", &Reducer::set_issue_order, py::arg("order"),
            py::call_guard<py::gil_scoped_release>())
@@ -139,10 +158,19 @@ void bind_engine(py::module_& m) {
           "result_view",
           [](const Reducer& r, uint64_t iteration, size_t index) {
             const TensorRef ref = r.result(iteration, index);
+            HEMIOLA_CHECK(ref.device.type == DeviceType::kCPU,
+                          "result_view is for CPU reducers; use result_ptr on CUDA");
             return py::memoryview::from_memory(ref.data, static_cast<ssize_t>(ref.nbytes()));
           },
           py::arg("iteration"), py::arg("index"),
           "Writable memoryview of the reduced gradient inside the reducer (no copy).")
+      .def(
+          "result_ptr",
+          [](const Reducer& r, uint64_t iteration, size_t index) {
+            return reinterpret_cast<uintptr_t>(r.result(iteration, index).data);
+          },
+          py::arg("iteration"), py::arg("index"),
+          "Address of the reduced gradient inside the reducer (device memory on CUDA).")
       .def("usage", &Reducer::usage, py::arg("iteration"))
       .def("buckets", &Reducer::buckets)
       .def("observed_order", &Reducer::observed_order)
@@ -154,7 +182,8 @@ void bind_engine(py::module_& m) {
   py::class_<Engine>(m, "Engine", "One group of ranks: communicator, scheduler thread, buffers.")
       .def(py::init([](int rank, int world_size, std::shared_ptr<Store> store,
                        const std::string& iface, const std::string& hostname,
-                       const std::string& master_addr, double timeout_s, bool timeline) {
+                       const std::string& master_addr, double timeout_s, bool timeline,
+                       const std::string& gpu_backend) {
              EngineOptions options;
              options.rank = rank;
              options.world_size = world_size;
@@ -163,12 +192,13 @@ void bind_engine(py::module_& m) {
              options.master_addr = master_addr;
              options.timeout_s = timeout_s;
              options.timeline = timeline;
+             options.gpu_backend = gpu_backend;
              py::gil_scoped_release release;  // rendezvous blocks; the store re-acquires
              return std::make_unique<Engine>(options, std::move(store));
            }),
            py::arg("rank"), py::arg("world_size"), py::arg("store"), py::arg("iface") = "",
            py::arg("hostname") = "", py::arg("master_addr") = "", py::arg("timeout_s") = 300.0,
-           py::arg("timeline") = false)
+           py::arg("timeline") = false, py::arg("gpu_backend") = "auto")
       .def_property_readonly("rank", &Engine::rank)
       .def_property_readonly("world_size", &Engine::world_size)
       .def(
@@ -195,7 +225,7 @@ void bind_engine(py::module_& m) {
           "make_reducer",
           [](Engine& e, const std::vector<std::tuple<int, size_t, std::string>>& specs,
              size_t fusion_bytes, size_t first_bucket_bytes, bool average, bool track_usage,
-             bool record_order, size_t in_flight, size_t partition_bytes) {
+             bool record_order, size_t in_flight, size_t partition_bytes, int device) {
             std::vector<GradSpec> grad_specs;
             for (const auto& [dtype, numel, name] : specs) {
               grad_specs.push_back({static_cast<DType>(dtype), numel, name});
@@ -208,12 +238,14 @@ void bind_engine(py::module_& m) {
             options.record_order = record_order;
             options.in_flight = in_flight;
             options.partition_bytes = partition_bytes;
+            if (device >= 0) options.device = Device{DeviceType::kCUDA, device};
+            py::gil_scoped_release release;  // device buffers: allocation may take a while
             return e.make_reducer(grad_specs, options);
           },
           py::arg("specs"), py::arg("fusion_bytes"), py::arg("first_bucket_bytes"),
           py::arg("average") = true, py::arg("track_usage") = false,
           py::arg("record_order") = true, py::arg("in_flight") = 0,
-          py::arg("partition_bytes") = 0, py::keep_alive<0, 1>())
+          py::arg("partition_bytes") = 0, py::arg("device") = -1, py::keep_alive<0, 1>())
       .def("timeline_json", &Engine::timeline_json)
       .def_property_readonly("timeline_enabled",
                              [](const Engine& e) { return e.options().timeline; })

@@ -65,6 +65,10 @@ class Config:
             flight. ``False``: land only when ``in_flight`` requires it, which
             makes the trajectory independent of network timing.
         timeline: Record engine events; read them with ``model.timeline()``.
+        gpu_backend: How a model on a GPU is reduced: ``"nccl"`` (one GPU
+            per rank), ``"gloo"`` (through pinned host memory; no NCCL needed,
+            and several ranks may share one GPU) or ``"auto"`` (NCCL when
+            ``libnccl.so.2`` loads, else Gloo).
     """
 
     schedule: str = "wfbp"
@@ -79,6 +83,7 @@ class Config:
     in_flight: int = 1
     correct_on_arrival: bool = True
     timeline: bool = False
+    gpu_backend: str = "auto"
 
     def __post_init__(self) -> None:
         if self.schedule not in SCHEDULES:
@@ -93,6 +98,9 @@ class Config:
             raise ValueError(f"partition_mb must be >= 0, got {self.partition_mb!r}")
         if not (isinstance(self.in_flight, int) and self.in_flight >= 1):
             raise ValueError(f"in_flight must be an integer >= 1, got {self.in_flight!r}")
+        if self.gpu_backend not in ("auto", "nccl", "gloo"):
+            raise ValueError(f"gpu_backend must be 'auto', 'nccl' or 'gloo', got "
+                             f"{self.gpu_backend!r}")
         if not 0.0 <= self.priority_front_fraction <= 1.0:
             raise ValueError("priority_front_fraction must be in [0, 1], got "
                              f"{self.priority_front_fraction!r}")

@@ -18,7 +18,7 @@ from torch import nn
 from hemiola._native import C
 from hemiola.config import Config
 from hemiola.schedules import Schedule, make_schedule
-from hemiola.tensors import broadcast_tensors, dtype_code
+from hemiola.tensors import broadcast_tensors, device_view, dtype_code, model_device, stream_of
 from hemiola.timeline import Recorder
 from hemiola.validate import check_module, check_same_model
 
@@ -38,6 +38,8 @@ class DataParallel(nn.Module):
         super().__init__()
         check_module(module)
         self.module = module
+        #: the device the model lives on (the CPU or one GPU)
+        self.device = model_device([*module.named_parameters(), *module.named_buffers()])
         self.config = config
         self._engine = engine
         check_same_model(engine, store, module, config)
@@ -59,6 +61,7 @@ class DataParallel(nn.Module):
                 record_order=config.rebuild_buckets,
                 in_flight=self._schedule.in_flight,
                 partition_bytes=config.partition_bytes,
+                device=self.device.index if self.device.type == "cuda" else -1,
             )
         # Partitioned gradients are spread over several buckets; schedules that
         # read results in place get them gathered into tensors of their own.
@@ -202,7 +205,7 @@ class DataParallel(nn.Module):
                 reducer.abort(message)
                 raise RuntimeError(message)
             for i in unmarked:
-                reducer.mark_unused(i)
+                reducer.mark_unused(i, stream=self._stream())
         self._schedule.backward_done(reducer.finish_marking(), unmarked)
 
     def _reduced(self, iteration: int, index: int) -> torch.Tensor:
@@ -212,8 +215,16 @@ class DataParallel(nn.Module):
         p = self._params[index]
         if index in self._partitioned:
             return self._gathered[(iteration % (self._schedule.in_flight + 1), index)]
+        if self.device.type == "cuda":
+            return device_view(self._reducer.result_ptr(iteration, index), p)
         view = self._reducer.result_view(iteration, index)
         return torch.frombuffer(view, dtype=p.dtype).view(p.shape)
+
+    def _stream(self) -> int:
+        """The current stream's handle on the model's GPU (0 on the CPU): the
+        engine orders its copies after work there and makes it wait for
+        results on the device, never on the host."""
+        return stream_of(self.device)
 
     def _result_target(self, index: int) -> int:
         """Where the engine should write parameter `index`'s reduced gradient
@@ -225,7 +236,7 @@ class DataParallel(nn.Module):
         target = self._gathered.get(key)
         if target is None:
             p = self._params[index]
-            target = torch.empty(p.shape, dtype=p.dtype)
+            target = torch.empty(p.shape, dtype=p.dtype, device=self.device)
             self._gathered[key] = target
         return target.data_ptr()
 

@@ -87,7 +87,8 @@ def bind_interface(master_addr: str) -> str:
     return iface
 
 
-def new_engine(timeout_s: float, timeline: bool = False) -> tuple[C.Engine, C.Store]:
+def new_engine(timeout_s: float, timeline: bool = False,
+               gpu_backend: str = "auto") -> tuple[C.Engine, C.Store]:
     """Creates an engine for the default process group (a collective call).
 
     Returns the engine and the (prefixed) store it rendezvoused through.
@@ -107,5 +108,6 @@ def new_engine(timeout_s: float, timeline: bool = False) -> tuple[C.Engine, C.St
         master_addr=master,
         timeout_s=timeout_s,
         timeline=timeline,
+        gpu_backend=gpu_backend,
     )
     return engine, engine_store

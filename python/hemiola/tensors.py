@@ -28,12 +28,63 @@ def dtype_code(dtype: torch.dtype) -> int:
         ) from None
 
 
-def check_cpu(tensor: torch.Tensor, what: str) -> None:
-    if tensor.device.type != "cpu":
+def model_device(named: list[tuple[str, torch.Tensor]]) -> torch.device:
+    """The one device every tensor of `named` is on: the CPU or one CUDA
+    device (of a CUDA build). A clear error otherwise."""
+    devices = {t.device for _, t in named}
+    if not devices:
+        return torch.device("cpu")
+    if len(devices) > 1:
+        where = {str(t.device): name for name, t in named}
+        listed = ", ".join(f"{name!r} on {d}" for d, name in sorted(where.items()))
         raise ValueError(
-            f"{what} is on {tensor.device}; this build of hemiola reduces CPU tensors "
-            "(the CUDA/NCCL path is not built in: see hemiola.build_info())"
+            f"the model's parameters and buffers are on several devices ({listed}); "
+            "hemiola reduces a model that lives on one device: move it with .to(device) "
+            "(one GPU per rank)"
         )
+    device = devices.pop()
+    if device.type == "cuda":
+        if not hasattr(C, "cuda"):
+            raise ValueError(
+                f"the model is on {device}, but this build of hemiola has no CUDA support "
+                "(see hemiola.build_info()): reinstall it where nvcc is on the PATH"
+            )
+        return torch.device("cuda", device.index if device.index is not None else 0)
+    if device.type != "cpu":
+        raise ValueError(f"the model is on {device}; hemiola reduces CPU and CUDA tensors")
+    return device
+
+
+def stream_of(device: torch.device) -> int:
+    """The handle of `device`'s current stream (0 on the CPU): where work the
+    engine must follow was enqueued, and where its results will be read."""
+    if device.type != "cuda":
+        return 0
+    return int(torch.cuda.current_stream(device).cuda_stream)
+
+
+class _DeviceMemory:
+    """Exposes engine-owned device memory to torch (``__cuda_array_interface__``)."""
+
+    def __init__(self, pointer: int, numel: int, typestr: str) -> None:
+        self.__cuda_array_interface__ = {
+            "data": (pointer, False), "shape": (numel,), "typestr": typestr,
+            "version": 3, "stream": None,
+        }
+
+
+_TYPESTR = {torch.float32: "<f4", torch.float64: "<f8", torch.float16: "<f2"}
+
+
+def device_view(pointer: int, like: torch.Tensor) -> torch.Tensor:
+    """A tensor shaped and typed like `like` over engine memory at `pointer`
+    on `like`'s CUDA device (no copy; valid while the engine keeps it)."""
+    numel = like.numel()
+    if like.dtype == torch.bfloat16:  # no typestr for bfloat16: view its bits
+        raw = torch.as_tensor(_DeviceMemory(pointer, numel, "<i2"), device=like.device)
+        return raw.view(torch.bfloat16).view(like.shape)
+    memory = _DeviceMemory(pointer, numel, _TYPESTR[like.dtype])
+    return torch.as_tensor(memory, device=like.device).view(like.shape)
 
 
 def broadcast_tensors(engine: C.Engine, tensors: list[torch.Tensor], root: int = 0) -> None:
@@ -41,10 +92,11 @@ def broadcast_tensors(engine: C.Engine, tensors: list[torch.Tensor], root: int =
     tensors = [t for t in tensors if t.numel() > 0]
     if not tensors or engine.world_size == 1:
         return
-    for t in tensors:
-        check_cpu(t, "a broadcast tensor")
     with torch.no_grad():
-        flat = torch.cat([t.detach().contiguous().reshape(-1).view(torch.uint8) for t in tensors])
+        # The engine's own collectives take host memory: CUDA tensors are
+        # staged (this runs at wrap time and for buffers, not per gradient).
+        flat = torch.cat([t.detach().contiguous().reshape(-1).view(torch.uint8).cpu()
+                          for t in tensors])
         engine.broadcast(flat.data_ptr(), UINT8, flat.numel(), root).wait()
         if engine.rank != root:
             offset = 0

@@ -11,7 +11,7 @@ from torch import nn
 
 from hemiola._native import C
 from hemiola.config import Config
-from hemiola.tensors import GRAD_DTYPES, check_cpu
+from hemiola.tensors import GRAD_DTYPES, model_device
 
 
 def check_module(module: nn.Module) -> None:
@@ -23,15 +23,13 @@ def check_module(module: nn.Module) -> None:
                 "(sparse=True); hemiola reduces dense gradients only: construct it with "
                 "sparse=False"
             )
+    model_device([*module.named_parameters(), *module.named_buffers()])
     for name, p in module.named_parameters():
-        check_cpu(p, f"parameter {name!r}")
         if p.requires_grad and p.dtype not in GRAD_DTYPES:
             raise ValueError(
                 f"parameter {name!r} has dtype {p.dtype}; hemiola reduces float32, float64, "
                 "float16 and bfloat16 gradients (set requires_grad=False to freeze it)"
             )
-    for name, b in module.named_buffers():
-        check_cpu(b, f"buffer {name!r}")
 
 
 def signature(module: nn.Module, config: Config) -> list[list[object]]:

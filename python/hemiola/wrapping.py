@@ -22,7 +22,8 @@ def wrap(
     initialised from torchrun's environment if needed (see :func:`hemiola.init`).
 
     Args:
-        model: Any ``nn.Module`` (CPU parameters in this build).
+        model: Any ``nn.Module`` on the CPU or on one GPU (one GPU per rank
+            with NCCL; ``gpu_backend='gloo'`` lets ranks share one).
         optimizer: The optimizer over ``model``'s parameters; returned as is
             for ``schedule="wfbp"``; for ``"priority"`` and ``"decoupled"`` its
             ``step``, ``state_dict`` and ``load_state_dict`` are taken over
@@ -37,6 +38,7 @@ def wrap(
         other schedules apply the averaged gradient in their own time).
     """
     config = Config.from_kwargs(schedule=schedule, **options)
-    engine, store = new_engine(config.timeout_s, timeline=config.timeline)
+    engine, store = new_engine(config.timeout_s, timeline=config.timeline,
+                               gpu_backend=config.gpu_backend)
     wrapped = DataParallel(model, config, engine, store)
     return wrapped, wrapped._schedule.wrap_optimizer(optimizer)

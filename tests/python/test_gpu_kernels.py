@@ -440,6 +440,9 @@ def test_adam_step_matches_torch(dtype, numel, case, step, commit):
     param = Poisoned(numel, dtype, 2)
     before = [bits(t.view).clone() for t in (shadow, exp_avg, exp_avg_sq)]
     expected = adam_reference(shadow.view, exp_avg.view, exp_avg_sq.view, grad.view, case, step)
+    # From the state before the step (committing overwrites the shadow).
+    stored_m, stored_v = expected[1].to(dtype), expected[2].to(dtype)
+    expected_param = adam_param_from_moments(shadow.view, stored_m, stored_v, case, step)
 
     run_on_side_stream(
         lambda s: KERNELS.adam_step(
@@ -459,8 +462,6 @@ def test_adam_step_matches_torch(dtype, numel, case, step, commit):
         )
     )
 
-    stored_m, stored_v = expected[1].to(dtype), expected[2].to(dtype)
-    expected_param = adam_param_from_moments(shadow.view, stored_m, stored_v, case, step)
     torch.testing.assert_close(param.view.double(), expected_param, **TOLERANCE[dtype])
     state = (shadow, exp_avg, exp_avg_sq)
     if commit:

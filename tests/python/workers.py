@@ -260,8 +260,9 @@ def schedule_run(rank: int, world: int, schedule: str, model_name: str, opt_name
     `clip`: model.clip_grad_norm_(clip) before every step; `use_closure`:
     forward and backward run in the closure passed to ``optimizer.step``."""
     hemiola.init()
+    device = torch.device(options.pop("device", "cpu"))
     torch.manual_seed(0)
-    m = make_model(model_name)
+    m = make_model(model_name).to(device)
     opt = _optimizer(opt_name, m.parameters())
     model, opt = hemiola.wrap(m, opt, schedule=schedule, **{"fusion_mb": 1 / 64, "timeout_s": 60,
                                                              **options})
@@ -269,6 +270,7 @@ def schedule_run(rank: int, world: int, schedule: str, model_name: str, opt_name
     losses = []
     for step in range(steps):
         x, y = make_batch(model_name, step, 0 if same_data else rank, world)
+        x, y = x.to(device), y.to(device)
 
         def closure(x: torch.Tensor = x, y: torch.Tensor = y) -> torch.Tensor:
             opt.zero_grad()
@@ -286,8 +288,8 @@ def schedule_run(rank: int, world: int, schedule: str, model_name: str, opt_name
         sched.step()
         losses.append(loss.item())
     model.synchronize()
-    return {"params": [p.detach().clone() for p in m.parameters()], "losses": losses,
-            "state": {k: v.clone() for k, v in model.state_dict().items()}}
+    return {"params": [p.detach().cpu().clone() for p in m.parameters()], "losses": losses,
+            "state": {k: v.cpu().clone() for k, v in model.state_dict().items()}}
 
 
 def schedule_run_with(rank: int, world: int, schedule: str, model_name: str, opt_name: str,
@@ -313,6 +315,48 @@ def schedules_agree(rank: int, world: int, model_name: str, opt_name: str,
                               for x, y in zip(a["params"], b["params"])),
         "max_loss_diff": max(abs(x - y) for x, y in zip(a["losses"], b["losses"])),
     }
+
+
+def gpu_matches_cpu(rank: int, world: int, schedule: str, model_name: str, opt_name: str,
+                    steps: int, gpu_backend: str) -> dict[str, float]:
+    """Trains with `schedule` on the CPU and on the GPU (through `gpu_backend`);
+    returns how far the two runs' parameters and losses are apart."""
+    # Full float32 on the GPU (no TF32), so the two runs differ by rounding only.
+    torch.backends.cudnn.allow_tf32 = False
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.deterministic = True
+    options: dict[str, Any] = {}
+    if schedule == "decoupled-on-bound":  # corrections land independently of timing
+        schedule, options = "decoupled", {"correct_on_arrival": False}
+    cpu = schedule_run(rank, world, schedule, model_name, opt_name, steps, False, **options)
+    gpu = schedule_run(rank, world, schedule, model_name, opt_name, steps, False, device="cuda",
+                       gpu_backend=gpu_backend, **options)
+    return {
+        "max_param_diff": max((a - b).abs().max().item()
+                              for a, b in zip(cpu["params"], gpu["params"])),
+        "max_loss_diff": max(abs(a - b) for a, b in zip(cpu["losses"], gpu["losses"])),
+        "moved": max((a - b).abs().max().item()  # training changed the parameters at all
+                     for a, b in zip(cpu["params"], _initial_params(model_name))),
+    }
+
+
+def gpu_schedules_agree(rank: int, world: int, model_name: str, opt_name: str, steps: int,
+                        gpu_backend: str) -> dict[str, float]:
+    """schedules_agree on the GPU: decoupled (corrections on arrival) against
+    wfbp, every rank seeing the same data."""
+    gpu = {"device": "cuda", "gpu_backend": gpu_backend}
+    a = schedule_run(rank, world, "wfbp", model_name, opt_name, steps, True, **gpu)
+    b = schedule_run(rank, world, "decoupled", model_name, opt_name, steps, True, **gpu)
+    return {
+        "max_param_diff": max((x - y).abs().max().item()
+                              for x, y in zip(a["params"], b["params"])),
+        "max_loss_diff": max(abs(x - y) for x, y in zip(a["losses"], b["losses"])),
+    }
+
+
+def _initial_params(model_name: str) -> list[torch.Tensor]:
+    torch.manual_seed(0)
+    return [p.detach().clone() for p in make_model(model_name).parameters()]
 
 
 class Residual(nn.Module):

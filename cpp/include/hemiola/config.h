@@ -5,6 +5,8 @@
 #include <cstddef>
 #include <string>
 
+#include "hemiola/tensor.h"
+
 namespace hemiola {
 
 struct EngineOptions {
@@ -26,6 +28,10 @@ struct EngineOptions {
   double timeout_s = 300.0;
   // Record a timeline of engine events (see Engine::timeline_json).
   bool timeline = false;
+  // How CUDA tensors are reduced: "nccl" (one GPU per rank), "gloo" (staged
+  // through pinned host memory: no NCCL needed, and several ranks may share
+  // a GPU) or "auto" (NCCL when libnccl.so.2 loads, else Gloo).
+  std::string gpu_backend = "auto";
 };
 
 struct ReducerOptions {
@@ -52,6 +58,10 @@ struct ReducerOptions {
   // gradients (0: each iteration is waited for before the next starts). Each
   // costs one more set of bucket buffers.
   size_t in_flight = 0;
+  // Where the gradients live: every gradient of a reducer is on this device.
+  // On a CUDA device the buckets are device memory, gradients are copied in
+  // on the caller's stream, and reductions run on the engine's stream.
+  Device device{};
 };
 
 }  // namespace hemiola

@@ -11,6 +11,14 @@
 //   they become ready in, and writes the (averaged) results to the outputs
 //   given to mark_ready and keeps them readable through result(k, i).
 //
+// On a CUDA reducer (ReducerOptions::device) the same calls take the CUDA
+// stream involved (StreamRef; ignored on CPU). mark_ready enqueues the copy of the gradient into
+// its bucket on the stream the gradient was produced on, and records an
+// event the engine's communication stream waits on; wait() and wait_bucket()
+// return once the reductions are enqueued and make the given stream wait for
+// them on the device. The host never blocks on the user's stream, and the
+// user's stream never waits for more than the result it asked for.
+//
 // Up to `ReducerOptions::in_flight` earlier iterations may still be reducing
 // while a new one marks gradients: each in-flight iteration has buffers of its
 // own. Iteration k's results stay readable until iteration k + in_flight + 1
@@ -46,15 +54,16 @@ class HEMIOLA_API Reducer {
   // written back to the same memory. `grad` must match spec `index` and stay
   // alive until the iteration's wait() returns. Throws if `index` was already
   // marked in this iteration.
-  void mark_ready(size_t index, const TensorRef& grad);
+  void mark_ready(size_t index, const TensorRef& grad, StreamRef stream = {});
   // Same, taking only the data pointer (dtype and count from the spec).
-  void mark_ready(size_t index, void* data);
+  void mark_ready(size_t index, void* data, StreamRef stream = {});
   // Source and destination apart: `out` receives the reduced value, or, when
   // null, it is only kept in the reducer (see result()). `source` may be
-  // reused as soon as this returns.
-  void mark_ready(size_t index, const void* source, void* out);
+  // reused as soon as this returns (on CUDA: by work enqueued on `stream`
+  // after this call).
+  void mark_ready(size_t index, const void* source, void* out, StreamRef stream = {});
   // Contributes zeros for `index` this iteration; nothing is written back.
-  void mark_unused(size_t index);
+  void mark_unused(size_t index, StreamRef stream = {});
   // Indices not yet marked in the iteration being marked (all, if none is).
   std::vector<size_t> unmarked() const;
   // True while an iteration is being marked (something was marked and
@@ -66,13 +75,14 @@ class HEMIOLA_API Reducer {
 
   // Blocks until iteration `iteration` is reduced and written back. Throws on
   // failure or after the engine's timeout, naming the pending buckets.
-  void wait(uint64_t iteration);
+  void wait(uint64_t iteration, StreamRef stream = {});
   // Blocks until bucket `bucket` of `iteration` is reduced (other buckets may
   // still be in flight); throws like wait(). bucket_done() never blocks.
-  void wait_bucket(uint64_t iteration, size_t bucket);
+  void wait_bucket(uint64_t iteration, size_t bucket, StreamRef stream = {});
+  // True once the bucket is reduced (on CUDA: complete on the device).
   bool bucket_done(uint64_t iteration, size_t bucket) const;
   // finish_marking(), then waits for every iteration submitted so far.
-  void wait();
+  void wait(StreamRef stream = {});
   // Cancels the current iteration: the scheduler stops waiting for buckets
   // that will not become ready. The reducer is unusable afterwards.
   void abort(const std::string& reason);

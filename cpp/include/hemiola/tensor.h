@@ -34,6 +34,13 @@ HEMIOLA_API const char* dtype_name(DType dtype);
 // True for the dtypes that can be summed/averaged (the floating-point ones).
 HEMIOLA_API bool is_floating(DType dtype);
 
+// A CUDA stream (a cudaStream_t) as the engine's API takes it: a type of its
+// own, so a data pointer never converts to it by accident. The default is
+// the legacy default stream; CPU work ignores it.
+struct StreamRef {
+  void* handle = nullptr;
+};
+
 struct TensorRef {
   void* data = nullptr;
   DType dtype = DType::kFloat32;

@@ -34,7 +34,9 @@ std::string build_info() {
 #else
   out += "nccl: no (" HEMIOLA_NCCL_REASON ")\n";
 #endif
-  out += "cuda tensors: refused (the engine's GPU path is not built yet)\n";
+  out += HEMIOLA_CUDA_ENABLED
+             ? "cuda tensors: yes (gpu_backend 'nccl', or 'gloo' staged through pinned memory)\n"
+             : "cuda tensors: refused (no CUDA in this build)\n";
   return out;
 }
 

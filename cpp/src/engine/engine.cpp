@@ -103,9 +103,10 @@ EngineImpl::EngineImpl(const EngineOptions& options, std::shared_ptr<Store> stor
     : options_(options), store_(std::move(store)), timeline_(options.timeline) {
   HEMIOLA_CHECK(store_ != nullptr || options_.world_size == 1,
                 "an engine with world_size > 1 needs a store for rendezvous");
-  std::shared_ptr<Store> rendezvous = store_;
-  if (!rendezvous) rendezvous = std::make_shared<MemoryStore>();
-  comm_ = std::make_unique<GlooCommunicator>(options_, *rendezvous);
+  rendezvous_ = store_;
+  if (!rendezvous_) rendezvous_ = std::make_shared<MemoryStore>();
+  comm_ = std::make_unique<GlooCommunicator>(options_, *rendezvous_);
+  devices_ = std::make_unique<Devices>(options_, *rendezvous_, *comm_);
   // Weak: handles may outlive the engine, and must not keep a (possibly
   // Python-implemented) store alive from an engine thread.
   std::weak_ptr<Store> diag_store = store_;
@@ -117,7 +118,10 @@ EngineImpl::EngineImpl(const EngineOptions& options, std::shared_ptr<Store> stor
       });
 }
 
-EngineImpl::~EngineImpl() { scheduler_.reset(); }
+EngineImpl::~EngineImpl() {
+  scheduler_.reset();  // joins: nothing uses the devices or communicators after this
+  devices_.reset();
+}
 
 Engine::Engine(const EngineOptions& options, std::shared_ptr<Store> store)
     : impl_(std::make_unique<EngineImpl>(options, std::move(store))) {}

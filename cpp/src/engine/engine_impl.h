@@ -5,6 +5,7 @@
 #include <string>
 
 #include "comm/communicator.h"
+#include "engine/devices.h"
 #include "engine/scheduler.h"
 #include "engine/timeline.h"
 #include "hemiola/config.h"
@@ -21,6 +22,8 @@ class EngineImpl {
 
   const EngineOptions& options() const { return options_; }
   Communicator& comm() { return *comm_; }
+  // CUDA devices' streams and communicators (scheduler thread only).
+  Devices& devices() { return *devices_; }
   Timeline& timeline() { return timeline_; }
   Handle submit(std::shared_ptr<Work> work) { return scheduler_->submit(std::move(work)); }
 
@@ -33,8 +36,10 @@ class EngineImpl {
  private:
   EngineOptions options_;
   std::shared_ptr<Store> store_;
+  std::shared_ptr<Store> rendezvous_;  // store_, or a private one for a single rank
   Timeline timeline_;
   std::unique_ptr<Communicator> comm_;
+  std::unique_ptr<Devices> devices_;
   std::unique_ptr<Scheduler> scheduler_;  // destroyed first: joins before comm_ goes
 };
 

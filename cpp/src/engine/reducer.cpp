@@ -5,9 +5,11 @@
 #include <cstring>
 #include <sstream>
 
+#include "engine/devices.h"
 #include "engine/dtype_math.h"
 #include "engine/reducer_impl.h"
 #include "hemiola/status.h"
+#include "kernels.h"
 
 namespace hemiola {
 
@@ -15,6 +17,11 @@ namespace {
 
 // Names of the tensors `indices` (adjacent repeats, i.e. pieces of one
 // partitioned tensor, named once), at most `limit` of them.
+std::string describe_device(const Device& device) {
+  return device.type == DeviceType::kCPU ? std::string("the CPU")
+                                         : "CUDA device " + std::to_string(device.index);
+}
+
 std::string join_names(const std::vector<GradSpec>& specs, const std::vector<size_t>& indices,
                        size_t limit = 8) {
   std::vector<size_t> unique;
@@ -28,6 +35,27 @@ std::string join_names(const std::vector<GradSpec>& specs, const std::vector<siz
   if (unique.size() > limit) out << ", ... (" << unique.size() - limit << " more)";
   return out.str();
 }
+
+}  // namespace
+
+namespace {
+
+// Creates the engine's stream and communicator for a CUDA device.
+class DeviceSetup final : public hemiola::Work {
+ public:
+  DeviceSetup(EngineImpl& engine, int device) : engine_(engine), device_(device) {}
+  void run(Communicator&, Timeline&) override {
+    cuda::set_device(device_);
+    engine_.devices().get(device_);
+  }
+  std::string describe() const override {
+    return "communicator setup for CUDA device " + std::to_string(device_);
+  }
+
+ private:
+  EngineImpl& engine_;
+  int device_;
+};
 
 }  // namespace
 
@@ -67,8 +95,19 @@ ReducerImpl::ReducerImpl(EngineImpl& engine, std::vector<GradSpec> specs,
                   dtype_name(specs_[i].dtype),
                   "; supported gradient dtypes are float32, float64, float16 and bfloat16");
   }
+  if (on_device()) {
+    HEMIOLA_CHECK(options_.device.index >= 0, "a CUDA reducer needs a device index, got ",
+                  options_.device.index);
+  }
   observed_.assign(specs_.size(), 0);
   build(reverse_order(specs_.size()));
+  if (on_device()) {
+    // The device's stream and communicator are made now, on the scheduler
+    // thread (a collective, in submission order), rather than inside the
+    // first iteration: NCCL's initialisation synchronises the device, and
+    // its errors belong to wrap time.
+    engine_.submit(std::make_shared<DeviceSetup>(engine_, options_.device.index)).wait();
+  }
 }
 
 ReducerImpl::~ReducerImpl() {
@@ -95,9 +134,18 @@ void ReducerImpl::build(const std::vector<size_t>& order) {
   flights_.clear();
   for (size_t f = 0; f < options_.in_flight + 1; ++f) {
     auto flight = std::make_unique<Flight>();
-    for (const auto& bucket : plan_) {
-      // Zero-filled: unused slots and zero-element buckets read as zeros.
-      flight->buffers.emplace_back(new unsigned char[std::max<size_t>(bucket.nbytes(), 1)]());
+    if (on_device()) {
+      flight->gpu = make_device_flight();
+      for (const auto& buffer : flight->gpu->buffers) {
+        flight->buffers.push_back(static_cast<unsigned char*>(buffer->data()));
+      }
+    } else {
+      for (const auto& bucket : plan_) {
+        // Zero-filled: unused slots and zero-element buckets read as zeros.
+        flight->host_buffers.emplace_back(
+            new unsigned char[std::max<size_t>(bucket.nbytes(), 1)]());
+        flight->buffers.push_back(flight->host_buffers.back().get());
+      }
     }
     flight->pending.reset(new std::atomic<int64_t>[plan_.size()]);
     flight->bucket_done.reset(new std::atomic<bool>[plan_.size()]);
@@ -107,6 +155,26 @@ void ReducerImpl::build(const std::vector<size_t>& order) {
     flight->queue = std::make_unique<ReadyQueue<uint32_t>>(plan_.size());
     flights_.push_back(std::move(flight));
   }
+}
+
+std::unique_ptr<ReducerImpl::DeviceFlight> ReducerImpl::make_device_flight() const {
+  const int device = options_.device.index;
+  auto gpu = std::make_unique<DeviceFlight>();
+  for (const auto& bucket : plan_) {
+    // Zero-filled, as on the host.
+    gpu->buffers.push_back(
+        std::make_unique<cuda::DeviceBuffer>(device, std::max<size_t>(bucket.nbytes(), 1)));
+    gpu->reduced.push_back(std::make_unique<cuda::Event>(device));
+    const size_t slot_bytes = std::max<size_t>(bucket.tensors.size(), 1) * sizeof(cuda::FusionSlot);
+    gpu->slots_host.push_back(std::make_unique<cuda::PinnedBuffer>(slot_bytes));
+    gpu->slots_device.push_back(std::make_unique<cuda::DeviceBuffer>(device, slot_bytes));
+  }
+  gpu->uploaded.assign(plan_.size(), {});
+  for (size_t i = 0; i < specs_.size(); ++i) {
+    gpu->marked.push_back(std::make_unique<cuda::Event>(device));
+  }
+  gpu->done = std::make_unique<cuda::Event>(device);
+  return gpu;
 }
 
 void ReducerImpl::check_usable() const {
@@ -134,6 +202,7 @@ ReducerImpl::Flight& ReducerImpl::begin_iteration() {
     flight.state[i].store(kPending, std::memory_order_relaxed);
     flight.out[i] = nullptr;
   }
+  if (flight.gpu) flight.gpu->fenced.store(kNoStream, std::memory_order_relaxed);
   flight.iteration = iteration;
   flight.handle = engine_.submit(std::make_shared<Work>(*this, flight));
   started_.store(iteration + 1, std::memory_order_release);
@@ -141,7 +210,7 @@ ReducerImpl::Flight& ReducerImpl::begin_iteration() {
   return flight;
 }
 
-void ReducerImpl::mark(size_t index, const void* source, void* out, bool used) {
+void ReducerImpl::mark(size_t index, const void* source, void* out, bool used, void* stream) {
   HEMIOLA_CHECK(index < specs_.size(), "gradient index ", index, " is out of range (",
                 specs_.size(), " gradients)");
   const GradSpec& spec = specs_[index];
@@ -164,14 +233,20 @@ void ReducerImpl::mark(size_t index, const void* source, void* out, bool used) {
   if (recording_.load(std::memory_order_relaxed)) {
     observed_[observed_count_.fetch_add(1, std::memory_order_relaxed)] = index;
   }
-  for (const Placement& piece : placement_[index]) {
-    unsigned char* dst = flight.buffers[piece.bucket].get() + piece.offset * elem;
-    if (used) {
-      std::memcpy(dst, static_cast<const unsigned char*>(source) + piece.begin * elem,
-                  piece.count * elem);
-    } else {
-      std::memset(dst, 0, piece.count * elem);
+  if (flight.gpu) {
+    copy_in_on_device(flight, index, source, used, stream);
+  } else {
+    for (const Placement& piece : placement_[index]) {
+      unsigned char* dst = flight.buffers[piece.bucket] + piece.offset * elem;
+      if (used) {
+        std::memcpy(dst, static_cast<const unsigned char*>(source) + piece.begin * elem,
+                    piece.count * elem);
+      } else {
+        std::memset(dst, 0, piece.count * elem);
+      }
     }
+  }
+  for (const Placement& piece : placement_[index]) {
     // The last piece of a bucket enqueues it. acq_rel: the scheduler, which
     // reads the buffer after popping, must see every producer's memcpy.
     if (flight.pending[piece.bucket].fetch_sub(1, std::memory_order_acq_rel) == 1) {
@@ -180,6 +255,39 @@ void ReducerImpl::mark(size_t index, const void* source, void* out, bool used) {
       }
     }
   }
+}
+
+void ReducerImpl::copy_in_on_device(Flight& flight, size_t index, const void* source, bool used,
+                                     void* stream) {
+  DeviceFlight& gpu = *flight.gpu;
+  const GradSpec& spec = specs_[index];
+  if (used && recording_.load(std::memory_order_relaxed) && spec.numel > 0) {
+    // First iteration only (the query costs a driver call): a host gradient
+    // given to a CUDA reducer would otherwise fail inside a copy, unnamed.
+    const int device = cuda::device_of(source);
+    HEMIOLA_CHECK(device == options_.device.index, "gradient '", spec.name, "' is on ",
+                  device < 0 ? std::string("the host") : "CUDA device " + std::to_string(device),
+                  " but the reducer is on CUDA device ", options_.device.index,
+                  "; every gradient of a model must be on the model's device");
+  }
+  // The caller's stream must not overwrite this flight's buffers while its
+  // previous iteration may still read them: it waits for that, on the device,
+  // once per iteration and stream.
+  const auto id = reinterpret_cast<std::uintptr_t>(stream);
+  if (gpu.fenced.exchange(id, std::memory_order_acq_rel) != id) gpu.done->block(stream);
+  const size_t elem = dtype_size(spec.dtype);
+  for (const Placement& piece : placement_[index]) {
+    unsigned char* dst = flight.buffers[piece.bucket] + piece.offset * elem;
+    if (used) {
+      cuda::copy_async(dst, static_cast<const unsigned char*>(source) + piece.begin * elem,
+                       piece.count * elem, stream);
+    } else {
+      cuda::zero_async(dst, piece.count * elem, stream);
+    }
+  }
+  // Enqueued before the pending counts drop, so the scheduler, which may pop
+  // the bucket right after, always finds the event recorded.
+  gpu.marked[index]->record(stream);
 }
 
 std::vector<size_t> ReducerImpl::unmarked() const {
@@ -214,6 +322,15 @@ void ReducerImpl::run(Flight& flight, Communicator& comm, Timeline& timeline,
       static_cast<int64_t>(engine_.options().timeout_s * 1000.0));
   const size_t count = plan_.size();
   std::vector<bool> ready(count, false);
+  DeviceCommunicator* device_comm = nullptr;
+  void* stream = nullptr;  // the engine's communication stream (CUDA)
+  if (flight.gpu) {
+    cuda::set_device(options_.device.index);
+    Devices::Entry& entry = engine_.devices().get(options_.device.index);
+    device_comm = entry.comm.get();
+    stream = entry.stream.get();
+    check_previous_done(flight, *device_comm);
+  }
   for (size_t position = 0; position < count; ++position) {
     const size_t b = issue_order_[position];
     *current_bucket = position;
@@ -237,19 +354,23 @@ void ReducerImpl::run(Flight& flight, Communicator& comm, Timeline& timeline,
       }
     }
     const PlannedBucket& plan = plan_[b];
-    unsigned char* buffer = flight.buffers[b].get();
+    unsigned char* buffer = flight.buffers[b];
     const int64_t start_us = timeline.now_us();
     if (timeline.enabled() && start_us - wait_us > 1) {
       timeline.record("comm", "wait bucket " + std::to_string(b), "wait", wait_us, start_us);
     }
-    comm.all_reduce_sum(TensorRef{buffer, plan.dtype, plan.numel, Device{}});
-    if (scale_ != 1.0) scale_in_place(plan.dtype, buffer, plan.numel, scale_);
-    const size_t elem = dtype_size(plan.dtype);
-    for (size_t k = 0; k < plan.tensors.size(); ++k) {
-      auto* out = static_cast<unsigned char*>(flight.out[plan.tensors[k]]);
-      if (out != nullptr) {
-        std::memcpy(out + plan.begins[k] * elem, buffer + plan.offsets[k] * elem,
-                    plan.counts[k] * elem);
+    if (flight.gpu) {
+      reduce_on_device(flight, b, *device_comm, stream);
+    } else {
+      comm.all_reduce_sum(TensorRef{buffer, plan.dtype, plan.numel, Device{}});
+      if (scale_ != 1.0) scale_in_place(plan.dtype, buffer, plan.numel, scale_);
+      const size_t elem = dtype_size(plan.dtype);
+      for (size_t k = 0; k < plan.tensors.size(); ++k) {
+        auto* out = static_cast<unsigned char*>(flight.out[plan.tensors[k]]);
+        if (out != nullptr) {
+          std::memcpy(out + plan.begins[k] * elem, buffer + plan.offsets[k] * elem,
+                      plan.counts[k] * elem);
+        }
       }
     }
     {
@@ -265,6 +386,71 @@ void ReducerImpl::run(Flight& flight, Communicator& comm, Timeline& timeline,
   *current_bucket = count;
   if (options_.track_usage) {
     comm.all_reduce_sum(TensorRef{flight.usage.data(), DType::kFloat32, flight.usage.size(), {}});
+  }
+  if (flight.gpu) {
+    flight.gpu->done->record(stream);
+    device_comm->check();
+  }
+}
+
+void ReducerImpl::reduce_on_device(Flight& flight, size_t b, DeviceCommunicator& comm,
+                                   void* stream) {
+  DeviceFlight& gpu = *flight.gpu;
+  const PlannedBucket& plan = plan_[b];
+  // The engine's stream waits, on the device, for every copy into the bucket.
+  for (size_t k = 0; k < plan.tensors.size(); ++k) {
+    if (k == 0 || plan.tensors[k] != plan.tensors[k - 1]) gpu.marked[plan.tensors[k]]->block(stream);
+  }
+  comm.all_reduce(TensorRef{flight.buffers[b], plan.dtype, plan.numel, options_.device},
+                  options_.average, stream);
+  // Averaged in the reduction itself; results with an output go there in one
+  // unpack launch.
+  const size_t elem = dtype_size(plan.dtype);
+  std::vector<void*> outs;
+  std::vector<cuda::FusionSlot> slots;
+  for (size_t k = 0; k < plan.tensors.size(); ++k) {
+    auto* out = static_cast<unsigned char*>(flight.out[plan.tensors[k]]);
+    if (out == nullptr) continue;
+    outs.push_back(out);
+    slots.push_back({out + plan.begins[k] * elem, static_cast<std::int64_t>(plan.offsets[k]),
+                     static_cast<std::int64_t>(plan.counts[k])});
+  }
+  if (!slots.empty()) {
+    if (outs != gpu.uploaded[b]) {
+      // The pinned slots may still be read by this flight's previous upload.
+      const auto timeout = std::chrono::milliseconds(
+          static_cast<int64_t>(engine_.options().timeout_s * 1000.0));
+      if (!gpu.done->wait_for(timeout)) {
+        HEMIOLA_THROW(ErrorCode::kTimeout, "an earlier iteration's reductions did not complete "
+                      "on CUDA device ", options_.device.index, " within ",
+                      engine_.options().timeout_s, " s");
+      }
+      const size_t bytes = slots.size() * sizeof(cuda::FusionSlot);
+      std::memcpy(gpu.slots_host[b]->data(), slots.data(), bytes);
+      cuda::copy_async(gpu.slots_device[b]->data(), gpu.slots_host[b]->data(), bytes, stream);
+      gpu.uploaded[b] = outs;
+    }
+    const cuda::FusionSlot& last = slots.back();
+    cuda::unpack(static_cast<const cuda::FusionSlot*>(gpu.slots_device[b]->data()),
+                 static_cast<std::int64_t>(slots.size()), last.offset + last.numel, plan.dtype,
+                 flight.buffers[b], 1.0, stream);
+  }
+  gpu.reduced[b]->record(stream);
+}
+
+void ReducerImpl::check_previous_done(const Flight& flight, DeviceCommunicator& comm) const {
+  comm.check();
+  if (flight.iteration == 0) return;
+  const Flight& previous = *flights_[(flight.iteration - 1) % flights_.size()];
+  const auto timeout =
+      std::chrono::milliseconds(static_cast<int64_t>(engine_.options().timeout_s * 1000.0));
+  if (!previous.gpu->done->wait_for(timeout)) {
+    comm.check();  // an NCCL error, if there is one, says more than the timeout
+    comm.abort();
+    HEMIOLA_THROW(ErrorCode::kTimeout, "the reductions of iteration ", flight.iteration - 1,
+                  " did not complete on CUDA device ", options_.device.index, " within ",
+                  engine_.options().timeout_s, " s (", comm.name(),
+                  "): a rank died or stalled, or the device hangs");
   }
 }
 
@@ -292,8 +478,9 @@ std::string ReducerImpl::describe(const Flight& flight, size_t position) const {
   return out.str();
 }
 
-void ReducerImpl::wait(uint64_t iteration) {
+void ReducerImpl::wait(uint64_t iteration, void* stream) {
   Handle handle;
+  const DeviceFlight* gpu = nullptr;
   {
     std::lock_guard<std::mutex> lock(mutex_);
     HEMIOLA_CHECK(iteration < started_.load(), "iteration ", iteration, " has not started");
@@ -302,11 +489,13 @@ void ReducerImpl::wait(uint64_t iteration) {
     HEMIOLA_CHECK(marking_.load() != &flight, "wait(", iteration,
                   ") while its gradients are still being marked; call finish_marking() first");
     handle = flight.handle;
+    gpu = flight.gpu.get();
   }
   handle.wait();
+  if (gpu) gpu->done->block(stream);
 }
 
-void ReducerImpl::wait_bucket(uint64_t iteration, size_t bucket) {
+void ReducerImpl::wait_bucket(uint64_t iteration, size_t bucket, void* stream) {
   HEMIOLA_CHECK(bucket < plan_.size(), "bucket ", bucket, " is out of range (", plan_.size(),
                 " buckets)");
   Flight* flight;
@@ -327,6 +516,7 @@ void ReducerImpl::wait_bucket(uint64_t iteration, size_t bucket) {
   }
   lock.unlock();
   if (!flight->bucket_done[bucket].load(std::memory_order_acquire)) handle.wait();
+  if (flight->gpu) flight->gpu->reduced[bucket]->block(stream);
 }
 
 bool ReducerImpl::bucket_done(uint64_t iteration, size_t bucket) const {
@@ -334,7 +524,9 @@ bool ReducerImpl::bucket_done(uint64_t iteration, size_t bucket) const {
   if (iteration >= started_.load()) return false;
   const Flight& flight = *flights_[iteration % flights_.size()];
   if (flight.iteration != iteration) return true;  // reused: it completed long ago
-  return flight.bucket_done[bucket].load(std::memory_order_acquire);
+  // On CUDA: enqueued, and complete on the device.
+  return flight.bucket_done[bucket].load(std::memory_order_acquire) &&
+         (!flight.gpu || flight.gpu->reduced[bucket]->query());
 }
 
 void ReducerImpl::set_issue_order(const std::vector<size_t>& order) {
@@ -396,8 +588,8 @@ TensorRef ReducerImpl::result(uint64_t iteration, size_t index) const {
                 iteration, "'s bucket ", where.bucket, " ('", specs_[index].name,
                 "') is not reduced yet; call wait() or wait_bucket() first");
   const GradSpec& spec = specs_[index];
-  return TensorRef{flight.buffers[where.bucket].get() + where.offset * dtype_size(spec.dtype),
-                   spec.dtype, spec.numel, Device{}};
+  return TensorRef{flight.buffers[where.bucket] + where.offset * dtype_size(spec.dtype),
+                   spec.dtype, spec.numel, options_.device};
 }
 
 std::vector<int> ReducerImpl::usage(uint64_t iteration) const {
@@ -458,7 +650,7 @@ void ReducerImpl::rebuild(const std::vector<size_t>& order) {
 Reducer::Reducer(std::unique_ptr<ReducerImpl> impl) : impl_(std::move(impl)) {}
 Reducer::~Reducer() = default;
 
-void Reducer::mark_ready(size_t index, const TensorRef& grad) {
+void Reducer::mark_ready(size_t index, const TensorRef& grad, StreamRef stream) {
   HEMIOLA_CHECK(index < impl_->size(), "gradient index ", index, " is out of range (",
                 impl_->size(), " gradients)");
   const GradSpec& spec = impl_->spec(index);
@@ -466,25 +658,35 @@ void Reducer::mark_ready(size_t index, const TensorRef& grad) {
                 dtype_name(grad.dtype), " but was registered as ", dtype_name(spec.dtype));
   HEMIOLA_CHECK(grad.numel == spec.numel, "gradient '", spec.name, "' has ", grad.numel,
                 " elements but was registered with ", spec.numel);
-  HEMIOLA_CHECK(grad.device.type == DeviceType::kCPU,
-                "gradient '", spec.name, "' is on a CUDA device; this build reduces CPU tensors only");
-  impl_->mark(index, grad.data, grad.data, true);
+  const Device& device = impl_->device();
+  HEMIOLA_CHECK(grad.device.type == device.type &&
+                    (device.type == DeviceType::kCPU || grad.device.index == device.index),
+                "gradient '", spec.name, "' is on ", describe_device(grad.device),
+                " but the reducer is on ", describe_device(device));
+  impl_->mark(index, grad.data, grad.data, true, stream.handle);
 }
-void Reducer::mark_ready(size_t index, void* data) { impl_->mark(index, data, data, true); }
-void Reducer::mark_ready(size_t index, const void* source, void* out) {
-  impl_->mark(index, source, out, true);
+void Reducer::mark_ready(size_t index, void* data, StreamRef stream) {
+  impl_->mark(index, data, data, true, stream.handle);
 }
-void Reducer::mark_unused(size_t index) { impl_->mark(index, nullptr, nullptr, false); }
+void Reducer::mark_ready(size_t index, const void* source, void* out, StreamRef stream) {
+  impl_->mark(index, source, out, true, stream.handle);
+}
+void Reducer::mark_unused(size_t index, StreamRef stream) {
+  impl_->mark(index, nullptr, nullptr, false, stream.handle);
+}
 std::vector<size_t> Reducer::unmarked() const { return impl_->unmarked(); }
 bool Reducer::marking() const { return impl_->marking(); }
 int64_t Reducer::finish_marking() { return impl_->finish_marking(); }
-void Reducer::wait(uint64_t iteration) { impl_->wait(iteration); }
-void Reducer::wait() {
+void Reducer::wait(uint64_t iteration, StreamRef stream) { impl_->wait(iteration, stream.handle); }
+void Reducer::wait(StreamRef stream) {
   impl_->finish_marking();
   impl_->wait_all();
+  const uint64_t started = impl_->iterations_started();
+  // On the device iterations complete in order: waiting for the last is enough.
+  if (started > 0) impl_->wait(started - 1, stream.handle);
 }
-void Reducer::wait_bucket(uint64_t iteration, size_t bucket) {
-  impl_->wait_bucket(iteration, bucket);
+void Reducer::wait_bucket(uint64_t iteration, size_t bucket, StreamRef stream) {
+  impl_->wait_bucket(iteration, bucket, stream.handle);
 }
 bool Reducer::bucket_done(uint64_t iteration, size_t bucket) const {
   return impl_->bucket_done(iteration, bucket);

@@ -13,13 +13,16 @@
 #pragma once
 
 #include <atomic>
+#include <cstdint>
 #include <condition_variable>
 #include <memory>
 #include <mutex>
 #include <string>
 #include <vector>
 
+#include "device.h"
 #include "engine/bucket_plan.h"
+#include "comm/device_communicator.h"
 #include "engine/engine_impl.h"
 #include "engine/ready_queue.h"
 #include "hemiola/config.h"
@@ -32,12 +35,16 @@ class ReducerImpl {
   ReducerImpl(EngineImpl& engine, std::vector<GradSpec> specs, const ReducerOptions& options);
   ~ReducerImpl();
 
-  void mark(size_t index, const void* source, void* out, bool used);
+  // `stream`: on a CUDA reducer, the stream the gradient was produced on
+  // (the copy into the bucket is enqueued there); ignored on CPU.
+  void mark(size_t index, const void* source, void* out, bool used, void* stream);
   std::vector<size_t> unmarked() const;
   bool marking() const { return marking_.load(std::memory_order_acquire) != nullptr; }
   int64_t finish_marking();
-  void wait(uint64_t iteration);
-  void wait_bucket(uint64_t iteration, size_t bucket);
+  // On a CUDA reducer, `stream` is made to wait (on the device) for the
+  // result; the host waits only until the reductions are enqueued.
+  void wait(uint64_t iteration, void* stream);
+  void wait_bucket(uint64_t iteration, size_t bucket, void* stream);
   bool bucket_done(uint64_t iteration, size_t bucket) const;
   void wait_all();
   void set_issue_order(const std::vector<size_t>& order);
@@ -51,6 +58,7 @@ class ReducerImpl {
   void rebuild(const std::vector<size_t>& order);
   uint64_t iterations_started() const { return started_.load(std::memory_order_acquire); }
   const GradSpec& spec(size_t index) const { return specs_.at(index); }
+  const Device& device() const { return options_.device; }
   size_t size() const { return specs_.size(); }
 
  private:
@@ -63,10 +71,32 @@ class ReducerImpl {
     size_t begin = 0;   // first element of the piece within the tensor
     size_t count = 0;   // elements in the piece
   };
+  // A CUDA flight's device state. The events order work across streams on
+  // the device: the caller's stream never waits on the host.
+  struct DeviceFlight {
+    std::vector<std::unique_ptr<cuda::DeviceBuffer>> buffers;  // per bucket
+    // Per tensor: recorded on the caller's stream after its copy into the
+    // buckets; the engine's stream waits on it before reducing the bucket.
+    std::vector<std::unique_ptr<cuda::Event>> marked;
+    std::vector<std::unique_ptr<cuda::Event>> reduced;  // per bucket: reduced and unpacked
+    std::unique_ptr<cuda::Event> done;                 // the whole iteration
+    // The caller stream that already waits for the flight's previous use
+    // (kNoStream: none yet this iteration).
+    std::atomic<std::uintptr_t> fenced{kNoStream};
+    // Per bucket, the fusion slots of the outputs to unpack into: written on
+    // the host (pinned) and uploaded only when the outputs change.
+    std::vector<std::unique_ptr<cuda::PinnedBuffer>> slots_host;
+    std::vector<std::unique_ptr<cuda::DeviceBuffer>> slots_device;
+    std::vector<std::vector<void*>> uploaded;  // per bucket: the outputs in slots_device
+  };
+  static constexpr std::uintptr_t kNoStream = ~std::uintptr_t{0};
+
   // One iteration's state.
   struct Flight {
     uint64_t iteration = 0;
-    std::vector<std::unique_ptr<unsigned char[]>> buffers;  // per bucket
+    std::vector<unsigned char*> buffers;                     // per bucket (host or device)
+    std::vector<std::unique_ptr<unsigned char[]>> host_buffers;  // CPU: their storage
+    std::unique_ptr<DeviceFlight> gpu;                       // CUDA only
     std::unique_ptr<std::atomic<int64_t>[]> pending;        // per bucket
     std::unique_ptr<std::atomic<uint8_t>[]> state;          // per tensor (SlotState)
     std::vector<void*> out;                                  // per tensor; null: keep only
@@ -83,9 +113,18 @@ class ReducerImpl {
 
   void build(const std::vector<size_t>& order);
   Flight& begin_iteration();
+  std::unique_ptr<DeviceFlight> make_device_flight() const;
+  void copy_in_on_device(Flight& flight, size_t index, const void* source, bool used,
+                         void* stream);
   const Flight& completed_flight(uint64_t iteration) const;
   void check_usable() const;
   void run(Flight& flight, Communicator& comm, Timeline& timeline, size_t* current_bucket);
+  // CUDA: the bucket's reduction and unpacking, enqueued on the engine's stream.
+  void reduce_on_device(Flight& flight, size_t bucket, DeviceCommunicator& comm, void* stream);
+  // CUDA: throws if the iteration before `flight`'s has not completed on the
+  // device within the timeout (the watchdog of work the host never waits for).
+  void check_previous_done(const Flight& flight, DeviceCommunicator& comm) const;
+  bool on_device() const { return options_.device.type == DeviceType::kCUDA; }
   std::string describe(const Flight& flight, size_t from_bucket) const;
 
   EngineImpl& engine_;

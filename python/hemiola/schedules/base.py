@@ -143,7 +143,8 @@ class BufferBroadcast:
     def start(self) -> None:
         self.finish()
         buffers = self.model._buffers_to_sync
-        self._stage = torch.cat([b.detach().reshape(-1).view(torch.uint8) for b in buffers])
+        # Host memory: the engine's broadcast reads it from its own thread.
+        self._stage = torch.cat([b.detach().reshape(-1).view(torch.uint8) for b in buffers]).cpu()
         self._handle = self.model._engine.broadcast(self._stage.data_ptr(), UINT8,
                                                     self._stage.numel(), 0)
 
@@ -227,7 +228,7 @@ class DeferredSchedule(Schedule):
                 "compute", f"wait buckets {sorted(needed)} ({iteration})", "wait"):
             for b in reducer.issue_order():
                 if b in needed:
-                    reducer.wait_bucket(iteration, b)
+                    reducer.wait_bucket(iteration, b, stream=self.model._stream())
 
     def step_with(self, grads: list[torch.Tensor | None], hyper: list[dict[str, Any]]) -> None:
         """One step of the user's optimizer, with the hyper-parameters
@@ -307,7 +308,7 @@ class DeferredSchedule(Schedule):
         if pending.needs_whole:
             with self.model.timeline_recorder.span(
                     "compute", f"wait reduction {pending.iteration}", "wait"):
-                self.model._reducer.wait(pending.iteration)
+                self.model._reducer.wait(pending.iteration, stream=self.model._stream())
         else:
             self.wait_buckets(pending.iteration, indices)
 
@@ -337,7 +338,8 @@ class DeferredSchedule(Schedule):
         # The engine copies the gradient in now; the result stays in the
         # reducer (or, if partitioned, goes to a tensor of the model's).
         self.model._reducer.mark_ready_to(index, source.data_ptr(),
-                                          self.model._result_target(index))
+                                          self.model._result_target(index),
+                                          stream=self.model._stream())
 
     def backward_done(self, iteration: int, unmarked: list[int]) -> None:
         self._finished = iteration

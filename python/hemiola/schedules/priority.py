@@ -150,8 +150,11 @@ class Priority(DeferredSchedule):
         # Besides `wanted`, only parameters no forward has read since the last
         # backward: updating one that was read would change a value autograd
         # may still need.
-        candidates = set(self._gate.unread(sorted(pending.remaining))) | set(wanted)
-        ready = self.arrived(it, sorted(candidates & pending.remaining))
+        # What was waited for is ready (on a GPU: ordered on the current
+        # stream, though maybe not complete yet); the rest only if complete.
+        waited = set(wanted) & pending.remaining if wait else set()
+        others = set(self._gate.unread(sorted(pending.remaining))) - waited
+        ready = sorted(waited | set(self.arrived(it, sorted(others))))
         if not ready:
             return
         start = recorder.now()

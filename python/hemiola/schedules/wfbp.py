@@ -33,14 +33,14 @@ class Wfbp(Schedule):
             self._staged.append((grad, staged))
             grad = staged
         self._inflight.append(grad)
-        self.model._reducer.mark_ready(index, grad.data_ptr())
+        self.model._reducer.mark_ready(index, grad.data_ptr(), stream=self.model._stream())
 
     def backward_done(self, iteration: int, unmarked: list[int]) -> None:
         reducer = self.model._reducer
         try:
             with self.model.timeline_recorder.span("compute", f"wait reduction {iteration}",
                                                    "wait"):
-                reducer.wait(iteration)
+                reducer.wait(iteration, stream=self.model._stream())
             if unmarked:
                 self._write_back_unused(iteration, unmarked)
             for grad, staged in self._staged:
