@@ -35,10 +35,6 @@ Devices::Entry& Devices::get(int device) {
   return *entries_.emplace(device, std::move(entry)).first->second;
 }
 
-void Devices::abort() {
-  for (auto& [device, entry] : entries_) entry->comm->abort();
-}
-
 std::unique_ptr<DeviceCommunicator> Devices::make_comm(int device) {
   const std::string& backend = options_.gpu_backend;
   if (backend == "gloo") return make_staged_gloo_communicator(host_, device);

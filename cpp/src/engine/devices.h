@@ -33,8 +33,6 @@ class Devices {
   // is a collective, so it must happen at the same point of the submission
   // order on every rank, which the scheduler thread guarantees.
   Entry& get(int device);
-  // Aborts every device communicator (see DeviceCommunicator::abort).
-  void abort();
 
  private:
   struct Nccl;  // the dlopen'ed library, when this build has the NCCL loader
