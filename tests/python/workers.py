@@ -310,6 +310,11 @@ def schedules_agree(rank: int, world: int, model_name: str, opt_name: str,
     a = schedule_run(rank, world, "wfbp", model_name, opt_name, steps, True, clip)
     b = schedule_run(rank, world, "decoupled", model_name, opt_name, steps, True, clip,
                      partition_mb=partition_mb, **options)
+    return _agreement(a, b)
+
+
+def _agreement(a: dict[str, Any], b: dict[str, Any]) -> dict[str, float]:
+    """How far two schedule_run results are apart."""
     return {
         "max_param_diff": max((x - y).abs().max().item()
                               for x, y in zip(a["params"], b["params"])),
@@ -332,9 +337,7 @@ def gpu_matches_cpu(rank: int, world: int, schedule: str, model_name: str, opt_n
     gpu = schedule_run(rank, world, schedule, model_name, opt_name, steps, False, device="cuda",
                        gpu_backend=gpu_backend, **options)
     return {
-        "max_param_diff": max((a - b).abs().max().item()
-                              for a, b in zip(cpu["params"], gpu["params"])),
-        "max_loss_diff": max(abs(a - b) for a, b in zip(cpu["losses"], gpu["losses"])),
+        **_agreement(cpu, gpu),
         "moved": max((a - b).abs().max().item()  # training changed the parameters at all
                      for a, b in zip(cpu["params"], _initial_params(model_name))),
     }
@@ -347,11 +350,7 @@ def gpu_schedules_agree(rank: int, world: int, model_name: str, opt_name: str, s
     gpu = {"device": "cuda", "gpu_backend": gpu_backend}
     a = schedule_run(rank, world, "wfbp", model_name, opt_name, steps, True, **gpu)
     b = schedule_run(rank, world, "decoupled", model_name, opt_name, steps, True, **gpu)
-    return {
-        "max_param_diff": max((x - y).abs().max().item()
-                              for x, y in zip(a["params"], b["params"])),
-        "max_loss_diff": max(abs(x - y) for x, y in zip(a["losses"], b["losses"])),
-    }
+    return _agreement(a, b)
 
 
 def _initial_params(model_name: str) -> list[torch.Tensor]:
