@@ -239,7 +239,10 @@ void bind_engine(py::module_& m) {
             options.in_flight = in_flight;
             options.partition_bytes = partition_bytes;
             if (device >= 0) options.device = Device{DeviceType::kCUDA, device};
-            py::gil_scoped_release release;  // device buffers: allocation may take a while
+            // A CUDA reducer waits for the scheduler thread to create its
+            // communicator, which reads the (possibly Python) store: the GIL
+            // must be free.
+            py::gil_scoped_release release;
             return e.make_reducer(grad_specs, options);
           },
           py::arg("specs"), py::arg("fusion_bytes"), py::arg("first_bucket_bytes"),

@@ -18,7 +18,7 @@ from torch import nn
 from hemiola._native import C
 from hemiola.config import Config
 from hemiola.schedules import Schedule, make_schedule
-from hemiola.tensors import broadcast_tensors, device_view, dtype_code, model_device, stream_of
+from hemiola.tensors import broadcast_tensors, device_view, dtype_code, stream_of
 from hemiola.timeline import Recorder
 from hemiola.validate import check_module, check_same_model
 
@@ -36,10 +36,9 @@ class DataParallel(nn.Module):
 
     def __init__(self, module: nn.Module, config: Config, engine: C.Engine, store: C.Store):
         super().__init__()
-        check_module(module)
-        self.module = module
         #: the device the model lives on (the CPU or one GPU)
-        self.device = model_device([*module.named_parameters(), *module.named_buffers()])
+        self.device = check_module(module)
+        self.module = module
         self.config = config
         self._engine = engine
         check_same_model(engine, store, module, config)

@@ -14,8 +14,9 @@ from hemiola.config import Config
 from hemiola.tensors import GRAD_DTYPES, model_device
 
 
-def check_module(module: nn.Module) -> None:
-    """Refuses what the engine cannot reduce, before any communication."""
+def check_module(module: nn.Module) -> torch.device:
+    """Refuses what the engine cannot reduce, before any communication.
+    Returns the one device the module lives on."""
     for name, sub in module.named_modules():
         if isinstance(sub, (nn.Embedding, nn.EmbeddingBag)) and sub.sparse:
             raise ValueError(
@@ -23,13 +24,14 @@ def check_module(module: nn.Module) -> None:
                 "(sparse=True); hemiola reduces dense gradients only: construct it with "
                 "sparse=False"
             )
-    model_device([*module.named_parameters(), *module.named_buffers()])
+    device = model_device([*module.named_parameters(), *module.named_buffers()])
     for name, p in module.named_parameters():
         if p.requires_grad and p.dtype not in GRAD_DTYPES:
             raise ValueError(
                 f"parameter {name!r} has dtype {p.dtype}; hemiola reduces float32, float64, "
                 "float16 and bfloat16 gradients (set requires_grad=False to freeze it)"
             )
+    return device
 
 
 def signature(module: nn.Module, config: Config) -> list[list[object]]:

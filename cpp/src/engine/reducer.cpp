@@ -15,13 +15,13 @@ namespace hemiola {
 
 namespace {
 
-// Names of the tensors `indices` (adjacent repeats, i.e. pieces of one
-// partitioned tensor, named once), at most `limit` of them.
 std::string describe_device(const Device& device) {
   return device.type == DeviceType::kCPU ? std::string("the CPU")
                                          : "CUDA device " + std::to_string(device.index);
 }
 
+// Names of the tensors `indices` (adjacent repeats, i.e. pieces of one
+// partitioned tensor, named once), at most `limit` of them.
 std::string join_names(const std::vector<GradSpec>& specs, const std::vector<size_t>& indices,
                        size_t limit = 8) {
   std::vector<size_t> unique;
@@ -35,10 +35,6 @@ std::string join_names(const std::vector<GradSpec>& specs, const std::vector<siz
   if (unique.size() > limit) out << ", ... (" << unique.size() - limit << " more)";
   return out.str();
 }
-
-}  // namespace
-
-namespace {
 
 // Creates the engine's stream and communicator for a CUDA device.
 class DeviceSetup final : public hemiola::Work {
@@ -175,6 +171,10 @@ std::unique_ptr<ReducerImpl::DeviceFlight> ReducerImpl::make_device_flight() con
   }
   gpu->done = std::make_unique<cuda::Event>(device);
   return gpu;
+}
+
+std::chrono::milliseconds ReducerImpl::timeout() const {
+  return std::chrono::milliseconds(static_cast<int64_t>(engine_.options().timeout_s * 1000.0));
 }
 
 void ReducerImpl::check_usable() const {
@@ -318,8 +318,7 @@ int64_t ReducerImpl::finish_marking() {
 
 void ReducerImpl::run(Flight& flight, Communicator& comm, Timeline& timeline,
                       size_t* current_bucket) {
-  const auto timeout = std::chrono::milliseconds(
-      static_cast<int64_t>(engine_.options().timeout_s * 1000.0));
+  const auto timeout = this->timeout();
   const size_t count = plan_.size();
   std::vector<bool> ready(count, false);
   DeviceCommunicator* device_comm = nullptr;
@@ -418,9 +417,7 @@ void ReducerImpl::reduce_on_device(Flight& flight, size_t b, DeviceCommunicator&
   if (!slots.empty()) {
     if (outs != gpu.uploaded[b]) {
       // The pinned slots may still be read by this flight's previous upload.
-      const auto timeout = std::chrono::milliseconds(
-          static_cast<int64_t>(engine_.options().timeout_s * 1000.0));
-      if (!gpu.done->wait_for(timeout)) {
+      if (!gpu.done->wait_for(timeout())) {
         HEMIOLA_THROW(ErrorCode::kTimeout, "an earlier iteration's reductions did not complete "
                       "on CUDA device ", options_.device.index, " within ",
                       engine_.options().timeout_s, " s");
@@ -442,9 +439,7 @@ void ReducerImpl::check_previous_done(const Flight& flight, DeviceCommunicator& 
   comm.check();
   if (flight.iteration == 0) return;
   const Flight& previous = *flights_[(flight.iteration - 1) % flights_.size()];
-  const auto timeout =
-      std::chrono::milliseconds(static_cast<int64_t>(engine_.options().timeout_s * 1000.0));
-  if (!previous.gpu->done->wait_for(timeout)) {
+  if (!previous.gpu->done->wait_for(timeout())) {
     comm.check();  // an NCCL error, if there is one, says more than the timeout
     comm.abort();
     HEMIOLA_THROW(ErrorCode::kTimeout, "the reductions of iteration ", flight.iteration - 1,

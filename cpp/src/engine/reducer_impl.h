@@ -13,6 +13,7 @@
 #pragma once
 
 #include <atomic>
+#include <chrono>
 #include <cstdint>
 #include <condition_variable>
 #include <memory>
@@ -118,6 +119,8 @@ class ReducerImpl {
                          void* stream);
   const Flight& completed_flight(uint64_t iteration) const;
   void check_usable() const;
+  // The engine's timeout_s, for the waits of this reducer.
+  std::chrono::milliseconds timeout() const;
   void run(Flight& flight, Communicator& comm, Timeline& timeline, size_t* current_bucket);
   // CUDA: the bucket's reduction and unpacking, enqueued on the engine's stream.
   void reduce_on_device(Flight& flight, size_t bucket, DeviceCommunicator& comm, void* stream);
