@@ -23,6 +23,11 @@ from hemiola.timeline import Recorder
 from hemiola.validate import check_module, check_same_model
 
 
+#: attribute set on a wrapped module and on a taken-over optimizer, so that
+#: wrapping either a second time is refused
+WRAPPED_MARK = "_hemiola_wrapped"
+
+
 class DataParallel(nn.Module):
     """A module whose gradients are reduced across ranks while backward runs.
 
@@ -34,8 +39,14 @@ class DataParallel(nn.Module):
     (:class:`hemiola.Config`).
     """
 
-    def __init__(self, module: nn.Module, config: Config, engine: C.Engine, store: C.Store):
+    def __init__(self, module: nn.Module, config: Config, engine: C.Engine, store: C.Store,
+                 grad_scaler: torch.amp.GradScaler | None = None):
         super().__init__()
+        if grad_scaler is not None and not isinstance(grad_scaler, torch.amp.GradScaler):
+            raise TypeError(f"grad_scaler must be a torch.amp.GradScaler, got "
+                            f"{type(grad_scaler).__name__}")
+        #: the GradScaler given to hemiola.wrap (None: no loss scaling)
+        self.grad_scaler = grad_scaler
         #: the device the model lives on (the CPU or one GPU)
         self.device = check_module(module)
         self.module = module
@@ -48,7 +59,19 @@ class DataParallel(nn.Module):
         self._names = [n for n, _ in named]
         self._params = [p for _, p in named]
         self._buffers_to_sync = [b for b in module.buffers() if b.numel() > 0]
+        #: while True, every reduced gradient of the iteration being marked is
+        #: written to a tensor of the model's (as partitioned ones are), so it
+        #: outlives a rebuild of the reducer's buckets
+        self.gather_all_results = False
+        self._gathered_iterations: set[int] = set()
         self._schedule: Schedule = make_schedule(config.schedule, self)
+        # Checkpoints are exact however they are taken (model.state_dict(),
+        # model.module.state_dict(), a reference to the module kept from
+        # before): pending updates land first; a load replaces them.
+        module.register_state_dict_pre_hook(lambda *_: self.synchronize())
+        module.register_load_state_dict_pre_hook(lambda *_: self.synchronize())
+        module.register_load_state_dict_post_hook(
+            lambda *_: self._schedule.parameters_replaced())
         self._reducer: C.Reducer | None = None
         if self._params:
             specs = [(dtype_code(p.dtype), p.numel(), n) for n, p in named]
@@ -70,7 +93,13 @@ class DataParallel(nn.Module):
         }
         self._gathered: dict[tuple[int, int], torch.Tensor] = {}
         self._marking_iteration = 0
-        self._require_sync = True
+        #: DDP's flag (``no_sync()`` clears it; nanoGPT sets it directly): when
+        #: False, backward accumulates gradients locally and reduces nothing.
+        self.require_backward_grad_sync = True
+        # DDP's rule for buffers: broadcast them before a forward that follows
+        # a synchronised training forward (and before the first one), so
+        # evaluation right after training sees rank 0's statistics too.
+        self._require_forward_param_sync = True
         self._in_backward = False
         self._backward_start = 0
         self.timeline_recorder = Recorder(engine)
@@ -86,18 +115,36 @@ class DataParallel(nn.Module):
         self._schedule.before_forward()
         with (self.timeline_recorder.span("compute", "forward", "forward"),
               self._schedule.forward_scope()):
-            return self.module(*args, **kwargs)
+            module = self.module
+            if self._schedule.observing:
+                # Learning where parameters are first read needs the eager
+                # module (torch.compile(model) before wrapping).
+                module = getattr(module, "_orig_mod", module)
+            out = module(*args, **kwargs)
+        self._require_forward_param_sync = (torch.is_grad_enabled()
+                                            and self.require_backward_grad_sync)
+        return out
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
         """Gradient accumulation: backward passes inside accumulate locally;
-        the first backward after it reduces the accumulated gradients."""
-        previous = self._require_sync
-        self._require_sync = False
+        the first backward after it reduces the accumulated gradients.
+        (Setting ``require_backward_grad_sync`` does the same, as in DDP.)"""
+        previous = self.require_backward_grad_sync
+        self.require_backward_grad_sync = False
         try:
             yield
         finally:
-            self._require_sync = previous
+            self.require_backward_grad_sync = previous
+
+    def register_comm_hook(self, state: object, hook: Any) -> None:
+        """Not supported: refuses with what to do instead."""
+        raise NotImplementedError(
+            "hemiola does not take DDP communication hooks: its engine packs, reduces and "
+            "averages buckets natively (fp16/bf16 gradients are reduced in their own dtype). "
+            "Remove the register_comm_hook call; for gradient compression or custom "
+            "reductions keep torch DDP for this model."
+        )
 
     def synchronize(self) -> None:
         """Lands every pending correction: afterwards every rank holds the
@@ -119,14 +166,14 @@ class DataParallel(nn.Module):
         return self._schedule.clip_grad_norm_(max_norm, norm_type)
 
     def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:  # type: ignore[override]
-        self.synchronize()
+        """The wrapped module's state dict (no ``module.`` prefix), exact:
+        pending updates land first. ``model.module.state_dict()`` is the same."""
         return self.module.state_dict(*args, **kwargs)
 
     def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
-        self.synchronize()
-        result = self.module.load_state_dict(state_dict, strict=strict, assign=assign)
-        self._schedule.parameters_replaced()
-        return result
+        """Loads into the wrapped module (``model.module.load_state_dict`` is the
+        same): what was pending is landed first and forgotten after."""
+        return self.module.load_state_dict(state_dict, strict=strict, assign=assign)
 
     def train(self, mode: bool = True) -> DataParallel:
         if not mode:
@@ -163,7 +210,7 @@ class DataParallel(nn.Module):
 
     def _make_hook(self, index: int) -> Any:
         def hook(param: torch.Tensor) -> None:
-            if not self._require_sync:
+            if not self.require_backward_grad_sync:
                 return
             grad = param.grad
             if grad is None:
@@ -212,7 +259,7 @@ class DataParallel(nn.Module):
         engine's buffers, or, for a partitioned gradient, its gathered copy."""
         assert self._reducer is not None
         p = self._params[index]
-        if index in self._partitioned:
+        if index in self._partitioned or iteration in self._gathered_iterations:
             return self._gathered[(iteration % (self._schedule.in_flight + 1), index)]
         if self.device.type == "cuda":
             return device_view(self._reducer.result_ptr(iteration, index), p)
@@ -228,9 +275,11 @@ class DataParallel(nn.Module):
     def _result_target(self, index: int) -> int:
         """Where the engine should write parameter `index`'s reduced gradient
         of the iteration being marked: 0 (keep it in the engine) unless it is
-        partitioned."""
-        if index not in self._partitioned:
+        partitioned or gather_all_results is set."""
+        if not self.gather_all_results and index not in self._partitioned:
             return 0
+        if self.gather_all_results:
+            self._gathered_iterations.add(self._marking_iteration)
         key = (self._marking_iteration % (self._schedule.in_flight + 1), index)
         target = self._gathered.get(key)
         if target is None:
@@ -238,6 +287,17 @@ class DataParallel(nn.Module):
             target = torch.empty(p.shape, dtype=p.dtype, device=self.device)
             self._gathered[key] = target
         return target.data_ptr()
+
+    def _release_gathered(self, iteration: int) -> None:
+        """`iteration`'s gathered results (gather_all_results) are applied:
+        free the copies of the tensors that are not partitioned."""
+        if iteration not in self._gathered_iterations:
+            return
+        self._gathered_iterations.discard(iteration)
+        slot = iteration % (self._schedule.in_flight + 1)
+        for i in range(len(self._params)):
+            if i not in self._partitioned:
+                self._gathered.pop((slot, i), None)
 
     def _sync_buffers(self) -> None:
         broadcast_tensors(self._engine, self._buffers_to_sync)

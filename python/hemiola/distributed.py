@@ -6,7 +6,6 @@ import atexit
 import datetime
 import itertools
 import os
-import tempfile
 
 import torch.distributed as dist
 
@@ -62,9 +61,9 @@ def init(timeout_s: float = 300.0) -> None:
                 os.environ["GLOO_SOCKET_IFNAME"] = iface
         dist.init_process_group(backend="gloo", timeout=timeout)
     else:
-        path = tempfile.mktemp(prefix="hemiola-single-")
+        # One process: an in-memory store, so nothing is left on disk.
         dist.init_process_group(
-            backend="gloo", init_method=f"file://{path}", rank=0, world_size=1, timeout=timeout
+            backend="gloo", store=dist.HashStore(), rank=0, world_size=1, timeout=timeout
         )
     # We created the group, so we also take it down at exit: torch's Gloo
     # worker thread must not outlive the interpreter (it can abort the process

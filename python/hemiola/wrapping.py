@@ -4,17 +4,19 @@ from __future__ import annotations
 
 from typing import Any, TypeVar
 
+import torch
 from torch import nn
 
 from hemiola.config import Config
-from hemiola.data_parallel import DataParallel
+from hemiola.data_parallel import WRAPPED_MARK, DataParallel
 from hemiola.distributed import new_engine
 
 OptimizerT = TypeVar("OptimizerT")
 
 
 def wrap(
-    model: nn.Module, optimizer: OptimizerT, schedule: str = "wfbp", **options: Any
+    model: nn.Module, optimizer: OptimizerT, schedule: str = "wfbp",
+    grad_scaler: torch.amp.GradScaler | None = None, **options: Any
 ) -> tuple[DataParallel, OptimizerT]:
     """Makes `model` data-parallel across the ranks of the default process group.
 
@@ -29,6 +31,11 @@ def wrap(
             ``step``, ``state_dict`` and ``load_state_dict`` are taken over
             (same object). Clip with ``wrapped_model.clip_grad_norm_``.
         schedule: See :class:`hemiola.Config`.
+        grad_scaler: The ``torch.amp.GradScaler`` that scales this model's
+            loss, if any. Needed by ``"priority"`` and ``"decoupled"``
+            (``wfbp`` works without it, like DDP): each rank reduces its
+            gradients unscaled, and a step is skipped on every rank when any
+            rank overflowed. ``scaler.step(optimizer)`` without it raises.
         **options: Any other field of :class:`hemiola.Config` (``fusion_mb``,
             ``first_bucket_mb``, ``timeout_s``, ``find_unused_parameters``, ...).
 
@@ -38,7 +45,41 @@ def wrap(
         other schedules apply the averaged gradient in their own time).
     """
     config = Config.from_kwargs(schedule=schedule, **options)
+    _refuse_double_wrapping(model, optimizer)
     engine, store = new_engine(config.timeout_s, timeline=config.timeline,
                                gpu_backend=config.gpu_backend)
-    wrapped = DataParallel(model, config, engine, store)
-    return wrapped, wrapped._schedule.wrap_optimizer(optimizer)
+    wrapped = DataParallel(model, config, engine, store, grad_scaler)
+    optimizer = wrapped._schedule.wrap_optimizer(optimizer)
+    # Plain attributes, outside nn.Module's registries (no state_dict entry).
+    object.__setattr__(model, WRAPPED_MARK, True)
+    if optimizer is not None:
+        object.__setattr__(optimizer, WRAPPED_MARK, True)
+    return wrapped, optimizer
+
+
+def _refuse_double_wrapping(model: nn.Module, optimizer: object) -> None:
+    """Wrapping twice would reduce every gradient twice (or take the
+    optimizer's step over twice): refuse it, naming what to pass instead."""
+    if isinstance(model, DataParallel):
+        raise ValueError(
+            "this model is already wrapped by hemiola.wrap; use it as it is (wrap once; "
+            "to change options, wrap the original module, model.module, in a new process)"
+        )
+    if isinstance(model, nn.parallel.DistributedDataParallel):
+        raise ValueError(
+            "this model is wrapped by torch DistributedDataParallel; pass the module itself "
+            "(ddp_model.module) to hemiola.wrap instead of wrapping twice"
+        )
+    for name, sub in model.named_modules():
+        if isinstance(sub, (DataParallel, nn.parallel.DistributedDataParallel)) or getattr(
+                sub, WRAPPED_MARK, False):
+            where = f"its submodule {name!r}" if name else "it"
+            raise ValueError(
+                f"{where} is already wrapped by hemiola.wrap (or DDP): each parameter may be "
+                "reduced by one wrapper only; wrap the outermost module once"
+            )
+    if getattr(optimizer, WRAPPED_MARK, False):
+        raise ValueError(
+            "this optimizer was already passed to hemiola.wrap; build a new optimizer for "
+            "another wrapped model"
+        )

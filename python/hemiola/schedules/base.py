@@ -42,6 +42,11 @@ class Schedule:
         """A context around every forward of the wrapped module."""
         return contextlib.nullcontext()
 
+    @property
+    def observing(self) -> bool:
+        """The next forward is observed (it must run eagerly, not compiled)."""
+        return False
+
     def clip_grad_norm_(self, max_norm: float, norm_type: float) -> torch.Tensor:
         """``model.clip_grad_norm_``: clips what the optimizer will apply."""
         params = [p for p in self.model._params if p.grad is not None]
@@ -83,9 +88,13 @@ def take_over_optimizer(schedule: Schedule, optimizer: Any, step: Callable[[], N
     ``load_state_dict`` synchronize first. Returns the original bound step."""
     name = schedule.model.config.schedule
     if not isinstance(optimizer, torch.optim.Optimizer):
+        got = "None" if optimizer is None else type(optimizer).__name__
         raise ValueError(
-            f"schedule={name!r} needs the torch.optim.Optimizer that trains the model: it "
-            "takes over the optimizer's step to apply updates when reductions arrive"
+            f"schedule={name!r} needs the torch.optim.Optimizer that trains the model (got "
+            f"{got}): it takes over the optimizer's step to apply updates when reductions "
+            "arrive. Build the optimizer before wrapping and pass it: model, optimizer = "
+            "hemiola.wrap(model, optimizer, ...). (Only schedule='wfbp' accepts None and an "
+            "optimizer built after wrapping.)"
         )
     ours = {id(p) for p in schedule.model._params}
     for group in optimizer.param_groups:
@@ -121,6 +130,8 @@ def take_over_optimizer(schedule: Schedule, optimizer: Any, step: Callable[[], N
         schedule.parameters_replaced()
 
     optimizer.step = types.MethodType(wrapped_step, optimizer)
+    # GradScaler then always calls step (see DeferredSchedule.take_scaler_state).
+    optimizer._step_supports_amp_scaling = True
     optimizer.state_dict = types.MethodType(state_dict, optimizer)
     optimizer.load_state_dict = types.MethodType(load_state_dict, optimizer)
     return inner_step
@@ -169,18 +180,24 @@ class PendingUpdate:
     parameter yet."""
 
     def __init__(self, iteration: int, hyper: list[dict[str, Any]], unmarked: list[int] | None,
-                 clip: tuple[float, float] | None) -> None:
+                 clip: tuple[float, float] | None, check_finite: bool = False) -> None:
         self.iteration = iteration
         self.hyper = hyper  # the hyper-parameters the iteration ran with
         self.unmarked = unmarked  # parameters this rank contributed as zeros
         self.clip = clip  # (max_norm, norm_type) of model.clip_grad_norm_
         self.coef: torch.Tensor | None = None  # clipping coefficient, once computed
+        #: usage counts read before a rebuild of the buckets discarded them
+        self.usage: list[int] | None = None
+        #: a GradScaler is in use: the update is skipped if any reduced
+        #: gradient is not finite (some rank overflowed)
+        self.check_finite = check_finite
+        self.finite: bool | None = None  # once checked
 
     @property
     def needs_whole(self) -> bool:
         """Usage counts (unused parameters) and the clipping norm exist only
         once the whole iteration is reduced."""
-        return bool(self.unmarked) or self.clip is not None
+        return bool(self.unmarked) or self.clip is not None or self.check_finite
 
 
 class DeferredSchedule(Schedule):
@@ -209,6 +226,8 @@ class DeferredSchedule(Schedule):
         #: per iteration: (max_norm, norm_type) of model.clip_grad_norm_
         self._clip: dict[int, tuple[float, float]] = {}
         self._members: list[list[int]] = []     # per bucket: its parameters
+        # 1 / the GradScaler's scale in the backward being marked
+        self._inv_scale: float | None = None
         self._buckets_of: list[list[int]] = []  # per parameter: its buckets (pieces)
 
     def refresh_buckets(self) -> None:
@@ -253,12 +272,31 @@ class DeferredSchedule(Schedule):
 
     def arrived(self, iteration: int, indices: list[int]) -> list[int]:
         """Those of `indices` whose every bucket of `iteration` is reduced."""
+        if iteration in self.model._gathered_iterations:
+            return indices  # waited for before the buckets were rebuilt
         reducer = self.model._reducer
         return [i for i in indices
                 if all(reducer.bucket_done(iteration, b) for b in self._buckets_of[i])]
 
     def forward_scope(self) -> contextlib.AbstractContextManager[None]:
         return self._gate.scope()
+
+    @property
+    def observing(self) -> bool:
+        return self._gate.learning
+
+    def before_forward(self) -> None:
+        if not torch.is_grad_enabled():
+            # Evaluation sees the exact parameters and rank 0's buffers, as
+            # under DDP.
+            self.synchronize()
+        elif self._finished is not None:
+            # A second training forward before optimizer.step(): gradient
+            # accumulation without no_sync (or a step GradScaler skipped).
+            # The next backward's reduction contains this one's (.grad keeps
+            # accumulating the local gradients), so this one is superseded;
+            # land what is pending so the reducer has room for the next.
+            self.synchronize()
 
     def land_before_forward(self, indices: list[int]) -> None:
         """The forward pre-hook of the module that reads `indices` first."""
@@ -305,6 +343,8 @@ class DeferredSchedule(Schedule):
     def wait_for(self, pending: PendingUpdate, indices: list[int]) -> None:
         """Waits until `pending`'s reduced gradients of parameters `indices`
         can be applied: their buckets, or the whole iteration if it needs it."""
+        if pending.iteration in self.model._gathered_iterations:
+            return  # waited for before the buckets were rebuilt
         if pending.needs_whole:
             with self.model.timeline_recorder.span(
                     "compute", f"wait reduction {pending.iteration}", "wait"):
@@ -320,8 +360,17 @@ class DeferredSchedule(Schedule):
         m = self.model
         it = pending.iteration
         count = len(m._params)
-        usage = m._reducer.usage(it) if pending.unmarked else None
+        usage = pending.usage
+        if usage is None and pending.unmarked:
+            usage = m._reducer.usage(it)
         used = [usage is None or usage[i] > 0 for i in range(count)]
+        if pending.check_finite and pending.finite is None:  # needs_whole: all arrived
+            # Non-finite iff some rank overflowed: every rank skips alike.
+            total = torch.nn.utils.get_total_norm(
+                [m._reduced(it, i) for i in range(count) if used[i]], 2.0)
+            pending.finite = bool(torch.isfinite(total))
+        if pending.finite is False:
+            return  # GradScaler skips this step
         if pending.clip is not None and pending.coef is None:  # needs_whole: all arrived
             max_norm, norm_type = pending.clip
             total = torch.nn.utils.get_total_norm(
@@ -334,7 +383,15 @@ class DeferredSchedule(Schedule):
         self.step_with(grads, pending.hyper)
 
     def mark(self, index: int, grad: torch.Tensor) -> None:
-        source = grad if grad.is_contiguous() else grad.contiguous()
+        scaler = self.model.grad_scaler
+        if scaler is not None and scaler.is_enabled():
+            # Each rank reduces its gradient unscaled, so the average is right
+            # whatever the ranks' scales, and not finite iff a rank overflowed.
+            if self._inv_scale is None:
+                self._inv_scale = 1.0 / scaler.get_scale()
+            source = grad * self._inv_scale
+        else:
+            source = grad if grad.is_contiguous() else grad.contiguous()
         # The engine copies the gradient in now; the result stays in the
         # reducer (or, if partitioned, goes to a tensor of the model's).
         self.model._reducer.mark_ready_to(index, source.data_ptr(),
@@ -342,7 +399,11 @@ class DeferredSchedule(Schedule):
                                           stream=self.model._stream())
 
     def backward_done(self, iteration: int, unmarked: list[int]) -> None:
+        if self._finished is not None:  # superseded (see before_forward)
+            self._unmarked.pop(self._finished, None)
+            self._clip.pop(self._finished, None)
         self._finished = iteration
+        self._inv_scale = None
         self._gate.clear_reads()
         self._grads_seen = self._grad_versions()
         if unmarked:
@@ -354,6 +415,43 @@ class DeferredSchedule(Schedule):
         self._inner_step = take_over_optimizer(self, optimizer, self.step)
         self._optimizer = optimizer
         return optimizer
+
+    @property
+    def scaling(self) -> bool:
+        """A GradScaler scales this model's gradients."""
+        scaler = self.model.grad_scaler
+        return scaler is not None and scaler.is_enabled()
+
+    def take_scaler_state(self) -> bool:
+        """Under ``scaler.step(optimizer)``: what GradScaler handed the
+        optimizer (it calls our step always, with ``grad_scale`` and
+        ``found_inf`` set, since take_over_optimizer declares
+        ``_step_supports_amp_scaling``). Unscales the local ``.grad`` if
+        ``unscale_`` was not called, hides both attributes from the inner
+        optimizer (a fused Adam would apply them to the reduced gradient,
+        which is unscaled already), and returns whether this rank's own
+        gradient overflowed."""
+        opt = self._optimizer
+        found_inf = getattr(opt, "found_inf", None)
+        if found_inf is None:
+            return False
+        name = self.model.config.schedule
+        if not self.scaling:
+            message = (
+                f"schedule={name!r}: optimizer.step() is driven by a torch.amp.GradScaler that "
+                "hemiola does not know, so the reduced gradients would be applied still scaled. "
+                "Pass it when wrapping: hemiola.wrap(model, optimizer, schedule=..., "
+                "grad_scaler=scaler)."
+            )
+            self.model._reducer.abort(message)
+            raise RuntimeError(message)
+        grad_scale = getattr(opt, "grad_scale", None)
+        opt.grad_scale = opt.found_inf = None  # GradScaler deletes them after the step
+        if grad_scale is not None:  # unscale_() was not called: .grad is still scaled
+            grads = [p.grad for p in self.model._params if p.grad is not None]
+            if grads:
+                torch._foreach_mul_(grads, grad_scale.double().reciprocal().float())
+        return bool(found_inf.item())
 
     def step(self) -> None:
         """What ``optimizer.step()`` does under this schedule."""

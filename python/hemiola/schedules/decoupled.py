@@ -68,8 +68,8 @@ class _Iteration(PendingUpdate):
 
     def __init__(self, iteration: int, hyper: list[dict[str, Any]], unmarked: list[int] | None,
                  clip: tuple[float, float] | None,
-                 local_grads: list[torch.Tensor | None] | None) -> None:
-        super().__init__(iteration, hyper, unmarked, clip)
+                 local_grads: list[torch.Tensor | None] | None, check_finite: bool) -> None:
+        super().__init__(iteration, hyper, unmarked, clip, check_finite)
         # Copies of the local gradients, to re-take the local step after an
         # older iteration lands (only needed with in_flight > 1).
         self.local_grads = local_grads
@@ -91,6 +91,9 @@ class Decoupled(DeferredSchedule):
         # Elements read by forwards in total, and while still approximate.
         self._reads = 0
         self._approximate_reads = 0
+        # The first iteration's results must outlive the rebuild of the
+        # buckets that follows it (see step()).
+        model.gather_all_results = not self._rebuilt
 
     # ---- optimizer side ------------------------------------------------------
 
@@ -98,6 +101,7 @@ class Decoupled(DeferredSchedule):
         """``optimizer.step()``: land what has arrived (and, waiting, what the
         in-flight bound requires), then take this iteration's local step."""
         self.check_grads_untouched()
+        overflow = self.take_scaler_state()
         self._gate.clear_reads()
         iteration, self._finished = self._finished, None
         everything = list(range(len(self.model._params)))
@@ -108,28 +112,38 @@ class Decoupled(DeferredSchedule):
             return
         if not self._members:
             self.refresh_buckets()
+        usage = None
         if not self._rebuilt:
-            # The first iteration runs synchronously: its exact step is taken
-            # at once, then the buckets are rebuilt in the observed order
-            # (which needs every reduction finished).
-            self._pending.append(_Iteration(iteration, hyper_parameters(self._optimizer),
-                                            self._unmarked.pop(iteration, None),
-                                            self.take_clip(iteration), None))
-            self._advance(everything, must=len(self._pending))
-            self.model._reducer.rebuild_from_observed_order()
+            # The first iteration takes the same steps as every other (the
+            # local step now, the exact one later), so that a run resumed
+            # from a checkpoint repeats the run that saved it. Only its timing
+            # differs: the reduction is waited for here so that the buckets
+            # can be rebuilt in the observed order; its results were written
+            # to tensors of the model's and outlive the rebuild.
+            reducer = self.model._reducer
+            reducer.wait(iteration, stream=self.model._stream())
+            if iteration in self._unmarked:
+                usage = reducer.usage(iteration)
+            reducer.rebuild_from_observed_order()
             self.refresh_buckets()
             self._rebuilt = True
-            return
+            self.model.gather_all_results = False
         self._advance(everything, must=len(self._pending) + 1 - self.in_flight)
         hyper = hyper_parameters(self._optimizer)
-        with self.model.timeline_recorder.span("compute", f"local step {iteration}", "step"):
-            self._inner_step()  # from the live values with the local gradient
+        # From the live values with the local gradient; none if it overflowed
+        # (the exact step is then skipped too: the average is not finite).
+        if not overflow:
+            with self.model.timeline_recorder.span("compute", f"local step {iteration}",
+                                                   "step"):
+                self._inner_step()
         local = None
         if self.in_flight > 1:
-            local = [None if p.grad is None else p.grad.detach().clone()
+            local = [None if p.grad is None or overflow else p.grad.detach().clone()
                      for p in self.model._params]
-        self._pending.append(_Iteration(iteration, hyper, self._unmarked.pop(iteration, None),
-                                        self.take_clip(iteration), local))
+        pending = _Iteration(iteration, hyper, self._unmarked.pop(iteration, None),
+                             self.take_clip(iteration), local, self.scaling)
+        pending.usage = usage
+        self._pending.append(pending)
 
     def synchronize(self) -> None:
         self._advance(list(range(len(self.model._params))), must=len(self._pending))
@@ -137,6 +151,8 @@ class Decoupled(DeferredSchedule):
 
     def parameters_replaced(self) -> None:
         # Whatever was pending belongs to the old parameters.
+        for pending in self._pending:
+            self.model._release_gathered(pending.iteration)
         self._pending.clear()
         self._commit(list(range(len(self.model._params))))
 
@@ -199,7 +215,7 @@ class Decoupled(DeferredSchedule):
                 self.step_with([g if i in again else None
                                 for i, g in enumerate(pending.local_grads)], pending.hyper)
         while self._pending and min(self._landed) >= self._pending[0].iteration:
-            self._pending.popleft()
+            self.model._release_gathered(self._pending.popleft().iteration)
         recorder.record("compute", f"exact step ({len(touched)} parameters)", "correction",
                         start)
 

@@ -80,6 +80,11 @@ class ForwardGate:
         # need the values it read, so they must not be written until then.
         self._read: set[int] = set()
 
+    @property
+    def learning(self) -> bool:
+        """The next forward (if it runs with gradients) is observed."""
+        return not self._learnt and torch.is_grad_enabled()
+
     def unread(self, indices: list[int]) -> list[int]:
         """Those of `indices` that no forward has read since clear_reads()."""
         return [i for i in indices if i not in self._read]

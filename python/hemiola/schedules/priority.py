@@ -42,8 +42,8 @@ class _Pending(PendingUpdate):
     """An iteration whose update is partly applied."""
 
     def __init__(self, iteration: int, hyper: list[dict[str, Any]], unmarked: list[int] | None,
-                 clip: tuple[float, float] | None, params: int) -> None:
-        super().__init__(iteration, hyper, unmarked, clip)
+                 clip: tuple[float, float] | None, params: int, check_finite: bool) -> None:
+        super().__init__(iteration, hyper, unmarked, clip, check_finite)
         self.remaining = set(range(params))  # parameters not updated yet
 
 
@@ -88,6 +88,7 @@ class Priority(DeferredSchedule):
 
     def step(self) -> None:
         self.check_grads_untouched()
+        self.take_scaler_state()  # an overflow shows in the reduced gradients
         self._apply_all()  # whatever the previous iteration left (rare)
         iteration, self._finished = self._finished, None
         if iteration is None:  # no synchronised backward since the last step
@@ -97,7 +98,7 @@ class Priority(DeferredSchedule):
             self.refresh_buckets()
         pending = _Pending(iteration, hyper_parameters(self._optimizer),
                            self._unmarked.pop(iteration, None), self.take_clip(iteration),
-                           len(self.model._params))
+                           len(self.model._params), self.scaling)
         self._pending = pending
         if not self._rebuilt:
             # The first iteration runs synchronously; then the buckets are

@@ -23,8 +23,7 @@ class Wfbp(Schedule):
 
     def before_forward(self) -> None:
         m = self.model
-        if (m.config.broadcast_buffers and m._require_sync and torch.is_grad_enabled()
-                and m._buffers_to_sync):
+        if m.config.broadcast_buffers and m._require_forward_param_sync and m._buffers_to_sync:
             m._sync_buffers()
 
     def mark(self, index: int, grad: torch.Tensor) -> None:
