@@ -22,7 +22,6 @@ from hemiola.tensors import broadcast_tensors, device_view, dtype_code, stream_o
 from hemiola.timeline import Recorder
 from hemiola.validate import check_module, check_same_model
 
-
 #: attribute set on a wrapped module and on a taken-over optimizer, so that
 #: wrapping either a second time is refused
 WRAPPED_MARK = "_hemiola_wrapped"
@@ -112,7 +111,9 @@ class DataParallel(nn.Module):
     # ---- user API ----------------------------------------------------------
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        self._schedule.before_forward()
+        # Under torch.compile(wrapped model) this is traced; the flag is a
+        # constant of the compiled code, and _pre_forward runs eagerly.
+        self._pre_forward(torch.compiler.is_compiling())
         with (self.timeline_recorder.span("compute", "forward", "forward"),
               self._schedule.forward_scope()):
             module = self.module
@@ -124,6 +125,12 @@ class DataParallel(nn.Module):
         self._require_forward_param_sync = (torch.is_grad_enabled()
                                             and self.require_backward_grad_sync)
         return out
+
+    @torch.compiler.disable
+    def _pre_forward(self, compiled: bool) -> None:
+        if compiled:
+            self._schedule.forward_is_compiled()
+        self._schedule.before_forward()
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:

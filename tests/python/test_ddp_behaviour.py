@@ -98,3 +98,53 @@ def test_single_process_without_torchrun() -> None:
     model(torch.ones(2, 3)).sum().backward()
     assert torch.allclose(model.module.weight.grad, torch.full((1, 3), 2.0))
     assert list(model.state_dict()) == ["weight", "bias"]
+
+
+def test_wrapping_twice_is_refused() -> None:
+    inner = nn.Linear(3, 1)
+    opt = torch.optim.SGD(inner.parameters(), lr=0.1)
+    model, opt = hemiola.wrap(inner, opt)
+    with pytest.raises(ValueError, match="already wrapped"):
+        hemiola.wrap(model, opt)
+    with pytest.raises(ValueError, match="already wrapped"):
+        hemiola.wrap(inner, None)
+    with pytest.raises(ValueError, match="submodule '0' is already wrapped"):
+        hemiola.wrap(nn.Sequential(inner), None)
+    with pytest.raises(ValueError, match="optimizer was already passed"):
+        hemiola.wrap(nn.Linear(3, 1), opt)
+
+
+def test_comm_hooks_are_refused_with_what_to_do() -> None:
+    model, _ = hemiola.wrap(nn.Linear(3, 1), None)
+    with pytest.raises(NotImplementedError, match="Remove the register_comm_hook call"):
+        model.register_comm_hook(None, lambda state, bucket: None)
+
+
+@pytest.mark.parametrize("schedule", ["priority", "decoupled"])
+def test_optimizer_built_after_wrapping_is_refused_for_deferred_schedules(schedule: str) -> None:
+    with pytest.raises(ValueError, match="Build the optimizer before wrapping"):
+        hemiola.wrap(nn.Linear(3, 1), None, schedule=schedule)
+
+
+@pytest.mark.parametrize("schedule", ["priority", "decoupled"])
+def test_grad_scaler_not_given_to_wrap_is_an_error_at_the_first_step(schedule: str) -> None:
+    inner = nn.Linear(3, 1)
+    model, opt = hemiola.wrap(inner, torch.optim.SGD(inner.parameters(), lr=0.1),
+                              schedule=schedule)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    scaler.scale(model(torch.ones(2, 3)).sum()).backward()
+    with pytest.raises(RuntimeError, match="grad_scaler=scaler"):
+        scaler.step(opt)
+
+
+def test_a_script_without_torchrun_leaves_no_files(tmp_path: object) -> None:
+    import glob
+    import subprocess
+    import sys
+
+    before = set(glob.glob("/tmp/hemiola-*"))
+    script = ("import torch, hemiola\n"
+              "m, _ = hemiola.wrap(torch.nn.Linear(3, 1), None)\n"
+              "m(torch.ones(2, 3)).sum().backward()\n")
+    subprocess.run([sys.executable, "-c", script], check=True, timeout=120)
+    assert set(glob.glob("/tmp/hemiola-*")) <= before

@@ -38,6 +38,10 @@ class Schedule:
     def before_forward(self) -> None:
         """Called at the start of every forward of the wrapped model."""
 
+    def forward_is_compiled(self) -> None:
+        """The wrapped model's forward runs compiled (torch.compile after
+        wrapping): module hooks inside it are not reliable places to land."""
+
     def forward_scope(self) -> contextlib.AbstractContextManager[None]:
         """A context around every forward of the wrapped module."""
         return contextlib.nullcontext()
@@ -285,6 +289,9 @@ class DeferredSchedule(Schedule):
     def observing(self) -> bool:
         return self._gate.learning
 
+    def forward_is_compiled(self) -> None:
+        self._gate.land_at_start_only()
+
     def before_forward(self) -> None:
         if not torch.is_grad_enabled():
             # Evaluation sees the exact parameters and rank 0's buffers, as
@@ -297,6 +304,8 @@ class DeferredSchedule(Schedule):
             # accumulating the local gradients), so this one is superseded;
             # land what is pending so the reducer has room for the next.
             self.synchronize()
+        else:
+            self._gate.land_now()
 
     def land_before_forward(self, indices: list[int]) -> None:
         """The forward pre-hook of the module that reads `indices` first."""

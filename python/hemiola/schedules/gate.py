@@ -14,6 +14,10 @@ pre-hook ran before the read, so that is where the parameter is landed from
 then on. Parameters that first forward did not read are landed by the
 wrapped module's own pre-hook (the very start of the forward), which is
 always early enough.
+
+A module compiled before wrapping (``torch.compile(model)``) runs its whole
+forward as compiled graphs, with no place in between for a landing, so
+everything lands in its own pre-hook, which runs eagerly.
 """
 
 from __future__ import annotations
@@ -71,10 +75,12 @@ class ForwardGate:
         self._params = params
         self._land = land
         self._all = list(range(len(params)))
-        self._learnt = False
+        # A compiled module: nothing to learn, everything lands at the start.
+        self._learnt = isinstance(root, torch._dynamo.eval_frame.OptimizedModule)
+        self._compiled = False  # the wrapper's forward is compiled
+        #: per parameter index: the module whose pre-hook lands it
+        self.lander: dict[int, nn.Module] = dict.fromkeys(self._all, root)
         self._handles: list[Any] = [root.register_forward_pre_hook(self._land_all)]
-        #: per parameter index: the module whose pre-hook lands it (after learning)
-        self.lander: dict[int, nn.Module] = {}
         # Parameters whose landing point has passed since the last
         # clear_reads(): a forward may have read them, and autograd may still
         # need the values it read, so they must not be written until then.
@@ -84,6 +90,21 @@ class ForwardGate:
     def learning(self) -> bool:
         """The next forward (if it runs with gradients) is observed."""
         return not self._learnt and torch.is_grad_enabled()
+
+    def land_at_start_only(self) -> None:
+        """From now on everything lands at the start of the forward (the
+        forward runs compiled; see the module docstring)."""
+        if self._compiled:
+            return
+        self._compiled = True
+        self._learnt = True
+        self.lander = dict.fromkeys(self._all, self._root)
+        self.remove()
+
+    def land_now(self) -> None:
+        """Lands everything (the forward starts, compiled)."""
+        if self._compiled:
+            self._land_all(self._root, ())
 
     def unread(self, indices: list[int]) -> list[int]:
         """Those of `indices` that no forward has read since clear_reads()."""

@@ -1,0 +1,126 @@
+"""Ported real DDP scripts (see ported_scripts.py) under torch DDP and every
+schedule, on 2 CPU ranks: wfbp and priority equal DDP; decoupled equals DDP
+when every rank sees the same data and trains on different data; a run
+resumed from a checkpoint repeats the run that saved it."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from hemiola.launch import run_local
+
+import ported_scripts
+from ported_scripts import _flat, _load
+
+EXACT = 1e-5  # float rounding of a different reduction order
+
+
+def _run(script: str, runs: list[tuple[Any, ...]], timeout_s: float = 400) -> list[dict]:
+    """Rank 0's results, one per run."""
+    results = run_local(ported_scripts.variants, 2, script, runs, timeout_s=timeout_s)
+    return results[0]
+
+
+def _diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    return (a - b).abs().max().item()
+
+
+def _snapshot_flat(raw: bytes, key: str) -> torch.Tensor:
+    return _flat(_load(raw)[key])
+
+
+def test_tutorial_trainer_with_snapshots_and_resume() -> None:
+    runs = [("ddp", False), ("wfbp", False), ("priority", False), ("ddp", True),
+            ("decoupled", True), ("decoupled", False), ("decoupled-late", False)]
+    out = dict(zip([f"{k}/{'same' if s else 'own'}" for k, s in runs], _run("tutorial", runs)))
+    ddp = out["ddp/own"]
+    for kind in ("wfbp", "priority"):
+        # model.module.state_dict() every epoch: exact, never a stale value
+        for a, b in zip(ddp["snapshots"], out[f"{kind}/own"]["snapshots"]):
+            assert _diff(_snapshot_flat(a, "MODEL_STATE"), _snapshot_flat(b, "MODEL_STATE")) < EXACT
+    for a, b in zip(out["ddp/same"]["snapshots"], out["decoupled/same"]["snapshots"]):
+        assert _diff(_snapshot_flat(a, "MODEL_STATE"), _snapshot_flat(b, "MODEL_STATE")) < EXACT
+    own = out["decoupled/own"]
+    assert own["losses"][-1] < own["losses"][0]
+    final = _snapshot_flat(ddp["snapshots"][-1], "MODEL_STATE")
+    assert 0 < _diff(final, _snapshot_flat(own["snapshots"][-1], "MODEL_STATE")) < 0.05
+
+    # Resume: stop after 2 epochs, start again from the snapshot (loaded into
+    # the plain model before wrapping, as the tutorial does).
+    for kind in ("wfbp", "priority", "decoupled-late"):
+        whole = out[f"{kind}/own"]["snapshots"]
+        half = run_local(ported_scripts.tutorial, 2, kind, False, 2)[0]
+        assert half["snapshots"] == whole[:2] or all(
+            torch.equal(_snapshot_flat(a, "MODEL_STATE"), _snapshot_flat(b, "MODEL_STATE"))
+            for a, b in zip(half["snapshots"], whole[:2]))
+        rest = run_local(ported_scripts.tutorial, 2, kind, False, 4, half["snapshots"][-1])[0]
+        assert torch.equal(_snapshot_flat(rest["snapshots"][-1], "MODEL_STATE"),
+                           _snapshot_flat(whole[-1], "MODEL_STATE")), kind
+
+
+def test_imagenet_example_with_evaluation_and_resume() -> None:
+    runs = [("ddp", False), ("wfbp", False), ("priority", False), ("ddp", True),
+            ("decoupled", True), ("decoupled", False), ("decoupled-late", False)]
+    both = run_local(ported_scripts.variants, 2, "imagenet", runs, timeout_s=400)
+    names = [f"{k}/{'same' if s else 'own'}" for k, s in runs]
+    out = dict(zip(names, both[0]))
+    for name, r0, r1 in zip(names, both[0], both[1]):
+        # model.eval() + no_grad: every rank evaluates with rank 0's BatchNorm
+        # statistics and the exact parameters, as under DDP.
+        assert r0["val_losses"] == r1["val_losses"], name
+    pairs = [("ddp/own", "wfbp/own"), ("ddp/own", "priority/own"),
+             ("ddp/same", "decoupled/same")]
+    for ref, mine in pairs:
+        for a, b in zip(out[ref]["val_losses"], out[mine]["val_losses"]):
+            assert abs(a - b) < 1e-4, (mine, a, b)
+        for a, b in zip(out[ref]["checkpoints"], out[mine]["checkpoints"]):
+            assert _diff(_snapshot_flat(a, "state_dict"), _snapshot_flat(b, "state_dict")) < EXACT
+    own = out["decoupled/own"]
+    assert own["val_losses"][-1] < own["val_losses"][0]
+
+    for kind in ("wfbp", "priority", "decoupled-late"):
+        whole = out[f"{kind}/own"]
+        rest = run_local(ported_scripts.imagenet, 2, kind, False, 3, whole["checkpoints"][0],
+                         timeout_s=300)[0]
+        assert rest["val_losses"] == whole["val_losses"][1:], kind
+        assert torch.equal(_snapshot_flat(rest["checkpoints"][-1], "state_dict"),
+                           _snapshot_flat(whole["checkpoints"][-1], "state_dict")), kind
+
+
+def _nanogpt_agree(runs: list[tuple[Any, ...]], pairs: list[tuple[int, int]],
+                   tolerance: float = EXACT) -> list[dict[str, Any]]:
+    out = _run("nanogpt", runs)
+    for ref, mine in pairs:
+        assert _diff(out[ref]["flat"], out[mine]["flat"]) < tolerance, (runs[ref], runs[mine])
+        for a, b in zip(out[ref]["evals"], out[mine]["evals"]):
+            assert abs(a - b) < 1e-3, (runs[mine], a, b)
+    return out
+
+
+def test_nanogpt_accumulation_clipping_cosine_adamw_bf16() -> None:
+    runs = [("ddp", False), ("wfbp", False), ("priority", False), ("ddp", True),
+            ("decoupled", True), ("decoupled", False)]
+    out = _nanogpt_agree(runs, [(0, 1), (0, 2), (3, 4)])
+    own = out[5]
+    assert own["evals"][-1] < own["evals"][0]
+    assert 0 < _diff(out[0]["flat"], own["flat"]) < 0.1
+
+
+def test_nanogpt_grad_scaler_skips_an_overflow_on_one_rank_everywhere() -> None:
+    # Rank 1's loss is inf at iteration 2: DDP skips that step on both ranks;
+    # so must every schedule (the averaged gradient is not finite).
+    runs = [("ddp", False, 6, "", True, 2), ("wfbp", False, 6, "", True, 2),
+            ("priority", False, 6, "", True, 2), ("ddp", True, 6, "", True, 2),
+            ("decoupled", True, 6, "", True, 2), ("ddp", False, 6, "", True, -1)]
+    out = _nanogpt_agree(runs, [(0, 1), (0, 2), (3, 4)])
+    assert _diff(out[0]["flat"], out[5]["flat"]) > 1e-3  # the skipped step mattered
+
+
+@pytest.mark.parametrize("order", ["before", "after"])
+def test_nanogpt_compiled_before_or_after_wrapping(order: str) -> None:
+    runs = [("ddp", False, 4, order), ("priority", False, 4, order), ("ddp", True, 4, order),
+            ("decoupled", True, 4, order)]
+    _nanogpt_agree(runs, [(0, 1), (2, 3)], tolerance=1e-4)
