@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -99,13 +100,20 @@ class SimulationSummary:
 
 
 def run_jobs(jobs: list[Any], models: list[Any], cluster: ClusterConfig,
-             policy: PolicyConfig) -> tuple[SimulationSummary, Any]:
-    """Simulate prepared native jobs; returns the summary and the native result."""
+             policy: PolicyConfig,
+             should_stop: Callable[[], bool] | None = None) -> tuple[SimulationSummary, Any]:
+    """Simulate prepared native jobs; returns the summary and the native result.
+
+    Ctrl-C raises ``KeyboardInterrupt`` within milliseconds, even deep in a long
+    run. ``should_stop`` is asked every few milliseconds; when it returns True
+    the run stops with ``hemiola._C.cluster.Interrupted`` (a ``RuntimeError``):
+    the way to cancel a run from another thread, where signals do not arrive.
+    """
     c = native()
     native_policy = c.PolicyConfig(policy.placement, policy.comm, policy.fidelity, policy.seed,
                                    policy.job_order)
     start = time.perf_counter()
-    result = c.simulate(make_cluster(cluster), models, jobs, native_policy)
+    result = c.simulate(make_cluster(cluster), models, jobs, native_policy, should_stop)
     wall = time.perf_counter() - start
     multi = [j.jct_ms for j in result.jobs if j.multi_node]
     summary = SimulationSummary(
@@ -139,7 +147,8 @@ def simulate(workload: WorkloadConfig | None = None, cluster: ClusterConfig | No
     >>> s = simulate(WorkloadConfig(jobs=160, seed=1), ClusterConfig(), PolicyConfig())
     >>> s.mean_jct_ms  # doctest: +SKIP
 
-    Raises ``ValueError`` with the offending row or field for invalid input.
+    Raises ``ValueError`` with the offending row or field for invalid input
+    (an empty workload included) and ``KeyboardInterrupt`` on Ctrl-C.
     """
     workload = workload or WorkloadConfig()
     cluster = cluster or ClusterConfig()

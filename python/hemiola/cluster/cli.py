@@ -9,6 +9,9 @@ from typing import Any
 
 from hemiola.cluster.config import ClusterConfig, PolicyConfig, WorkloadConfig
 
+# Exit status after Ctrl-C: 128 + SIGINT, as a shell reports a process it interrupted.
+_INTERRUPTED = 130
+
 
 def _add_common(p: argparse.ArgumentParser) -> None:
     w = p.add_argument_group("workload")
@@ -21,7 +24,8 @@ def _add_common(p: argparse.ArgumentParser) -> None:
                    help="Philly-format CSV (timestamp,duration,num_gpus); "
                         "e.g. ../shared/data/traces/philly.csv")
     w.add_argument("--first-row", type=int, default=0, help="first trace row to use (0-based)")
-    w.add_argument("--max-rows", type=int, default=None, help="use at most this many trace rows")
+    w.add_argument("--max-rows", type=int, default=None,
+                   help="use at most this many trace rows (>= 1; default all)")
     w.add_argument("--models", metavar="PATH", default=None,
                    help="CSV of models: name,size_mb,forward_ms,backward_ms,memory_mb")
     c = p.add_argument_group("cluster")
@@ -60,6 +64,9 @@ def _simulate(args: argparse.Namespace) -> int:
     except (ValueError, OSError) as e:
         print(f"hemiola cluster simulate: error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("hemiola cluster simulate: interrupted (Ctrl-C)", file=sys.stderr)
+        return _INTERRUPTED
     d: dict[str, Any] = summary.to_dict()
     if args.json:
         print(json.dumps(d, indent=2))
@@ -112,6 +119,10 @@ def _compare(args: argparse.Namespace) -> int:
     except (ValueError, OSError) as e:
         print(f"hemiola cluster compare: error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("hemiola cluster compare: interrupted (Ctrl-C); nothing written",
+              file=sys.stderr)
+        return _INTERRUPTED
     print(format_table(rows), end="")
     print(f"wrote {args.out}/runs.jsonl, table.md, jct_cdf.png, utilization.png")
     return 0
