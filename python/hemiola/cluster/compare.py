@@ -52,8 +52,13 @@ def compare(
         jobs = make_jobs(wl, cluster, models)
         for placement in placements:
             for comm in comms:
-                policy = PolicyConfig(placement=placement, comm=comm, fidelity=fidelity,
-                                      seed=seed, job_order=job_order)
+                policy = PolicyConfig(
+                    placement=placement,
+                    comm=comm,
+                    fidelity=fidelity,
+                    seed=seed,
+                    job_order=job_order,
+                )
                 tasks.append((seed, jobs, models, policy))
 
     # Simulations run on pool threads, which Ctrl-C does not reach: the main
@@ -185,8 +190,9 @@ def _finish(plt: Any, fig: Any, ax: Any, path: Path) -> None:
     plt.close(fig)
 
 
-def binned_utilization(time_ms: Sequence[float], value: Sequence[float],
-                       bins: int = 200) -> tuple[list[float], list[float]]:
+def binned_utilization(
+    time_ms: Sequence[float], value: Sequence[float], bins: int = 200
+) -> tuple[list[float], list[float]]:
     """Average of a step function (value[i] on [time[i], time[i+1])) over equal bins.
 
     Returns (bin centres in ms, mean value per bin); exact, because the integral
