@@ -1,5 +1,6 @@
 // hemiola._C.cluster: bindings of the cluster scheduling simulator
 // (cpp/src/cluster). Invalid input raises ValueError (std::invalid_argument).
+// A stopped run raises Interrupted (a RuntimeError) or KeyboardInterrupt.
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
@@ -18,6 +19,7 @@ namespace hemiola::python {
 void bind_cluster(py::module_& m) {
   using namespace hemiola::cluster;
   auto c = m.def_submodule("cluster", "Cluster scheduling simulator (event-driven).");
+  py::register_exception<Interrupted>(c, "Interrupted", PyExc_RuntimeError);
 
   py::class_<ModelSpec>(c, "ModelSpec", "A DNN model: all-reduce size, compute times, memory.")
       .def(py::init<>())
@@ -137,9 +139,26 @@ void bind_cluster(py::module_& m) {
       py::arg("path"), py::arg("models"), py::arg("cluster"), py::arg("seed") = 0,
       py::arg("first_row") = 0, py::arg("max_rows") = -1,
       py::call_guard<py::gil_scoped_release>(), "Jobs from a Philly-format CSV trace.");
-  c.def("simulate", &simulate, py::arg("cluster"), py::arg("models"), py::arg("jobs"),
-        py::arg("policy"), py::call_guard<py::gil_scoped_release>(),
-        "Run one simulation; raises ValueError for invalid input.");
+  // The run releases the GIL; it takes it back every few milliseconds only to
+  // let Python handle signals (Ctrl-C raises KeyboardInterrupt out of the run)
+  // and to ask `should_stop`, which lets another thread cancel it (signals
+  // reach only the main thread).
+  c.def(
+      "simulate",
+      [](const ClusterSpec& cluster, const std::vector<ModelSpec>& models,
+         const std::vector<JobSpec>& jobs, const PolicyConfig& policy, py::object should_stop) {
+        const StopCheck check = [&should_stop]() {
+          py::gil_scoped_acquire gil;
+          if (PyErr_CheckSignals() != 0) throw py::error_already_set();
+          return !should_stop.is_none() && should_stop().cast<bool>();
+        };
+        py::gil_scoped_release release;
+        return simulate(cluster, models, jobs, policy, check);
+      },
+      py::arg("cluster"), py::arg("models"), py::arg("jobs"), py::arg("policy"),
+      py::arg("should_stop") = py::none(),
+      "Run one simulation; raises ValueError for invalid input, KeyboardInterrupt on Ctrl-C, "
+      "Interrupted when should_stop() returns True.");
   c.def("transfer_rate", &transfer_rate, py::arg("k"), py::arg("cluster"),
         "Per-transfer rate (MB/ms) with k transfers on one interface.");
   c.def("adadual_threshold", &adadual_threshold, py::arg("cluster"));

@@ -14,7 +14,8 @@ def _info(_: argparse.Namespace) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The parser for all commands, or, given ``command="cluster"``, for that one only."""
     parser = argparse.ArgumentParser(
         prog="hemiola",
         description="hemiola: schedule data-parallel communication under computation.",
@@ -25,21 +26,26 @@ def build_parser() -> argparse.ArgumentParser:
     info = commands.add_parser("info", help="what this build of hemiola compiled in")
     info.set_defaults(run=_info)
 
-    # Each feature registers its own sub-commands.
-    from hemiola import demo
+    # Each feature registers its own sub-commands. The demo and the parameter
+    # server import torch (2-3 s); the cluster simulator needs none of it, so
+    # its commands leave them out.
+    if command != "cluster":
+        from hemiola import demo
 
-    demo.register(commands)
+        demo.register(commands)
     from hemiola.cluster import cli as cluster_cli
 
     cluster_cli.register(commands)
-    from hemiola.ps import cli as ps_cli
+    if command != "cluster":
+        from hemiola.ps import cli as ps_cli
 
-    ps_cli.register(commands)
+        ps_cli.register(commands)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = build_parser(argv[0] if argv else None).parse_args(argv)
     return int(args.run(args) or 0)
 
 

@@ -1,5 +1,8 @@
 // A small CSV reader with a header row; every error names the source and line.
 // Quoting is not supported (none of our inputs need it) and is rejected clearly.
+// Input must be UTF-8 text (a leading byte-order mark is skipped); anything else,
+// e.g. a compressed or binary file given by mistake, is refused at its first
+// bad line, so no message ever echoes bytes that are not text.
 #pragma once
 
 #include <istream>
@@ -19,7 +22,9 @@ class CsvReader {
 
   bool has(const std::string& column) const { return columns_.count(column) > 0; }
   const std::string& field(const std::string& column) const;
-  double number(const std::string& column) const;  // finite double or throws
+  // A finite decimal number ("12", "-3.5", "1e3"; not "0x10", "inf" or "nan"), or throws.
+  double number(const std::string& column) const;
+  // A decimal integer ("42", "+7", "-1"; not "4.0", "1e3" or "0x10") in range, or throws.
   long long integer(const std::string& column) const;
 
   // "SOURCE line N" of the current row (1-based, header is line 1).
@@ -27,11 +32,17 @@ class CsvReader {
   long long line() const { return line_; }
 
  private:
+  // Throws unless `line` (the current one) is UTF-8 text without control characters.
+  void check_text(const std::string& line) const;
+
   std::istream& in_;
   std::string source_;
   std::unordered_map<std::string, size_t> columns_;
   std::vector<std::string> fields_;
   long long line_ = 0;
 };
+
+// `text` cut to at most `max_chars` bytes (with "...") for quoting in a message.
+std::string abbreviate(const std::string& text, size_t max_chars = 80);
 
 }  // namespace hemiola::cluster

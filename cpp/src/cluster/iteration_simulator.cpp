@@ -53,7 +53,7 @@ class IterationSimulator {
     });
   }
 
-  SimulationResult run();
+  SimulationResult run(const StopCheck& stop);
 
  private:
   double remaining_time_ms(const Job& j) const {
@@ -158,7 +158,8 @@ void IterationSimulator::update_rates() {
   }
 }
 
-SimulationResult IterationSimulator::run() {
+SimulationResult IterationSimulator::run(const StopCheck& stop) {
+  StopPoller poller(stop);
   SimulationResult result;
   const int total = static_cast<int>(jobs_.size());
   const double n_gpus = static_cast<double>(free_mb_.size());
@@ -166,6 +167,7 @@ SimulationResult IterationSimulator::run() {
   int done = 0;
   long long events = 0;
   while (done < total) {
+    poller.poll(events, now);
     ++events;
     bool changed = false;
     while (next_arrival_ < arrival_order_.size() &&
@@ -239,9 +241,10 @@ SimulationResult IterationSimulator::run() {
 
 SimulationResult simulate_iterations(const ClusterSpec& cluster,
                                      const std::vector<ModelSpec>& models,
-                                     const std::vector<JobSpec>& jobs, const PolicyConfig& policy) {
+                                     const std::vector<JobSpec>& jobs, const PolicyConfig& policy,
+                                     const StopCheck& stop) {
   IterationSimulator sim(cluster, models, jobs, policy);
-  return sim.run();
+  return sim.run(stop);
 }
 
 }  // namespace hemiola::cluster

@@ -7,6 +7,7 @@
 
 #include <vector>
 
+#include "interrupt.h"
 #include "job.h"
 #include "policy.h"
 #include "result.h"
@@ -22,6 +23,7 @@ double fluid_comm_ms(double size_mb, int jobs_on_node, int cap, const ClusterSpe
 
 SimulationResult simulate_iterations(const ClusterSpec& cluster,
                                      const std::vector<ModelSpec>& models,
-                                     const std::vector<JobSpec>& jobs, const PolicyConfig& policy);
+                                     const std::vector<JobSpec>& jobs, const PolicyConfig& policy,
+                                     const StopCheck& stop = {});
 
 }  // namespace hemiola::cluster

@@ -1,5 +1,6 @@
 #include "job.h"
 
+#include <cmath>
 #include <stdexcept>
 
 namespace hemiola::cluster {
@@ -19,12 +20,13 @@ void validate_job(const JobSpec& job, const std::vector<ModelSpec>& models,
                                 " GPUs but the cluster has only " +
                                 std::to_string(cluster.total_gpus()));
   }
-  if (job.iterations <= 0) {
-    throw std::invalid_argument(who + ": iterations must be > 0, got " +
+  if (job.iterations <= 0 || job.iterations > kMaxIterations) {
+    throw std::invalid_argument(who + ": iterations must be in 1.." +
+                                std::to_string(kMaxIterations) + ", got " +
                                 std::to_string(job.iterations));
   }
-  if (!(job.arrival_ms >= 0.0)) {
-    throw std::invalid_argument(who + ": arrival_ms must be >= 0");
+  if (!(job.arrival_ms >= 0.0) || !std::isfinite(job.arrival_ms)) {
+    throw std::invalid_argument(who + ": arrival_ms must be finite and >= 0");
   }
   const ModelSpec& m = models[job.model];
   if (m.memory_mb > cluster.gpu_memory_mb) {

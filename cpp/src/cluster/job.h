@@ -17,6 +17,12 @@ struct JobSpec {
   std::string origin;    // where it came from (e.g. "philly.csv line 17"), for error messages
 };
 
+// Bounds on what a job may ask for. They are far above any real job (the
+// longest job of the Philly trace is 53 days, 7.4e7 ResNet-50 iterations) and
+// keep every count exact in a double and every simulated time finite.
+constexpr long long kMaxIterations = 1'000'000'000;
+constexpr int kMaxJobs = 10'000'000;
+
 // Checks one job against the models and the cluster; errors name the job's origin.
 void validate_job(const JobSpec& job, const std::vector<ModelSpec>& models,
                   const ClusterSpec& cluster);

@@ -20,9 +20,9 @@ std::vector<ModelSpec> builtin_models() {
 
 namespace {
 void require_finite_non_negative(double v, const std::string& what) {
-  if (!std::isfinite(v) || v < 0.0) {
+  if (!(v >= 0.0 && v <= kMaxQuantity)) {
     std::ostringstream msg;
-    msg << what << " must be a finite number >= 0, got " << v;
+    msg << what << " must be a number in [0, " << kMaxQuantity << "], got " << v;
     throw std::invalid_argument(msg.str());
   }
 }
@@ -82,14 +82,21 @@ std::vector<ModelSpec> load_models_csv(const std::string& path) {
 void validate_cluster(const ClusterSpec& c) {
   if (c.nodes <= 0) throw std::invalid_argument("cluster: nodes must be > 0");
   if (c.gpus_per_node <= 0) throw std::invalid_argument("cluster: gpus_per_node must be > 0");
-  if (!(c.gpu_memory_mb > 0.0) || !std::isfinite(c.gpu_memory_mb)) {
-    throw std::invalid_argument("cluster: gpu_memory_mb must be > 0");
+  // Checked in 64 bits: nodes * gpus_per_node may not fit the int total_gpus() returns.
+  if (static_cast<long long>(c.nodes) * c.gpus_per_node > kMaxGpus) {
+    throw std::invalid_argument("cluster: nodes x gpus_per_node must be at most " +
+                                std::to_string(kMaxGpus) + " GPUs");
   }
-  if (!(c.beta_ms_per_mb > 0.0) || !std::isfinite(c.beta_ms_per_mb)) {
-    throw std::invalid_argument("cluster: beta_ms_per_mb must be > 0");
+  const std::string range =
+      " (at most " + std::to_string(static_cast<long long>(kMaxQuantity)) + ")";
+  if (!(c.gpu_memory_mb > 0.0 && c.gpu_memory_mb <= kMaxQuantity)) {
+    throw std::invalid_argument("cluster: gpu_memory_mb must be > 0" + range);
   }
-  if (!(c.eta_ms_per_mb >= 0.0) || !std::isfinite(c.eta_ms_per_mb)) {
-    throw std::invalid_argument("cluster: eta_ms_per_mb must be >= 0");
+  if (!(c.beta_ms_per_mb > 0.0 && c.beta_ms_per_mb <= kMaxQuantity)) {
+    throw std::invalid_argument("cluster: beta_ms_per_mb must be > 0" + range);
+  }
+  if (!(c.eta_ms_per_mb >= 0.0 && c.eta_ms_per_mb <= kMaxQuantity)) {
+    throw std::invalid_argument("cluster: eta_ms_per_mb must be >= 0" + range);
   }
 }
 

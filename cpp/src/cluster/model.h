@@ -22,6 +22,12 @@ struct ModelSpec {
 // The four models of the paper.
 std::vector<ModelSpec> builtin_models();
 
+// Largest value accepted for any size (MB), time (ms) or memory (MB) of a model
+// or cluster, and the most GPUs a cluster may have. Far above real hardware;
+// they keep the simulators' sums finite and the GPU count inside an int.
+constexpr double kMaxQuantity = 1e9;
+constexpr long long kMaxGpus = 1 << 20;
+
 // Throws std::invalid_argument naming the field when a value is not usable.
 void validate_model(const ModelSpec& model);
 

@@ -3,6 +3,7 @@
 
 #include <vector>
 
+#include "interrupt.h"
 #include "iteration_simulator.h"
 #include "job.h"
 #include "policy.h"
@@ -12,9 +13,12 @@
 namespace hemiola::cluster {
 
 // Throws std::invalid_argument (naming the job's origin) for inputs the
-// simulators cannot run: bad cluster, bad model, a job wider than the cluster
-// or needing more memory than a GPU has, non-positive iterations, ...
+// simulators cannot run: no jobs, bad cluster, bad model, a job wider than the
+// cluster or needing more memory than a GPU has, iterations out of 1..kMaxIterations, ...
+// `stop` is polled every few milliseconds of the run (see interrupt.h); when it
+// returns true the run ends with Interrupted.
 SimulationResult simulate(const ClusterSpec& cluster, const std::vector<ModelSpec>& models,
-                          const std::vector<JobSpec>& jobs, const PolicyConfig& policy);
+                          const std::vector<JobSpec>& jobs, const PolicyConfig& policy,
+                          const StopCheck& stop = {});
 
 }  // namespace hemiola::cluster

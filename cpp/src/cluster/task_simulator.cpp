@@ -62,7 +62,7 @@ class TaskSimulator {
     });
   }
 
-  SimulationResult run();
+  SimulationResult run(const StopCheck& stop);
 
  private:
   // Remaining isolated time of a job: compute of the iterations not yet
@@ -262,7 +262,8 @@ void TaskSimulator::finish_iteration(int id, double now) {
   placement_dirty_ = true;
 }
 
-SimulationResult TaskSimulator::run() {
+SimulationResult TaskSimulator::run(const StopCheck& stop) {
+  StopPoller poller(stop);
   SimulationResult result;
   double now = 0.0;
   double busy_area = 0.0;  // GPU-ms spent computing
@@ -270,6 +271,7 @@ SimulationResult TaskSimulator::run() {
   long long events = 0;
   const double n_gpus = static_cast<double>(gpus_.size());
   while (done_ < total) {
+    poller.poll(events, now);
     ++events;
     // Decisions at `now`: admit and place, start transfers and compute tasks.
     admit_and_place(now);
@@ -329,9 +331,10 @@ SimulationResult TaskSimulator::run() {
 }  // namespace
 
 SimulationResult simulate_tasks(const ClusterSpec& cluster, const std::vector<ModelSpec>& models,
-                                const std::vector<JobSpec>& jobs, const PolicyConfig& policy) {
+                                const std::vector<JobSpec>& jobs, const PolicyConfig& policy,
+                                const StopCheck& stop) {
   TaskSimulator sim(cluster, models, jobs, policy);
-  return sim.run();
+  return sim.run(stop);
 }
 
 }  // namespace hemiola::cluster

@@ -6,6 +6,7 @@
 
 #include <vector>
 
+#include "interrupt.h"
 #include "job.h"
 #include "policy.h"
 #include "result.h"
@@ -13,6 +14,7 @@
 namespace hemiola::cluster {
 
 SimulationResult simulate_tasks(const ClusterSpec& cluster, const std::vector<ModelSpec>& models,
-                                const std::vector<JobSpec>& jobs, const PolicyConfig& policy);
+                                const std::vector<JobSpec>& jobs, const PolicyConfig& policy,
+                                const StopCheck& stop = {});
 
 }  // namespace hemiola::cluster

@@ -14,8 +14,11 @@ namespace hemiola::cluster {
 struct TraceOptions {
   std::uint64_t seed = 0;     // picks each row's model
   long long first_row = 0;    // 0-based index of the first data row to use
-  long long max_rows = -1;    // -1: all rows from first_row on
+  long long max_rows = -1;    // -1: all rows from first_row on; otherwise > 0
 };
+
+// Longest duration a row may have: one year (the longest Philly job is 53 days).
+constexpr double kMaxTraceDurationS = 365.0 * 86400.0;
 
 // Mapping of a row to a job (documented in docs/cluster.md):
 //  - arrival = timestamp - earliest timestamp among the selected rows;
@@ -29,7 +32,10 @@ struct TraceOptions {
 // model name; empty = the seeded choice) and `iterations` (a positive integer;
 // empty = derived from the duration as above).
 // Jobs are returned sorted by arrival (ties in file order) with ids 0..n-1.
-// Malformed rows throw std::invalid_argument naming the source and line.
+// Malformed rows (a date that does not exist, a non-decimal count, a duration
+// above kMaxTraceDurationS or iterations above kMaxIterations, ...) throw
+// std::invalid_argument naming the source and line; so does an empty
+// selection (no data rows, first_row past the end, max_rows 0).
 std::vector<JobSpec> parse_trace(std::istream& in, const std::string& source,
                                  const std::vector<ModelSpec>& models, const ClusterSpec& cluster,
                                  const TraceOptions& options);

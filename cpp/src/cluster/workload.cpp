@@ -1,6 +1,7 @@
 #include "workload.h"
 
 #include <algorithm>
+#include <cmath>
 #include <stdexcept>
 #include <string>
 
@@ -9,13 +10,18 @@
 namespace hemiola::cluster {
 
 std::vector<JobSpec> paper_workload(const PaperWorkloadOptions& o, int num_models) {
-  if (o.jobs < 0) throw std::invalid_argument("paper workload: jobs must be >= 0");
-  if (num_models <= 0) throw std::invalid_argument("paper workload: no models");
-  if (o.min_iterations <= 0 || o.max_iterations < o.min_iterations) {
-    throw std::invalid_argument("paper workload: need 0 < min_iterations <= max_iterations");
+  if (o.jobs < 0 || o.jobs > kMaxJobs) {
+    throw std::invalid_argument("paper workload: jobs must be in 0.." + std::to_string(kMaxJobs) +
+                                ", got " + std::to_string(o.jobs));
   }
-  if (!(o.arrival_window_ms >= 0.0)) {
-    throw std::invalid_argument("paper workload: arrival_window_ms must be >= 0");
+  if (num_models <= 0) throw std::invalid_argument("paper workload: no models");
+  if (o.min_iterations <= 0 || o.max_iterations < o.min_iterations ||
+      o.max_iterations > kMaxIterations) {
+    throw std::invalid_argument("paper workload: need 0 < min_iterations <= max_iterations <= " +
+                                std::to_string(kMaxIterations));
+  }
+  if (!(o.arrival_window_ms >= 0.0) || !std::isfinite(o.arrival_window_ms)) {
+    throw std::invalid_argument("paper workload: arrival_window_ms must be finite and >= 0");
   }
   // Cumulative distribution of GPUs per job, in units of 0.01% so it is exact.
   static const int kGpus[] = {1, 2, 4, 8, 16, 32};

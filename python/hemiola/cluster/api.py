@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -38,13 +39,25 @@ def make_jobs(workload: WorkloadConfig, cluster: ClusterConfig, models: list[Any
     """The job list of a workload (raises ValueError naming a bad row)."""
     c = native()
     if workload.kind == "paper":
-        return list(c.paper_workload(jobs=workload.jobs, seed=workload.seed,
-                                     num_models=len(models),
-                                     arrival_window_ms=workload.arrival_window_ms))
+        return list(
+            c.paper_workload(
+                jobs=workload.jobs,
+                seed=workload.seed,
+                num_models=len(models),
+                arrival_window_ms=workload.arrival_window_ms,
+            )
+        )
     assert workload.trace_path is not None
-    return list(c.load_trace(workload.trace_path, models, make_cluster(cluster),
-                             seed=workload.seed, first_row=workload.first_row,
-                             max_rows=-1 if workload.max_rows is None else workload.max_rows))
+    return list(
+        c.load_trace(
+            workload.trace_path,
+            models,
+            make_cluster(cluster),
+            seed=workload.seed,
+            first_row=workload.first_row,
+            max_rows=-1 if workload.max_rows is None else workload.max_rows,
+        )
+    )
 
 
 @dataclass
@@ -98,14 +111,26 @@ class SimulationSummary:
         return d
 
 
-def run_jobs(jobs: list[Any], models: list[Any], cluster: ClusterConfig,
-             policy: PolicyConfig) -> tuple[SimulationSummary, Any]:
-    """Simulate prepared native jobs; returns the summary and the native result."""
+def run_jobs(
+    jobs: list[Any],
+    models: list[Any],
+    cluster: ClusterConfig,
+    policy: PolicyConfig,
+    should_stop: Callable[[], bool] | None = None,
+) -> tuple[SimulationSummary, Any]:
+    """Simulate prepared native jobs; returns the summary and the native result.
+
+    Ctrl-C raises ``KeyboardInterrupt`` within milliseconds, even deep in a long
+    run. ``should_stop`` is asked every few milliseconds; when it returns True
+    the run stops with ``hemiola._C.cluster.Interrupted`` (a ``RuntimeError``):
+    the way to cancel a run from another thread, where signals do not arrive.
+    """
     c = native()
-    native_policy = c.PolicyConfig(policy.placement, policy.comm, policy.fidelity, policy.seed,
-                                   policy.job_order)
+    native_policy = c.PolicyConfig(
+        policy.placement, policy.comm, policy.fidelity, policy.seed, policy.job_order
+    )
     start = time.perf_counter()
-    result = c.simulate(make_cluster(cluster), models, jobs, native_policy)
+    result = c.simulate(make_cluster(cluster), models, jobs, native_policy, should_stop)
     wall = time.perf_counter() - start
     multi = [j.jct_ms for j in result.jobs if j.multi_node]
     summary = SimulationSummary(
@@ -132,14 +157,18 @@ def run_jobs(jobs: list[Any], models: list[Any], cluster: ClusterConfig,
     return summary, result
 
 
-def simulate(workload: WorkloadConfig | None = None, cluster: ClusterConfig | None = None,
-             policy: PolicyConfig | None = None) -> SimulationSummary:
+def simulate(
+    workload: WorkloadConfig | None = None,
+    cluster: ClusterConfig | None = None,
+    policy: PolicyConfig | None = None,
+) -> SimulationSummary:
     """Run one simulation.
 
     >>> s = simulate(WorkloadConfig(jobs=160, seed=1), ClusterConfig(), PolicyConfig())
     >>> s.mean_jct_ms  # doctest: +SKIP
 
-    Raises ``ValueError`` with the offending row or field for invalid input.
+    Raises ``ValueError`` with the offending row or field for invalid input
+    (an empty workload included) and ``KeyboardInterrupt`` on Ctrl-C.
     """
     workload = workload or WorkloadConfig()
     cluster = cluster or ClusterConfig()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import statistics
+import threading
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, replace
@@ -36,7 +37,8 @@ def compare(
     ``out_dir``, also writes ``runs.jsonl``, ``table.md``, ``jct_cdf.png`` and
     ``utilization.png`` there. ``workers`` > 1 runs simulations on that many
     threads (the native simulator releases the GIL and has no shared state);
-    the results do not depend on it.
+    the results do not depend on it. Ctrl-C stops the runs in flight, drops
+    the queued ones and raises ``KeyboardInterrupt``.
     """
     from tqdm import tqdm
 
@@ -50,26 +52,43 @@ def compare(
         jobs = make_jobs(wl, cluster, models)
         for placement in placements:
             for comm in comms:
-                policy = PolicyConfig(placement=placement, comm=comm, fidelity=fidelity,
-                                      seed=seed, job_order=job_order)
+                policy = PolicyConfig(
+                    placement=placement,
+                    comm=comm,
+                    fidelity=fidelity,
+                    seed=seed,
+                    job_order=job_order,
+                )
                 tasks.append((seed, jobs, models, policy))
+
+    # Simulations run on pool threads, which Ctrl-C does not reach: the main
+    # thread gets KeyboardInterrupt and tells them to stop through this event.
+    stop = threading.Event()
 
     def run(task: tuple[int, list[Any], list[Any], PolicyConfig]) -> SimulationSummary:
         _, jobs, models, policy = task
-        return run_jobs(jobs, models, cluster, policy)[0]
+        return run_jobs(jobs, models, cluster, policy, should_stop=stop.is_set)[0]
 
     rows: list[dict[str, Any]] = []
     series: dict[str, list[SimulationSummary]] = {}
     bar = tqdm(total=len(tasks), desc="cluster compare", unit="run", disable=not progress)
     with ThreadPoolExecutor(max_workers=workers) as pool:
-        # map() yields in submission order, so rows are in grid order.
-        for task, summary in zip(tasks, pool.map(run, tasks)):
-            row = summary.to_dict()
-            row["seed"] = task[0]
-            rows.append(row)
-            series.setdefault(f"{summary.placement} / {summary.comm}", []).append(summary)
-            bar.update(1)
-    bar.close()
+        try:
+            # map() yields in submission order, so rows are in grid order.
+            for task, summary in zip(tasks, pool.map(run, tasks)):
+                row = summary.to_dict()
+                row["seed"] = task[0]
+                rows.append(row)
+                series.setdefault(f"{summary.placement} / {summary.comm}", []).append(summary)
+                bar.update(1)
+        except BaseException:
+            # Ctrl-C or a failed run: without this the pool would finish the
+            # whole grid before the exception got out.
+            stop.set()
+            pool.shutdown(cancel_futures=True)
+            raise
+        finally:
+            bar.close()
     if out_dir is not None:
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
@@ -171,8 +190,9 @@ def _finish(plt: Any, fig: Any, ax: Any, path: Path) -> None:
     plt.close(fig)
 
 
-def binned_utilization(time_ms: Sequence[float], value: Sequence[float],
-                       bins: int = 200) -> tuple[list[float], list[float]]:
+def binned_utilization(
+    time_ms: Sequence[float], value: Sequence[float], bins: int = 200
+) -> tuple[list[float], list[float]]:
     """Average of a step function (value[i] on [time[i], time[i+1])) over equal bins.
 
     Returns (bin centres in ms, mean value per bin); exact, because the integral

@@ -33,7 +33,8 @@ class WorkloadConfig:
     ``kind="paper"``: the paper's seeded synthetic workload of ``jobs`` jobs
     arriving uniformly within ``arrival_window_ms`` (the paper: 12 s).
     ``kind="trace"``: rows of a Philly-format CSV (``trace_path``), optionally a
-    slice (``first_row``, ``max_rows``); ``seed`` picks each row's model.
+    slice (``first_row`` >= 0, ``max_rows`` >= 1 or None for all rows);
+    ``seed`` picks each row's model. An empty selection is an error.
     ``models_path`` replaces the four built-in models with a CSV of
     ``name,size_mb,forward_ms,backward_ms,memory_mb``.
     """
@@ -52,8 +53,13 @@ class WorkloadConfig:
             raise ValueError(f"workload kind must be 'paper' or 'trace', got {self.kind!r}")
         if self.kind == "trace" and not self.trace_path:
             raise ValueError("a trace workload needs trace_path")
-        if self.jobs < 0:
-            raise ValueError(f"jobs must be >= 0, got {self.jobs}")
+        # An empty workload would "succeed" with every metric zero: refuse it.
+        if self.jobs < 1:
+            raise ValueError(f"jobs must be >= 1, got {self.jobs}")
+        if self.first_row < 0:
+            raise ValueError(f"first_row must be >= 0, got {self.first_row}")
+        if self.max_rows is not None and self.max_rows < 1:
+            raise ValueError(f"max_rows must be >= 1 (or None for all rows), got {self.max_rows}")
         if not self.arrival_window_ms >= 0:
             raise ValueError(f"arrival_window_ms must be >= 0, got {self.arrival_window_ms}")
 

@@ -73,7 +73,7 @@ TEST(Trace, MalformedRowsNameTheLine) {
   expect_error([&] { trace(h + "2017-10-09 07:01:55,abc,1,60,x\n"); },
                "t.csv line 2: column 'duration' is not a number");
   expect_error([&] { trace(h + "2017-10-09 07:01:55,60,0,60,x\n"); },
-               "t.csv line 2: column 'num_gpus' must be a positive integer");
+               "t.csv line 2: column 'num_gpus' must be a positive decimal integer");
   expect_error([&] { trace(h + "2017-10-09 07:01:55,60,1.5,60,x\n"); }, "line 2");
   expect_error([&] { trace(h + "2017-10-09 07:01:55,60,1\n"); },
                "t.csv line 2: expected 5 fields, got 3");
@@ -100,7 +100,7 @@ TEST(Trace, OptionalModelAndIterationColumns) {
       "t.csv line 2: column 'model': unknown model 'gpt' (known: vgg16,");
   expect_error(
       [] { trace("timestamp,duration,num_gpus,iterations\n2017-10-09 07:00:00,60,4,-2\n"); },
-      "t.csv line 2: column 'iterations' must be > 0, got -2");
+      "t.csv line 2: column 'iterations' must be in 1..1000000000, got -2");
 }
 
 TEST(Models, UnknownAndNegative) {
@@ -126,7 +126,8 @@ TEST(Simulate, RejectsBadJobs) {
                "my job 7: needs 65 GPUs but the cluster has only 64");
   JobSpec neg;
   neg.iterations = -1;
-  expect_error([&] { simulate(c, builtin_models(), {neg}, p); }, "job 0: iterations must be > 0");
+  expect_error([&] { simulate(c, builtin_models(), {neg}, p); },
+               "job 0: iterations must be in 1..1000000000, got -1");
   JobSpec unknown;
   unknown.model = 9;
   expect_error([&] { simulate(c, builtin_models(), {unknown}, p); }, "unknown model index 9");
