@@ -118,3 +118,13 @@ def test_decoupled_allows_a_parameter_read_before_its_correction() -> None:
     # decoupled computes on approximate values by design: no error.
     results = run_local(workers.read_order_changes, 2, "decoupled", timeout_s=120)
     assert set(results.values()) == {"trained"}
+
+
+@pytest.mark.parametrize("schedule,same_data", [
+    ("wfbp", False), ("priority", False), ("decoupled", True)])
+def test_two_backward_passes_per_step_accumulate_like_ddp(schedule: str, same_data: bool) -> None:
+    ddp = run_local(workers.accumulate_without_no_sync, 2, "ddp", same_data, timeout_s=120)
+    mine = run_local(workers.accumulate_without_no_sync, 2, schedule, same_data, timeout_s=120)
+    for rank in (0, 1):
+        for a, b in zip(ddp[rank], mine[rank]):
+            assert (a - b).abs().max().item() < 1e-5

@@ -463,3 +463,24 @@ def read_order_changes(rank: int, world: int, schedule: str) -> str:
         return str(e)
     model.synchronize()
     return "trained"
+
+
+def accumulate_without_no_sync(rank: int, world: int, schedule: str, same_data: bool,
+                               steps: int = 4) -> list[torch.Tensor]:
+    """Two synchronised backward passes per optimizer.step() (no no_sync):
+    the gradients accumulate, as under DDP. `schedule` "ddp" is torch's."""
+    hemiola.init()
+    torch.manual_seed(0)
+    m = make_model("mlp")
+    opt = _optimizer("sgd", m.parameters())
+    if schedule == "ddp":
+        model: nn.Module = nn.parallel.DistributedDataParallel(m)
+    else:
+        model, opt = hemiola.wrap(m, opt, schedule=schedule, fusion_mb=1 / 64, timeout_s=60)
+    for step in range(steps):
+        opt.zero_grad()
+        for micro in range(2):
+            x, y = make_batch("mlp", 2 * step + micro, 0 if same_data else rank, world)
+            loss_of("mlp", model(x), y).backward()
+        opt.step()
+    return [p.detach().clone() for p in model.state_dict().values()]
