@@ -286,9 +286,12 @@ class RankResult:
 
 
 def _evaluate(model: nn.Module, task: Task) -> dict[str, float]:
+    """Rank 0 alone evaluates: through the wrapped module, as DDP scripts do
+    (a forward of the wrapper may broadcast buffers, a collective).
+    ``model.eval()`` on the wrapper lands pending updates first."""
     model.eval()
     with torch.no_grad():
-        metrics = task.evaluate(model)
+        metrics = task.evaluate(getattr(model, "module", model))
     model.train()
     return metrics
 
