@@ -12,6 +12,7 @@ import torch
 
 from hemiola._native import C
 from hemiola.launch import run_local
+
 from models import loss_of, make_batch, make_model, make_optimizer
 
 TOKEN = "job-7f3a-secret"
