@@ -50,6 +50,7 @@ void bind_ps(py::module_& parent) {
       .def_readonly("pushes_applied", &ServerStats::pushes_applied)
       .def_readonly("pulls_answered", &ServerStats::pulls_answered)
       .def_readonly("rejected", &ServerStats::rejected)
+      .def_readonly("refused", &ServerStats::refused)
       .def_readonly("snapshots", &ServerStats::snapshots)
       .def_readonly("dead_workers", &ServerStats::dead_workers)
       .def_readonly("rejections", &ServerStats::rejections);
@@ -59,7 +60,8 @@ void bind_ps(py::module_& parent) {
                        const std::string& consistency, int staleness_bound, double timeout_s,
                        std::shared_ptr<Store> store, const std::string& snapshot_path,
                        bool restore, double snapshot_every_s, const std::string& iface,
-                       const std::string& master_addr) {
+                       const std::string& master_addr, const std::string& token,
+                       bool check_finite) {
              ServerOptions o;
              o.server_index = server_index;
              o.num_servers = num_servers;
@@ -72,6 +74,8 @@ void bind_ps(py::module_& parent) {
              o.snapshot_every_s = snapshot_every_s;
              o.iface = iface;
              o.master_addr = master_addr;
+             o.token = token;
+             o.check_finite = check_finite;
              py::gil_scoped_release release;
              return std::make_unique<Server>(o, std::move(store));
            }),
@@ -79,7 +83,8 @@ void bind_ps(py::module_& parent) {
            py::arg("num_workers"), py::arg("consistency"), py::arg("staleness_bound") = 0,
            py::arg("timeout_s") = 300.0, py::arg("store"), py::arg("snapshot_path") = "",
            py::arg("restore") = false, py::arg("snapshot_every_s") = 0.0,
-           py::arg("iface") = "", py::arg("master_addr") = "")
+           py::arg("iface") = "", py::arg("master_addr") = "", py::arg("token") = "",
+           py::arg("check_finite") = true)
       .def("serve", &Server::serve, py::call_guard<py::gil_scoped_release>(),
            "Serves until every worker has left; raises when the job cannot go on.")
       .def("snapshot", &Server::snapshot, py::call_guard<py::gil_scoped_release>())
@@ -99,7 +104,7 @@ void bind_ps(py::module_& parent) {
                        const std::string& optimizer, int64_t partition_elems, double timeout_s,
                        const std::vector<std::string>& names, const std::vector<int64_t>& numels,
                        std::shared_ptr<Store> store, const std::string& iface,
-                       const std::string& master_addr) {
+                       const std::string& master_addr, const std::string& token) {
              ClientOptions o;
              o.worker_index = worker_index;
              o.num_workers = num_workers;
@@ -114,13 +119,15 @@ void bind_ps(py::module_& parent) {
              o.timeout_s = timeout_s;
              o.iface = iface;
              o.master_addr = master_addr;
+             o.token = token;
              py::gil_scoped_release release;
              return std::make_unique<Client>(o, names, numels, std::move(store));
            }),
            py::kw_only(), py::arg("worker_index"), py::arg("num_workers"), py::arg("num_servers"),
            py::arg("consistency"), py::arg("staleness_rule"), py::arg("optimizer"),
            py::arg("partition_elems"), py::arg("timeout_s"), py::arg("names"), py::arg("numels"),
-           py::arg("store"), py::arg("iface") = "", py::arg("master_addr") = "")
+           py::arg("store"), py::arg("iface") = "", py::arg("master_addr") = "",
+           py::arg("token") = "")
       .def("shards", [](const Client& c) {
         py::list out;
         for (const auto& s : c.shards())

@@ -9,7 +9,9 @@
 #include <numeric>
 #include <thread>
 
-#include <gloo/transport/tcp/device.h>
+#include <netdb.h>
+#include <sys/socket.h>
+#include <unistd.h>
 
 #include "comm/gloo_setup.h"
 #include "hemiola/ps.h"
@@ -193,6 +195,40 @@ TEST(Snapshot, RoundTripsAndDetectsCorruption) {
     EXPECT_NE(std::string(e.what()).find("corrupted"), std::string::npos) << e.what();
   }
   EXPECT_THROW(read_snapshot(dir + "/missing"), Error);
+
+  // Truncated anywhere (the checksum goes with the tail): refused, naming it.
+  write_snapshot(dir + "/snap", s);
+  std::string whole;
+  {
+    std::ifstream in(dir + "/snap", std::ios::binary);
+    whole.assign(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+  }
+  for (size_t keep : {size_t(0), size_t(5), size_t(20), whole.size() / 2, whole.size() - 1}) {
+    {
+      std::ofstream out(dir + "/snap", std::ios::binary | std::ios::trunc);
+      out.write(whole.data(), static_cast<std::streamsize>(keep));
+    }
+    try {
+      read_snapshot(dir + "/snap");
+      ADD_FAILURE() << "a snapshot truncated to " << keep << " bytes was accepted";
+    } catch (const Error& e) {
+      const std::string what = e.what();
+      EXPECT_TRUE(what.find("truncated") != std::string::npos ||
+                  (keep < 8 && what.find("not a hemiola") != std::string::npos))
+          << keep << ": " << what;
+      EXPECT_NE(what.find("refusing"), std::string::npos) << what;
+    }
+  }
+  // Every single flipped byte is caught.
+  for (size_t at = 0; at < whole.size(); ++at) {
+    std::string bad = whole;
+    bad[at] = static_cast<char>(bad[at] ^ 0x01);
+    {
+      std::ofstream out(dir + "/snap", std::ios::binary | std::ios::trunc);
+      out.write(bad.data(), static_cast<std::streamsize>(bad.size()));
+    }
+    EXPECT_THROW(read_snapshot(dir + "/snap"), Error) << "flipped byte " << at;
+  }
 }
 
 TEST(ParameterServer, BspAveragesGradientsAcrossWorkersAndServers) {
@@ -291,12 +327,12 @@ class RawWorker {
  public:
   // heartbeat 0: it never pings, like a worker whose machine vanished.
   RawWorker(std::shared_ptr<Store> store, int worker,
-            std::chrono::milliseconds heartbeat = std::chrono::milliseconds(500))
+            std::chrono::milliseconds heartbeat = std::chrono::milliseconds(500),
+            const std::string& token = "")
       : worker_(worker) {
-    BindSpec spec{"", "127.0.0.1", "", false};
-    PrefixStore pair("ps/s0/w" + std::to_string(worker) + "/", store);
-    channel_ = std::make_unique<Channel>(make_gloo_device(spec, nullptr), pair, 1,
-                                         std::chrono::seconds(20), "server 0", heartbeat);
+    channel_ = std::make_unique<Channel>(
+        connect_to_server(*store, 0, worker, token, std::chrono::seconds(20), "server 0"),
+        "server 0", std::chrono::seconds(20), heartbeat);
   }
   Header header(MessageType type, int32_t key = -1, int64_t version = 0) {
     Header h;
@@ -356,13 +392,6 @@ TEST(ParameterServer, RejectsMalformedAndOutOfOrderMessagesWithoutApplyingThem) 
   // A gradient "computed" on a version that does not exist yet.
   w.channel().send(w.header(MessageType::kPush, 0, 4), RawWorker::floats({5.0f, 5.0f}));
   expect_rejected("computed on version 4");
-  // A garbled header: right sequence number, wrong checksum.
-  Header garbled = w.header(MessageType::kPush, 0);
-  garbled.seq = 5;  // register, init and three rejected pushes came before
-  garbled.payload_bytes = 8;
-  garbled.checksum = 12345;
-  w.channel().send_raw(garbled, RawWorker::floats({5.0f, 5.0f}));
-  expect_rejected("checksum");
   // A replayed (out-of-order) message: a valid checksum but an old sequence number.
   // (Rejected messages do not advance the server's expected sequence number.)
   Header replay = w.header(MessageType::kPush, 0);
@@ -376,7 +405,7 @@ TEST(ParameterServer, RejectsMalformedAndOutOfOrderMessagesWithoutApplyingThem) 
   // (The channel's own counter is behind the server's expectation after the raw
   // messages, so continue with raw, correctly numbered messages.)
   Header pull = w.header(MessageType::kPull, 0);
-  pull.seq = 5;
+  pull.seq = 5;  // register, init and three rejected pushes came before
   pull.checksum = header_checksum(pull);
   w.channel().send_raw(pull);
   Header reply = w.receive(&payload);
@@ -385,14 +414,21 @@ TEST(ParameterServer, RejectsMalformedAndOutOfOrderMessagesWithoutApplyingThem) 
   std::vector<float> values(2);
   std::memcpy(values.data(), payload.data(), 8);
   EXPECT_EQ(values, (std::vector<float>{1.0f, 2.0f}));
-  Header bye = w.header(MessageType::kBye);
-  bye.seq = 6;
-  bye.checksum = header_checksum(bye);
-  w.channel().send_raw(bye);
-  w.channel().drain(std::chrono::seconds(5));
+  // A garbled header (right sequence number, wrong checksum) leaves the stream's
+  // framing unknown: the server drops the connection, and the worker is dead
+  // to it (asp goes on without it; here it was the only one, so serving ends).
+  Header garbled = w.header(MessageType::kPush, 0);
+  garbled.seq = 6;
+  garbled.payload_bytes = 8;
+  garbled.checksum = 12345;
+  w.channel().send_raw(garbled, RawWorker::floats({5.0f, 5.0f}));
   const auto stats = fleet.join();
-  EXPECT_EQ(stats[0].rejected, 5);
+  EXPECT_EQ(stats[0].rejected, 4);
   EXPECT_EQ(stats[0].pushes_applied, 0);
+  EXPECT_EQ(stats[0].dead_workers, std::vector<int32_t>{0});
+  ASSERT_FALSE(stats[0].rejections.empty());
+  EXPECT_NE(stats[0].rejections.back().find("checksum"), std::string::npos)
+      << stats[0].rejections.back();
 }
 
 TEST(ParameterServer, BspFailsNamingADeadWorkerWhileAspGoesOn) {
@@ -677,4 +713,173 @@ TEST(ParameterServer, AWorkerThatFallsSilentIsDeclaredDead) {
   const auto stats = done.get();
   EXPECT_EQ(stats.dead_workers, std::vector<int32_t>{1});
   EXPECT_GE(stats.pushes_applied, 8);
+}
+
+namespace {
+
+// A stranger: a plain TCP connection to server 0's published address.
+Socket raw_connect(Store& store) {
+  const std::string published = store.get(address_key(0), std::chrono::seconds(20));
+  const auto space = published.rfind(' ');
+  addrinfo hints{};
+  hints.ai_socktype = SOCK_STREAM;
+  addrinfo* ai = nullptr;
+  EXPECT_EQ(::getaddrinfo(published.substr(0, space).c_str(), published.substr(space + 1).c_str(),
+                          &hints, &ai), 0);
+  Socket s(::socket(ai->ai_family, SOCK_STREAM, 0));
+  EXPECT_EQ(::connect(s.fd(), ai->ai_addr, ai->ai_addrlen), 0);
+  ::freeaddrinfo(ai);
+  timeval limit{10, 0};  // never a silent hang
+  ::setsockopt(s.fd(), SOL_SOCKET, SO_RCVTIMEO, &limit, sizeof limit);
+  return s;
+}
+
+// Reads what the server says to a refused connection: its error text, or ""
+// when it only closed.
+std::string read_refusal(const Socket& s) {
+  Header h;
+  size_t got = 0;
+  while (got < sizeof h) {
+    const ssize_t r = ::recv(s.fd(), reinterpret_cast<char*>(&h) + got, sizeof h - got, 0);
+    if (r <= 0) return "";
+    got += static_cast<size_t>(r);
+  }
+  std::string text(static_cast<size_t>(std::min<int64_t>(h.payload_bytes, 4096)), '\0');
+  got = 0;
+  while (got < text.size()) {
+    const ssize_t r = ::recv(s.fd(), text.data() + got, text.size() - got, 0);
+    if (r <= 0) break;
+    got += static_cast<size_t>(r);
+  }
+  return text;
+}
+
+}  // namespace
+
+TEST(ParameterServer, ListensOnTheChosenAddressOnly) {
+  BindSpec spec{"lo", "", "", false};
+  EXPECT_EQ(bind_address(spec), "127.0.0.1");
+  spec = BindSpec{"", "", "127.0.0.1", false};  // the address that routes to the master
+  EXPECT_EQ(bind_address(spec), "127.0.0.1");
+  spec = BindSpec{"no-such-interface0", "", "", false};
+  EXPECT_THROW(bind_address(spec), Error);
+  auto store = std::make_shared<MemoryStore>();
+  ServerFleet fleet(store, 1, 1, Consistency::kAsp);
+  EXPECT_EQ(store->get(address_key(0), std::chrono::seconds(20)).rfind("127.0.0.1 ", 0), 0u);
+  Client c(client_options(0, 1, 1, Consistency::kAsp), {"w"}, {2}, store);
+  c.close();
+  fleet.join();
+}
+
+TEST(ParameterServer, JobTokenAdmitsTheJobAndRefusesStrangers) {
+  auto store = std::make_shared<MemoryStore>();
+  auto o = server_options(0, 1, 1, Consistency::kAsp);
+  o.token = "s3cret";
+  auto done = std::async(std::launch::async, [o, store] {
+    Server server(o, store);
+    server.serve();
+    return server.stats();
+  });
+  auto co = client_options(0, 1, 1, Consistency::kAsp);
+  for (const std::string& token : {std::string("wrong"), std::string("")}) {
+    co.token = token;
+    try {
+      Client stranger(co, {"w"}, {2}, store);
+      ADD_FAILURE() << "a client with token '" << token << "' was admitted";
+    } catch (const Error& e) {
+      EXPECT_EQ(e.code(), ErrorCode::kAborted);
+      EXPECT_NE(std::string(e.what()).find(token.empty() ? "no job token" : "wrong job token"),
+                std::string::npos) << e.what();
+      EXPECT_EQ(std::string(e.what()).find("s3cret"), std::string::npos) << "leaks the token";
+    }
+  }
+  co.token = "s3cret";
+  Client member(co, {"w"}, {2}, store);
+  std::vector<float> x = {1.0f, 2.0f}, g = {1.0f, 1.0f};
+  member.initialize({x.data()}, {sgd(0.5)});
+  member.wait_pull(0, x.data());
+  member.push(0, g.data());
+  member.pull(0);
+  member.wait_pull(0, x.data());
+  EXPECT_EQ(x, (std::vector<float>{0.5f, 1.5f}));
+  // Once the job is complete, even the right token cannot take a second seat.
+  try {
+    Client late(co, {"w"}, {2}, store);
+    ADD_FAILURE() << "a second worker 0 was admitted";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("already connected"), std::string::npos) << e.what();
+  }
+  member.close();
+  const auto stats = done.get();
+  EXPECT_EQ(stats.refused, 3);
+  EXPECT_EQ(stats.pushes_applied, 1);
+  EXPECT_EQ(stats.rejected, 0);
+}
+
+TEST(ParameterServer, AConnectionThatNeverSpeaksIsDroppedAfterTimeout) {
+  auto store = std::make_shared<MemoryStore>();
+  auto o = server_options(0, 1, 1, Consistency::kAsp);
+  o.timeout_s = 1;
+  auto done = std::async(std::launch::async, [o, store] {
+    Server server(o, store);
+    server.serve();
+    return server.stats();
+  });
+  Socket silent = raw_connect(*store);
+  const auto connected = std::chrono::steady_clock::now();
+  auto co = client_options(0, 1, 1, Consistency::kAsp);
+  co.timeout_s = 1;
+  Client member(co, {"w"}, {2}, store);  // admitted at once: the silent one blocks nobody
+  std::vector<float> x = {0.0f, 0.0f}, g = {1.0f, 1.0f};
+  member.initialize({x.data()}, {sgd(1.0)});
+  auto refusal = std::async(std::launch::async, [&] { return read_refusal(silent); });
+  int steps = 0;
+  while (refusal.wait_for(std::chrono::milliseconds(0)) != std::future_status::ready) {
+    member.wait_pull(0, x.data());
+    member.push(0, g.data());
+    member.pull(0);
+    steps += 1;
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  const auto dropped_after = std::chrono::steady_clock::now() - connected;
+  const std::string text = refusal.get();
+  EXPECT_NE(text.find("said nothing for 1 s"), std::string::npos) << text;
+  EXPECT_GE(dropped_after, std::chrono::milliseconds(900));
+  EXPECT_LT(dropped_after, std::chrono::milliseconds(3000));
+  member.wait_pull(0, x.data());
+  member.close();
+  EXPECT_EQ(x, std::vector<float>(2, -static_cast<float>(steps)));
+  const auto stats = done.get();
+  EXPECT_EQ(stats.refused, 1);
+  EXPECT_TRUE(stats.dead_workers.empty());
+}
+
+TEST(ParameterServer, NonFiniteGradientsAreRefusedNamingTheParameter) {
+  for (Consistency c : {Consistency::kAsp, Consistency::kBsp}) {
+    auto store = std::make_shared<MemoryStore>();
+    ServerFleet fleet(store, 1, 1, c);
+    Client w(client_options(0, 1, 1, c), {"encoder.weight", "bias"}, {6, 2}, store);
+    std::vector<float> p = {1, 1, 1, 1, 1, 1}, b = {0, 0};
+    w.initialize({p.data(), b.data()}, {sgd(0.1), sgd(0.1)});
+    w.wait_pull(0, p.data());
+    w.wait_pull(1, b.data());
+    std::vector<float> bad = {0, 0, 0, 0, 0, std::nanf("")};  // element 5: shard [3, 6)
+    std::string error;
+    try {
+      w.push(0, bad.data());
+      w.flush();
+    } catch (const Error& e) {
+      error = e.what();
+    }
+    EXPECT_NE(error.find("non-finite gradient for parameter 'encoder.weight'"), std::string::npos)
+        << error;
+    EXPECT_NE(error.find("(element 5 is nan)"), std::string::npos) << error;
+    EXPECT_THROW(w.close(), Error);
+    if (c == Consistency::kBsp) {
+      EXPECT_THROW(fleet.join(), Error);
+    } else {
+      const auto stats = fleet.join();
+      EXPECT_EQ(stats[0].pushes_applied, 1);  // the finite shard [0, 3) only
+    }
+  }
 }

@@ -1,9 +1,11 @@
 // Parameter server: servers hold the global parameters and optimizer state,
 // sharded by key; workers push gradients and pull parameters per tensor.
 //
-// Every (server, worker) pair talks over its own two-rank Gloo context (point-
-// to-point unbound buffers), so one dead worker breaks exactly its own
-// connections. Parameters are float32 on the wire and in the server.
+// Every (server, worker) pair talks over its own TCP connection, so one dead
+// worker breaks exactly its own connection. A server listens on one chosen
+// address (never all interfaces unless told), admits a connection only after
+// its hello (and the job token, when one is set) and closes any connection
+// that breaks the framing. Parameters are float32 on the wire and in the server.
 //
 // Versions: each shard counts the optimizer updates applied to it. A pulled
 // shard carries its version; a pushed gradient carries the version it was
@@ -80,7 +82,10 @@ struct ServerOptions {
   int num_workers = 1;
   Consistency consistency = Consistency::kBsp;
   int staleness_bound = 0;  // kSsp only
-  double timeout_s = 300.0;  // connection set-up, and how long a bsp round may wait for a worker
+  // Connection set-up (all workers must connect within it; one connection
+  // that says nothing is dropped after it), how long a bsp round may wait
+  // for a worker, and how long a worker may stay silent (no heartbeat).
+  double timeout_s = 300.0;
   // Where snapshot() writes; with `restore`, serve() starts from the state there.
   std::string snapshot_path;
   bool restore = false;
@@ -88,6 +93,14 @@ struct ServerOptions {
   std::string iface;     // network interface to bind (empty: `hostname`)
   std::string hostname;  // address to bind (empty: the one routing to master_addr)
   std::string master_addr;
+  // A shared secret of the job (e.g. HEMIOLA_JOB_TOKEN, set by the launcher):
+  // a connection that does not present it is refused before any state is
+  // touched. Empty: no token, and connections presenting one are refused.
+  // It keeps strangers and other jobs out; it is not encryption.
+  std::string token;
+  // Refuse gradients holding NaN or infinity, naming the parameter (a bsp job
+  // fails; an asynchronous one rejects that push and tells its worker).
+  bool check_finite = true;
 };
 
 // Per-server counters (for logs and tests).
@@ -95,14 +108,16 @@ struct ServerStats {
   int64_t pushes_applied = 0;
   int64_t pulls_answered = 0;
   int64_t rejected = 0;  // malformed, out-of-order or inconsistent messages
+  int64_t refused = 0;   // connections refused at the handshake (never admitted)
   int64_t snapshots = 0;
   std::vector<int32_t> dead_workers;
-  std::vector<std::string> rejections;  // the reasons, newest last (at most 32)
+  std::vector<std::string> rejections;  // rejections and refusals, newest last (at most 32)
 };
 
 class HEMIOLA_API Server {
  public:
-  // Connects to every worker (blocking, up to timeout_s).
+  // Listens on the chosen address, publishes it in `store` and admits every
+  // worker (blocking, up to timeout_s).
   Server(const ServerOptions& options, std::shared_ptr<Store> store);
   ~Server();
   Server(const Server&) = delete;
@@ -129,9 +144,12 @@ struct ClientOptions {
   OptimizerKind optimizer = OptimizerKind::kSgd;
   int64_t partition_elems = 1 << 20;
   double timeout_s = 300.0;
+  // A worker only connects (the kernel picks the source address by route), so
+  // these three are not needed; kept so one BindSpec fills both option sets.
   std::string iface;
   std::string hostname;
   std::string master_addr;
+  std::string token;  // the job token the servers expect (see ServerOptions::token)
 };
 
 // One applied push, as the server reported it.

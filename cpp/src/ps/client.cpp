@@ -11,7 +11,6 @@
 #include <mutex>
 #include <thread>
 
-#include "comm/gloo_setup.h"
 #include "hemiola/ps.h"
 #include "hemiola/status.h"
 #include "ps/channel.h"
@@ -295,13 +294,12 @@ Client::Client(const ClientOptions& options, const std::vector<std::string>& nam
   im.hyper.resize(numels.size());
   im.expected_seq.assign(static_cast<size_t>(options.num_servers), 0);
 
-  BindSpec spec{options.iface, options.hostname, options.master_addr, false};
-  auto device = make_gloo_device(spec, nullptr);
   for (int s = 0; s < options.num_servers; ++s) {
-    PrefixStore pair(detail::concat("ps/s", s, "/w", options.worker_index, "/"), im.store);
-    im.channels.push_back(
-        std::make_unique<Channel>(device, pair, 1, im.timeout(), im.server_name(s),
-                                  heartbeat_for(options.timeout_s)));
+    Socket socket = connect_to_server(*im.store, s, options.worker_index, options.token,
+                                      im.timeout(), im.server_name(s));
+    im.channels.push_back(std::make_unique<Channel>(std::move(socket), im.server_name(s),
+                                                    im.timeout(),
+                                                    heartbeat_for(options.timeout_s)));
   }
   for (int s = 0; s < options.num_servers; ++s)
     im.receivers.emplace_back([&im, s] { im.receive_loop(s); });

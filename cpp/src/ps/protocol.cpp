@@ -14,11 +14,13 @@ const char* message_type_name(uint16_t type) {
     case MessageType::kSnapshot: return "snapshot";
     case MessageType::kBye: return "bye";
     case MessageType::kPing: return "ping";
+    case MessageType::kHello: return "hello";
     case MessageType::kRegistered: return "registered";
     case MessageType::kPullReply: return "pull-reply";
     case MessageType::kPushAck: return "push-ack";
     case MessageType::kSnapshotDone: return "snapshot-done";
     case MessageType::kError: return "error";
+    case MessageType::kWelcome: return "welcome";
   }
   return "unknown";
 }

@@ -1,9 +1,12 @@
 // The wire format between parameter-server workers and servers.
 //
-// Every message is a fixed-size Header, followed by `payload_bytes` bytes of
-// payload on a second Gloo slot when payload_bytes > 0. The header carries a
-// per-direction sequence number and a checksum, so a receiver can reject a
-// garbled, replayed or reordered message instead of applying it.
+// One TCP connection per (server, worker) pair carries messages, each a
+// fixed-size Header followed by `payload_bytes` bytes of payload. The header
+// carries a per-direction sequence number and a checksum, so a receiver can
+// reject a garbled, replayed or reordered message instead of applying it.
+// A connection begins with a handshake outside the numbered stream: the worker
+// sends kHello (payload: the job token), the server answers kWelcome or kError
+// and closes; nothing else is read from a connection that has not said hello.
 #pragma once
 
 #include <cstdint>
@@ -19,6 +22,8 @@ constexpr uint32_t kMagic = 0x53504d48;  // "HMPS"
 constexpr uint16_t kProtocolVersion = 1;
 // Payloads larger than this are a protocol violation, never an allocation.
 constexpr int64_t kMaxPayloadBytes = int64_t(1) << 32;
+// A hello carries only the job token: anything longer is hostile.
+constexpr int64_t kMaxHelloBytes = 4096;
 
 enum class MessageType : uint16_t {
   // worker -> server
@@ -30,12 +35,14 @@ enum class MessageType : uint16_t {
   kSnapshot = 6,   // write a snapshot now
   kBye = 7,        // the worker is done
   kPing = 8,       // either direction: "still here" (handled inside Channel)
+  kHello = 9,      // the handshake: worker = its index, payload = the job token
   // server -> worker
   kRegistered = 20,    // aux = 1 when the server restored its state from a snapshot
   kPullReply = 21,     // payload: float32 values; version = their version
   kPushAck = 22,       // version = computed on, aux = applied at, factor = lr factor
   kSnapshotDone = 23,
   kError = 24,         // payload: the message; the worker must stop
+  kWelcome = 25,       // the handshake succeeded
 };
 
 const char* message_type_name(uint16_t type);

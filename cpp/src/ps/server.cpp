@@ -5,6 +5,7 @@
 // fails a bsp run whose round waits too long, and takes periodic snapshots.
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <condition_variable>
 #include <cstring>
 #include <iostream>
@@ -72,8 +73,10 @@ namespace {
 struct Server::Impl {
   ServerOptions opt;
   std::shared_ptr<Store> store;
+  std::unique_ptr<Acceptor> acceptor;
   std::vector<std::unique_ptr<Channel>> channels;  // index = worker
   std::vector<std::thread> receivers;
+  std::thread refuser;  // while serving: refuses latecomers, drops silent ones
 
   mutable std::mutex mutex;
   std::condition_variable changed;
@@ -120,15 +123,35 @@ struct Server::Impl {
          std::vector<char>(message.begin(), message.end()));
   }
 
+  void remember(const std::string& message) {
+    stats.rejections.push_back(message);
+    if (stats.rejections.size() > 32) stats.rejections.erase(stats.rejections.begin());
+    std::cerr << tag() << message << std::endl;
+  }
+
   void reject(int w, const Header& h, const std::string& why) {
     const std::string message = detail::concat(
         "server ", opt.server_index, " rejected a ", message_type_name(h.type), " message from ",
         who(w), " (key ", h.key, ", seq ", h.seq, "): ", why, ". It was not applied.");
     stats.rejected += 1;
-    stats.rejections.push_back(message);
-    if (stats.rejections.size() > 32) stats.rejections.erase(stats.rejections.begin());
-    std::cerr << tag() << message << std::endl;
+    remember(message);
     send_error(w, message);
+  }
+
+  // A connection refused at the handshake: it never became a worker, so only
+  // the counters change.
+  void refused(const std::string& why) {
+    std::lock_guard<std::mutex> lock(mutex);
+    stats.refused += 1;
+    remember(detail::concat("server ", opt.server_index, " ", why));
+  }
+
+  // Empty when every element is finite; else which one (of the whole tensor) is not.
+  static std::string non_finite(const float* grad, const Shard& shard) {
+    for (int64_t i = 0; i < shard.count; ++i)
+      if (!std::isfinite(grad[i]))
+        return detail::concat("element ", shard.begin + i, " is ", grad[i]);
+    return {};
   }
 
   void fail(const std::string& message, ErrorCode code) {
@@ -284,6 +307,21 @@ struct Server::Impl {
           return reject(w, h, detail::concat("computed on version ", h.version,
                                              ", but the key is at version ", k.version));
         const auto* grad = has_grad ? reinterpret_cast<const float*>(payload.data()) : nullptr;
+        if (grad && opt.check_finite) {
+          if (const auto bad = non_finite(grad, k.entry.shard); !bad.empty()) {
+            const std::string what = detail::concat(
+                who(w), " pushed a non-finite gradient for parameter '", k.entry.name, "' (",
+                bad, "), computed on version ", h.version, ". It was not applied. Lower the "
+                "learning rate, clip gradients or check the inputs (check_finite=False turns "
+                "this check off)");
+            // bsp cannot complete the round without it; asynchronous modes go on.
+            if (opt.consistency == Consistency::kBsp) {
+              stats.rejected += 1;
+              return fail(what, ErrorCode::kInvalidArgument);
+            }
+            return reject(w, h, what);
+          }
+        }
         if (opt.consistency == Consistency::kBsp) {
           if (h.version != k.version)
             return reject(w, h, detail::concat("bsp gradient computed on version ", h.version,
@@ -384,6 +422,8 @@ struct Server::Impl {
     if (state == WorkerState::kDead) return;  // already declared (silent, then the socket)
     state = WorkerState::kDead;
     stats.dead_workers.push_back(w);
+    stats.rejections.push_back(detail::concat(who(w), " disconnected: ", what));
+    if (stats.rejections.size() > 32) stats.rejections.erase(stats.rejections.begin());
     changed.notify_all();
     if (!fatal.empty()) return;
     if (opt.consistency == Consistency::kBsp) {
@@ -421,9 +461,14 @@ struct Server::Impl {
     add_keys(parse_table(table, &optimizer));
     for (auto& ks : s.keys) {
       auto found = keys.find(ks.key);
-      HEMIOLA_CHECK(found != keys.end() &&
-                        ks.param.size() == static_cast<size_t>(found->second.entry.shard.count),
-                    "snapshot ", opt.snapshot_path, " is inconsistent at key ", ks.key);
+      const auto fits = [&](const std::vector<float>& v, bool may_be_empty) {
+        return v.size() == static_cast<size_t>(found->second.entry.shard.count) ||
+               (may_be_empty && v.empty());
+      };
+      HEMIOLA_CHECK(found != keys.end() && fits(ks.param, false) && fits(ks.optimizer.m, true) &&
+                        fits(ks.optimizer.v, true),
+                    "snapshot ", opt.snapshot_path, " is inconsistent at key ", ks.key,
+                    "; refusing to load it");
       Key& k = found->second;
       k.param = std::move(ks.param);
       k.version = ks.version;
@@ -507,16 +552,24 @@ Server::Server(const ServerOptions& options, std::shared_ptr<Store> store)
   im.expected_seq.assign(static_cast<size_t>(options.num_workers), 0);
   if (options.restore) im.restore();
 
+  // Listen on the chosen address only, publish it, and admit every worker.
   BindSpec spec{options.iface, options.hostname, options.master_addr, false};
-  auto device = make_gloo_device(spec, nullptr);
+  const std::string name = detail::concat("parameter server ", options.server_index);
+  im.acceptor = std::make_unique<Acceptor>(
+      bind_address(spec), options.token, options.num_workers, millis(options.timeout_s), name,
+      [&im](const std::string& why) { im.refused(why); });
+  im.store->set(address_key(options.server_index), im.acceptor->address());
+  auto sockets = im.acceptor->admit_all(Clock::now() + millis(options.timeout_s));
   for (int w = 0; w < options.num_workers; ++w) {
-    PrefixStore pair(detail::concat("ps/s", options.server_index, "/w", w, "/"), im.store);
-    im.channels.push_back(std::make_unique<Channel>(device, pair, 0, millis(options.timeout_s),
-                                                    im.who(w), heartbeat_for(options.timeout_s)));
+    im.channels.push_back(std::make_unique<Channel>(std::move(sockets[static_cast<size_t>(w)]),
+                                                    im.who(w), millis(options.timeout_s),
+                                                    heartbeat_for(options.timeout_s)));
   }
 }
 
 Server::~Server() {
+  impl_->acceptor->stop();
+  if (impl_->refuser.joinable()) impl_->refuser.join();
   for (auto& c : impl_->channels) c->close();
   for (auto& t : impl_->receivers)
     if (t.joinable()) t.join();
@@ -526,6 +579,7 @@ void Server::serve() {
   auto& im = *impl_;
   for (int w = 0; w < im.opt.num_workers; ++w)
     im.receivers.emplace_back([&im, w] { im.receive_loop(w); });
+  im.refuser = std::thread([&im] { im.acceptor->refuse_until_stopped(); });
   auto last_snapshot = Clock::now();
   {
     std::unique_lock<std::mutex> lock(im.mutex);
@@ -544,6 +598,8 @@ void Server::serve() {
       }
     }
   }
+  im.acceptor->stop();
+  im.refuser.join();
   // Deliver what is queued (error messages included), then stop receiving.
   for (auto& c : im.channels) c->drain(std::chrono::seconds(5));
   for (auto& c : im.channels) c->close();

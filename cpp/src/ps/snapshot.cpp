@@ -12,7 +12,11 @@ namespace hemiola::ps {
 namespace {
 
 constexpr char kFileMagic[8] = {'H', 'M', 'P', 'S', 'S', 'N', 'A', 'P'};
-constexpr uint32_t kFormat = 1;
+// Format 2: magic, format, the file's total size, the body, then an FNV-1a
+// checksum of everything before it. The size tells a truncated file from a
+// corrupted one; the checksum catches any flipped byte.
+constexpr uint32_t kFormat = 2;
+constexpr size_t kPrefixBytes = sizeof kFileMagic + sizeof(uint32_t) + sizeof(uint64_t);
 
 uint64_t fnv1a(const std::string& bytes) {
   uint64_t hash = 1469598103934665603ull;
@@ -72,7 +76,7 @@ class Reader {
 
  private:
   void need(uint64_t n) {
-    if (at_ + n > in_.size())
+    if (n > in_.size() - at_)  // (at_ <= size always: no overflow)
       HEMIOLA_THROW(ErrorCode::kInvalidArgument, "snapshot ", path_, " is truncated");
   }
   const std::string& in_;
@@ -86,6 +90,7 @@ void write_snapshot(const std::string& path, const ServerSnapshot& s) {
   Writer w;
   w.bytes().append(kFileMagic, sizeof kFileMagic);
   w.put(kFormat);
+  w.put<uint64_t>(0);  // the total size, filled in below
   w.put(s.server_index);
   w.put(s.num_servers);
   w.put_string(s.table);
@@ -100,6 +105,8 @@ void write_snapshot(const std::string& path, const ServerSnapshot& s) {
     w.put_floats(k.optimizer.m);
     w.put_floats(k.optimizer.v);
   }
+  const uint64_t total = w.bytes().size() + sizeof(uint64_t);
+  std::memcpy(&w.bytes()[sizeof kFileMagic + sizeof kFormat], &total, sizeof total);
   w.put(fnv1a(w.bytes()));
 
   const std::string tmp = path + ".tmp";
@@ -117,19 +124,30 @@ ServerSnapshot read_snapshot(const std::string& path) {
   std::ifstream in(path, std::ios::binary);
   HEMIOLA_CHECK(in.good(), "snapshot ", path, " does not exist or cannot be read");
   const std::string bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-  HEMIOLA_CHECK(bytes.size() >= sizeof kFileMagic + sizeof(uint64_t) &&
+  HEMIOLA_CHECK(bytes.size() >= sizeof kFileMagic &&
                     std::memcmp(bytes.data(), kFileMagic, sizeof kFileMagic) == 0,
-                path, " is not a hemiola parameter-server snapshot");
+                "snapshot ", path, " is not a hemiola parameter-server snapshot (", bytes.size(),
+                " bytes, no magic); refusing to load it");
+  HEMIOLA_CHECK(bytes.size() >= kPrefixBytes + sizeof(uint64_t), "snapshot ", path,
+                " is truncated (", bytes.size(), " bytes); refusing to load it");
+  uint32_t format = 0;
+  uint64_t total = 0;
+  std::memcpy(&format, bytes.data() + sizeof kFileMagic, sizeof format);
+  std::memcpy(&total, bytes.data() + sizeof kFileMagic + sizeof format, sizeof total);
+  HEMIOLA_CHECK(format == kFormat, "snapshot ", path, " has format ", format, ", expected ",
+                kFormat, " (written by another hemiola version?); refusing to load it");
+  HEMIOLA_CHECK(bytes.size() >= total, "snapshot ", path, " is truncated (", bytes.size(),
+                " of ", total, " bytes); refusing to load it");
+  HEMIOLA_CHECK(bytes.size() == total, "snapshot ", path, " has ", bytes.size() - total,
+                " trailing bytes after its end; refusing to load it");
   uint64_t stored = 0;
   std::memcpy(&stored, bytes.data() + bytes.size() - sizeof stored, sizeof stored);
   const std::string body = bytes.substr(0, bytes.size() - sizeof stored);
-  HEMIOLA_CHECK(fnv1a(body) == stored, "snapshot ", path, " is corrupted (checksum mismatch)");
+  HEMIOLA_CHECK(fnv1a(body) == stored, "snapshot ", path,
+                " is corrupted (checksum mismatch); refusing to load it");
 
   Reader r(body, path);
-  for (size_t i = 0; i < sizeof kFileMagic; ++i) r.get<char>();
-  const auto format = r.get<uint32_t>();
-  HEMIOLA_CHECK(format == kFormat, "snapshot ", path, " has format ", format, ", expected ",
-                kFormat);
+  for (size_t i = 0; i < kPrefixBytes; ++i) r.get<char>();
   ServerSnapshot s;
   s.server_index = r.get<int32_t>();
   s.num_servers = r.get<int32_t>();

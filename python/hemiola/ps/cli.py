@@ -6,7 +6,8 @@ Server machines run, for example::
 
 while worker machines run the training script (which calls ``hemiola.ps.wrap``
 with the same ``num_servers`` and consistency). Workers choose the staleness
-rule and the partitioning; they tell the servers.
+rule and the partitioning; they tell the servers. Set ``HEMIOLA_JOB_TOKEN`` to
+the same secret on every rank and the servers refuse connections without it.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ def _run(args: argparse.Namespace) -> int:
     config = PSConfig(consistency=args.consistency, num_servers=args.num_servers,
                       staleness_bound=args.staleness_bound, timeout_s=args.timeout_s,
                       snapshot_dir=args.snapshot_dir, snapshot_every_s=args.snapshot_every_s,
-                      restore=args.restore)
+                      restore=args.restore, check_finite=not args.no_check_finite)
     serve(config)
     return 0
 
@@ -42,4 +43,6 @@ def register(commands: Any) -> None:
     p.add_argument("--snapshot-every-s", type=float, default=0.0,
                    help="snapshot periodically (0: only when a worker asks)")
     p.add_argument("--restore", action="store_true", help="start from the snapshots")
+    p.add_argument("--no-check-finite", action="store_true",
+                   help="apply gradients holding NaN or infinity instead of refusing them")
     p.set_defaults(run=_run)

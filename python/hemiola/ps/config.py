@@ -35,6 +35,13 @@ class PSConfig:
         snapshot_dir: where servers write snapshots (``server-<i>.snap``).
         snapshot_every_s: > 0: servers also snapshot periodically.
         restore: servers start from the snapshots in `snapshot_dir`.
+        check_finite: servers refuse a gradient holding NaN or infinity and
+            name the parameter (``bsp`` fails the job; asynchronous modes
+            reject that push and fail its worker). On by default.
+
+    The job token is not a field: it is a secret, read from the environment
+    (``HEMIOLA_JOB_TOKEN``, see :func:`hemiola.ps.roles.job_token`), so it never
+    lands in logs or pickled configs.
     """
 
     consistency: str = "bsp"
@@ -46,6 +53,7 @@ class PSConfig:
     snapshot_dir: str | None = None
     snapshot_every_s: float = 0.0
     restore: bool = False
+    check_finite: bool = True
 
     def __post_init__(self) -> None:
         if self.consistency not in CONSISTENCIES:

@@ -54,6 +54,17 @@ def role(num_servers: int) -> Role:
     return r
 
 
+JOB_TOKEN_ENV = "HEMIOLA_JOB_TOKEN"
+
+
+def job_token() -> str:
+    """The job's shared secret, from ``HEMIOLA_JOB_TOKEN`` ('' when unset).
+
+    A launcher sets it for every rank of a job; servers then refuse any
+    connection that does not present it, before it touches their state."""
+    return os.environ.get(JOB_TOKEN_ENV, "")
+
+
 def rendezvous_store(timeout_s: float) -> tuple[C.Store, str, str]:
     """The job's store (prefixed for hemiola.ps), the interface to bind and the
     master address. Binds the interface that routes to ``MASTER_ADDR`` unless

@@ -8,7 +8,7 @@ import time
 
 from hemiola._native import C
 from hemiola.ps.config import PSConfig
-from hemiola.ps.roles import Role, rendezvous_store, role
+from hemiola.ps.roles import Role, job_token, rendezvous_store, role
 
 log = logging.getLogger("hemiola.ps")
 
@@ -32,12 +32,12 @@ def serve(config: PSConfig, server_role: Role | None = None) -> C.ps.ServerStats
         consistency=config.consistency, staleness_bound=config.staleness_bound,
         timeout_s=config.timeout_s, store=store, snapshot_path=config.snapshot_path(r.rank),
         restore=config.restore, snapshot_every_s=config.snapshot_every_s, iface=iface,
-        master_addr=master)
+        master_addr=master, token=job_token(), check_finite=config.check_finite)
     log.info("server %d/%d: %s, %d workers", r.server_index, r.num_servers, config.consistency,
              r.num_workers)
     server.serve()
     stats = server.stats()
-    log.info("server %d done in %.1f s: %d pushes applied, %d pulls answered, %d rejected",
-             r.server_index, time.monotonic() - started, stats.pushes_applied,
-             stats.pulls_answered, stats.rejected)
+    log.info("server %d done in %.1f s: %d pushes applied, %d pulls answered, %d rejected, "
+             "%d connections refused", r.server_index, time.monotonic() - started,
+             stats.pushes_applied, stats.pulls_answered, stats.rejected, stats.refused)
     return stats

@@ -16,7 +16,7 @@ from torch import nn
 
 from hemiola._native import C
 from hemiola.ps.config import PSConfig
-from hemiola.ps.roles import Role, rendezvous_store
+from hemiola.ps.roles import Role, job_token, rendezvous_store
 
 _OPTIMIZERS = {torch.optim.SGD: "sgd", torch.optim.Adam: "adam", torch.optim.AdamW: "adamw"}
 
@@ -84,7 +84,7 @@ class ParameterServerModel(nn.Module):
             staleness_rule=config.rule, optimizer=self._kind,
             partition_elems=config.partition_elems, timeout_s=config.timeout_s,
             names=self._names, numels=[p.numel() for p in self._params], store=store,
-            iface=iface, master_addr=master)
+            iface=iface, master_addr=master, token=job_token())
         self._hypers = [_hyper(g) for g in optimizer.param_groups]
         initial = [p.data_ptr() for p in self._params] if worker.worker_index == 0 else []
         self._client.initialize(

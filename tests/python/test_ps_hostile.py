@@ -1,0 +1,149 @@
+"""The parameter server under hostile input: strangers, garbage, replays,
+wrong tokens, silence, non-finite gradients and broken snapshots. Real
+processes and real sockets; the attacker speaks the wire format from Python."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import ps_hostile
+import pytest
+import torch
+
+from hemiola._native import C
+from hemiola.launch import run_local
+
+from models import loss_of, make_batch, make_model, make_optimizer
+
+TOKEN = "job-7f3a-secret"
+STEPS = 30
+
+
+def _local_sgd(steps: int, worker: int, workers: int) -> dict[str, torch.Tensor]:
+    """What worker `worker` computes alone with torch's SGD on its own batches."""
+    torch.manual_seed(0)
+    m = make_model("mlp")
+    opt = make_optimizer("sgd", m.parameters())
+    for step in range(steps):
+        x, y = make_batch("mlp", step, worker, workers)
+        opt.zero_grad()
+        loss_of("mlp", m(x), y).backward()
+        opt.step()
+    return {n: p.detach().clone() for n, p in m.named_parameters()}
+
+
+def test_fuzzed_server_keeps_serving_and_applies_nothing_hostile() -> None:
+    options = {"consistency": "asp", "num_servers": 1, "timeout_s": 6.0}
+    outcome = run_local(ps_hostile.fuzz_job, 3, options, STEPS, TOKEN, 1234,
+                        env={"HEMIOLA_JOB_TOKEN": TOKEN}, timeout_s=120)
+    server, worker, fuzz = outcome[0], outcome[1], outcome[2]
+
+    # It listens on the chosen address (the one routing to MASTER_ADDR), not all interfaces.
+    assert fuzz["address"] == "127.0.0.1" and fuzz["listening_on"] == "127.0.0.1", fuzz
+
+    # Every stranger was refused at the handshake, most with a reason.
+    answers = fuzz["answers"]
+    for i in range(8):
+        assert answers[f"random {i}"] == "closed" or "refused" in answers[f"random {i}"]
+    assert answers["truncated"] == "closed"
+    assert "out of range" in answers["terabyte"]
+    assert "oversized hello" in answers["oversized"]
+    assert "checksum" in answers["garbled"]
+    assert "wrong job token" in answers["wrong token"]
+    assert "no job token" in answers["no token"]
+    assert "not a hello" in answers["push first"]
+    assert "worker index 7" in answers["worker 7"]
+    assert all(TOKEN not in text for text in answers.values())
+    assert server["refused"] >= 16  # the 15 above and the silent one
+
+    # The admitted fuzzer's hostile messages were each rejected, with the reason.
+    errors = [r for r in fuzz["replies"] if r.startswith("error")]
+    for fragment in ("out of order: sequence number 1", "out of order: sequence number 0",
+                     "expected 256", "no key 99", "computed on version 1000000",
+                     "non-finite gradient for parameter 'net.0.bias'",
+                     "claims to come from worker 7", "holds no key -1"):
+        assert any(fragment in e for e in errors), (fragment, errors)
+    assert all("not applied" in e for e in errors), errors
+
+    # A connection that never spoke was dropped after timeout_s (6 s), telling it why.
+    assert 5.5 <= fuzz["silent_dropped_after_s"] < 12, fuzz["silent_dropped_after_s"]
+    assert "said nothing for 6 s" in fuzz["silent_told"]
+
+    # Garbage inside the admitted connection dropped that connection only.
+    assert server["dead_workers"] == [1]
+    assert any("protocol violation" in r for r in server["rejections"]), server["rejections"]
+
+    # The real worker trained through it all, and its result is exactly its own
+    # SGD: nothing the fuzzer sent was applied.
+    assert worker["losses"] and len(worker["losses"]) == STEPS
+    assert server["pushes_applied"] == STEPS * 6  # one push per tensor per step, no more
+    assert server["rejected"] == len(errors)
+    expected = _local_sgd(STEPS, 0, 2)
+    for name, value in expected.items():
+        torch.testing.assert_close(worker["params"][name], value, rtol=1e-5, atol=1e-6)
+
+
+def test_a_worker_without_the_job_token_is_refused() -> None:
+    options = {"consistency": "asp", "num_servers": 1, "timeout_s": 10.0}
+    for tokens, fragment in (({0: TOKEN, 1: TOKEN, 2: "other"}, "wrong job token"),
+                             ({0: TOKEN, 1: TOKEN, 2: None}, "no job token presented"),
+                             ({0: None, 1: None, 2: TOKEN}, "runs without one")):
+        outcome = run_local(ps_hostile.token_job, 3, options, tokens, expect_errors=True,
+                            timeout_s=60)
+        status, text = outcome[2]  # worker 1: refused, clearly, before anything else
+        assert status == "error" and fragment in text and "HemiolaError" in text, text
+        assert TOKEN not in text
+        # The server never started serving: it names the worker that did not join.
+        status, text = outcome[0]
+        assert status == "error" and "worker(s) 1 did not connect" in text, text
+        assert "HemiolaTimeoutError" in text
+
+
+def test_right_token_trains() -> None:
+    options = {"consistency": "bsp", "num_servers": 1, "timeout_s": 20.0}
+    outcome = run_local(ps_hostile.token_job, 3, options, {0: TOKEN, 1: TOKEN, 2: TOKEN},
+                        timeout_s=90)
+    assert outcome[0]["rejected"] == 0 and outcome[0]["pushes_applied"] == 3 * 6 * 2
+    torch.testing.assert_close(outcome[1]["params"], outcome[2]["params"], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("consistency", ["bsp", "asp"])
+def test_non_finite_gradient_names_the_parameter(consistency: str) -> None:
+    outcome = run_local(ps_hostile.nan_job, 2, consistency, expect_errors=True, timeout_s=60)
+    status, result = outcome[1]
+    assert status == "ok", result
+    assert result["error"] is not None and result["step"] >= 2, result
+    assert "non-finite gradient for parameter 'net." in result["error"], result["error"]
+    assert "(element " in result["error"] and "is nan" in result["error"]
+    status, server = outcome[0]
+    if consistency == "bsp":  # the round cannot complete: the job stops, saying why
+        assert status == "error" and "non-finite gradient" in server, server
+    else:
+        assert status == "ok" and server["rejected"] >= 1, server
+
+
+def _restore(path: Path, store_dir: Path) -> None:
+    C.ps.Server(server_index=0, num_servers=1, num_workers=1, consistency="bsp",
+                timeout_s=2.0, store=C.FileStore(str(store_dir)), snapshot_path=str(path),
+                restore=True)
+
+
+def test_corrupted_or_truncated_snapshot_is_refused(tmp_path: Path) -> None:
+    # A real snapshot, from a real job.
+    outcome = run_local(ps_hostile.snapshot_job, 2, str(tmp_path), timeout_s=90)
+    assert outcome[0]["snapshots"] >= 1
+    good = (tmp_path / "server-0.snap").read_bytes()
+    with pytest.raises(C.HemiolaTimeoutError):  # a good snapshot loads; then no worker comes
+        _restore(tmp_path / "server-0.snap", tmp_path / "store0")
+    bad = tmp_path / "bad.snap"
+    for at in (0, 9, len(good) // 2, len(good) - 1):
+        flipped = bytearray(good)
+        flipped[at] ^= 0x40
+        bad.write_bytes(bytes(flipped))
+        with pytest.raises(ValueError, match="refusing to load it|not a hemiola") as e:
+            _restore(bad, tmp_path / f"store-flip-{at}")
+        assert at == 0 or "corrupted" in str(e.value) or "format" in str(e.value), str(e.value)
+    for keep in (0, 10, 30, len(good) // 2, len(good) - 8, len(good) - 1):
+        bad.write_bytes(good[:keep])
+        with pytest.raises(ValueError, match="truncated|not a hemiola"):
+            _restore(bad, tmp_path / f"store-cut-{keep}")
