@@ -69,6 +69,11 @@ class Config:
             per rank), ``"gloo"`` (through pinned host memory; no NCCL needed,
             and several ranks may share one GPU) or ``"auto"`` (NCCL when
             ``libnccl.so.2`` loads, else Gloo).
+        check_finite: Check every averaged gradient for NaN and infinity and
+            raise, on every rank alike, naming the first parameter that holds
+            one, instead of applying it. Costs one pass over the gradients
+            per iteration. With a GradScaler (``grad_scaler``), overflows skip
+            the step instead, as GradScaler does.
     """
 
     schedule: str = "wfbp"
@@ -84,6 +89,7 @@ class Config:
     correct_on_arrival: bool = True
     timeline: bool = False
     gpu_backend: str = "auto"
+    check_finite: bool = False
 
     def __post_init__(self) -> None:
         if self.schedule not in SCHEDULES:

@@ -105,3 +105,19 @@ def broadcast_tensors(engine: C.Engine, tensors: list[torch.Tensor], root: int =
                 chunk = flat[offset : offset + nbytes].view(t.dtype).view(t.shape)
                 t.copy_(chunk)
                 offset += nbytes
+
+
+def raise_if_not_finite(named: list[tuple[str, torch.Tensor]], iteration: int) -> None:
+    """``check_finite``: raises naming the first of the `named` averaged
+    gradients that holds NaN or infinity. One pass when all are finite."""
+    tensors = [t for _, t in named]
+    if not tensors or bool(torch.isfinite(torch.nn.utils.get_total_norm(tensors, 2.0))):
+        return
+    for name, t in named:
+        if not bool(torch.isfinite(t).all()):
+            raise FloatingPointError(
+                f"hemiola: the averaged gradient of parameter {name!r} holds NaN or infinity "
+                f"in iteration {iteration} (check_finite=True); it was not applied. Some "
+                "rank's loss diverged or overflowed: lower the learning rate, check the "
+                "inputs, or scale fp16 losses with a GradScaler (grad_scaler=...)."
+            )

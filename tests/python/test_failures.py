@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import re
 
+import pytest
+
 from hemiola.launch import run_local
 
 import workers
@@ -35,3 +37,12 @@ def test_stalled_rank_times_out_on_the_others() -> None:
     seconds = float(re.search(r"raised after ([\d.]+)s", text).group(1))
     assert timeout_s * 0.9 < seconds < timeout_s + 10.0, text
     assert "[1]" in text, text
+
+
+@pytest.mark.parametrize("schedule", ["wfbp", "priority", "decoupled"])
+def test_check_finite_names_the_parameter_on_every_rank(schedule: str) -> None:
+    results = run_local(workers.non_finite_gradient, 2, schedule, timeout_s=120)
+    for rank, message in results.items():
+        assert "holds NaN or infinity in iteration" in message, (rank, message)
+        assert re.search(r"parameter '[\w.]+'", message), message
+        assert "finite parameters: True" in message, message

@@ -484,3 +484,30 @@ def accumulate_without_no_sync(rank: int, world: int, schedule: str, same_data: 
             loss_of("mlp", model(x), y).backward()
         opt.step()
     return [p.detach().clone() for p in model.state_dict().values()]
+
+
+def non_finite_gradient(rank: int, world: int, schedule: str) -> str:
+    """check_finite=True; rank 1's loss is NaN at step 2: every rank must
+    raise naming a parameter, not apply the gradient."""
+    hemiola.init()
+    torch.manual_seed(0)
+    m = make_model("mlp")
+    model, opt = hemiola.wrap(m, _optimizer("sgd", m.parameters()), schedule=schedule,
+                              check_finite=True, timeout_s=60)
+    before = None
+    try:
+        for step in range(5):
+            x, y = make_batch("mlp", step, rank, world)
+            opt.zero_grad()
+            loss = loss_of("mlp", model(x), y)
+            if step == 2 and rank == 1:
+                loss = loss * float("nan")
+            loss.backward()
+            if step == 2:
+                before = [p.detach().clone() for p in m.parameters()]
+            opt.step()
+            model(x)  # priority lands in the next forward
+    except FloatingPointError as e:
+        untouched = all(torch.isfinite(p).all() for p in m.parameters())
+        return f"{e} | finite parameters: {untouched} | had a step: {before is not None}"
+    return "no error"

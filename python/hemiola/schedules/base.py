@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from hemiola.schedules.gate import ForwardGate
-from hemiola.tensors import UINT8
+from hemiola.tensors import UINT8, raise_if_not_finite
 
 if TYPE_CHECKING:
     from hemiola.data_parallel import DataParallel
@@ -385,6 +385,9 @@ class DeferredSchedule(Schedule):
             total = torch.nn.utils.get_total_norm(
                 [m._reduced(it, i) for i in range(count) if used[i]], norm_type)
             pending.coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        if m.config.check_finite and not pending.check_finite:  # (a scaler skips instead)
+            raise_if_not_finite([(m._names[i], m._reduced(it, i)) for i in sorted(chosen)
+                                 if used[i]], it)
         grads: list[torch.Tensor | None] = []
         for i in range(count):
             g = m._reduced(it, i) if i in chosen and used[i] else None

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from hemiola.schedules.base import Schedule
+from hemiola.tensors import raise_if_not_finite
 
 
 class Wfbp(Schedule):
@@ -44,6 +45,10 @@ class Wfbp(Schedule):
                 self._write_back_unused(iteration, unmarked)
             for grad, staged in self._staged:
                 grad.copy_(staged)
+            m = self.model
+            if m.config.check_finite:
+                raise_if_not_finite([(n, p.grad) for n, p in zip(m._names, m._params)
+                                     if p.grad is not None], iteration)
         finally:
             self._inflight.clear()
             self._staged.clear()
