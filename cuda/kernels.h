@@ -12,6 +12,7 @@
 #include <cstdint>
 
 #include "hemiola/export.h"
+#include "hemiola/optimizer.h"
 #include "hemiola/tensor.h"
 
 namespace hemiola::cuda {
@@ -63,28 +64,12 @@ HEMIOLA_API void cast(const void* src, DType src_dtype, void* dst, DType dst_dty
 // this rank's own gradient: only param is written, from the shadow). Live and
 // shadow may be the same memory when committing.
 
-// torch.optim.SGD's hyper-parameters for one step. Doubles, as torch holds
-// them (Python floats): derived constants are computed in double on the host
-// and rounded to float once.
-struct SgdHyper {
-  double lr = 0.0;
-  double momentum = 0.0;
-  double dampening = 0.0;
-  double weight_decay = 0.0;
-  bool nesterov = false;
-  bool maximize = false;
-  // True on the step that creates the momentum buffer (torch: buf = d_p);
-  // the buffer's old contents are then not read.
-  bool first_step = false;
-};
-
-struct SgdTensors {
-  void* param;           // live parameters (written)
-  void* shadow;          // exact parameters (read; written when committing)
-  void* momentum;        // momentum buffer (read unless first_step; written when committing);
-                         // unused (may be null) when momentum == 0
-  const void* grad;      // the gradient this step applies
-};
+// The hyper-parameters and tensors of one step are hemiola/optimizer.h's
+// (that header's sgd_step/adam_step dispatch here for CUDA tensors).
+using SgdHyper = ::hemiola::SgdHyper;
+using SgdTensors = ::hemiola::SgdTensors;
+using AdamHyper = ::hemiola::AdamHyper;
+using AdamTensors = ::hemiola::AdamTensors;
 
 // One torch.optim.SGD step (weight decay, momentum with dampening, Nesterov,
 // maximize), in one launch:
@@ -106,30 +91,6 @@ HEMIOLA_API void sgd_step(const SgdTensors& tensors, std::int64_t numel, DType d
 HEMIOLA_API void sgd_correct(void* param, void* momentum, const void* grad_local,
                              const void* grad_global, std::int64_t numel, DType dtype,
                              const SgdHyper& hyper, void* stream);
-
-// torch.optim.Adam / AdamW's hyper-parameters for one step (doubles, as for
-// SGD: the bias corrections are computed in double on the host). amsgrad is
-// not supported: refused, so a caller mirroring a torch param group cannot
-// silently drop it.
-struct AdamHyper {
-  double lr = 0.0;
-  double beta1 = 0.9;
-  double beta2 = 0.999;
-  double eps = 1e-8;
-  double weight_decay = 0.0;
-  bool decoupled_weight_decay = false;  // AdamW
-  bool maximize = false;
-  bool amsgrad = false;
-  std::int64_t step = 1;  // the step being taken, counted from 1 (bias correction)
-};
-
-struct AdamTensors {
-  void* param;        // live parameters (written)
-  void* shadow;       // exact parameters (read; written when committing)
-  void* exp_avg;      // first moment (read; written when committing)
-  void* exp_avg_sq;   // second moment (read; written when committing)
-  const void* grad;   // the gradient this step applies
-};
 
 // One torch.optim.Adam (or AdamW) step, in one launch, with torch's formulas:
 //   g = ±grad (+ weight_decay * shadow for Adam)

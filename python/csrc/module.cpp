@@ -38,6 +38,7 @@ PYBIND11_MODULE(_C, m) {
   hemiola::python::bind_engine(m);
   hemiola::python::bind_cluster(m);
   hemiola::python::bind_ps(m);
+  hemiola::python::bind_optim(m);
 #if HEMIOLA_CUDA_ENABLED
   hemiola::python::bind_cuda(m);
 #endif

@@ -6,6 +6,7 @@
 #include "hemiola/engine.h"
 #include "hemiola/handle.h"
 #include "hemiola/network.h"
+#include "hemiola/optimizer.h"
 #include "hemiola/reducer.h"
 #include "hemiola/status.h"
 #include "hemiola/store.h"

@@ -1,5 +1,5 @@
 // The CUDA runtime view (cuda/device.h), and the one kernel the engine
-// launches (cuda::unpack), in a build without CUDA: no devices,
+// launches (cuda::unpack) and the optimizer's GPU steps, in a build without CUDA: no devices,
 // and every other call refuses with what to do. Compiled instead of
 // cuda/device.cu, so engine code needs no #if around its device path.
 #include "device.h"
@@ -42,6 +42,12 @@ void zero_async(void*, size_t, void*) { unavailable(); }
 void synchronize(void*) { unavailable(); }
 int device_of(const void*) { unavailable(); }
 void unpack(const FusionSlot*, std::int64_t, std::int64_t, DType, const void*, double, void*) {
+  unavailable();
+}
+void sgd_step(const SgdTensors&, std::int64_t, DType, const SgdHyper&, bool, void*) {
+  unavailable();
+}
+void adam_step(const AdamTensors&, std::int64_t, DType, const AdamHyper&, bool, void*) {
   unavailable();
 }
 

@@ -1,0 +1,94 @@
+// The engine's optimizer: torch.optim's SGD (momentum, dampening, Nesterov,
+// weight decay, maximize) and Adam / AdamW (amsgrad on the CPU), one step over
+// one tensor, on the CPU (plain loops the compiler vectorises) or on a GPU (the
+// fused kernels of cuda/kernels.h, enqueued on a stream). One implementation
+// serves the parameter server and the schedules.
+//
+// Parameters, gradients and state share one floating dtype (float32, float64,
+// float16 or bfloat16, as torch.optim keeps them). On the CPU the arithmetic
+// follows torch's single-tensor step op by op, rounding to the dtype where
+// torch's intermediate tensors do, so that a float16/bfloat16 step stays within
+// rounding of torch's; the GPU kernels compute in float and round once.
+//
+// `shadow` is the exact, globally agreed copy of the parameters and state; the
+// live parameters `param` are what forward reads. A step either *commits* (the
+// exact step: shadow and state advance, and param receives the new values) or
+// does not (the approximate step of the decoupled schedule: only param is
+// written, computed from the shadow and the state, which stay as they were).
+// Live and shadow may be the same memory when committing.
+#pragma once
+
+#include <cstdint>
+
+#include "hemiola/export.h"
+#include "hemiola/tensor.h"
+
+namespace hemiola {
+
+// torch.optim.SGD's hyper-parameters for one step. Doubles, as torch holds
+// them (Python floats).
+struct SgdHyper {
+  double lr = 0.0;
+  double momentum = 0.0;
+  double dampening = 0.0;
+  double weight_decay = 0.0;
+  bool nesterov = false;
+  bool maximize = false;
+  // True on the step that creates the momentum buffer (torch: buf = d_p);
+  // the buffer's old contents are then not read.
+  bool first_step = false;
+};
+
+struct SgdTensors {
+  void* param;           // live parameters (written)
+  void* shadow;          // exact parameters (read; written when committing)
+  void* momentum;        // momentum buffer (read unless first_step; written when committing);
+                         // unused (may be null) when momentum == 0
+  const void* grad;      // the gradient this step applies
+};
+
+// One torch.optim.SGD step:
+//   g = ±grad + weight_decay * shadow
+//   buf' = first_step ? g : momentum * buf + (1 - dampening) * g
+//   d = momentum == 0 ? g : nesterov ? g + momentum * buf' : buf'
+//   param = shadow - lr * d;   when committing also shadow = param, buf = buf'.
+// `stream` is used on a GPU only (the step is enqueued there); on the CPU the
+// step is done when this returns.
+HEMIOLA_API void sgd_step(const SgdTensors& tensors, std::int64_t numel, DType dtype,
+                          const Device& device, const SgdHyper& hyper, bool commit,
+                          StreamRef stream = {});
+
+// torch.optim.Adam / AdamW's hyper-parameters for one step.
+struct AdamHyper {
+  double lr = 0.0;
+  double beta1 = 0.9;
+  double beta2 = 0.999;
+  double eps = 1e-8;
+  double weight_decay = 0.0;
+  bool decoupled_weight_decay = false;  // AdamW
+  bool maximize = false;
+  bool amsgrad = false;                 // the CPU only; the GPU refuses it
+  std::int64_t step = 1;  // the step being taken, counted from 1 (bias correction)
+};
+
+struct AdamTensors {
+  void* param;        // live parameters (written)
+  void* shadow;       // exact parameters (read; written when committing)
+  void* exp_avg;      // first moment (read; written when committing)
+  void* exp_avg_sq;   // second moment (read; written when committing)
+  const void* grad;   // the gradient this step applies
+  void* max_exp_avg_sq = nullptr;  // amsgrad: running maximum of exp_avg_sq (as exp_avg)
+};
+
+// One torch.optim.Adam (or AdamW) step, with torch's formulas:
+//   g = ±grad (+ weight_decay * shadow for Adam)
+//   w = shadow (* (1 - lr * weight_decay) for AdamW)
+//   m' = lerp(m, g, 1 - beta1);  v' = beta2 * v + (1 - beta2) * g * g
+//   v^ = amsgrad ? max(vmax, v') : v'   (when committing with amsgrad, vmax = v^)
+//   param = w - lr / (1 - beta1^step) * m' / (sqrt(v^) / sqrt(1 - beta2^step) + eps)
+// When committing also shadow = param, exp_avg = m', exp_avg_sq = v'.
+HEMIOLA_API void adam_step(const AdamTensors& tensors, std::int64_t numel, DType dtype,
+                           const Device& device, const AdamHyper& hyper, bool commit,
+                           StreamRef stream = {});
+
+}  // namespace hemiola

@@ -1,0 +1,197 @@
+#include "optim/cpu_optimizer.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+
+#include "engine/dtype_math.h"
+#include "hemiola/status.h"
+
+// The loops are inlined into functions compiled twice, for x86-64-v3 (AVX2 and
+// FMA, where std::fma is one instruction and the loops vectorise, as torch's
+// CPU kernels are) and for the baseline; the loader picks one at run time.
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define HEMIOLA_OPTIM_CLONES __attribute__((target_clones("arch=x86-64-v3", "default")))
+#else
+#define HEMIOLA_OPTIM_CLONES
+#endif
+#define HEMIOLA_INLINE __attribute__((always_inline)) inline
+
+namespace hemiola::optim {
+
+namespace {
+
+// How one storage dtype is read, computed in and written. `round` is what
+// storing an intermediate tensor of torch's step does to a value (identity
+// for float32 and float64, whose arithmetic already rounds so); `alpha` is
+// the scalar of a torch add(..., alpha=), which torch rounds to the tensor's
+// dtype first (other ops take their scalar in the arithmetic type).
+struct F32 {
+  using Storage = float;
+  using Math = float;
+  static Math load(Storage s) { return s; }
+  static Storage store(Math m) { return m; }
+  static Math round(Math m) { return m; }
+  static Math alpha(double a) { return static_cast<Math>(a); }
+};
+struct F64 {
+  using Storage = double;
+  using Math = double;
+  static Math load(Storage s) { return s; }
+  static Storage store(Math m) { return m; }
+  static Math round(Math m) { return m; }
+  static Math alpha(double a) { return a; }
+};
+struct BF16 {
+  using Storage = uint16_t;
+  using Math = float;
+  static Math load(Storage s) { return bf16_to_float(s); }
+  static Storage store(Math m) { return float_to_bf16(m); }
+  static Math round(Math m) { return bf16_to_float(float_to_bf16(m)); }
+  static Math alpha(double a) { return round(static_cast<float>(a)); }
+};
+struct F16 {
+  using Storage = uint16_t;
+  using Math = float;
+  static Math load(Storage s) { return fp16_to_float(s); }
+  static Storage store(Math m) { return float_to_fp16(m); }
+  static Math round(Math m) { return fp16_to_float(float_to_fp16(m)); }
+  static Math alpha(double a) { return round(static_cast<float>(a)); }
+};
+
+// torch's lerp, with the multiply-add fused as its CPU kernels fuse it (as they
+// do for add with alpha and addcmul; addcdiv divides last and is not fused).
+template <typename M>
+HEMIOLA_INLINE M lerp(M self, M end, M weight) {
+  return weight < M(0.5) ? std::fma(weight, end - self, self)
+                         : std::fma(-(M(1) - weight), end - self, end);
+}
+
+template <typename C>
+HEMIOLA_INLINE void sgd(const SgdTensors& t, std::int64_t n, const SgdHyper& h, bool commit) {
+  using S = typename C::Storage;
+  using M = typename C::Math;
+  auto* param = static_cast<S*>(t.param);
+  auto* shadow = static_cast<S*>(t.shadow);
+  auto* buf = static_cast<S*>(t.momentum);
+  const auto* grad = static_cast<const S*>(t.grad);
+  // torch turns Python floats into the arithmetic type once, per op.
+  const M wd = C::alpha(h.weight_decay);
+  const M mu = static_cast<M>(h.momentum);  // buf.mul_(momentum)
+  const M mu_alpha = C::alpha(h.momentum);  // grad.add(buf, alpha=momentum)
+  const M keep = C::alpha(1.0 - h.dampening);
+  const M neg_lr = C::alpha(-h.lr);
+  const bool momentum = h.momentum != 0.0;
+  for (std::int64_t i = 0; i < n; ++i) {
+    const M w = C::load(shadow[i]);
+    M g = C::load(grad[i]);
+    if (h.maximize) g = -g;
+    if (wd != M(0)) g = C::round(std::fma(wd, w, g));  // grad.add(param, alpha=wd)
+    M d = g;
+    if (momentum) {
+      M b = h.first_step ? g                            // buf = clone(grad)
+                         : C::round(std::fma(keep, g, C::round(C::load(buf[i]) * mu)));
+      if (commit) buf[i] = C::store(b);                 // (buf.mul_(mu).add_(g, alpha=keep))
+      d = h.nesterov ? C::round(std::fma(mu_alpha, b, g)) : b;  // grad.add(buf, alpha=mu)
+    }
+    const S out = C::store(std::fma(neg_lr, d, w));     // param.add_(d, alpha=-lr)
+    param[i] = out;
+    if (commit) shadow[i] = out;
+  }
+}
+
+template <typename C>
+HEMIOLA_INLINE void adam(const AdamTensors& t, std::int64_t n, const AdamHyper& h, bool commit) {
+  using S = typename C::Storage;
+  using M = typename C::Math;
+  auto* param = static_cast<S*>(t.param);
+  auto* shadow = static_cast<S*>(t.shadow);
+  auto* exp_avg = static_cast<S*>(t.exp_avg);
+  auto* exp_avg_sq = static_cast<S*>(t.exp_avg_sq);
+  auto* vmax = static_cast<S*>(t.max_exp_avg_sq);
+  const auto* grad = static_cast<const S*>(t.grad);
+  const double step = static_cast<double>(h.step);
+  // As torch computes them: in double on the host, then one conversion.
+  const double bias1 = 1.0 - std::pow(h.beta1, step);
+  const double bias2 = 1.0 - std::pow(h.beta2, step);
+  const M neg_step_size = static_cast<M>(-(h.lr / bias1));
+  const M bias2_sqrt = static_cast<M>(std::pow(bias2, 0.5));  // Python's ** 0.5
+  const M decay = static_cast<M>(1.0 - h.lr * h.weight_decay);
+  const M wd = C::alpha(h.weight_decay);
+  const M one_minus_beta1 = static_cast<M>(1.0 - h.beta1);
+  const M beta2 = static_cast<M>(h.beta2);
+  const M one_minus_beta2 = static_cast<M>(1.0 - h.beta2);
+  const M eps = static_cast<M>(h.eps);
+  for (std::int64_t i = 0; i < n; ++i) {
+    M w = C::load(shadow[i]);
+    M g = C::load(grad[i]);
+    if (h.maximize) g = -g;
+    if (h.weight_decay != 0.0) {
+      if (h.decoupled_weight_decay) {
+        w = C::round(w * decay);                        // param.mul_(1 - lr * wd)
+      } else {
+        g = C::round(std::fma(wd, w, g));               // grad.add(param, alpha=wd)
+      }
+    }
+    const M m_old = C::load(exp_avg[i]);
+    const M m = C::round(lerp(m_old, g, one_minus_beta1));  // exp_avg.lerp_(grad, 1 - beta1)
+    const M v = C::round(std::fma(one_minus_beta2 * g, g,  // exp_avg_sq.mul_(beta2)
+                                  C::round(C::load(exp_avg_sq[i]) * beta2)));  // .addcmul_
+
+    M v_hat = v;
+    if (h.amsgrad) {
+      v_hat = std::max(C::load(vmax[i]), v);            // torch.maximum(vmax, v, out=vmax)
+      if (commit) vmax[i] = C::store(v_hat);
+    }
+    const M denom = C::round(C::round(C::round(std::sqrt(v_hat)) / bias2_sqrt) + eps);
+    const S out = C::store(w + (neg_step_size * m) / denom);  // addcdiv_(m, denom, -step_size)
+    param[i] = out;
+    if (commit) {
+      shadow[i] = out;
+      exp_avg[i] = C::store(m);
+      exp_avg_sq[i] = C::store(v);
+    }
+  }
+}
+
+template <template <typename> class Step, typename... Args>
+HEMIOLA_INLINE void dispatch(DType dtype, Args&&... args) {
+  switch (dtype) {
+    case DType::kFloat32: return Step<F32>::run(args...);
+    case DType::kFloat64: return Step<F64>::run(args...);
+    case DType::kBFloat16: return Step<BF16>::run(args...);
+    case DType::kFloat16: return Step<F16>::run(args...);
+    default:
+      HEMIOLA_THROW(ErrorCode::kInvalidArgument, "optimizer step: dtype ", dtype_name(dtype),
+                    " is not a floating dtype");
+  }
+}
+
+template <typename C>
+struct SgdStep {
+  HEMIOLA_INLINE static void run(const SgdTensors& t, std::int64_t n, const SgdHyper& h,
+                                 bool commit) {
+    sgd<C>(t, n, h, commit);
+  }
+};
+template <typename C>
+struct AdamStep {
+  HEMIOLA_INLINE static void run(const AdamTensors& t, std::int64_t n, const AdamHyper& h,
+                                 bool commit) {
+    adam<C>(t, n, h, commit);
+  }
+};
+
+}  // namespace
+
+HEMIOLA_OPTIM_CLONES void cpu_sgd_step(const SgdTensors& t, std::int64_t numel, DType dtype, const SgdHyper& hyper,
+                  bool commit) {
+  dispatch<SgdStep>(dtype, t, numel, hyper, commit);
+}
+
+HEMIOLA_OPTIM_CLONES void cpu_adam_step(const AdamTensors& t, std::int64_t numel, DType dtype,
+                   const AdamHyper& hyper, bool commit) {
+  dispatch<AdamStep>(dtype, t, numel, hyper, commit);
+}
+
+}  // namespace hemiola::optim

@@ -1,0 +1,146 @@
+"""The engine's optimizer (hemiola._C.optim, shared with the parameter server)
+against torch.optim: every supported option, float32/float64/bfloat16/float16
+parameters, several steps with the learning rate changed between steps."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from hemiola._native import C
+from hemiola.tensors import dtype_code
+
+DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16]
+SGD_OPTIONS = [
+    {}, {"momentum": 0.9}, {"momentum": 0.9, "dampening": 0.1},
+    {"momentum": 0.9, "nesterov": True, "weight_decay": 1e-2},
+    {"weight_decay": 1e-2, "maximize": True}, {"momentum": 0.5, "maximize": True},
+]
+ADAM_OPTIONS = [
+    ("adam", {}), ("adam", {"weight_decay": 1e-2}), ("adam", {"amsgrad": True}),
+    ("adamw", {"weight_decay": 0.1}), ("adamw", {"amsgrad": True, "maximize": True}),
+    ("adam", {"betas": (0.8, 0.99), "eps": 1e-6}),
+]
+STEPS = 4
+
+
+def _ulps(dtype: torch.dtype) -> float:
+    """How far apart torch and the engine may end: exact arithmetic is
+    replayed op by op, so only the last bit of a stored value may differ
+    (torch's CPU kernels may contract a multiply-add)."""
+    return {torch.float32: 1e-6, torch.float64: 1e-12, torch.bfloat16: 1e-2,
+            torch.float16: 2e-3}[dtype]
+
+
+def _close(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> None:
+    tol = _ulps(dtype)
+    torch.testing.assert_close(a.double(), b.double(), rtol=tol, atol=tol)
+
+
+def _problem(dtype: torch.dtype, n: int = 257) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    g = torch.Generator().manual_seed(n)
+    param = torch.randn(n, generator=g).to(dtype)
+    grads = [torch.randn(n, generator=g).to(dtype) for _ in range(STEPS)]
+    return param, grads
+
+
+def _lr(step: int) -> float:
+    return 0.1 * 0.5**step  # changed between steps, as a scheduler does
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("options", SGD_OPTIONS, ids=str)
+def test_sgd_matches_torch(options: dict[str, Any], dtype: torch.dtype) -> None:
+    start, grads = _problem(dtype)
+    ref = start.clone().requires_grad_()
+    opt = torch.optim.SGD([ref], lr=_lr(0), **options)
+    mine = start.clone()
+    buf = torch.zeros_like(mine)
+    for step, grad in enumerate(grads):
+        opt.param_groups[0]["lr"] = _lr(step)
+        ref.grad = grad.clone()
+        opt.step()
+        C.optim.sgd_step(
+            param=mine.data_ptr(), shadow=mine.data_ptr(), momentum_buffer=buf.data_ptr(),
+            grad=grad.data_ptr(), numel=mine.numel(), dtype=dtype_code(dtype), device=-1,
+            lr=_lr(step), momentum=options.get("momentum", 0.0),
+            dampening=options.get("dampening", 0.0),
+            weight_decay=options.get("weight_decay", 0.0),
+            nesterov=options.get("nesterov", False), maximize=options.get("maximize", False),
+            first_step=step == 0, commit=True)
+        _close(mine, ref.detach(), dtype)
+    if options.get("momentum"):
+        _close(buf, opt.state[ref]["momentum_buffer"], dtype)
+    assert not torch.equal(mine, start)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("kind,options", ADAM_OPTIONS, ids=str)
+def test_adam_and_adamw_match_torch(kind: str, options: dict[str, Any],
+                                    dtype: torch.dtype) -> None:
+    start, grads = _problem(dtype)
+    ref = start.clone().requires_grad_()
+    cls = torch.optim.AdamW if kind == "adamw" else torch.optim.Adam
+    opt = cls([ref], lr=_lr(0), **options)
+    mine = start.clone()
+    m, v, vmax = (torch.zeros_like(mine) for _ in range(3))
+    betas = options.get("betas", (0.9, 0.999))
+    for step, grad in enumerate(grads):
+        opt.param_groups[0]["lr"] = _lr(step)
+        ref.grad = grad.clone()
+        opt.step()
+        C.optim.adam_step(
+            param=mine.data_ptr(), shadow=mine.data_ptr(), exp_avg=m.data_ptr(),
+            exp_avg_sq=v.data_ptr(), max_exp_avg_sq=vmax.data_ptr(), grad=grad.data_ptr(),
+            numel=mine.numel(), dtype=dtype_code(dtype), device=-1, lr=_lr(step),
+            beta1=betas[0], beta2=betas[1], eps=options.get("eps", 1e-8),
+            weight_decay=opt.param_groups[0]["weight_decay"],
+            decoupled_weight_decay=kind == "adamw", maximize=options.get("maximize", False),
+            amsgrad=options.get("amsgrad", False), step=step + 1, commit=True)
+        _close(mine, ref.detach(), dtype)
+    state = opt.state[ref]
+    _close(m, state["exp_avg"], dtype)
+    _close(v, state["exp_avg_sq"], dtype)
+    if options.get("amsgrad"):
+        _close(vmax, state["max_exp_avg_sq"], dtype)
+
+
+def test_a_step_that_does_not_commit_writes_only_the_live_parameters() -> None:
+    # decoupled's approximate step: from the shadow and the state, into param.
+    shadow, (grad, *_) = _problem(torch.float32)
+    live = torch.full_like(shadow, 7.0)
+    m, v = torch.full_like(shadow, 0.1), torch.full_like(shadow, 0.2)
+    before = [t.clone() for t in (shadow, m, v)]
+    C.optim.adam_step(param=live.data_ptr(), shadow=shadow.data_ptr(), exp_avg=m.data_ptr(),
+                      exp_avg_sq=v.data_ptr(), max_exp_avg_sq=0, grad=grad.data_ptr(),
+                      numel=live.numel(), dtype=dtype_code(torch.float32), device=-1, lr=0.1,
+                      beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0,
+                      decoupled_weight_decay=False, maximize=False, amsgrad=False, step=3,
+                      commit=False)
+    for now, then in zip((shadow, m, v), before):
+        assert torch.equal(now, then)
+    committed = shadow.clone()
+    C.optim.adam_step(param=committed.data_ptr(), shadow=committed.data_ptr(),
+                      exp_avg=m.data_ptr(), exp_avg_sq=v.data_ptr(), max_exp_avg_sq=0,
+                      grad=grad.data_ptr(), numel=live.numel(), dtype=dtype_code(torch.float32),
+                      device=-1, lr=0.1, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0,
+                      decoupled_weight_decay=False, maximize=False, amsgrad=False, step=3,
+                      commit=True)
+    assert torch.equal(live, committed)  # the same values, without committing
+
+
+def test_bad_hyper_parameters_are_refused_like_torch() -> None:
+    t = torch.zeros(4)
+    with pytest.raises(ValueError, match="Nesterov momentum requires a momentum"):
+        C.optim.sgd_step(param=t.data_ptr(), shadow=t.data_ptr(), momentum_buffer=0,
+                         grad=t.data_ptr(), numel=4, dtype=dtype_code(torch.float32), device=-1,
+                         lr=0.1, momentum=0.0, dampening=0.0, weight_decay=0.0, nesterov=True,
+                         maximize=False, first_step=True, commit=True)
+    with pytest.raises(ValueError, match="invalid beta2"):
+        C.optim.adam_step(param=t.data_ptr(), shadow=t.data_ptr(), exp_avg=t.data_ptr(),
+                          exp_avg_sq=t.data_ptr(), max_exp_avg_sq=0, grad=t.data_ptr(), numel=4,
+                          dtype=dtype_code(torch.float32), device=-1, lr=0.1, beta1=0.9,
+                          beta2=1.0, eps=1e-8, weight_decay=0.0, decoupled_weight_decay=False,
+                          maximize=False, amsgrad=False, step=1, commit=True)
