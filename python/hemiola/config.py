@@ -74,6 +74,13 @@ class Config:
             one, instead of applying it. Costs one pass over the gradients
             per iteration. With a GradScaler (``grad_scaler``), overflows skip
             the step instead, as GradScaler does.
+        native_optimizer: ``priority`` and ``decoupled``: step
+            ``torch.optim.SGD``, ``Adam`` and ``AdamW`` with the engine's
+            optimizer (one native call per parameter, on the optimizer's own
+            state) instead of calling the optimizer (CPU parameters,
+            ``in_flight=1``; otherwise, and for other optimizers, torch's step
+            runs, with a one-line warning at wrap time). ``False``: always
+            torch's step.
     """
 
     schedule: str = "wfbp"
@@ -90,6 +97,7 @@ class Config:
     timeline: bool = False
     gpu_backend: str = "auto"
     check_finite: bool = False
+    native_optimizer: bool = True
 
     def __post_init__(self) -> None:
         if self.schedule not in SCHEDULES:

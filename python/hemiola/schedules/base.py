@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import contextlib
 import types
+import warnings
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from hemiola.schedules.gate import ForwardGate
+from hemiola.schedules.native_step import NativeSteps, unsupported
 from hemiola.tensors import UINT8, raise_if_not_finite
 
 if TYPE_CHECKING:
@@ -232,6 +234,8 @@ class DeferredSchedule(Schedule):
         self._members: list[list[int]] = []     # per bucket: its parameters
         # 1 / the GradScaler's scale in the backward being marked
         self._inv_scale: float | None = None
+        # The engine's optimizer, when it can step the user's (wrap_optimizer).
+        self._native: NativeSteps | None = None
         self._buckets_of: list[list[int]] = []  # per parameter: its buckets (pieces)
 
     def refresh_buckets(self) -> None:
@@ -253,11 +257,22 @@ class DeferredSchedule(Schedule):
                 if b in needed:
                     reducer.wait_bucket(iteration, b, stream=self.model._stream())
 
+    def shadow_of(self, index: int) -> torch.Tensor:
+        """The exact copy of parameter `index` a committed step starts from."""
+        return self.model._params[index]
+
     def step_with(self, grads: list[torch.Tensor | None], hyper: list[dict[str, Any]]) -> None:
-        """One step of the user's optimizer, with the hyper-parameters
-        `hyper`, over the parameters that have a gradient in `grads`: the
-        others' gradients are hidden, and torch optimizers skip a parameter
-        without a gradient. ``.grad`` is left as it was."""
+        """One committed step, with the hyper-parameters `hyper`, over the
+        parameters that have a gradient in `grads`: the engine's (see
+        native_step) or the user's optimizer, whose other parameters'
+        gradients are hidden (torch optimizers skip a parameter without a
+        gradient). ``.grad`` is left as it was."""
+        native = self._native
+        if native is not None:
+            for i, g in enumerate(grads):
+                if g is not None:
+                    native.step(i, g, hyper[native.group_of[i]], self.shadow_of(i), commit=True)
+            return
         opt = self._optimizer
         assert opt is not None
         params = self.model._params
@@ -426,6 +441,14 @@ class DeferredSchedule(Schedule):
     def wrap_optimizer(self, optimizer: Any) -> Any:
         self._inner_step = take_over_optimizer(self, optimizer, self.step)
         self._optimizer = optimizer
+        m = self.model
+        if m.config.native_optimizer:
+            reason = unsupported(optimizer, m._params, self.in_flight)
+            if reason is None:
+                self._native = NativeSteps(optimizer, m._params)
+            else:
+                warnings.warn(f"hemiola: schedule={m.config.schedule!r} steps with torch's "
+                              f"optimizer, not the engine's: {reason}", stacklevel=3)
         return optimizer
 
     @property

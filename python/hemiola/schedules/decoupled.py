@@ -107,7 +107,11 @@ class Decoupled(DeferredSchedule):
         everything = list(range(len(self.model._params)))
         if iteration is None:  # no synchronised backward since the last step
             self._advance(everything, must=len(self._pending))
-            self._inner_step()
+            if self._native is not None:
+                self.step_with([p.grad for p in self.model._params],
+                               hyper_parameters(self._optimizer))
+            else:
+                self._inner_step()
             self._commit(everything)
             return
         if not self._members:
@@ -135,7 +139,7 @@ class Decoupled(DeferredSchedule):
         if not overflow:
             with self.model.timeline_recorder.span("compute", f"local step {iteration}",
                                                    "step"):
-                self._inner_step()
+                self._local_step(hyper)
         local = None
         if self.in_flight > 1:
             local = [None if p.grad is None or overflow else p.grad.detach().clone()
@@ -144,6 +148,21 @@ class Decoupled(DeferredSchedule):
                              self.take_clip(iteration), local, self.scaling)
         pending.usage = usage
         self._pending.append(pending)
+
+    def _local_step(self, hyper: list[dict[str, Any]]) -> None:
+        """The approximate step: the exact values stepped with this rank's
+        own gradient, into the live parameters only."""
+        native = self._native
+        if native is None:
+            self._inner_step()  # from the live values, which are the exact ones
+            return
+        for i, p in enumerate(self.model._params):
+            if p.grad is not None:
+                native.step(i, p.grad, hyper[native.group_of[i]], self._shadow_params[i],
+                            commit=False)
+
+    def shadow_of(self, index: int) -> torch.Tensor:
+        return self._shadow_params[index]
 
     def synchronize(self) -> None:
         self._advance(list(range(len(self.model._params))), must=len(self._pending))
@@ -220,8 +239,9 @@ class Decoupled(DeferredSchedule):
                         start)
 
     def _restore(self, indices: list[int]) -> None:
-        """Live parameters and optimizer state `indices` <- the shadow."""
-        opt = self._optimizer
+        """Live parameters and optimizer state `indices` <- the shadow. (With
+        the engine's optimizer the optimizer's state is always the exact one.)"""
+        opt = self._optimizer if self._native is None else None
         params = self.model._params
         with torch.no_grad():
             for i in indices:
@@ -233,7 +253,7 @@ class Decoupled(DeferredSchedule):
     def _commit(self, indices: list[int]) -> None:
         """The live parameters and optimizer state `indices` are exact:
         remember them."""
-        opt = self._optimizer
+        opt = self._optimizer if self._native is None else None
         params = self.model._params
         with torch.no_grad():
             for i in indices:
