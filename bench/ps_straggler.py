@@ -107,10 +107,16 @@ def run_rank(rank: int, world: int, scheme: str, servers: int, delay_s: float,
             time.sleep(delay_s)
         if worker == 0 and own % EVAL_EVERY == 0:
             clock += time.perf_counter() - start
+            # The parameter server's wrapper pulls what this worker trains on
+            # now; an all-reduce model lands what is pending (synchronize()) and is
+            # evaluated through its module, as DDP scripts do on one rank (a
+            # forward of the wrapper may broadcast buffers, a collective).
             model.eval()
+            if not is_ps:
+                wrapped.synchronize()
+            evaluated = wrapped if is_ps else model
             with torch.no_grad():
-                # Through the wrapper's hooks: the parameters this worker trains on now.
-                accuracy = (wrapped(x_test).argmax(1) == y_test).float().mean().item()
+                accuracy = (evaluated(x_test).argmax(1) == y_test).float().mean().item()
             model.train()
             evals.append({"iteration": global_iterations(own), "seconds": clock,
                           "accuracy": accuracy})
