@@ -10,21 +10,10 @@
 #include "cluster/simulator.h"
 #include "cluster/trace.h"
 #include "cluster/workload.h"
+#include "expect_error.h"
 
 namespace hemiola::cluster {
 namespace {
-
-// Runs `fn`, expects std::invalid_argument whose message contains `needle`.
-template <typename Fn>
-void expect_error(Fn fn, const std::string& needle) {
-  try {
-    fn();
-    FAIL() << "no error; expected one containing '" << needle << "'";
-  } catch (const std::invalid_argument& e) {
-    EXPECT_NE(std::string(e.what()).find(needle), std::string::npos)
-        << "message was: " << e.what();
-  }
-}
 
 std::vector<JobSpec> trace(const std::string& text, const TraceOptions& o = {}) {
   std::istringstream in(text);
