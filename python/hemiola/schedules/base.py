@@ -191,13 +191,15 @@ class PendingUpdate:
         self.hyper = hyper  # the hyper-parameters the iteration ran with
         self.unmarked = unmarked  # parameters this rank contributed as zeros
         self.clip = clip  # (max_norm, norm_type) of model.clip_grad_norm_
-        self.coef: torch.Tensor | None = None  # clipping coefficient, once computed
+        #: the norm of the whole reduced gradient (clip's norm type, else 2),
+        #: once computed; and the clipping coefficient derived from it
+        self.norm: torch.Tensor | None = None
+        self.coef: torch.Tensor | None = None
         #: usage counts read before a rebuild of the buckets discarded them
         self.usage: list[int] | None = None
         #: a GradScaler is in use: the update is skipped if any reduced
         #: gradient is not finite (some rank overflowed)
         self.check_finite = check_finite
-        self.finite: bool | None = None  # once checked
 
     @property
     def needs_whole(self) -> bool:
@@ -388,18 +390,15 @@ class DeferredSchedule(Schedule):
         if usage is None and pending.unmarked:
             usage = m._reducer.usage(it)
         used = [usage is None or usage[i] > 0 for i in range(count)]
-        if pending.check_finite and pending.finite is None:  # needs_whole: all arrived
-            # Non-finite iff some rank overflowed: every rank skips alike.
-            total = torch.nn.utils.get_total_norm(
-                [m._reduced(it, i) for i in range(count) if used[i]], 2.0)
-            pending.finite = bool(torch.isfinite(total))
-        if pending.finite is False:
-            return  # GradScaler skips this step
-        if pending.clip is not None and pending.coef is None:  # needs_whole: all arrived
-            max_norm, norm_type = pending.clip
-            total = torch.nn.utils.get_total_norm(
+        if (pending.check_finite or pending.clip) and pending.norm is None:
+            # needs_whole: every bucket has arrived. One norm serves both.
+            norm_type = pending.clip[1] if pending.clip else 2.0
+            pending.norm = torch.nn.utils.get_total_norm(
                 [m._reduced(it, i) for i in range(count) if used[i]], norm_type)
-            pending.coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+            if pending.clip:
+                pending.coef = torch.clamp(pending.clip[0] / (pending.norm + 1e-6), max=1.0)
+        if pending.check_finite and not bool(torch.isfinite(pending.norm)):
+            return  # non-finite iff some rank overflowed: GradScaler skips, on every rank
         if m.config.check_finite and not pending.check_finite:  # (a scaler skips instead)
             raise_if_not_finite([(m._names[i], m._reduced(it, i)) for i in sorted(chosen)
                                  if used[i]], it)
