@@ -3,32 +3,37 @@ all-reduce, on a real task, per iteration and to a target accuracy.
 
     python bench/ps_straggler.py                      # 1x, 2x, 4x straggler, every scheme
     python bench/ps_straggler.py --slowdowns 4 --schemes bsp eager --iterations 100
+    python bench/ps_straggler.py --workers 2 4 --lr 0.05 --seeds 3   # the stability check
 
 Task: ``hemiola.demo.DigitsCNN`` on scikit-learn's digits (bench/tasks.py's
-``digits``: SGD, lr 0.02, momentum 0.9, weight decay 5e-4, 16 samples per
-worker and iteration). 4 workers; the parameter-server schemes (``bsp``,
-``asp``, ``ssp`` with s=2, ``eager``) add `--servers` server processes; the
-all-reduce schedules (``wfbp``, ``decoupled``) use hemiola.wrap on the 4
-workers alone. The last worker is the straggler: after each of its iterations
-it sleeps (k-1) x T, where T is the time per iteration of ``bsp`` without a
-straggler, measured first in the same invocation; so a k-times straggler
-needs k times a normal iteration (a sleep, so it takes no CPU from the others
-on this small machine; slowing it by its own measured time would not do, as
-on 2 cores most of an iteration is waiting for the CPU, not computing).
+``digits``: SGD, lr 0.02 (``--lr``), momentum 0.9 (``--momentum``), weight
+decay 5e-4, 16 samples per worker and iteration). `--workers` workers (4 by
+default); the parameter-server schemes (``bsp``, ``asp``, ``ssp`` with s=2,
+``eager``) add `--servers` server processes; the all-reduce schedules
+(``wfbp``, ``decoupled``) use hemiola.wrap on the workers alone. The last
+worker is the straggler: after each of its iterations it sleeps (k-1) x T,
+where T is the time per iteration of ``bsp`` without a straggler, measured
+first in the same invocation; so a k-times straggler needs k times a normal
+iteration (a sleep, so it takes no CPU from the others on this small machine;
+slowing it by its own measured time would not do, as on 2 cores most of an
+iteration is waiting for the CPU, not computing).
 
-An *iteration* is 4 mini-batches (one per worker): one synchronous step. For
-the asynchronous schemes, iterations = applied pushes / 4, read from the
+An *iteration* is one mini-batch per worker: one synchronous step. For the
+asynchronous schemes, iterations = applied pushes / workers, read from the
 version of the parameters worker 0 receives. Every scheme runs until
 `--iterations` iterations; worker 0 evaluates test accuracy every 5 of its
 own iterations (evaluation time is excluded from its clock). Reported per
 run: time per iteration, iterations and wall time to reach `--target` test
-accuracy (first evaluation at or above it), final accuracy and staleness.
+accuracy (first evaluation at or above it), final accuracy and staleness;
+over seeds, the mean and [min, max].
 
-Targets (issue 5): with a 4x straggler, ``eager`` time per iteration <= 0.5 x
-``bsp``; ``eager`` reaches the target in <= 0.7 x the iterations ``asp`` needs,
-with final accuracy within 0.5 points of ``bsp``.
+Targets (issues 5 and 14): with a 4x straggler, ``eager`` time per iteration
+<= 0.5 x ``bsp``; ``eager`` reaches the target in <= 0.7 x the iterations
+``asp`` needs and in the fewest seconds of all schemes, with final accuracy
+within 0.5 points of ``bsp``; at lr 0.05 with 2 and 4 workers, ``eager``'s
+final accuracy >= ``bsp``'s - 1 point.
 
-Writes bench/results/<--name>.jsonl and docs/images/<--name>.png.
+Writes bench/results/<--name>.jsonl and docs/images/<--name>[_<workers>w].png.
 """
 
 from __future__ import annotations
@@ -53,23 +58,26 @@ from hemiola.launch import run_local
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402 - after choosing the backend
 
-WORKERS = 4
 PS_SCHEMES = ("bsp", "asp", "ssp", "eager")
+#: eager without the local correction of the worker's own push (PSConfig.local_correction)
+UNCORRECTED = "eager-uncorrected"
 ALLREDUCE = ("wfbp", "decoupled")
 EVAL_EVERY = 5
 IMAGES = Path(__file__).resolve().parent.parent / "docs" / "images"
 
 
-def run_rank(rank: int, world: int, scheme: str, servers: int, delay_s: float,
-             iterations: int, seed: int) -> dict[str, Any] | None:
+def run_rank(rank: int, world: int, scheme: str, servers: int, workers: int, delay_s: float,
+             iterations: int, seed: int, lr: float, momentum: float) -> dict[str, Any] | None:
     """One rank of one run (called by run_local)."""
-    task = DigitsTask()
+    task = DigitsTask(lr=lr, momentum=momentum)
     consistency, _, rule = scheme.partition(":")  # e.g. "eager:none" overrides the rule
+    corrected = consistency != UNCORRECTED
+    consistency = "eager" if not corrected else consistency
     is_ps = consistency in PS_SCHEMES
     if is_ps:
         config = hemiola.ps.PSConfig(consistency=consistency, num_servers=servers,
                                      staleness_rule=rule or None, staleness_bound=2,
-                                     timeout_s=120)
+                                     timeout_s=120, local_correction=corrected)
         r = hemiola.ps.role(servers)
         if r.is_server:
             hemiola.ps.serve(config, r)
@@ -86,12 +94,12 @@ def run_rank(rank: int, world: int, scheme: str, servers: int, delay_s: float,
     else:
         wrapped, optimizer = hemiola.wrap(model, optimizer, schedule=scheme, timeout_s=120)
     x_train, y_train, x_test, y_test = task.data
-    mine = torch.arange(worker, len(y_train), WORKERS)
+    mine = torch.arange(worker, len(y_train), workers)
     g = torch.Generator().manual_seed(seed * 100 + worker)
-    straggler = worker == WORKERS - 1
+    straggler = worker == workers - 1
 
     def global_iterations(own: int) -> float:
-        return wrapped.version() / WORKERS if is_ps and consistency != "bsp" else float(own)
+        return wrapped.version() / workers if is_ps and consistency != "bsp" else float(own)
 
     evals: list[dict[str, float]] = []
     clock = 0.0  # training time, evaluation excluded
@@ -130,13 +138,14 @@ def run_rank(rank: int, world: int, scheme: str, servers: int, delay_s: float,
 
 
 def summarize(scheme: str, slowdown: float, seed: int, results: dict[int, Any], target: float,
-              iterations: int) -> dict[str, Any]:
+              lr: float, momentum: float) -> dict[str, Any]:
     workers = sorted((v for v in results.values() if v), key=lambda v: v["worker"])
     w0 = workers[0]
     reached = next((e for e in w0["evals"] if e["accuracy"] >= target), None)
     final = w0["evals"][-1]
     row: dict[str, Any] = {
-        "scheme": scheme, "slowdown": slowdown, "seed": seed, "target": target,
+        "scheme": scheme, "workers": len(workers), "lr": lr, "momentum": momentum,
+        "slowdown": slowdown, "seed": seed, "target": target,
         "iterations": final["iteration"], "seconds": w0["seconds"],
         "ms_per_iteration": 1000 * w0["seconds"] / max(final["iteration"], 1e-9),
         "iterations_to_target": reached["iteration"] if reached else None,
@@ -152,8 +161,9 @@ def summarize(scheme: str, slowdown: float, seed: int, results: dict[int, Any], 
     return row
 
 
-def plot(rows: list[dict[str, Any]], slowdown: float, path: Path) -> None:
-    runs = [r for r in rows if r["slowdown"] == slowdown and r["seed"] == rows[0]["seed"]]
+def plot(rows: list[dict[str, Any]], slowdown: float, workers: int, path: Path) -> None:
+    runs = [r for r in rows if r["slowdown"] == slowdown and r["seed"] == rows[0]["seed"]
+            and r["workers"] == workers]
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
     for r in runs:
         its = [e["iteration"] for e in r["evals"]]
@@ -162,68 +172,95 @@ def plot(rows: list[dict[str, Any]], slowdown: float, path: Path) -> None:
         style = "--" if r["scheme"] in ALLREDUCE else "-"
         left.plot(its, acc, style, label=r["scheme"])
         right.plot(secs, acc, style, label=r["scheme"])
-    for ax, xlabel in ((left, "iterations (4 mini-batches each)"), (right, "seconds")):
+    for ax, xlabel in ((left, f"iterations ({workers} mini-batches each)"),
+                       (right, "seconds")):
         ax.axhline(100 * runs[0]["target"], color="grey", lw=0.8)
         ax.set_xlabel(xlabel)
         ax.set_ylabel("test accuracy (%)")
         ax.set_ylim(50, 100)
         ax.grid(alpha=0.3)
     left.legend()
-    fig.suptitle(f"digits, 4 workers, worker 3 slowed {slowdown:g}x")
+    fig.suptitle(f"digits, {workers} workers, lr {runs[0]['lr']:g}, momentum "
+                 f"{runs[0]['momentum']:g}, worker {workers - 1} slowed {slowdown:g}x")
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
+
+
+def spread(values: list[float], fmt: str) -> str:
+    """'mean [min, max]' of `values` (just the value for one)."""
+    if len(values) == 1:
+        return format(values[0], fmt)
+    return (f"{format(statistics.fmean(values), fmt)} "
+            f"[{format(min(values), fmt)}, {format(max(values), fmt)}]")
+
+
+def print_table(rows: list[dict[str, Any]], args: argparse.Namespace) -> None:
+    for workers in args.workers:
+        t_ref = next(r["t_ref_ms"] for r in rows if r["workers"] == workers)
+        print(f"\n{workers} workers + {args.servers} server(s), digits CNN, lr {args.lr:g}, "
+              f"momentum {args.momentum:g}, target {100 * args.target:.0f}% test accuracy, "
+              f"{args.iterations} iterations, {args.seeds} seed(s): mean [min, max]; "
+              f"straggler delay (k-1) x {t_ref:.1f} ms")
+        print(f"{'slowdown':>8} {'scheme':>10} {'ms/iter':>8} {'reached':>7} "
+              f"{'iters→target':>18} {'s→target':>18} {'final acc %':>20}")
+        for slowdown, scheme in itertools.product(args.slowdowns, args.schemes):
+            runs = [r for r in rows if r["slowdown"] == slowdown and r["scheme"] == scheme
+                    and r["workers"] == workers]
+            hit = [r for r in runs if r["iterations_to_target"] is not None]
+            its = spread([r["iterations_to_target"] for r in hit], ".0f") if hit else "—"
+            secs = spread([r["seconds_to_target"] for r in hit], ".2f") if hit else "—"
+            print(f"{slowdown:>7g}x {scheme:>10} "
+                  f"{statistics.fmean(r['ms_per_iteration'] for r in runs):>8.1f} "
+                  f"{len(hit)}/{len(runs):<5} {its:>18} {secs:>18} "
+                  f"{spread([100 * r['final_accuracy'] for r in runs], '.1f'):>20}")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--schemes", nargs="+", default=list(PS_SCHEMES + ALLREDUCE),
                         help="consistency models and all-reduce schedules; CONSISTENCY:RULE "
-                             "overrides the staleness rule (e.g. eager:none, asp:inverse)")
+                             "overrides the staleness rule (e.g. eager:none, asp:inverse); "
+                             f"{UNCORRECTED}: eager without local correction")
     parser.add_argument("--slowdowns", nargs="+", type=float, default=[1, 2, 4])
+    parser.add_argument("--workers", nargs="+", type=int, default=[4],
+                        help="numbers of workers (the last one is the straggler)")
     parser.add_argument("--servers", type=int, default=1)
     parser.add_argument("--iterations", type=int, default=200)
     parser.add_argument("--target", type=float, default=0.95)
     parser.add_argument("--seeds", type=int, default=1)
+    parser.add_argument("--lr", type=float, default=DigitsTask.lr)
+    parser.add_argument("--momentum", type=float, default=DigitsTask.momentum)
     parser.add_argument("--name", default="ps_straggler", help="name of the result files")
     args = parser.parse_args()
 
-    def run(scheme: str, slowdown: float, seed: int, delay_s: float) -> dict[str, Any]:
-        world = WORKERS + (args.servers if scheme.partition(":")[0] in PS_SCHEMES else 0)
-        results = run_local(run_rank, world, scheme, args.servers, delay_s, args.iterations,
-                            seed, timeout_s=900)
-        return summarize(scheme, slowdown, seed, results, args.target, args.iterations)
+    def run(scheme: str, workers: int, slowdown: float, seed: int, delay_s: float
+            ) -> dict[str, Any]:
+        is_ps = scheme.partition(":")[0] in (*PS_SCHEMES, UNCORRECTED)
+        world = workers + (args.servers if is_ps else 0)
+        results = run_local(run_rank, world, scheme, args.servers, workers, delay_s,
+                            args.iterations, seed, args.lr, args.momentum, timeout_s=900)
+        return summarize(scheme, slowdown, seed, results, args.target, args.lr, args.momentum)
 
-    # T: bsp's time per iteration without a straggler, the unit of the slowdowns.
-    calibration = run("bsp", 1.0, 0, 0.0)
-    t_ref = calibration["ms_per_iteration"] / 1000
-    print(f"T = {1000 * t_ref:.1f} ms per bsp iteration without a straggler")
-    plan = list(itertools.product(range(args.seeds), args.slowdowns, args.schemes))
     rows = []
-    for seed, slowdown, scheme in tqdm(plan, desc="ps straggler", unit="run"):
-        rows.append(run(scheme, slowdown, seed, (slowdown - 1) * t_ref))
-
-    print(f"\n4 workers + {args.servers} server(s), digits CNN, target {100 * args.target:.0f}%"
-          f" test accuracy, {args.iterations} iterations, {args.seeds} seed(s) (mean); "
-          f"straggler delay (k-1) x {1000 * t_ref:.1f} ms")
-    print(f"{'slowdown':>8} {'scheme':>10} {'ms/iter':>8} {'iters→target':>13} "
-          f"{'s→target':>9} {'final acc':>9} {'staleness (mean, per worker)':>30}")
-    for slowdown, scheme in itertools.product(args.slowdowns, args.schemes):
-        runs = [r for r in rows if r["slowdown"] == slowdown and r["scheme"] == scheme]
-
-        def mean(key: str, runs: list[dict[str, Any]] = runs) -> float | None:
-            values = [r[key] for r in runs if r[key] is not None]
-            return statistics.mean(values) if len(values) == len(runs) else None
-
-        its, secs = mean("iterations_to_target"), mean("seconds_to_target")
-        stale = runs[0].get("mean_staleness", "")
-        print(f"{slowdown:>7g}x {scheme:>10} {mean('ms_per_iteration'):>8.1f} "
-              f"{'—' if its is None else f'{its:.0f}':>13} "
-              f"{'—' if secs is None else f'{secs:.2f}':>9} "
-              f"{100 * mean('final_accuracy'):>8.1f}% {str(stale):>30}")
+    for workers in args.workers:
+        # T: bsp's time per iteration without a straggler, the unit of the slowdowns.
+        t_ref = run("bsp", workers, 1.0, 0, 0.0)["ms_per_iteration"] / 1000
+        print(f"{workers} workers: T = {1000 * t_ref:.1f} ms per bsp iteration without a "
+              "straggler")
+        plan = list(itertools.product(range(args.seeds), args.slowdowns, args.schemes))
+        for seed, slowdown, scheme in tqdm(plan, desc=f"ps straggler, {workers} workers",
+                                           unit="run"):
+            row = run(scheme, workers, slowdown, seed, (slowdown - 1) * t_ref)
+            rows.append({**row, "t_ref_ms": 1000 * t_ref})
+    print_table(rows, args)
     path = write_results(args.name, rows)
-    plot(rows, max(args.slowdowns), IMAGES / f"{args.name}.png")
-    print(f"\nwrote {path} and {IMAGES / f'{args.name}.png'}")
+    print(f"\nwrote {path}")
+    for workers in args.workers:
+        suffix = "" if len(args.workers) == 1 else f"_{workers}w"
+        image = IMAGES / f"{args.name}{suffix}.png"
+        plot(rows, max(args.slowdowns), workers, image)
+        print(f"wrote {image}")
 
 
 if __name__ == "__main__":

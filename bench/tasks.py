@@ -339,7 +339,8 @@ def train_rank(rank: int, world: int, task_name: str, schedule: str, seed: int,
             if hasattr(model, "synchronize"):
                 model.synchronize()
             if rank == 0:
-                history.append({"step": step, **_evaluate(model, task)})
+                # seconds: training time so far, evaluations excluded
+                history.append({"step": step, "seconds": seconds, **_evaluate(model, task)})
 
     maybe_evaluate(0)
     step, epoch = 0, 0

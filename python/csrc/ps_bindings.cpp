@@ -104,7 +104,8 @@ void bind_ps(py::module_& parent) {
                        const std::string& optimizer, int64_t partition_elems, double timeout_s,
                        const std::vector<std::string>& names, const std::vector<int64_t>& numels,
                        std::shared_ptr<Store> store, const std::string& iface,
-                       const std::string& master_addr, const std::string& token) {
+                       const std::string& master_addr, const std::string& token,
+                       bool local_correction) {
              ClientOptions o;
              o.worker_index = worker_index;
              o.num_workers = num_workers;
@@ -120,6 +121,7 @@ void bind_ps(py::module_& parent) {
              o.iface = iface;
              o.master_addr = master_addr;
              o.token = token;
+             o.local_correction = local_correction;
              py::gil_scoped_release release;
              return std::make_unique<Client>(o, names, numels, std::move(store));
            }),
@@ -127,7 +129,7 @@ void bind_ps(py::module_& parent) {
            py::arg("consistency"), py::arg("staleness_rule"), py::arg("optimizer"),
            py::arg("partition_elems"), py::arg("timeout_s"), py::arg("names"), py::arg("numels"),
            py::arg("store"), py::arg("iface") = "", py::arg("master_addr") = "",
-           py::arg("token") = "")
+           py::arg("token") = "", py::arg("local_correction") = true)
       .def("shards", [](const Client& c) {
         py::list out;
         for (const auto& s : c.shards())

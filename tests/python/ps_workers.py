@@ -79,14 +79,17 @@ def wfbp_train(rank: int, world: int, model_name: str, opt_name: str, steps: int
     return {n: p.detach().clone() for n, p in m.named_parameters()}
 
 
-def scheduled_staleness(rank: int, world: int, consistency: str) -> dict[str, Any] | None:
+def scheduled_staleness(rank: int, world: int, consistency: str, local_correction: bool
+                        ) -> dict[str, Any] | None:
     """Two workers, one server. Worker 1 runs its forward on version 0, then
     waits (through the store) until worker 0 has had 3 pushes applied before
     its backward pushes: its gradient must be reported with tau = 3. Worker 0
     pulls after its own push in asp (taus 0, 0, 0); in eager it pulls before
-    its own push lands, so the schedule gives it taus 0, 1, 1."""
+    its own push lands, so the schedule gives it taus 0, 1, 1, unless it
+    corrects locally for its own push (then 0, 0, 0)."""
 
-    config = hemiola.ps.PSConfig(consistency=consistency, num_servers=1, timeout_s=30)
+    config = hemiola.ps.PSConfig(consistency=consistency, num_servers=1, timeout_s=30,
+                                 local_correction=local_correction)
     served = server_or_none(config)
     if served is not None:
         return served

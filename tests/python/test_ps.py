@@ -39,9 +39,15 @@ def test_bsp_equals_wfbp_allreduce(servers: int, workers: int, model: str, opt: 
     assert all(s["rejected"] == 0 for s in served)
 
 
-@pytest.mark.parametrize("consistency,w0_taus", [("asp", [0, 0, 0]), ("eager", [0, 1, 1])])
-def test_staleness_matches_the_push_schedule(consistency: str, w0_taus: list[int]) -> None:
-    results = run_local(ps_workers.scheduled_staleness, 3, consistency)
+@pytest.mark.parametrize("consistency,correction,w0_taus", [
+    ("asp", True, [0, 0, 0]),
+    ("eager", False, [0, 1, 1]),
+    # the own push is in the corrected value: only other workers' pushes count
+    ("eager", True, [0, 0, 0]),
+])
+def test_staleness_matches_the_push_schedule(consistency: str, correction: bool,
+                                             w0_taus: list[int]) -> None:
+    results = run_local(ps_workers.scheduled_staleness, 3, consistency, correction)
     w0, w1 = _workers(results)
     for key in (0, 1):  # weight and bias
         taus = [r["staleness"] for r in w0["records"] if r["key"] == key]
@@ -51,6 +57,39 @@ def test_staleness_matches_the_push_schedule(consistency: str, w0_taus: list[int
         expected_factor = 0.25 if consistency == "eager" else 1.0  # eager: lr/(1+tau)
         assert late["lr_factor"] == pytest.approx(expected_factor)
     assert w1["staleness"]["max"] == 3
+
+
+def _one_worker(consistency: str, correction: bool, opt: str, steps: int = 6) -> dict:
+    options = {"consistency": consistency, "num_servers": 1, "timeout_s": 60,
+               "local_correction": correction}
+    [w] = _workers(run_local(ps_workers.train, 2, options, "mlp", opt, steps))
+    return w
+
+
+def test_eager_local_correction_puts_the_own_push_into_the_next_forward() -> None:
+    """One worker: an eager pull never holds the worker's own last push. With
+    plain SGD the local correction applies exactly the step the server takes,
+    so eager trains as bsp does; without it every forward is one step behind."""
+    bsp = _one_worker("bsp", True, "plain_sgd")
+    corrected = _one_worker("eager", True, "plain_sgd")
+    stale = _one_worker("eager", False, "plain_sgd")
+    torch.testing.assert_close(corrected["losses"], bsp["losses"], rtol=1e-5, atol=1e-6)
+    for name, p in bsp["params"].items():  # synchronize() gives the servers' exact values
+        torch.testing.assert_close(corrected["params"][name], p, rtol=1e-5, atol=1e-6)
+    assert all(r["staleness"] == 0 for r in corrected["records"])
+    assert {r["staleness"] for r in stale["records"]} == {0, 1}
+    gaps = [abs(a - b) for a, b in zip(stale["losses"][2:], bsp["losses"][2:])]
+    assert min(gaps) > 1e-4, gaps  # the check above can fail: the stale run differs
+
+
+def test_eager_local_correction_with_adamw_tracks_bsp_closer() -> None:
+    """AdamW: the worker approximates the server's second moment with its own,
+    so the correction is not exact, but it must bring eager nearer to bsp."""
+    bsp = _one_worker("bsp", True, "adamw", steps=8)["losses"]
+    corrected = _one_worker("eager", True, "adamw", steps=8)["losses"]
+    stale = _one_worker("eager", False, "adamw", steps=8)["losses"]
+    distance = lambda run: sum(abs(a - b) for a, b in zip(run, bsp))  # noqa: E731
+    assert distance(corrected) < 0.5 * distance(stale), (bsp, corrected, stale)
 
 
 def test_async_modes_train(tmp_path: object) -> None:

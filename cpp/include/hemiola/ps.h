@@ -150,6 +150,13 @@ struct ClientOptions {
   std::string hostname;
   std::string master_addr;
   std::string token;  // the job token the servers expect (see ServerOptions::token)
+  // eager only: a pulled value that lacks this worker's own newest push (the
+  // pull was requested before it) gets that push's step applied locally, so
+  // the next forward contains the worker's own last gradient; the push after
+  // it then declares it was computed on the version that includes it, so the
+  // staleness rule counts only other workers' updates. The servers' state
+  // (parameters, momentum, moments) is untouched by it.
+  bool local_correction = true;
 };
 
 // One applied push, as the server reported it.

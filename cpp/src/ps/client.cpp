@@ -5,6 +5,7 @@
 // memory that a running forward or backward may be reading.
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <condition_variable>
 #include <cstring>
 #include <deque>
@@ -32,6 +33,18 @@ struct KeyState {
   int64_t used_version = 0;     // version the caller last took (gradients are computed on it)
   int64_t min_next = 0;         // bsp: the version the next pull must wait for (0: none yet)
   int64_t unacked = 0;          // pushes not yet acknowledged
+  // Local correction (eager). Invariant: `own` holds the gradient of the
+  // newest push, and `pushes_since_request` counts the pushes sent after the
+  // newest pull request. A connection delivers in order and an eager server
+  // answers a pull on receipt, so a reply contains exactly the pushes sent
+  // before its request.
+  std::vector<float> own;
+  bool own_is_gradient = false;
+  int64_t pushes_since_request = 0;
+  std::vector<float> own_sq;   // Adam: a running second moment of this worker's gradients
+  int64_t own_pushes = 0;      // Adam: gradient pushes (bias correction of own_sq)
+  double last_factor = 1.0;    // the staleness factor of the newest acknowledged push
+  bool corrected = false;      // the value taken last had the own push applied locally
 };
 
 }  // namespace
@@ -184,6 +197,7 @@ struct Client::Impl {
       outstanding -= 1;
       keys[static_cast<size_t>(h.key)].unacked -= 1;
       if (!(h.flags & kFlagNoGradient)) {  // a push without gradient has no staleness
+        keys[static_cast<size_t>(h.key)].last_factor = h.factor;
         const auto& shard = shards[static_cast<size_t>(h.key)];
         const PushRecord r{shard.tensor, shard.key, h.version, h.aux, h.aux - h.version,
                            h.factor};
@@ -265,7 +279,61 @@ struct Client::Impl {
         if (!grad) version = round;
         k.min_next = round + 1;
       }
+      if (opt.consistency == Consistency::kEager && opt.local_correction) {
+        // The value the gradient was computed on already held this worker's
+        // previous push, which the server applied before this one arrives.
+        if (k.corrected) version += 1;
+        remember_own(k, tensor, grad ? grad + shard.begin : nullptr);
+      }
       send(shard, type, version, std::move(payload), tensor);
+    }
+  }
+
+  void remember_own(KeyState& k, int tensor, const float* grad) {
+    k.pushes_since_request += 1;
+    k.own_is_gradient = grad != nullptr;
+    if (!grad) return;
+    const auto n = k.staging.size();
+    k.own.assign(grad, grad + n);
+    if (opt.optimizer == OptimizerKind::kSgd) return;
+    const auto beta2 = static_cast<float>(hyper[static_cast<size_t>(tensor)].beta2);
+    if (k.own_sq.size() != n) k.own_sq.assign(n, 0.0f);
+    for (size_t i = 0; i < n; ++i)
+      k.own_sq[i] = beta2 * k.own_sq[i] + (1.0f - beta2) * grad[i] * grad[i];
+    k.own_pushes += 1;
+  }
+
+  // Lock held. Applies to `dst` (a pulled value at `version`) the part of
+  // this worker's newest push that is its own: the step its gradient alone
+  // takes, at the staleness factor its previous push got. What the servers'
+  // momentum or moments add is the other workers' (and the past's) share.
+  void correct_locally(KeyState& k, int tensor, int64_t version, float* dst) const {
+    const Hyper& h = hyper[static_cast<size_t>(tensor)];
+    const auto lr = static_cast<float>(h.lr * k.last_factor);
+    const auto wd = static_cast<float>(h.weight_decay);
+    const auto n = k.own.size();
+    if (opt.optimizer == OptimizerKind::kSgd) {
+      // buf' = momentum * buf + (1 - dampening) * (g + wd * w); the own share
+      // of the step is lr times the second term (and once more, times
+      // momentum, with Nesterov).
+      const auto own = static_cast<float>((1.0 - h.dampening) *
+                                          (h.nesterov ? 1.0 + h.momentum : 1.0));
+      for (size_t i = 0; i < n; ++i) dst[i] -= lr * own * (k.own[i] + wd * dst[i]);
+      return;
+    }
+    // Adam: the own share of m' is (1 - beta1) * g; the denominator comes
+    // from this worker's own gradients, the servers' v being out of reach.
+    const double step = static_cast<double>(version + 1);
+    const auto m_scale = static_cast<float>((1.0 - h.beta1) / (1.0 - std::pow(h.beta1, step)));
+    const auto v_scale = static_cast<float>(
+        1.0 / (1.0 - std::pow(h.beta2, static_cast<double>(std::max<int64_t>(1, k.own_pushes)))));
+    const auto eps = static_cast<float>(h.eps);
+    const bool adamw = opt.optimizer == OptimizerKind::kAdamW;
+    for (size_t i = 0; i < n; ++i) {
+      const float g = adamw ? k.own[i] : k.own[i] + wd * dst[i];
+      const float denom = std::sqrt(k.own_sq[i] * v_scale) + eps;
+      if (adamw) dst[i] *= 1.0f - lr * wd;
+      dst[i] -= lr * m_scale * g / denom;
     }
   }
 };
@@ -362,6 +430,7 @@ void Client::pull(int tensor) {
   for (int32_t id : ids) {
     auto& k = im.keys[static_cast<size_t>(id)];
     k.requested += 1;
+    k.pushes_since_request = 0;
     im.send(im.shards[static_cast<size_t>(id)], MessageType::kPull, k.min_next, {}, -1);
   }
 }
@@ -392,6 +461,11 @@ void Client::wait_pull(int tensor, float* dst) {
                            ") from ", im.server_name(shard.server)));
     std::memcpy(dst + shard.begin, k.staging.data(), k.staging.size() * sizeof(float));
     k.used_version = k.arrived_version;
+    // Exactly one push since the request: the reply lacks just that one. (A
+    // reply requested after every push, as in synchronize(), is exact.)
+    k.corrected = im.opt.consistency == Consistency::kEager && im.opt.local_correction &&
+                  k.pushes_since_request == 1 && k.own_is_gradient;
+    if (k.corrected) im.correct_locally(k, tensor, k.used_version, dst + shard.begin);
   }
 }
 

@@ -35,6 +35,12 @@ class PSConfig:
         snapshot_dir: where servers write snapshots (``server-<i>.snap``).
         snapshot_every_s: > 0: servers also snapshot periodically.
         restore: servers start from the snapshots in `snapshot_dir`.
+        local_correction: ``eager`` only: a pulled value that lacks this
+            worker's own newest push (the pull was requested before it) gets
+            that push's own step applied on the worker, so the next forward
+            contains the worker's own last gradient and the staleness rule
+            counts only other workers' updates. The servers' parameters and
+            optimizer state are untouched by it. On by default.
         check_finite: servers refuse a gradient holding NaN or infinity and
             name the parameter (``bsp`` fails the job; asynchronous modes
             reject that push and fail its worker). On by default.
@@ -54,6 +60,7 @@ class PSConfig:
     snapshot_every_s: float = 0.0
     restore: bool = False
     check_finite: bool = True
+    local_correction: bool = True
 
     def __post_init__(self) -> None:
         if self.consistency not in CONSISTENCIES:

@@ -84,7 +84,8 @@ class ParameterServerModel(nn.Module):
             staleness_rule=config.rule, optimizer=self._kind,
             partition_elems=config.partition_elems, timeout_s=config.timeout_s,
             names=self._names, numels=[p.numel() for p in self._params], store=store,
-            iface=iface, master_addr=master, token=job_token())
+            iface=iface, master_addr=master, token=job_token(),
+            local_correction=config.local_correction)
         self._hypers = [_hyper(g) for g in optimizer.param_groups]
         initial = [p.data_ptr() for p in self._params] if worker.worker_index == 0 else []
         self._client.initialize(
@@ -265,6 +266,12 @@ class ParameterServerModel(nn.Module):
         """Waits for every push to be applied and every requested pull to land in
         the parameters."""
         self._client.flush()
+        if self.config.consistency == "eager":
+            # An eager pull was answered before this worker's last push: ask
+            # again, now that every push is applied, for the exact values.
+            for i in range(len(self._params)):
+                if self._pending[i]:
+                    self._client.pull(i)
         for i in range(len(self._params)):
             self._take_pull(i)
 
