@@ -3,6 +3,7 @@ trained to the end with each schedule, compared with ``wfbp``.
 
     python bench/convergence.py                          # every schedule, 2 tasks, 3 seeds, 4 ranks
     python bench/convergence.py --schedules wfbp --seeds 1 --steps 20   # a quick check
+    python bench/convergence.py --tasks shapes,shapes-adamw          # the ResNet image tasks
 
 For every task x seed x schedule it runs `--world-size` local CPU ranks
 (``hemiola.launch.run_local``), each training on its own shard of every
@@ -23,11 +24,12 @@ import dataclasses
 import itertools
 import statistics
 import time
+from collections.abc import Callable
 from typing import Any
 
 import matplotlib
 from common import RESULTS, write_results
-from tasks import HEADLINE, TASKS, VARIANTS, RankResult, corpus_info, train_rank
+from tasks import HEADLINE, TASKS, VARIANTS, RankResult, corpus_info, shapes_info, train_rank
 from tqdm import tqdm
 
 from hemiola.config import SCHEDULES
@@ -39,6 +41,9 @@ import matplotlib.pyplot as plt  # noqa: E402 - after choosing the backend
 BASELINE = "wfbp"
 ACCURACY_POINTS = 0.5  # a schedule may lose at most this many accuracy points
 LOSS_RELATIVE = 0.05  # and its losses may be at most this much higher
+#: where a task's data came from, for the results file
+DATA_INFO: dict[str, Callable[[], dict[str, Any]]] = {
+    "lm": corpus_info, "shapes": shapes_info, "shapes-adamw": shapes_info}
 
 
 def final_train_loss(results: dict[int, RankResult]) -> float:
@@ -82,7 +87,8 @@ def run_one(task: str, schedule: str, seed: int, world: int, epochs: int | None,
 
 def metrics_of(task: str) -> list[str]:
     """The final metrics summarised for `task`, headline first."""
-    return {"digits": ["test_accuracy", "test_loss", "final_train_loss"],
+    image = ["test_accuracy", "test_loss", "final_train_loss"]
+    return {"digits": image, "shapes": image, "shapes-adamw": image,
             "lm": ["heldout_loss", "heldout_perplexity", "final_train_loss"]}[task]
 
 
@@ -212,7 +218,8 @@ def print_table(summaries: list[dict[str, Any]]) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--tasks", default="digits,lm", help="comma-separated: digits,lm")
+    parser.add_argument("--tasks", default="digits,lm",
+                        help=f"comma-separated, of {', '.join(TASKS)} (default digits,lm)")
     parser.add_argument("--schedules", default=",".join([*SCHEDULES, *VARIANTS]),
                         help="comma-separated (default: all of "
                              f"{', '.join([*SCHEDULES, *VARIANTS])})")
@@ -255,7 +262,7 @@ def main() -> None:
         hyper = {f.name: getattr(TASKS[t], f.name) for f in fields if f.repr}
         setup.append({"bench": "convergence", "row": "task", "task": t, **hyper,
                       "epochs_override": args.epochs, "steps_override": args.steps,
-                      **(corpus_info() if t == "lm" else {})})
+                      **(DATA_INFO[t]() if t in DATA_INFO else {})})
     print_table(summaries)
     print(f"\nwrote {write_results(args.name, setup + runs + summaries)}")
     for t in tasks:

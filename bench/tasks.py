@@ -1,8 +1,8 @@
 """The tasks of the convergence benchmark (bench/convergence.py), and the
 function each rank runs.
 
-Two small real tasks, each with fixed hyper-parameters that are the same for
-every schedule:
+Small tasks, each with fixed hyper-parameters that are the same for every
+schedule:
 
 - ``digits``: scikit-learn's digits (1,797 8x8 images, fixed 80/20 split), a
   CNN with BatchNorm (``hemiola.demo.DigitsCNN``), SGD with momentum and weight
@@ -12,6 +12,11 @@ every schedule:
   on the text of Python's own language reference as shipped in the standard
   library (``pydoc_data.topics``: ~466 KB, no download). Metrics: held-out loss
   (nats per byte) and perplexity, final train loss.
+- ``shapes`` and ``shapes-adamw``: a small ResNet (BasicBlocks, BatchNorm) on
+  a structured synthetic image task (``load_shapes``: 10 kinds of shape in
+  random colours, positions and sizes, a low-contrast distractor, pixel noise;
+  fixed 6,000/1,500 split), with SGD with momentum, resp. AdamW, both with
+  warmup and cosine decay. Metrics: test accuracy, test loss, final train loss.
 
 A rank trains on its own shard of each epoch's shuffled samples: every epoch
 is a permutation seeded by (seed, epoch), identical on every rank, of which
@@ -24,6 +29,7 @@ from __future__ import annotations
 import hashlib
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -55,6 +61,105 @@ def corpus_info() -> dict[str, Any]:
     data = load_corpus()
     return {"corpus": "pydoc_data.topics", "python": sys.version.split()[0],
             "corpus_bytes": len(data), "corpus_sha256": hashlib.sha256(data).hexdigest()[:16]}
+
+
+# ---- the synthetic images ---------------------------------------------------
+
+#: The classes of ``load_shapes``: each is inside/outside in the shape's own
+#: frame (u to the right, v downwards; a shape spans about [-1, 1]^2).
+SHAPES: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
+    "disc": lambda u, v: u * u + v * v <= 1.0,
+    "square": lambda u, v: torch.maximum(u.abs(), v.abs()) <= 0.8,
+    "triangle": lambda u, v: (v <= 0.75) & (u.abs() <= 0.55 * (v + 0.95)),
+    "plus": lambda u, v: (((u.abs() <= 0.28) | (v.abs() <= 0.28))
+                          & (torch.maximum(u.abs(), v.abs()) <= 0.95)),
+    "ring": lambda u, v: (u * u + v * v <= 1.0) & (u * u + v * v >= 0.3),
+    "horizontal bar": lambda u, v: (u.abs() <= 1.0) & (v.abs() <= 0.32),
+    "vertical bar": lambda u, v: (u.abs() <= 0.32) & (v.abs() <= 1.0),
+    "diamond": lambda u, v: u.abs() + v.abs() <= 1.05,
+    "L": lambda u, v: (((u >= -0.8) & (u <= -0.3) & (v.abs() <= 0.9))
+                       | ((v >= 0.4) & (v <= 0.9) & (u.abs() <= 0.8))),
+    "X": lambda u, v: ((((u - v).abs() <= 0.38) | ((u + v).abs() <= 0.38))
+                       & (torch.maximum(u.abs(), v.abs()) <= 0.85)),
+}
+
+
+def draw_shapes(kinds: torch.Tensor, cx: torch.Tensor, cy: torch.Tensor, size: torch.Tensor,
+                angle: torch.Tensor, res: int) -> torch.Tensor:
+    """Masks (n, 1, res, res) of one shape per image: kind (an index into
+    ``SHAPES``), centre in pixels, half-width in pixels, rotation in radians."""
+    n = len(kinds)
+    grid = torch.arange(res, dtype=torch.float32) + 0.5
+    x = grid.view(1, 1, res) - cx.view(n, 1, 1)
+    y = grid.view(1, res, 1) - cy.view(n, 1, 1)
+    cos, sin, scale = angle.cos().view(n, 1, 1), angle.sin().view(n, 1, 1), size.view(n, 1, 1)
+    u, v = (cos * x + sin * y) / scale, (cos * y - sin * x) / scale
+    masks = torch.zeros(n, res, res, dtype=torch.bool)
+    for kind, inside in enumerate(SHAPES.values()):
+        mine = kinds == kind
+        masks[mine] = inside(u[mine], v[mine])
+    return masks.unsqueeze(1).float()
+
+
+def offset_colours(background: torch.Tensor, low: float, high: float,
+                   g: torch.Generator) -> torch.Tensor:
+    """For each RGB colour in `background` (n, 3), in [0, 1], a random colour at a
+    distance drawn from [low, high] (less where a channel is clipped)."""
+    direction = torch.randn(background.shape, generator=g)
+    # away from the nearer end of each channel, so that little is clipped
+    direction = (-direction.abs() * torch.sign(background - 0.5)
+                 / direction.norm(dim=1, keepdim=True))
+    distance = low + (high - low) * torch.rand(len(background), 1, generator=g)
+    return (background + distance * direction).clamp(0.0, 1.0)
+
+
+def load_shapes(train: int = 6000, test: int = 1500, res: int = 24, noise: float = 0.2,
+                sizes: tuple[float, float] = (3.5, 7.5), faint: tuple[float, float] = (0.1, 0.2),
+                seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A synthetic 10-class image task: which of ``SHAPES`` is in the picture.
+
+    Each RGB image (3 x res x res) holds one shape of its class (half-width
+    drawn from `sizes`, in pixels; rotated by up to 0.3 rad; inside the image)
+    in a random foreground colour on a random background colour (RGB distance
+    0.3-0.7), over a smaller low-contrast distractor of a random kind
+    (half-width 2-4.5 pixels, RGB distance from the background drawn from
+    `faint`, any rotation, anywhere, possibly clipped), plus Gaussian pixel
+    noise of std `noise`. Each image is then standardised per channel, so that
+    neither colour nor brightness carries information about the class.
+    Deterministic in `seed`; returns x_train, y_train, x_test, y_test.
+    """
+    g = torch.Generator().manual_seed(seed)
+    n = train + test
+
+    def uniform(low: float | torch.Tensor, high: float | torch.Tensor) -> torch.Tensor:
+        return low + (high - low) * torch.rand(n, generator=g)
+
+    y = torch.randint(len(SHAPES), (n,), generator=g)
+    size = uniform(*sizes)
+    margin = size  # a shape turned by <= 0.3 rad spans about +-1.05 of its size
+    shape = draw_shapes(y, uniform(margin, res - margin), uniform(margin, res - margin),
+                        size, uniform(-0.3, 0.3), res)
+    distractor = draw_shapes(torch.randint(len(SHAPES), (n,), generator=g), uniform(0, res),
+                             uniform(0, res), uniform(2.0, 4.5), uniform(-math.pi, math.pi), res)
+    background = torch.rand(n, 3, generator=g)
+    foreground = offset_colours(background, 0.3, 0.7, g).view(n, 3, 1, 1)
+    faint_colour = offset_colours(background, *faint, g).view(n, 3, 1, 1)
+    x = torch.lerp(background.view(n, 3, 1, 1).expand(n, 3, res, res), faint_colour, distractor)
+    x = torch.lerp(x, foreground, shape)
+    x = x + noise * torch.randn(n, 3, res, res, generator=g)
+    x = (x - x.mean((2, 3), keepdim=True)) / (x.std((2, 3), keepdim=True) + 0.05)
+    return x[:train], y[:train], x[train:], y[train:]
+
+
+def shapes_info() -> dict[str, Any]:
+    """A fingerprint of ``load_shapes()``, for the results file (it depends on
+    torch's random number generators)."""
+    x_train, y_train, x_test, y_test = load_shapes()
+    digest = hashlib.sha256()
+    for t in (x_train, y_train, x_test, y_test):
+        digest.update(t.numpy().tobytes())
+    return {"data": "load_shapes()", "torch": torch.__version__,
+            "data_sha256": digest.hexdigest()[:16]}
 
 
 # ---- models -----------------------------------------------------------------
@@ -99,6 +204,48 @@ class ByteLM(nn.Module):
         return F.linear(self.norm(self.blocks(h)), self.embed.weight)
 
 
+class BasicBlock(nn.Module):
+    """A ResNet basic block: two 3x3 convolutions with BatchNorm, plus the input
+    (through a strided 1x1 convolution with BatchNorm where the shape changes)."""
+
+    def __init__(self, channels_in: int, channels: int, stride: int) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(channels_in, channels, 3, stride, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(channels)
+        self.conv2 = nn.Conv2d(channels, channels, 3, 1, 1, bias=False)
+        self.bn2 = nn.BatchNorm2d(channels)
+        self.shortcut: nn.Module = nn.Identity()
+        if stride != 1 or channels_in != channels:
+            self.shortcut = nn.Sequential(nn.Conv2d(channels_in, channels, 1, stride, bias=False),
+                                          nn.BatchNorm2d(channels))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = F.relu(self.bn1(self.conv1(x)))
+        return F.relu(self.bn2(self.conv2(h)) + self.shortcut(x))
+
+
+class SmallResNet(nn.Module):
+    """A CIFAR-style ResNet: a 3x3 stem, stages of ``BasicBlock``s (the first
+    block of every stage but the first halves the resolution), global average
+    pooling, a linear classifier."""
+
+    def __init__(self, widths: tuple[int, ...], blocks: int, classes: int) -> None:
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(3, widths[0], 3, 1, 1, bias=False),
+                                  nn.BatchNorm2d(widths[0]), nn.ReLU())
+        layers, channels = [], widths[0]
+        for stage, width in enumerate(widths):
+            for block in range(blocks):
+                stride = 2 if stage > 0 and block == 0 else 1
+                layers.append(BasicBlock(channels, width, stride))
+                channels = width
+        self.stages = nn.Sequential(*layers)
+        self.head = nn.Linear(channels, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.stages(self.stem(x)).mean((2, 3)))
+
+
 # ---- tasks ------------------------------------------------------------------
 
 
@@ -135,6 +282,30 @@ class Task:
     def steps_per_epoch(self, world: int) -> int:
         x, _ = self.epoch_samples(0, 0)
         return len(x) // (self.batch_size * world)
+
+
+def decay_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
+    """Parameter groups with weight decay on matrices, embeddings and convolution
+    kernels, none on biases and norms."""
+    params = list(model.parameters())
+    return [{"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
+            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+
+
+def warmup_cosine(optimizer: torch.optim.Optimizer, total_steps: int, warmup_fraction: float,
+                  min_lr_fraction: float) -> torch.optim.lr_scheduler.LRScheduler:
+    """Linear warmup over `warmup_fraction` of the steps, then cosine decay to
+    `min_lr_fraction` of the learning rate at `total_steps`."""
+    warmup = max(1, int(warmup_fraction * total_steps))
+
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        progress = min(1.0, (step - warmup) / max(1, total_steps - warmup))
+        cosine = 0.5 * (1 + math.cos(math.pi * progress))
+        return min_lr_fraction + (1 - min_lr_fraction) * cosine
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
 @dataclass
@@ -208,24 +379,12 @@ class LMTask(Task):
         return ByteLM(self.dim, self.layers, self.heads, self.context)
 
     def optimizer(self, model: nn.Module) -> torch.optim.Optimizer:
-        params = list(model.parameters())
-        groups = [{"params": [p for p in params if p.dim() >= 2],
-                   "weight_decay": self.weight_decay},
-                  {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
-        return torch.optim.AdamW(groups, lr=self.lr, betas=self.betas)
+        return torch.optim.AdamW(decay_groups(model, self.weight_decay), lr=self.lr,
+                                 betas=self.betas)
 
     def lr_scheduler(self, optimizer: torch.optim.Optimizer,
                      total_steps: int) -> torch.optim.lr_scheduler.LRScheduler:
-        warmup = max(1, int(self.warmup_fraction * total_steps))
-
-        def factor(step: int) -> float:
-            if step < warmup:
-                return (step + 1) / warmup
-            progress = min(1.0, (step - warmup) / max(1, total_steps - warmup))
-            cosine = 0.5 * (1 + math.cos(math.pi * progress))
-            return self.min_lr_fraction + (1 - self.min_lr_fraction) * cosine
-
-        return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+        return warmup_cosine(optimizer, total_steps, self.warmup_fraction, self.min_lr_fraction)
 
     def windows(self, data: torch.Tensor, offset: int) -> torch.Tensor:
         """Windows of ``context + 1`` bytes starting at offset, offset + context, ..."""
@@ -253,7 +412,76 @@ class LMTask(Task):
                 "heldout_bits_per_byte": loss / math.log(2)}
 
 
-TASKS: dict[str, type[Task]] = {"digits": DigitsTask, "lm": LMTask}
+@dataclass
+class ShapesBase(Task):
+    """``SmallResNet`` on ``load_shapes()`` with warmup + cosine decay; the
+    subclasses choose the optimizer.
+
+    The 6,000/1,500 split is fixed (``load_shapes(seed=0)``) whatever the run's
+    seed.
+    """
+
+    name: str = "shapes"
+    epochs: int = 10
+    batch_size: int = 32
+    widths: tuple[int, ...] = (16, 32, 64)
+    blocks: int = 1  # per stage
+    warmup_fraction: float = 0.05
+    min_lr_fraction: float = 0.0
+    data: tuple[torch.Tensor, ...] = field(default_factory=lambda: load_shapes(seed=0),
+                                           repr=False)
+
+    def model(self) -> nn.Module:
+        return SmallResNet(self.widths, self.blocks, len(SHAPES))
+
+    def lr_scheduler(self, optimizer: torch.optim.Optimizer,
+                     total_steps: int) -> torch.optim.lr_scheduler.LRScheduler:
+        return warmup_cosine(optimizer, total_steps, self.warmup_fraction, self.min_lr_fraction)
+
+    def epoch_samples(self, seed: int, epoch: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.data[0], self.data[1]
+
+    def loss(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(model(x), y)
+
+    def evaluate(self, model: nn.Module) -> dict[str, float]:
+        x_test, y_test = self.data[2], self.data[3]
+        logits = model(x_test)
+        return {"test_accuracy": (logits.argmax(1) == y_test).float().mean().item(),
+                "test_loss": F.cross_entropy(logits, y_test).item()}
+
+
+@dataclass
+class ShapesTask(ShapesBase):
+    """``ShapesBase`` with SGD with momentum; weight decay on every parameter."""
+
+    name: str = "shapes"
+    lr: float = 0.05
+    momentum: float = 0.9
+    weight_decay: float = 5e-4
+
+    def optimizer(self, model: nn.Module) -> torch.optim.Optimizer:
+        return torch.optim.SGD(model.parameters(), lr=self.lr, momentum=self.momentum,
+                               weight_decay=self.weight_decay)
+
+
+@dataclass
+class ShapesAdamWTask(ShapesBase):
+    """``ShapesBase`` with AdamW; decoupled weight decay on convolution kernels
+    and the classifier's matrix, none on biases and BatchNorm."""
+
+    name: str = "shapes-adamw"
+    lr: float = 2e-3
+    betas: tuple[float, float] = (0.9, 0.999)
+    weight_decay: float = 0.05
+
+    def optimizer(self, model: nn.Module) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(decay_groups(model, self.weight_decay), lr=self.lr,
+                                 betas=self.betas)
+
+
+TASKS: dict[str, type[Task]] = {"digits": DigitsTask, "lm": LMTask, "shapes": ShapesTask,
+                                "shapes-adamw": ShapesAdamWTask}
 
 
 
@@ -267,7 +495,9 @@ class Headline:
 
 
 HEADLINE: dict[str, Headline] = {"digits": Headline("test_accuracy", True, 0.97),
-                                 "lm": Headline("heldout_loss", False, 2.1)}
+                                 "lm": Headline("heldout_loss", False, 2.1),
+                                 "shapes": Headline("test_accuracy", True, 0.85),
+                                 "shapes-adamw": Headline("test_accuracy", True, 0.85)}
 
 
 # ---- one rank's run ---------------------------------------------------------
