@@ -59,6 +59,16 @@ def test_staleness_matches_the_push_schedule(consistency: str, correction: bool,
     assert w1["staleness"]["max"] == 3
 
 
+def test_staleness_rules() -> None:
+    from hemiola._native import C
+
+    assert [C.ps.staleness_factor("inverse", t) for t in (0, 1, 3)] == [1.0, 0.5, 0.25]
+    assert [C.ps.staleness_factor("zhang", t) for t in (0, 1, 4)] == [1.0, 1.0, 0.25]
+    assert C.ps.staleness_factor("none", 100) == 1.0
+    with pytest.raises(Exception, match="choose one of"):
+        C.ps.staleness_factor("sometimes", 1)
+
+
 def _one_worker(consistency: str, correction: bool, opt: str, steps: int = 6) -> dict:
     options = {"consistency": consistency, "num_servers": 1, "timeout_s": 60,
                "local_correction": correction}
