@@ -39,6 +39,7 @@ struct KeyState {
   // answers a pull on receipt, so a reply contains exactly the pushes sent
   // before its request.
   std::vector<float> own;
+  Hyper own_hyper;  // the hyper-parameters the push carried (the server steps with them)
   bool own_is_gradient = false;
   int64_t pushes_since_request = 0;
   std::vector<float> own_sq;   // Adam: a running second moment of this worker's gradients
@@ -295,8 +296,9 @@ struct Client::Impl {
     if (!grad) return;
     const auto n = k.staging.size();
     k.own.assign(grad, grad + n);
+    k.own_hyper = hyper[static_cast<size_t>(tensor)];
     if (opt.optimizer == OptimizerKind::kSgd) return;
-    const auto beta2 = static_cast<float>(hyper[static_cast<size_t>(tensor)].beta2);
+    const auto beta2 = static_cast<float>(k.own_hyper.beta2);
     if (k.own_sq.size() != n) k.own_sq.assign(n, 0.0f);
     for (size_t i = 0; i < n; ++i)
       k.own_sq[i] = beta2 * k.own_sq[i] + (1.0f - beta2) * grad[i] * grad[i];
@@ -307,8 +309,8 @@ struct Client::Impl {
   // this worker's newest push that is its own: the step its gradient alone
   // takes, at the staleness factor its previous push got. What the servers'
   // momentum or moments add is the other workers' (and the past's) share.
-  void correct_locally(KeyState& k, int tensor, int64_t version, float* dst) const {
-    const Hyper& h = hyper[static_cast<size_t>(tensor)];
+  void correct_locally(const KeyState& k, int64_t version, float* dst) const {
+    const Hyper& h = k.own_hyper;
     const auto lr = static_cast<float>(h.lr * k.last_factor);
     const auto wd = static_cast<float>(h.weight_decay);
     const auto n = k.own.size();
@@ -465,7 +467,7 @@ void Client::wait_pull(int tensor, float* dst) {
     // reply requested after every push, as in synchronize(), is exact.)
     k.corrected = im.opt.consistency == Consistency::kEager && im.opt.local_correction &&
                   k.pushes_since_request == 1 && k.own_is_gradient;
-    if (k.corrected) im.correct_locally(k, tensor, k.used_version, dst + shard.begin);
+    if (k.corrected) im.correct_locally(k, k.used_version, dst + shard.begin);
   }
 }
 
