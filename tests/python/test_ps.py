@@ -54,8 +54,7 @@ def test_staleness_matches_the_push_schedule(consistency: str, correction: bool,
         assert taus == w0_taus
         [late] = [r for r in w1["records"] if r["key"] == key]
         assert (late["computed_on"], late["applied_at"], late["staleness"]) == (0, 3, 3)
-        expected_factor = 0.25 if consistency == "eager" else 1.0  # eager: lr/(1+tau)
-        assert late["lr_factor"] == pytest.approx(expected_factor)
+        assert late["lr_factor"] == pytest.approx(0.25)  # the default rule: lr/(1+tau)
     assert w1["staleness"]["max"] == 3
 
 
