@@ -284,6 +284,26 @@ class Task:
         return len(x) // (self.batch_size * world)
 
 
+class ImageClassification(Task):
+    """A task on a fixed split ``self.data`` = (x_train, y_train, x_test,
+    y_test): every epoch is the whole training set, cross-entropy loss, test
+    accuracy and loss held out."""
+
+    data: tuple[torch.Tensor, ...]
+
+    def epoch_samples(self, seed: int, epoch: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.data[0], self.data[1]
+
+    def loss(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(model(x), y)
+
+    def evaluate(self, model: nn.Module) -> dict[str, float]:
+        x_test, y_test = self.data[2], self.data[3]
+        logits = model(x_test)
+        return {"test_accuracy": (logits.argmax(1) == y_test).float().mean().item(),
+                "test_loss": F.cross_entropy(logits, y_test).item()}
+
+
 def decay_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
     """Parameter groups with weight decay on matrices, embeddings and convolution
     kernels, none on biases and norms."""
@@ -309,7 +329,7 @@ def warmup_cosine(optimizer: torch.optim.Optimizer, total_steps: int, warmup_fra
 
 
 @dataclass
-class DigitsTask(Task):
+class DigitsTask(ImageClassification):
     """``hemiola.demo.DigitsCNN`` on scikit-learn's digits, SGD with momentum.
 
     The 80/20 split is fixed (``load_digits(seed=0)``) whatever the run's seed.
@@ -330,18 +350,6 @@ class DigitsTask(Task):
     def optimizer(self, model: nn.Module) -> torch.optim.Optimizer:
         return torch.optim.SGD(model.parameters(), lr=self.lr, momentum=self.momentum,
                                weight_decay=self.weight_decay)
-
-    def epoch_samples(self, seed: int, epoch: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.data[0], self.data[1]
-
-    def loss(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        return F.cross_entropy(model(x), y)
-
-    def evaluate(self, model: nn.Module) -> dict[str, float]:
-        x_test, y_test = self.data[2], self.data[3]
-        logits = model(x_test)
-        return {"test_accuracy": (logits.argmax(1) == y_test).float().mean().item(),
-                "test_loss": F.cross_entropy(logits, y_test).item()}
 
 
 @dataclass
@@ -413,7 +421,7 @@ class LMTask(Task):
 
 
 @dataclass
-class ShapesBase(Task):
+class ShapesBase(ImageClassification):
     """``SmallResNet`` on ``load_shapes()`` with warmup + cosine decay; the
     subclasses choose the optimizer.
 
@@ -437,18 +445,6 @@ class ShapesBase(Task):
     def lr_scheduler(self, optimizer: torch.optim.Optimizer,
                      total_steps: int) -> torch.optim.lr_scheduler.LRScheduler:
         return warmup_cosine(optimizer, total_steps, self.warmup_fraction, self.min_lr_fraction)
-
-    def epoch_samples(self, seed: int, epoch: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.data[0], self.data[1]
-
-    def loss(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        return F.cross_entropy(model(x), y)
-
-    def evaluate(self, model: nn.Module) -> dict[str, float]:
-        x_test, y_test = self.data[2], self.data[3]
-        logits = model(x_test)
-        return {"test_accuracy": (logits.argmax(1) == y_test).float().mean().item(),
-                "test_loss": F.cross_entropy(logits, y_test).item()}
 
 
 @dataclass
