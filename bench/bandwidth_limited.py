@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 from common import RESULTS, median, write_results
-from netlab import Network
+from netlab import Network, parse_result, print_result
 from torch import nn
 from wfbp_vs_ddp import _iterations
 from wfbp_vs_ddp import make_model as make_wfbp_model
@@ -50,7 +50,6 @@ MODELS = {
     "mlp": "4.2M-parameter MLP (16.8 MB of gradients): communication ~ computation at 1 Gbit/s",
     "cnn": "0.39M-parameter CNN (1.6 MB of gradients): computation dominates",
 }
-RESULT_TAG = "RESULT "
 
 
 def make_model(name: str, mlp_batch: int) -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
@@ -144,8 +143,7 @@ def run_model(net: Network, model: str, rate: str, args: argparse.Namespace,
               "timeline": timeline}
     result = net.run_ranks([sys.executable, __file__, "--worker", json.dumps(config)], port,
                            args.timeout_s)[0]
-    lines = [line for line in result.splitlines() if line.startswith(RESULT_TAG)]
-    return dict(json.loads(lines[-1][len(RESULT_TAG):]))
+    return dict(parse_result(result))
 
 
 def summarise(rate: str, model: str, world: int, schedules: list[str], iterations: int,
@@ -230,7 +228,7 @@ def main() -> None:
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker is not None:
-        print(RESULT_TAG + json.dumps(worker(json.loads(args.worker))), flush=True)
+        print_result(worker(json.loads(args.worker)))
         import torch.distributed as dist
 
         dist.destroy_process_group()  # torch's Gloo thread must not outlive the interpreter

@@ -20,6 +20,7 @@ iproute2's ``ip`` and ``tc``.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -28,6 +29,7 @@ import time
 import uuid
 from collections.abc import Mapping, Sequence
 from types import TracebackType
+from typing import Any
 
 PREFIX = "hemiola-bench-"
 SUBNET = "10.233.0"  # a private /24; rank i has SUBNET.(i + 1)
@@ -201,3 +203,20 @@ def leftovers() -> list[str]:
     """Namespaces named ``hemiola-bench-*`` that exist now (for checks after cleanup)."""
     out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     return [line.split()[0] for line in out.splitlines() if line.startswith(PREFIX)]
+
+
+#: How a rank reports its result on stdout: the tag, then one line of JSON.
+RESULT_TAG = "RESULT "
+
+
+def print_result(result: Any) -> None:
+    """Reports `result` (JSON-able) from inside a rank (see :func:`parse_result`)."""
+    print(RESULT_TAG + json.dumps(result), flush=True)
+
+
+def parse_result(output: str) -> Any:
+    """The last result a rank reported in `output` (one of ``run_ranks``' outputs)."""
+    lines = [line for line in output.splitlines() if line.startswith(RESULT_TAG)]
+    if not lines:
+        raise RuntimeError(f"the rank reported no result; its output ends:\n{output[-4000:]}")
+    return json.loads(lines[-1][len(RESULT_TAG):])

@@ -34,9 +34,8 @@ from typing import Any
 import torch
 from bandwidth_limited import MLP_BATCH, make_model
 from common import median, write_results
-from netlab import Network
+from netlab import Network, parse_result, print_result
 
-RESULT_TAG = "RESULT "
 SCHEMES = ("bsp", "asp", "eager")
 
 
@@ -87,8 +86,7 @@ def run_job(net: Network, scheme: str, args: argparse.Namespace, port: int) -> d
     outputs = net.run_ranks([sys.executable, __file__, "--rank", json.dumps(config)], port,
                             args.timeout_s)
     text = outputs[args.servers]  # worker 0
-    lines = [line for line in text.splitlines() if line.startswith(RESULT_TAG)]
-    return dict(json.loads(lines[-1][len(RESULT_TAG):]))
+    return dict(parse_result(text))
 
 
 def main() -> None:
@@ -103,7 +101,7 @@ def main() -> None:
     parser.add_argument("--rank", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.rank is not None:
-        print(RESULT_TAG + json.dumps(rank_main(json.loads(args.rank))), flush=True)
+        print_result(rank_main(json.loads(args.rank)))
         return
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     os.environ.pop("TORCHELASTIC_USE_AGENT_STORE", None)  # rank 0 hosts the store

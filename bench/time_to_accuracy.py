@@ -31,14 +31,13 @@ from typing import Any
 
 import matplotlib
 from common import RESULTS, write_results
-from netlab import Network
+from netlab import Network, parse_result, print_result
 from tasks import HEADLINE, TASKS, VARIANTS
 from tqdm import tqdm
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402 - after choosing the backend
 
-RESULT_TAG = "RESULT "
 BASELINE = "wfbp"
 
 
@@ -148,7 +147,7 @@ def main() -> None:
     if args.worker is not None:
         result = worker(json.loads(args.worker))
         if int(os.environ["RANK"]) == 0:
-            print(RESULT_TAG + json.dumps(result), flush=True)
+            print_result(result)
         return
     schedules = [s for s in args.schedules.split(",") if s]
     if schedules[0] != BASELINE:
@@ -172,8 +171,7 @@ def main() -> None:
                       "steps": args.steps, "evals": args.evals}
             out = net.run_ranks([sys.executable, __file__, "--worker", json.dumps(config)],
                                 port=29500 + k % 500, timeout_s=args.timeout_s)[0]
-            line = [x for x in out.splitlines() if x.startswith(RESULT_TAG)][-1]
-            result = json.loads(line[len(RESULT_TAG):])
+            result = parse_result(out)
             if schedule == BASELINE:
                 target = result["evals"][-1][HEADLINE[task].metric]
             runs.append({"bench": "time_to_accuracy", "row": "run", "task": task,
