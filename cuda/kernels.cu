@@ -253,7 +253,7 @@ struct SgdArgs {
   float momentum;
   float one_minus_dampening;
   float weight_decay;
-  float sign;  // -1 under maximize
+  float sign;  // the gradient's factor: grad_scale, negated under maximize
   bool nesterov;
   bool first_step;
 };
@@ -331,7 +331,7 @@ struct AdamArgs {
   float one_minus_beta2;
   float coupled_decay;     // Adam: added to the gradient (times w); 0 for AdamW
   float decoupled_factor;  // AdamW: 1 - lr * weight_decay; 1 for Adam
-  float sign;              // -1 under maximize
+  float sign;              // the gradient's factor: grad_scale, negated under maximize
 };
 
 // torch's lerp (at::lerp): exact at both ends, the form chosen by the weight.
@@ -441,7 +441,7 @@ void sgd_step(const SgdTensors& tensors, std::int64_t numel, DType dtype, const 
                      static_cast<float>(hyper.momentum),
                      static_cast<float>(1.0 - hyper.dampening),
                      static_cast<float>(hyper.weight_decay),
-                     hyper.maximize ? -1.0f : 1.0f,
+                     static_cast<float>(hyper.maximize ? -hyper.grad_scale : hyper.grad_scale),
                      hyper.nesterov,
                      hyper.first_step};
   dispatch_floating(dtype, /*with_double=*/false, "sgd", [&](auto tag) {
@@ -496,7 +496,7 @@ void adam_step(const AdamTensors& tensors, std::int64_t numel, DType dtype,
       static_cast<float>(1.0 - hyper.beta2),
       decoupled ? 0.0f : static_cast<float>(hyper.weight_decay),
       decoupled ? static_cast<float>(1.0 - hyper.lr * hyper.weight_decay) : 1.0f,
-      hyper.maximize ? -1.0f : 1.0f};
+      static_cast<float>(hyper.maximize ? -hyper.grad_scale : hyper.grad_scale)};
   dispatch_floating(dtype, /*with_double=*/false, "adam", [&](auto tag) {
     using T = typename decltype(tag)::type;
     if (numel == 0) return;

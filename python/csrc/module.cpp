@@ -24,6 +24,8 @@ PYBIND11_MODULE(_C, m) {
         PyErr_SetString(timeout_type, e.what());
       } else if (e.code() == hemiola::ErrorCode::kInvalidArgument) {
         PyErr_SetString(PyExc_ValueError, e.what());
+      } else if (e.code() == hemiola::ErrorCode::kNotFinite) {
+        PyErr_SetString(PyExc_FloatingPointError, e.what());
       } else {
         PyErr_SetString(base.ptr(), e.what());
       }
@@ -39,6 +41,7 @@ PYBIND11_MODULE(_C, m) {
   hemiola::python::bind_cluster(m);
   hemiola::python::bind_ps(m);
   hemiola::python::bind_optim(m);
+  hemiola::python::bind_updater(m);
 #if HEMIOLA_CUDA_ENABLED
   hemiola::python::bind_cuda(m);
 #endif

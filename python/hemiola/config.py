@@ -74,13 +74,13 @@ class Config:
             one, instead of applying it. Costs one pass over the gradients
             per iteration. With a GradScaler (``grad_scaler``), overflows skip
             the step instead, as GradScaler does.
-        native_optimizer: ``priority`` and ``decoupled``: step
-            ``torch.optim.SGD``, ``Adam`` and ``AdamW`` with the engine's
-            optimizer (one native call per parameter, on the optimizer's own
-            state) instead of calling the optimizer (CPU parameters,
-            ``in_flight=1``; otherwise, and for other optimizers, torch's step
-            runs, with a one-line warning at wrap time). ``False``: always
-            torch's step.
+        native_optimizer: ``priority`` and ``decoupled``: the engine lands
+            the updates and steps ``torch.optim.SGD``, ``Adam`` and ``AdamW``
+            itself (on the optimizer's own state tensors; no Python work per
+            parameter), for CPU parameters with ``in_flight=1``. Otherwise,
+            and for other optimizers, updates land through torch's step,
+            with a one-line warning at wrap time. ``False``: always torch's
+            step.
     """
 
     schedule: str = "wfbp"

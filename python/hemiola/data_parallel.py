@@ -39,7 +39,7 @@ class DataParallel(nn.Module):
     """
 
     def __init__(self, module: nn.Module, config: Config, engine: C.Engine, store: C.Store,
-                 grad_scaler: torch.amp.GradScaler | None = None):
+                 grad_scaler: torch.amp.GradScaler | None = None, optimizer: Any = None):
         super().__init__()
         if grad_scaler is not None and not isinstance(grad_scaler, torch.amp.GradScaler):
             raise TypeError(f"grad_scaler must be a torch.amp.GradScaler, got "
@@ -63,7 +63,7 @@ class DataParallel(nn.Module):
         #: outlives a rebuild of the reducer's buckets
         self.gather_all_results = False
         self._gathered_iterations: set[int] = set()
-        self._schedule: Schedule = make_schedule(config.schedule, self)
+        self._schedule: Schedule = make_schedule(config.schedule, self, optimizer)
         # Checkpoints are exact however they are taken (model.state_dict(),
         # model.module.state_dict(), a reference to the module kept from
         # before): pending updates land first; a load replaces them.

@@ -48,7 +48,7 @@ def wrap(
     _refuse_double_wrapping(model, optimizer)
     engine, store = new_engine(config.timeout_s, timeline=config.timeline,
                                gpu_backend=config.gpu_backend)
-    wrapped = DataParallel(model, config, engine, store, grad_scaler)
+    wrapped = DataParallel(model, config, engine, store, grad_scaler, optimizer)
     optimizer = wrapped._schedule.wrap_optimizer(optimizer)
     # Plain attributes, outside nn.Module's registries (no state_dict entry).
     object.__setattr__(model, WRAPPED_MARK, True)

@@ -10,11 +10,12 @@ from hemiola.schedules.gate import ForwardGate
 from models import TinyTransformerLM
 
 
-def _gate(model: nn.Module) -> tuple[ForwardGate, list[list[int]], dict[str, int]]:
+def _gate(model: nn.Module) -> tuple[ForwardGate, list[tuple[int, list[int]]], dict[str, int]]:
     params = [p for p in model.parameters() if p.requires_grad]
     index = {n: i for i, (n, _) in enumerate(model.named_parameters())}
-    calls: list[list[int]] = []
-    return ForwardGate(model, params, calls.append), calls, index
+    calls: list[tuple[int, list[int]]] = []
+    return ForwardGate(model, params, lambda lander, indices: calls.append((lander, indices))), \
+        calls, index
 
 
 def test_landing_points_follow_the_first_read_not_the_module_tree() -> None:
@@ -33,15 +34,15 @@ def test_landing_points_follow_the_first_read_not_the_module_tree() -> None:
     assert gate.lander[index["blocks.layers.1.linear2.weight"]] is model.blocks.layers[1].linear2
 
     # From then on each landing point asks for its parameters before its
-    # forward, every parameter once per forward, and reads are tracked.
+    # forward, by its lander number, every parameter once per forward.
     calls.clear()
     with gate.scope():
         model(tokens)
-    landed = sorted(i for call in calls for i in call)
+    landed = sorted(i for _, indices in calls for i in indices)
     assert landed == list(range(len(index)))
-    assert gate.unread(list(range(len(index)))) == []
-    gate.clear_reads()
-    assert gate.unread([0, 1]) == [0, 1]
+    assert all(gate.landers[lander] == indices for lander, indices in calls)
+    assert gate.landers[0] == list(range(len(index)))  # lander 0: everything
+    assert sorted(lander for lander, _ in calls) == list(range(1, len(gate.landers)))
 
 
 def test_parameters_not_read_in_the_first_forward_land_at_its_start() -> None:
@@ -68,4 +69,4 @@ def test_no_learning_without_gradients() -> None:
     with torch.no_grad(), gate.scope():
         model(torch.randn(1, 3))
     assert all(m is model for m in gate.lander.values())  # not learnt: the root
-    assert calls == [[0, 1]]  # until learnt, the root lands everything
+    assert calls == [(0, [0, 1])]  # until learnt, the root lands everything (lander 0)

@@ -11,6 +11,7 @@
 #include "hemiola/status.h"
 #include "hemiola/store.h"
 #include "hemiola/tensor.h"
+#include "hemiola/updater.h"
 
 namespace hemiola {
 // One line per feature: what this build compiled in, and why not.

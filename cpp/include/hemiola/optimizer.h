@@ -37,6 +37,9 @@ struct SgdHyper {
   // True on the step that creates the momentum buffer (torch: buf = d_p);
   // the buffer's old contents are then not read.
   bool first_step = false;
+  // The gradient is scaled by this first (clip_grad_norm_'s coefficient),
+  // rounded to the dtype as torch's `grad * coef` is.
+  double grad_scale = 1.0;
 };
 
 struct SgdTensors {
@@ -48,7 +51,7 @@ struct SgdTensors {
 };
 
 // One torch.optim.SGD step:
-//   g = ±grad + weight_decay * shadow
+//   g = ±(grad * grad_scale) + weight_decay * shadow
 //   buf' = first_step ? g : momentum * buf + (1 - dampening) * g
 //   d = momentum == 0 ? g : nesterov ? g + momentum * buf' : buf'
 //   param = shadow - lr * d;   when committing also shadow = param, buf = buf'.
@@ -69,6 +72,7 @@ struct AdamHyper {
   bool maximize = false;
   bool amsgrad = false;                 // the CPU only; the GPU refuses it
   std::int64_t step = 1;  // the step being taken, counted from 1 (bias correction)
+  double grad_scale = 1.0;  // as SgdHyper::grad_scale
 };
 
 struct AdamTensors {
@@ -81,7 +85,7 @@ struct AdamTensors {
 };
 
 // One torch.optim.Adam (or AdamW) step, with torch's formulas:
-//   g = ±grad (+ weight_decay * shadow for Adam)
+//   g = ±(grad * grad_scale) (+ weight_decay * shadow for Adam)
 //   w = shadow (* (1 - lr * weight_decay) for AdamW)
 //   m' = lerp(m, g, 1 - beta1);  v' = beta2 * v + (1 - beta2) * g * g
 //   v^ = amsgrad ? max(vmax, v') : v'   (when committing with amsgrad, vmax = v^)

@@ -99,6 +99,9 @@ class HEMIOLA_API Reducer {
   // The current plan: bucket b holds (pieces of) tensors buckets()[b], in pack
   // order; a partitioned tensor appears in several buckets.
   std::vector<std::vector<size_t>> buckets() const;
+  // How many pieces tensor `index` is cut into by the current plan (1: it is
+  // whole, and result() can return it).
+  size_t pieces(size_t index) const;
   // Order in which tensors became ready in the first recorded iteration.
   std::vector<size_t> observed_order() const;
   // Collective: every rank adopts rank 0's observed order and rebuilds its

@@ -17,6 +17,7 @@ enum class ErrorCode : int {
   kCommFailure = 3,      // the transport failed (a peer died, a socket broke)
   kAborted = 4,          // the operation was cancelled (see the message for why)
   kInternal = 5,         // a bug in hemiola
+  kNotFinite = 6,        // a value that must be finite holds NaN or infinity
 };
 
 class HEMIOLA_API Error : public std::runtime_error {

@@ -595,6 +595,11 @@ std::vector<int> ReducerImpl::usage(uint64_t iteration) const {
   return out;
 }
 
+size_t ReducerImpl::pieces(size_t index) const {
+  HEMIOLA_CHECK(index < specs_.size(), "gradient index ", index, " is out of range");
+  return placement_[index].size();
+}
+
 std::vector<std::vector<size_t>> ReducerImpl::buckets() const {
   std::vector<std::vector<size_t>> out;
   for (const auto& bucket : plan_) {
@@ -695,6 +700,7 @@ TensorRef Reducer::result(uint64_t iteration, size_t index) const {
 std::vector<int> Reducer::usage(uint64_t iteration) const { return impl_->usage(iteration); }
 std::vector<std::vector<size_t>> Reducer::buckets() const { return impl_->buckets(); }
 std::vector<size_t> Reducer::observed_order() const { return impl_->observed_order(); }
+size_t Reducer::pieces(size_t index) const { return impl_->pieces(index); }
 void Reducer::rebuild_from_observed_order() { impl_->rebuild_from_observed_order(); }
 void Reducer::rebuild(const std::vector<size_t>& order) { impl_->rebuild(order); }
 uint64_t Reducer::iterations_started() const { return impl_->iterations_started(); }

@@ -53,6 +53,7 @@ class ReducerImpl {
   void abort(const std::string& reason);
   TensorRef result(uint64_t iteration, size_t index) const;
   std::vector<int> usage(uint64_t iteration) const;
+  size_t pieces(size_t index) const;
   std::vector<std::vector<size_t>> buckets() const;
   std::vector<size_t> observed_order() const;
   void rebuild_from_observed_order();

@@ -13,6 +13,7 @@ const char* error_code_name(ErrorCode code) {
     case ErrorCode::kCommFailure: return "communication failure";
     case ErrorCode::kAborted: return "aborted";
     case ErrorCode::kInternal: return "internal error";
+    case ErrorCode::kNotFinite: return "not finite";
   }
   return "unknown error";
 }

@@ -82,9 +82,12 @@ HEMIOLA_INLINE void sgd(const SgdTensors& t, std::int64_t n, const SgdHyper& h, 
   const M keep = C::alpha(1.0 - h.dampening);
   const M neg_lr = C::alpha(-h.lr);
   const bool momentum = h.momentum != 0.0;
+  const bool scaled = h.grad_scale != 1.0;
+  const M scale = static_cast<M>(static_cast<float>(h.grad_scale));  // a float32 coefficient
   for (std::int64_t i = 0; i < n; ++i) {
     const M w = C::load(shadow[i]);
     M g = C::load(grad[i]);
+    if (scaled) g = C::round(g * scale);  // grad * coef
     if (h.maximize) g = -g;
     if (wd != M(0)) g = C::round(std::fma(wd, w, g));  // grad.add(param, alpha=wd)
     M d = g;
@@ -122,9 +125,12 @@ HEMIOLA_INLINE void adam(const AdamTensors& t, std::int64_t n, const AdamHyper& 
   const M beta2 = static_cast<M>(h.beta2);
   const M one_minus_beta2 = static_cast<M>(1.0 - h.beta2);
   const M eps = static_cast<M>(h.eps);
+  const bool scaled = h.grad_scale != 1.0;
+  const M scale = static_cast<M>(static_cast<float>(h.grad_scale));  // a float32 coefficient
   for (std::int64_t i = 0; i < n; ++i) {
     M w = C::load(shadow[i]);
     M g = C::load(grad[i]);
+    if (scaled) g = C::round(g * scale);  // grad * coef
     if (h.maximize) g = -g;
     if (h.weight_decay != 0.0) {
       if (h.decoupled_weight_decay) {

@@ -11,15 +11,20 @@
   own gradient); the exact step lands as soon as it has arrived and no forward
   still needs the approximate value, at the latest in ``optimizer.step()``.
 
-``gate`` learns where in the forward each parameter must be up to date.
+``gate`` learns where in the forward each parameter must be up to date;
+``native`` runs ``priority`` and ``decoupled`` in the engine (its updater
+lands the updates and steps SGD / Adam / AdamW); ``torch_update`` is their
+fallback through torch's optimizer.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import warnings
+from typing import TYPE_CHECKING, Any
 
 from hemiola.schedules.base import Schedule
 from hemiola.schedules.decoupled import Decoupled
+from hemiola.schedules.native import NativeUpdate, unsupported
 from hemiola.schedules.priority import Priority
 from hemiola.schedules.wfbp import Wfbp
 
@@ -31,8 +36,19 @@ _SCHEDULES: dict[str, type[Schedule]] = {
 }
 
 
-def make_schedule(name: str, model: DataParallel) -> Schedule:
+def make_schedule(name: str, model: DataParallel, optimizer: Any) -> Schedule:
+    """The schedule `name` for `model`, trained by `optimizer`: for
+    ``priority`` and ``decoupled``, run by the engine where it can step the
+    optimizer, else through torch's step (saying why, once)."""
+    if name != "wfbp" and model.config.native_optimizer:
+        in_flight = model.config.in_flight if name == "decoupled" else 1
+        reason = unsupported(optimizer, model._params, in_flight)
+        if reason is None:
+            return NativeUpdate(model, optimizer)
+        if optimizer is not None and model._params:
+            warnings.warn(f"hemiola: schedule={name!r} steps with torch's optimizer, not the "
+                          f"engine's: {reason}", stacklevel=4)
     return _SCHEDULES[name](model)
 
 
-__all__ = ["Decoupled", "Priority", "Schedule", "Wfbp", "make_schedule"]
+__all__ = ["Decoupled", "NativeUpdate", "Priority", "Schedule", "Wfbp", "make_schedule"]

@@ -5,15 +5,13 @@ from __future__ import annotations
 
 import contextlib
 import types
-import warnings
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from hemiola.schedules.gate import ForwardGate
-from hemiola.schedules.native_step import NativeSteps, unsupported
-from hemiola.tensors import UINT8, raise_if_not_finite
+from hemiola.tensors import UINT8
 
 if TYPE_CHECKING:
     from hemiola.data_parallel import DataParallel
@@ -72,6 +70,11 @@ class Schedule:
     def parameters_replaced(self) -> None:
         """The parameters were overwritten (load_state_dict)."""
 
+    def optimizer_state_dict(self, inner: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+        """The taken-over optimizer's ``state_dict()``, made by `inner`
+        (torch's own) once everything pending has landed."""
+        return inner()
+
 
 def hyper_parameters(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
     """A snapshot of every param group's hyper-parameters (lr, momentum, ...)."""
@@ -128,7 +131,7 @@ def take_over_optimizer(schedule: Schedule, optimizer: Any, step: Callable[[], N
 
     def state_dict(opt: torch.optim.Optimizer) -> dict[str, Any]:
         schedule.synchronize()  # the exact state
-        return inner_state_dict()
+        return schedule.optimizer_state_dict(inner_state_dict)
 
     def load_state_dict(opt: torch.optim.Optimizer, state: dict[str, Any]) -> None:
         schedule.synchronize()
@@ -181,39 +184,14 @@ class BufferBroadcast:
                 offset += nbytes
 
 
-class PendingUpdate:
-    """An iteration whose reduced gradients have not been applied to every
-    parameter yet."""
-
-    def __init__(self, iteration: int, hyper: list[dict[str, Any]], unmarked: list[int] | None,
-                 clip: tuple[float, float] | None, check_finite: bool = False) -> None:
-        self.iteration = iteration
-        self.hyper = hyper  # the hyper-parameters the iteration ran with
-        self.unmarked = unmarked  # parameters this rank contributed as zeros
-        self.clip = clip  # (max_norm, norm_type) of model.clip_grad_norm_
-        #: the norm of the whole reduced gradient (clip's norm type, else 2),
-        #: once computed; and the clipping coefficient derived from it
-        self.norm: torch.Tensor | None = None
-        self.coef: torch.Tensor | None = None
-        #: usage counts read before a rebuild of the buckets discarded them
-        self.usage: list[int] | None = None
-        #: a GradScaler is in use: the update is skipped if any reduced
-        #: gradient is not finite (some rank overflowed)
-        self.check_finite = check_finite
-
-    @property
-    def needs_whole(self) -> bool:
-        """Usage counts (unused parameters) and the clipping norm exist only
-        once the whole iteration is reduced."""
-        return bool(self.unmarked) or self.clip is not None or self.check_finite
-
-
 class DeferredSchedule(Schedule):
     """Base of the schedules whose ``backward()`` does not wait (``priority``,
     ``decoupled``): gradients are copied into the engine and their results
     stay there (``.grad`` keeps the local gradient), buffers follow rank 0's
     asynchronously, and ``optimizer.step()`` is taken over so that updates
-    are applied when the reductions arrive."""
+    are applied when the reductions arrive. Where they land is learnt by the
+    forward gate; what lands is the subclass's: the engine's updater
+    (``native``) or torch's optimizer (``torch_update``)."""
 
     in_flight = 1
 
@@ -226,78 +204,15 @@ class DeferredSchedule(Schedule):
         self._unmarked: dict[int, list[int]] = {}
         self._rebuilt = not model.config.rebuild_buckets
         self._buffers = BufferBroadcast(model)
-        self._gate = ForwardGate(model.module, model._params, self.land_before_forward)
+        self._gate = ForwardGate(model.module, model._params, self.land, self.landers_learnt)
         # The local gradients as backward left them (object, version), to
         # catch code that edits .grad before optimizer.step(): that edit would
         # not reach the reduced gradient the update uses.
         self._grads_seen: list[tuple[int, int]] | None = None
         #: per iteration: (max_norm, norm_type) of model.clip_grad_norm_
         self._clip: dict[int, tuple[float, float]] = {}
-        self._members: list[list[int]] = []     # per bucket: its parameters
         # 1 / the GradScaler's scale in the backward being marked
         self._inv_scale: float | None = None
-        # The engine's optimizer, when it can step the user's (wrap_optimizer).
-        self._native: NativeSteps | None = None
-        self._buckets_of: list[list[int]] = []  # per parameter: its buckets (pieces)
-
-    def refresh_buckets(self) -> None:
-        """Reads the reducer's bucket plan (after it was built or rebuilt)."""
-        self._members = self.model._reducer.buckets()
-        self._buckets_of = [[] for _ in self.model._params]
-        for b, members in enumerate(self._members):
-            for i in members:
-                self._buckets_of[i].append(b)
-
-    def wait_buckets(self, iteration: int, indices: list[int]) -> None:
-        """Waits for the buckets holding parameters `indices` of `iteration`,
-        in issue order."""
-        reducer = self.model._reducer
-        needed = {b for i in indices for b in self._buckets_of[i]}
-        with self.model.timeline_recorder.span(
-                "compute", f"wait buckets {sorted(needed)} ({iteration})", "wait"):
-            for b in reducer.issue_order():
-                if b in needed:
-                    reducer.wait_bucket(iteration, b, stream=self.model._stream())
-
-    def shadow_of(self, index: int) -> torch.Tensor:
-        """The exact copy of parameter `index` a committed step starts from."""
-        return self.model._params[index]
-
-    def step_with(self, grads: list[torch.Tensor | None], hyper: list[dict[str, Any]]) -> None:
-        """One committed step, with the hyper-parameters `hyper`, over the
-        parameters that have a gradient in `grads`: the engine's (see
-        native_step) or the user's optimizer, whose other parameters'
-        gradients are hidden (torch optimizers skip a parameter without a
-        gradient). ``.grad`` is left as it was."""
-        native = self._native
-        if native is not None:
-            for i, g in enumerate(grads):
-                if g is not None:
-                    native.step(i, g, hyper[native.group_of[i]], self.shadow_of(i), commit=True)
-            return
-        opt = self._optimizer
-        assert opt is not None
-        params = self.model._params
-        saved = [p.grad for p in params]
-        current = hyper_parameters(opt)
-        try:
-            with torch.no_grad():
-                for p, g in zip(params, grads):
-                    p.grad = g
-                set_hyper_parameters(opt, hyper)
-                self._inner_step()
-        finally:
-            set_hyper_parameters(opt, current)
-            for p, g in zip(params, saved):
-                p.grad = g
-
-    def arrived(self, iteration: int, indices: list[int]) -> list[int]:
-        """Those of `indices` whose every bucket of `iteration` is reduced."""
-        if iteration in self.model._gathered_iterations:
-            return indices  # waited for before the buckets were rebuilt
-        reducer = self.model._reducer
-        return [i for i in indices
-                if all(reducer.bucket_done(iteration, b) for b in self._buckets_of[i])]
 
     def forward_scope(self) -> contextlib.AbstractContextManager[None]:
         return self._gate.scope()
@@ -324,9 +239,13 @@ class DeferredSchedule(Schedule):
         else:
             self._gate.land_now()
 
-    def land_before_forward(self, indices: list[int]) -> None:
-        """The forward pre-hook of the module that reads `indices` first."""
+    def land(self, lander: int, indices: list[int]) -> None:
+        """A forward reaches lander `lander` (see ForwardGate), before which
+        parameters `indices` are first read."""
         raise NotImplementedError
+
+    def landers_learnt(self, landers: list[list[int]]) -> None:
+        """The gate learnt (or reset) its landers; lander 0 is everything."""
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float) -> torch.Tensor:
         # The local gradients are clipped now (decoupled's local step uses
@@ -366,63 +285,16 @@ class DeferredSchedule(Schedule):
         """(max_norm, norm_type) if `iteration`'s gradients were clipped."""
         return self._clip.pop(iteration, None)
 
-    def wait_for(self, pending: PendingUpdate, indices: list[int]) -> None:
-        """Waits until `pending`'s reduced gradients of parameters `indices`
-        can be applied: their buckets, or the whole iteration if it needs it."""
-        if pending.iteration in self.model._gathered_iterations:
-            return  # waited for before the buckets were rebuilt
-        if pending.needs_whole:
-            with self.model.timeline_recorder.span(
-                    "compute", f"wait reduction {pending.iteration}", "wait"):
-                self.model._reducer.wait(pending.iteration, stream=self.model._stream())
-        else:
-            self.wait_buckets(pending.iteration, indices)
-
-    def apply_reduced(self, pending: PendingUpdate, chosen: set[int]) -> None:
-        """One step of the user's optimizer applying `pending`'s reduced
-        gradients to the parameters `chosen` (all arrived): parameters no rank
-        used are skipped, and a clipped iteration's gradients are scaled by
-        torch's clip_grad_norm_ coefficient of the whole reduced gradient."""
-        m = self.model
-        it = pending.iteration
-        count = len(m._params)
-        usage = pending.usage
-        if usage is None and pending.unmarked:
-            usage = m._reducer.usage(it)
-        used = [usage is None or usage[i] > 0 for i in range(count)]
-        if (pending.check_finite or pending.clip) and pending.norm is None:
-            # needs_whole: every bucket has arrived. One norm serves both.
-            norm_type = pending.clip[1] if pending.clip else 2.0
-            pending.norm = torch.nn.utils.get_total_norm(
-                [m._reduced(it, i) for i in range(count) if used[i]], norm_type)
-            if pending.clip:
-                pending.coef = torch.clamp(pending.clip[0] / (pending.norm + 1e-6), max=1.0)
-        if pending.check_finite and not bool(torch.isfinite(pending.norm)):
-            return  # non-finite iff some rank overflowed: GradScaler skips, on every rank
-        if m.config.check_finite and not pending.check_finite:  # (a scaler skips instead)
-            raise_if_not_finite([(m._names[i], m._reduced(it, i)) for i in sorted(chosen)
-                                 if used[i]], it)
-        grads: list[torch.Tensor | None] = []
-        for i in range(count):
-            g = m._reduced(it, i) if i in chosen and used[i] else None
-            grads.append(g if g is None or pending.coef is None else g * pending.coef)
-        self.step_with(grads, pending.hyper)
-
-    def mark(self, index: int, grad: torch.Tensor) -> None:
+    def source(self, grad: torch.Tensor) -> torch.Tensor:
+        """What this rank contributes for local gradient `grad`."""
         scaler = self.model.grad_scaler
         if scaler is not None and scaler.is_enabled():
             # Each rank reduces its gradient unscaled, so the average is right
             # whatever the ranks' scales, and not finite iff a rank overflowed.
             if self._inv_scale is None:
                 self._inv_scale = 1.0 / scaler.get_scale()
-            source = grad * self._inv_scale
-        else:
-            source = grad if grad.is_contiguous() else grad.contiguous()
-        # The engine copies the gradient in now; the result stays in the
-        # reducer (or, if partitioned, goes to a tensor of the model's).
-        self.model._reducer.mark_ready_to(index, source.data_ptr(),
-                                          self.model._result_target(index),
-                                          stream=self.model._stream())
+            return grad * self._inv_scale
+        return grad if grad.is_contiguous() else grad.contiguous()
 
     def backward_done(self, iteration: int, unmarked: list[int]) -> None:
         if self._finished is not None:  # superseded (see before_forward)
@@ -430,7 +302,6 @@ class DeferredSchedule(Schedule):
             self._clip.pop(self._finished, None)
         self._finished = iteration
         self._inv_scale = None
-        self._gate.clear_reads()
         self._grads_seen = self._grad_versions()
         if unmarked:
             self._unmarked[iteration] = unmarked
@@ -440,14 +311,6 @@ class DeferredSchedule(Schedule):
     def wrap_optimizer(self, optimizer: Any) -> Any:
         self._inner_step = take_over_optimizer(self, optimizer, self.step)
         self._optimizer = optimizer
-        m = self.model
-        if m.config.native_optimizer:
-            reason = unsupported(optimizer, m._params, self.in_flight)
-            if reason is None:
-                self._native = NativeSteps(optimizer, m._params)
-            else:
-                warnings.warn(f"hemiola: schedule={m.config.schedule!r} steps with torch's "
-                              f"optimizer, not the engine's: {reason}", stacklevel=3)
         return optimizer
 
     @property

@@ -43,7 +43,7 @@ from typing import Any
 
 import torch
 
-from hemiola.schedules.base import DeferredSchedule, PendingUpdate, hyper_parameters
+from hemiola.schedules.torch_update import PendingUpdate, TorchUpdate, hyper_parameters
 
 
 def _copy_state(src: dict[str, Any], dst: dict[str, Any] | None) -> dict[str, Any]:
@@ -75,8 +75,9 @@ class _Iteration(PendingUpdate):
         self.local_grads = local_grads
 
 
-class Decoupled(DeferredSchedule):
-    """The decoupled schedule; see the module docstring."""
+class Decoupled(TorchUpdate):
+    """The decoupled schedule stepping with torch's optimizer (the fallback of
+    ``hemiola.schedules.native``); see the module docstring."""
 
     def __init__(self, model) -> None:  # type: ignore[no-untyped-def]
         super().__init__(model)
@@ -102,16 +103,12 @@ class Decoupled(DeferredSchedule):
         in-flight bound requires), then take this iteration's local step."""
         self.check_grads_untouched()
         overflow = self.take_scaler_state()
-        self._gate.clear_reads()
+        self._read.clear()
         iteration, self._finished = self._finished, None
         everything = list(range(len(self.model._params)))
         if iteration is None:  # no synchronised backward since the last step
             self._advance(everything, must=len(self._pending))
-            if self._native is not None:
-                self.step_with([p.grad for p in self.model._params],
-                               hyper_parameters(self._optimizer))
-            else:
-                self._inner_step()
+            self._inner_step()
             self._commit(everything)
             return
         if not self._members:
@@ -139,7 +136,7 @@ class Decoupled(DeferredSchedule):
         if not overflow:
             with self.model.timeline_recorder.span("compute", f"local step {iteration}",
                                                    "step"):
-                self._local_step(hyper)
+                self._inner_step()  # from the live values, which are the exact ones
         local = None
         if self.in_flight > 1:
             local = [None if p.grad is None or overflow else p.grad.detach().clone()
@@ -148,18 +145,6 @@ class Decoupled(DeferredSchedule):
                              self.take_clip(iteration), local, self.scaling)
         pending.usage = usage
         self._pending.append(pending)
-
-    def _local_step(self, hyper: list[dict[str, Any]]) -> None:
-        """The approximate step: the exact values stepped with this rank's
-        own gradient, into the live parameters only."""
-        native = self._native
-        if native is None:
-            self._inner_step()  # from the live values, which are the exact ones
-            return
-        for i, p in enumerate(self.model._params):
-            if p.grad is not None:
-                native.step(i, p.grad, hyper[native.group_of[i]], self._shadow_params[i],
-                            commit=False)
 
     def shadow_of(self, index: int) -> torch.Tensor:
         return self._shadow_params[index]
@@ -179,7 +164,7 @@ class Decoupled(DeferredSchedule):
         if self._pending and self._on_arrival:
             # Everything that has arrived and that no forward read since the
             # last backward, not only `indices`: one optimizer step.
-            self._advance(self._gate.unread(list(range(len(self.model._params)))), must=0)
+            self._advance(self.unread(list(range(len(self.model._params)))), must=0)
         if torch.is_grad_enabled():
             newest = self._pending[-1].iteration if self._pending else -1
             params = self.model._params
@@ -239,9 +224,8 @@ class Decoupled(DeferredSchedule):
                         start)
 
     def _restore(self, indices: list[int]) -> None:
-        """Live parameters and optimizer state `indices` <- the shadow. (With
-        the engine's optimizer the optimizer's state is always the exact one.)"""
-        opt = self._optimizer if self._native is None else None
+        """Live parameters and optimizer state `indices` <- the shadow."""
+        opt = self._optimizer
         params = self.model._params
         with torch.no_grad():
             for i in indices:
@@ -253,7 +237,7 @@ class Decoupled(DeferredSchedule):
     def _commit(self, indices: list[int]) -> None:
         """The live parameters and optimizer state `indices` are exact:
         remember them."""
-        opt = self._optimizer if self._native is None else None
+        opt = self._optimizer
         params = self.model._params
         with torch.no_grad():
             for i in indices:

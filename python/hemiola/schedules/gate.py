@@ -18,6 +18,11 @@ always early enough.
 A module compiled before wrapping (``torch.compile(model)``) runs its whole
 forward as compiled graphs, with no place in between for a landing, so
 everything lands in its own pre-hook, which runs eagerly.
+
+The gate hands its result over as integers: lander 0 is "every parameter"
+(the start of the forward), landers 1.. are the modules' pre-hooks, each with
+the parameter indices it lands. The engine's updater keeps that table and the
+per-iteration work; a pre-hook makes one call.
 """
 
 from __future__ import annotations
@@ -30,7 +35,10 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-Land = Callable[[list[int]], None]
+#: called as land(lander, indices) when a forward reaches a lander
+Land = Callable[[int, list[int]], None]
+#: called with the landers (indices per lander) whenever they change
+Learnt = Callable[[list[list[int]]], None]
 
 
 class _FirstReads(TorchFunctionMode):
@@ -66,25 +74,26 @@ def _tensors(value: Any) -> Iterator[torch.Tensor]:
 
 
 class ForwardGate:
-    """Calls ``land(indices)`` in the forward pre-hook of the module that
-    reads parameters ``indices`` first (learnt in the first forward with
-    gradients enabled; until then the root module lands everything)."""
+    """Calls ``land(lander, indices)`` in the forward pre-hook of the module
+    that reads parameters ``indices`` first (learnt in the first forward with
+    gradients enabled; until then the root module lands everything as lander
+    0), and ``learnt(landers)`` when the landers change."""
 
-    def __init__(self, root: nn.Module, params: list[torch.Tensor], land: Land) -> None:
+    def __init__(self, root: nn.Module, params: list[torch.Tensor], land: Land,
+                 learnt: Learnt | None = None) -> None:
         self._root = root
         self._params = params
         self._land = land
+        self._learnt_callback = learnt
         self._all = list(range(len(params)))
         # A compiled module: nothing to learn, everything lands at the start.
         self._learnt = isinstance(root, torch._dynamo.eval_frame.OptimizedModule)
         self._compiled = False  # the wrapper's forward is compiled
         #: per parameter index: the module whose pre-hook lands it
         self.lander: dict[int, nn.Module] = dict.fromkeys(self._all, root)
+        #: per lander: the parameter indices it lands (0: all of them)
+        self.landers: list[list[int]] = [self._all]
         self._handles: list[Any] = [root.register_forward_pre_hook(self._land_all)]
-        # Parameters whose landing point has passed since the last
-        # clear_reads(): a forward may have read them, and autograd may still
-        # need the values it read, so they must not be written until then.
-        self._read: set[int] = set()
 
     @property
     def learning(self) -> bool:
@@ -99,20 +108,15 @@ class ForwardGate:
         self._compiled = True
         self._learnt = True
         self.lander = dict.fromkeys(self._all, self._root)
+        self.landers = [self._all]
         self.remove()
+        if self._learnt_callback is not None:
+            self._learnt_callback(self.landers)
 
     def land_now(self) -> None:
         """Lands everything (the forward starts, compiled)."""
         if self._compiled:
             self._land_all(self._root, ())
-
-    def unread(self, indices: list[int]) -> list[int]:
-        """Those of `indices` that no forward has read since clear_reads()."""
-        return [i for i in indices if i not in self._read]
-
-    def clear_reads(self) -> None:
-        """Backward has finished: nothing read so far is needed any more."""
-        self._read.clear()
 
     @contextlib.contextmanager
     def scope(self) -> Iterator[None]:
@@ -151,19 +155,22 @@ class ForwardGate:
             by_module.setdefault(module, []).append(i)
         for h in self._handles:
             h.remove()
-        self._handles = [module.register_forward_pre_hook(self._hook(indices))
-                         for module, indices in by_module.items()]
+        self.landers = [self._all, *by_module.values()]
+        self._handles = [module.register_forward_pre_hook(self._hook(lander, indices))
+                         for lander, (module, indices) in enumerate(by_module.items(), 1)]
         self._learnt = True
+        if self._learnt_callback is not None:
+            self._learnt_callback(self.landers)
 
-    def _hook(self, indices: list[int]) -> Callable[[nn.Module, Any], None]:
+    def _hook(self, lander: int, indices: list[int]) -> Callable[[nn.Module, Any], None]:
+        land = self._land
+
         def hook(module: nn.Module, args: Any) -> None:
-            self._land(indices)
-            self._read.update(indices)
+            land(lander, indices)
         return hook
 
     def _land_all(self, module: nn.Module, args: Any) -> None:
-        self._land(self._all)
-        self._read.update(self._all)
+        self._land(0, self._all)
 
     def remove(self) -> None:
         for h in self._handles:

@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from hemiola.schedules.base import DeferredSchedule, PendingUpdate, hyper_parameters
+from hemiola.schedules.torch_update import PendingUpdate, TorchUpdate, hyper_parameters
 
 
 class _Pending(PendingUpdate):
@@ -47,8 +47,9 @@ class _Pending(PendingUpdate):
         self.remaining = set(range(params))  # parameters not updated yet
 
 
-class Priority(DeferredSchedule):
-    """The priority schedule; see the module docstring."""
+class Priority(TorchUpdate):
+    """The priority schedule stepping with torch's optimizer (the fallback of
+    ``hemiola.schedules.native``); see the module docstring."""
 
     def __init__(self, model) -> None:  # type: ignore[no-untyped-def]
         super().__init__(model)
@@ -154,7 +155,7 @@ class Priority(DeferredSchedule):
         # What was waited for is ready (on a GPU: ordered on the current
         # stream, though maybe not complete yet); the rest only if complete.
         waited = set(wanted) & pending.remaining if wait else set()
-        others = set(self._gate.unread(sorted(pending.remaining))) - waited
+        others = set(self.unread(sorted(pending.remaining))) - waited
         ready = sorted(waited | set(self.arrived(it, sorted(others))))
         if not ready:
             return

@@ -1,0 +1,182 @@
+// The per-iteration path of the schedules that apply updates after backward
+// returns (`priority`, `decoupled`): which parameter waits for which reduced
+// gradient, where in the next forward it must be brought up to date, and the
+// optimizer step that does it (hemiola/optimizer.h).
+//
+// One Updater drives one Reducer. Per iteration its caller makes:
+//   mark(i, ...) for every gradient as backward produces it (instead of
+//     Reducer::mark_ready: the updater decides where the result goes),
+//   Reducer::finish_marking() at the end of backward (it numbers iterations),
+//   step(iteration, ...) where torch's optimizer.step() would be,
+//   land(l) at the start of each "lander" of the next forward: a point in the
+//     forward (a module's forward pre-hook) before which parameters
+//     landers[l] are first read. Landers are learnt by the caller (hemiola's
+//     Python layer observes the first forward) and handed over as integers;
+//     lander 0 is always "every parameter" (the very start of the forward).
+//
+// Schedules:
+//   kPriority: exact synchronous SGD. step() applies the update of every
+//     parameter whose reduction has arrived; land(l) waits for landers[l]'s
+//     buckets and applies theirs. A parameter is written only if no forward
+//     read it since step() (autograd may still need the value), or when a
+//     lander needs it.
+//   kDecoupled: step() lands the previous iteration's exact step (waiting if
+//     needed) and takes the approximate step: the exact parameters (the
+//     shadow, kept by the updater) stepped with this rank's own gradient,
+//     written to the live parameters only. The exact step lands, from the
+//     shadow with the averaged gradient, as soon as it has arrived and no
+//     forward still reads the approximate value (correct_on_arrival), at the
+//     latest in the next step(). Invariant per parameter: live = shadow, or
+//     shadow stepped with the local gradient of the one pending iteration.
+//
+// Both take their first iteration synchronously when rebuild_buckets is set:
+// its reduction is waited for, then every rank rebuilds the bucket plan in the
+// observed gradient order (priority also issues the front layers' buckets
+// last, front-most first, so the next forward's first modules get theirs
+// first).
+//
+// The optimizer state lives in caller memory (ParameterSlot), in torch's
+// layout, so a torch optimizer's state_dict() stays valid. Parameters are on
+// the CPU so far (the CUDA kernels exist; the landing path on a GPU is the
+// Python layer's until it is measured there). Not thread-safe: one thread
+// calls it, as one training loop does.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "hemiola/export.h"
+#include "hemiola/tensor.h"
+
+namespace hemiola {
+
+class Engine;
+class Reducer;
+
+enum class UpdateSchedule : int { kPriority = 0, kDecoupled = 1 };
+enum class OptimizerKind : int { kSgd = 0, kAdam = 1, kAdamW = 2 };
+
+// One parameter group's hyper-parameters, with torch.optim's names. SGD reads
+// the first six, Adam/AdamW lr, weight_decay, maximize and the rest.
+struct GroupHyper {
+  double lr = 0.0;
+  double momentum = 0.0;
+  double dampening = 0.0;
+  double weight_decay = 0.0;
+  bool nesterov = false;
+  bool maximize = false;
+  double beta1 = 0.9;
+  double beta2 = 0.999;
+  double eps = 1e-8;
+  bool amsgrad = false;
+};
+
+// A trainable parameter and its optimizer state (non-owning; the state has
+// the parameter's dtype and size). Index i is the reducer's gradient i.
+struct ParameterSlot {
+  std::string name;                  // for error messages
+  TensorRef param;                   // the live values forward reads (CPU)
+  size_t group = 0;                  // its hyper-parameters: StepOptions::hyper[group]
+  void* momentum_buffer = nullptr;   // SGD with momentum
+  bool momentum_initialised = false; // false: the first step creates it (buf = grad)
+  void* exp_avg = nullptr;           // Adam / AdamW
+  void* exp_avg_sq = nullptr;
+  void* max_exp_avg_sq = nullptr;    // amsgrad
+  float* step = nullptr;             // Adam: steps taken (torch's float32 "step")
+};
+
+struct UpdaterOptions {
+  UpdateSchedule schedule = UpdateSchedule::kPriority;
+  OptimizerKind optimizer = OptimizerKind::kSgd;
+  // decoupled: land an exact step as soon as it has arrived (false: only in
+  // step(), which makes training independent of network timing).
+  bool correct_on_arrival = true;
+  // priority: the share of gradient bytes, front layers first, whose buckets
+  // are issued last (front-most first) after the rebuild.
+  double priority_front_fraction = 0.25;
+  // The first iteration is synchronous and the buckets are rebuilt in the
+  // observed order (ReducerOptions::record_order must be on).
+  bool rebuild_buckets = true;
+  // Throw (ErrorCode::kNotFinite), naming it, when an averaged gradient
+  // holds NaN or infinity; nothing of that iteration is applied.
+  bool raise_if_not_finite = false;
+};
+
+// What one step() applies, as the iteration ran.
+struct StepOptions {
+  std::vector<GroupHyper> hyper;   // per parameter group
+  // Some parameters were contributed as zeros (Reducer::mark_unused, with
+  // track_usage): a parameter no rank used is not stepped, as torch skips a
+  // parameter without a gradient.
+  bool has_unused = false;
+  // torch.nn.utils.clip_grad_norm_ of the averaged gradient (max_norm < 0:
+  // none): every gradient is scaled by min(1, max_norm / (norm + 1e-6)).
+  double clip_max_norm = -1.0;
+  double clip_norm_type = 2.0;
+  // A GradScaler is in use: if any averaged gradient is not finite (some rank
+  // overflowed) the iteration's update is skipped on every rank.
+  bool skip_if_not_finite = false;
+  // decoupled: this rank's own gradient overflowed; no approximate step.
+  bool local_overflow = false;
+};
+
+class UpdaterImpl;
+
+class HEMIOLA_API Updater {
+ public:
+  // `engine` and `reducer` must outlive the updater; `params` follow the
+  // reducer's gradient order. The decoupled shadow is copied from the live
+  // parameters now.
+  Updater(Engine& engine, Reducer& reducer, std::vector<ParameterSlot> params,
+          const UpdaterOptions& options);
+  ~Updater();
+  Updater(const Updater&) = delete;
+  Updater& operator=(const Updater&) = delete;
+
+  // landers[0] must be every parameter; the others may overlap nothing.
+  // Call between iterations (e.g. once the first forward is learnt).
+  void set_landers(std::vector<std::vector<size_t>> landers);
+
+  // Hook path: gradient `index` is ready in `source` (copied in now, see
+  // Reducer::mark_ready). `local_grad` is this rank's gradient as the
+  // optimizer would see it (decoupled's approximate step reads it in step();
+  // it must stay valid and may be edited in place until then, e.g. clipped).
+  // priority: throws if `index` still waits for the previous update (it was
+  // read before it was updated: the gradient would be wrong).
+  void mark(size_t index, const void* source, void* local_grad);
+  // The local gradient of a parameter contributed as zeros (null: none).
+  void set_local_grad(size_t index, void* local_grad);
+
+  // optimizer.step() after a backward whose marking closed as `iteration`.
+  void step(uint64_t iteration, const StepOptions& options);
+  // optimizer.step() with no reduced backward since the last one: lands
+  // everything, then one exact step with these local gradients (null: skip).
+  void step_local(const std::vector<void*>& grads, const StepOptions& options);
+
+  // The forward reaches lander `lander`: brings its parameters up to date
+  // (waiting for their reductions), and lands whatever else has arrived and
+  // was not read yet. `training`: the forward will be backpropagated (counts
+  // reads for approximate_read_fraction()).
+  void land(size_t lander, bool training);
+
+  // Lands everything pending (waits): the live parameters are exact.
+  void synchronize();
+  // The parameters or optimizer state were overwritten (a checkpoint was
+  // loaded): what was pending is dropped; the shadow is taken from `params`.
+  void replace_parameters(std::vector<ParameterSlot> params);
+
+  // Per parameter: the SGD momentum buffer holds a value (a first step was
+  // committed), as torch would have created it.
+  std::vector<bool> momentum_initialised() const;
+  // decoupled: share of parameter elements training forwards read while they
+  // still held the approximation.
+  double approximate_read_fraction() const;
+
+ private:
+  std::unique_ptr<UpdaterImpl> impl_;
+};
+
+}  // namespace hemiola

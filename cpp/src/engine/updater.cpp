@@ -1,0 +1,593 @@
+// hemiola/updater.h: the landing graph of the priority and decoupled
+// schedules and the optimizer steps that land their updates.
+//
+// With one iteration in flight (the only case so far) the graph is small: at
+// most one iteration is pending, and per parameter it is either applied
+// (landed) or waiting for its buckets. Which buckets a parameter waits for
+// comes from the reducer's plan; which parameters a lander needs comes from
+// the caller. Everything here runs on the caller's thread.
+#include "hemiola/updater.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <optional>
+#include <string>
+#include <utility>
+
+#include "engine/timeline.h"
+#include "hemiola/engine.h"
+#include "hemiola/optimizer.h"
+#include "hemiola/reducer.h"
+#include "hemiola/status.h"
+#include "optim/grad_norm.h"
+
+namespace hemiola {
+
+namespace {
+
+// An iteration whose update is not applied to every parameter yet.
+struct Pending {
+  uint64_t iteration = 0;
+  StepOptions options;
+  // Its results were written to the updater's own buffers and waited for
+  // (the first iteration, whose buckets are rebuilt before it lands).
+  bool gathered = false;
+  std::vector<int> usage;      // how many ranks used each parameter (has_unused)
+  bool scale_known = false;    // coef / skip below are computed
+  double coef = 1.0;           // clip_grad_norm_'s coefficient
+  bool skip = false;           // some averaged gradient is not finite (GradScaler)
+  std::vector<uint8_t> applied;  // per parameter
+
+  bool needs_whole() const {
+    return options.has_unused || options.clip_max_norm >= 0.0 || options.skip_if_not_finite;
+  }
+};
+
+// A CPU buffer that holds one reduced gradient of the updater's own.
+using Buffer = std::vector<std::max_align_t>;
+
+void* allocate(Buffer& buffer, size_t bytes) {
+  buffer.resize((bytes + sizeof(std::max_align_t) - 1) / sizeof(std::max_align_t));
+  return buffer.data();
+}
+
+}  // namespace
+
+class UpdaterImpl {
+ public:
+  UpdaterImpl(Engine& engine, Reducer& reducer, std::vector<ParameterSlot> params,
+              const UpdaterOptions& options)
+      : engine_(engine), reducer_(reducer), options_(options),
+        rebuilt_(!options.rebuild_buckets) {
+    HEMIOLA_CHECK(options.priority_front_fraction >= 0.0 && options.priority_front_fraction <= 1.0,
+                  "updater: priority_front_fraction must be in [0, 1], got ",
+                  options.priority_front_fraction);
+    adopt(std::move(params));
+    landers_ = {all_};
+    refresh_buckets();
+  }
+
+  void set_landers(std::vector<std::vector<size_t>> landers) {
+    HEMIOLA_CHECK(!landers.empty() && landers[0] == all_,
+                  "updater: lander 0 must be every parameter");
+    for (const auto& lander : landers) {
+      for (size_t i : lander) {
+        HEMIOLA_CHECK(i < params_.size(), "updater: lander names parameter ", i, " of ",
+                      params_.size());
+      }
+    }
+    landers_ = std::move(landers);
+  }
+
+  void mark(size_t index, const void* source, void* local_grad) {
+    check_index(index);
+    if (options_.schedule == UpdateSchedule::kPriority && pending_ &&
+        !pending_->applied[index]) {
+      const std::string message = detail::concat(
+          "schedule='priority': parameter '", params_[index].name,
+          "' was read in this forward before its update from the previous iteration was "
+          "applied, so its gradient would be wrong. Its update is applied where the first "
+          "training forward read it first; this forward read it earlier. Use "
+          "schedule='wfbp' for models whose order of parameter reads changes between "
+          "iterations.");
+      reducer_.abort(message);
+      HEMIOLA_THROW(ErrorCode::kAborted, message);
+    }
+    local_grads_[index] = local_grad;
+    reducer_.mark_ready(index, source, result_target(index), StreamRef{});
+  }
+
+  void set_local_grad(size_t index, void* local_grad) {
+    check_index(index);
+    local_grads_[index] = local_grad;
+  }
+
+  void step(uint64_t iteration, const StepOptions& options) {
+    check_hyper(options);
+    std::fill(read_.begin(), read_.end(), 0);  // backward is done: nothing read is needed
+    if (options_.schedule == UpdateSchedule::kPriority) {
+      step_priority(iteration, options);
+    } else {
+      step_decoupled(iteration, options);
+    }
+    std::fill(local_grads_.begin(), local_grads_.end(), nullptr);
+  }
+
+  void step_local(const std::vector<void*>& grads, const StepOptions& options) {
+    HEMIOLA_CHECK(grads.size() == params_.size(), "updater: step_local got ", grads.size(),
+                  " gradients for ", params_.size(), " parameters");
+    check_hyper(options);
+    synchronize();
+    const int64_t start = engine_.timeline_now_us();
+    for (size_t i = 0; i < params_.size(); ++i) {
+      if (grads[i]) optimizer_step(i, grads[i], options.hyper, 1.0, /*commit=*/true);
+    }
+    record("local step (no reduction)", "step", start);
+  }
+
+  void land(size_t lander, bool training) {
+    HEMIOLA_CHECK(lander < landers_.size(), "updater: lander ", lander, " of ", landers_.size());
+    const std::vector<size_t>& needed = landers_[lander];
+    if (pending_) {
+      if (options_.schedule == UpdateSchedule::kPriority) {
+        update_priority(needed, /*wait=*/true);
+      } else if (options_.correct_on_arrival) {
+        advance_decoupled(/*wait=*/false);
+      }
+    }
+    if (training && options_.schedule == UpdateSchedule::kDecoupled) {
+      for (size_t i : needed) {
+        reads_ += params_[i].param.numel;
+        if (pending_ && !pending_->applied[i]) approximate_reads_ += params_[i].param.numel;
+      }
+    }
+    for (size_t i : needed) read_[i] = 1;
+  }
+
+  void synchronize() {
+    if (!pending_) return;
+    if (options_.schedule == UpdateSchedule::kPriority) {
+      update_priority(all_, /*wait=*/true);
+    } else {
+      advance_decoupled(/*wait=*/true);
+    }
+  }
+
+  void replace_parameters(std::vector<ParameterSlot> params) {
+    HEMIOLA_CHECK(params.size() == params_.size(), "updater: ", params.size(),
+                  " parameters replace ", params_.size());
+    pending_.reset();
+    adopt(std::move(params));
+  }
+
+  std::vector<bool> momentum_initialised() const {
+    std::vector<bool> out(params_.size());
+    for (size_t i = 0; i < params_.size(); ++i) out[i] = params_[i].momentum_initialised;
+    return out;
+  }
+
+  double approximate_read_fraction() const {
+    return reads_ == 0 ? 0.0 : static_cast<double>(approximate_reads_) / reads_;
+  }
+
+ private:
+  // ---- setup -----------------------------------------------------------------
+
+  void adopt(std::vector<ParameterSlot> params) {
+    for (const auto& p : params) {
+      HEMIOLA_CHECK(p.param.device.type == DeviceType::kCPU, "updater: parameter '", p.name,
+                    "' is not on the CPU");
+      HEMIOLA_CHECK(is_floating(p.param.dtype), "updater: parameter '", p.name,
+                    "' has dtype ", dtype_name(p.param.dtype), ", not a floating dtype");
+      HEMIOLA_CHECK(p.param.numel == 0 || p.param.data, "updater: parameter '", p.name,
+                    "' has no data");
+      if (options_.optimizer != OptimizerKind::kSgd) {
+        HEMIOLA_CHECK(p.param.numel == 0 || (p.exp_avg && p.exp_avg_sq && p.step),
+                      "updater: Adam parameter '", p.name, "' lacks exp_avg, exp_avg_sq or step");
+      }
+    }
+    params_ = std::move(params);
+    const size_t n = params_.size();
+    all_.resize(n);
+    for (size_t i = 0; i < n; ++i) all_[i] = i;
+    if (!landers_.empty()) landers_[0] = all_;
+    local_grads_.assign(n, nullptr);
+    read_.assign(n, 0);
+    if (options_.schedule == UpdateSchedule::kDecoupled) {
+      shadow_.resize(n);
+      for (size_t i = 0; i < n; ++i) {
+        const auto& p = params_[i].param;
+        std::memcpy(allocate(shadow_[i], p.nbytes()), p.data, p.nbytes());
+      }
+    }
+  }
+
+  void refresh_buckets() {
+    const auto buckets = reducer_.buckets();
+    buckets_of_.assign(params_.size(), {});
+    for (size_t b = 0; b < buckets.size(); ++b) {
+      for (size_t i : buckets[b]) {
+        HEMIOLA_CHECK(i < params_.size(), "updater: the reducer has more gradients (", i + 1,
+                      ") than parameters (", params_.size(), ")");
+        buckets_of_[i].push_back(b);
+      }
+    }
+    partitioned_.assign(params_.size(), 0);
+    for (size_t i = 0; i < params_.size(); ++i) partitioned_[i] = reducer_.pieces(i) > 1;
+    bucket_bytes_.assign(buckets.size(), 0.0);
+    for (size_t b = 0; b < buckets.size(); ++b) {
+      for (size_t i : buckets[b]) {
+        bucket_bytes_[b] += static_cast<double>(params_[i].param.nbytes()) / buckets_of_[i].size();
+      }
+    }
+  }
+
+  void check_index(size_t index) const {
+    HEMIOLA_CHECK(index < params_.size(), "updater: parameter ", index, " of ", params_.size());
+  }
+
+  void check_hyper(const StepOptions& options) const {
+    for (const auto& p : params_) {
+      HEMIOLA_CHECK(p.group < options.hyper.size(), "updater: parameter '", p.name,
+                    "' is in group ", p.group, " but the step has ", options.hyper.size(),
+                    " groups");
+    }
+  }
+
+  // A partitioned gradient lives in several buckets; results that must
+  // outlive a rebuild are kept too. Both go to the updater's own buffers.
+  bool gathers(size_t index) const {
+    return partitioned_[index] ||
+           (!rebuilt_ && options_.schedule == UpdateSchedule::kDecoupled);
+  }
+
+  void* result_target(size_t index) {
+    if (!gathers(index)) return nullptr;
+    // The iteration being marked (the reducer starts one at its first mark).
+    const uint64_t started = reducer_.iterations_started();
+    const uint64_t slot = (reducer_.marking() ? started - 1 : started) % 2;
+    auto& buffer = gathered_[slot];
+    if (buffer.size() != params_.size()) buffer.resize(params_.size());
+    return allocate(buffer[index], params_[index].param.nbytes());
+  }
+
+  const void* reduced(const Pending& pending, size_t index) const {
+    if (pending.gathered || partitioned_[index]) {
+      return gathered_[pending.iteration % 2][index].data();
+    }
+    return reducer_.result(pending.iteration, index).data;
+  }
+
+  // ---- priority ----------------------------------------------------------------
+
+  void step_priority(uint64_t iteration, const StepOptions& options) {
+    synchronize();  // whatever the previous iteration left (rare)
+    start_pending(iteration, options);
+    if (!rebuilt_) {
+      // The first iteration runs synchronously; then the buckets are rebuilt
+      // in the observed order and the issue order is derived from them.
+      synchronize();
+      reducer_.rebuild_from_observed_order();
+      refresh_buckets();
+      reducer_.set_issue_order(priority_order());
+      rebuilt_ = true;
+      return;
+    }
+    if (!pending_->needs_whole()) update_priority(all_, /*wait=*/false);
+  }
+
+  // Plan order (backward order), except that the buckets holding the front
+  // layers' first priority_front_fraction of the bytes go last, front-most
+  // first: the same permutation on every rank, no negotiation.
+  std::vector<size_t> priority_order() const {
+    const size_t n = bucket_bytes_.size();
+    double total = 0.0;
+    for (double b : bucket_bytes_) total += b;
+    const double budget = options_.priority_front_fraction * total;
+    std::vector<size_t> tail;  // the last buckets hold the front layers
+    double covered = 0.0;
+    for (size_t b = n; b-- > 0;) {
+      if (covered >= budget || tail.size() + 1 >= n) break;
+      tail.push_back(b);
+      covered += bucket_bytes_[b];
+    }
+    std::vector<size_t> order;
+    for (size_t b = 0; b < n - tail.size(); ++b) order.push_back(b);
+    order.insert(order.end(), tail.begin(), tail.end());
+    return order;
+  }
+
+  // Applies the update of `wanted` (waiting for their buckets if `wait`, else
+  // only those already reduced) and of every other parameter not read since
+  // step() whose buckets are reduced: one pass of optimizer steps.
+  void update_priority(const std::vector<size_t>& wanted, bool wait) {
+    Pending& pending = *pending_;
+    std::vector<size_t> todo;
+    for (size_t i : wanted) {
+      if (!pending.applied[i]) todo.push_back(i);
+    }
+    if (wait && !todo.empty()) wait_for(pending, todo);
+    std::vector<uint8_t> chosen(params_.size(), 0);
+    size_t count = 0;
+    if (wait) {
+      for (size_t i : todo) chosen[i] = 1, ++count;
+    }
+    for (size_t i = 0; i < params_.size(); ++i) {
+      if (!chosen[i] && !pending.applied[i] && !read_[i] && arrived(pending, i)) {
+        chosen[i] = 1;
+        ++count;
+      }
+    }
+    if (count > 0) {
+      const int64_t start = engine_.timeline_now_us();
+      apply(pending, chosen);
+      record(detail::concat("update ", count, " parameters (", pending.iteration, ")"), "step",
+             start);
+    }
+    if (std::all_of(pending.applied.begin(), pending.applied.end(),
+                    [](uint8_t a) { return a != 0; })) {
+      pending_.reset();
+    }
+  }
+
+  // ---- decoupled -----------------------------------------------------------------
+
+  void step_decoupled(uint64_t iteration, const StepOptions& options) {
+    std::vector<int> usage;
+    bool gathered = false;
+    if (!rebuilt_) {
+      // The first iteration takes the same steps as every other (the local
+      // one now, the exact one later), so that a run resumed from a
+      // checkpoint repeats the run that saved it; only its timing differs:
+      // the reduction is waited for so that the buckets can be rebuilt, and
+      // its results were written to the updater's own buffers.
+      reducer_.wait(iteration, StreamRef{});
+      if (options.has_unused) usage = reducer_.usage(iteration);
+      reducer_.rebuild_from_observed_order();
+      refresh_buckets();
+      rebuilt_ = true;
+      gathered = true;
+    }
+    synchronize();  // one iteration in flight: the previous one lands now
+    if (!options.local_overflow) {
+      // The approximate step: the exact values stepped with this rank's own
+      // gradient, into the live parameters only.
+      const int64_t start = engine_.timeline_now_us();
+      for (size_t i = 0; i < params_.size(); ++i) {
+        if (local_grads_[i]) optimizer_step(i, local_grads_[i], options.hyper, 1.0, false);
+      }
+      record(detail::concat("local step ", iteration), "step", start);
+    }
+    start_pending(iteration, options);
+    pending_->gathered = gathered;
+    pending_->usage = std::move(usage);
+  }
+
+  // Lands the pending exact step of every parameter (waiting), or of those
+  // that have arrived and that no forward read since step().
+  void advance_decoupled(bool wait) {
+    Pending& pending = *pending_;
+    std::vector<uint8_t> chosen(params_.size(), 0);
+    size_t count = 0;
+    if (wait) {
+      std::vector<size_t> todo;
+      for (size_t i = 0; i < params_.size(); ++i) {
+        if (!pending.applied[i]) todo.push_back(i);
+      }
+      if (!todo.empty()) wait_for(pending, todo);
+      for (size_t i : todo) chosen[i] = 1;
+      count = todo.size();
+    } else if (!pending.needs_whole()) {
+      for (size_t i = 0; i < params_.size(); ++i) {
+        if (!pending.applied[i] && !read_[i] && arrived(pending, i)) {
+          chosen[i] = 1;
+          ++count;
+        }
+      }
+    }
+    if (count > 0) {
+      const int64_t start = engine_.timeline_now_us();
+      apply(pending, chosen);
+      record(detail::concat("exact step (", count, " parameters)"), "correction", start);
+    }
+    if (std::all_of(pending.applied.begin(), pending.applied.end(),
+                    [](uint8_t a) { return a != 0; })) {
+      pending_.reset();
+    }
+  }
+
+  // ---- common ----------------------------------------------------------------
+
+  void start_pending(uint64_t iteration, const StepOptions& options) {
+    pending_.emplace();
+    pending_->iteration = iteration;
+    pending_->options = options;
+    pending_->applied.assign(params_.size(), 0);
+  }
+
+  bool arrived(const Pending& pending, size_t index) const {
+    if (pending.gathered) return true;
+    for (size_t b : buckets_of_[index]) {
+      if (!reducer_.bucket_done(pending.iteration, b)) return false;
+    }
+    return true;
+  }
+
+  // Waits until `indices`' averaged gradients can be applied: their buckets
+  // in issue order, or the whole iteration if the update needs it.
+  void wait_for(const Pending& pending, const std::vector<size_t>& indices) {
+    if (pending.gathered) return;
+    const int64_t start = engine_.timeline_now_us();
+    if (pending.needs_whole()) {
+      reducer_.wait(pending.iteration, StreamRef{});
+      record(detail::concat("wait reduction ", pending.iteration), "wait", start);
+      return;
+    }
+    std::vector<uint8_t> needed(bucket_bytes_.size(), 0);
+    for (size_t i : indices) {
+      for (size_t b : buckets_of_[i]) needed[b] = 1;
+    }
+    for (size_t b : reducer_.issue_order()) {
+      if (needed[b]) reducer_.wait_bucket(pending.iteration, b, StreamRef{});
+    }
+    record(detail::concat("wait buckets (", pending.iteration, ")"), "wait", start);
+  }
+
+  // The parameters `chosen` (all arrived) take the exact step of `pending`:
+  // parameters no rank used are skipped, clipping scales the gradients by the
+  // coefficient of the whole averaged gradient, and a non-finite one under a
+  // GradScaler skips the update on every rank.
+  void apply(Pending& pending, const std::vector<uint8_t>& chosen) {
+    const StepOptions& o = pending.options;
+    if (o.has_unused && pending.usage.empty()) pending.usage = reducer_.usage(pending.iteration);
+    auto used = [&](size_t i) { return pending.usage.empty() || pending.usage[i] > 0; };
+    if ((o.clip_max_norm >= 0.0 || o.skip_if_not_finite) && !pending.scale_known) {
+      // needs_whole: every bucket has arrived. One norm serves both.
+      const double p = o.clip_max_norm >= 0.0 ? o.clip_norm_type : 2.0;
+      double acc = 0.0;
+      for (size_t i = 0; i < params_.size(); ++i) {
+        if (used(i)) {
+          optim::accumulate_norm(reduced(pending, i), params_[i].param.numel,
+                                 params_[i].param.dtype, p, acc);
+        }
+      }
+      // torch holds the total norm as a float32 tensor.
+      const float norm = static_cast<float>(optim::finish_norm(acc, p));
+      pending.skip = o.skip_if_not_finite && !std::isfinite(norm);
+      if (o.clip_max_norm >= 0.0) {
+        // torch: clamp(max_norm / (norm + 1e-6), max=1) on float32 tensors,
+        // where scalar / tensor is reciprocal(tensor) * scalar.
+        const float scaled = (1.0f / (norm + 1e-6f)) * static_cast<float>(o.clip_max_norm);
+        pending.coef = std::min(1.0f, scaled);
+      }
+      pending.scale_known = true;
+    }
+    if (options_.raise_if_not_finite && !o.skip_if_not_finite) {
+      for (size_t i = 0; i < params_.size(); ++i) {
+        if (chosen[i] && used(i) &&
+            !optim::all_finite(reduced(pending, i), params_[i].param.numel,
+                               params_[i].param.dtype)) {
+          HEMIOLA_THROW(
+              ErrorCode::kNotFinite, "hemiola: the averaged gradient of parameter '",
+              params_[i].name, "' holds NaN or infinity in iteration ", pending.iteration,
+              " (check_finite=True); it was not applied. Some rank's loss diverged or "
+              "overflowed: lower the learning rate, check the inputs, or scale fp16 losses "
+              "with a GradScaler (grad_scaler=...).");
+        }
+      }
+    }
+    for (size_t i = 0; i < params_.size(); ++i) {
+      if (!chosen[i]) continue;
+      if (pending.skip || !used(i)) {
+        restore(i);  // decoupled: drop the approximate step
+      } else {
+        optimizer_step(i, reduced(pending, i), o.hyper, pending.coef, /*commit=*/true);
+      }
+      pending.applied[i] = 1;
+    }
+  }
+
+  // decoupled: the live parameter <- the exact one.
+  void restore(size_t i) {
+    if (options_.schedule != UpdateSchedule::kDecoupled) return;
+    const auto& p = params_[i].param;
+    std::memcpy(p.data, shadow_[i].data(), p.nbytes());
+  }
+
+  // One optimizer step of parameter i from its exact value (the shadow, or
+  // the parameter itself under priority) into the live parameter; committing
+  // also advances the exact value and the state.
+  void optimizer_step(size_t i, const void* grad, const std::vector<GroupHyper>& groups,
+                      double grad_scale, bool commit) {
+    ParameterSlot& p = params_[i];
+    const GroupHyper& h = groups[p.group];
+    void* exact = options_.schedule == UpdateSchedule::kDecoupled ? shadow_[i].data()
+                                                                    : p.param.data;
+    const auto numel = static_cast<std::int64_t>(p.param.numel);
+    if (options_.optimizer == OptimizerKind::kSgd) {
+      SgdHyper s;
+      s.lr = h.lr;
+      s.momentum = h.momentum;
+      s.dampening = h.dampening;
+      s.weight_decay = h.weight_decay;
+      s.nesterov = h.nesterov;
+      s.maximize = h.maximize;
+      s.first_step = h.momentum != 0.0 && !p.momentum_initialised;
+      s.grad_scale = grad_scale;
+      HEMIOLA_CHECK(h.momentum == 0.0 || p.momentum_buffer || numel == 0,
+                    "updater: parameter '", p.name, "' has momentum ", h.momentum,
+                    " but no momentum buffer (set momentum before wrapping)");
+      sgd_step(SgdTensors{p.param.data, exact, p.momentum_buffer, grad}, numel,
+               p.param.dtype, p.param.device, s, commit);
+      if (commit && h.momentum != 0.0) p.momentum_initialised = true;
+      return;
+    }
+    AdamHyper a;
+    a.lr = h.lr;
+    a.beta1 = h.beta1;
+    a.beta2 = h.beta2;
+    a.eps = h.eps;
+    a.weight_decay = h.weight_decay;
+    a.decoupled_weight_decay = options_.optimizer == OptimizerKind::kAdamW;
+    a.maximize = h.maximize;
+    a.amsgrad = h.amsgrad;
+    a.step = static_cast<std::int64_t>(*p.step) + 1;
+    a.grad_scale = grad_scale;
+    adam_step(AdamTensors{p.param.data, exact, p.exp_avg, p.exp_avg_sq, grad, p.max_exp_avg_sq},
+              numel, p.param.dtype, p.param.device, a, commit);
+    if (commit) *p.step += 1.0f;
+  }
+
+  void record(const std::string& name, const char* category, int64_t start) {
+    engine_.timeline_record("compute", name, category, start, engine_.timeline_now_us());
+  }
+
+  Engine& engine_;
+  Reducer& reducer_;
+  UpdaterOptions options_;
+  bool rebuilt_;
+  std::vector<ParameterSlot> params_;
+  std::vector<size_t> all_;
+  std::vector<std::vector<size_t>> landers_;
+  std::vector<std::vector<size_t>> buckets_of_;  // per parameter: its buckets (pieces)
+  std::vector<double> bucket_bytes_;
+  std::vector<uint8_t> partitioned_;  // per parameter: cut into pieces (result() cannot hold it)
+  std::vector<void*> local_grads_;   // this iteration's own gradients
+  std::vector<uint8_t> read_;        // read by a forward since the last step()
+  std::vector<Buffer> shadow_;       // decoupled: the exact parameters
+  std::vector<Buffer> gathered_[2];  // per iteration parity: results kept here
+  std::optional<Pending> pending_;
+  uint64_t reads_ = 0;
+  uint64_t approximate_reads_ = 0;
+};
+
+Updater::Updater(Engine& engine, Reducer& reducer, std::vector<ParameterSlot> params,
+                 const UpdaterOptions& options)
+    : impl_(std::make_unique<UpdaterImpl>(engine, reducer, std::move(params), options)) {}
+Updater::~Updater() = default;
+
+void Updater::set_landers(std::vector<std::vector<size_t>> landers) {
+  impl_->set_landers(std::move(landers));
+}
+void Updater::mark(size_t index, const void* source, void* local_grad) {
+  impl_->mark(index, source, local_grad);
+}
+void Updater::set_local_grad(size_t index, void* local_grad) {
+  impl_->set_local_grad(index, local_grad);
+}
+void Updater::step(uint64_t iteration, const StepOptions& options) {
+  impl_->step(iteration, options);
+}
+void Updater::step_local(const std::vector<void*>& grads, const StepOptions& options) {
+  impl_->step_local(grads, options);
+}
+void Updater::land(size_t lander, bool training) { impl_->land(lander, training); }
+void Updater::synchronize() { impl_->synchronize(); }
+void Updater::replace_parameters(std::vector<ParameterSlot> params) {
+  impl_->replace_parameters(std::move(params));
+}
+std::vector<bool> Updater::momentum_initialised() const { return impl_->momentum_initialised(); }
+double Updater::approximate_read_fraction() const { return impl_->approximate_read_fraction(); }
+
+}  // namespace hemiola

@@ -1,0 +1,80 @@
+#include "optim/grad_norm.h"
+
+#include <cmath>
+#include <cstdint>
+#include <limits>
+
+#include "engine/dtype_math.h"
+#include "hemiola/status.h"
+
+namespace hemiola::optim {
+
+namespace {
+
+// Calls f(value as double) for every element.
+template <typename F>
+void for_each(const void* data, std::int64_t n, DType dtype, F&& f) {
+  switch (dtype) {
+    case DType::kFloat32: {
+      const auto* x = static_cast<const float*>(data);
+      for (std::int64_t i = 0; i < n; ++i) f(static_cast<double>(x[i]));
+      return;
+    }
+    case DType::kFloat64: {
+      const auto* x = static_cast<const double*>(data);
+      for (std::int64_t i = 0; i < n; ++i) f(x[i]);
+      return;
+    }
+    case DType::kBFloat16: {
+      const auto* x = static_cast<const uint16_t*>(data);
+      for (std::int64_t i = 0; i < n; ++i) f(static_cast<double>(bf16_to_float(x[i])));
+      return;
+    }
+    case DType::kFloat16: {
+      const auto* x = static_cast<const uint16_t*>(data);
+      for (std::int64_t i = 0; i < n; ++i) f(static_cast<double>(fp16_to_float(x[i])));
+      return;
+    }
+    default:
+      HEMIOLA_THROW(ErrorCode::kInvalidArgument, "gradient norm: dtype ", dtype_name(dtype),
+                    " is not a floating dtype");
+  }
+}
+
+}  // namespace
+
+void accumulate_norm(const void* data, std::int64_t numel, DType dtype, double p, double& acc) {
+  HEMIOLA_CHECK(p > 0.0, "gradient norm: norm_type must be positive or inf, got ", p);
+  if (std::isinf(p)) {
+    for_each(data, numel, dtype, [&](double x) {
+      const double a = std::fabs(x);
+      if (std::isnan(a) || a > acc) acc = a;  // NaN sticks (NaN > acc is false)
+    });
+  } else if (p == 2.0) {
+    double sum = 0.0;
+    for_each(data, numel, dtype, [&](double x) { sum += x * x; });
+    acc += sum;
+  } else if (p == 1.0) {
+    double sum = 0.0;
+    for_each(data, numel, dtype, [&](double x) { sum += std::fabs(x); });
+    acc += sum;
+  } else {
+    double sum = 0.0;
+    for_each(data, numel, dtype, [&](double x) { sum += std::pow(std::fabs(x), p); });
+    acc += sum;
+  }
+}
+
+double finish_norm(double acc, double p) {
+  if (std::isinf(p) || p == 1.0) return acc;
+  if (p == 2.0) return std::sqrt(acc);
+  return std::pow(acc, 1.0 / p);
+}
+
+bool all_finite(const void* data, std::int64_t numel, DType dtype) {
+  bool finite = true;
+  for_each(data, numel, dtype, [&](double x) { finite = finite && std::isfinite(x); });
+  return finite;
+}
+
+}  // namespace hemiola::optim

@@ -1,0 +1,161 @@
+// hemiola._C.Updater (hemiola/updater.h): parameters and optimizer state cross
+// as integers (data pointers), hyper-parameters as one tuple per group. The
+// calls that may wait for a reduction release the GIL; mark() keeps it, as
+// Reducer.mark_ready does (it only copies the gradient in).
+#include <pybind11/stl.h>
+
+#include <cstdint>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "bindings.h"
+#include "hemiola/engine.h"
+#include "hemiola/reducer.h"
+#include "hemiola/status.h"
+#include "hemiola/updater.h"
+
+namespace py = pybind11;
+
+namespace hemiola::python {
+
+namespace {
+
+void* pointer(std::uintptr_t address) { return reinterpret_cast<void*>(address); }
+
+// (name, param, dtype, numel, group, momentum_buffer, momentum_initialised,
+//  exp_avg, exp_avg_sq, max_exp_avg_sq, step)
+using Slot = std::tuple<std::string, std::uintptr_t, int, size_t, size_t, std::uintptr_t, bool,
+                        std::uintptr_t, std::uintptr_t, std::uintptr_t, std::uintptr_t>;
+// (lr, momentum, dampening, weight_decay, nesterov, maximize, beta1, beta2, eps, amsgrad)
+using Hyper = std::tuple<double, double, double, double, bool, bool, double, double, double,
+                         bool>;
+
+std::vector<ParameterSlot> slots_of(const std::vector<Slot>& slots) {
+  std::vector<ParameterSlot> out;
+  out.reserve(slots.size());
+  for (const auto& s : slots) {
+    ParameterSlot p;
+    p.name = std::get<0>(s);
+    p.param.data = pointer(std::get<1>(s));
+    p.param.dtype = static_cast<DType>(std::get<2>(s));
+    (void)dtype_size(p.param.dtype);  // validates the code
+    p.param.numel = std::get<3>(s);
+    p.group = std::get<4>(s);
+    p.momentum_buffer = pointer(std::get<5>(s));
+    p.momentum_initialised = std::get<6>(s);
+    p.exp_avg = pointer(std::get<7>(s));
+    p.exp_avg_sq = pointer(std::get<8>(s));
+    p.max_exp_avg_sq = pointer(std::get<9>(s));
+    p.step = static_cast<float*>(pointer(std::get<10>(s)));
+    out.push_back(std::move(p));
+  }
+  return out;
+}
+
+StepOptions step_options(const std::vector<Hyper>& hyper, bool has_unused, double clip_max_norm,
+                         double clip_norm_type, bool skip_if_not_finite, bool local_overflow) {
+  StepOptions o;
+  for (const auto& h : hyper) {
+    GroupHyper g;
+    std::tie(g.lr, g.momentum, g.dampening, g.weight_decay, g.nesterov, g.maximize, g.beta1,
+             g.beta2, g.eps, g.amsgrad) = h;
+    o.hyper.push_back(g);
+  }
+  o.has_unused = has_unused;
+  o.clip_max_norm = clip_max_norm;
+  o.clip_norm_type = clip_norm_type;
+  o.skip_if_not_finite = skip_if_not_finite;
+  o.local_overflow = local_overflow;
+  return o;
+}
+
+}  // namespace
+
+void bind_updater(py::module_& m) {
+  using Release = py::call_guard<py::gil_scoped_release>;
+  py::class_<Updater>(m, "Updater",
+                      "The landing graph and optimizer steps of priority / decoupled; see "
+                      "hemiola/updater.h.")
+      .def(py::init([](Engine& engine, Reducer& reducer, const std::vector<Slot>& slots,
+                       const std::string& schedule, const std::string& optimizer,
+                       bool correct_on_arrival, double priority_front_fraction,
+                       bool rebuild_buckets, bool raise_if_not_finite) {
+             UpdaterOptions o;
+             if (schedule == "priority") {
+               o.schedule = UpdateSchedule::kPriority;
+             } else if (schedule == "decoupled") {
+               o.schedule = UpdateSchedule::kDecoupled;
+             } else {
+               throw Error(ErrorCode::kInvalidArgument, "unknown schedule '" + schedule + "'");
+             }
+             if (optimizer == "sgd") {
+               o.optimizer = OptimizerKind::kSgd;
+             } else if (optimizer == "adam") {
+               o.optimizer = OptimizerKind::kAdam;
+             } else if (optimizer == "adamw") {
+               o.optimizer = OptimizerKind::kAdamW;
+             } else {
+               throw Error(ErrorCode::kInvalidArgument, "unknown optimizer '" + optimizer + "'");
+             }
+             o.correct_on_arrival = correct_on_arrival;
+             o.priority_front_fraction = priority_front_fraction;
+             o.rebuild_buckets = rebuild_buckets;
+             o.raise_if_not_finite = raise_if_not_finite;
+             return std::make_unique<Updater>(engine, reducer, slots_of(slots), o);
+           }),
+           py::arg("engine"), py::arg("reducer"), py::arg("slots"), py::arg("schedule"),
+           py::arg("optimizer"), py::arg("correct_on_arrival") = true,
+           py::arg("priority_front_fraction") = 0.25, py::arg("rebuild_buckets") = true,
+           py::arg("raise_if_not_finite") = false, py::keep_alive<1, 2>(),
+           py::keep_alive<1, 3>())
+      .def("set_landers", &Updater::set_landers, py::arg("landers"))
+      .def(
+          "mark",
+          [](Updater& u, size_t index, std::uintptr_t source, std::uintptr_t local_grad) {
+            u.mark(index, pointer(source), pointer(local_grad));
+          },
+          py::arg("index"), py::arg("source"), py::arg("local_grad"))
+      .def(
+          "set_local_grad",
+          [](Updater& u, size_t index, std::uintptr_t local_grad) {
+            u.set_local_grad(index, pointer(local_grad));
+          },
+          py::arg("index"), py::arg("local_grad"))
+      .def(
+          "step",
+          [](Updater& u, uint64_t iteration, const std::vector<Hyper>& hyper, bool has_unused,
+             double clip_max_norm, double clip_norm_type, bool skip_if_not_finite,
+             bool local_overflow) {
+            const StepOptions o = step_options(hyper, has_unused, clip_max_norm, clip_norm_type,
+                                               skip_if_not_finite, local_overflow);
+            py::gil_scoped_release release;
+            u.step(iteration, o);
+          },
+          py::arg("iteration"), py::arg("hyper"), py::arg("has_unused") = false,
+          py::arg("clip_max_norm") = -1.0, py::arg("clip_norm_type") = 2.0,
+          py::arg("skip_if_not_finite") = false, py::arg("local_overflow") = false)
+      .def(
+          "step_local",
+          [](Updater& u, const std::vector<std::uintptr_t>& grads,
+             const std::vector<Hyper>& hyper) {
+            std::vector<void*> pointers;
+            for (auto g : grads) pointers.push_back(pointer(g));
+            const StepOptions o = step_options(hyper, false, -1.0, 2.0, false, false);
+            py::gil_scoped_release release;
+            u.step_local(pointers, o);
+          },
+          py::arg("grads"), py::arg("hyper"))
+      .def("land", &Updater::land, py::arg("lander"), py::arg("training"), Release())
+      .def("synchronize", &Updater::synchronize, Release())
+      .def(
+          "replace_parameters",
+          [](Updater& u, const std::vector<Slot>& slots) {
+            u.replace_parameters(slots_of(slots));
+          },
+          py::arg("slots"))
+      .def("momentum_initialised", &Updater::momentum_initialised)
+      .def("approximate_read_fraction", &Updater::approximate_read_fraction);
+}
+
+}  // namespace hemiola::python

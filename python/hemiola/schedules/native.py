@@ -1,0 +1,209 @@
+"""``priority`` and ``decoupled`` run by the engine (``hemiola._C.Updater``,
+cpp/include/hemiola/updater.h): which parameter waits for which reduction,
+where in the next forward it lands, and the optimizer step that lands it.
+
+Python's part per iteration is one native call per gradient (the autograd
+hook), one per lander (a module's forward pre-hook) and one per
+``optimizer.step()`` with each param group's hyper-parameters, read from
+``param_groups`` every step so LR schedulers keep working. The optimizer's
+state lives in the optimizer's own tensors, in torch's format, so
+``optimizer.state_dict()`` and ``load_state_dict()`` are torch's.
+
+The engine steps ``torch.optim.SGD``, ``Adam`` and ``AdamW`` on CPU
+parameters with one iteration in flight; everything else takes the torch
+path (``hemiola.schedules.torch_update``) with a one-line warning at wrap
+time saying why.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from hemiola._native import C
+from hemiola.schedules.base import DeferredSchedule
+from hemiola.tensors import dtype_code
+
+if TYPE_CHECKING:
+    from hemiola.data_parallel import DataParallel
+
+_KINDS = {torch.optim.SGD: "sgd", torch.optim.Adam: "adam", torch.optim.AdamW: "adamw"}
+
+#: (lr, momentum, dampening, weight_decay, nesterov, maximize, beta1, beta2, eps, amsgrad)
+Hyper = tuple[float, float, float, float, bool, bool, float, float, float, bool]
+
+
+def unsupported(optimizer: Any, params: list[torch.Tensor], in_flight: int) -> str | None:
+    """Why the engine cannot step `optimizer` for these parameters (None: it can)."""
+    name = type(optimizer).__name__
+    if type(optimizer) not in _KINDS:
+        return f"{name} is not one of the engine's optimizers (SGD, Adam, AdamW)"
+    if in_flight > 1:
+        return "in_flight > 1 re-takes local steps on top of each other"
+    if not params:
+        return "the model has no trainable parameters"
+    if any(p.device.type != "cpu" for p in params):
+        return "the engine's updater steps CPU parameters only so far"
+    if any(not p.is_contiguous() for p in params):
+        return "a parameter is not contiguous (e.g. channels_last)"
+    for group in optimizer.param_groups:
+        if group.get("differentiable") or group.get("capturable") or group.get("fused"):
+            return f"{name} with differentiable, capturable or fused set"
+    return None
+
+
+def _hyper(group: dict[str, Any]) -> Hyper:
+    beta1, beta2 = group.get("betas", (0.9, 0.999))
+    return (float(group["lr"]), float(group.get("momentum", 0.0)),
+            float(group.get("dampening", 0.0)), float(group.get("weight_decay", 0.0)),
+            bool(group.get("nesterov", False)), bool(group.get("maximize", False)),
+            float(beta1), float(beta2), float(group.get("eps", 1e-8)),
+            bool(group.get("amsgrad", False)))
+
+
+class NativeUpdate(DeferredSchedule):
+    """``priority`` or ``decoupled`` (``model.config.schedule``) with the
+    engine's updater; see the module docstring and the schedules' own."""
+
+    def __init__(self, model: DataParallel, optimizer: torch.optim.Optimizer) -> None:
+        super().__init__(model)
+        self._kind = _KINDS[type(optimizer)]
+        self._updater: Any = None  # C.Updater, made by wrap_optimizer
+        self._decoupled = model.config.schedule == "decoupled"
+
+    def wrap_optimizer(self, optimizer: Any) -> Any:
+        optimizer = super().wrap_optimizer(optimizer)
+        m = self.model
+        self._updater = C.Updater(
+            m._engine, m._reducer, self._slots(), schedule=m.config.schedule,
+            optimizer=self._kind, correct_on_arrival=m.config.correct_on_arrival,
+            priority_front_fraction=m.config.priority_front_fraction,
+            rebuild_buckets=m.config.rebuild_buckets, raise_if_not_finite=m.config.check_finite)
+        self._updater.set_landers(self._gate.landers)
+        return optimizer
+
+    def _slots(self) -> list[tuple[Any, ...]]:
+        """Each parameter with its optimizer state, created as torch creates
+        it on the first step (an SGD momentum buffer the engine has not
+        initialised yet is kept out of state_dict(), see below)."""
+        opt = self._optimizer
+        assert opt is not None
+        group_of = {id(p): g for g, group in enumerate(opt.param_groups) for p in group["params"]}
+        slots = []
+        for name, p in zip(self.model._names, self.model._params):
+            group = opt.param_groups[group_of[id(p)]]
+            state = opt.state[p]
+            momentum_buffer = exp_avg = exp_avg_sq = max_exp_avg_sq = step = 0
+            initialised = False
+            if self._kind == "sgd":
+                buf = state.get("momentum_buffer")
+                initialised = buf is not None
+                if buf is None and group["momentum"] != 0:
+                    buf = state["momentum_buffer"] = torch.zeros_like(p)
+                if buf is not None:
+                    momentum_buffer = self._state_pointer(state, "momentum_buffer", p)
+            else:
+                if "step" not in state:
+                    state["step"] = torch.tensor(0.0)
+                    state["exp_avg"] = torch.zeros_like(p)
+                    state["exp_avg_sq"] = torch.zeros_like(p)
+                if group["amsgrad"] and "max_exp_avg_sq" not in state:
+                    state["max_exp_avg_sq"] = torch.zeros_like(p)
+                if not isinstance(state["step"], torch.Tensor) or \
+                        state["step"].dtype != torch.float32 or state["step"].device.type != "cpu":
+                    state["step"] = torch.tensor(float(state["step"]), dtype=torch.float32)
+                exp_avg = self._state_pointer(state, "exp_avg", p)
+                exp_avg_sq = self._state_pointer(state, "exp_avg_sq", p)
+                if "max_exp_avg_sq" in state:
+                    max_exp_avg_sq = self._state_pointer(state, "max_exp_avg_sq", p)
+                step = state["step"].data_ptr()
+            slots.append((name, p.data_ptr(), dtype_code(p.dtype), p.numel(),
+                          group_of[id(p)], momentum_buffer, initialised, exp_avg, exp_avg_sq,
+                          max_exp_avg_sq, step))
+        return slots
+
+    @staticmethod
+    def _state_pointer(state: dict[str, Any], key: str, p: torch.Tensor) -> int:
+        """The state tensor `key` as the engine reads it: contiguous, of the
+        parameter's dtype and size (replaced in `state` if it was not)."""
+        t = state[key]
+        if t.dtype != p.dtype or t.shape != p.shape or not t.is_contiguous() or \
+                t.device != p.device:
+            t = state[key] = t.to(device=p.device, dtype=p.dtype).reshape(p.shape).contiguous()
+        return int(t.data_ptr())
+
+    # ---- per iteration -----------------------------------------------------
+
+    def mark(self, index: int, grad: torch.Tensor) -> None:
+        if self._decoupled and not grad.is_contiguous():
+            raise ValueError(
+                f"parameter {self.model._names[index]!r} has a non-contiguous gradient; "
+                "schedule='decoupled' takes its local step from .grad in the engine. Make the "
+                "parameter contiguous or pass native_optimizer=False to hemiola.wrap.")
+        self._updater.mark(index, self.source(grad).data_ptr(), grad.data_ptr())
+
+    def backward_done(self, iteration: int, unmarked: list[int]) -> None:
+        super().backward_done(iteration, unmarked)
+        params = self.model._params
+        for i in unmarked:  # contributed as zeros; torch steps them if .grad exists
+            grad = params[i].grad
+            self._updater.set_local_grad(i, 0 if grad is None else grad.data_ptr())
+
+    def land(self, lander: int, indices: list[int]) -> None:
+        self._updater.land(lander, torch.is_grad_enabled())
+
+    def landers_learnt(self, landers: list[list[int]]) -> None:
+        if self._updater is not None:
+            self._updater.set_landers(landers)
+
+    def step(self) -> None:
+        """``optimizer.step()``: the engine lands and steps (see updater.h)."""
+        self.check_grads_untouched()
+        overflow = self.take_scaler_state()
+        opt = self._optimizer
+        assert opt is not None
+        hyper = [_hyper(group) for group in opt.param_groups]
+        iteration, self._finished = self._finished, None
+        if not self._decoupled:
+            self._buffers.finish()  # the previous iteration's broadcast, as DDP's order
+        if iteration is None:  # no synchronised backward since the last step
+            self._updater.step_local([0 if p.grad is None else p.grad.data_ptr()
+                                      for p in self.model._params], hyper)
+            return
+        clip = self.take_clip(iteration)
+        self._updater.step(
+            iteration, hyper, has_unused=bool(self._unmarked.pop(iteration, None)),
+            clip_max_norm=-1.0 if clip is None else clip[0],
+            clip_norm_type=2.0 if clip is None else clip[1],
+            skip_if_not_finite=self.scaling, local_overflow=overflow)
+
+    def synchronize(self) -> None:
+        if self._updater is not None:
+            self._updater.synchronize()
+        self._buffers.finish()
+
+    def parameters_replaced(self) -> None:
+        if self._updater is not None:
+            self._updater.replace_parameters(self._slots())
+
+    def optimizer_state_dict(self, inner: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+        opt = self._optimizer
+        if self._kind != "sgd" or opt is None:
+            return inner()
+        # A momentum buffer the first step has not filled is not torch's state.
+        hidden = {}
+        for p, initialised in zip(self.model._params, self._updater.momentum_initialised()):
+            if not initialised and "momentum_buffer" in opt.state.get(p, {}):
+                hidden[p] = opt.state[p].pop("momentum_buffer")
+        try:
+            return inner()
+        finally:
+            for p, buf in hidden.items():
+                opt.state[p]["momentum_buffer"] = buf
+
+    def stats(self) -> dict[str, float]:
+        if not self._decoupled:
+            return {}
+        return {"approximate_read_fraction": self._updater.approximate_read_fraction()}
