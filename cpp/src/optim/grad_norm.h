@@ -14,6 +14,8 @@ namespace hemiola::optim {
 void accumulate_norm(const void* data, std::int64_t numel, DType dtype, double p, double& acc);
 // The norm from an accumulator: acc^(1/p), or acc itself for p = infinity.
 double finish_norm(double acc, double p);
+// `x` rounded to `dtype`, as storing it in a tensor of that dtype does.
+double round_to(DType dtype, double x);
 // True when no element is NaN or infinite.
 bool all_finite(const void* data, std::int64_t numel, DType dtype);
 

@@ -142,7 +142,8 @@ class NativeUpdate(DeferredSchedule):
                 f"parameter {self.model._names[index]!r} has a non-contiguous gradient; "
                 "schedule='decoupled' takes its local step from .grad in the engine. Make the "
                 "parameter contiguous or pass native_optimizer=False to hemiola.wrap.")
-        self._updater.mark(index, self.source(grad).data_ptr(), grad.data_ptr())
+        source = self.source(grad)  # (kept alive until the engine has copied it)
+        self._updater.mark(index, source.data_ptr(), grad.data_ptr())
 
     def backward_done(self, iteration: int, unmarked: list[int]) -> None:
         super().backward_done(iteration, unmarked)
