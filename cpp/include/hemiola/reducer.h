@@ -31,6 +31,7 @@
 #include <string>
 #include <vector>
 
+#include "hemiola/config.h"
 #include "hemiola/export.h"
 #include "hemiola/handle.h"
 #include "hemiola/tensor.h"
@@ -114,6 +115,9 @@ class HEMIOLA_API Reducer {
   // plan order by a rebuild. Call between iterations.
   void set_issue_order(const std::vector<size_t>& order);
   std::vector<size_t> issue_order() const;
+
+  // The options it was made with.
+  const ReducerOptions& options() const;
 
   // Iterations started so far (the next iteration's number).
   uint64_t iterations_started() const;

@@ -701,6 +701,7 @@ std::vector<int> Reducer::usage(uint64_t iteration) const { return impl_->usage(
 std::vector<std::vector<size_t>> Reducer::buckets() const { return impl_->buckets(); }
 std::vector<size_t> Reducer::observed_order() const { return impl_->observed_order(); }
 size_t Reducer::pieces(size_t index) const { return impl_->pieces(index); }
+const ReducerOptions& Reducer::options() const { return impl_->options(); }
 void Reducer::rebuild_from_observed_order() { impl_->rebuild_from_observed_order(); }
 void Reducer::rebuild(const std::vector<size_t>& order) { impl_->rebuild(order); }
 uint64_t Reducer::iterations_started() const { return impl_->iterations_started(); }

@@ -61,6 +61,7 @@ class ReducerImpl {
   uint64_t iterations_started() const { return started_.load(std::memory_order_acquire); }
   const GradSpec& spec(size_t index) const { return specs_.at(index); }
   const Device& device() const { return options_.device; }
+  const ReducerOptions& options() const { return options_; }
   size_t size() const { return specs_.size(); }
 
  private:

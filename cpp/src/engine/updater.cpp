@@ -63,6 +63,15 @@ class UpdaterImpl {
     HEMIOLA_CHECK(options.priority_front_fraction >= 0.0 && options.priority_front_fraction <= 1.0,
                   "updater: priority_front_fraction must be in [0, 1], got ",
                   options.priority_front_fraction);
+    // One iteration reduces while the next marks, so the reducer must keep
+    // two sets of buffers; the first iteration's rebuild needs the order.
+    HEMIOLA_CHECK(reducer.options().in_flight == 1, "updater: the reducer must be made with "
+                  "ReducerOptions::in_flight = 1 (it has ", reducer.options().in_flight, ")");
+    HEMIOLA_CHECK(!options.rebuild_buckets || reducer.options().record_order,
+                  "updater: rebuild_buckets needs ReducerOptions::record_order");
+    HEMIOLA_CHECK(reducer.options().device.type == DeviceType::kCPU,
+                  "updater: the reducer's gradients are on a GPU; the updater steps CPU "
+                  "parameters only so far");
     adopt(std::move(params));
     landers_ = {all_};
     refresh_buckets();
