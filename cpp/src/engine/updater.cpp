@@ -37,7 +37,9 @@ struct Pending {
   bool scale_known = false;    // coef / skip below are computed
   double coef = 1.0;           // clip_grad_norm_'s coefficient
   bool skip = false;           // some averaged gradient is not finite (GradScaler)
-  std::vector<uint8_t> applied;  // per parameter
+  std::vector<uint8_t> applied;    // per parameter
+  std::vector<size_t> remaining;   // the parameters not applied yet, ascending
+  std::vector<uint8_t> bucket_arrived;  // per bucket, once seen reduced
 
   bool needs_whole() const {
     return options.has_unused || options.clip_max_norm >= 0.0 || options.skip_if_not_finite;
@@ -203,6 +205,7 @@ class UpdaterImpl {
     if (!landers_.empty()) landers_[0] = all_;
     local_grads_.assign(n, nullptr);
     read_.assign(n, 0);
+    selected_.assign(n, 0);
     if (options_.schedule == UpdateSchedule::kDecoupled) {
       shadow_.resize(n);
       for (size_t i = 0; i < n; ++i) {
@@ -309,7 +312,8 @@ class UpdaterImpl {
 
   // Applies the update of `wanted` (waiting for their buckets if `wait`, else
   // only those already reduced) and of every other parameter not read since
-  // step() whose buckets are reduced: one pass of optimizer steps.
+  // step() whose buckets are reduced: one pass of optimizer steps. The work
+  // is over the parameters still pending, not all of them.
   void update_priority(const std::vector<size_t>& wanted, bool wait) {
     Pending& pending = *pending_;
     std::vector<size_t> todo;
@@ -317,27 +321,21 @@ class UpdaterImpl {
       if (!pending.applied[i]) todo.push_back(i);
     }
     if (wait && !todo.empty()) wait_for(pending, todo);
-    std::vector<uint8_t> chosen(params_.size(), 0);
-    size_t count = 0;
     if (wait) {
-      for (size_t i : todo) chosen[i] = 1, ++count;
+      for (size_t i : todo) selected_[i] = 1;
     }
-    for (size_t i = 0; i < params_.size(); ++i) {
-      if (!chosen[i] && !pending.applied[i] && !read_[i] && arrived(pending, i)) {
-        chosen[i] = 1;
-        ++count;
-      }
+    std::vector<size_t> chosen;
+    for (size_t i : pending.remaining) {
+      if (selected_[i] || (!read_[i] && arrived(pending, i))) chosen.push_back(i);
     }
-    if (count > 0) {
+    for (size_t i : todo) selected_[i] = 0;
+    if (!chosen.empty()) {
       const int64_t start = engine_.timeline_now_us();
       apply(pending, chosen);
-      record(detail::concat("update ", count, " parameters (", pending.iteration, ")"), "step",
-             start);
+      record(detail::concat("update ", chosen.size(), " parameters (", pending.iteration, ")"),
+             "step", start);
     }
-    if (std::all_of(pending.applied.begin(), pending.applied.end(),
-                    [](uint8_t a) { return a != 0; })) {
-      pending_.reset();
-    }
+    if (pending.remaining.empty()) pending_.reset();
   }
 
   // ---- decoupled -----------------------------------------------------------------
@@ -377,33 +375,21 @@ class UpdaterImpl {
   // that have arrived and that no forward read since step().
   void advance_decoupled(bool wait) {
     Pending& pending = *pending_;
-    std::vector<uint8_t> chosen(params_.size(), 0);
-    size_t count = 0;
+    std::vector<size_t> chosen;
     if (wait) {
-      std::vector<size_t> todo;
-      for (size_t i = 0; i < params_.size(); ++i) {
-        if (!pending.applied[i]) todo.push_back(i);
-      }
-      if (!todo.empty()) wait_for(pending, todo);
-      for (size_t i : todo) chosen[i] = 1;
-      count = todo.size();
+      chosen = pending.remaining;
+      if (!chosen.empty()) wait_for(pending, chosen);
     } else if (!pending.needs_whole()) {
-      for (size_t i = 0; i < params_.size(); ++i) {
-        if (!pending.applied[i] && !read_[i] && arrived(pending, i)) {
-          chosen[i] = 1;
-          ++count;
-        }
+      for (size_t i : pending.remaining) {
+        if (!read_[i] && arrived(pending, i)) chosen.push_back(i);
       }
     }
-    if (count > 0) {
+    if (!chosen.empty()) {
       const int64_t start = engine_.timeline_now_us();
       apply(pending, chosen);
-      record(detail::concat("exact step (", count, " parameters)"), "correction", start);
+      record(detail::concat("exact step (", chosen.size(), " parameters)"), "correction", start);
     }
-    if (std::all_of(pending.applied.begin(), pending.applied.end(),
-                    [](uint8_t a) { return a != 0; })) {
-      pending_.reset();
-    }
+    if (pending.remaining.empty()) pending_.reset();
   }
 
   // ---- common ----------------------------------------------------------------
@@ -413,12 +399,17 @@ class UpdaterImpl {
     pending_->iteration = iteration;
     pending_->options = options;
     pending_->applied.assign(params_.size(), 0);
+    pending_->remaining = all_;
+    pending_->bucket_arrived.assign(bucket_bytes_.size(), 0);
   }
 
-  bool arrived(const Pending& pending, size_t index) const {
+  bool arrived(Pending& pending, size_t index) const {
     if (pending.gathered) return true;
     for (size_t b : buckets_of_[index]) {
-      if (!reducer_.bucket_done(pending.iteration, b)) return false;
+      if (!pending.bucket_arrived[b]) {
+        if (!reducer_.bucket_done(pending.iteration, b)) return false;
+        pending.bucket_arrived[b] = 1;
+      }
     }
     return true;
   }
@@ -447,7 +438,7 @@ class UpdaterImpl {
   // parameters no rank used are skipped, clipping scales the gradients by the
   // coefficient of the whole averaged gradient, and a non-finite one under a
   // GradScaler skips the update on every rank.
-  void apply(Pending& pending, const std::vector<uint8_t>& chosen) {
+  void apply(Pending& pending, const std::vector<size_t>& chosen) {
     const StepOptions& o = pending.options;
     if (o.has_unused && pending.usage.empty()) pending.usage = reducer_.usage(pending.iteration);
     auto used = [&](size_t i) { return pending.usage.empty() || pending.usage[i] > 0; };
@@ -456,15 +447,12 @@ class UpdaterImpl {
       scale_of(pending, used);
     }
     if (options_.raise_if_not_finite && !o.skip_if_not_finite) {
-      for (size_t i = 0; i < params_.size(); ++i) {
-        if (chosen[i] && used(i) &&
-            !optim::all_finite(reduced(pending, i), params_[i].param.numel,
-                               params_[i].param.dtype)) {
+      for (size_t i : chosen) {
+        if (used(i) && !optim::all_finite(reduced(pending, i), params_[i].param.numel,
+                                          params_[i].param.dtype)) {
           // Nothing of the iteration is applied, and the live parameters
           // are the exact ones (a local step may have taken the NaN in).
-          for (size_t j = 0; j < params_.size(); ++j) {
-            if (!pending.applied[j]) restore(j);
-          }
+          for (size_t j : pending.remaining) restore(j);
           pending_.reset();
           HEMIOLA_THROW(
               ErrorCode::kNotFinite, "hemiola: the averaged gradient of parameter '",
@@ -475,8 +463,7 @@ class UpdaterImpl {
         }
       }
     }
-    for (size_t i = 0; i < params_.size(); ++i) {
-      if (!chosen[i]) continue;
+    for (size_t i : chosen) {
       if (pending.skip || !used(i)) {
         restore(i);  // decoupled: drop the approximate step
       } else {
@@ -484,6 +471,10 @@ class UpdaterImpl {
       }
       pending.applied[i] = 1;
     }
+    auto& remaining = pending.remaining;
+    remaining.erase(std::remove_if(remaining.begin(), remaining.end(),
+                                   [&](size_t i) { return pending.applied[i] != 0; }),
+                    remaining.end());
   }
 
   // The GradScaler skip (any averaged gradient not finite) and the clipping
@@ -604,6 +595,7 @@ class UpdaterImpl {
   std::vector<uint8_t> partitioned_;  // per parameter: cut into pieces (result() cannot hold it)
   std::vector<void*> local_grads_;   // this iteration's own gradients
   std::vector<uint8_t> read_;        // read by a forward since the last step()
+  std::vector<uint8_t> selected_;    // scratch of update_priority (all zero between calls)
   std::vector<Buffer> shadow_;       // decoupled: the exact parameters
   std::vector<Buffer> gathered_[2];  // per iteration parity: results kept here
   std::optional<Pending> pending_;

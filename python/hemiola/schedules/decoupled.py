@@ -23,8 +23,12 @@ pending, in ``optimizer.step()``, which then waits. With
 ``correct_on_arrival=False`` it lands only then, which makes training
 independent of network timing (bitwise reproducible).
 
-The exact parameters and optimizer state live in a shadow copy; both steps
-are the user's own optimizer (the others' gradients hidden), so every
+By default the engine runs this schedule (``hemiola.schedules.native``: the
+shadow, the landing graph and the SGD / Adam / AdamW steps in C++, see
+cpp/include/hemiola/updater.h). This module is the path for everything else
+(other optimizers, GPU parameters, ``in_flight > 1``): the exact parameters
+and optimizer state live in a shadow copy; both steps are the user's own
+optimizer (the others' gradients hidden), so every
 ``torch.optim`` optimizer whose update is per parameter works (SGD with
 momentum/Nesterov/weight decay, Adam, AdamW, RMSprop, ...), learning-rate
 schedulers included (each step uses the hyper-parameters its iteration ran

@@ -23,10 +23,13 @@ Same math as ``wfbp``, different timing:
   the front layers' buckets; a parameter is updated once all its pieces are
   reduced.
 
-Each bucket's update is the user's own optimizer stepping only that bucket's
-parameters (the others' gradients are hidden), with the hyper-parameters of
-the iteration it belongs to, so every ``torch.optim`` optimizer whose update
-is per parameter works, LR schedulers included.
+By default the engine runs this schedule (``hemiola.schedules.native``: the
+landing graph and the SGD / Adam / AdamW step in C++). This module is the
+path for everything else: each bucket's update is the user's own optimizer
+stepping only that bucket's parameters (the others' gradients are hidden),
+with the hyper-parameters of the iteration it belongs to, so every
+``torch.optim`` optimizer whose update is per parameter works, LR schedulers
+included.
 """
 
 from __future__ import annotations
