@@ -514,8 +514,8 @@ class UpdaterImpl {
       const double total = optim::round_to(d, inf_norm ? rounded : std::pow(rounded, 1.0 / p));
       // max_norm / x is reciprocal(x) * max_norm for a tensor x.
       const double inverse = optim::round_to(d, 1.0 / optim::round_to(d, total + 1e-6));
-      const double coef = optim::round_to(
-          d, static_cast<double>(static_cast<float>(inverse) * static_cast<float>(o.clip_max_norm)));
+      const float product = static_cast<float>(inverse) * static_cast<float>(o.clip_max_norm);
+      const double coef = optim::round_to(d, static_cast<double>(product));
       pending.coef = std::min(1.0, d == DType::kFloat64 ? inverse * o.clip_max_norm : coef);
     }
     pending.scale_known = true;

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 
 #include "engine/dtype_math.h"
 #include "hemiola/status.h"
@@ -16,6 +17,9 @@
 #define HEMIOLA_OPTIM_CLONES
 #endif
 #define HEMIOLA_INLINE __attribute__((always_inline)) inline
+// Lambdas too: an out-of-line lambda would be compiled for the baseline only,
+// not for the x86-64-v3 clone that calls it.
+#define HEMIOLA_INLINE_LAMBDA __attribute__((always_inline))
 
 namespace hemiola::optim {
 
@@ -67,8 +71,52 @@ HEMIOLA_INLINE M lerp(M self, M end, M weight) {
                          : std::fma(-(M(1) - weight), end - self, end);
 }
 
-template <typename C>
-HEMIOLA_INLINE void sgd(const SgdTensors& t, std::int64_t n, const SgdHyper& h, bool commit) {
+// Calls f(std::integral_constant<int, value>{}) for value in [0, N): a
+// run-time option becomes a compile-time one, so each combination of options
+// gets a loop without branches in it (which is what lets it vectorise).
+template <int N, int K = 0, typename F>
+HEMIOLA_INLINE void with_choice(int value, F&& f) {
+  if constexpr (K + 1 < N) {
+    if (value != K) return with_choice<N, K + 1>(value, f);
+  }
+  f(std::integral_constant<int, K>{});
+}
+
+// What a step writes: the live parameters only (the approximate step), or
+// committing, the live parameters and the shadow, or both once when they are
+// the same memory. The two pointers of kBoth never overlap, so the compiler's
+// run-time overlap check passes and the loop stays vectorised.
+enum Write : int { kLive = 0, kBoth = 1, kInPlace = 2 };
+
+int write_of(const void* param, const void* shadow, bool commit) {
+  return !commit ? kLive : param == shadow ? kInPlace : kBoth;
+}
+
+template <int kWrite, typename S>
+HEMIOLA_INLINE void write(S* param, S* shadow, std::int64_t i, S value) {
+  if constexpr (kWrite == kInPlace) {
+    shadow[i] = value;
+  } else {
+    param[i] = value;
+    if constexpr (kWrite == kBoth) shadow[i] = value;
+  }
+}
+
+// SGD's momentum: none, the first step (the buffer is created), or later
+// steps; each plain or Nesterov.
+enum Momentum : int { kNone = 0, kFirst = 1, kFirstNesterov = 2, kPlain = 3, kNesterov = 4 };
+
+int momentum_of(const SgdHyper& h) {
+  if (h.momentum == 0.0) return kNone;
+  if (h.first_step) return h.nesterov ? kFirstNesterov : kFirst;
+  return h.nesterov ? kNesterov : kPlain;
+}
+
+template <typename C, int kMomentum, bool kDecay, int kWrite>
+HEMIOLA_INLINE void sgd_loop(const SgdTensors& t, std::int64_t n, const SgdHyper& h) {
+  constexpr bool kCommit = kWrite != kLive;
+  constexpr bool kIsFirst = kMomentum == kFirst || kMomentum == kFirstNesterov;
+  constexpr bool kIsNesterov = kMomentum == kFirstNesterov || kMomentum == kNesterov;
   using S = typename C::Storage;
   using M = typename C::Math;
   auto* param = static_cast<S*>(t.param);
@@ -81,30 +129,51 @@ HEMIOLA_INLINE void sgd(const SgdTensors& t, std::int64_t n, const SgdHyper& h, 
   const M mu_alpha = C::alpha(h.momentum);  // grad.add(buf, alpha=momentum)
   const M keep = C::alpha(1.0 - h.dampening);
   const M neg_lr = C::alpha(-h.lr);
-  const bool momentum = h.momentum != 0.0;
-  const bool scaled = h.grad_scale != 1.0;
-  const M scale = static_cast<M>(static_cast<float>(h.grad_scale));  // a float32 coefficient
+  // grad * coef (a float32 coefficient), negated under maximize: exact when
+  // the coefficient is 1, and rounding is symmetric, so one multiply does both.
+  const float coef = static_cast<float>(h.grad_scale);
+  const M factor = static_cast<M>(h.maximize ? -coef : coef);
   for (std::int64_t i = 0; i < n; ++i) {
     const M w = C::load(shadow[i]);
-    M g = C::load(grad[i]);
-    if (scaled) g = C::round(g * scale);  // grad * coef
-    if (h.maximize) g = -g;
-    if (wd != M(0)) g = C::round(std::fma(wd, w, g));  // grad.add(param, alpha=wd)
+    M g = C::round(C::load(grad[i]) * factor);
+    if constexpr (kDecay) g = C::round(std::fma(wd, w, g));  // grad.add(param, alpha=wd)
     M d = g;
-    if (momentum) {
-      M b = h.first_step ? g                            // buf = clone(grad)
-                         : C::round(std::fma(keep, g, C::round(C::load(buf[i]) * mu)));
-      if (commit) buf[i] = C::store(b);                 // (buf.mul_(mu).add_(g, alpha=keep))
-      d = h.nesterov ? C::round(std::fma(mu_alpha, b, g)) : b;  // grad.add(buf, alpha=mu)
+    if constexpr (kMomentum != kNone) {
+      M b;
+      if constexpr (kIsFirst) {
+        b = g;                                                // buf = clone(grad)
+      } else {
+        b = C::round(std::fma(keep, g, C::round(C::load(buf[i]) * mu)));
+      }
+      if constexpr (kCommit) buf[i] = C::store(b);            // (buf.mul_(mu).add_(g, alpha=keep))
+      if constexpr (kIsNesterov) {
+        d = C::round(std::fma(mu_alpha, b, g));               // grad.add(buf, alpha=mu)
+      } else {
+        d = b;
+      }
     }
-    const S out = C::store(std::fma(neg_lr, d, w));     // param.add_(d, alpha=-lr)
-    param[i] = out;
-    if (commit) shadow[i] = out;
+    write<kWrite>(param, shadow, i, C::store(std::fma(neg_lr, d, w)));
   }
 }
 
 template <typename C>
-HEMIOLA_INLINE void adam(const AdamTensors& t, std::int64_t n, const AdamHyper& h, bool commit) {
+HEMIOLA_INLINE void sgd(const SgdTensors& t, std::int64_t n, const SgdHyper& h, bool commit) {
+  with_choice<5>(momentum_of(h), [&](auto kMomentum) HEMIOLA_INLINE_LAMBDA {
+    with_choice<2>(h.weight_decay != 0.0, [&](auto kDecay) HEMIOLA_INLINE_LAMBDA {
+      const int written = write_of(t.param, t.shadow, commit);
+      with_choice<3>(written, [&](auto kWrite) HEMIOLA_INLINE_LAMBDA {
+        sgd_loop<C, kMomentum, kDecay != 0, kWrite>(t, n, h);
+      });
+    });
+  });
+}
+
+// Adam's weight decay: none, L2 (Adam's), or decoupled (AdamW's).
+enum Decay : int { kNoDecay = 0, kL2 = 1, kDecoupled = 2 };
+
+template <typename C, int kDecay, bool kAmsgrad, int kWrite>
+HEMIOLA_INLINE void adam_loop(const AdamTensors& t, std::int64_t n, const AdamHyper& h) {
+  constexpr bool kCommit = kWrite != kLive;
   using S = typename C::Storage;
   using M = typename C::Math;
   auto* param = static_cast<S*>(t.param);
@@ -125,39 +194,45 @@ HEMIOLA_INLINE void adam(const AdamTensors& t, std::int64_t n, const AdamHyper& 
   const M beta2 = static_cast<M>(h.beta2);
   const M one_minus_beta2 = static_cast<M>(1.0 - h.beta2);
   const M eps = static_cast<M>(h.eps);
-  const bool scaled = h.grad_scale != 1.0;
-  const M scale = static_cast<M>(static_cast<float>(h.grad_scale));  // a float32 coefficient
+  const float coef = static_cast<float>(h.grad_scale);  // as in sgd_loop
+  const M factor = static_cast<M>(h.maximize ? -coef : coef);
   for (std::int64_t i = 0; i < n; ++i) {
     M w = C::load(shadow[i]);
-    M g = C::load(grad[i]);
-    if (scaled) g = C::round(g * scale);  // grad * coef
-    if (h.maximize) g = -g;
-    if (h.weight_decay != 0.0) {
-      if (h.decoupled_weight_decay) {
-        w = C::round(w * decay);                        // param.mul_(1 - lr * wd)
-      } else {
-        g = C::round(std::fma(wd, w, g));               // grad.add(param, alpha=wd)
-      }
+    M g = C::round(C::load(grad[i]) * factor);
+    if constexpr (kDecay == kDecoupled) {
+      w = C::round(w * decay);                            // param.mul_(1 - lr * wd)
+    } else if constexpr (kDecay == kL2) {
+      g = C::round(std::fma(wd, w, g));                   // grad.add(param, alpha=wd)
     }
     const M m_old = C::load(exp_avg[i]);
     const M m = C::round(lerp(m_old, g, one_minus_beta1));  // exp_avg.lerp_(grad, 1 - beta1)
     const M v = C::round(std::fma(one_minus_beta2 * g, g,  // exp_avg_sq.mul_(beta2)
                                   C::round(C::load(exp_avg_sq[i]) * beta2)));  // .addcmul_
-
     M v_hat = v;
-    if (h.amsgrad) {
-      v_hat = std::max(C::load(vmax[i]), v);            // torch.maximum(vmax, v, out=vmax)
-      if (commit) vmax[i] = C::store(v_hat);
+    if constexpr (kAmsgrad) {
+      v_hat = std::max(C::load(vmax[i]), v);              // torch.maximum(vmax, v, out=vmax)
+      if constexpr (kCommit) vmax[i] = C::store(v_hat);
     }
     const M denom = C::round(C::round(C::round(std::sqrt(v_hat)) / bias2_sqrt) + eps);
-    const S out = C::store(w + (neg_step_size * m) / denom);  // addcdiv_(m, denom, -step_size)
-    param[i] = out;
-    if (commit) {
-      shadow[i] = out;
+    write<kWrite>(param, shadow, i, C::store(w + (neg_step_size * m) / denom));  // addcdiv_
+    if constexpr (kCommit) {
       exp_avg[i] = C::store(m);
       exp_avg_sq[i] = C::store(v);
     }
   }
+}
+
+template <typename C>
+HEMIOLA_INLINE void adam(const AdamTensors& t, std::int64_t n, const AdamHyper& h, bool commit) {
+  const int decay = h.weight_decay == 0.0 ? kNoDecay : h.decoupled_weight_decay ? kDecoupled : kL2;
+  with_choice<3>(decay, [&](auto kDecay) HEMIOLA_INLINE_LAMBDA {
+    with_choice<2>(h.amsgrad, [&](auto kAmsgrad) HEMIOLA_INLINE_LAMBDA {
+      const int written = write_of(t.param, t.shadow, commit);
+      with_choice<3>(written, [&](auto kWrite) HEMIOLA_INLINE_LAMBDA {
+        adam_loop<C, kDecay, kAmsgrad != 0, kWrite>(t, n, h);
+      });
+    });
+  });
 }
 
 template <template <typename> class Step, typename... Args>
@@ -190,8 +265,8 @@ struct AdamStep {
 
 }  // namespace
 
-HEMIOLA_OPTIM_CLONES void cpu_sgd_step(const SgdTensors& t, std::int64_t numel, DType dtype, const SgdHyper& hyper,
-                  bool commit) {
+HEMIOLA_OPTIM_CLONES void cpu_sgd_step(const SgdTensors& t, std::int64_t numel, DType dtype,
+                                       const SgdHyper& hyper, bool commit) {
   dispatch<SgdStep>(dtype, t, numel, hyper, commit);
 }
 
