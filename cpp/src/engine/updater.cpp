@@ -453,10 +453,11 @@ class UpdaterImpl {
           // Nothing of the iteration is applied, and the live parameters
           // are the exact ones (a local step may have taken the NaN in).
           for (size_t j : pending.remaining) restore(j);
-          pending_.reset();
+          const uint64_t iteration = pending.iteration;
+          pending_.reset();  // (`pending` is gone from here on)
           HEMIOLA_THROW(
               ErrorCode::kNotFinite, "hemiola: the averaged gradient of parameter '",
-              params_[i].name, "' holds NaN or infinity in iteration ", pending.iteration,
+              params_[i].name, "' holds NaN or infinity in iteration ", iteration,
               " (check_finite=True); it was not applied. Some rank's loss diverged or "
               "overflowed: lower the learning rate, check the inputs, or scale fp16 losses "
               "with a GradScaler (grad_scaler=...).");
