@@ -3,7 +3,7 @@ function calls and how many native (C / C++) calls one steady-state training
 iteration (forward, backward, optimizer.step) makes, divided by the number of
 parameters, and the time per iteration, on one CPU rank.
 
-    python bench/python_overhead.py [--layers 64] [--width 64] [--iterations 20]
+    python bench/python_overhead.py [--layers 64] [--width 64] [--iterations 20] [--blocks 7]
 
 The model is a deep, narrow MLP (2 parameters per layer), so that the work per
 parameter, not the arithmetic, sets the time. torch DDP and a bare model (no
@@ -16,6 +16,7 @@ count for the bare model, so that what remains is the wrapper's own work.
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -73,29 +74,41 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--layers", type=int, default=64)
     parser.add_argument("--width", type=int, default=64)
-    parser.add_argument("--iterations", type=int, default=20)
+    parser.add_argument("--iterations", type=int, default=20, help="per block")
+    parser.add_argument("--blocks", type=int, default=7,
+                        help="blocks of iterations per variant, alternating between "
+                             "variants; the median block is reported")
     args = parser.parse_args()
     hemiola.init()  # a one-rank process group (DDP needs one too)
     names = ["bare", "ddp", "wfbp", "priority", "priority/torch-step", "decoupled",
              "decoupled/torch-step"]
-    results = {}
+    runs: dict[str, Callable[[], None]] = {}
+    counts: dict[str, tuple[int, int]] = {}
+    params = 0
     for name in names:
         iteration, params = _variant(name, args.layers, args.width)
         for _ in range(3):  # warm-up: first iterations rebuild buckets, learn landing points
             iteration()
-        python_calls, native_calls = _count(iteration)
-        start = time.perf_counter()
-        for _ in range(args.iterations):
-            iteration()
-        ms = (time.perf_counter() - start) / args.iterations * 1e3
-        results[name] = (python_calls, native_calls, ms, params)
-    bare_py, bare_c, bare_ms, params = results["bare"]
+        counts[name] = _count(iteration)
+        runs[name] = iteration
+    # Alternating blocks, so that a slow spell of a shared machine hits every
+    # variant alike.
+    blocks: dict[str, list[float]] = {name: [] for name in names}
+    for _ in range(args.blocks):
+        for name, iteration in runs.items():
+            start = time.perf_counter()
+            for _ in range(args.iterations):
+                iteration()
+            blocks[name].append((time.perf_counter() - start) / args.iterations * 1e3)
+    bare_py, bare_c = counts["bare"]
     print(f"{params} parameters ({args.layers} layers of {args.width}), one CPU rank; "
-          "calls per parameter per iteration beyond the bare model's")
+          "calls per parameter per iteration beyond the bare model's; ms per iteration: "
+          f"median of {args.blocks} alternating blocks of {args.iterations}")
     print(f"{'variant':<22} {'python calls':>12} {'native calls':>12} {'ms/iteration':>13}")
-    for name, (py, c, ms, _) in results.items():
+    for name in names:
+        py, c = counts[name]
         print(f"{name:<22} {(py - bare_py) / params:>12.1f} {(c - bare_c) / params:>12.1f} "
-              f"{ms:>13.2f}")
+              f"{statistics.median(blocks[name]):>13.2f}")
 
 
 if __name__ == "__main__":
