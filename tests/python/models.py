@@ -17,6 +17,20 @@ class MLP(nn.Module):
         return self.net(x)
 
 
+class PeekMLP(nn.Module):
+    """Reads its first layer's weight in its own forward before calling that
+    layer: the first read of ``fc1.weight`` is not in ``fc1``'s forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(20, 32)
+        self.fc2 = nn.Linear(32, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shifted = x + 10.0 * self.fc1.weight.mean(0)
+        return self.fc2(torch.relu(self.fc1(shifted)))
+
+
 class CNN(nn.Module):
     # Convolutions before BatchNorm have no bias (as in ResNets): BatchNorm
     # cancels it, so its gradient is pure rounding noise that Adam would
@@ -64,14 +78,14 @@ class TinyTransformerLM(nn.Module):
 
 
 def make_model(name: str) -> nn.Module:
-    return {"mlp": MLP, "cnn": CNN, "transformer": TinyTransformerLM}[name]()
+    return {"mlp": MLP, "peek": PeekMLP, "cnn": CNN, "transformer": TinyTransformerLM}[name]()
 
 
 def make_batch(name: str, step: int, rank: int, world: int, batch: int = 8
                ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rank `rank`'s shard of global batch `step` (same data whatever the world)."""
     g = torch.Generator().manual_seed(1000 + step)
-    if name == "mlp":
+    if name in ("mlp", "peek"):
         x = torch.randn(batch * world, 20, generator=g)
         y = torch.randint(0, 5, (batch * world,), generator=g)
     elif name == "cnn":

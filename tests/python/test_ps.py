@@ -39,6 +39,22 @@ def test_bsp_equals_wfbp_allreduce(servers: int, workers: int, model: str, opt: 
     assert all(s["rejected"] == 0 for s in served)
 
 
+def test_pull_lands_where_the_parameter_is_first_read() -> None:
+    # PeekMLP reads fc1.weight in its own forward before calling fc1. Worker
+    # 1 lags, so worker 0's bsp pulls are still in flight when its next
+    # forward starts: the pull must be taken before that first read (where
+    # the forward gate learnt it), not at fc1, or the gradient is silently
+    # taken at stale values.
+    steps = 4
+    reference = run_local(ps_workers.wfbp_train, 2, "peek", "sgd", steps)[0]
+    options = {"consistency": "bsp", "num_servers": 1, "timeout_s": 60}
+    results = run_local(ps_workers.train, 3, options, "peek", "sgd", steps, {1: 0.1})
+    for w in _workers(results):
+        for name, ref in reference.items():
+            torch.testing.assert_close(w["params"][name], ref, rtol=1e-4, atol=1e-5,
+                                       msg=lambda m, n=name, i=w["worker"]: f"worker {i} {n}: {m}")
+
+
 @pytest.mark.parametrize("consistency,correction,w0_taus", [
     ("asp", True, [0, 0, 0]),
     ("eager", False, [0, 1, 1]),

@@ -4,7 +4,6 @@ backward produces them and pulls parameters per module as forward needs them."""
 from __future__ import annotations
 
 import atexit
-import collections
 import contextlib
 import types
 import weakref
@@ -17,6 +16,7 @@ from torch import nn
 from hemiola._native import C
 from hemiola.ps.config import PSConfig
 from hemiola.ps.roles import Role, job_token, rendezvous_store
+from hemiola.schedules.gate import ForwardGate
 
 _OPTIMIZERS = {torch.optim.SGD: "sgd", torch.optim.Adam: "adam", torch.optim.AdamW: "adamw"}
 
@@ -103,22 +103,15 @@ class ParameterServerModel(nn.Module):
         self._closed = False
         self.synchronize()  # every worker starts from worker 0's parameters
 
-        # Which module's forward waits for which parameter: at first its owner;
-        # after the first forward, the nearest ancestor-or-self whose forward
-        # actually ran (nn.MultiheadAttention reads out_proj.weight without
-        # calling out_proj, for example).
-        self._modules_by_name = dict(module.named_modules())
-        self._waits: dict[str, list[int]] = collections.defaultdict(list)
-        for name, sub in self._modules_by_name.items():
-            for p in sub.parameters(recurse=False):
-                if id(p) in self._index:
-                    self._waits[name].append(self._index[id(p)])
-        self._fired: set[str] | None = set()  # modules that ran in the first forward
         self._hooks = [module.register_forward_pre_hook(self._on_forward)]
         if config.consistency == "eager":
             self._hooks.append(module.register_forward_hook(self._after_forward))
-        for name, sub in self._modules_by_name.items():
-            self._hooks.append(sub.register_forward_pre_hook(self._pull_hook(name)))
+        # Which module's forward waits for which pull: the module that reads
+        # the parameter first, learnt in the first training forward, as the
+        # all-reduce schedules do (nn.MultiheadAttention reads out_proj.weight
+        # without calling out_proj, for example). Registered after _on_forward,
+        # which must run first.
+        self._gate = ForwardGate(module, self._params, self._take_pulls)
         for p in self._params:
             self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad))
         optimizer.step = types.MethodType(self._optimizer_step, optimizer)
@@ -153,29 +146,9 @@ class ParameterServerModel(nn.Module):
                         self._client.set_hyper(i, C.ps.Hyper(*h))
         self._order = []
 
-    def _pull_hook(self, name: str) -> Any:
-        def hook(module: nn.Module, args: Any) -> None:
-            if self._fired is not None:
-                self._fired.add(name)
-            for i in self._waits.get(name, ()):
-                self._take_pull(i)
-        return hook
-
-    def _learn_waits(self) -> None:
-        """After the first forward: move each parameter's wait to the nearest
-        ancestor-or-self module whose forward ran."""
-        fired, self._fired = self._fired, None
-        if not fired:
-            return  # no forward ran through the hooks: keep the owners
-        waits: dict[str, list[int]] = collections.defaultdict(list)
-        for owner, indices in self._waits.items():
-            name = owner
-            while name and name not in fired:
-                name = name.rpartition(".")[0]
-            for i in indices:
-                if i not in waits[name]:
-                    waits[name].append(i)
-        self._waits = waits
+    def _take_pulls(self, lander: int, indices: list[int]) -> None:
+        for i in indices:
+            self._take_pull(i)
 
     def _take_pull(self, i: int) -> None:
         if self._pending[i]:
@@ -191,9 +164,10 @@ class ParameterServerModel(nn.Module):
         name = self._names[i]
         if self._pending[i]:
             raise RuntimeError(
-                f"parameter {name!r} got a gradient while its pull was still pending: it was "
-                "used without its own module's forward running (e.g. a parent module read "
-                "child.weight directly). Call model.synchronize() before such a forward.")
+                f"parameter {name!r} got a gradient while its pull was still pending: this "
+                "forward read it before the module that read it first in the first training "
+                "forward ran. Call model.synchronize() before a forward whose order of "
+                "parameter reads differs.")
         if self._pushed[i]:
             raise RuntimeError(
                 f"parameter {name!r} got a second gradient in one iteration: call "
@@ -228,8 +202,6 @@ class ParameterServerModel(nn.Module):
     def _optimizer_step(self, optimizer: torch.optim.Optimizer, closure: Any = None) -> None:
         if closure is not None:
             raise ValueError("hemiola.ps does not support optimizer closures")
-        if self._fired is not None:
-            self._learn_waits()
         for i in range(len(self._params)):
             if self._pushed[i]:
                 continue
@@ -251,7 +223,8 @@ class ParameterServerModel(nn.Module):
     # ---- public API -------------------------------------------------------------
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        return self.module(*args, **kwargs)
+        with self._gate.scope():  # the first training forward is observed
+            return self.module(*args, **kwargs)
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -322,6 +295,7 @@ class ParameterServerModel(nn.Module):
         finally:
             for hook in self._hooks:
                 hook.remove()
+            self._gate.remove()
             self._client.close()
 
 
