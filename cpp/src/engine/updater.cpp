@@ -61,7 +61,7 @@ class UpdaterImpl {
   UpdaterImpl(Engine& engine, Reducer& reducer, std::vector<ParameterSlot> params,
               const UpdaterOptions& options)
       : engine_(engine), reducer_(reducer), options_(options),
-        rebuilt_(!options.rebuild_buckets) {
+        timeline_(engine.options().timeline), rebuilt_(!options.rebuild_buckets) {
     HEMIOLA_CHECK(options.priority_front_fraction >= 0.0 && options.priority_front_fraction <= 1.0,
                   "updater: priority_front_fraction must be in [0, 1], got ",
                   options.priority_front_fraction);
@@ -134,7 +134,7 @@ class UpdaterImpl {
     for (size_t i = 0; i < params_.size(); ++i) {
       if (grads[i]) optimizer_step(i, grads[i], options.hyper, 1.0, /*commit=*/true);
     }
-    record("local step (no reduction)", "step", start);
+    record("step", start, "local step (no reduction)");
   }
 
   void land(size_t lander, bool training) {
@@ -332,8 +332,7 @@ class UpdaterImpl {
     if (!chosen.empty()) {
       const int64_t start = engine_.timeline_now_us();
       apply(pending, chosen);
-      record(detail::concat("update ", chosen.size(), " parameters (", pending.iteration, ")"),
-             "step", start);
+      record("step", start, "update ", chosen.size(), " parameters (", pending.iteration, ")");
     }
     if (pending.remaining.empty()) pending_.reset();
   }
@@ -364,7 +363,7 @@ class UpdaterImpl {
       for (size_t i = 0; i < params_.size(); ++i) {
         if (local_grads_[i]) optimizer_step(i, local_grads_[i], options.hyper, 1.0, false);
       }
-      record(detail::concat("local step ", iteration), "step", start);
+      record("step", start, "local step ", iteration);
     }
     start_pending(iteration, options);
     pending_->gathered = gathered;
@@ -387,7 +386,7 @@ class UpdaterImpl {
     if (!chosen.empty()) {
       const int64_t start = engine_.timeline_now_us();
       apply(pending, chosen);
-      record(detail::concat("exact step (", chosen.size(), " parameters)"), "correction", start);
+      record("correction", start, "exact step (", chosen.size(), " parameters)");
     }
     if (pending.remaining.empty()) pending_.reset();
   }
@@ -421,7 +420,7 @@ class UpdaterImpl {
     const int64_t start = engine_.timeline_now_us();
     if (pending.needs_whole()) {
       reducer_.wait(pending.iteration, StreamRef{});
-      record(detail::concat("wait reduction ", pending.iteration), "wait", start);
+      record("wait", start, "wait reduction ", pending.iteration);
       return;
     }
     std::vector<uint8_t> needed(bucket_bytes_.size(), 0);
@@ -431,7 +430,7 @@ class UpdaterImpl {
     for (size_t b : reducer_.issue_order()) {
       if (needed[b]) reducer_.wait_bucket(pending.iteration, b, StreamRef{});
     }
-    record(detail::concat("wait buckets (", pending.iteration, ")"), "wait", start);
+    record("wait", start, "wait buckets (", pending.iteration, ")");
   }
 
   // The parameters `chosen` (all arrived) take the exact step of `pending`:
@@ -580,13 +579,19 @@ class UpdaterImpl {
     if (commit) *p.step += 1.0f;
   }
 
-  void record(const std::string& name, const char* category, int64_t start) {
-    engine_.timeline_record("compute", name, category, start, engine_.timeline_now_us());
+  // A timeline event on the compute lane; the name is only built when the
+  // timeline is recorded (this is on the per-lander path).
+  template <typename... Parts>
+  void record(const char* category, int64_t start, const Parts&... name) {
+    if (!timeline_) return;
+    engine_.timeline_record("compute", detail::concat(name...), category, start,
+                            engine_.timeline_now_us());
   }
 
   Engine& engine_;
   Reducer& reducer_;
   UpdaterOptions options_;
+  bool timeline_;  // the engine records a timeline
   bool rebuilt_;
   std::vector<ParameterSlot> params_;
   std::vector<size_t> all_;

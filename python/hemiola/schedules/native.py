@@ -137,6 +137,9 @@ class NativeUpdate(DeferredSchedule):
     # ---- per iteration -----------------------------------------------------
 
     def mark(self, index: int, grad: torch.Tensor) -> None:
+        if grad.is_contiguous() and self.model.grad_scaler is None:  # the common case
+            self._updater.mark(index, grad.data_ptr(), grad.data_ptr())
+            return
         if self._decoupled and not grad.is_contiguous():
             raise ValueError(
                 f"parameter {self.model._names[index]!r} has a non-contiguous gradient; "
