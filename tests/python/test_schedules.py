@@ -15,7 +15,7 @@ import workers
 
 @pytest.mark.parametrize("model,optimizer,partition_mb", [
     ("mlp", "sgd", None), ("cnn", "nesterov", None), ("transformer", "adamw", 0.001),
-    ("mlp", "rmsprop", 0.001),
+    ("mlp", "rmsprop", 0.001), ("mlp", "adam-amsgrad", None), ("mlp", "sgd-groups", 0.001),
 ])
 def test_equals_wfbp_when_every_rank_sees_the_same_data(model: str, optimizer: str,
                                                         partition_mb: float | None) -> None:
@@ -45,7 +45,7 @@ def test_decoupled_options_equal_wfbp_when_every_rank_sees_the_same_data(
 
 @pytest.mark.parametrize("model,optimizer,partition_mb", [
     ("mlp", "sgd", None), ("cnn", "nesterov", 0.001), ("transformer", "adamw", 0.001),
-    ("cnn", "rmsprop", None),
+    ("cnn", "rmsprop", None), ("mlp", "adam-amsgrad", None), ("mlp", "sgd-groups", 0.001),
 ])
 @pytest.mark.parametrize("world", [2, 3])
 def test_priority_equals_wfbp(world: int, model: str, optimizer: str,
@@ -128,3 +128,24 @@ def test_two_backward_passes_per_step_accumulate_like_ddp(schedule: str, same_da
     for rank in (0, 1):
         for a, b in zip(ddp[rank], mine[rank]):
             assert (a - b).abs().max().item() < 1e-5
+
+
+@pytest.mark.parametrize("dtype,optimizer", [
+    ("bfloat16", "adamw"), ("bfloat16", "sgd"), ("float16", "sgd"), ("float64", "adamw"),
+    ("float64", "sgd"),
+])
+def test_priority_steps_parameters_of_every_float_dtype_like_wfbp(dtype: str,
+                                                                  optimizer: str) -> None:
+    # The engine steps the parameters in their own dtype, rounding where
+    # torch's ops round: float64 agrees to rounding, the half types within a
+    # few percent of how far training moved them (one ulp here and there).
+    def run(schedule: str, steps: int) -> list[torch.Tensor]:
+        return run_local(workers.schedule_run_with, 2, schedule, "mlp", optimizer, steps,
+                         False, {"dtype": dtype}, timeout_s=120)[0]["params"]
+
+    initial, wfbp, priority = run("wfbp", 0), run("wfbp", 6), run("priority", 6)
+    assert all(p.dtype == getattr(torch, dtype) for p in priority)
+    moved = max((a.double() - b.double()).abs().max().item() for a, b in zip(wfbp, initial))
+    diff = max((a.double() - b.double()).abs().max().item() for a, b in zip(wfbp, priority))
+    assert moved > 1e-3
+    assert diff <= (1e-12 if dtype == "float64" else 0.05 * moved), (diff, moved)

@@ -249,6 +249,14 @@ def _optimizer(name: str, params: Any) -> torch.optim.Optimizer:
         return torch.optim.AdamW(params, lr=1e-3, weight_decay=0.01)
     if name == "rmsprop":
         return torch.optim.RMSprop(params, lr=1e-3, momentum=0.5)
+    if name == "adam-amsgrad":  # L2 decay, amsgrad, other betas and eps
+        return torch.optim.Adam(params, lr=2e-3, betas=(0.8, 0.99), eps=1e-6,
+                                weight_decay=1e-2, amsgrad=True)
+    if name == "sgd-groups":  # two groups with their own options; dampening, maximize
+        ps = list(params)
+        return torch.optim.SGD([{"params": ps[::2], "lr": 0.05, "weight_decay": 1e-3},
+                                {"params": ps[1::2], "lr": 0.02, "dampening": 0.3}],
+                               momentum=0.9, maximize=True)
     raise ValueError(name)
 
 
@@ -261,8 +269,9 @@ def schedule_run(rank: int, world: int, schedule: str, model_name: str, opt_name
     forward and backward run in the closure passed to ``optimizer.step``."""
     hemiola.init()
     device = torch.device(options.pop("device", "cpu"))
+    dtype = getattr(torch, options.pop("dtype", "float32"))
     torch.manual_seed(0)
-    m = make_model(model_name).to(device)
+    m = make_model(model_name).to(device=device, dtype=dtype)
     opt = _optimizer(opt_name, m.parameters())
     model, opt = hemiola.wrap(m, opt, schedule=schedule, **{"fusion_mb": 1 / 64, "timeout_s": 60,
                                                              **options})
@@ -271,6 +280,8 @@ def schedule_run(rank: int, world: int, schedule: str, model_name: str, opt_name
     for step in range(steps):
         x, y = make_batch(model_name, step, 0 if same_data else rank, world)
         x, y = x.to(device), y.to(device)
+        if x.is_floating_point():
+            x = x.to(dtype)
 
         def closure(x: torch.Tensor = x, y: torch.Tensor = y) -> torch.Tensor:
             opt.zero_grad()
