@@ -11,33 +11,12 @@
 
 #include "engine/dtype_math.h"
 #include "hemiola/hemiola.h"
+#include "run_ranks.h"
 
 namespace hemiola {
 namespace {
 
-// Runs body(engine) on `world` threads, one engine per thread.
-void run_ranks(int world, const std::function<void(Engine&)>& body, double timeout_s = 30) {
-  auto store = std::make_shared<MemoryStore>();
-  std::vector<std::thread> threads;
-  std::vector<std::string> failures(world);
-  for (int r = 0; r < world; ++r) {
-    threads.emplace_back([&, r] {
-      try {
-        EngineOptions options;
-        options.rank = r;
-        options.world_size = world;
-        options.hostname = "127.0.0.1";
-        options.timeout_s = timeout_s;
-        Engine engine(options, store);
-        body(engine);
-      } catch (const std::exception& e) {
-        failures[r] = e.what();
-      }
-    });
-  }
-  for (auto& t : threads) t.join();
-  for (int r = 0; r < world; ++r) EXPECT_EQ(failures[r], "") << "rank " << r;
-}
+using test::run_ranks;
 
 template <typename T>
 std::vector<T> filled(size_t n, float value, T (*convert)(float)) {

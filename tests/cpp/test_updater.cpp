@@ -10,38 +10,17 @@
 #include <cstring>
 #include <functional>
 #include <string>
-#include <thread>
 #include <vector>
 
 #include "hemiola/hemiola.h"
+#include "run_ranks.h"
 
 namespace hemiola {
 namespace {
 
 constexpr int kWorld = 2;
 
-void run_ranks(const std::function<void(Engine&)>& body) {
-  auto store = std::make_shared<MemoryStore>();
-  std::vector<std::thread> threads;
-  std::vector<std::string> failures(kWorld);
-  for (int r = 0; r < kWorld; ++r) {
-    threads.emplace_back([&, r] {
-      try {
-        EngineOptions options;
-        options.rank = r;
-        options.world_size = kWorld;
-        options.hostname = "127.0.0.1";
-        options.timeout_s = 30;
-        Engine engine(options, store);
-        body(engine);
-      } catch (const std::exception& e) {
-        failures[r] = e.what();
-      }
-    });
-  }
-  for (auto& t : threads) t.join();
-  for (int r = 0; r < kWorld; ++r) EXPECT_EQ(failures[r], "") << "rank " << r;
-}
+void run_ranks(const std::function<void(Engine&)>& body) { test::run_ranks(kWorld, body); }
 
 // Three float32 parameters of different sizes, with optimizer state.
 struct Model {
