@@ -200,6 +200,8 @@ class UpdaterImpl {
     }
     params_ = std::move(params);
     const size_t n = params_.size();
+    groups_ = 0;
+    for (const auto& p : params_) groups_ = std::max(groups_, p.group + 1);
     all_.resize(n);
     for (size_t i = 0; i < n; ++i) all_[i] = i;
     if (!landers_.empty()) landers_[0] = all_;
@@ -240,11 +242,8 @@ class UpdaterImpl {
   }
 
   void check_hyper(const StepOptions& options) const {
-    for (const auto& p : params_) {
-      HEMIOLA_CHECK(p.group < options.hyper.size(), "updater: parameter '", p.name,
-                    "' is in group ", p.group, " but the step has ", options.hyper.size(),
-                    " groups");
-    }
+    HEMIOLA_CHECK(groups_ <= options.hyper.size(), "updater: the parameters are in ", groups_,
+                  " groups but the step has hyper-parameters for ", options.hyper.size());
   }
 
   // A partitioned gradient lives in several buckets; results that must
@@ -594,6 +593,7 @@ class UpdaterImpl {
   bool timeline_;  // the engine records a timeline
   bool rebuilt_;
   std::vector<ParameterSlot> params_;
+  size_t groups_ = 0;  // 1 + the largest group index of params_
   std::vector<size_t> all_;
   std::vector<std::vector<size_t>> landers_;
   std::vector<std::vector<size_t>> buckets_of_;  // per parameter: its buckets (pieces)

@@ -202,7 +202,6 @@ class DeferredSchedule(Schedule):
         # The iteration whose marking closed and whose step is not taken yet.
         self._finished: int | None = None
         self._unmarked: dict[int, list[int]] = {}
-        self._rebuilt = not model.config.rebuild_buckets
         self._buffers = BufferBroadcast(model)
         self._gate = ForwardGate(model.module, model._params, self.land, self.landers_learnt)
         # The local gradients as backward left them (object, version), to

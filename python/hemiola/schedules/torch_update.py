@@ -53,6 +53,8 @@ class TorchUpdate(DeferredSchedule):
 
     def __init__(self, model: DataParallel) -> None:
         super().__init__(model)
+        # The first iteration runs synchronously, then the buckets are rebuilt.
+        self._rebuilt = not model.config.rebuild_buckets
         self._members: list[list[int]] = []     # per bucket: its parameters
         self._buckets_of: list[list[int]] = []  # per parameter: its buckets (pieces)
         # Parameters a forward read since the last backward.
