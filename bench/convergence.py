@@ -112,7 +112,8 @@ def summarize(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
         reached = [r["steps_to_target"] for r in mine if r["steps_to_target"] is not None]
         row["steps_to_target"] = spread(reached) if reached else None
         row["target_reached"] = f"{len(reached)}/{len(mine)}"
-        for key in ["ms_per_step", "wall_seconds", "rank0_approximate_read_fraction"]:
+        for key in ["ms_per_step", "wall_seconds", "rank0_approximate_read_fraction",
+                    "rank0_preview_read_fraction"]:
             if all(key in r for r in mine):
                 row[key] = spread([r[key] for r in mine])
         verdicts = []

@@ -528,6 +528,9 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     # approximation is read every iteration, as when communication takes the
     # whole next iteration
     "decoupled-late": ("decoupled", {"correct_on_arrival": False}),
+    # the approximate step from the rank's own gradient alone, without the
+    # preview (the default for SGD; Adam and AdamW take a preview by default)
+    "decoupled-own": ("decoupled", {"preview": False}),
 }
 
 

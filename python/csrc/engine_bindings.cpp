@@ -225,7 +225,7 @@ void bind_engine(py::module_& m) {
           "make_reducer",
           [](Engine& e, const std::vector<std::tuple<int, size_t, std::string>>& specs,
              size_t fusion_bytes, size_t first_bucket_bytes, bool average, bool track_usage,
-             bool record_order, size_t in_flight, size_t partition_bytes, int device) {
+             bool record_order, size_t in_flight, size_t partition_bytes, int device, bool preview) {
             std::vector<GradSpec> grad_specs;
             for (const auto& [dtype, numel, name] : specs) {
               grad_specs.push_back({static_cast<DType>(dtype), numel, name});
@@ -238,6 +238,7 @@ void bind_engine(py::module_& m) {
             options.record_order = record_order;
             options.in_flight = in_flight;
             options.partition_bytes = partition_bytes;
+            options.preview = preview;
             if (device >= 0) options.device = Device{DeviceType::kCUDA, device};
             // A CUDA reducer waits for the scheduler thread to create its
             // communicator, which reads the (possibly Python) store: the GIL
@@ -248,7 +249,8 @@ void bind_engine(py::module_& m) {
           py::arg("specs"), py::arg("fusion_bytes"), py::arg("first_bucket_bytes"),
           py::arg("average") = true, py::arg("track_usage") = false,
           py::arg("record_order") = true, py::arg("in_flight") = 0,
-          py::arg("partition_bytes") = 0, py::arg("device") = -1, py::keep_alive<0, 1>())
+          py::arg("partition_bytes") = 0, py::arg("device") = -1, py::arg("preview") = false,
+          py::keep_alive<0, 1>())
       .def("timeline_json", &Engine::timeline_json)
       .def_property_readonly("timeline_enabled",
                              [](const Engine& e) { return e.options().timeline; })

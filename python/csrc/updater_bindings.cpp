@@ -155,7 +155,8 @@ void bind_updater(py::module_& m) {
           },
           py::arg("slots"))
       .def("momentum_initialised", &Updater::momentum_initialised)
-      .def("approximate_read_fraction", &Updater::approximate_read_fraction);
+      .def("approximate_read_fraction", &Updater::approximate_read_fraction)
+      .def("preview_read_fraction", &Updater::preview_read_fraction);
 }
 
 }  // namespace hemiola::python

@@ -64,6 +64,15 @@ class Config:
             the approximation is used only while communication is really in
             flight. ``False``: land only when ``in_flight`` requires it, which
             makes the trajectory independent of network timing.
+        preview: ``decoupled`` only: before the full-precision all-reduce,
+            all-reduce a one-byte coding of every gradient (a quarter of
+            float32's bytes) and, where it arrives before the next forward
+            reads a parameter, take the approximate step from it: the rank's
+            own gradient plus the coded average minus its own coding, whose
+            mean over the ranks is the exact average. ``None`` (default): on
+            for Adam and AdamW, off for SGD (where the rank's own gradient
+            already trains as well as the exact step). Needs the engine's
+            updater (``native_optimizer``) and at most 127 ranks.
         timeline: Record engine events; read them with ``model.timeline()``.
         gpu_backend: How a model on a GPU is reduced: ``"nccl"`` (one GPU
             per rank), ``"gloo"`` (through pinned host memory; no NCCL needed,
@@ -94,6 +103,7 @@ class Config:
     priority_front_fraction: float = 0.25
     in_flight: int = 1
     correct_on_arrival: bool = True
+    preview: bool | None = None
     timeline: bool = False
     gpu_backend: str = "auto"
     check_finite: bool = False

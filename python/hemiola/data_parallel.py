@@ -81,6 +81,7 @@ class DataParallel(nn.Module):
                 track_usage=config.find_unused_parameters,
                 record_order=config.rebuild_buckets,
                 in_flight=self._schedule.in_flight,
+                preview=self._schedule.preview,
                 partition_bytes=config.partition_bytes,
                 device=self.device.index if self.device.type == "cuda" else -1,
             )

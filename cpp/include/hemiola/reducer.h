@@ -93,6 +93,16 @@ class HEMIOLA_API Reducer {
   // starts marking). Not for a partitioned tensor (its pieces live in several
   // buckets): give mark_ready an output instead.
   TensorRef result(uint64_t iteration, size_t index) const;
+  // ReducerOptions::preview: true once bucket `bucket` of `iteration` has its
+  // preview (false in iterations that take none; never blocks).
+  bool preview_done(uint64_t iteration, size_t bucket) const;
+  // Blocks until preview_done (returns at once in an iteration that takes no
+  // preview); throws like wait_bucket().
+  void wait_preview(uint64_t iteration, size_t bucket);
+  // Once preview_done: the rank's estimate of the average of gradient `index`
+  // (see ReducerOptions::preview), in the reducer's buffers (valid until
+  // iteration + in_flight + 1 starts marking). Not for a partitioned tensor.
+  TensorRef preview(uint64_t iteration, size_t index) const;
   // After wait(iteration) with track_usage: how many ranks produced a
   // gradient for each tensor.
   std::vector<int> usage(uint64_t iteration) const;

@@ -26,8 +26,12 @@
 //     written to the live parameters only. The exact step lands, from the
 //     shadow with the averaged gradient, as soon as it has arrived and no
 //     forward still reads the approximate value (correct_on_arrival), at the
-//     latest in the next step(). Invariant per parameter: live = shadow, or
-//     shadow stepped with the local gradient of the one pending iteration.
+//     latest in the next step(). With a reducer that takes a preview
+//     (ReducerOptions::preview), a parameter whose preview arrives first is
+//     stepped again from the shadow with the preview's estimate of the
+//     average, under the same condition. Invariant per parameter: live =
+//     shadow, or shadow stepped with the local gradient (or its preview
+//     estimate) of the one pending iteration.
 //
 // Both take their first iteration synchronously when rebuild_buckets is set:
 // its reduction is waited for, then every rank rebuilds the bucket plan in the
@@ -174,6 +178,9 @@ class HEMIOLA_API Updater {
   // decoupled: share of parameter elements training forwards read while they
   // still held the approximation.
   double approximate_read_fraction() const;
+  // decoupled with a preview: share of parameter elements training forwards
+  // read while they held the preview's approximation (part of the above).
+  double preview_read_fraction() const;
 
  private:
   std::unique_ptr<UpdaterImpl> impl_;

@@ -60,11 +60,11 @@ class CollectiveWork final : public Work {
 // After a transport failure: every surviving rank announces through the store
 // that it reached the failed operation, then waits a short grace period for
 // the others. Ranks that never announce are dead or stalled before it.
-std::string diagnose_missing_ranks(const std::weak_ptr<Store>& weak_store, int rank, int world,
-                                   double timeout_s, uint64_t sequence) {
+std::string diagnose_missing_ranks(const std::weak_ptr<Store>& weak_store, const std::string& lane,
+                                   int rank, int world, double timeout_s, uint64_t sequence) {
   const std::shared_ptr<Store> store = weak_store.lock();
   if (world <= 1 || !store) return {};
-  const std::string prefix = "hemiola_failure/" + std::to_string(sequence) + "/";
+  const std::string prefix = "hemiola_failure/" + lane + std::to_string(sequence) + "/";
   try {
     store->set(prefix + std::to_string(rank), "reached");
   } catch (const std::exception& e) {
@@ -114,13 +114,34 @@ EngineImpl::EngineImpl(const EngineOptions& options, std::shared_ptr<Store> stor
   const double timeout_s = options_.timeout_s;
   scheduler_ = std::make_unique<Scheduler>(
       *comm_, timeline_, [diag_store, rank, world, timeout_s](uint64_t sequence) {
-        return diagnose_missing_ranks(diag_store, rank, world, timeout_s, sequence);
+        return diagnose_missing_ranks(diag_store, "", rank, world, timeout_s, sequence);
       });
 }
 
 EngineImpl::~EngineImpl() {
-  scheduler_.reset();  // joins: nothing uses the devices or communicators after this
+  // Join the threads: nothing uses the devices or communicators after this.
+  preview_scheduler_.reset();
+  scheduler_.reset();
   devices_.reset();
+}
+
+Handle EngineImpl::submit_preview(std::shared_ptr<Work> work) {
+  {
+    std::lock_guard<std::mutex> lock(preview_mutex_);
+    if (!preview_scheduler_) {
+      preview_comm_ = std::make_unique<GlooCommunicator>(
+          options_, *std::make_shared<PrefixStore>("hemiola_preview", rendezvous_));
+      std::weak_ptr<Store> diag_store = store_;
+      const int rank = options_.rank, world = options_.world_size;
+      const double timeout_s = options_.timeout_s;
+      preview_scheduler_ = std::make_unique<Scheduler>(
+          *preview_comm_, timeline_, [diag_store, rank, world, timeout_s](uint64_t sequence) {
+            return diagnose_missing_ranks(diag_store, "preview/", rank, world, timeout_s,
+                                          sequence);
+          });
+    }
+  }
+  return preview_scheduler_->submit(std::move(work));
 }
 
 Engine::Engine(const EngineOptions& options, std::shared_ptr<Store> store)

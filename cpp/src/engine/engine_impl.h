@@ -2,6 +2,7 @@
 #pragma once
 
 #include <memory>
+#include <mutex>
 #include <string>
 
 #include "comm/communicator.h"
@@ -26,6 +27,12 @@ class EngineImpl {
   Devices& devices() { return *devices_; }
   Timeline& timeline() { return timeline_; }
   Handle submit(std::shared_ptr<Work> work) { return scheduler_->submit(std::move(work)); }
+  // The preview lane (ReducerOptions::preview): a communicator and scheduler
+  // thread of their own, so that an iteration's previews are not queued
+  // behind the previous iteration's full reductions. Connected on first use,
+  // which must come at the same point on every rank (a reducer's
+  // construction). Its own submission order is the same on every rank.
+  Handle submit_preview(std::shared_ptr<Work> work);
 
   // Single collectives on caller-owned memory, through the scheduler.
   Handle all_reduce(const TensorRef& tensor, ReduceOp op);
@@ -41,6 +48,9 @@ class EngineImpl {
   std::unique_ptr<Communicator> comm_;
   std::unique_ptr<Devices> devices_;
   std::unique_ptr<Scheduler> scheduler_;  // destroyed first: joins before comm_ goes
+  std::unique_ptr<Communicator> preview_comm_;    // the preview lane, once used
+  std::unique_ptr<Scheduler> preview_scheduler_;
+  std::mutex preview_mutex_;  // guards making the preview lane
 };
 
 }  // namespace hemiola

@@ -7,6 +7,7 @@
 
 #include "engine/devices.h"
 #include "engine/dtype_math.h"
+#include "engine/preview.h"
 #include "engine/reducer_impl.h"
 #include "hemiola/status.h"
 #include "kernels.h"
@@ -76,6 +77,22 @@ class ReducerImpl::Work final : public hemiola::Work {
   size_t current_bucket_ = kNotStarted;  // written and read on the scheduler thread
 };
 
+// The preview lane's view of one iteration (ReducerOptions::preview).
+class ReducerImpl::PreviewWork final : public hemiola::Work {
+ public:
+  PreviewWork(ReducerImpl& reducer, Flight& flight) : reducer_(reducer), flight_(flight) {}
+  void run(Communicator& comm, Timeline& timeline) override {
+    reducer_.run_preview(flight_, comm, timeline);
+  }
+  std::string describe() const override {
+    return "gradient preview of iteration " + std::to_string(flight_.iteration);
+  }
+
+ private:
+  ReducerImpl& reducer_;
+  Flight& flight_;
+};
+
 ReducerImpl::ReducerImpl(EngineImpl& engine, std::vector<GradSpec> specs,
                          const ReducerOptions& options)
     : engine_(engine),
@@ -90,6 +107,12 @@ ReducerImpl::ReducerImpl(EngineImpl& engine, std::vector<GradSpec> specs,
     HEMIOLA_CHECK(is_floating(specs_[i].dtype), "gradient '", specs_[i].name, "' has dtype ",
                   dtype_name(specs_[i].dtype),
                   "; supported gradient dtypes are float32, float64, float16 and bfloat16");
+  }
+  if (options_.preview) {
+    HEMIOLA_CHECK(!on_device(), "ReducerOptions::preview is implemented for CPU reducers only");
+    HEMIOLA_CHECK(preview_levels(engine.options().world_size) >= 1,
+                  "ReducerOptions::preview codes the sum of all ranks in one byte, which needs "
+                  "at most 127 ranks (world_size is ", engine.options().world_size, ")");
   }
   if (on_device()) {
     HEMIOLA_CHECK(options_.device.index >= 0, "a CUDA reducer needs a device index, got ",
@@ -111,6 +134,9 @@ ReducerImpl::~ReducerImpl() {
   abort("reducer destroyed");
   for (auto& flight : flights_) {
     if (flight->handle.valid()) flight->handle.wait_for(std::chrono::hours(1));
+    if (flight->preview && flight->preview->handle.valid()) {
+      flight->preview->handle.wait_for(std::chrono::hours(1));
+    }
   }
 }
 
@@ -122,7 +148,7 @@ void ReducerImpl::build(const std::vector<size_t>& order) {
     const PlannedBucket& bucket = plan_[b];
     for (size_t k = 0; k < bucket.tensors.size(); ++k) {
       placement_[bucket.tensors[k]].push_back(
-          {b, bucket.offsets[k], bucket.begins[k], bucket.counts[k]});
+          {b, bucket.offsets[k], bucket.begins[k], bucket.counts[k], k});
     }
   }
   issue_order_.resize(plan_.size());
@@ -149,6 +175,19 @@ void ReducerImpl::build(const std::vector<size_t>& order) {
     flight->out.assign(specs_.size(), nullptr);
     flight->usage.assign(specs_.size(), 0.0f);
     flight->queue = std::make_unique<ReadyQueue<uint32_t>>(plan_.size());
+    if (options_.preview) {
+      auto preview = std::make_unique<Preview>();
+      for (const auto& bucket : plan_) {
+        preview->codes.emplace_back(bucket.numel);
+        preview->estimate.emplace_back(new unsigned char[std::max<size_t>(bucket.nbytes(), 1)]());
+        preview->scales.emplace_back(bucket.tensors.size(), 0.0);
+      }
+      preview->next_scales = preview->scales;
+      preview->queue = std::make_unique<ReadyQueue<uint32_t>>(plan_.size());
+      preview->done.reset(new std::atomic<bool>[plan_.size()]);
+      for (size_t b = 0; b < plan_.size(); ++b) preview->done[b].store(false);
+      flight->preview = std::move(preview);
+    }
     flights_.push_back(std::move(flight));
   }
 }
@@ -193,6 +232,7 @@ ReducerImpl::Flight& ReducerImpl::begin_iteration() {
   // The in-flight bound: the iteration that used this flight last must be
   // done before its buffers are reused.
   if (flight.handle.valid()) flight.handle.wait();
+  if (flight.preview && flight.preview->handle.valid()) flight.preview->handle.wait();
   for (size_t b = 0; b < plan_.size(); ++b) {
     flight.pending[b].store(static_cast<int64_t>(plan_[b].tensors.size()),
                             std::memory_order_relaxed);
@@ -203,8 +243,19 @@ ReducerImpl::Flight& ReducerImpl::begin_iteration() {
     flight.out[i] = nullptr;
   }
   if (flight.gpu) flight.gpu->fenced.store(kNoStream, std::memory_order_relaxed);
+  Preview* preview = flight.preview.get();
+  if (preview) {
+    preview->active = preview->scaled;
+    if (preview->active) preview->scales = preview->next_scales;
+    for (size_t b = 0; b < plan_.size(); ++b) {
+      preview->done[b].store(false, std::memory_order_relaxed);
+    }
+  }
   flight.iteration = iteration;
   flight.handle = engine_.submit(std::make_shared<Work>(*this, flight));
+  if (preview && preview->active) {
+    preview->handle = engine_.submit_preview(std::make_shared<PreviewWork>(*this, flight));
+  }
   started_.store(iteration + 1, std::memory_order_release);
   marking_.store(&flight, std::memory_order_release);
   return flight;
@@ -236,13 +287,28 @@ void ReducerImpl::mark(size_t index, const void* source, void* out, bool used, v
   if (flight.gpu) {
     copy_in_on_device(flight, index, source, used, stream);
   } else {
+    Preview* preview = flight.preview && flight.preview->active ? flight.preview.get() : nullptr;
+    const int levels = preview ? preview_levels(engine_.options().world_size) : 0;
     for (const Placement& piece : placement_[index]) {
       unsigned char* dst = flight.buffers[piece.bucket] + piece.offset * elem;
+      const unsigned char* src = static_cast<const unsigned char*>(source) + piece.begin * elem;
       if (used) {
-        std::memcpy(dst, static_cast<const unsigned char*>(source) + piece.begin * elem,
-                    piece.count * elem);
+        std::memcpy(dst, src, piece.count * elem);
       } else {
         std::memset(dst, 0, piece.count * elem);
+      }
+      if (preview) {
+        // Coded here, from the gradient, so that the main lane may reduce
+        // the bucket in place while the preview lane sums the codes.
+        int8_t* codes = preview->codes[piece.bucket].data() + piece.offset;
+        unsigned char* estimate = preview->estimate[piece.bucket].get() + piece.offset * elem;
+        if (used) {
+          preview_encode(spec.dtype, src, piece.count, preview->scales[piece.bucket][piece.entry],
+                         levels, codes, estimate);
+        } else {
+          std::memset(codes, 0, piece.count);
+          std::memset(estimate, 0, piece.count * elem);
+        }
       }
     }
   }
@@ -250,7 +316,9 @@ void ReducerImpl::mark(size_t index, const void* source, void* out, bool used, v
     // The last piece of a bucket enqueues it. acq_rel: the scheduler, which
     // reads the buffer after popping, must see every producer's memcpy.
     if (flight.pending[piece.bucket].fetch_sub(1, std::memory_order_acq_rel) == 1) {
-      if (!flight.queue->push(static_cast<uint32_t>(piece.bucket))) {
+      const auto bucket = static_cast<uint32_t>(piece.bucket);
+      const bool previewing = flight.preview && flight.preview->active;
+      if (!flight.queue->push(bucket) || (previewing && !flight.preview->queue->push(bucket))) {
         HEMIOLA_THROW(ErrorCode::kInternal, "ready queue overflow");
       }
     }
@@ -318,7 +386,6 @@ int64_t ReducerImpl::finish_marking() {
 
 void ReducerImpl::run(Flight& flight, Communicator& comm, Timeline& timeline,
                       size_t* current_bucket) {
-  const auto timeout = this->timeout();
   const size_t count = plan_.size();
   std::vector<bool> ready(count, false);
   DeviceCommunicator* device_comm = nullptr;
@@ -330,58 +397,15 @@ void ReducerImpl::run(Flight& flight, Communicator& comm, Timeline& timeline,
     stream = entry.stream.get();
     check_previous_done(flight, *device_comm);
   }
+  // Fixed issue order: bucket b goes only after the buckets before it in
+  // issue_order_, whatever order buckets became ready in on this rank.
   for (size_t position = 0; position < count; ++position) {
     const size_t b = issue_order_[position];
     *current_bucket = position;
-    // Fixed issue order: bucket b goes only after the buckets before it in
-    // issue_order_, whatever order buckets became ready in on this rank.
-    const auto wait_start = std::chrono::steady_clock::now();
-    const int64_t wait_us = timeline.now_us();
-    while (!ready[b]) {
-      uint32_t id;
-      if (flight.queue->pop_wait(id, std::chrono::milliseconds(100))) {
-        ready[id] = true;
-        continue;
-      }
-      if (aborted_.load(std::memory_order_acquire)) {
-        std::lock_guard<std::mutex> lock(abort_mutex_);
-        HEMIOLA_THROW(ErrorCode::kAborted, "aborted: ", abort_reason_);
-      }
-      if (std::chrono::steady_clock::now() - wait_start > timeout) {
-        HEMIOLA_THROW(ErrorCode::kTimeout, "on this rank, bucket ", b, " never became ready within ",
-                      engine_.options().timeout_s, " s: its gradients were never produced");
-      }
-    }
-    const PlannedBucket& plan = plan_[b];
-    unsigned char* buffer = flight.buffers[b];
-    const int64_t start_us = timeline.now_us();
-    if (timeline.enabled() && start_us - wait_us > 1) {
-      timeline.record("comm", "wait bucket " + std::to_string(b), "wait", wait_us, start_us);
-    }
-    if (flight.gpu) {
-      reduce_on_device(flight, b, *device_comm, stream);
-    } else {
-      comm.all_reduce_sum(TensorRef{buffer, plan.dtype, plan.numel, Device{}});
-      if (scale_ != 1.0) scale_in_place(plan.dtype, buffer, plan.numel, scale_);
-      const size_t elem = dtype_size(plan.dtype);
-      for (size_t k = 0; k < plan.tensors.size(); ++k) {
-        auto* out = static_cast<unsigned char*>(flight.out[plan.tensors[k]]);
-        if (out != nullptr) {
-          std::memcpy(out + plan.begins[k] * elem, buffer + plan.offsets[k] * elem,
-                      plan.counts[k] * elem);
-        }
-      }
-    }
-    {
-      std::lock_guard<std::mutex> lock(flight.bucket_mutex);
-      flight.bucket_done[b].store(true, std::memory_order_release);
-    }
-    flight.bucket_cv.notify_all();
-    timeline.record("comm",
-                    "allreduce bucket " + std::to_string(b) + " (iteration " +
-                        std::to_string(flight.iteration) + ")",
-                    "allreduce", start_us, timeline.now_us());
+    wait_ready(*flight.queue, b, ready, timeline, "comm");
+    reduce(flight, b, comm, timeline, device_comm, stream);
   }
+  if (flight.preview) flight.preview->scaled = true;
   *current_bucket = count;
   if (options_.track_usage) {
     comm.all_reduce_sum(TensorRef{flight.usage.data(), DType::kFloat32, flight.usage.size(), {}});
@@ -389,6 +413,104 @@ void ReducerImpl::run(Flight& flight, Communicator& comm, Timeline& timeline,
   if (flight.gpu) {
     flight.gpu->done->record(stream);
     device_comm->check();
+  }
+}
+
+void ReducerImpl::wait_ready(ReadyQueue<uint32_t>& queue, size_t b, std::vector<bool>& ready,
+                             Timeline& timeline, const char* lane) {
+  const auto timeout = this->timeout();
+  const auto wait_start = std::chrono::steady_clock::now();
+  const int64_t wait_us = timeline.now_us();
+  while (!ready[b]) {
+    uint32_t id;
+    if (queue.pop_wait(id, std::chrono::milliseconds(100))) {
+      ready[id] = true;
+      continue;
+    }
+    if (aborted_.load(std::memory_order_acquire)) {
+      std::lock_guard<std::mutex> lock(abort_mutex_);
+      HEMIOLA_THROW(ErrorCode::kAborted, "aborted: ", abort_reason_);
+    }
+    if (std::chrono::steady_clock::now() - wait_start > timeout) {
+      HEMIOLA_THROW(ErrorCode::kTimeout, "on this rank, bucket ", b, " never became ready within ",
+                    engine_.options().timeout_s, " s: its gradients were never produced");
+    }
+  }
+  if (timeline.enabled() && timeline.now_us() - wait_us > 1) {
+    timeline.record(lane, "wait bucket " + std::to_string(b), "wait", wait_us, timeline.now_us());
+  }
+}
+
+void ReducerImpl::reduce(Flight& flight, size_t b, Communicator& comm, Timeline& timeline,
+                         DeviceCommunicator* device_comm, void* stream) {
+  const PlannedBucket& plan = plan_[b];
+  unsigned char* buffer = flight.buffers[b];
+  const int64_t start_us = timeline.now_us();
+  if (flight.gpu) {
+    reduce_on_device(flight, b, *device_comm, stream);
+  } else {
+    comm.all_reduce_sum(TensorRef{buffer, plan.dtype, plan.numel, Device{}});
+    if (scale_ != 1.0) scale_in_place(plan.dtype, buffer, plan.numel, scale_);
+    const size_t elem = dtype_size(plan.dtype);
+    for (size_t k = 0; k < plan.tensors.size(); ++k) {
+      auto* out = static_cast<unsigned char*>(flight.out[plan.tensors[k]]);
+      if (out != nullptr) {
+        std::memcpy(out + plan.begins[k] * elem, buffer + plan.offsets[k] * elem,
+                    plan.counts[k] * elem);
+      }
+    }
+    if (flight.preview) {
+      // The scales of this flight's next iteration: the same on every rank,
+      // since the averages are.
+      const int levels = preview_levels(engine_.options().world_size);
+      for (size_t k = 0; k < plan.tensors.size(); ++k) {
+        flight.preview->next_scales[b][k] =
+            preview_scale(plan.dtype, buffer + plan.offsets[k] * elem, plan.counts[k], levels);
+      }
+    }
+  }
+  {
+    std::lock_guard<std::mutex> lock(flight.bucket_mutex);
+    flight.bucket_done[b].store(true, std::memory_order_release);
+  }
+  flight.bucket_cv.notify_all();
+  if (timeline.enabled()) {
+    timeline.record("comm",
+                    "allreduce bucket " + std::to_string(b) + " (iteration " +
+                        std::to_string(flight.iteration) + ")",
+                    "allreduce", start_us, timeline.now_us());
+  }
+}
+
+void ReducerImpl::run_preview(Flight& flight, Communicator& comm, Timeline& timeline) {
+  Preview& preview = *flight.preview;
+  const int world = engine_.options().world_size;
+  std::vector<bool> ready(plan_.size(), false);
+  for (size_t b : issue_order_) {
+    wait_ready(*preview.queue, b, ready, timeline, "preview");
+    const PlannedBucket& plan = plan_[b];
+    const int64_t start_us = timeline.now_us();
+    int8_t* sums = preview.codes[b].data();
+    // uint8 sums wrap modulo 256, which is exact for int8 codes whose true
+    // sum fits an int8 (|sum| <= world * levels <= 127).
+    comm.all_reduce_sum(TensorRef{sums, DType::kUInt8, plan.numel, Device{}});
+    const size_t elem = dtype_size(plan.dtype);
+    for (size_t k = 0; k < plan.tensors.size(); ++k) {
+      const size_t offset = plan.offsets[k];
+      preview_decode(plan.dtype, sums + offset, plan.counts[k], preview.scales[b][k], world,
+                     preview.estimate[b].get() + offset * elem);
+    }
+    {
+      std::lock_guard<std::mutex> lock(preview.mutex);
+      preview.done[b].store(true, std::memory_order_release);
+    }
+    preview.cv.notify_all();
+    if (timeline.enabled()) {
+      timeline.record("preview",
+                      "preview bucket " + std::to_string(b) + " (iteration " +
+                          std::to_string(flight.iteration) + ")",
+                      "preview", start_us, timeline.now_us());
+    }
   }
 }
 
@@ -543,6 +665,9 @@ void ReducerImpl::wait_all() {
     std::lock_guard<std::mutex> lock(mutex_);
     for (const auto& flight : flights_) {
       if (flight->handle.valid()) handles.push_back(flight->handle);
+      if (flight->preview && flight->preview->handle.valid()) {
+        handles.push_back(flight->preview->handle);
+      }
     }
   }
   // In iteration order, so the first failure reported is the earliest.
@@ -558,7 +683,10 @@ void ReducerImpl::abort(const std::string& reason) {
     if (!aborted_.load()) abort_reason_ = reason;
     aborted_.store(true, std::memory_order_release);
   }
-  for (auto& flight : flights_) flight->queue->wake();
+  for (auto& flight : flights_) {
+    flight->queue->wake();
+    if (flight->preview) flight->preview->queue->wake();
+  }
 }
 
 const ReducerImpl::Flight& ReducerImpl::completed_flight(uint64_t iteration) const {
@@ -584,6 +712,54 @@ TensorRef ReducerImpl::result(uint64_t iteration, size_t index) const {
                 "') is not reduced yet; call wait() or wait_bucket() first");
   const GradSpec& spec = specs_[index];
   return TensorRef{flight.buffers[where.bucket] + where.offset * dtype_size(spec.dtype),
+                   spec.dtype, spec.numel, options_.device};
+}
+
+bool ReducerImpl::preview_done(uint64_t iteration, size_t bucket) const {
+  HEMIOLA_CHECK(bucket < plan_.size(), "bucket ", bucket, " is out of range");
+  if (iteration >= started_.load()) return false;
+  const Flight& flight = *flights_[iteration % flights_.size()];
+  return flight.preview && flight.iteration == iteration &&
+         flight.preview->done[bucket].load(std::memory_order_acquire);
+}
+
+void ReducerImpl::wait_preview(uint64_t iteration, size_t bucket) {
+  HEMIOLA_CHECK(bucket < plan_.size(), "bucket ", bucket, " is out of range");
+  Flight* flight;
+  Handle handle;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    HEMIOLA_CHECK(iteration < started_.load(), "iteration ", iteration, " has not started");
+    flight = flights_[iteration % flights_.size()].get();
+    if (flight->iteration != iteration || !flight->preview || !flight->preview->active) return;
+    HEMIOLA_CHECK(marking_.load() != flight, "wait_preview(", iteration,
+                  ") while its gradients are still being marked");
+    handle = flight->preview->handle;
+  }
+  // As wait_bucket: wake for the bucket, or for the end of the lane's work
+  // (which is how a failure arrives; the handle then rethrows it).
+  Preview& preview = *flight->preview;
+  std::unique_lock<std::mutex> lock(preview.mutex);
+  while (!preview.done[bucket].load(std::memory_order_acquire)) {
+    if (handle.done()) break;
+    preview.cv.wait_for(lock, std::chrono::milliseconds(50));
+  }
+  lock.unlock();
+  if (!preview.done[bucket].load(std::memory_order_acquire)) handle.wait();
+}
+
+TensorRef ReducerImpl::preview(uint64_t iteration, size_t index) const {
+  HEMIOLA_CHECK(index < specs_.size(), "gradient index ", index, " is out of range");
+  HEMIOLA_CHECK(placement_[index].size() == 1, "gradient '", specs_[index].name,
+                "' is partitioned across ", placement_[index].size(),
+                " buckets; it has no contiguous preview");
+  const Placement& where = placement_[index].front();
+  HEMIOLA_CHECK(preview_done(iteration, where.bucket), "iteration ", iteration, "'s bucket ",
+                where.bucket, " ('", specs_[index].name, "') has no preview (yet)");
+  const Flight& flight = *flights_[iteration % flights_.size()];
+  const GradSpec& spec = specs_[index];
+  return TensorRef{flight.preview->estimate[where.bucket].get() +
+                       where.offset * dtype_size(spec.dtype),
                    spec.dtype, spec.numel, options_.device};
 }
 
@@ -698,6 +874,15 @@ TensorRef Reducer::result(uint64_t iteration, size_t index) const {
   return impl_->result(iteration, index);
 }
 std::vector<int> Reducer::usage(uint64_t iteration) const { return impl_->usage(iteration); }
+bool Reducer::preview_done(uint64_t iteration, size_t bucket) const {
+  return impl_->preview_done(iteration, bucket);
+}
+void Reducer::wait_preview(uint64_t iteration, size_t bucket) {
+  impl_->wait_preview(iteration, bucket);
+}
+TensorRef Reducer::preview(uint64_t iteration, size_t index) const {
+  return impl_->preview(iteration, index);
+}
 std::vector<std::vector<size_t>> Reducer::buckets() const { return impl_->buckets(); }
 std::vector<size_t> Reducer::observed_order() const { return impl_->observed_order(); }
 size_t Reducer::pieces(size_t index) const { return impl_->pieces(index); }

@@ -52,6 +52,9 @@ class ReducerImpl {
   std::vector<size_t> issue_order() const;
   void abort(const std::string& reason);
   TensorRef result(uint64_t iteration, size_t index) const;
+  bool preview_done(uint64_t iteration, size_t bucket) const;
+  void wait_preview(uint64_t iteration, size_t bucket);
+  TensorRef preview(uint64_t iteration, size_t index) const;
   std::vector<int> usage(uint64_t iteration) const;
   size_t pieces(size_t index) const;
   std::vector<std::vector<size_t>> buckets() const;
@@ -73,6 +76,7 @@ class ReducerImpl {
     size_t offset = 0;  // in elements, within the bucket
     size_t begin = 0;   // first element of the piece within the tensor
     size_t count = 0;   // elements in the piece
+    size_t entry = 0;   // its index in the bucket's tensors
   };
   // A CUDA flight's device state. The events order work across streams on
   // the device: the caller's stream never waits on the host.
@@ -94,12 +98,34 @@ class ReducerImpl {
   };
   static constexpr std::uintptr_t kNoStream = ~std::uintptr_t{0};
 
+  // A CPU flight's preview (ReducerOptions::preview), per bucket in plan
+  // layout: the codes (all-reduced in place into their sums) and the
+  // estimate (the bucket's dtype), written by mark() and finished by the
+  // preview lane. The scales come from the averages of this flight's
+  // previous iteration, so every rank has the same ones without a
+  // collective: the main lane writes next_scales after each full reduction;
+  // begin_iteration, with both lanes' work done, copies them to scales.
+  struct Preview {
+    std::vector<std::vector<int8_t>> codes;
+    std::vector<std::unique_ptr<unsigned char[]>> estimate;
+    std::vector<std::vector<double>> scales;       // per bucket and entry
+    std::vector<std::vector<double>> next_scales;  // the main lane's, for the next use
+    bool scaled = false;  // next_scales are filled (main lane; read after its work is done)
+    bool active = false;  // this iteration takes a preview (fixed while it runs)
+    std::unique_ptr<ReadyQueue<uint32_t>> queue;  // ready buckets, for the preview lane
+    std::unique_ptr<std::atomic<bool>[]> done;   // per bucket
+    std::mutex mutex;                            // done is set and cv notified under it
+    std::condition_variable cv;
+    Handle handle;                               // the preview lane's work
+  };
+
   // One iteration's state.
   struct Flight {
     uint64_t iteration = 0;
     std::vector<unsigned char*> buffers;                     // per bucket (host or device)
     std::vector<std::unique_ptr<unsigned char[]>> host_buffers;  // CPU: their storage
     std::unique_ptr<DeviceFlight> gpu;                       // CUDA only
+    std::unique_ptr<Preview> preview;                        // ReducerOptions::preview only
     std::unique_ptr<std::atomic<int64_t>[]> pending;        // per bucket
     std::unique_ptr<std::atomic<uint8_t>[]> state;          // per tensor (SlotState)
     std::vector<void*> out;                                  // per tensor; null: keep only
@@ -124,6 +150,17 @@ class ReducerImpl {
   // The engine's timeout_s, for the waits of this reducer.
   std::chrono::milliseconds timeout() const;
   void run(Flight& flight, Communicator& comm, Timeline& timeline, size_t* current_bucket);
+  // Blocks until bucket `b` is ready on this rank, popping `queue` (a lane's
+  // scheduler thread; `ready` is that lane's record of what was popped).
+  void wait_ready(ReadyQueue<uint32_t>& queue, size_t b, std::vector<bool>& ready,
+                  Timeline& timeline, const char* lane);
+  // The bucket's full-precision reduction (on the host, or enqueued on CUDA).
+  void reduce(Flight& flight, size_t b, Communicator& comm, Timeline& timeline,
+              DeviceCommunicator* device_comm, void* stream);
+  // The preview lane's work for one iteration: each bucket's codes summed,
+  // and its estimate finished, in issue order.
+  void run_preview(Flight& flight, Communicator& comm, Timeline& timeline);
+  class PreviewWork;
   // CUDA: the bucket's reduction and unpacking, enqueued on the engine's stream.
   void reduce_on_device(Flight& flight, size_t bucket, DeviceCommunicator& comm, void* stream);
   // CUDA: throws if the iteration before `flight`'s has not completed on the

@@ -40,6 +40,10 @@ struct Pending {
   std::vector<uint8_t> applied;    // per parameter
   std::vector<size_t> remaining;   // the parameters not applied yet, ascending
   std::vector<uint8_t> bucket_arrived;  // per bucket, once seen reduced
+  // decoupled with a preview (ReducerOptions::preview):
+  std::vector<uint8_t> stepped;          // per parameter: took the local step
+  std::vector<uint8_t> previewed;        // per parameter: live = shadow stepped with the preview
+  std::vector<uint8_t> bucket_previewed; // per bucket, once seen previewed
 
   bool needs_whole() const {
     return options.has_unused || options.clip_max_norm >= 0.0 || options.skip_if_not_finite;
@@ -74,6 +78,8 @@ class UpdaterImpl {
     HEMIOLA_CHECK(reducer.options().device.type == DeviceType::kCPU,
                   "updater: the reducer's gradients are on a GPU; the updater steps CPU "
                   "parameters only so far");
+    HEMIOLA_CHECK(!reducer.options().preview || options.schedule == UpdateSchedule::kDecoupled,
+                  "updater: a reducer with a preview serves schedule decoupled only");
     adopt(std::move(params));
     landers_ = {all_};
     refresh_buckets();
@@ -144,13 +150,20 @@ class UpdaterImpl {
       if (options_.schedule == UpdateSchedule::kPriority) {
         update_priority(needed, /*wait=*/true);
       } else if (options_.correct_on_arrival) {
+        if (!pending_->previewed.empty() && !pending_->needs_whole()) {
+          wait_previews(*pending_, needed);
+        }
         advance_decoupled(/*wait=*/false);
       }
     }
     if (training && options_.schedule == UpdateSchedule::kDecoupled) {
       for (size_t i : needed) {
-        reads_ += params_[i].param.numel;
-        if (pending_ && !pending_->applied[i]) approximate_reads_ += params_[i].param.numel;
+        const uint64_t numel = params_[i].param.numel;
+        reads_ += numel;
+        if (pending_ && !pending_->applied[i]) {
+          approximate_reads_ += numel;
+          if (!pending_->previewed.empty() && pending_->previewed[i]) previewed_reads_ += numel;
+        }
       }
     }
     for (size_t i : needed) read_[i] = 1;
@@ -180,6 +193,10 @@ class UpdaterImpl {
 
   double approximate_read_fraction() const {
     return reads_ == 0 ? 0.0 : static_cast<double>(approximate_reads_) / reads_;
+  }
+
+  double preview_read_fraction() const {
+    return reads_ == 0 ? 0.0 : static_cast<double>(previewed_reads_) / reads_;
   }
 
  private:
@@ -367,6 +384,20 @@ class UpdaterImpl {
     start_pending(iteration, options);
     pending_->gathered = gathered;
     pending_->usage = std::move(usage);
+    if (previews()) {
+      pending_->stepped.assign(params_.size(), 0);
+      for (size_t i = 0; i < params_.size(); ++i) {
+        pending_->stepped[i] = !options.local_overflow && local_grads_[i] != nullptr;
+      }
+      pending_->previewed.assign(params_.size(), 0);
+      pending_->bucket_previewed.assign(bucket_bytes_.size(), 0);
+    }
+  }
+
+  // decoupled lands previews: the reducer takes them, and they land on
+  // arrival as corrections do (both depend on timing).
+  bool previews() const {
+    return reducer_.options().preview && options_.correct_on_arrival;
   }
 
   // Lands the pending exact step of every parameter (waiting), or of those
@@ -387,7 +418,60 @@ class UpdaterImpl {
       apply(pending, chosen);
       record("correction", start, "exact step (", chosen.size(), " parameters)");
     }
+    if (!wait && !pending.previewed.empty() && !pending.needs_whole()) land_previews(pending);
     if (pending.remaining.empty()) pending_.reset();
+  }
+
+  // The approximate step again, from the preview's estimate of the average
+  // instead of the rank's own gradient, for every parameter whose preview
+  // has arrived, whose exact step has not, and that no forward read since
+  // step(). (Not with clipping, a GradScaler or unused parameters, whose
+  // updates need the whole averaged gradient; not for partitioned tensors.)
+  void land_previews(Pending& pending) {
+    std::vector<size_t> chosen;
+    for (size_t i : pending.remaining) {
+      if (read_[i] || pending.previewed[i] || !pending.stepped[i] || partitioned_[i]) continue;
+      if (previewed(pending, i)) chosen.push_back(i);
+    }
+    if (chosen.empty()) return;
+    const int64_t start = engine_.timeline_now_us();
+    for (size_t i : chosen) {
+      optimizer_step(i, reducer_.preview(pending.iteration, i).data, pending.options.hyper, 1.0,
+                     /*commit=*/false);
+      pending.previewed[i] = 1;
+    }
+    record("preview", start, "preview step (", chosen.size(), " parameters)");
+  }
+
+  // Waits for the previews of `needed` that can still land (see
+  // land_previews): a forward never reads the rank's own-gradient step where
+  // a preview is coming. The wait is short: the preview lane carries only
+  // this iteration's previews, a quarter of the bytes.
+  void wait_previews(Pending& pending, const std::vector<size_t>& needed) {
+    const int64_t start = engine_.timeline_now_us();
+    bool waited = false;
+    for (size_t i : needed) {
+      if (pending.applied[i] || read_[i] || pending.previewed[i] || !pending.stepped[i] ||
+          partitioned_[i]) {
+        continue;
+      }
+      for (size_t b : buckets_of_[i]) {
+        if (pending.bucket_previewed[b]) continue;
+        reducer_.wait_preview(pending.iteration, b);
+        waited = true;
+      }
+    }
+    if (waited) record("wait", start, "wait previews (", pending.iteration, ")");
+  }
+
+  bool previewed(Pending& pending, size_t index) const {
+    for (size_t b : buckets_of_[index]) {
+      if (!pending.bucket_previewed[b]) {
+        if (!reducer_.preview_done(pending.iteration, b)) return false;
+        pending.bucket_previewed[b] = 1;
+      }
+    }
+    return true;
   }
 
   // ---- common ----------------------------------------------------------------
@@ -607,6 +691,7 @@ class UpdaterImpl {
   std::optional<Pending> pending_;
   uint64_t reads_ = 0;
   uint64_t approximate_reads_ = 0;
+  uint64_t previewed_reads_ = 0;  // approximate reads of a preview step
 };
 
 Updater::Updater(Engine& engine, Reducer& reducer, std::vector<ParameterSlot> params,
@@ -636,5 +721,6 @@ void Updater::replace_parameters(std::vector<ParameterSlot> params) {
 }
 std::vector<bool> Updater::momentum_initialised() const { return impl_->momentum_initialised(); }
 double Updater::approximate_read_fraction() const { return impl_->approximate_read_fraction(); }
+double Updater::preview_read_fraction() const { return impl_->preview_read_fraction(); }
 
 }  // namespace hemiola

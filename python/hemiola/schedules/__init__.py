@@ -48,6 +48,10 @@ def make_schedule(name: str, model: DataParallel, optimizer: Any) -> Schedule:
         if optimizer is not None and model._params:
             warnings.warn(f"hemiola: schedule={name!r} steps with torch's optimizer, not the "
                           f"engine's: {reason}", stacklevel=4)
+    if name == "decoupled" and model.config.preview:
+        warnings.warn("hemiola: preview=True needs the engine's updater (native_optimizer=True; "
+                      "SGD, Adam or AdamW on CPU parameters; in_flight=1); this model steps "
+                      "with torch's optimizer and takes no preview", stacklevel=4)
     return _SCHEDULES[name](model)
 
 

@@ -22,6 +22,8 @@ class Schedule:
 
     #: earlier iterations whose reduction may still run while one is marked
     in_flight = 0
+    #: the reducer takes a preview of every bucket (``Config.preview``)
+    preview = False
 
     def __init__(self, model: DataParallel) -> None:
         self.model = model

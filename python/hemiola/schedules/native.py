@@ -30,6 +30,8 @@ if TYPE_CHECKING:
     from hemiola.data_parallel import DataParallel
 
 _KINDS = {torch.optim.SGD: "sgd", torch.optim.Adam: "adam", torch.optim.AdamW: "adamw"}
+#: the optimizers ``decoupled`` takes a preview for when ``Config.preview`` is None
+PREVIEW_BY_DEFAULT = ("adam", "adamw")
 
 #: (lr, momentum, dampening, weight_decay, nesterov, maximize, beta1, beta2, eps, amsgrad)
 Hyper = tuple[float, float, float, float, bool, bool, float, float, float, bool]
@@ -72,6 +74,10 @@ class NativeUpdate(DeferredSchedule):
         self._kind = _KINDS[type(optimizer)]
         self._updater: Any = None  # C.Updater, made by wrap_optimizer
         self._decoupled = model.config.schedule == "decoupled"
+        preview = model.config.preview
+        if preview is None:
+            preview = self._kind in PREVIEW_BY_DEFAULT
+        self.preview = self._decoupled and preview
 
     def wrap_optimizer(self, optimizer: Any) -> Any:
         optimizer = super().wrap_optimizer(optimizer)
@@ -210,4 +216,7 @@ class NativeUpdate(DeferredSchedule):
     def stats(self) -> dict[str, float]:
         if not self._decoupled:
             return {}
-        return {"approximate_read_fraction": self._updater.approximate_read_fraction()}
+        stats = {"approximate_read_fraction": self._updater.approximate_read_fraction()}
+        if self.preview:
+            stats["preview_read_fraction"] = self._updater.preview_read_fraction()
+        return stats

@@ -1,0 +1,95 @@
+#include "engine/preview.h"
+
+#include <algorithm>
+#include <cmath>
+
+#include "engine/dtype_math.h"
+#include "hemiola/status.h"
+
+namespace hemiola {
+
+namespace {
+
+// Codes span +-kPreviewRange RMS of the reference average: wide enough that
+// few elements clip (a clipped element keeps its own gradient's excess in
+// the estimate), narrow enough that with L = 31 (4 ranks) a step is 0.13 RMS.
+constexpr double kPreviewRange = 4.0;
+
+// Element access in float (half types) or the element's own type.
+template <typename T>
+struct Native {
+  using Value = T;
+  static Value load(const void* p, size_t i) { return static_cast<const T*>(p)[i]; }
+  static void store(void* p, size_t i, Value v) { static_cast<T*>(p)[i] = v; }
+};
+
+template <float (*ToFloat)(uint16_t), uint16_t (*FromFloat)(float)>
+struct Half {
+  using Value = float;
+  static Value load(const void* p, size_t i) { return ToFloat(static_cast<const uint16_t*>(p)[i]); }
+  static void store(void* p, size_t i, Value v) { static_cast<uint16_t*>(p)[i] = FromFloat(v); }
+};
+
+template <typename F>
+void dispatch(DType dtype, const F& f) {
+  switch (dtype) {
+    case DType::kFloat32: return f(Native<float>{});
+    case DType::kFloat64: return f(Native<double>{});
+    case DType::kFloat16: return f(Half<fp16_to_float, float_to_fp16>{});
+    case DType::kBFloat16: return f(Half<bf16_to_float, float_to_bf16>{});
+    default: break;
+  }
+  HEMIOLA_THROW(ErrorCode::kInvalidArgument, "no preview of dtype ", dtype_name(dtype));
+}
+
+}  // namespace
+
+int preview_levels(int world) { return world >= 1 ? 127 / world : 0; }
+
+double preview_scale(DType dtype, const void* averaged, size_t n, int levels) {
+  if (n == 0 || levels <= 0) return 0.0;
+  double sum = 0.0;
+  dispatch(dtype, [&](auto access) {
+    using A = decltype(access);
+    for (size_t i = 0; i < n; ++i) {
+      const double x = static_cast<double>(A::load(averaged, i));
+      sum += x * x;
+    }
+  });
+  const double rms = std::sqrt(sum / static_cast<double>(n));
+  if (!std::isfinite(rms) || rms == 0.0) return 0.0;
+  return kPreviewRange * rms / levels;
+}
+
+void preview_encode(DType dtype, const void* grad, size_t n, double scale, int levels,
+                    int8_t* codes, void* estimate) {
+  dispatch(dtype, [&](auto access) {
+    using A = decltype(access);
+    using V = typename A::Value;
+    const V s = static_cast<V>(scale);
+    const V inverse = scale > 0.0 ? static_cast<V>(1.0 / scale) : V(0);
+    const V limit = static_cast<V>(levels);
+    for (size_t i = 0; i < n; ++i) {
+      const V g = A::load(grad, i);
+      // NaN compares false: coded 0, kept in the estimate (it is this rank's own).
+      const V q = std::isfinite(g) ? std::min(limit, std::max(-limit, std::nearbyint(g * inverse)))
+                                   : V(0);
+      codes[i] = static_cast<int8_t>(q);
+      A::store(estimate, i, g - s * q);
+    }
+  });
+}
+
+void preview_decode(DType dtype, const int8_t* sums, size_t n, double scale, int world,
+                    void* estimate) {
+  dispatch(dtype, [&](auto access) {
+    using A = decltype(access);
+    using V = typename A::Value;
+    const V step = static_cast<V>(scale / world);
+    for (size_t i = 0; i < n; ++i) {
+      A::store(estimate, i, A::load(estimate, i) + step * static_cast<V>(sums[i]));
+    }
+  });
+}
+
+}  // namespace hemiola

@@ -1,0 +1,49 @@
+// The preview: a low-precision estimate of a bucket's average that a reducer
+// (ReducerOptions::preview) all-reduces ahead of the full-precision one, so
+// that `decoupled` can take its approximate step from information every rank
+// shares instead of from its own gradient alone.
+//
+// Each rank codes its gradient g as int8 codes q = clamp(rint(g / s), -L, L)
+// with a scale s every rank knows (derived from an earlier averaged gradient,
+// so no collective is needed to agree on it) and L = floor(127 / world), so
+// the sum of the codes over all ranks fits an int8 exactly: the codes are
+// summed by a uint8 all-reduce, whose wrap-around arithmetic is exact
+// modulo 256. The estimate a rank gets is
+//
+//     e = g - s*q + s * sum_ranks(q) / world
+//
+// its own gradient with its own coding error, plus the coded average. Its
+// mean over the ranks is exactly the average of g (the coding errors cancel),
+// and its distance from the average is the coding error, centred: small
+// where the codes resolve g, and never worse than the rank's own gradient
+// where they do not (a clipped or zero-scale element keeps g). One byte per
+// element travels, a quarter of float32's.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include "hemiola/tensor.h"
+
+namespace hemiola {
+
+// The largest code magnitude L for `world` ranks (0: no preview possible).
+int preview_levels(int world);
+
+// The scale of the codes of n elements whose averaged gradient (of an
+// earlier iteration) is `averaged`: codes span +-kPreviewRange RMS of it.
+// 0 when that average is zero or not finite (the elements are then not
+// coded: their estimate is the rank's own gradient).
+double preview_scale(DType dtype, const void* averaged, size_t n, int levels);
+
+// codes <- clamp(rint(g / scale), -levels, levels); estimate <- g - scale*codes
+// (g itself where scale is 0 or g is not finite, with code 0).
+void preview_encode(DType dtype, const void* grad, size_t n, double scale, int levels,
+                    int8_t* codes, void* estimate);
+
+// estimate += scale * sums / world, the sums read as int8 (the codes summed
+// over the ranks modulo 256).
+void preview_decode(DType dtype, const int8_t* sums, size_t n, double scale, int world,
+                    void* estimate);
+
+}  // namespace hemiola
