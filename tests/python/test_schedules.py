@@ -67,7 +67,7 @@ def test_priority_with_clipping_equals_wfbp_with_clipping(use_closure: bool) -> 
 
 @pytest.mark.parametrize("schedule,options", [
     ("decoupled", {}), ("priority", {}), ("decoupled", {"in_flight": 2}),
-    ("decoupled", {"in_flight": 2, "clip": 0.05}),
+    ("decoupled", {"in_flight": 2, "clip": 0.05}), ("decoupled", {"preview": True}),
 ])
 @pytest.mark.parametrize("optimizer", ["sgd", "nesterov", "adam", "adamw", "rmsprop"])
 def test_ranks_hold_bitwise_identical_parameters_after_synchronize(
@@ -90,6 +90,34 @@ def test_decoupled_trains_and_differs_from_wfbp_only_by_the_approximation() -> N
     diff = max((a - b).abs().max().item() for a, b in zip(wfbp[0]["params"],
                                                              dec[0]["params"]))
     assert 0 < diff < 0.05
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "sgd"])
+def test_decoupled_forwards_read_the_preview_where_it_arrives_first(optimizer: str) -> None:
+    # Different data per rank: the preview lands before the next forward
+    # reads a parameter whose exact step has not arrived (a forward waits for
+    # it), so approximate reads are preview reads, except in the two
+    # iterations after the first (each set of buffers takes its scales from
+    # its previous use). The run trains, stays within the approximation of
+    # wfbp's trajectory, and ranks agree bitwise.
+    wfbp = run_local(workers.schedule_run, 3, "wfbp", "transformer", optimizer, 10, False)
+    dec = run_local(workers.schedule_run_with, 3, "decoupled", "transformer", optimizer, 10,
+                    False, {"preview": True}, timeout_s=120)
+    stats = dec[0]["stats"]
+    assert 0.5 * stats["approximate_read_fraction"] < stats["preview_read_fraction"], stats
+    assert stats["preview_read_fraction"] <= stats["approximate_read_fraction"], stats
+    assert dec[0]["losses"][-1] < dec[0]["losses"][0]
+    diff = max((a - b).abs().max().item() for a, b in zip(wfbp[0]["params"],
+                                                             dec[0]["params"]))
+    assert 0 < diff < 0.05
+    for a, b in zip(dec[0]["params"], dec[2]["params"]):
+        assert torch.equal(a, b)
+
+
+def test_preview_is_on_for_adam_by_default_and_asks_for_the_engine() -> None:
+    results = run_local(workers.preview_defaults, 2, timeout_s=120)
+    assert results[0] == {"adamw": True, "sgd": False, "sgd+preview": True,
+                          "rmsprop+preview": "warned"}
 
 
 @pytest.mark.parametrize("schedule", ["wfbp", "priority", "decoupled"])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import torch
@@ -300,7 +301,28 @@ def schedule_run(rank: int, world: int, schedule: str, model_name: str, opt_name
         losses.append(loss.item())
     model.synchronize()
     return {"params": [p.detach().cpu().clone() for p in m.parameters()], "losses": losses,
-            "state": {k: v.cpu().clone() for k, v in model.state_dict().items()}}
+            "state": {k: v.cpu().clone() for k, v in model.state_dict().items()},
+            "stats": model.stats()}
+
+
+def preview_defaults(rank: int, world: int) -> dict[str, Any]:
+    """Whether decoupled takes a preview, per optimizer and option; "warned"
+    where asking for one on torch's path warns."""
+    hemiola.init()
+    out: dict[str, Any] = {}
+    for label, opt_name, options in [("adamw", "adamw", {}), ("sgd", "sgd", {}),
+                                     ("sgd+preview", "sgd", {"preview": True}),
+                                     ("rmsprop+preview", "rmsprop", {"preview": True})]:
+        m = make_model("mlp")
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            model, _ = hemiola.wrap(m, _optimizer(opt_name, m.parameters()),
+                                    schedule="decoupled", **options)
+        if any("takes no preview" in str(w.message) for w in caught):
+            out[label] = "warned"
+        else:
+            out[label] = model._schedule.preview
+    return out
 
 
 def schedule_run_with(rank: int, world: int, schedule: str, model_name: str, opt_name: str,

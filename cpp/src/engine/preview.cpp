@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <type_traits>
 
 #include "engine/dtype_math.h"
 #include "hemiola/status.h"
@@ -12,8 +13,11 @@ namespace {
 
 // Codes span +-kPreviewRange RMS of the reference average: wide enough that
 // few elements clip (a clipped element keeps its own gradient's excess in
-// the estimate), narrow enough that with L = 31 (4 ranks) a step is 0.13 RMS.
-constexpr double kPreviewRange = 4.0;
+// the estimate), narrow enough that with L = 31 (4 ranks) a step is 0.1 RMS.
+// 3 measured better than 2.5 and 4 on the byte-level LM (held-out loss over
+// three seeds, in a single-process model of decoupled: +0.7%, +2.0% and
+// +1.2% from the exact step's).
+constexpr double kPreviewRange = 3.0;
 
 // Element access in float (half types) or the element's own type.
 template <typename T>
@@ -69,11 +73,15 @@ void preview_encode(DType dtype, const void* grad, size_t n, double scale, int l
     const V s = static_cast<V>(scale);
     const V inverse = scale > 0.0 ? static_cast<V>(1.0 / scale) : V(0);
     const V limit = static_cast<V>(levels);
+    // Adding and subtracting 1.5 * 2^mantissa rounds a value this small to
+    // the nearest integer, ties to even, as rint does, without a libm call
+    // per element (this runs on the autograd thread, once per gradient).
+    const V magic = static_cast<V>(std::is_same_v<V, double> ? 6755399441055744.0 : 12582912.0);
     for (size_t i = 0; i < n; ++i) {
       const V g = A::load(grad, i);
-      // NaN compares false: coded 0, kept in the estimate (it is this rank's own).
-      const V q = std::isfinite(g) ? std::min(limit, std::max(-limit, std::nearbyint(g * inverse)))
-                                   : V(0);
+      const V clamped = std::min(limit, std::max(-limit, g * inverse));
+      // A non-finite g is coded 0 and kept in the estimate (it is this rank's own).
+      const V q = g - g == V(0) ? (clamped + magic) - magic : V(0);
       codes[i] = static_cast<int8_t>(q);
       A::store(estimate, i, g - s * q);
     }

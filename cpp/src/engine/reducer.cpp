@@ -246,6 +246,7 @@ ReducerImpl::Flight& ReducerImpl::begin_iteration() {
   Preview* preview = flight.preview.get();
   if (preview) {
     preview->active = preview->scaled;
+    preview->failed.store(false, std::memory_order_relaxed);
     if (preview->active) preview->scales = preview->next_scales;
     for (size_t b = 0; b < plan_.size(); ++b) {
       preview->done[b].store(false, std::memory_order_relaxed);
@@ -397,6 +398,10 @@ void ReducerImpl::run(Flight& flight, Communicator& comm, Timeline& timeline,
     stream = entry.stream.get();
     check_previous_done(flight, *device_comm);
   }
+  // With a preview, the full reductions wait for all of it: it is what the
+  // next forward needs first, and the full reductions have the whole next
+  // iteration to run, so they do not compete with it for the network.
+  if (flight.preview && flight.preview->active) wait_previews(flight, timeline);
   // Fixed issue order: bucket b goes only after the buckets before it in
   // issue_order_, whatever order buckets became ready in on this rank.
   for (size_t position = 0; position < count; ++position) {
@@ -482,7 +487,51 @@ void ReducerImpl::reduce(Flight& flight, size_t b, Communicator& comm, Timeline&
   }
 }
 
+void ReducerImpl::wait_previews(Flight& flight, Timeline& timeline) {
+  Preview& preview = *flight.preview;
+  const int64_t start_us = timeline.now_us();
+  const auto deadline = std::chrono::steady_clock::now() + timeout();
+  std::unique_lock<std::mutex> lock(preview.mutex);
+  for (size_t b = 0; b < plan_.size(); ++b) {
+    while (!preview.done[b].load(std::memory_order_acquire)) {
+      if (preview.failed.load(std::memory_order_acquire)) {
+        HEMIOLA_THROW(ErrorCode::kAborted, "the preview of iteration ", flight.iteration,
+                      " failed (see the error of its lane)");
+      }
+      if (aborted_.load(std::memory_order_acquire)) {
+        lock.unlock();
+        std::lock_guard<std::mutex> abort_lock(abort_mutex_);
+        HEMIOLA_THROW(ErrorCode::kAborted, "aborted: ", abort_reason_);
+      }
+      if (std::chrono::steady_clock::now() > deadline) {
+        HEMIOLA_THROW(ErrorCode::kTimeout, "the preview of bucket ", b, " of iteration ",
+                      flight.iteration, " did not arrive within ", engine_.options().timeout_s,
+                      " s");
+      }
+      preview.cv.wait_for(lock, std::chrono::milliseconds(100));
+    }
+  }
+  lock.unlock();
+  if (timeline.enabled() && timeline.now_us() - start_us > 1) {
+    timeline.record("comm", "wait previews", "wait", start_us, timeline.now_us());
+  }
+}
+
 void ReducerImpl::run_preview(Flight& flight, Communicator& comm, Timeline& timeline) {
+  Preview& preview = *flight.preview;
+  try {
+    sum_previews(flight, comm, timeline);
+  } catch (...) {
+    {
+      std::lock_guard<std::mutex> lock(preview.mutex);
+      preview.failed.store(true, std::memory_order_release);
+    }
+    preview.cv.notify_all();
+    throw;
+  }
+}
+
+void ReducerImpl::sum_previews(Flight& flight, Communicator& comm, Timeline& timeline) {
   Preview& preview = *flight.preview;
   const int world = engine_.options().world_size;
   std::vector<bool> ready(plan_.size(), false);

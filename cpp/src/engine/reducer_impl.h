@@ -114,7 +114,8 @@ class ReducerImpl {
     bool active = false;  // this iteration takes a preview (fixed while it runs)
     std::unique_ptr<ReadyQueue<uint32_t>> queue;  // ready buckets, for the preview lane
     std::unique_ptr<std::atomic<bool>[]> done;   // per bucket
-    std::mutex mutex;                            // done is set and cv notified under it
+    std::atomic<bool> failed{false};             // the preview lane's work threw
+    std::mutex mutex;                            // done/failed are set and cv notified under it
     std::condition_variable cv;
     Handle handle;                               // the preview lane's work
   };
@@ -160,6 +161,9 @@ class ReducerImpl {
   // The preview lane's work for one iteration: each bucket's codes summed,
   // and its estimate finished, in issue order.
   void run_preview(Flight& flight, Communicator& comm, Timeline& timeline);
+  void sum_previews(Flight& flight, Communicator& comm, Timeline& timeline);
+  // The main lane: blocks until every bucket of `flight` has its preview.
+  void wait_previews(Flight& flight, Timeline& timeline);
   class PreviewWork;
   // CUDA: the bucket's reduction and unpacking, enqueued on the engine's stream.
   void reduce_on_device(Flight& flight, size_t bucket, DeviceCommunicator& comm, void* stream);

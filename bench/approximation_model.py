@@ -1,0 +1,150 @@
+"""A single-process model of ``decoupled``'s approximation, for trying
+approximate steps quickly: N virtual ranks take turns on one CPU, each
+computing its gradient at its own approximate parameters, and the exact
+AdamW step lands before the next step (every read approximate, as with
+``correct_on_arrival=False``). The task, data shards, model and learning-rate
+schedule are bench/tasks.py's LM (bench/convergence.py's), so the exact
+variant is wfbp's trajectory, up to the order of floating-point sums.
+
+    python bench/approximation_model.py --variant own --seed 0
+    python bench/approximation_model.py --variant preview --range 3 --seeds 3
+
+Variants of the gradient the approximate step of rank i takes:
+  exact    the average (what wfbp reads; the reference)
+  own      the rank's own gradient (decoupled without a preview)
+  delay    none: the forward reads the previous exact parameters
+  preview  the engine's preview (cpp/src/engine/preview.h): own gradient
+           minus its own coding plus the coded average; --levels L (default
+           floor(127 / world)), codes over +-range RMS of the previous
+           average; --no-remainder drops the own gradient's remainder
+
+Prints the held-out loss per seed and their mean. About a minute per seed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+from tasks import LMTask
+from torch.func import functional_call
+
+Grads = dict[str, torch.Tensor]
+
+
+def adamw(w: torch.Tensor, m: torch.Tensor, v: torch.Tensor, g: torch.Tensor, lr: float,
+          step: int, decay: float, betas: tuple[float, float], eps: float = 1e-8,
+          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """torch's AdamW step, out of place: (parameter, exp_avg, exp_avg_sq)."""
+    b1, b2 = betas
+    m = m * b1 + (1 - b1) * g
+    v = v * b2 + (1 - b2) * g * g
+    denom = (v / (1 - b2 ** step)).sqrt() + eps
+    return w * (1 - lr * decay) - lr * (m / (1 - b1 ** step)) / denom, m, v
+
+
+def code(g: torch.Tensor, reference: torch.Tensor, levels: int, span: float) -> torch.Tensor:
+    """The preview's coding of g, dequantised: s * clamp(rint(g / s), -L, L)."""
+    rms = reference.pow(2).mean().sqrt().item()
+    if rms == 0:
+        return torch.zeros_like(g)
+    scale = span * rms / levels
+    return (g / scale).round().clamp(-levels, levels) * scale
+
+
+def approximate_grads(variant: str, grads: list[Grads], mean: Grads, previous: Grads | None,
+                      args: argparse.Namespace) -> list[Grads] | None:
+    """The gradient each rank's approximate step takes (None: no step)."""
+    if variant == "exact":
+        return [mean] * len(grads)
+    if variant == "own":
+        return grads
+    if variant == "delay":
+        return None
+    if previous is None:  # no scale yet: the engine previews from the third iteration
+        return grads
+    world = len(grads)
+    levels = args.levels or 127 // world
+    coded = [{n: code(g[n], previous[n], levels, args.range) for n in g} for g in grads]
+    coded_mean = {n: sum(c[n] for c in coded) / world for n in mean}
+    if args.no_remainder:
+        return [coded_mean] * world
+    return [{n: g[n] - c[n] + coded_mean[n] for n in g} for g, c in zip(grads, coded)]
+
+
+def run(variant: str, seed: int, args: argparse.Namespace) -> float:
+    """Trains the LM on `args.world` virtual ranks; the final held-out loss."""
+    torch.set_num_threads(1)
+    task = LMTask()
+    world = args.world
+    total = task.epochs * task.steps_per_epoch(world)
+    torch.manual_seed(seed)
+    model = task.model()
+    names = [n for n, _ in model.named_parameters()]
+    w = {n: p.detach().clone() for n, p in model.named_parameters()}
+    decay = {n: task.weight_decay if w[n].dim() >= 2 else 0.0 for n in names}
+    m = {n: torch.zeros_like(w[n]) for n in names}
+    v = {n: torch.zeros_like(w[n]) for n in names}
+    holder = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=task.lr)
+    schedule = task.lr_scheduler(holder, total)
+    live = [dict(w) for _ in range(world)]
+    previous: Grads | None = None
+    step, epoch = 0, 0
+    while step < total:
+        x_all, y_all = task.epoch_samples(seed, epoch)
+        g = torch.Generator().manual_seed(1_000_003 * seed + epoch)
+        order = torch.randperm(len(x_all), generator=g)
+        for i in range(min(len(x_all) // (task.batch_size * world), total - step)):
+            grads = []
+            for r in range(world):  # bench/tasks.py's shards
+                idx = order[r::world][i * task.batch_size:(i + 1) * task.batch_size]
+                params = {n: live[r][n].clone().requires_grad_(True) for n in names}
+                out = functional_call(model, params, (x_all[idx],))
+                loss = F.cross_entropy(out.flatten(0, 1), y_all[idx].flatten())
+                grads.append(dict(zip(names, torch.autograd.grad(loss, list(params.values())))))
+            lr, step = schedule.get_last_lr()[0], step + 1
+            mean = {n: sum(gr[n] for gr in grads) / world for n in names}
+            approx = approximate_grads(variant, grads, mean, previous, args)
+            live = [dict(w) if approx is None else
+                    {n: adamw(w[n], m[n], v[n], a[n], lr, step, decay[n], task.betas)[0]
+                     for n in names} for a in (approx or [None] * world)]
+            for n in names:
+                w[n], m[n], v[n] = adamw(w[n], m[n], v[n], mean[n], lr, step, decay[n],
+                                         task.betas)
+            previous = mean
+            holder.step()
+            schedule.step()
+        epoch += 1
+    model.load_state_dict(w, strict=False)
+    model.eval()
+    with torch.no_grad():
+        return task.evaluate(model)["heldout_loss"]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--variant", default="own",
+                        choices=["exact", "own", "delay", "preview"])
+    parser.add_argument("--seed", type=int, help="one seed (default: --seeds)")
+    parser.add_argument("--seeds", type=int, default=1, help="seeds 0..N-1")
+    parser.add_argument("--world", type=int, default=4, help="virtual ranks (default 4)")
+    parser.add_argument("--levels", type=int, default=0, help="preview: code magnitude L")
+    parser.add_argument("--range", type=float, default=3.0, help="preview: codes span +-range RMS")
+    parser.add_argument("--no-remainder", action="store_true",
+                        help="preview: the coded average alone")
+    args = parser.parse_args()
+    seeds = [args.seed] if args.seed is not None else list(range(args.seeds))
+    losses = []
+    for seed in seeds:
+        start = time.perf_counter()
+        losses.append(run(args.variant, seed, args))
+        print(f"{args.variant} seed {seed}: held-out loss {losses[-1]:.4f} "
+              f"({time.perf_counter() - start:.0f} s)", flush=True)
+    print(f"{args.variant}: mean {statistics.fmean(losses):.4f} over {len(losses)} seed(s)")
+
+
+if __name__ == "__main__":
+    main()
