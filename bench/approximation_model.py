@@ -7,7 +7,7 @@ schedule are bench/tasks.py's LM (bench/convergence.py's), so the exact
 variant is wfbp's trajectory, up to the order of floating-point sums.
 
     python bench/approximation_model.py --variant own --seed 0
-    python bench/approximation_model.py --variant preview --range 3 --seeds 3
+    python bench/approximation_model.py --variant preview --seeds 3
 
 Variants of the gradient the approximate step of rank i takes:
   exact    the average (what wfbp reads; the reference)
@@ -16,7 +16,8 @@ Variants of the gradient the approximate step of rank i takes:
   preview  the engine's preview (cpp/src/engine/preview.h): own gradient
            minus its own coding plus the coded average; --levels L (default
            floor(127 / world)), codes over +-range RMS of the previous
-           average; --no-remainder drops the own gradient's remainder
+           average (per tensor, or per --block elements); --no-remainder
+           drops the own gradient's remainder
 
 Prints the held-out loss per seed and their mean. About a minute per seed.
 """
@@ -46,13 +47,21 @@ def adamw(w: torch.Tensor, m: torch.Tensor, v: torch.Tensor, g: torch.Tensor, lr
     return w * (1 - lr * decay) - lr * (m / (1 - b1 ** step)) / denom, m, v
 
 
-def code(g: torch.Tensor, reference: torch.Tensor, levels: int, span: float) -> torch.Tensor:
-    """The preview's coding of g, dequantised: s * clamp(rint(g / s), -L, L)."""
-    rms = reference.pow(2).mean().sqrt().item()
-    if rms == 0:
-        return torch.zeros_like(g)
+def code(g: torch.Tensor, reference: torch.Tensor, levels: int, span: float,
+         block: int = 0) -> torch.Tensor:
+    """The preview's coding of g, dequantised: s * clamp(rint(g / s), -L, L),
+    with s = span * RMS(reference) / L per tensor, or per `block` elements."""
+    flat, ref = g.reshape(-1), reference.reshape(-1)
+    if block and flat.numel() > block:
+        pad = (-flat.numel()) % block
+        ref_blocks = F.pad(ref, (0, pad)).view(-1, block)
+        rms = ref_blocks.pow(2).mean(1).sqrt().repeat_interleave(block)[: flat.numel()]
+    else:
+        rms = ref.pow(2).mean().sqrt().expand_as(flat)
     scale = span * rms / levels
-    return (g / scale).round().clamp(-levels, levels) * scale
+    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+    coded = (flat / safe).round().clamp(-levels, levels) * scale
+    return coded.view_as(g)
 
 
 def approximate_grads(variant: str, grads: list[Grads], mean: Grads, previous: Grads | None,
@@ -68,7 +77,8 @@ def approximate_grads(variant: str, grads: list[Grads], mean: Grads, previous: G
         return grads
     world = len(grads)
     levels = args.levels or 127 // world
-    coded = [{n: code(g[n], previous[n], levels, args.range) for n in g} for g in grads]
+    coded = [{n: code(g[n], previous[n], levels, args.range, args.block) for n in g}
+             for g in grads]
     coded_mean = {n: sum(c[n] for c in coded) / world for n in mean}
     if args.no_remainder:
         return [coded_mean] * world
@@ -91,7 +101,7 @@ def run(variant: str, seed: int, args: argparse.Namespace) -> float:
     holder = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=task.lr)
     schedule = task.lr_scheduler(holder, total)
     live = [dict(w) for _ in range(world)]
-    previous: Grads | None = None
+    history: list[Grads] = []  # the newest averages, newest last
     step, epoch = 0, 0
     while step < total:
         x_all, y_all = task.epoch_samples(seed, epoch)
@@ -107,6 +117,7 @@ def run(variant: str, seed: int, args: argparse.Namespace) -> float:
                 grads.append(dict(zip(names, torch.autograd.grad(loss, list(params.values())))))
             lr, step = schedule.get_last_lr()[0], step + 1
             mean = {n: sum(gr[n] for gr in grads) / world for n in names}
+            previous = history[-args.scale_lag] if len(history) >= args.scale_lag else None
             approx = approximate_grads(variant, grads, mean, previous, args)
             live = [dict(w) if approx is None else
                     {n: adamw(w[n], m[n], v[n], a[n], lr, step, decay[n], task.betas)[0]
@@ -114,7 +125,7 @@ def run(variant: str, seed: int, args: argparse.Namespace) -> float:
             for n in names:
                 w[n], m[n], v[n] = adamw(w[n], m[n], v[n], mean[n], lr, step, decay[n],
                                          task.betas)
-            previous = mean
+            history = [*history[-(args.scale_lag - 1):], mean] if args.scale_lag > 1 else [mean]
             holder.step()
             schedule.step()
         epoch += 1
@@ -133,6 +144,12 @@ def main() -> None:
     parser.add_argument("--world", type=int, default=4, help="virtual ranks (default 4)")
     parser.add_argument("--levels", type=int, default=0, help="preview: code magnitude L")
     parser.add_argument("--range", type=float, default=3.0, help="preview: codes span +-range RMS")
+    parser.add_argument("--block", type=int, default=64,
+                        help="preview: one scale per this many elements (0: per tensor; "
+                             "default 64, the engine's)")
+    parser.add_argument("--scale-lag", type=int, default=1,
+                        help="preview: scales from the average this many iterations back "
+                             "(default 1, the engine's)")
     parser.add_argument("--no-remainder", action="store_true",
                         help="preview: the coded average alone")
     args = parser.parse_args()

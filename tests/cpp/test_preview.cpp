@@ -33,20 +33,26 @@ TEST(PreviewCodec, EstimatesAverageToTheAverageAndStayWithinTheCodingError) {
       average[i] += rank[i] / world;
     }
   }
-  // Scale from another average, as the reducer takes it (an earlier one).
-  const double scale = preview_scale(DType::kFloat32, average.data(), n, levels);
-  ASSERT_GT(scale, 0.0);
+  // Scales from the average itself (the reducer takes an earlier one's).
+  std::vector<float> scales((n + kPreviewBlock - 1) / kPreviewBlock);
+  preview_scales(DType::kFloat32, average.data(), n, levels, scales.data());
+  for (float s : scales) ASSERT_GT(s, 0.0f);
   std::vector<std::vector<int8_t>> codes(world, std::vector<int8_t>(n));
   std::vector<std::vector<float>> estimate(world, std::vector<float>(n));
   std::vector<uint8_t> sums(n, 0);
   for (int r = 0; r < world; ++r) {
-    preview_encode(DType::kFloat32, g[r].data(), n, scale, levels, codes[r].data(),
+    // Coded in two pieces, as two tensors of one bucket would be, the cut
+    // inside a block.
+    const size_t cut = 300;
+    preview_encode(DType::kFloat32, g[r].data(), 0, cut, scales.data(), levels, codes[r].data(),
                    estimate[r].data());
+    preview_encode(DType::kFloat32, g[r].data() + cut, cut, n - cut, scales.data(), levels,
+                   codes[r].data() + cut, estimate[r].data() + cut);
     for (size_t i = 0; i < n; ++i) sums[i] = static_cast<uint8_t>(sums[i] + codes[r][i]);
   }
   for (int r = 0; r < world; ++r) {
-    preview_decode(DType::kFloat32, reinterpret_cast<const int8_t*>(sums.data()), n, scale, world,
-                   estimate[r].data());
+    preview_decode(DType::kFloat32, reinterpret_cast<const int8_t*>(sums.data()), 0, n,
+                   scales.data(), world, estimate[r].data());
   }
   size_t clipped = 0;
   for (size_t i = 0; i < n; ++i) {
@@ -60,10 +66,11 @@ TEST(PreviewCodec, EstimatesAverageToTheAverageAndStayWithinTheCodingError) {
     clipped += any_clipped;
     if (!any_clipped) {
       // Each estimate is off by its own rounding error minus the mean one.
+      const float scale = scales[i / kPreviewBlock];
       for (int r = 0; r < world; ++r) EXPECT_LE(std::abs(estimate[r][i] - average[i]), scale);
     }
   }
-  // The rms of this average is about 1/2 and codes span 3 of it: a rank's
+  // The rms of this average is about 1/2 and codes span 3 of each block's: a rank's
   // value beyond 1.5 clips (13% of them), so 44% of the elements have a
   // clipped rank; their means above are exact all the same.
   EXPECT_GT(clipped, n / 4);
@@ -74,16 +81,20 @@ TEST(PreviewCodec, WithoutAScaleOrAFiniteValueTheEstimateIsTheOwnGradient) {
   const float g[3] = {0.5f, std::nanf(""), -2.0f};
   int8_t codes[3];
   float estimate[3];
-  preview_encode(DType::kFloat32, g, 3, 0.0, 31, codes, estimate);
+  const float none[1] = {0.0f};
+  preview_encode(DType::kFloat32, g, 0, 3, none, 31, codes, estimate);
   EXPECT_EQ(codes[0], 0);
   EXPECT_EQ(estimate[0], 0.5f);
   EXPECT_EQ(estimate[2], -2.0f);
-  preview_encode(DType::kFloat32, g, 3, 0.1, 31, codes, estimate);
+  const float tenth[1] = {0.1f};
+  preview_encode(DType::kFloat32, g, 0, 3, tenth, 31, codes, estimate);
   EXPECT_EQ(codes[0], 5);
   EXPECT_EQ(codes[1], 0);
   EXPECT_TRUE(std::isnan(estimate[1]));
   EXPECT_EQ(codes[2], -20);
-  EXPECT_EQ(preview_scale(DType::kFloat32, g, 3, 31), 0.0);  // NaN in the average: no scale
+  float scale = -1.0f;
+  preview_scales(DType::kFloat32, g, 3, 31, &scale);
+  EXPECT_EQ(scale, 0.0f);  // NaN in the average: no scale
   EXPECT_EQ(preview_levels(128), 0);
 }
 
@@ -119,10 +130,10 @@ TEST(Reducer, PreviewArrivesOnItsLaneAndCentresOnTheOwnGradient) {
       const auto buckets = reducer->buckets();
       for (size_t bucket = 0; bucket < buckets.size(); ++bucket) {
         reducer->wait_preview(k, bucket);
-        // Each set of buffers previews from its second use on: iterations 2, 3, ...
-        EXPECT_EQ(reducer->preview_done(k, bucket), k >= 2) << "iteration " << k;
+        // From the second iteration on (the scales come from the previous one).
+        EXPECT_EQ(reducer->preview_done(k, bucket), k >= 1) << "iteration " << k;
       }
-      if (k >= 2) {
+      if (k >= 1) {
         const float* estimate = static_cast<const float*>(reducer->preview(k, 0).data);
         double error = 0.0, own = 0.0;
         for (size_t i = 0; i < n; ++i) {
@@ -130,8 +141,9 @@ TEST(Reducer, PreviewArrivesOnItsLaneAndCentresOnTheOwnGradient) {
           own += std::pow(w[i] - w_all[i], 2);
         }
         // Much closer to the average than the rank's own gradient: the codes'
-        // step is 3 RMS / 42 = 0.05 here, so the error is about 0.012 per
-        // element against the own gradient's 0.065.
+        // step is 3 RMS / 42 = 0.05 here (less where a block's average is
+        // smaller), so the error is at most about 0.012 per element against
+        // the own gradient's 0.065.
         EXPECT_LT(std::sqrt(error), 0.3 * std::sqrt(own)) << "iteration " << k;
         const uint16_t* eb = static_cast<const uint16_t*>(reducer->preview(k, 1).data);
         EXPECT_EQ(eb[5], 0x3f80);  // equal on every rank: the estimate is the value

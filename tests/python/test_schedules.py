@@ -96,10 +96,10 @@ def test_decoupled_trains_and_differs_from_wfbp_only_by_the_approximation() -> N
 def test_decoupled_forwards_read_the_preview_where_it_arrives_first(optimizer: str) -> None:
     # Different data per rank: the preview lands before the next forward
     # reads a parameter whose exact step has not arrived (a forward waits for
-    # it), so approximate reads are preview reads, except in the two
-    # iterations after the first (each set of buffers takes its scales from
-    # its previous use). The run trains, stays within the approximation of
-    # wfbp's trajectory, and ranks agree bitwise.
+    # it), so approximate reads are preview reads, except in the iteration
+    # after the first (its scales would come from the first, whose buckets
+    # were rebuilt after it). The run trains, stays within the approximation
+    # of wfbp's trajectory, and ranks agree bitwise.
     wfbp = run_local(workers.schedule_run, 3, "wfbp", "transformer", optimizer, 10, False)
     dec = run_local(workers.schedule_run_with, 3, "decoupled", "transformer", optimizer, 10,
                     False, {"preview": True}, timeout_s=120)

@@ -61,10 +61,11 @@ struct ReducerOptions {
   // Before each bucket's full-precision reduction, all-reduce a one-byte
   // coding of it (engine/preview.h) and keep this rank's estimate of the
   // average: its own gradient plus the coded average minus its own coding.
-  // Every bucket's preview goes before the first full reduction of the
-  // iteration. From the third use of each set of buffers on (the codes'
-  // scales come from the iteration that used them before). CPU only; at
-  // most 127 ranks. Costs a quarter more bytes (of float32 gradients).
+  // The previews go on a lane of their own (a second communicator and
+  // engine thread), and an iteration's full reductions start once all its
+  // previews are done. From the second iteration of a bucket plan on (the
+  // codes' scales come from the previous iteration's averages). CPU only;
+  // at most 127 ranks. Costs a quarter more bytes (of float32 gradients).
   bool preview = false;
   // Where the gradients live: every gradient of a reducer is on this device.
   // On a CUDA device the buckets are device memory, gradients are copied in

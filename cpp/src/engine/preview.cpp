@@ -13,10 +13,8 @@ namespace {
 
 // Codes span +-kPreviewRange RMS of the reference average: wide enough that
 // few elements clip (a clipped element keeps its own gradient's excess in
-// the estimate), narrow enough that with L = 31 (4 ranks) a step is 0.1 RMS.
-// 3 measured better than 2.5 and 4 on the byte-level LM (held-out loss over
-// three seeds, in a single-process model of decoupled: +0.7%, +2.0% and
-// +1.2% from the exact step's).
+// the estimate), narrow enough that with L = 31 (4 ranks) a step is 0.1 RMS
+// (bench/approximation_model.py --range tries others).
 constexpr double kPreviewRange = 3.0;
 
 // Element access in float (half types) or the element's own type.
@@ -50,52 +48,63 @@ void dispatch(DType dtype, const F& f) {
 
 int preview_levels(int world) { return world >= 1 ? 127 / world : 0; }
 
-double preview_scale(DType dtype, const void* averaged, size_t n, int levels) {
-  if (n == 0 || levels <= 0) return 0.0;
-  double sum = 0.0;
+void preview_scales(DType dtype, const void* averaged, size_t n, int levels, float* scales) {
   dispatch(dtype, [&](auto access) {
     using A = decltype(access);
-    for (size_t i = 0; i < n; ++i) {
-      const double x = static_cast<double>(A::load(averaged, i));
-      sum += x * x;
+    for (size_t first = 0, block = 0; first < n; first += kPreviewBlock, ++block) {
+      const size_t last = std::min(n, first + kPreviewBlock);
+      double sum = 0.0;
+      for (size_t i = first; i < last; ++i) {
+        const double x = static_cast<double>(A::load(averaged, i));
+        sum += x * x;
+      }
+      const double rms = std::sqrt(sum / static_cast<double>(last - first));
+      const bool usable = levels > 0 && std::isfinite(rms) && rms > 0.0;
+      scales[block] = usable ? static_cast<float>(kPreviewRange * rms / levels) : 0.0f;
     }
   });
-  const double rms = std::sqrt(sum / static_cast<double>(n));
-  if (!std::isfinite(rms) || rms == 0.0) return 0.0;
-  return kPreviewRange * rms / levels;
 }
 
-void preview_encode(DType dtype, const void* grad, size_t n, double scale, int levels,
-                    int8_t* codes, void* estimate) {
+void preview_encode(DType dtype, const void* grad, size_t offset, size_t n, const float* scales,
+                    int levels, int8_t* codes, void* estimate) {
   dispatch(dtype, [&](auto access) {
     using A = decltype(access);
     using V = typename A::Value;
-    const V s = static_cast<V>(scale);
-    const V inverse = scale > 0.0 ? static_cast<V>(1.0 / scale) : V(0);
     const V limit = static_cast<V>(levels);
     // Adding and subtracting 1.5 * 2^mantissa rounds a value this small to
     // the nearest integer, ties to even, as rint does, without a libm call
     // per element (this runs on the autograd thread, once per gradient).
     const V magic = static_cast<V>(std::is_same_v<V, double> ? 6755399441055744.0 : 12582912.0);
-    for (size_t i = 0; i < n; ++i) {
-      const V g = A::load(grad, i);
-      const V clamped = std::min(limit, std::max(-limit, g * inverse));
-      // A non-finite g is coded 0 and kept in the estimate (it is this rank's own).
-      const V q = g - g == V(0) ? (clamped + magic) - magic : V(0);
-      codes[i] = static_cast<int8_t>(q);
-      A::store(estimate, i, g - s * q);
+    for (size_t i = 0; i < n;) {
+      // One block (or the part of it in this tensor) at a time.
+      const size_t block = (offset + i) / kPreviewBlock;
+      const size_t end = std::min(n, (block + 1) * kPreviewBlock - offset);
+      const V s = static_cast<V>(scales[block]);
+      const V inverse = s > V(0) ? V(1) / s : V(0);
+      for (; i < end; ++i) {
+        const V g = A::load(grad, i);
+        const V clamped = std::min(limit, std::max(-limit, g * inverse));
+        // A non-finite g is coded 0 and kept in the estimate (it is this rank's own).
+        const V q = g - g == V(0) ? (clamped + magic) - magic : V(0);
+        codes[i] = static_cast<int8_t>(q);
+        A::store(estimate, i, g - s * q);
+      }
     }
   });
 }
 
-void preview_decode(DType dtype, const int8_t* sums, size_t n, double scale, int world,
-                    void* estimate) {
+void preview_decode(DType dtype, const int8_t* sums, size_t offset, size_t n,
+                    const float* scales, int world, void* estimate) {
   dispatch(dtype, [&](auto access) {
     using A = decltype(access);
     using V = typename A::Value;
-    const V step = static_cast<V>(scale / world);
-    for (size_t i = 0; i < n; ++i) {
-      A::store(estimate, i, A::load(estimate, i) + step * static_cast<V>(sums[i]));
+    for (size_t i = 0; i < n;) {
+      const size_t block = (offset + i) / kPreviewBlock;
+      const size_t end = std::min(n, (block + 1) * kPreviewBlock - offset);
+      const V step = static_cast<V>(scales[block]) / static_cast<V>(world);
+      for (; i < end; ++i) {
+        A::store(estimate, i, A::load(estimate, i) + step * static_cast<V>(sums[i]));
+      }
     }
   });
 }

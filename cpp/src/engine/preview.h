@@ -4,11 +4,12 @@
 // shares instead of from its own gradient alone.
 //
 // Each rank codes its gradient g as int8 codes q = clamp(rint(g / s), -L, L)
-// with a scale s every rank knows (derived from an earlier averaged gradient,
-// so no collective is needed to agree on it) and L = floor(127 / world), so
-// the sum of the codes over all ranks fits an int8 exactly: the codes are
-// summed by a uint8 all-reduce, whose wrap-around arithmetic is exact
-// modulo 256. The estimate a rank gets is
+// with a scale s per block of kPreviewBlock elements of the bucket that every
+// rank knows (derived from an earlier averaged gradient, so no collective is
+// needed to agree on it) and L = floor(127 / world), so the sum of the codes
+// over all ranks fits an int8 exactly: the codes are summed by a uint8
+// all-reduce, whose wrap-around arithmetic is exact modulo 256. The estimate
+// a rank gets is
 //
 //     e = g - s*q + s * sum_ranks(q) / world
 //
@@ -27,23 +28,30 @@
 
 namespace hemiola {
 
+// Elements of a bucket that share one scale. Per block rather than per
+// tensor: an embedding's rows, or a layer's biases, differ in magnitude by
+// orders, and one scale for all of them leaves most of them uncoded.
+constexpr size_t kPreviewBlock = 64;
+
 // The largest code magnitude L for `world` ranks (0: no preview possible).
 int preview_levels(int world);
 
-// The scale of the codes of n elements whose averaged gradient (of an
-// earlier iteration) is `averaged`: codes span +-kPreviewRange RMS of it.
-// 0 when that average is zero or not finite (the elements are then not
-// coded: their estimate is the rank's own gradient).
-double preview_scale(DType dtype, const void* averaged, size_t n, int levels);
+// The scales of a bucket of n elements whose averaged gradient (of an
+// earlier iteration) is `averaged`: per block, codes span +-kPreviewRange
+// RMS of that block's average. 0 where that average is zero or not finite
+// (those elements are then not coded: their estimate is the rank's own
+// gradient). `scales` holds ceil(n / kPreviewBlock) values.
+void preview_scales(DType dtype, const void* averaged, size_t n, int levels, float* scales);
 
-// codes <- clamp(rint(g / scale), -levels, levels); estimate <- g - scale*codes
-// (g itself where scale is 0 or g is not finite, with code 0).
-void preview_encode(DType dtype, const void* grad, size_t n, double scale, int levels,
-                    int8_t* codes, void* estimate);
+// For the n elements at `offset` of a bucket (`scales` are the bucket's):
+// codes <- clamp(rint(g / s), -levels, levels); estimate <- g - s*codes
+// (g itself where s is 0 or g is not finite, with code 0).
+void preview_encode(DType dtype, const void* grad, size_t offset, size_t n, const float* scales,
+                    int levels, int8_t* codes, void* estimate);
 
-// estimate += scale * sums / world, the sums read as int8 (the codes summed
-// over the ranks modulo 256).
-void preview_decode(DType dtype, const int8_t* sums, size_t n, double scale, int world,
-                    void* estimate);
+// For the n elements at `offset` of a bucket: estimate += s * sums / world,
+// the sums read as int8 (the codes summed over the ranks modulo 256).
+void preview_decode(DType dtype, const int8_t* sums, size_t offset, size_t n,
+                    const float* scales, int world, void* estimate);
 
 }  // namespace hemiola

@@ -148,7 +148,7 @@ void ReducerImpl::build(const std::vector<size_t>& order) {
     const PlannedBucket& bucket = plan_[b];
     for (size_t k = 0; k < bucket.tensors.size(); ++k) {
       placement_[bucket.tensors[k]].push_back(
-          {b, bucket.offsets[k], bucket.begins[k], bucket.counts[k], k});
+          {b, bucket.offsets[k], bucket.begins[k], bucket.counts[k]});
     }
   }
   issue_order_.resize(plan_.size());
@@ -180,9 +180,7 @@ void ReducerImpl::build(const std::vector<size_t>& order) {
       for (const auto& bucket : plan_) {
         preview->codes.emplace_back(bucket.numel);
         preview->estimate.emplace_back(new unsigned char[std::max<size_t>(bucket.nbytes(), 1)]());
-        preview->scales.emplace_back(bucket.tensors.size(), 0.0);
       }
-      preview->next_scales = preview->scales;
       preview->queue = std::make_unique<ReadyQueue<uint32_t>>(plan_.size());
       preview->done.reset(new std::atomic<bool>[plan_.size()]);
       for (size_t b = 0; b < plan_.size(); ++b) preview->done[b].store(false);
@@ -190,6 +188,13 @@ void ReducerImpl::build(const std::vector<size_t>& order) {
     }
     flights_.push_back(std::move(flight));
   }
+  preview_scales_.clear();
+  if (options_.preview) {
+    for (const auto& bucket : plan_) {
+      preview_scales_.emplace_back((bucket.numel + kPreviewBlock - 1) / kPreviewBlock, 0.0f);
+    }
+  }
+  plan_start_ = started_.load();
 }
 
 std::unique_ptr<ReducerImpl::DeviceFlight> ReducerImpl::make_device_flight() const {
@@ -233,6 +238,13 @@ ReducerImpl::Flight& ReducerImpl::begin_iteration() {
   // done before its buffers are reused.
   if (flight.handle.valid()) flight.handle.wait();
   if (flight.preview && flight.preview->handle.valid()) flight.preview->handle.wait();
+  if (options_.preview && iteration > 0) {
+    // The previous iteration's preview reads the flight reused now (its
+    // scales' iteration's bucket states): it must be done first. It needs
+    // nothing more than what has happened already, so this is short.
+    Flight& last = *flights_[(iteration - 1) % flights_.size()];
+    if (last.preview->handle.valid()) last.preview->handle.wait();
+  }
   for (size_t b = 0; b < plan_.size(); ++b) {
     flight.pending[b].store(static_cast<int64_t>(plan_[b].tensors.size()),
                             std::memory_order_relaxed);
@@ -245,9 +257,9 @@ ReducerImpl::Flight& ReducerImpl::begin_iteration() {
   if (flight.gpu) flight.gpu->fenced.store(kNoStream, std::memory_order_relaxed);
   Preview* preview = flight.preview.get();
   if (preview) {
-    preview->active = preview->scaled;
+    // The scales come from the previous iteration, reduced under this plan.
+    preview->active = iteration > plan_start_;
     preview->failed.store(false, std::memory_order_relaxed);
-    if (preview->active) preview->scales = preview->next_scales;
     for (size_t b = 0; b < plan_.size(); ++b) {
       preview->done[b].store(false, std::memory_order_relaxed);
     }
@@ -288,28 +300,13 @@ void ReducerImpl::mark(size_t index, const void* source, void* out, bool used, v
   if (flight.gpu) {
     copy_in_on_device(flight, index, source, used, stream);
   } else {
-    Preview* preview = flight.preview && flight.preview->active ? flight.preview.get() : nullptr;
-    const int levels = preview ? preview_levels(engine_.options().world_size) : 0;
     for (const Placement& piece : placement_[index]) {
       unsigned char* dst = flight.buffers[piece.bucket] + piece.offset * elem;
-      const unsigned char* src = static_cast<const unsigned char*>(source) + piece.begin * elem;
       if (used) {
-        std::memcpy(dst, src, piece.count * elem);
+        std::memcpy(dst, static_cast<const unsigned char*>(source) + piece.begin * elem,
+                    piece.count * elem);
       } else {
         std::memset(dst, 0, piece.count * elem);
-      }
-      if (preview) {
-        // Coded here, from the gradient, so that the main lane may reduce
-        // the bucket in place while the preview lane sums the codes.
-        int8_t* codes = preview->codes[piece.bucket].data() + piece.offset;
-        unsigned char* estimate = preview->estimate[piece.bucket].get() + piece.offset * elem;
-        if (used) {
-          preview_encode(spec.dtype, src, piece.count, preview->scales[piece.bucket][piece.entry],
-                         levels, codes, estimate);
-        } else {
-          std::memset(codes, 0, piece.count);
-          std::memset(estimate, 0, piece.count * elem);
-        }
       }
     }
   }
@@ -410,7 +407,6 @@ void ReducerImpl::run(Flight& flight, Communicator& comm, Timeline& timeline,
     wait_ready(*flight.queue, b, ready, timeline, "comm");
     reduce(flight, b, comm, timeline, device_comm, stream);
   }
-  if (flight.preview) flight.preview->scaled = true;
   *current_bucket = count;
   if (options_.track_usage) {
     comm.all_reduce_sum(TensorRef{flight.usage.data(), DType::kFloat32, flight.usage.size(), {}});
@@ -464,14 +460,12 @@ void ReducerImpl::reduce(Flight& flight, size_t b, Communicator& comm, Timeline&
                     plan.counts[k] * elem);
       }
     }
-    if (flight.preview) {
-      // The scales of this flight's next iteration: the same on every rank,
-      // since the averages are.
-      const int levels = preview_levels(engine_.options().world_size);
-      for (size_t k = 0; k < plan.tensors.size(); ++k) {
-        flight.preview->next_scales[b][k] =
-            preview_scale(plan.dtype, buffer + plan.offsets[k] * elem, plan.counts[k], levels);
-      }
+    if (options_.preview) {
+      // The next iteration's scales: the same on every rank, since the
+      // averages are. (Before the bucket counts as done: the next
+      // iteration's preview lane reads them once it is.)
+      preview_scales(plan.dtype, buffer, plan.numel, preview_levels(engine_.options().world_size),
+                     preview_scales_[b].data());
     }
   }
   {
@@ -534,21 +528,23 @@ void ReducerImpl::run_preview(Flight& flight, Communicator& comm, Timeline& time
 void ReducerImpl::sum_previews(Flight& flight, Communicator& comm, Timeline& timeline) {
   Preview& preview = *flight.preview;
   const int world = engine_.options().world_size;
+  const int levels = preview_levels(world);
   std::vector<bool> ready(plan_.size(), false);
   for (size_t b : issue_order_) {
     wait_ready(*preview.queue, b, ready, timeline, "preview");
+    wait_reduced(flight.iteration - 1, b);  // its average gives the scales
     const PlannedBucket& plan = plan_[b];
     const int64_t start_us = timeline.now_us();
-    int8_t* sums = preview.codes[b].data();
+    int8_t* codes = preview.codes[b].data();
+    unsigned char* estimate = preview.estimate[b].get();
+    const float* scales = preview_scales_[b].data();
+    // The bucket still holds this rank's own gradients: the main lane
+    // reduces it only once the whole preview is done.
+    preview_encode(plan.dtype, flight.buffers[b], 0, plan.numel, scales, levels, codes, estimate);
     // uint8 sums wrap modulo 256, which is exact for int8 codes whose true
     // sum fits an int8 (|sum| <= world * levels <= 127).
-    comm.all_reduce_sum(TensorRef{sums, DType::kUInt8, plan.numel, Device{}});
-    const size_t elem = dtype_size(plan.dtype);
-    for (size_t k = 0; k < plan.tensors.size(); ++k) {
-      const size_t offset = plan.offsets[k];
-      preview_decode(plan.dtype, sums + offset, plan.counts[k], preview.scales[b][k], world,
-                     preview.estimate[b].get() + offset * elem);
-    }
+    comm.all_reduce_sum(TensorRef{codes, DType::kUInt8, plan.numel, Device{}});
+    preview_decode(plan.dtype, codes, 0, plan.numel, scales, world, estimate);
     {
       std::lock_guard<std::mutex> lock(preview.mutex);
       preview.done[b].store(true, std::memory_order_release);
@@ -560,6 +556,28 @@ void ReducerImpl::sum_previews(Flight& flight, Communicator& comm, Timeline& tim
                           std::to_string(flight.iteration) + ")",
                       "preview", start_us, timeline.now_us());
     }
+  }
+}
+
+void ReducerImpl::wait_reduced(uint64_t iteration, size_t b) {
+  Flight& previous = *flights_[iteration % flights_.size()];
+  // Reused since (in_flight = 0 reuses it at once): that iteration is done.
+  if (previous.iteration != iteration) return;
+  const auto deadline = std::chrono::steady_clock::now() + timeout();
+  std::unique_lock<std::mutex> lock(previous.bucket_mutex);
+  while (!previous.bucket_done[b].load(std::memory_order_acquire)) {
+    if (aborted_.load(std::memory_order_acquire)) {
+      lock.unlock();
+      std::lock_guard<std::mutex> abort_lock(abort_mutex_);
+      HEMIOLA_THROW(ErrorCode::kAborted, "aborted: ", abort_reason_);
+    }
+    if (previous.handle.done() || std::chrono::steady_clock::now() > deadline) {
+      HEMIOLA_THROW(ErrorCode::kTimeout, "the preview of iteration ", iteration + 1,
+                    " waited in vain for iteration ", iteration, "'s bucket ", b,
+                    " (its reduction failed or did not finish within ",
+                    engine_.options().timeout_s, " s)");
+    }
+    previous.bucket_cv.wait_for(lock, std::chrono::milliseconds(100));
   }
 }
 

@@ -76,7 +76,6 @@ class ReducerImpl {
     size_t offset = 0;  // in elements, within the bucket
     size_t begin = 0;   // first element of the piece within the tensor
     size_t count = 0;   // elements in the piece
-    size_t entry = 0;   // its index in the bucket's tensors
   };
   // A CUDA flight's device state. The events order work across streams on
   // the device: the caller's stream never waits on the host.
@@ -100,17 +99,12 @@ class ReducerImpl {
 
   // A CPU flight's preview (ReducerOptions::preview), per bucket in plan
   // layout: the codes (all-reduced in place into their sums) and the
-  // estimate (the bucket's dtype), written by mark() and finished by the
-  // preview lane. The scales come from the averages of this flight's
-  // previous iteration, so every rank has the same ones without a
-  // collective: the main lane writes next_scales after each full reduction;
-  // begin_iteration, with both lanes' work done, copies them to scales.
+  // estimate (the bucket's dtype), both made by the preview lane from the
+  // packed gradients, which the main lane leaves alone until the preview is
+  // done.
   struct Preview {
     std::vector<std::vector<int8_t>> codes;
     std::vector<std::unique_ptr<unsigned char[]>> estimate;
-    std::vector<std::vector<double>> scales;       // per bucket and entry
-    std::vector<std::vector<double>> next_scales;  // the main lane's, for the next use
-    bool scaled = false;  // next_scales are filled (main lane; read after its work is done)
     bool active = false;  // this iteration takes a preview (fixed while it runs)
     std::unique_ptr<ReadyQueue<uint32_t>> queue;  // ready buckets, for the preview lane
     std::unique_ptr<std::atomic<bool>[]> done;   // per bucket
@@ -162,6 +156,8 @@ class ReducerImpl {
   // and its estimate finished, in issue order.
   void run_preview(Flight& flight, Communicator& comm, Timeline& timeline);
   void sum_previews(Flight& flight, Communicator& comm, Timeline& timeline);
+  // The preview lane: blocks until iteration `iteration` reduced bucket `b`.
+  void wait_reduced(uint64_t iteration, size_t b);
   // The main lane: blocks until every bucket of `flight` has its preview.
   void wait_previews(Flight& flight, Timeline& timeline);
   class PreviewWork;
@@ -183,6 +179,13 @@ class ReducerImpl {
   std::vector<size_t> issue_order_;  // a permutation of plan_'s indices
   std::vector<std::vector<Placement>> placement_;  // per tensor, its pieces
   std::vector<std::unique_ptr<Flight>> flights_;  // in_flight + 1
+  // ReducerOptions::preview: per bucket, one scale per kPreviewBlock elements,
+  // from the newest averaged gradient (written by the main lane as each
+  // bucket is reduced; iteration k's preview lane reads bucket b's after
+  // iteration k - 1 reduced it, and iteration k's main lane writes them
+  // only after k's previews are done). Every rank has the same ones.
+  std::vector<std::vector<float>> preview_scales_;
+  uint64_t plan_start_ = 0;  // the first iteration of the current plan
 
   std::atomic<Flight*> marking_{nullptr};  // the iteration being marked, if any
   std::atomic<uint64_t> started_{0};
