@@ -19,6 +19,9 @@ Variants of the gradient the approximate step of rank i takes:
            average (per tensor, or per --block elements); --no-remainder
            drops the own gradient's remainder
 
+--exact-fraction p lets each rank read each tensor exact with probability p,
+as corrections that land on arrival make some reads.
+
 Prints the held-out loss per seed and their mean. About a minute per seed.
 """
 
@@ -102,6 +105,7 @@ def run(variant: str, seed: int, args: argparse.Namespace) -> float:
     schedule = task.lr_scheduler(holder, total)
     live = [dict(w) for _ in range(world)]
     history: list[Grads] = []  # the newest averages, newest last
+    luck = torch.Generator().manual_seed(seed)
     step, epoch = 0, 0
     while step < total:
         x_all, y_all = task.epoch_samples(seed, epoch)
@@ -125,6 +129,13 @@ def run(variant: str, seed: int, args: argparse.Namespace) -> float:
             for n in names:
                 w[n], m[n], v[n] = adamw(w[n], m[n], v[n], mean[n], lr, step, decay[n],
                                          task.betas)
+            # Some reads find the exact step landed (corrections on arrival),
+            # on each rank independently.
+            for r in range(world):
+                for n in names:
+                    if args.exact_fraction and float(torch.rand(1, generator=luck)) < \
+                            args.exact_fraction:
+                        live[r][n] = w[n]
             history = [*history[-(args.scale_lag - 1):], mean] if args.scale_lag > 1 else [mean]
             holder.step()
             schedule.step()
@@ -150,6 +161,9 @@ def main() -> None:
     parser.add_argument("--scale-lag", type=int, default=1,
                         help="preview: scales from the average this many iterations back "
                              "(default 1, the engine's)")
+    parser.add_argument("--exact-fraction", type=float, default=0.0,
+                        help="each rank reads each tensor exact with this probability "
+                             "(a correction that landed first), independently")
     parser.add_argument("--no-remainder", action="store_true",
                         help="preview: the coded average alone")
     args = parser.parse_args()

@@ -225,6 +225,8 @@ def main() -> None:
                         help="comma-separated (default: all of "
                              f"{', '.join([*SCHEDULES, *VARIANTS])})")
     parser.add_argument("--seeds", type=int, default=3, help="seeds 0..N-1 (default 3)")
+    parser.add_argument("--first-seed", type=int, default=0,
+                        help="start the seeds here (--first-seed 3 --seeds 3: seeds 3, 4, 5)")
     parser.add_argument("--world-size", type=int, default=4, help="local ranks (default 4)")
     parser.add_argument("--epochs", type=int, help="override every task's number of epochs")
     parser.add_argument("--steps", type=int, help="override every task's number of steps")
@@ -247,7 +249,8 @@ def main() -> None:
 
     # Seeds outermost within a task, schedules innermost: a drift in machine
     # load touches every schedule alike.
-    plan = [(t, seed, s) for t in tasks for seed in range(args.seeds) for s in schedules]
+    plan = [(t, seed, s) for t in tasks for seed in range(args.first_seed, args.first_seed + args.seeds)
+            for s in schedules]
     runs = []
     bar = tqdm(plan, desc="convergence", unit="run")
     for task, seed, schedule in bar:

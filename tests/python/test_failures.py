@@ -28,6 +28,22 @@ def test_killed_rank_makes_survivors_raise_naming_it() -> None:
         assert "[2]" in text, f"the dead rank is not named: {text}"
 
 
+def test_killed_rank_under_decoupled_with_a_preview_makes_survivors_raise() -> None:
+    # Two lanes (previews and full reductions) wait on the dead rank; the
+    # survivors still raise within the timeout and name it.
+    timeout_s = 5.0
+    outcome = run_local(workers.killed_rank, 3, 2, timeout_s, "decoupled", "adamw",
+                        expect_errors=True, timeout_s=90)
+    assert outcome[2][0] == "error"
+    for rank in (0, 1):
+        status, text = outcome[rank]
+        assert status == "ok", text
+        assert text.startswith("raised after"), text
+        seconds = float(re.search(r"raised after ([\d.]+)s", text).group(1))
+        assert seconds < timeout_s + min(10.0, timeout_s) + 5.0, text
+        assert "[2]" in text, f"the dead rank is not named: {text}"
+
+
 def test_stalled_rank_times_out_on_the_others() -> None:
     timeout_s = 3.0
     outcome = run_local(workers.stalled_rank, 2, timeout_s, expect_errors=True, timeout_s=60)

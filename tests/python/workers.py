@@ -194,7 +194,8 @@ def mismatched_model(rank: int, world: int) -> str:
     return "wrapped"
 
 
-def killed_rank(rank: int, world: int, victim: int, timeout_s: float) -> str:
+def killed_rank(rank: int, world: int, victim: int, timeout_s: float, schedule: str = "wfbp",
+                optimizer: str = "sgd") -> str:
     """Trains; `victim` dies (SIGKILL) at step 3. Survivors must raise."""
     import os
     import signal
@@ -203,8 +204,8 @@ def killed_rank(rank: int, world: int, victim: int, timeout_s: float) -> str:
     hemiola.init()
     torch.manual_seed(0)
     m = make_model("mlp")
-    model, opt = hemiola.wrap(m, make_optimizer("sgd", m.parameters()), timeout_s=timeout_s,
-                              fusion_mb=0.001)
+    model, opt = hemiola.wrap(m, make_optimizer(optimizer, m.parameters()), timeout_s=timeout_s,
+                              fusion_mb=0.001, schedule=schedule)
     for step in range(100):
         if rank == victim and step == 3:
             os.kill(os.getpid(), signal.SIGKILL)
@@ -213,10 +214,10 @@ def killed_rank(rank: int, world: int, victim: int, timeout_s: float) -> str:
         start = time.monotonic()
         try:
             loss_of("mlp", model(x), y).backward()
+            opt.step()  # (decoupled waits here, or in the next forward)
         except Exception as e:
             elapsed = time.monotonic() - start
             return f"raised after {elapsed:.2f}s at step {step}: {type(e).__name__}: {e}"
-        opt.step()
     return "finished without error"
 
 
