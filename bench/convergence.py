@@ -249,8 +249,8 @@ def main() -> None:
 
     # Seeds outermost within a task, schedules innermost: a drift in machine
     # load touches every schedule alike.
-    plan = [(t, seed, s) for t in tasks for seed in range(args.first_seed, args.first_seed + args.seeds)
-            for s in schedules]
+    seeds = range(args.first_seed, args.first_seed + args.seeds)
+    plan = [(t, seed, s) for t in tasks for seed in seeds for s in schedules]
     runs = []
     bar = tqdm(plan, desc="convergence", unit="run")
     for task, seed, schedule in bar:

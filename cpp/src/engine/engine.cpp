@@ -107,14 +107,19 @@ EngineImpl::EngineImpl(const EngineOptions& options, std::shared_ptr<Store> stor
   if (!rendezvous_) rendezvous_ = std::make_shared<MemoryStore>();
   comm_ = std::make_unique<GlooCommunicator>(options_, *rendezvous_);
   devices_ = std::make_unique<Devices>(options_, *rendezvous_, *comm_);
+  scheduler_ = make_scheduler(*comm_, "");
+}
+
+std::unique_ptr<Scheduler> EngineImpl::make_scheduler(Communicator& comm,
+                                                      const std::string& lane) {
   // Weak: handles may outlive the engine, and must not keep a (possibly
   // Python-implemented) store alive from an engine thread.
   std::weak_ptr<Store> diag_store = store_;
   const int rank = options_.rank, world = options_.world_size;
   const double timeout_s = options_.timeout_s;
-  scheduler_ = std::make_unique<Scheduler>(
-      *comm_, timeline_, [diag_store, rank, world, timeout_s](uint64_t sequence) {
-        return diagnose_missing_ranks(diag_store, "", rank, world, timeout_s, sequence);
+  return std::make_unique<Scheduler>(
+      comm, timeline_, [diag_store, lane, rank, world, timeout_s](uint64_t sequence) {
+        return diagnose_missing_ranks(diag_store, lane, rank, world, timeout_s, sequence);
       });
 }
 
@@ -125,22 +130,17 @@ EngineImpl::~EngineImpl() {
   devices_.reset();
 }
 
+void EngineImpl::connect_preview_lane() {
+  std::lock_guard<std::mutex> lock(preview_mutex_);
+  if (preview_scheduler_) return;
+  preview_comm_ = std::make_unique<GlooCommunicator>(
+      options_, *std::make_shared<PrefixStore>("hemiola_preview", rendezvous_));
+  preview_scheduler_ = make_scheduler(*preview_comm_, "preview/");
+}
+
 Handle EngineImpl::submit_preview(std::shared_ptr<Work> work) {
-  {
-    std::lock_guard<std::mutex> lock(preview_mutex_);
-    if (!preview_scheduler_) {
-      preview_comm_ = std::make_unique<GlooCommunicator>(
-          options_, *std::make_shared<PrefixStore>("hemiola_preview", rendezvous_));
-      std::weak_ptr<Store> diag_store = store_;
-      const int rank = options_.rank, world = options_.world_size;
-      const double timeout_s = options_.timeout_s;
-      preview_scheduler_ = std::make_unique<Scheduler>(
-          *preview_comm_, timeline_, [diag_store, rank, world, timeout_s](uint64_t sequence) {
-            return diagnose_missing_ranks(diag_store, "preview/", rank, world, timeout_s,
-                                          sequence);
-          });
-    }
-  }
+  std::lock_guard<std::mutex> lock(preview_mutex_);
+  HEMIOLA_CHECK(preview_scheduler_ != nullptr, "the preview lane is not connected");
   return preview_scheduler_->submit(std::move(work));
 }
 

@@ -29,9 +29,11 @@ class EngineImpl {
   Handle submit(std::shared_ptr<Work> work) { return scheduler_->submit(std::move(work)); }
   // The preview lane (ReducerOptions::preview): a communicator and scheduler
   // thread of their own, so that an iteration's previews are not queued
-  // behind the previous iteration's full reductions. Connected on first use,
-  // which must come at the same point on every rank (a reducer's
-  // construction). Its own submission order is the same on every rank.
+  // behind the previous iteration's full reductions. Connecting is a
+  // rendezvous, made once, at the same point on every rank (the first
+  // construction of a reducer with a preview); later calls return at once.
+  // Its own submission order is the same on every rank.
+  void connect_preview_lane();
   Handle submit_preview(std::shared_ptr<Work> work);
 
   // Single collectives on caller-owned memory, through the scheduler.
@@ -51,6 +53,10 @@ class EngineImpl {
   std::unique_ptr<Communicator> preview_comm_;    // the preview lane, once used
   std::unique_ptr<Scheduler> preview_scheduler_;
   std::mutex preview_mutex_;  // guards making the preview lane
+
+  // A scheduler over `comm`; its failures name missing ranks through the
+  // store under "hemiola_failure/<lane><sequence>".
+  std::unique_ptr<Scheduler> make_scheduler(Communicator& comm, const std::string& lane);
 };
 
 }  // namespace hemiola

@@ -2,6 +2,8 @@
 
 #include <algorithm>
 #include <chrono>
+#include <condition_variable>
+#include <mutex>
 #include <cstring>
 #include <sstream>
 
@@ -35,6 +37,21 @@ std::string join_names(const std::vector<GradSpec>& specs, const std::vector<siz
   }
   if (unique.size() > limit) out << ", ... (" << unique.size() - limit << " more)";
   return out.str();
+}
+
+// Blocks until `done` is set (it is set, and `cv` notified, under `mutex`),
+// or until the work of `handle`, which sets it, ends without setting it (it
+// failed); returns whether it was set. (User threads then rethrow with
+// handle.wait(); engine threads must not, because a failure's diagnosis may
+// call into a user-provided store.)
+bool wait_for_flag(std::mutex& mutex, std::condition_variable& cv, const std::atomic<bool>& done,
+                   const Handle& handle) {
+  std::unique_lock<std::mutex> lock(mutex);
+  while (!done.load(std::memory_order_acquire)) {
+    if (handle.done()) break;
+    cv.wait_for(lock, std::chrono::milliseconds(50));
+  }
+  return done.load(std::memory_order_acquire);
 }
 
 // Creates the engine's stream and communicator for a CUDA device.
@@ -113,6 +130,9 @@ ReducerImpl::ReducerImpl(EngineImpl& engine, std::vector<GradSpec> specs,
     HEMIOLA_CHECK(preview_levels(engine.options().world_size) >= 1,
                   "ReducerOptions::preview codes the sum of all ranks in one byte, which needs "
                   "at most 127 ranks (world_size is ", engine.options().world_size, ")");
+    // Now, at wrap time, not in a backward hook of the first iteration that
+    // takes a preview.
+    engine_.connect_preview_lane();
   }
   if (on_device()) {
     HEMIOLA_CHECK(options_.device.index >= 0, "a CUDA reducer needs a device index, got ",
@@ -259,16 +279,16 @@ ReducerImpl::Flight& ReducerImpl::begin_iteration() {
   if (preview) {
     // The scales come from the previous iteration, reduced under this plan.
     preview->active = iteration > plan_start_;
-    preview->failed.store(false, std::memory_order_relaxed);
     for (size_t b = 0; b < plan_.size(); ++b) {
       preview->done[b].store(false, std::memory_order_relaxed);
     }
   }
   flight.iteration = iteration;
-  flight.handle = engine_.submit(std::make_shared<Work>(*this, flight));
+  // The preview first: the main lane's work waits on its handle.
   if (preview && preview->active) {
     preview->handle = engine_.submit_preview(std::make_shared<PreviewWork>(*this, flight));
   }
+  flight.handle = engine_.submit(std::make_shared<Work>(*this, flight));
   started_.store(iteration + 1, std::memory_order_release);
   marking_.store(&flight, std::memory_order_release);
   return flight;
@@ -484,48 +504,18 @@ void ReducerImpl::reduce(Flight& flight, size_t b, Communicator& comm, Timeline&
 void ReducerImpl::wait_previews(Flight& flight, Timeline& timeline) {
   Preview& preview = *flight.preview;
   const int64_t start_us = timeline.now_us();
-  const auto deadline = std::chrono::steady_clock::now() + timeout();
-  std::unique_lock<std::mutex> lock(preview.mutex);
   for (size_t b = 0; b < plan_.size(); ++b) {
-    while (!preview.done[b].load(std::memory_order_acquire)) {
-      if (preview.failed.load(std::memory_order_acquire)) {
-        HEMIOLA_THROW(ErrorCode::kAborted, "the preview of iteration ", flight.iteration,
-                      " failed (see the error of its lane)");
-      }
-      if (aborted_.load(std::memory_order_acquire)) {
-        lock.unlock();
-        std::lock_guard<std::mutex> abort_lock(abort_mutex_);
-        HEMIOLA_THROW(ErrorCode::kAborted, "aborted: ", abort_reason_);
-      }
-      if (std::chrono::steady_clock::now() > deadline) {
-        HEMIOLA_THROW(ErrorCode::kTimeout, "the preview of bucket ", b, " of iteration ",
-                      flight.iteration, " did not arrive within ", engine_.options().timeout_s,
-                      " s");
-      }
-      preview.cv.wait_for(lock, std::chrono::milliseconds(100));
+    if (!wait_for_flag(preview.mutex, preview.cv, preview.done[b], preview.handle)) {
+      HEMIOLA_THROW(ErrorCode::kAborted, "the preview of iteration ", flight.iteration,
+                    " failed (see the error of its lane)");
     }
   }
-  lock.unlock();
   if (timeline.enabled() && timeline.now_us() - start_us > 1) {
     timeline.record("comm", "wait previews", "wait", start_us, timeline.now_us());
   }
 }
 
 void ReducerImpl::run_preview(Flight& flight, Communicator& comm, Timeline& timeline) {
-  Preview& preview = *flight.preview;
-  try {
-    sum_previews(flight, comm, timeline);
-  } catch (...) {
-    {
-      std::lock_guard<std::mutex> lock(preview.mutex);
-      preview.failed.store(true, std::memory_order_release);
-    }
-    preview.cv.notify_all();
-    throw;
-  }
-}
-
-void ReducerImpl::sum_previews(Flight& flight, Communicator& comm, Timeline& timeline) {
   Preview& preview = *flight.preview;
   const int world = engine_.options().world_size;
   const int levels = preview_levels(world);
@@ -563,21 +553,11 @@ void ReducerImpl::wait_reduced(uint64_t iteration, size_t b) {
   Flight& previous = *flights_[iteration % flights_.size()];
   // Reused since (in_flight = 0 reuses it at once): that iteration is done.
   if (previous.iteration != iteration) return;
-  const auto deadline = std::chrono::steady_clock::now() + timeout();
-  std::unique_lock<std::mutex> lock(previous.bucket_mutex);
-  while (!previous.bucket_done[b].load(std::memory_order_acquire)) {
-    if (aborted_.load(std::memory_order_acquire)) {
-      lock.unlock();
-      std::lock_guard<std::mutex> abort_lock(abort_mutex_);
-      HEMIOLA_THROW(ErrorCode::kAborted, "aborted: ", abort_reason_);
-    }
-    if (previous.handle.done() || std::chrono::steady_clock::now() > deadline) {
-      HEMIOLA_THROW(ErrorCode::kTimeout, "the preview of iteration ", iteration + 1,
-                    " waited in vain for iteration ", iteration, "'s bucket ", b,
-                    " (its reduction failed or did not finish within ",
-                    engine_.options().timeout_s, " s)");
-    }
-    previous.bucket_cv.wait_for(lock, std::chrono::milliseconds(100));
+  if (!wait_for_flag(previous.bucket_mutex, previous.bucket_cv, previous.bucket_done[b],
+                     previous.handle)) {
+    HEMIOLA_THROW(ErrorCode::kTimeout, "the preview of iteration ", iteration + 1,
+                  " waited in vain for iteration ", iteration, "'s bucket ", b,
+                  " (its reduction failed)");
   }
 }
 
@@ -693,13 +673,9 @@ void ReducerImpl::wait_bucket(uint64_t iteration, size_t bucket, void* stream) {
   }
   // Wake up for the bucket, or for the end of the whole iteration (which is
   // also how a failure arrives); the handle then rethrows it.
-  std::unique_lock<std::mutex> lock(flight->bucket_mutex);
-  while (!flight->bucket_done[bucket].load(std::memory_order_acquire)) {
-    if (handle.done()) break;
-    flight->bucket_cv.wait_for(lock, std::chrono::milliseconds(50));
+  if (!wait_for_flag(flight->bucket_mutex, flight->bucket_cv, flight->bucket_done[bucket], handle)) {
+    handle.wait();
   }
-  lock.unlock();
-  if (!flight->bucket_done[bucket].load(std::memory_order_acquire)) handle.wait();
   if (flight->gpu) flight->gpu->reduced[bucket]->block(stream);
 }
 
@@ -803,16 +779,8 @@ void ReducerImpl::wait_preview(uint64_t iteration, size_t bucket) {
                   ") while its gradients are still being marked");
     handle = flight->preview->handle;
   }
-  // As wait_bucket: wake for the bucket, or for the end of the lane's work
-  // (which is how a failure arrives; the handle then rethrows it).
   Preview& preview = *flight->preview;
-  std::unique_lock<std::mutex> lock(preview.mutex);
-  while (!preview.done[bucket].load(std::memory_order_acquire)) {
-    if (handle.done()) break;
-    preview.cv.wait_for(lock, std::chrono::milliseconds(50));
-  }
-  lock.unlock();
-  if (!preview.done[bucket].load(std::memory_order_acquire)) handle.wait();
+  if (!wait_for_flag(preview.mutex, preview.cv, preview.done[bucket], handle)) handle.wait();
 }
 
 TensorRef ReducerImpl::preview(uint64_t iteration, size_t index) const {

@@ -108,10 +108,9 @@ class ReducerImpl {
     bool active = false;  // this iteration takes a preview (fixed while it runs)
     std::unique_ptr<ReadyQueue<uint32_t>> queue;  // ready buckets, for the preview lane
     std::unique_ptr<std::atomic<bool>[]> done;   // per bucket
-    std::atomic<bool> failed{false};             // the preview lane's work threw
-    std::mutex mutex;                            // done/failed are set and cv notified under it
+    std::mutex mutex;                            // done is set and cv notified under it
     std::condition_variable cv;
-    Handle handle;                               // the preview lane's work
+    Handle handle;  // the preview lane's work (submitted before the main lane's, which waits on it)
   };
 
   // One iteration's state.
@@ -155,10 +154,11 @@ class ReducerImpl {
   // The preview lane's work for one iteration: each bucket's codes summed,
   // and its estimate finished, in issue order.
   void run_preview(Flight& flight, Communicator& comm, Timeline& timeline);
-  void sum_previews(Flight& flight, Communicator& comm, Timeline& timeline);
-  // The preview lane: blocks until iteration `iteration` reduced bucket `b`.
+  // The preview lane: blocks until iteration `iteration` reduced bucket `b`
+  // (throws if that reduction failed).
   void wait_reduced(uint64_t iteration, size_t b);
-  // The main lane: blocks until every bucket of `flight` has its preview.
+  // The main lane: blocks until every bucket of `flight` has its preview
+  // (throws if the preview lane failed).
   void wait_previews(Flight& flight, Timeline& timeline);
   class PreviewWork;
   // CUDA: the bucket's reduction and unpacking, enqueued on the engine's stream.

@@ -430,8 +430,7 @@ class UpdaterImpl {
   void land_previews(Pending& pending) {
     std::vector<size_t> chosen;
     for (size_t i : pending.remaining) {
-      if (read_[i] || pending.previewed[i] || !pending.stepped[i] || partitioned_[i]) continue;
-      if (previewed(pending, i)) chosen.push_back(i);
+      if (awaits_preview(pending, i) && previewed(pending, i)) chosen.push_back(i);
     }
     if (chosen.empty()) return;
     const int64_t start = engine_.timeline_now_us();
@@ -451,10 +450,7 @@ class UpdaterImpl {
     const int64_t start = engine_.timeline_now_us();
     bool waited = false;
     for (size_t i : needed) {
-      if (pending.applied[i] || read_[i] || pending.previewed[i] || !pending.stepped[i] ||
-          partitioned_[i]) {
-        continue;
-      }
+      if (!awaits_preview(pending, i)) continue;
       for (size_t b : buckets_of_[i]) {
         if (pending.bucket_previewed[b]) continue;
         reducer_.wait_preview(pending.iteration, b);
@@ -462,6 +458,14 @@ class UpdaterImpl {
       }
     }
     if (waited) record("wait", start, "wait previews (", pending.iteration, ")");
+  }
+
+  // Parameter i's live value may still become its preview step: its exact
+  // step has not landed, no forward read it since step(), it took the local
+  // step and not yet the preview's, and it is whole (not partitioned).
+  bool awaits_preview(const Pending& pending, size_t i) const {
+    return !pending.applied[i] && !read_[i] && !pending.previewed[i] && pending.stepped[i] &&
+           !partitioned_[i];
   }
 
   bool previewed(Pending& pending, size_t index) const {
