@@ -147,7 +147,8 @@ void bind_ps(py::module_& parent) {
       .def("push", [](Client& c, int tensor, uintptr_t grad) { c.push(tensor, as_floats(grad)); },
            py::call_guard<py::gil_scoped_release>())
       .def("push_none", &Client::push_none, py::call_guard<py::gil_scoped_release>())
-      .def("pull", &Client::pull, py::call_guard<py::gil_scoped_release>())
+      .def("pull", &Client::pull, py::arg("tensor"), py::arg("ahead") = false,
+           py::call_guard<py::gil_scoped_release>())
       .def("pull_ready", &Client::pull_ready)
       .def("wait_pull",
            [](Client& c, int tensor, uintptr_t dst) {

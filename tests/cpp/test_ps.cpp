@@ -160,6 +160,42 @@ TEST(ServerOptimizer, AdamWFollowsTorch) {
   }
 }
 
+// An eager reply without the requester's push's momentum share: exactly where
+// a zero-gradient step (without weight decay) would take the parameters, and
+// the optimizer state untouched.
+TEST(ServerOptimizer, MomentumShareIsAZeroGradientStep) {
+  for (const auto kind : {OptimizerKind::kSgd, OptimizerKind::kAdam, OptimizerKind::kAdamW}) {
+    for (const bool nesterov : {false, true}) {
+      if (kind != OptimizerKind::kSgd && nesterov) continue;
+      OptimizerState s;
+      s.kind = kind;
+      Hyper h;
+      h.lr = kind == OptimizerKind::kSgd ? 0.1 : 0.01;
+      h.momentum = 0.9;
+      h.nesterov = nesterov;
+      std::vector<float> p = {1.0f, -2.0f, 0.5f};
+      const std::vector<float> g = {0.5f, -0.25f, 0.125f};
+      std::vector<float> out(3);
+      momentum_share_removed(s, p.data(), out.data(), 3, h, 1.0);
+      EXPECT_EQ(out, p) << "no momentum yet: nothing to remove";
+      for (int step = 0; step < 3; ++step) optimizer_step(s, p.data(), g.data(), 3, h, 1.0);
+      const OptimizerState before = s;
+      momentum_share_removed(s, p.data(), out.data(), 3, h, 0.5);
+      EXPECT_EQ(s.m, before.m);
+      EXPECT_EQ(s.v, before.v);
+      EXPECT_EQ(s.step, before.step);
+      OptimizerState zero_step = s;
+      std::vector<float> expected = p;
+      const std::vector<float> zeros(3, 0.0f);
+      optimizer_step(zero_step, expected.data(), zeros.data(), 3, h, 0.5);
+      for (int i = 0; i < 3; ++i) {
+        EXPECT_NEAR(out[i], expected[i], 1e-6) << static_cast<int>(kind) << nesterov << i;
+        EXPECT_GT(std::abs(out[i] - p[i]), 1e-4) << "the share is not zero: the check can fail";
+      }
+    }
+  }
+}
+
 TEST(Snapshot, RoundTripsAndDetectsCorruption) {
   const std::string dir = temp_dir();
   ServerSnapshot s;

@@ -107,6 +107,9 @@ def loss_of(name: str, output: torch.Tensor, target: torch.Tensor) -> torch.Tens
 def make_optimizer(name: str, params: object) -> torch.optim.Optimizer:
     if name == "sgd":
         return torch.optim.SGD(params, lr=0.05, momentum=0.9, weight_decay=1e-4)  # type: ignore[arg-type]
+    if name == "nesterov":
+        return torch.optim.SGD(params, lr=0.05, momentum=0.9, nesterov=True,  # type: ignore[arg-type]
+                               weight_decay=1e-4)
     if name == "plain_sgd":  # no momentum: a step is a function of one gradient
         return torch.optim.SGD(params, lr=0.05, weight_decay=1e-4)  # type: ignore[arg-type]
     if name == "adamw":

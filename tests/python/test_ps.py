@@ -91,13 +91,15 @@ def _one_worker(consistency: str, correction: bool, opt: str, steps: int = 6) ->
     return w
 
 
-def test_eager_local_correction_puts_the_own_push_into_the_next_forward() -> None:
+@pytest.mark.parametrize("opt", ["plain_sgd", "sgd", "nesterov"])
+def test_eager_local_correction_puts_the_own_push_into_the_next_forward(opt: str) -> None:
     """One worker: an eager pull never holds the worker's own last push. With
-    plain SGD the local correction applies exactly the step the server takes,
-    so eager trains as bsp does; without it every forward is one step behind."""
-    bsp = _one_worker("bsp", True, "plain_sgd")
-    corrected = _one_worker("eager", True, "plain_sgd")
-    stale = _one_worker("eager", False, "plain_sgd")
+    SGD the server's reply leaves out that push's momentum share and the
+    worker adds its gradient's share, exactly the step the server takes, so
+    eager trains as bsp does; without it every forward is one step behind."""
+    bsp = _one_worker("bsp", True, opt)
+    corrected = _one_worker("eager", True, opt)
+    stale = _one_worker("eager", False, opt)
     torch.testing.assert_close(corrected["losses"], bsp["losses"], rtol=1e-5, atol=1e-6)
     for name, p in bsp["params"].items():  # synchronize() gives the servers' exact values
         torch.testing.assert_close(corrected["params"][name], p, rtol=1e-5, atol=1e-6)

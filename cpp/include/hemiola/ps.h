@@ -151,7 +151,8 @@ struct ClientOptions {
   std::string master_addr;
   std::string token;  // the job token the servers expect (see ServerOptions::token)
   // eager only: a pulled value that lacks this worker's own newest push (the
-  // pull was requested before it) gets that push's step applied locally, so
+  // pull was requested before it) gets that push's step applied (the server
+  // its momentum share, see pull(tensor, true); the client its gradient's), so
   // the next forward contains the worker's own last gradient; the push after
   // it then declares it was computed on the version that includes it, so the
   // staleness rule counts only other workers' updates. The servers' state
@@ -202,8 +203,12 @@ class HEMIOLA_API Client {
   // This iteration has no gradient for `tensor` (unused): counts as a push
   // that contributes nothing.
   void push_none(int tensor);
-  // Requests the newest parameters of `tensor` (as the consistency model allows).
-  void pull(int tensor);
+  // Requests the newest parameters of `tensor` (as the consistency model
+  // allows). `ahead` (eager with local_correction): the reply is for the
+  // forward after this worker's next push, which the server has not applied
+  // yet: the server moves it by that push's momentum share and the client,
+  // when it takes the reply, by the push's gradient share.
+  void pull(int tensor, bool ahead = false);
   // Waits for the latest requested pull of `tensor` and copies it into dst.
   void wait_pull(int tensor, float* dst);
   // True when the latest requested pull of `tensor` has arrived.

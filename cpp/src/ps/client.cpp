@@ -113,8 +113,10 @@ struct Client::Impl {
   }
 
   void send(const Shard& shard, MessageType type, int64_t version, std::vector<char> payload,
-            int tensor) {
+            int tensor, int32_t flags = 0, double factor = 1.0) {
     Header h;
+    h.flags = flags;
+    h.factor = factor;
     h.type = static_cast<uint16_t>(type);
     h.key = shard.key;
     h.worker = opt.worker_index;
@@ -423,17 +425,20 @@ void Client::push(int tensor, const float* grad) {
 
 void Client::push_none(int tensor) { impl_->push(tensor, nullptr); }
 
-void Client::pull(int tensor) {
+void Client::pull(int tensor, bool ahead) {
   auto& im = *impl_;
   const auto& ids = im.keys_of(tensor);
   std::lock_guard<std::mutex> lock(im.mutex);
   im.require_open();
   im.throw_if_failed();
+  ahead = ahead && im.opt.consistency == Consistency::kEager && im.opt.local_correction;
   for (int32_t id : ids) {
     auto& k = im.keys[static_cast<size_t>(id)];
     k.requested += 1;
     k.pushes_since_request = 0;
-    im.send(im.shards[static_cast<size_t>(id)], MessageType::kPull, k.min_next, {}, -1);
+    // The own push will be applied at about the factor its previous one got.
+    im.send(im.shards[static_cast<size_t>(id)], MessageType::kPull, k.min_next, {}, -1,
+            ahead ? kFlagAhead : 0, k.last_factor);
   }
 }
 

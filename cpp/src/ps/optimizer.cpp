@@ -2,6 +2,9 @@
 // committing in place on the server's float32 shards.
 #include "ps/optimizer.h"
 
+#include <algorithm>
+#include <cmath>
+
 #include "hemiola/optimizer.h"
 #include "hemiola/status.h"
 
@@ -40,6 +43,28 @@ void optimizer_step(OptimizerState& state, float* param, const float* grad, int6
   h.step = ++state.step;
   adam_step(AdamTensors{param, param, state.m.data(), state.v.data(), grad}, n, DType::kFloat32,
             cpu, h, true);
+}
+
+void momentum_share_removed(const OptimizerState& state, const float* param, float* out,
+                            int64_t n, const Hyper& hyper, double lr_factor) {
+  std::copy(param, param + n, out);
+  const double lr = hyper.lr * lr_factor;
+  if (state.kind == OptimizerKind::kSgd) {
+    if (!state.has_momentum || hyper.momentum == 0.0) return;
+    const auto scale = static_cast<float>(
+        lr * hyper.momentum * (hyper.nesterov ? hyper.momentum : 1.0));
+    for (int64_t i = 0; i < n; ++i) out[i] -= scale * state.m[static_cast<size_t>(i)];
+    return;
+  }
+  if (state.step == 0 || state.m.size() != static_cast<size_t>(n)) return;
+  const auto t = static_cast<double>(state.step + 1);
+  const auto a = static_cast<float>(lr * hyper.beta1 / (1.0 - std::pow(hyper.beta1, t)));
+  const auto b = static_cast<float>(hyper.beta2 / (1.0 - std::pow(hyper.beta2, t)));
+  const auto eps = static_cast<float>(hyper.eps);
+  for (int64_t i = 0; i < n; ++i) {
+    const auto j = static_cast<size_t>(i);
+    out[i] -= a * state.m[j] / (std::sqrt(b * state.v[j]) + eps);
+  }
 }
 
 }  // namespace hemiola::ps

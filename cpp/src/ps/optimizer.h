@@ -24,4 +24,15 @@ struct OptimizerState {
 void optimizer_step(OptimizerState& state, float* param, const float* grad, int64_t n,
                     const Hyper& hyper, double lr_factor);
 
+// The parameters after the next step if its gradient were zero (and without
+// weight decay): `out` = `param` minus the step that momentum alone takes, at
+// hyper.lr * lr_factor, without changing `state`. An eager pull is answered
+// before the requester's own push arrives: the requester adds its gradient's
+// share of that push's step, the server sends this, the rest of it. With
+// momentum 0.9 the momentum's share is about nine times the gradient's.
+// SGD: lr * momentum * buf (Nesterov: lr * momentum^2 * buf); Adam/AdamW: the
+// bias-corrected step with m and v decayed once (beta1 * m, beta2 * v).
+void momentum_share_removed(const OptimizerState& state, const float* param, float* out,
+                            int64_t n, const Hyper& hyper, double lr_factor);
+
 }  // namespace hemiola::ps

@@ -11,6 +11,7 @@
 #include <iostream>
 #include <map>
 #include <mutex>
+#include <optional>
 #include <thread>
 
 #include "comm/gloo_setup.h"
@@ -33,6 +34,10 @@ enum class WorkerState { kConnected, kRegistered, kGone, kDead };
 struct Waiting {
   int worker;
   int64_t min_version;
+  // eager: the requester's own push follows; answer without that push's
+  // momentum share, at its lr factor (momentum_share_removed).
+  bool ahead = false;
+  double factor = 1.0;
 };
 
 struct Key {
@@ -41,6 +46,7 @@ struct Key {
   int64_t version = 0;
   std::vector<float> param;
   OptimizerState optimizer;
+  std::optional<Hyper> hyper;  // of the newest applied push (an ahead reply steps with it)
   // bsp: the round being aggregated.
   std::vector<float> sum;
   std::vector<uint8_t> contributed;
@@ -189,7 +195,12 @@ struct Server::Impl {
         continue;
       }
       std::vector<char> payload(k.param.size() * sizeof(float));
-      std::memcpy(payload.data(), k.param.data(), payload.size());
+      if (it->ahead && k.hyper)
+        momentum_share_removed(k.optimizer, k.param.data(),
+                               reinterpret_cast<float*>(payload.data()), k.entry.shard.count,
+                               *k.hyper, it->factor);
+      else
+        std::memcpy(payload.data(), k.param.data(), payload.size());
       send(it->worker, MessageType::kPullReply, k.entry.shard.key, k.version, 0, std::move(payload));
       stats.pulls_answered += 1;
       it = q.erase(it);
@@ -240,7 +251,8 @@ struct Server::Impl {
     const double factor = staleness_factor(static_cast<StalenessRule>(h.rule), tau);
     const int64_t applied_at = k.version;
     if (grad) {
-      optimizer_step(k.optimizer, k.param.data(), grad, k.entry.shard.count, get_hyper(h), factor);
+      k.hyper = get_hyper(h);
+      optimizer_step(k.optimizer, k.param.data(), grad, k.entry.shard.count, *k.hyper, factor);
       k.version += 1;
     }
     k.pushes[static_cast<size_t>(w)] += 1;
@@ -293,7 +305,9 @@ struct Server::Impl {
         k.initialized = true;
         return answer_pulls(k);
       case MessageType::kPull:
-        k.waiting.push_back({w, h.version});
+        k.waiting.push_back({w, h.version,
+                             opt.consistency == Consistency::kEager && (h.flags & kFlagAhead),
+                             h.factor});
         return answer_pulls(k);
       case MessageType::kPush:
       case MessageType::kPushNone: {

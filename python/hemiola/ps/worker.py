@@ -196,7 +196,7 @@ class ParameterServerModel(nn.Module):
             return  # evaluation, or a micro-batch under no_sync(): not the end of an iteration
         for i in self._forward_order():
             if not self._pending[i] and not self._prefetching[i]:
-                self._client.pull(i)
+                self._client.pull(i, True)
                 self._prefetching[i] = True
 
     def _optimizer_step(self, optimizer: torch.optim.Optimizer, closure: Any = None) -> None:
