@@ -88,8 +88,11 @@ def approximate_grads(variant: str, grads: list[Grads], mean: Grads, previous: G
     return [{n: g[n] - c[n] + coded_mean[n] for n in g} for g, c in zip(grads, coded)]
 
 
-def run(variant: str, seed: int, args: argparse.Namespace) -> float:
-    """Trains the LM on `args.world` virtual ranks; the final held-out loss."""
+def run(variant: str, seed: int, args: argparse.Namespace) -> tuple[float, float]:
+    """Trains the LM on `args.world` virtual ranks: the final held-out loss,
+    and how far the approximate steps' gradients were from the average,
+    sqrt(sum |a - mean|^2 / sum |mean|^2) over ranks, tensors and steps (the
+    engine's model.stats()["preview_error"] for the preview)."""
     torch.set_num_threads(1)
     task = LMTask()
     world = args.world
@@ -106,6 +109,7 @@ def run(variant: str, seed: int, args: argparse.Namespace) -> float:
     live = [dict(w) for _ in range(world)]
     history: list[Grads] = []  # the newest averages, newest last
     luck = torch.Generator().manual_seed(seed)
+    distance = norm = 0.0
     step, epoch = 0, 0
     while step < total:
         x_all, y_all = task.epoch_samples(seed, epoch)
@@ -123,6 +127,9 @@ def run(variant: str, seed: int, args: argparse.Namespace) -> float:
             mean = {n: sum(gr[n] for gr in grads) / world for n in names}
             previous = history[-args.scale_lag] if len(history) >= args.scale_lag else None
             approx = approximate_grads(variant, grads, mean, previous, args)
+            for a in approx or []:
+                distance += sum(float((a[n] - mean[n]).pow(2).sum()) for n in names)
+                norm += sum(float(mean[n].pow(2).sum()) for n in names)
             live = [dict(w) if approx is None else
                     {n: adamw(w[n], m[n], v[n], a[n], lr, step, decay[n], task.betas)[0]
                      for n in names} for a in (approx or [None] * world)]
@@ -143,7 +150,7 @@ def run(variant: str, seed: int, args: argparse.Namespace) -> float:
     model.load_state_dict(w, strict=False)
     model.eval()
     with torch.no_grad():
-        return task.evaluate(model)["heldout_loss"]
+        return task.evaluate(model)["heldout_loss"], (distance / norm) ** 0.5 if norm else 0.0
 
 
 def main() -> None:
@@ -171,9 +178,10 @@ def main() -> None:
     losses = []
     for seed in seeds:
         start = time.perf_counter()
-        losses.append(run(args.variant, seed, args))
-        print(f"{args.variant} seed {seed}: held-out loss {losses[-1]:.4f} "
-              f"({time.perf_counter() - start:.0f} s)", flush=True)
+        loss, error = run(args.variant, seed, args)
+        losses.append(loss)
+        print(f"{args.variant} seed {seed}: held-out loss {loss:.4f}, approximate gradient's "
+              f"relative error {error:.3f} ({time.perf_counter() - start:.0f} s)", flush=True)
     print(f"{args.variant}: mean {statistics.fmean(losses):.4f} over {len(losses)} seed(s)")
 
 

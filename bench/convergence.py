@@ -113,7 +113,7 @@ def summarize(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
         row["steps_to_target"] = spread(reached) if reached else None
         row["target_reached"] = f"{len(reached)}/{len(mine)}"
         for key in ["ms_per_step", "wall_seconds", "rank0_approximate_read_fraction",
-                    "rank0_preview_read_fraction"]:
+                    "rank0_preview_read_fraction", "rank0_preview_error"]:
             if all(key in r for r in mine):
                 row[key] = spread([r[key] for r in mine])
         verdicts = []
@@ -206,6 +206,9 @@ def print_table(summaries: list[dict[str, Any]]) -> None:
         if "rank0_approximate_read_fraction" in row:
             print("  forward reads of approximate values (rank 0): "
                   f"{fmt(row['rank0_approximate_read_fraction'], 100, 1)}%")
+        if "rank0_preview_error" in row:
+            print("  the preview's relative distance from the average (rank 0): "
+                  f"{fmt(row['rank0_preview_error'], digits=3)}")
         for metric in metrics_of(row["task"]):
             s = row[metric]
             scale, unit, digits = (100, "%", 2) if metric == "test_accuracy" else (1, "", 4)

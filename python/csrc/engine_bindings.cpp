@@ -106,6 +106,8 @@ void bind_engine(py::module_& m) {
       .def_property_readonly("description", &Handle::description);
 
   py::class_<Reducer>(m, "Reducer", "Gradient reducer; see hemiola/reducer.h.")
+      .def("preview_error", &Reducer::preview_error,
+           "sqrt(sum |estimate - average|^2 / sum |average|^2) over every preview so far.")
       .def(
           "mark_ready",
           [](Reducer& r, size_t index, uintptr_t data, uintptr_t stream) {

@@ -103,6 +103,10 @@ class HEMIOLA_API Reducer {
   // (see ReducerOptions::preview), in the reducer's buffers (valid until
   // iteration + in_flight + 1 starts marking). Not for a partitioned tensor.
   TensorRef preview(uint64_t iteration, size_t index) const;
+  // How far this rank's previews were from the averages they estimate, over
+  // every previewed bucket so far: sqrt(sum |estimate - average|^2 /
+  // sum |average|^2) (0 before the first).
+  double preview_error() const;
   // After wait(iteration) with track_usage: how many ranks produced a
   // gradient for each tensor.
   std::vector<int> usage(uint64_t iteration) const;

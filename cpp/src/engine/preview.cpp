@@ -109,4 +109,21 @@ void preview_decode(DType dtype, const int8_t* sums, size_t offset, size_t n,
   });
 }
 
+void preview_distance(DType dtype, const void* estimate, const void* averaged, size_t n,
+                      double* distance, double* norm) {
+  dispatch(dtype, [&](auto access) {
+    using A = decltype(access);
+    double d = 0.0;
+    double r = 0.0;
+    for (size_t i = 0; i < n; ++i) {
+      const double a = static_cast<double>(A::load(averaged, i));
+      const double e = static_cast<double>(A::load(estimate, i)) - a;
+      d += e * e;
+      r += a * a;
+    }
+    *distance += d;
+    *norm += r;
+  });
+}
+
 }  // namespace hemiola

@@ -54,4 +54,9 @@ void preview_encode(DType dtype, const void* grad, size_t offset, size_t n, cons
 void preview_decode(DType dtype, const int8_t* sums, size_t offset, size_t n,
                     const float* scales, int world, void* estimate);
 
+// Adds sum((estimate - averaged)^2) to *distance and sum(averaged^2) to
+// *norm over n elements: how far a rank's estimate was from the average.
+void preview_distance(DType dtype, const void* estimate, const void* averaged, size_t n,
+                      double* distance, double* norm);
+
 }  // namespace hemiola

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <condition_variable>
 #include <mutex>
 #include <cstring>
@@ -487,6 +488,15 @@ void ReducerImpl::reduce(Flight& flight, size_t b, Communicator& comm, Timeline&
       preview_scales(plan.dtype, buffer, plan.numel, preview_levels(engine_.options().world_size),
                      preview_scales_[b].data());
     }
+    if (flight.preview && flight.preview->active) {
+      double distance = 0.0;
+      double norm = 0.0;
+      preview_distance(plan.dtype, flight.preview->estimate[b].get(), buffer, plan.numel,
+                       &distance, &norm);
+      std::lock_guard<std::mutex> lock(preview_error_mutex_);
+      preview_distance_ += distance;
+      preview_norm_ += norm;
+    }
   }
   {
     std::lock_guard<std::mutex> lock(flight.bucket_mutex);
@@ -798,6 +808,11 @@ TensorRef ReducerImpl::preview(uint64_t iteration, size_t index) const {
                    spec.dtype, spec.numel, options_.device};
 }
 
+double ReducerImpl::preview_error() const {
+  std::lock_guard<std::mutex> lock(preview_error_mutex_);
+  return preview_norm_ > 0.0 ? std::sqrt(preview_distance_ / preview_norm_) : 0.0;
+}
+
 std::vector<int> ReducerImpl::usage(uint64_t iteration) const {
   HEMIOLA_CHECK(options_.track_usage, "usage() needs ReducerOptions::track_usage");
   const Flight& flight = completed_flight(iteration);
@@ -918,6 +933,7 @@ void Reducer::wait_preview(uint64_t iteration, size_t bucket) {
 TensorRef Reducer::preview(uint64_t iteration, size_t index) const {
   return impl_->preview(iteration, index);
 }
+double Reducer::preview_error() const { return impl_->preview_error(); }
 std::vector<std::vector<size_t>> Reducer::buckets() const { return impl_->buckets(); }
 std::vector<size_t> Reducer::observed_order() const { return impl_->observed_order(); }
 size_t Reducer::pieces(size_t index) const { return impl_->pieces(index); }

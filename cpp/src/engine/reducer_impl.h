@@ -55,6 +55,7 @@ class ReducerImpl {
   bool preview_done(uint64_t iteration, size_t bucket) const;
   void wait_preview(uint64_t iteration, size_t bucket);
   TensorRef preview(uint64_t iteration, size_t index) const;
+  double preview_error() const;
   std::vector<int> usage(uint64_t iteration) const;
   size_t pieces(size_t index) const;
   std::vector<std::vector<size_t>> buckets() const;
@@ -186,6 +187,12 @@ class ReducerImpl {
   // only after k's previews are done). Every rank has the same ones.
   std::vector<std::vector<float>> preview_scales_;
   uint64_t plan_start_ = 0;  // the first iteration of the current plan
+  // Summed over every previewed bucket so far, as each is fully reduced:
+  // squared distance of this rank's estimate from the average, and the
+  // average's squared norm (preview_error()).
+  mutable std::mutex preview_error_mutex_;
+  double preview_distance_ = 0.0;
+  double preview_norm_ = 0.0;
 
   std::atomic<Flight*> marking_{nullptr};  // the iteration being marked, if any
   std::atomic<uint64_t> started_{0};

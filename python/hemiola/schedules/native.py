@@ -219,4 +219,5 @@ class NativeUpdate(DeferredSchedule):
         stats = {"approximate_read_fraction": self._updater.approximate_read_fraction()}
         if self.preview:
             stats["preview_read_fraction"] = self._updater.preview_read_fraction()
+            stats["preview_error"] = self.model._reducer.preview_error()
         return stats
