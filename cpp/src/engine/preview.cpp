@@ -73,7 +73,8 @@ void preview_encode(DType dtype, const void* grad, size_t offset, size_t n, cons
     const V limit = static_cast<V>(levels);
     // Adding and subtracting 1.5 * 2^mantissa rounds a value this small to
     // the nearest integer, ties to even, as rint does, without a libm call
-    // per element (this runs on the autograd thread, once per gradient).
+    // per element (this runs on the preview lane for every element, every
+    // iteration).
     const V magic = static_cast<V>(std::is_same_v<V, double> ? 6755399441055744.0 : 12582912.0);
     for (size_t i = 0; i < n;) {
       // One block (or the part of it in this tensor) at a time.

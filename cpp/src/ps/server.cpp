@@ -305,9 +305,11 @@ struct Server::Impl {
         k.initialized = true;
         return answer_pulls(k);
       case MessageType::kPull:
+        // A factor is a staleness rule's: in (0, 1]. Anything else would only
+        // garble this worker's own reply, but is not trusted either.
         k.waiting.push_back({w, h.version,
                              opt.consistency == Consistency::kEager && (h.flags & kFlagAhead),
-                             h.factor});
+                             std::isfinite(h.factor) ? std::clamp(h.factor, 0.0, 1.0) : 1.0});
         return answer_pulls(k);
       case MessageType::kPush:
       case MessageType::kPushNone: {
