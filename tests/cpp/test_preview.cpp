@@ -163,57 +163,6 @@ TEST(Reducer, PreviewArrivesOnItsLaneAndCentresOnTheOwnGradient) {
   });
 }
 
-// One bucket larger than kPreviewPieceElements: the preview lane codes and
-// sums it in pieces (at tensor boundaries, none on a block boundary here),
-// each at its own offset. A piece at a wrong offset would leave elements
-// uncoded or coded with another block's scale.
-TEST(Reducer, PreviewOfABucketInPiecesMatchesTheAverage) {
-  const int world = 2;
-  const size_t n = 30001;  // 5 tensors: pieces {0, 1}, {2, 3}, {4}
-  const size_t tensors = 5;
-  static_assert(2 * 30001 <= kPreviewPieceElements && 3 * 30001 > kPreviewPieceElements);
-  run_ranks(world, [&](Engine& e) {
-    std::vector<GradSpec> specs;
-    for (size_t t = 0; t < tensors; ++t) specs.push_back({DType::kFloat32, n, "t"});
-    ReducerOptions options;
-    options.in_flight = 1;
-    options.preview = true;
-    options.fusion_bytes = options.first_bucket_bytes = 4 * tensors * n;
-    auto reducer = e.make_reducer(specs, options);
-    ASSERT_EQ(reducer->buckets().size(), 1u);
-    std::vector<std::vector<float>> g(tensors, std::vector<float>(n));
-    std::vector<std::vector<float>> average(tensors, std::vector<float>(n));
-    for (uint64_t k = 0; k < 3; ++k) {
-      for (size_t t = 0; t < tensors; ++t) {
-        for (size_t i = 0; i < n; ++i) {
-          auto value = [&](int r) {
-            // The ranks differ by more than their average's coding step.
-            return (1.0f + 0.2f * t) * std::sin(0.003f * i + k) + std::cos(2.1f * i + r);
-          };
-          g[t][i] = value(e.rank());
-          average[t][i] = (value(0) + value(1)) / 2;
-        }
-      }
-      // Backward order: the last tensor first.
-      for (size_t t = tensors; t-- > 0;) reducer->mark_ready(t, g[t].data(), nullptr);
-      ASSERT_EQ(reducer->finish_marking(), static_cast<int64_t>(k));
-      reducer->wait_preview(k, 0);
-      if (k >= 1) {
-        for (size_t t = 0; t < tensors; ++t) {
-          const float* estimate = static_cast<const float*>(reducer->preview(k, t).data);
-          double error = 0.0, own = 0.0;
-          for (size_t i = 0; i < n; ++i) {
-            error += std::pow(estimate[i] - average[t][i], 2);
-            own += std::pow(g[t][i] - average[t][i], 2);
-          }
-          EXPECT_LT(std::sqrt(error), 0.3 * std::sqrt(own)) << "tensor " << t;
-        }
-      }
-      reducer->wait(k);
-    }
-  });
-}
-
 TEST(Reducer, PreviewIsRefusedWhereItCannotWork) {
   run_ranks(1, [&](Engine& e) {
     ReducerOptions options;

@@ -33,11 +33,6 @@ namespace hemiola {
 // orders, and one scale for all of them leaves most of them uncoded.
 constexpr size_t kPreviewBlock = 64;
 
-// The most elements the preview lane codes and all-reduces at once (unless one
-// tensor is larger): 64 KB of codes, half a millisecond at 1 Gbit/s, so what
-// backward produces last is previewed soon after it ends.
-constexpr size_t kPreviewPieceElements = size_t(1) << 16;
-
 // The largest code magnitude L for `world` ranks (0: no preview possible).
 int preview_levels(int world);
 

@@ -165,24 +165,11 @@ void ReducerImpl::build(const std::vector<size_t>& order) {
   plan_ = plan_buckets(specs_, order, options_.first_bucket_bytes, options_.fusion_bytes,
                        options_.partition_bytes);
   placement_.assign(specs_.size(), {});
-  preview_pieces_.clear();
-  preview_pieces_of_.assign(plan_.size(), {});
   for (size_t b = 0; b < plan_.size(); ++b) {
     const PlannedBucket& bucket = plan_[b];
     for (size_t k = 0; k < bucket.tensors.size(); ++k) {
-      // Entries are packed in order: a piece grows until the next entry would
-      // take it over kPreviewPieceElements (an entry larger gets its own).
-      std::vector<size_t>& mine = preview_pieces_of_[b];
-      const PreviewPiece* last = mine.empty() ? nullptr : &preview_pieces_[mine.back()];
-      if (!last || last->count + bucket.counts[k] > kPreviewPieceElements) {
-        mine.push_back(preview_pieces_.size());
-        preview_pieces_.push_back({b, bucket.offsets[k], 0, 0});
-      }
-      PreviewPiece& piece = preview_pieces_[mine.back()];
-      piece.count = bucket.offsets[k] + bucket.counts[k] - piece.offset;
-      piece.entries += 1;
       placement_[bucket.tensors[k]].push_back(
-          {b, bucket.offsets[k], bucket.begins[k], bucket.counts[k], mine.back()});
+          {b, bucket.offsets[k], bucket.begins[k], bucket.counts[k]});
     }
   }
   issue_order_.resize(plan_.size());
@@ -215,8 +202,7 @@ void ReducerImpl::build(const std::vector<size_t>& order) {
         preview->codes.emplace_back(bucket.numel);
         preview->estimate.emplace_back(new unsigned char[std::max<size_t>(bucket.nbytes(), 1)]());
       }
-      preview->queue = std::make_unique<ReadyQueue<uint32_t>>(preview_pieces_.size());
-      preview->pending.reset(new std::atomic<int64_t>[preview_pieces_.size()]);
+      preview->queue = std::make_unique<ReadyQueue<uint32_t>>(plan_.size());
       preview->done.reset(new std::atomic<bool>[plan_.size()]);
       for (size_t b = 0; b < plan_.size(); ++b) preview->done[b].store(false);
       flight->preview = std::move(preview);
@@ -297,9 +283,6 @@ ReducerImpl::Flight& ReducerImpl::begin_iteration() {
     for (size_t b = 0; b < plan_.size(); ++b) {
       preview->done[b].store(false, std::memory_order_relaxed);
     }
-    for (size_t p = 0; p < preview_pieces_.size(); ++p) {
-      preview->pending[p].store(preview_pieces_[p].entries, std::memory_order_relaxed);
-    }
   }
   flight.iteration = iteration;
   // The preview first: the main lane's work waits on its handle.
@@ -348,20 +331,15 @@ void ReducerImpl::mark(size_t index, const void* source, void* out, bool used, v
       }
     }
   }
-  const bool previewing = flight.preview && flight.preview->active;
   for (const Placement& piece : placement_[index]) {
-    // The last entry of a preview piece enqueues it, the last of a bucket
-    // the bucket. acq_rel: the lanes, which read the buffer after popping,
-    // must see every producer's memcpy.
-    if (previewing &&
-        flight.preview->pending[piece.preview_piece].fetch_sub(1, std::memory_order_acq_rel) ==
-            1 &&
-        !flight.preview->queue->push(static_cast<uint32_t>(piece.preview_piece))) {
-      HEMIOLA_THROW(ErrorCode::kInternal, "preview queue overflow");
-    }
-    if (flight.pending[piece.bucket].fetch_sub(1, std::memory_order_acq_rel) == 1 &&
-        !flight.queue->push(static_cast<uint32_t>(piece.bucket))) {
-      HEMIOLA_THROW(ErrorCode::kInternal, "ready queue overflow");
+    // The last piece of a bucket enqueues it. acq_rel: the scheduler, which
+    // reads the buffer after popping, must see every producer's memcpy.
+    if (flight.pending[piece.bucket].fetch_sub(1, std::memory_order_acq_rel) == 1) {
+      const auto bucket = static_cast<uint32_t>(piece.bucket);
+      const bool previewing = flight.preview && flight.preview->active;
+      if (!flight.queue->push(bucket) || (previewing && !flight.preview->queue->push(bucket))) {
+        HEMIOLA_THROW(ErrorCode::kInternal, "ready queue overflow");
+      }
     }
   }
 }
@@ -447,7 +425,7 @@ void ReducerImpl::run(Flight& flight, Communicator& comm, Timeline& timeline,
   for (size_t position = 0; position < count; ++position) {
     const size_t b = issue_order_[position];
     *current_bucket = position;
-    wait_ready(*flight.queue, b, b, ready, timeline, "comm");
+    wait_ready(*flight.queue, b, ready, timeline, "comm");
     reduce(flight, b, comm, timeline, device_comm, stream);
   }
   *current_bucket = count;
@@ -460,12 +438,12 @@ void ReducerImpl::run(Flight& flight, Communicator& comm, Timeline& timeline,
   }
 }
 
-void ReducerImpl::wait_ready(ReadyQueue<uint32_t>& queue, size_t id, size_t b,
-                             std::vector<bool>& ready, Timeline& timeline, const char* lane) {
+void ReducerImpl::wait_ready(ReadyQueue<uint32_t>& queue, size_t b, std::vector<bool>& ready,
+                             Timeline& timeline, const char* lane) {
   const auto timeout = this->timeout();
   const auto wait_start = std::chrono::steady_clock::now();
   const int64_t wait_us = timeline.now_us();
-  while (!ready[id]) {
+  while (!ready[b]) {
     uint32_t id;
     if (queue.pop_wait(id, std::chrono::milliseconds(100))) {
       ready[id] = true;
@@ -551,40 +529,33 @@ void ReducerImpl::run_preview(Flight& flight, Communicator& comm, Timeline& time
   Preview& preview = *flight.preview;
   const int world = engine_.options().world_size;
   const int levels = preview_levels(world);
-  std::vector<bool> ready(preview_pieces_.size(), false);
+  std::vector<bool> ready(plan_.size(), false);
   for (size_t b : issue_order_) {
+    wait_ready(*preview.queue, b, ready, timeline, "preview");
     wait_reduced(flight.iteration - 1, b);  // its average gives the scales
     const PlannedBucket& plan = plan_[b];
+    const int64_t start_us = timeline.now_us();
+    int8_t* codes = preview.codes[b].data();
+    unsigned char* estimate = preview.estimate[b].get();
     const float* scales = preview_scales_[b].data();
-    for (size_t p : preview_pieces_of_[b]) {
-      wait_ready(*preview.queue, p, b, ready, timeline, "preview");
-      const PreviewPiece& piece = preview_pieces_[p];
-      if (piece.count == 0) continue;
-      const int64_t start_us = timeline.now_us();
-      const size_t elem = dtype_size(plan.dtype);
-      int8_t* codes = preview.codes[b].data() + piece.offset;
-      unsigned char* estimate = preview.estimate[b].get() + piece.offset * elem;
-      // The bucket still holds this rank's own gradients: the main lane
-      // reduces it only once the whole preview is done.
-      preview_encode(plan.dtype, flight.buffers[b] + piece.offset * elem, piece.offset,
-                     piece.count, scales, levels, codes, estimate);
-      // uint8 sums wrap modulo 256, which is exact for int8 codes whose true
-      // sum fits an int8 (|sum| <= world * levels <= 127).
-      comm.all_reduce_sum(TensorRef{codes, DType::kUInt8, piece.count, Device{}});
-      preview_decode(plan.dtype, codes, piece.offset, piece.count, scales, world, estimate);
-      if (timeline.enabled()) {
-        timeline.record("preview",
-                        "preview bucket " + std::to_string(b) + " [" +
-                            std::to_string(piece.offset) + ", +" + std::to_string(piece.count) +
-                            ") (iteration " + std::to_string(flight.iteration) + ")",
-                        "preview", start_us, timeline.now_us());
-      }
-    }
+    // The bucket still holds this rank's own gradients: the main lane
+    // reduces it only once the whole preview is done.
+    preview_encode(plan.dtype, flight.buffers[b], 0, plan.numel, scales, levels, codes, estimate);
+    // uint8 sums wrap modulo 256, which is exact for int8 codes whose true
+    // sum fits an int8 (|sum| <= world * levels <= 127).
+    comm.all_reduce_sum(TensorRef{codes, DType::kUInt8, plan.numel, Device{}});
+    preview_decode(plan.dtype, codes, 0, plan.numel, scales, world, estimate);
     {
       std::lock_guard<std::mutex> lock(preview.mutex);
       preview.done[b].store(true, std::memory_order_release);
     }
     preview.cv.notify_all();
+    if (timeline.enabled()) {
+      timeline.record("preview",
+                      "preview bucket " + std::to_string(b) + " (iteration " +
+                          std::to_string(flight.iteration) + ")",
+                      "preview", start_us, timeline.now_us());
+    }
   }
 }
 

@@ -77,18 +77,6 @@ class ReducerImpl {
     size_t offset = 0;  // in elements, within the bucket
     size_t begin = 0;   // first element of the piece within the tensor
     size_t count = 0;   // elements in the piece
-    size_t preview_piece = 0;  // ReducerOptions::preview: the PreviewPiece it belongs to
-  };
-  // The preview lane's unit of work: consecutive entries of one bucket,
-  // elements [offset, offset + count) of it, ready once its `entries` are.
-  // Finer than the buckets because the last bucket holds what backward
-  // produces last and forward reads first: previewed whole, all of it would
-  // cross the network after backward ends, with the next forward waiting.
-  struct PreviewPiece {
-    size_t bucket = 0;
-    size_t offset = 0;
-    size_t count = 0;
-    int64_t entries = 0;
   };
   // A CUDA flight's device state. The events order work across streams on
   // the device: the caller's stream never waits on the host.
@@ -119,9 +107,8 @@ class ReducerImpl {
     std::vector<std::vector<int8_t>> codes;
     std::vector<std::unique_ptr<unsigned char[]>> estimate;
     bool active = false;  // this iteration takes a preview (fixed while it runs)
-    std::unique_ptr<ReadyQueue<uint32_t>> queue;  // ready pieces, for the preview lane
-    std::unique_ptr<std::atomic<int64_t>[]> pending;  // per piece: entries not yet marked
-    std::unique_ptr<std::atomic<bool>[]> done;   // per bucket: every piece of it
+    std::unique_ptr<ReadyQueue<uint32_t>> queue;  // ready buckets, for the preview lane
+    std::unique_ptr<std::atomic<bool>[]> done;   // per bucket
     std::mutex mutex;                            // done is set and cv notified under it
     std::condition_variable cv;
     Handle handle;  // the preview lane's work (submitted before the main lane's, which waits on it)
@@ -160,9 +147,7 @@ class ReducerImpl {
   void run(Flight& flight, Communicator& comm, Timeline& timeline, size_t* current_bucket);
   // Blocks until bucket `b` is ready on this rank, popping `queue` (a lane's
   // scheduler thread; `ready` is that lane's record of what was popped).
-  // (The preview lane waits for piece `id` of bucket `b`; the main lane for
-  // bucket `id` = `b`.)
-  void wait_ready(ReadyQueue<uint32_t>& queue, size_t id, size_t b, std::vector<bool>& ready,
+  void wait_ready(ReadyQueue<uint32_t>& queue, size_t b, std::vector<bool>& ready,
                   Timeline& timeline, const char* lane);
   // The bucket's full-precision reduction (on the host, or enqueued on CUDA).
   void reduce(Flight& flight, size_t b, Communicator& comm, Timeline& timeline,
@@ -201,8 +186,6 @@ class ReducerImpl {
   // iteration k - 1 reduced it, and iteration k's main lane writes them
   // only after k's previews are done). Every rank has the same ones.
   std::vector<std::vector<float>> preview_scales_;
-  std::vector<PreviewPiece> preview_pieces_;               // in plan order
-  std::vector<std::vector<size_t>> preview_pieces_of_;     // per bucket, in order
   uint64_t plan_start_ = 0;  // the first iteration of the current plan
   // Summed over every previewed bucket so far, as each is fully reduced:
   // squared distance of this rank's estimate from the average, and the
