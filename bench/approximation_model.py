@@ -127,7 +127,8 @@ def run(variant: str, seed: int, args: argparse.Namespace) -> tuple[float, float
             mean = {n: sum(gr[n] for gr in grads) / world for n in names}
             previous = history[-args.scale_lag] if len(history) >= args.scale_lag else None
             approx = approximate_grads(variant, grads, mean, previous, args)
-            for a in approx or []:
+            # (As the engine counts it: only steps that took a preview.)
+            for a in (approx or []) if variant != "preview" or previous is not None else []:
                 distance += sum(float((a[n] - mean[n]).pow(2).sum()) for n in names)
                 norm += sum(float(mean[n].pow(2).sum()) for n in names)
             live = [dict(w) if approx is None else
