@@ -201,7 +201,10 @@ class DataParallel(nn.Module):
         the fraction of parameter elements that training forwards read while
         they still held the approximation (0: every correction had landed
         before its first read; 1: communication always took the whole next
-        iteration)."""
+        iteration). With the preview also ``preview_read_fraction`` (those
+        reads that took the preview) and ``preview_error``, the previews'
+        relative distance from the averages they estimate,
+        sqrt(sum |estimate - average|^2 / sum |average|^2)."""
         return self._schedule.stats()
 
     def buckets(self) -> list[list[str]]:
