@@ -153,8 +153,12 @@ def test_should_stop_cancels_a_run(tmp_path: Path) -> None:
 def _interrupt(tmp_path: Path, command: list[str]) -> tuple[int, str, float]:
     """Starts ``hemiola cluster COMMAND`` on the endless workload, sends SIGINT once it
     runs, returns (exit status, stderr, seconds from SIGINT to exit)."""
+    # A terminal's Ctrl-C: Python keeps SIGINT ignored when its parent ignored
+    # it (as a shell does for a background job, e.g. `bash tests/run.sh &`),
+    # so the child installs the default handler itself.
     script = (
-        "import sys\n"
+        "import signal, sys\n"
+        "signal.signal(signal.SIGINT, signal.default_int_handler)\n"
         "from hemiola.cli import main\n"
         "print('ready', flush=True)\n"
         f"sys.exit(main({['cluster', *command, '--trace', _write(tmp_path, ENDLESS)]!r}))\n"

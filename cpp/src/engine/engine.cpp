@@ -59,14 +59,19 @@ class CollectiveWork final : public Work {
 
 // After a transport failure: every surviving rank announces through the store
 // that it reached the failed operation, then waits a short grace period for
-// the others. Ranks that never announce are dead or stalled before it.
+// the others. Ranks that never announce are dead or stalled before it. A
+// rank whose failure surfaced on its other lane (the preview's, or the
+// main one) never reaches this lane's operation: it announces that it is
+// alive, and is not counted as missing.
 std::string diagnose_missing_ranks(const std::weak_ptr<Store>& weak_store, const std::string& lane,
                                    int rank, int world, double timeout_s, uint64_t sequence) {
   const std::shared_ptr<Store> store = weak_store.lock();
   if (world <= 1 || !store) return {};
   const std::string prefix = "hemiola_failure/" + lane + std::to_string(sequence) + "/";
+  const std::string alive = "hemiola_failure/alive/";
   try {
     store->set(prefix + std::to_string(rank), "reached");
+    store->set(alive + std::to_string(rank), lane + std::to_string(sequence));
   } catch (const std::exception& e) {
     return std::string(" (could not tell which ranks are missing: the store is unreachable: ") +
            e.what() + ")";
@@ -83,12 +88,17 @@ std::string diagnose_missing_ranks(const std::weak_ptr<Store>& weak_store, const
     try {
       store->get(prefix + std::to_string(r), left);
     } catch (const std::exception&) {
-      missing.push_back(r);
+      try {
+        store->get(alive + std::to_string(r), std::chrono::milliseconds(1));
+      } catch (const std::exception&) {
+        missing.push_back(r);
+      }
     }
   }
   std::ostringstream out;
   if (missing.empty()) {
-    out << " (all ranks reached this operation; the transport itself failed)";
+    out << " (every other rank reached this operation or failed elsewhere; the transport "
+           "itself failed)";
   } else {
     out << ". Ranks missing (dead, or stalled before operation #" << sequence << "): [";
     for (size_t i = 0; i < missing.size(); ++i) out << (i ? ", " : "") << missing[i];
