@@ -85,7 +85,14 @@ def approximate_grads(variant: str, grads: list[Grads], mean: Grads, previous: G
     coded_mean = {n: sum(c[n] for c in coded) / world for n in mean}
     if args.no_remainder:
         return [coded_mean] * world
-    return [{n: g[n] - c[n] + coded_mean[n] for n in g} for g, c in zip(grads, coded)]
+    # --own-front K: the first K tensors the forward reads take no preview
+    # (a forward that does not wait for the previews backward produces last);
+    # --exact-front K: they take the average (a forward that waits for their
+    # full reduction).
+    own = set(list(mean)[:args.own_front])
+    exact = set(list(mean)[:args.exact_front])
+    return [{n: g[n] if n in own else mean[n] if n in exact else g[n] - c[n] + coded_mean[n]
+             for n in g} for g, c in zip(grads, coded)]
 
 
 def run(variant: str, seed: int, args: argparse.Namespace) -> tuple[float, float]:
@@ -172,6 +179,12 @@ def main() -> None:
     parser.add_argument("--exact-fraction", type=float, default=0.0,
                         help="each rank reads each tensor exact with this probability "
                              "(a correction that landed first), independently")
+    parser.add_argument("--own-front", type=int, default=0,
+                        help="preview: the first K parameter tensors (in forward order) "
+                             "take their own gradient instead")
+    parser.add_argument("--exact-front", type=int, default=0,
+                        help="preview: the first K parameter tensors (in forward order) "
+                             "take the average instead")
     parser.add_argument("--no-remainder", action="store_true",
                         help="preview: the coded average alone")
     args = parser.parse_args()
