@@ -179,12 +179,10 @@ def main() -> None:
     parser.add_argument("--exact-fraction", type=float, default=0.0,
                         help="each rank reads each tensor exact with this probability "
                              "(a correction that landed first), independently")
-    parser.add_argument("--own-front", type=int, default=0,
-                        help="preview: the first K parameter tensors (in forward order) "
-                             "take their own gradient instead")
-    parser.add_argument("--exact-front", type=int, default=0,
-                        help="preview: the first K parameter tensors (in forward order) "
-                             "take the average instead")
+    for flag, what in (("--own-front", "their own gradient"), ("--exact-front", "the average")):
+        parser.add_argument(flag, type=int, default=0, metavar="K",
+                            help=f"preview: the first K parameter tensors (in forward order) "
+                                 f"take {what} instead")
     parser.add_argument("--no-remainder", action="store_true",
                         help="preview: the coded average alone")
     args = parser.parse_args()
