@@ -134,8 +134,9 @@ def run(variant: str, seed: int, args: argparse.Namespace) -> tuple[float, float
             mean = {n: sum(gr[n] for gr in grads) / world for n in names}
             previous = history[-args.scale_lag] if len(history) >= args.scale_lag else None
             approx = approximate_grads(variant, grads, mean, previous, args)
-            # (As the engine counts it: only steps that took a preview.)
-            for a in (approx or []) if variant != "preview" or previous is not None else []:
+            # As the engine counts it: only steps that took a preview.
+            counted = approx if variant != "preview" or previous is not None else None
+            for a in counted or []:
                 distance += sum(float((a[n] - mean[n]).pow(2).sum()) for n in names)
                 norm += sum(float(mean[n].pow(2).sum()) for n in names)
             live = [dict(w) if approx is None else

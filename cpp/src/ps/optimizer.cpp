@@ -47,23 +47,29 @@ void optimizer_step(OptimizerState& state, float* param, const float* grad, int6
 
 void momentum_share_removed(const OptimizerState& state, const float* param, float* out,
                             int64_t n, const Hyper& hyper, double lr_factor) {
-  std::copy(param, param + n, out);
+  // One pass over the shard either way: this runs for every eager pull.
   const double lr = hyper.lr * lr_factor;
   if (state.kind == OptimizerKind::kSgd) {
-    if (!state.has_momentum || hyper.momentum == 0.0) return;
+    if (!state.has_momentum || hyper.momentum == 0.0) {
+      std::copy(param, param + n, out);
+      return;
+    }
     const auto scale = static_cast<float>(
         lr * hyper.momentum * (hyper.nesterov ? hyper.momentum : 1.0));
-    for (int64_t i = 0; i < n; ++i) out[i] -= scale * state.m[static_cast<size_t>(i)];
+    for (int64_t i = 0; i < n; ++i) out[i] = param[i] - scale * state.m[static_cast<size_t>(i)];
     return;
   }
-  if (state.step == 0 || state.m.size() != static_cast<size_t>(n)) return;
+  if (state.step == 0 || state.m.size() != static_cast<size_t>(n)) {
+    std::copy(param, param + n, out);
+    return;
+  }
   const auto t = static_cast<double>(state.step + 1);
   const auto a = static_cast<float>(lr * hyper.beta1 / (1.0 - std::pow(hyper.beta1, t)));
   const auto b = static_cast<float>(hyper.beta2 / (1.0 - std::pow(hyper.beta2, t)));
   const auto eps = static_cast<float>(hyper.eps);
   for (int64_t i = 0; i < n; ++i) {
     const auto j = static_cast<size_t>(i);
-    out[i] -= a * state.m[j] / (std::sqrt(b * state.v[j]) + eps);
+    out[i] = param[i] - a * state.m[j] / (std::sqrt(b * state.v[j]) + eps);
   }
 }
 
