@@ -128,15 +128,51 @@ TEST(ServerOptimizer, SgdMomentumFollowsTorch) {
   h.lr = 0.1;
   h.momentum = 0.9;
   h.weight_decay = 0.01;
-  optimizer_step(s, p.data(), g.data(), 2, h, 1.0);
+  optimizer_step(s, p.data(), g.data(), 2, h, PushWeight{});
   // First step: buf = g + wd*p (no dampening), p -= lr*buf.
   const double d0 = 0.5 + 0.01 * 1.0;
   EXPECT_NEAR(p[0], 1.0 - 0.1 * d0, 1e-6);
   const double p0 = 1.0 - 0.1 * d0;
-  optimizer_step(s, p.data(), g.data(), 2, h, 0.5);  // lr factor 0.5
+  optimizer_step(s, p.data(), g.data(), 2, h, PushWeight{});
   const double d1 = 0.5 + 0.01 * p0;
   const double buf = 0.9 * d0 + d1;
-  EXPECT_NEAR(p[0], p0 - 0.05 * buf, 1e-6);
+  EXPECT_NEAR(p[0], p0 - 0.1 * buf, 1e-6);
+}
+
+TEST(ServerOptimizer, PushWeightFollowsStaleness) {
+  const auto w = push_weight(StalenessRule::kInverse, 2, true);
+  EXPECT_DOUBLE_EQ(w.factor, 1.0 / 3.0);
+  EXPECT_DOUBLE_EQ(w.momentum_scale, 1.0 / 3.0);
+  const auto zhang = push_weight(StalenessRule::kZhang, 4, false);
+  EXPECT_DOUBLE_EQ(zhang.factor, 0.25);
+  EXPECT_DOUBLE_EQ(zhang.momentum_scale, 1.0);
+  const auto fresh = push_weight(StalenessRule::kInverse, 0, true);
+  EXPECT_DOUBLE_EQ(fresh.factor, 1.0);  // bsp and one worker: torch's step exactly
+  EXPECT_DOUBLE_EQ(fresh.momentum_scale, 1.0);
+  const auto bogus = push_weight(StalenessRule::kInverse, -5, true);  // a worker's claim
+  EXPECT_DOUBLE_EQ(bogus.factor, 1.0);
+  EXPECT_DOUBLE_EQ(bogus.momentum_scale, 1.0);
+}
+
+// A stale SGD push: its gradient and weight decay enter the buffer weighted by
+// the factor, the old buffer decays by the compensated momentum, and the step
+// is lr * buf' (not lr * factor * buf', which would release the old momentum
+// at the stale push's rate).
+TEST(ServerOptimizer, StaleSgdPushWeighsItsGradientAndMomentum) {
+  OptimizerState s;
+  std::vector<float> p = {1.0f, -2.0f};
+  const std::vector<float> g = {0.5f, 0.25f};
+  Hyper h;
+  h.lr = 0.1;
+  h.momentum = 0.9;
+  h.weight_decay = 0.01;
+  optimizer_step(s, p.data(), g.data(), 2, h, PushWeight{});
+  const double buf0 = 0.5 + 0.01 * 1.0;
+  const double p0 = 1.0 - 0.1 * buf0;
+  optimizer_step(s, p.data(), g.data(), 2, h, push_weight(StalenessRule::kInverse, 1, true));
+  const double buf1 = 0.45 * buf0 + 0.5 * (0.5 + 0.01 * p0);
+  EXPECT_NEAR(s.m[0], buf1, 1e-6);
+  EXPECT_NEAR(p[0], p0 - 0.1 * buf1, 1e-6);
 }
 
 TEST(ServerOptimizer, AdamWFollowsTorch) {
@@ -149,7 +185,7 @@ TEST(ServerOptimizer, AdamWFollowsTorch) {
   h.weight_decay = 0.1;
   double pd = 0.3, m = 0, v = 0;
   for (int step = 1; step <= 3; ++step) {
-    optimizer_step(s, p.data(), g.data(), 1, h, 1.0);
+    optimizer_step(s, p.data(), g.data(), 1, h, PushWeight{});
     pd *= 1 - 0.01 * 0.1;
     m = 0.9 * m + 0.1 * 0.2;
     v = 0.999 * v + 0.001 * 0.04;
@@ -176,18 +212,20 @@ TEST(ServerOptimizer, MomentumShareIsAZeroGradientStep) {
       std::vector<float> p = {1.0f, -2.0f, 0.5f};
       const std::vector<float> g = {0.5f, -0.25f, 0.125f};
       std::vector<float> out(3);
-      momentum_share_removed(s, p.data(), out.data(), 3, h, 1.0);
+      momentum_share_removed(s, p.data(), out.data(), 3, h, PushWeight{});
       EXPECT_EQ(out, p) << "no momentum yet: nothing to remove";
-      for (int step = 0; step < 3; ++step) optimizer_step(s, p.data(), g.data(), 3, h, 1.0);
+      for (int step = 0; step < 3; ++step)
+        optimizer_step(s, p.data(), g.data(), 3, h, PushWeight{});
       const OptimizerState before = s;
-      momentum_share_removed(s, p.data(), out.data(), 3, h, 0.5);
+      const PushWeight stale = push_weight(StalenessRule::kInverse, 1, true);
+      momentum_share_removed(s, p.data(), out.data(), 3, h, stale);
       EXPECT_EQ(s.m, before.m);
       EXPECT_EQ(s.v, before.v);
       EXPECT_EQ(s.step, before.step);
       OptimizerState zero_step = s;
       std::vector<float> expected = p;
       const std::vector<float> zeros(3, 0.0f);
-      optimizer_step(zero_step, expected.data(), zeros.data(), 3, h, 0.5);
+      optimizer_step(zero_step, expected.data(), zeros.data(), 3, h, stale);
       for (int i = 0; i < 3; ++i) {
         EXPECT_NEAR(out[i], expected[i], 1e-6) << static_cast<int>(kind) << nesterov << i;
         EXPECT_GT(std::abs(out[i] - p[i]), 1e-4) << "the share is not zero: the check can fail";
@@ -356,6 +394,72 @@ TEST(ParameterServer, AsyncStalenessMatchesThePushSchedule) {
   EXPECT_EQ(rec1[0].staleness, 3);
   EXPECT_DOUBLE_EQ(rec1[0].lr_factor, 0.25);
   fleet.join();
+}
+
+// The weight of a stale push travels with it: worker 1's push, 3 versions
+// stale, steps with factor 1/4 on its gradient and momentum 0.9/4 (0.9 with
+// compensation off), and an eager pull ahead is answered without the
+// momentum share its push will take at the staleness of its previous one.
+TEST(ParameterServer, StalePushesStepWithTheirWeight) {
+  for (const auto c : {Consistency::kAsp, Consistency::kEager}) {
+    for (const bool compensate : {true, false}) {
+      auto store = std::make_shared<MemoryStore>();
+      ServerFleet fleet(store, 1, 2, c);
+      std::promise<void> w1_ready, w0_done;
+      auto w1_signal = w1_ready.get_future().share();
+      auto w0_signal = w0_done.get_future().share();
+      auto worker = [&](int w) {
+        auto o = client_options(w, 1, 2, c);
+        o.staleness_rule = StalenessRule::kInverse;
+        o.momentum_compensation = compensate;
+        Client client(o, {"x"}, {1}, store);
+        std::vector<float> x(1, 1.0f), g(1, 1.0f);
+        Hyper h = sgd(0.1);
+        h.momentum = 0.9;
+        client.initialize(w == 0 ? std::vector<const float*>{x.data()}
+                                 : std::vector<const float*>{},
+                          {h});
+        client.wait_pull(0, x.data());
+        std::vector<float> seen;
+        if (w == 0) {
+          w1_signal.wait();  // worker 1 holds version 0
+          for (int i = 0; i < 3; ++i) {
+            client.push(0, g.data());
+            client.flush();
+            client.pull(0);
+            client.wait_pull(0, x.data());
+          }
+          w0_done.set_value();
+        } else {
+          w1_ready.set_value();
+          w0_signal.wait();
+          client.push(0, g.data());  // computed on version 0, applied at version 3
+          client.flush();
+          client.pull(0);
+          client.wait_pull(0, x.data());
+          seen.push_back(x[0]);
+          client.pull(0, /*ahead=*/true);  // eager: as if its next push followed
+          client.wait_pull(0, x.data());
+          seen.push_back(x[0]);
+        }
+        client.close();
+        return seen;
+      };
+      auto r0 = std::async(std::launch::async, worker, 0);
+      auto r1 = std::async(std::launch::async, worker, 1);
+      r0.get();
+      const auto seen = r1.get();
+      // Three fresh pushes: buf 1, 1.9, 2.71; x 0.9, 0.71, 0.439.
+      const double m = compensate ? 0.9 / 4 : 0.9;
+      const double buf = m * 2.71 + 0.25 * 1.0;
+      const double x = 0.439 - 0.1 * buf;
+      ASSERT_EQ(seen.size(), 2u);
+      EXPECT_NEAR(seen[0], x, 1e-6) << "compensate " << compensate;
+      const double ahead = c == Consistency::kEager ? x - 0.1 * m * buf : x;
+      EXPECT_NEAR(seen[1], ahead, 1e-6) << "compensate " << compensate;
+      fleet.join();
+    }
+  }
 }
 
 // A hand-driven worker: a raw channel that speaks the protocol directly.
@@ -552,7 +656,7 @@ TEST(ParameterServer, RestoresFromSnapshot) {
   OptimizerState s;
   s.kind = OptimizerKind::kAdam;
   std::vector<float> ref = {1, 2, 3};
-  for (int i = 0; i < 3; ++i) optimizer_step(s, ref.data(), g.data(), 3, sgd(0.1), 1.0);
+  for (int i = 0; i < 3; ++i) optimizer_step(s, ref.data(), g.data(), 3, sgd(0.1), PushWeight{});
   EXPECT_EQ(x, ref);
   c.close();
   fleet.join();

@@ -35,11 +35,13 @@ enum class Consistency : int32_t {
 
 enum class OptimizerKind : int32_t { kSgd = 0, kAdam = 1, kAdamW = 2 };
 
-// How a gradient tau versions old scales the learning rate it is applied with.
+// How much a gradient tau versions old counts: a factor on its weight (SGD:
+// on the gradient as it enters the momentum buffer; Adam/AdamW: on the step's
+// learning rate).
 enum class StalenessRule : int32_t {
-  kNone = 0,     // lr
-  kInverse = 1,  // lr / (1 + tau)
-  kZhang = 2,    // lr / max(1, tau): staleness-aware ASGD (Zhang et al., IJCAI'16)
+  kNone = 0,     // 1
+  kInverse = 1,  // 1 / (1 + tau)
+  kZhang = 2,    // 1 / max(1, tau): staleness-aware ASGD (Zhang et al., IJCAI'16)
 };
 
 HEMIOLA_API const char* consistency_name(Consistency c);
@@ -158,6 +160,11 @@ struct ClientOptions {
   // staleness rule counts only other workers' updates. The servers' state
   // (parameters, momentum, moments) is untouched by it.
   bool local_correction = true;
+  // Asynchronous modes with SGD momentum: a push tau versions stale steps
+  // with momentum / (1 + tau) (see PushWeight in ps/optimizer.h). Asynchrony
+  // adds momentum of its own, and torch's 0.9 on top of it diverges at
+  // learning rates where bsp trains. No effect in bsp (tau is always 0).
+  bool momentum_compensation = true;
 };
 
 // One applied push, as the server reported it.

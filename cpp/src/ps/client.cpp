@@ -15,6 +15,7 @@
 #include "hemiola/ps.h"
 #include "hemiola/status.h"
 #include "ps/channel.h"
+#include "ps/optimizer.h"
 #include "ps/protocol.h"
 #include "ps/table.h"
 
@@ -44,7 +45,7 @@ struct KeyState {
   int64_t pushes_since_request = 0;
   std::vector<float> own_sq;   // Adam: a running second moment of this worker's gradients
   int64_t own_pushes = 0;      // Adam: gradient pushes (bias correction of own_sq)
-  double last_factor = 1.0;    // the staleness factor of the newest acknowledged push
+  int64_t last_staleness = 0;  // of the newest acknowledged gradient push
   bool corrected = false;      // the value taken last had the own push applied locally
 };
 
@@ -113,10 +114,10 @@ struct Client::Impl {
   }
 
   void send(const Shard& shard, MessageType type, int64_t version, std::vector<char> payload,
-            int tensor, int32_t flags = 0, double factor = 1.0) {
+            int tensor, int32_t flags = 0, int64_t aux = 0) {
     Header h;
-    h.flags = flags;
-    h.factor = factor;
+    h.flags = flags | (opt.momentum_compensation ? kFlagCompensateMomentum : 0);
+    h.aux = aux;
     h.type = static_cast<uint16_t>(type);
     h.key = shard.key;
     h.worker = opt.worker_index;
@@ -200,7 +201,7 @@ struct Client::Impl {
       outstanding -= 1;
       keys[static_cast<size_t>(h.key)].unacked -= 1;
       if (!(h.flags & kFlagNoGradient)) {  // a push without gradient has no staleness
-        keys[static_cast<size_t>(h.key)].last_factor = h.factor;
+        keys[static_cast<size_t>(h.key)].last_staleness = h.aux - h.version;
         const auto& shard = shards[static_cast<size_t>(h.key)];
         const PushRecord r{shard.tensor, shard.key, h.version, h.aux, h.aux - h.version,
                            h.factor};
@@ -309,22 +310,27 @@ struct Client::Impl {
 
   // Lock held. Applies to `dst` (a pulled value at `version`) the part of
   // this worker's newest push that is its own: the step its gradient alone
-  // takes, at the staleness factor its previous push got. What the servers'
-  // momentum or moments add is the other workers' (and the past's) share.
+  // takes, at the weight (ps/optimizer.h) its previous push got. What the
+  // servers' momentum or moments add is the other workers' (and the past's)
+  // share.
   void correct_locally(const KeyState& k, int64_t version, float* dst) const {
     const Hyper& h = k.own_hyper;
-    const auto lr = static_cast<float>(h.lr * k.last_factor);
+    const PushWeight weight =
+        push_weight(opt.staleness_rule, k.last_staleness, opt.momentum_compensation);
     const auto wd = static_cast<float>(h.weight_decay);
     const auto n = k.own.size();
     if (opt.optimizer == OptimizerKind::kSgd) {
-      // buf' = momentum * buf + (1 - dampening) * (g + wd * w); the own share
-      // of the step is lr times the second term (and once more, times
-      // momentum, with Nesterov).
-      const auto own = static_cast<float>((1.0 - h.dampening) *
-                                          (h.nesterov ? 1.0 + h.momentum : 1.0));
-      for (size_t i = 0; i < n; ++i) dst[i] -= lr * own * (k.own[i] + wd * dst[i]);
+      // buf' = m * buf + (1 - dampening) * factor * (g + wd * w), stepped by
+      // lr: the own share is lr times the second term (Nesterov steps
+      // factor * (g + wd * w) + m * buf', so 1 + m times it).
+      const double m = h.momentum * weight.momentum_scale;
+      const auto own = static_cast<float>(h.lr * weight.factor *
+                                          (h.nesterov ? 1.0 + m * (1.0 - h.dampening)
+                                                      : 1.0 - h.dampening));
+      for (size_t i = 0; i < n; ++i) dst[i] -= own * (k.own[i] + wd * dst[i]);
       return;
     }
+    const auto lr = static_cast<float>(h.lr * weight.factor);
     // Adam: the own share of m' is (1 - beta1) * g; the denominator comes
     // from this worker's own gradients, the servers' v being out of reach.
     const double step = static_cast<double>(version + 1);
@@ -436,9 +442,9 @@ void Client::pull(int tensor, bool ahead) {
     auto& k = im.keys[static_cast<size_t>(id)];
     k.requested += 1;
     k.pushes_since_request = 0;
-    // The own push will be applied at about the factor its previous one got.
+    // The own push will be about as stale as its previous one was.
     im.send(im.shards[static_cast<size_t>(id)], MessageType::kPull, k.min_next, {}, -1,
-            ahead ? kFlagAhead : 0, k.last_factor);
+            ahead ? kFlagAhead : 0, k.last_staleness);
   }
 }
 

@@ -19,20 +19,42 @@ struct OptimizerState {
   std::vector<float> v;       // Adam's second moment
 };
 
+// How the servers apply a push that is `tau` versions stale (the asynchronous
+// modes; bsp's pushes are never stale, and get the defaults: torch's step).
+struct PushWeight {
+  // The staleness rule's factor (staleness_factor). SGD weights the push's
+  // gradient, with its weight decay, by it as it enters the momentum buffer,
+  // so the gradient's whole influence shrinks, not only the first step of it
+  // (scaling the step's learning rate would apply the same stale gradient at
+  // full rate through the momentum later, ~90% of it at momentum 0.9).
+  // Adam/AdamW scale the step's learning rate by it (their step is
+  // normalised by the second moment, which a weighted gradient would skew).
+  double factor = 1.0;
+  // SGD: the push steps with momentum * this. Asynchrony acts as momentum of
+  // its own (a stale gradient keeps pushing in an old direction; Mitliagkas et
+  // al., "Asynchrony begets momentum", 2016), and torch's 0.9 on top of it
+  // diverges at learning rates where bsp is stable. compensate: 1 / (1 + tau).
+  double momentum_scale = 1.0;
+};
+
+// The weight of a push `tau` versions stale (a negative tau counts as 0).
+PushWeight push_weight(StalenessRule rule, int64_t tau, bool compensate_momentum);
+
 // One step of `state.kind` on `param` (n elements) with gradient `grad`,
-// taking the learning rate as hyper.lr * lr_factor.
+// weighted by `weight`.
 void optimizer_step(OptimizerState& state, float* param, const float* grad, int64_t n,
-                    const Hyper& hyper, double lr_factor);
+                    const Hyper& hyper, const PushWeight& weight);
 
 // The parameters after the next step if its gradient were zero (and without
-// weight decay): `out` = `param` minus the step that momentum alone takes, at
-// hyper.lr * lr_factor, without changing `state`. An eager pull is answered
-// before the requester's own push arrives: the requester adds its gradient's
-// share of that push's step, the server sends this, the rest of it. With
-// momentum 0.9 the momentum's share is about nine times the gradient's.
-// SGD: lr * momentum * buf (Nesterov: lr * momentum^2 * buf); Adam/AdamW: the
-// bias-corrected step with m and v decayed once (beta1 * m, beta2 * v).
+// weight decay): `out` = `param` minus the step that momentum alone takes with
+// `weight`, without changing `state`. An eager pull is answered before the
+// requester's own push arrives: the requester adds its gradient's share of
+// that push's step, the server sends this, the rest of it. With momentum 0.9
+// the momentum's share is several times the gradient's.
+// SGD: lr * m * buf (Nesterov: lr * m^2 * buf), m = momentum * momentum_scale;
+// Adam/AdamW: the bias-corrected step at lr * factor with m and v decayed
+// once (beta1 * m, beta2 * v).
 void momentum_share_removed(const OptimizerState& state, const float* param, float* out,
-                            int64_t n, const Hyper& hyper, double lr_factor);
+                            int64_t n, const Hyper& hyper, const PushWeight& weight);
 
 }  // namespace hemiola::ps

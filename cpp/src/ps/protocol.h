@@ -32,7 +32,8 @@ enum class MessageType : uint16_t {
   kPush = 3,       // payload: float32 gradient of one key; version = computed on
   kPushNone = 4,   // no gradient this iteration for the key
   kPull = 5,       // version = the smallest version the worker may receive (bsp);
-                   // kFlagAhead (eager): the own push follows, factor = its lr factor
+                   // kFlagAhead (eager): the own push follows, aux = the staleness
+                   // of the previous one
   kSnapshot = 6,   // write a snapshot now
   kBye = 7,        // the worker is done
   kPing = 8,       // either direction: "still here" (handled inside Channel)
@@ -59,7 +60,7 @@ struct Header {
   int64_t aux = 0;
   int64_t payload_bytes = 0;
   double hyper[7] = {};  // lr, momentum, dampening, weight_decay, beta1, beta2, eps
-  int32_t flags = 0;     // kFlagNesterov, kFlagAhead (worker -> server), kFlagNoGradient (ack)
+  int32_t flags = 0;     // kFlag* below
   int32_t optimizer = 0;
   int32_t rule = 0;      // the worker's StalenessRule
   int32_t reserved = 0;
@@ -70,6 +71,9 @@ static_assert(std::is_trivially_copyable_v<Header>);
 constexpr int32_t kFlagNesterov = 1;
 constexpr int32_t kFlagNoGradient = 2;
 constexpr int32_t kFlagAhead = 4;
+// Worker -> server, on every message: asynchronous pushes step with momentum
+// scaled for their staleness (ClientOptions::momentum_compensation).
+constexpr int32_t kFlagCompensateMomentum = 8;
 
 inline uint64_t header_checksum(Header h) {
   h.checksum = 0;

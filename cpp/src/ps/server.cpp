@@ -35,9 +35,9 @@ struct Waiting {
   int worker;
   int64_t min_version;
   // eager: the requester's own push follows; answer without that push's
-  // momentum share, at its lr factor (momentum_share_removed).
+  // momentum share, at the weight it is expected to get (momentum_share_removed).
   bool ahead = false;
-  double factor = 1.0;
+  PushWeight weight;
 };
 
 struct Key {
@@ -198,7 +198,7 @@ struct Server::Impl {
       if (it->ahead && k.hyper)
         momentum_share_removed(k.optimizer, k.param.data(),
                                reinterpret_cast<float*>(payload.data()), k.entry.shard.count,
-                               *k.hyper, it->factor);
+                               *k.hyper, it->weight);
       else
         std::memcpy(payload.data(), k.param.data(), payload.size());
       send(it->worker, MessageType::kPullReply, k.entry.shard.key, k.version, 0, std::move(payload));
@@ -235,7 +235,7 @@ struct Server::Impl {
       const float scale = 1.0f / static_cast<float>(opt.num_workers);
       for (auto& g : k.sum) g *= scale;
       optimizer_step(k.optimizer, k.param.data(), k.sum.data(), k.entry.shard.count,
-                     k.round_hyper, 1.0);
+                     k.round_hyper, PushWeight{});
     }
     k.version += 1;
     k.contributions = 0;
@@ -246,18 +246,24 @@ struct Server::Impl {
     answer_pulls(k);
   }
 
+  // A push `tau` versions stale, by the staleness rule and momentum
+  // compensation its worker declares.
+  static PushWeight weight_of(const Header& h, int64_t tau) {
+    return push_weight(static_cast<StalenessRule>(h.rule), tau,
+                       (h.flags & kFlagCompensateMomentum) != 0);
+  }
+
   void apply_async(int w, Key& k, const Header& h, const float* grad) {
-    const int64_t tau = k.version - h.version;
-    const double factor = staleness_factor(static_cast<StalenessRule>(h.rule), tau);
+    const PushWeight weight = weight_of(h, k.version - h.version);
     const int64_t applied_at = k.version;
     if (grad) {
       k.hyper = get_hyper(h);
-      optimizer_step(k.optimizer, k.param.data(), grad, k.entry.shard.count, *k.hyper, factor);
+      optimizer_step(k.optimizer, k.param.data(), grad, k.entry.shard.count, *k.hyper, weight);
       k.version += 1;
     }
     k.pushes[static_cast<size_t>(w)] += 1;
     stats.pushes_applied += 1;
-    send(w, MessageType::kPushAck, k.entry.shard.key, h.version, applied_at, {}, factor,
+    send(w, MessageType::kPushAck, k.entry.shard.key, h.version, applied_at, {}, weight.factor,
          grad ? 0 : kFlagNoGradient);
     answer_pulls(k);  // the ssp bound is per key: only this key's waiters can move
   }
@@ -304,13 +310,13 @@ struct Server::Impl {
         std::memcpy(k.param.data(), payload.data(), bytes);
         k.initialized = true;
         return answer_pulls(k);
-      case MessageType::kPull:
-        // A factor is a staleness rule's: in (0, 1]. Anything else would only
-        // garble this worker's own reply, but is not trusted either.
-        k.waiting.push_back({w, h.version,
-                             opt.consistency == Consistency::kEager && (h.flags & kFlagAhead),
-                             std::isfinite(h.factor) ? std::clamp(h.factor, 0.0, 1.0) : 1.0});
+      case MessageType::kPull: {
+        // An ahead pull's aux: the staleness of the requester's previous push,
+        // which its next one is expected to have (push_weight clamps it).
+        const bool ahead = opt.consistency == Consistency::kEager && (h.flags & kFlagAhead);
+        k.waiting.push_back({w, h.version, ahead, ahead ? weight_of(h, h.aux) : PushWeight{}});
         return answer_pulls(k);
+      }
       case MessageType::kPush:
       case MessageType::kPushNone: {
         const bool has_grad = type == MessageType::kPush;

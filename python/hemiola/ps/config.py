@@ -24,9 +24,12 @@ class PSConfig:
         num_servers: the first `num_servers` ranks of the job are servers,
             the rest are workers.
         staleness_bound: the ``ssp`` bound *s*.
-        staleness_rule: how the learning rate of a gradient that is tau
-            versions stale is scaled: ``"inverse"`` lr/(1+tau), ``"zhang"``
-            lr/max(1,tau) (Zhang et al., IJCAI'16) or ``"none"``. Default:
+        staleness_rule: how much a gradient that is tau versions stale
+            counts: ``"inverse"`` 1/(1+tau), ``"zhang"`` 1/max(1,tau) (Zhang
+            et al., IJCAI'16) or ``"none"`` 1. SGD weights the gradient by it
+            as it enters the momentum buffer (so its whole influence shrinks,
+            not only its first step); Adam and AdamW scale the step's
+            learning rate by it. Default:
             ``"inverse"`` for the asynchronous models (``asp``, ``ssp``,
             ``eager``: measured faster to a target and stable at learning
             rates where ``"none"`` diverges), ``"none"`` for ``bsp`` (whose
@@ -44,6 +47,11 @@ class PSConfig:
             contains the worker's own last gradient and the staleness rule
             counts only other workers' updates. The servers' parameters and
             optimizer state are untouched by it. On by default.
+        momentum_compensation: asynchronous modes with SGD momentum: a
+            push tau versions stale steps with momentum/(1+tau). Asynchrony
+            acts as momentum of its own (Mitliagkas et al., 2016), and a
+            momentum of 0.9 on top of it diverges at learning rates where
+            ``bsp`` trains. No effect in ``bsp`` or with Adam. On by default.
         check_finite: servers refuse a gradient holding NaN or infinity and
             name the parameter (``bsp`` fails the job; asynchronous modes
             reject that push and fail its worker). On by default.
@@ -64,6 +72,7 @@ class PSConfig:
     restore: bool = False
     check_finite: bool = True
     local_correction: bool = True
+    momentum_compensation: bool = True
 
     def __post_init__(self) -> None:
         if self.consistency not in CONSISTENCIES:

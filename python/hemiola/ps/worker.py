@@ -85,7 +85,8 @@ class ParameterServerModel(nn.Module):
             partition_elems=config.partition_elems, timeout_s=config.timeout_s,
             names=self._names, numels=[p.numel() for p in self._params], store=store,
             iface=iface, master_addr=master, token=job_token(),
-            local_correction=config.local_correction)
+            local_correction=config.local_correction,
+            momentum_compensation=config.momentum_compensation)
         self._hypers = [_hyper(g) for g in optimizer.param_groups]
         initial = [p.data_ptr() for p in self._params] if worker.worker_index == 0 else []
         self._client.initialize(
@@ -239,14 +240,17 @@ class ParameterServerModel(nn.Module):
         """Waits for every push to be applied and every requested pull to land in
         the parameters."""
         self._client.flush()
-        if self.config.consistency == "eager":
-            # An eager pull was answered before this worker's last push: ask
-            # again, now that every push is applied, for the exact values.
-            for i in range(len(self._params)):
-                if self._pending[i]:
-                    self._client.pull(i)
         for i in range(len(self._params)):
-            self._take_pull(i)
+            if self.config.consistency == "eager" and not self._prefetching[i]:
+                # An eager reply was answered before this worker's last push and
+                # corrected locally: ask again, now that every push is applied,
+                # for the servers' values. (A pull requested ahead, between a
+                # forward and optimizer.step(), stays for the next forward.)
+                self._client.pull(i)
+                self._pending[i] = True
+            if self._pending[i]:
+                self._client.wait_pull(i, self._params[i].data_ptr())
+                self._pending[i] = False
 
     def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
         """The wrapped module's state dict, after :meth:`synchronize`."""
