@@ -61,6 +61,8 @@ import matplotlib.pyplot as plt  # noqa: E402 - after choosing the backend
 PS_SCHEMES = ("bsp", "asp", "ssp", "eager")
 #: eager without the local correction of the worker's own push (PSConfig.local_correction)
 UNCORRECTED = "eager-uncorrected"
+#: suffix: an asynchronous scheme without momentum compensation (PSConfig.momentum_compensation)
+UNCOMPENSATED = "-uncompensated"
 ALLREDUCE = ("wfbp", "decoupled")
 EVAL_EVERY = 5
 IMAGES = Path(__file__).resolve().parent.parent / "docs" / "images"
@@ -70,14 +72,16 @@ def run_rank(rank: int, world: int, scheme: str, servers: int, workers: int, del
              iterations: int, seed: int, lr: float, momentum: float) -> dict[str, Any] | None:
     """One rank of one run (called by run_local)."""
     task = DigitsTask(lr=lr, momentum=momentum)
-    consistency, _, rule = scheme.partition(":")  # e.g. "eager:none" overrides the rule
+    compensated = not scheme.endswith(UNCOMPENSATED)  # e.g. "asp-uncompensated"
+    consistency, _, rule = scheme.removesuffix(UNCOMPENSATED).partition(":")  # "eager:none"
     corrected = consistency != UNCORRECTED
     consistency = "eager" if not corrected else consistency
     is_ps = consistency in PS_SCHEMES
     if is_ps:
         config = hemiola.ps.PSConfig(consistency=consistency, num_servers=servers,
                                      staleness_rule=rule or None, staleness_bound=2,
-                                     timeout_s=120, local_correction=corrected)
+                                     timeout_s=120, local_correction=corrected,
+                                     momentum_compensation=compensated)
         r = hemiola.ps.role(servers)
         if r.is_server:
             hemiola.ps.serve(config, r)
@@ -202,7 +206,7 @@ def print_table(rows: list[dict[str, Any]], args: argparse.Namespace) -> None:
               f"momentum {args.momentum:g}, target {100 * args.target:.0f}% test accuracy, "
               f"{args.iterations} iterations, {args.seeds} seed(s): mean [min, max]; "
               f"straggler delay (k-1) x {t_ref:.1f} ms")
-        print(f"{'slowdown':>8} {'scheme':>10} {'ms/iter':>8} {'reached':>7} "
+        print(f"{'slowdown':>8} {'scheme':>20} {'ms/iter':>8} {'reached':>7} "
               f"{'iters→target':>18} {'s→target':>18} {'final acc %':>20}")
         for slowdown, scheme in itertools.product(args.slowdowns, args.schemes):
             runs = [r for r in rows if r["slowdown"] == slowdown and r["scheme"] == scheme
@@ -210,7 +214,7 @@ def print_table(rows: list[dict[str, Any]], args: argparse.Namespace) -> None:
             hit = [r for r in runs if r["iterations_to_target"] is not None]
             its = spread([r["iterations_to_target"] for r in hit], ".0f") if hit else "—"
             secs = spread([r["seconds_to_target"] for r in hit], ".2f") if hit else "—"
-            print(f"{slowdown:>7g}x {scheme:>10} "
+            print(f"{slowdown:>7g}x {scheme:>20} "
                   f"{statistics.fmean(r['ms_per_iteration'] for r in runs):>8.1f} "
                   f"{len(hit)}/{len(runs):<5} {its:>18} {secs:>18} "
                   f"{spread([100 * r['final_accuracy'] for r in runs], '.1f'):>20}")
@@ -221,7 +225,9 @@ def main() -> None:
     parser.add_argument("--schemes", nargs="+", default=list(PS_SCHEMES + ALLREDUCE),
                         help="consistency models and all-reduce schedules; CONSISTENCY:RULE "
                              "overrides the staleness rule (e.g. eager:none, asp:inverse); "
-                             f"{UNCORRECTED}: eager without local correction")
+                             f"{UNCORRECTED}: eager without local correction; a suffix "
+                             f"{UNCOMPENSATED} (e.g. asp{UNCOMPENSATED}): without momentum "
+                             "compensation")
     parser.add_argument("--slowdowns", nargs="+", type=float, default=[1, 2, 4])
     parser.add_argument("--workers", nargs="+", type=int, default=[4],
                         help="numbers of workers (the last one is the straggler)")
@@ -236,7 +242,8 @@ def main() -> None:
 
     def run(scheme: str, workers: int, slowdown: float, seed: int, delay_s: float
             ) -> dict[str, Any]:
-        is_ps = scheme.partition(":")[0] in (*PS_SCHEMES, UNCORRECTED)
+        is_ps = scheme.removesuffix(UNCOMPENSATED).partition(":")[0] in (*PS_SCHEMES,
+                                                                           UNCORRECTED)
         world = workers + (args.servers if is_ps else 0)
         results = run_local(run_rank, world, scheme, args.servers, workers, delay_s,
                             args.iterations, seed, args.lr, args.momentum, timeout_s=900)

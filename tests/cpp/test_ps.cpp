@@ -141,23 +141,28 @@ TEST(ServerOptimizer, SgdMomentumFollowsTorch) {
 
 TEST(ServerOptimizer, PushWeightFollowsStaleness) {
   const auto w = push_weight(StalenessRule::kInverse, 2, true);
-  EXPECT_DOUBLE_EQ(w.factor, 1.0 / 3.0);
+  EXPECT_DOUBLE_EQ(w.lr_scale, 1.0);
+  EXPECT_DOUBLE_EQ(w.grad_scale, 1.0 / 3.0);
   EXPECT_DOUBLE_EQ(w.momentum_scale, 1.0 / 3.0);
-  const auto zhang = push_weight(StalenessRule::kZhang, 4, false);
-  EXPECT_DOUBLE_EQ(zhang.factor, 0.25);
-  EXPECT_DOUBLE_EQ(zhang.momentum_scale, 1.0);
+  const auto zhang = push_weight(StalenessRule::kZhang, 4, true);
+  EXPECT_DOUBLE_EQ(zhang.grad_scale, 0.25);
+  EXPECT_DOUBLE_EQ(zhang.momentum_scale, 0.2);
+  const auto classic = push_weight(StalenessRule::kZhang, 4, false);
+  EXPECT_DOUBLE_EQ(classic.lr_scale, 0.25);
+  EXPECT_DOUBLE_EQ(classic.grad_scale, 1.0);
+  EXPECT_DOUBLE_EQ(classic.momentum_scale, 1.0);
+  EXPECT_DOUBLE_EQ(classic.factor(), zhang.factor());
   const auto fresh = push_weight(StalenessRule::kInverse, 0, true);
-  EXPECT_DOUBLE_EQ(fresh.factor, 1.0);  // bsp and one worker: torch's step exactly
+  EXPECT_DOUBLE_EQ(fresh.factor(), 1.0);  // bsp and one worker: torch's step exactly
   EXPECT_DOUBLE_EQ(fresh.momentum_scale, 1.0);
   const auto bogus = push_weight(StalenessRule::kInverse, -5, true);  // a worker's claim
-  EXPECT_DOUBLE_EQ(bogus.factor, 1.0);
+  EXPECT_DOUBLE_EQ(bogus.factor(), 1.0);
   EXPECT_DOUBLE_EQ(bogus.momentum_scale, 1.0);
 }
 
-// A stale SGD push: its gradient and weight decay enter the buffer weighted by
-// the factor, the old buffer decays by the compensated momentum, and the step
-// is lr * buf' (not lr * factor * buf', which would release the old momentum
-// at the stale push's rate).
+// A stale SGD push with momentum compensation: its gradient and weight decay
+// enter the buffer weighted by the factor and the old buffer decays by the
+// compensated momentum, so the buffer carries on only that much of them.
 TEST(ServerOptimizer, StaleSgdPushWeighsItsGradientAndMomentum) {
   OptimizerState s;
   std::vector<float> p = {1.0f, -2.0f};
@@ -169,8 +174,8 @@ TEST(ServerOptimizer, StaleSgdPushWeighsItsGradientAndMomentum) {
   optimizer_step(s, p.data(), g.data(), 2, h, PushWeight{});
   const double buf0 = 0.5 + 0.01 * 1.0;
   const double p0 = 1.0 - 0.1 * buf0;
-  optimizer_step(s, p.data(), g.data(), 2, h, push_weight(StalenessRule::kInverse, 1, true));
-  const double buf1 = 0.45 * buf0 + 0.5 * (0.5 + 0.01 * p0);
+  optimizer_step(s, p.data(), g.data(), 2, h, push_weight(StalenessRule::kZhang, 2, true));
+  const double buf1 = 0.3 * buf0 + 0.5 * (0.5 + 0.01 * p0);
   EXPECT_NEAR(s.m[0], buf1, 1e-6);
   EXPECT_NEAR(p[0], p0 - 0.1 * buf1, 1e-6);
 }
@@ -405,9 +410,10 @@ TEST(ParameterServer, StalePushesStepWithTheirWeight) {
     for (const bool compensate : {true, false}) {
       auto store = std::make_shared<MemoryStore>();
       ServerFleet fleet(store, 1, 2, c);
-      std::promise<void> w1_ready, w0_done;
+      std::promise<void> w1_ready, w0_done, w1_done;
       auto w1_signal = w1_ready.get_future().share();
       auto w0_signal = w0_done.get_future().share();
+      auto w1_signal_done = w1_done.get_future().share();
       auto worker = [&](int w) {
         auto o = client_options(w, 1, 2, c);
         o.staleness_rule = StalenessRule::kInverse;
@@ -430,6 +436,14 @@ TEST(ParameterServer, StalePushesStepWithTheirWeight) {
             client.wait_pull(0, x.data());
           }
           w0_done.set_value();
+          w1_signal_done.wait();
+          client.pull(0);  // holds worker 1's push: the next one is fresh
+          client.wait_pull(0, x.data());
+          client.push(0, g.data());  // fresh: steps with worker 1's stale push in the buffer
+          client.flush();
+          client.pull(0);
+          client.wait_pull(0, x.data());
+          seen.push_back(x[0]);
         } else {
           w1_ready.set_value();
           w0_signal.wait();
@@ -441,22 +455,29 @@ TEST(ParameterServer, StalePushesStepWithTheirWeight) {
           client.pull(0, /*ahead=*/true);  // eager: as if its next push followed
           client.wait_pull(0, x.data());
           seen.push_back(x[0]);
+          w1_done.set_value();
         }
         client.close();
         return seen;
       };
       auto r0 = std::async(std::launch::async, worker, 0);
       auto r1 = std::async(std::launch::async, worker, 1);
-      r0.get();
-      const auto seen = r1.get();
-      // Three fresh pushes: buf 1, 1.9, 2.71; x 0.9, 0.71, 0.439.
-      const double m = compensate ? 0.9 / 4 : 0.9;
-      const double buf = m * 2.71 + 0.25 * 1.0;
-      const double x = 0.439 - 0.1 * buf;
-      ASSERT_EQ(seen.size(), 2u);
-      EXPECT_NEAR(seen[0], x, 1e-6) << "compensate " << compensate;
-      const double ahead = c == Consistency::kEager ? x - 0.1 * m * buf : x;
-      EXPECT_NEAR(seen[1], ahead, 1e-6) << "compensate " << compensate;
+      const auto seen0 = r0.get();
+      const auto seen1 = r1.get();
+      // Three fresh pushes: buf 1, 1.9, 2.71; x 0.9, 0.71, 0.439. Worker 1's,
+      // factor 1/4, steps x by the same 0.1 * (0.9/4 * 2.71 + 1/4) either way,
+      // but with compensation the buffer keeps only that quarter.
+      const double x = 0.439 - 0.1 * (0.225 * 2.71 + 0.25);
+      const double buf = compensate ? 0.225 * 2.71 + 0.25 : 0.9 * 2.71 + 1.0;
+      ASSERT_EQ(seen1.size(), 2u);
+      EXPECT_NEAR(seen1[0], x, 1e-6) << "compensate " << compensate;
+      // Its ahead pull expects its next push 3 stale as well: momentum's share
+      // 0.1 * 0.9/4 * buf (compensated) or 0.1/4 * 0.9 * buf, the same again.
+      const double ahead = c == Consistency::kEager ? x - 0.1 * 0.225 * buf : x;
+      EXPECT_NEAR(seen1[1], ahead, 1e-6) << "compensate " << compensate;
+      // Worker 0's next push is fresh, and the buffer differs.
+      ASSERT_EQ(seen0.size(), 1u);
+      EXPECT_NEAR(seen0[0], x - 0.1 * (0.9 * buf + 1.0), 1e-6) << "compensate " << compensate;
       fleet.join();
     }
   }

@@ -320,17 +320,17 @@ struct Client::Impl {
     const auto wd = static_cast<float>(h.weight_decay);
     const auto n = k.own.size();
     if (opt.optimizer == OptimizerKind::kSgd) {
-      // buf' = m * buf + (1 - dampening) * factor * (g + wd * w), stepped by
-      // lr: the own share is lr times the second term (Nesterov steps
-      // factor * (g + wd * w) + m * buf', so 1 + m times it).
+      // buf' = m * buf + (1 - dampening) * grad_scale * (g + wd * w), stepped
+      // by lr * lr_scale: the own share is that times the second term
+      // (Nesterov steps grad_scale * (g + wd * w) + m * buf', so 1 + m times).
       const double m = h.momentum * weight.momentum_scale;
-      const auto own = static_cast<float>(h.lr * weight.factor *
+      const auto own = static_cast<float>(h.lr * weight.factor() *
                                           (h.nesterov ? 1.0 + m * (1.0 - h.dampening)
                                                       : 1.0 - h.dampening));
       for (size_t i = 0; i < n; ++i) dst[i] -= own * (k.own[i] + wd * dst[i]);
       return;
     }
-    const auto lr = static_cast<float>(h.lr * weight.factor);
+    const auto lr = static_cast<float>(h.lr * weight.factor());
     // Adam: the own share of m' is (1 - beta1) * g; the denominator comes
     // from this worker's own gradients, the servers' v being out of reach.
     const double step = static_cast<double>(version + 1);

@@ -12,9 +12,14 @@ namespace hemiola::ps {
 
 PushWeight push_weight(StalenessRule rule, int64_t tau, bool compensate_momentum) {
   tau = std::max<int64_t>(0, tau);
+  const double f = staleness_factor(rule, tau);
   PushWeight w;
-  w.factor = staleness_factor(rule, tau);
-  if (compensate_momentum) w.momentum_scale = 1.0 / (1.0 + static_cast<double>(tau));
+  if (compensate_momentum) {
+    w.grad_scale = f;
+    w.momentum_scale = 1.0 / (1.0 + static_cast<double>(tau));
+  } else {
+    w.lr_scale = f;
+  }
   return w;
 }
 
@@ -22,13 +27,13 @@ void optimizer_step(OptimizerState& state, float* param, const float* grad, int6
                     const Hyper& hyper, const PushWeight& weight) {
   const Device cpu{};
   if (state.kind == OptimizerKind::kSgd) {
-    // factor * (grad + weight_decay * param), as it enters the buffer.
+    // grad_scale * (grad + weight_decay * param) as it enters the buffer.
     SgdHyper h;
-    h.lr = hyper.lr;
+    h.lr = hyper.lr * weight.lr_scale;
     h.momentum = hyper.momentum * weight.momentum_scale;
     h.dampening = hyper.dampening;
-    h.grad_scale = weight.factor;
-    h.weight_decay = hyper.weight_decay * weight.factor;
+    h.grad_scale = weight.grad_scale;
+    h.weight_decay = hyper.weight_decay * weight.grad_scale;
     h.nesterov = hyper.nesterov;
     h.first_step = hyper.momentum != 0.0 && !state.has_momentum;
     if (h.first_step) state.m.assign(static_cast<size_t>(n), 0.0f);
@@ -43,7 +48,7 @@ void optimizer_step(OptimizerState& state, float* param, const float* grad, int6
     state.v.assign(static_cast<size_t>(n), 0.0f);
   }
   AdamHyper h;
-  h.lr = hyper.lr * weight.factor;
+  h.lr = hyper.lr * weight.factor();
   h.beta1 = hyper.beta1;
   h.beta2 = hyper.beta2;
   h.eps = hyper.eps;
@@ -63,7 +68,8 @@ void momentum_share_removed(const OptimizerState& state, const float* param, flo
       return;
     }
     const double mu = hyper.momentum * weight.momentum_scale;
-    const auto scale = static_cast<float>(hyper.lr * mu * (hyper.nesterov ? mu : 1.0));
+    const auto scale =
+        static_cast<float>(hyper.lr * weight.lr_scale * mu * (hyper.nesterov ? mu : 1.0));
     for (int64_t i = 0; i < n; ++i) out[i] = param[i] - scale * state.m[static_cast<size_t>(i)];
     return;
   }
@@ -72,7 +78,7 @@ void momentum_share_removed(const OptimizerState& state, const float* param, flo
     return;
   }
   const auto t = static_cast<double>(state.step + 1);
-  const double lr = hyper.lr * weight.factor;
+  const double lr = hyper.lr * weight.factor();
   const auto a = static_cast<float>(lr * hyper.beta1 / (1.0 - std::pow(hyper.beta1, t)));
   const auto b = static_cast<float>(hyper.beta2 / (1.0 - std::pow(hyper.beta2, t)));
   const auto eps = static_cast<float>(hyper.eps);

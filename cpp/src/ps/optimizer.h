@@ -21,22 +21,29 @@ struct OptimizerState {
 
 // How the servers apply a push that is `tau` versions stale (the asynchronous
 // modes; bsp's pushes are never stale, and get the defaults: torch's step).
+// SGD: buf' = momentum * momentum_scale * buf + grad_scale * (g + wd * w),
+// step lr * lr_scale * buf'. Adam/AdamW: the step's learning rate is scaled
+// by factor() (their step is normalised by the second moment, which a
+// weighted gradient would skew).
 struct PushWeight {
-  // The staleness rule's factor (staleness_factor). SGD weights the push's
-  // gradient, with its weight decay, by it as it enters the momentum buffer,
-  // so the gradient's whole influence shrinks, not only the first step of it
-  // (scaling the step's learning rate would apply the same stale gradient at
-  // full rate through the momentum later, ~90% of it at momentum 0.9).
-  // Adam/AdamW scale the step's learning rate by it (their step is
-  // normalised by the second moment, which a weighted gradient would skew).
-  double factor = 1.0;
-  // SGD: the push steps with momentum * this. Asynchrony acts as momentum of
-  // its own (a stale gradient keeps pushing in an old direction; Mitliagkas et
-  // al., "Asynchrony begets momentum", 2016), and torch's 0.9 on top of it
-  // diverges at learning rates where bsp is stable. compensate: 1 / (1 + tau).
+  double lr_scale = 1.0;
+  double grad_scale = 1.0;
   double momentum_scale = 1.0;
+  // The staleness rule's factor, wherever it is applied.
+  double factor() const { return lr_scale * grad_scale; }
 };
 
+// The weight of a push `tau` versions stale (a negative tau counts as 0), with
+// f the staleness rule's factor (staleness_factor):
+//   compensate_momentum: grad_scale f and momentum_scale 1 / (1 + tau). The
+//     stale gradient's whole influence shrinks by f, and so does what the
+//     momentum carries on. Asynchrony acts as momentum of its own (a stale
+//     gradient keeps pushing in an old direction; Mitliagkas et al.,
+//     "Asynchrony begets momentum", 2016), and torch's 0.9 on top of it
+//     diverges at learning rates where bsp is stable.
+//   otherwise: lr_scale f (staleness-aware ASGD, Zhang et al., IJCAI'16).
+//     Only the push's own step shrinks; the buffer keeps the stale gradient
+//     at full weight for the steps after it.
 // The weight of a push `tau` versions stale (a negative tau counts as 0).
 PushWeight push_weight(StalenessRule rule, int64_t tau, bool compensate_momentum);
 
@@ -51,8 +58,8 @@ void optimizer_step(OptimizerState& state, float* param, const float* grad, int6
 // requester's own push arrives: the requester adds its gradient's share of
 // that push's step, the server sends this, the rest of it. With momentum 0.9
 // the momentum's share is several times the gradient's.
-// SGD: lr * m * buf (Nesterov: lr * m^2 * buf), m = momentum * momentum_scale;
-// Adam/AdamW: the bias-corrected step at lr * factor with m and v decayed
+// SGD: lr * lr_scale * m * buf (Nesterov: m^2), m = momentum * momentum_scale;
+// Adam/AdamW: the bias-corrected step at lr * factor() with m and v decayed
 // once (beta1 * m, beta2 * v).
 void momentum_share_removed(const OptimizerState& state, const float* param, float* out,
                             int64_t n, const Hyper& hyper, const PushWeight& weight);

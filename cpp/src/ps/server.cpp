@@ -263,7 +263,7 @@ struct Server::Impl {
     }
     k.pushes[static_cast<size_t>(w)] += 1;
     stats.pushes_applied += 1;
-    send(w, MessageType::kPushAck, k.entry.shard.key, h.version, applied_at, {}, weight.factor,
+    send(w, MessageType::kPushAck, k.entry.shard.key, h.version, applied_at, {}, weight.factor(),
          grad ? 0 : kFlagNoGradient);
     answer_pulls(k);  // the ssp bound is per key: only this key's waiters can move
   }
