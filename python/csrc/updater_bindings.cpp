@@ -31,7 +31,7 @@ using Slot = std::tuple<std::string, std::uintptr_t, int, size_t, size_t, std::u
 using Hyper = std::tuple<double, double, double, double, bool, bool, double, double, double,
                          bool>;
 
-std::vector<ParameterSlot> slots_of(const std::vector<Slot>& slots) {
+std::vector<ParameterSlot> slots_of(const std::vector<Slot>& slots, const Device& device) {
   std::vector<ParameterSlot> out;
   out.reserve(slots.size());
   for (const auto& s : slots) {
@@ -41,6 +41,7 @@ std::vector<ParameterSlot> slots_of(const std::vector<Slot>& slots) {
     p.param.dtype = static_cast<DType>(std::get<2>(s));
     (void)dtype_size(p.param.dtype);  // validates the code
     p.param.numel = std::get<3>(s);
+    p.param.device = device;
     p.group = std::get<4>(s);
     p.momentum_buffer = pointer(std::get<5>(s));
     p.momentum_initialised = std::get<6>(s);
@@ -80,7 +81,7 @@ void bind_updater(py::module_& m) {
       .def(py::init([](Engine& engine, Reducer& reducer, const std::vector<Slot>& slots,
                        const std::string& schedule, const std::string& optimizer,
                        bool correct_on_arrival, double priority_front_fraction,
-                       bool rebuild_buckets, bool raise_if_not_finite) {
+                       bool rebuild_buckets, bool raise_if_not_finite, std::uintptr_t stream) {
              UpdaterOptions o;
              if (schedule == "priority") {
                o.schedule = UpdateSchedule::kPriority;
@@ -102,20 +103,24 @@ void bind_updater(py::module_& m) {
              o.priority_front_fraction = priority_front_fraction;
              o.rebuild_buckets = rebuild_buckets;
              o.raise_if_not_finite = raise_if_not_finite;
-             return std::make_unique<Updater>(engine, reducer, slots_of(slots), o);
+             return std::make_unique<Updater>(engine, reducer,
+                                              slots_of(slots, reducer.options().device), o,
+                                              StreamRef{pointer(stream)});
            }),
            py::arg("engine"), py::arg("reducer"), py::arg("slots"), py::arg("schedule"),
            py::arg("optimizer"), py::arg("correct_on_arrival") = true,
            py::arg("priority_front_fraction") = 0.25, py::arg("rebuild_buckets") = true,
-           py::arg("raise_if_not_finite") = false, py::keep_alive<1, 2>(),
+           py::arg("raise_if_not_finite") = false, py::arg("stream") = 0,
+           py::keep_alive<1, 2>(),
            py::keep_alive<1, 3>())
       .def("set_landers", &Updater::set_landers, py::arg("landers"))
       .def(
           "mark",
-          [](Updater& u, size_t index, std::uintptr_t source, std::uintptr_t local_grad) {
-            u.mark(index, pointer(source), pointer(local_grad));
+          [](Updater& u, size_t index, std::uintptr_t source, std::uintptr_t local_grad,
+             std::uintptr_t stream) {
+            u.mark(index, pointer(source), pointer(local_grad), StreamRef{pointer(stream)});
           },
-          py::arg("index"), py::arg("source"), py::arg("local_grad"))
+          py::arg("index"), py::arg("source"), py::arg("local_grad"), py::arg("stream") = 0)
       .def(
           "set_local_grad",
           [](Updater& u, size_t index, std::uintptr_t local_grad) {
@@ -126,34 +131,43 @@ void bind_updater(py::module_& m) {
           "step",
           [](Updater& u, uint64_t iteration, const std::vector<Hyper>& hyper, bool has_unused,
              double clip_max_norm, double clip_norm_type, bool skip_if_not_finite,
-             bool local_overflow) {
+             bool local_overflow, std::uintptr_t stream) {
             const StepOptions o = step_options(hyper, has_unused, clip_max_norm, clip_norm_type,
                                                skip_if_not_finite, local_overflow);
             py::gil_scoped_release release;
-            u.step(iteration, o);
+            u.step(iteration, o, StreamRef{pointer(stream)});
           },
           py::arg("iteration"), py::arg("hyper"), py::arg("has_unused") = false,
           py::arg("clip_max_norm") = -1.0, py::arg("clip_norm_type") = 2.0,
-          py::arg("skip_if_not_finite") = false, py::arg("local_overflow") = false)
+          py::arg("skip_if_not_finite") = false, py::arg("local_overflow") = false,
+          py::arg("stream") = 0)
       .def(
           "step_local",
           [](Updater& u, const std::vector<std::uintptr_t>& grads,
-             const std::vector<Hyper>& hyper) {
+             const std::vector<Hyper>& hyper, std::uintptr_t stream) {
             std::vector<void*> pointers;
             for (auto g : grads) pointers.push_back(pointer(g));
             const StepOptions o = step_options(hyper, false, -1.0, 2.0, false, false);
             py::gil_scoped_release release;
-            u.step_local(pointers, o);
+            u.step_local(pointers, o, StreamRef{pointer(stream)});
           },
-          py::arg("grads"), py::arg("hyper"))
-      .def("land", &Updater::land, py::arg("lander"), py::arg("training"), Release())
-      .def("synchronize", &Updater::synchronize, Release())
+          py::arg("grads"), py::arg("hyper"), py::arg("stream") = 0)
+      .def(
+          "land",
+          [](Updater& u, size_t lander, bool training, std::uintptr_t stream) {
+            u.land(lander, training, StreamRef{pointer(stream)});
+          },
+          py::arg("lander"), py::arg("training"), py::arg("stream") = 0, Release())
+      .def(
+          "synchronize",
+          [](Updater& u, std::uintptr_t stream) { u.synchronize(StreamRef{pointer(stream)}); },
+          py::arg("stream") = 0, Release())
       .def(
           "replace_parameters",
-          [](Updater& u, const std::vector<Slot>& slots) {
-            u.replace_parameters(slots_of(slots));
+          [](Updater& u, const std::vector<Slot>& slots, std::uintptr_t stream) {
+            u.replace_parameters(slots_of(slots, u.device()), StreamRef{pointer(stream)});
           },
-          py::arg("slots"))
+          py::arg("slots"), py::arg("stream") = 0)
       .def("momentum_initialised", &Updater::momentum_initialised)
       .def("approximate_read_fraction", &Updater::approximate_read_fraction)
       .def("preview_read_fraction", &Updater::preview_read_fraction);

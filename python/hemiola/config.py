@@ -86,10 +86,12 @@ class Config:
         native_optimizer: ``priority`` and ``decoupled``: the engine lands
             the updates and steps ``torch.optim.SGD``, ``Adam`` and ``AdamW``
             itself (on the optimizer's own state tensors; no Python work per
-            parameter), for CPU parameters with ``in_flight=1``. Otherwise,
-            and for other optimizers, updates land through torch's step,
-            with a one-line warning at wrap time. ``False``: always torch's
-            step.
+            parameter) with ``in_flight=1``. ``None`` (default): for CPU
+            parameters. ``True``: for CUDA parameters too (the fused
+            kernels on the compute stream; built and compiled, not yet run
+            on a GPU: it warns once). Otherwise, and for other optimizers,
+            updates land through torch's step, with a one-line warning at
+            wrap time. ``False``: always torch's step.
     """
 
     schedule: str = "wfbp"
@@ -107,7 +109,7 @@ class Config:
     timeline: bool = False
     gpu_backend: str = "auto"
     check_finite: bool = False
-    native_optimizer: bool = True
+    native_optimizer: bool | None = None
 
     def __post_init__(self) -> None:
         if self.schedule not in SCHEDULES:

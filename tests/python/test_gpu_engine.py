@@ -141,10 +141,12 @@ def test_bucket_results_in_place_and_kept(backend: str) -> None:
 # the trajectory timing-independent; its on-arrival path on the GPU is
 # checked against wfbp below.
 SCHEDULES = ["wfbp", "priority", "decoupled-on-bound"]
+#: the same with the engine's updater on the GPU (native_optimizer=True)
+NATIVE = ["priority-native", "decoupled-on-bound-native"]
 
 
 @gpu
-@pytest.mark.parametrize("schedule", SCHEDULES)
+@pytest.mark.parametrize("schedule", SCHEDULES + NATIVE)
 @pytest.mark.parametrize(
     "model,optimizer", [("mlp", "sgd"), ("cnn", "nesterov"), ("transformer", "adamw")]
 )
@@ -153,8 +155,9 @@ def test_schedules_on_one_gpu_with_nccl_match_the_cpu(
 ) -> None:
     if not HAS_NCCL:
         pytest.skip("no NCCL in this build")
+    schedule, native = schedule.removesuffix("-native"), schedule.endswith("-native")
     results = run_local(
-        workers.gpu_matches_cpu, 1, schedule, model, optimizer, 6, "nccl", timeout_s=240
+        workers.gpu_matches_cpu, 1, schedule, model, optimizer, 6, "nccl", native, timeout_s=240
     )
     r = results[0]
     assert r["moved"] > 1e-3, r  # training did change the parameters
@@ -163,14 +166,15 @@ def test_schedules_on_one_gpu_with_nccl_match_the_cpu(
 
 
 @gpu
-@pytest.mark.parametrize("schedule", SCHEDULES)
+@pytest.mark.parametrize("schedule", SCHEDULES + NATIVE)
 @pytest.mark.parametrize("model,optimizer", [("cnn", "sgd"), ("transformer", "adamw")])
 def test_three_ranks_sharing_the_gpu_through_gloo_match_the_cpu(
     schedule: str, model: str, optimizer: str
 ) -> None:
     # Every rank sees its own shard: the reductions matter.
+    schedule, native = schedule.removesuffix("-native"), schedule.endswith("-native")
     results = run_local(
-        workers.gpu_matches_cpu, 3, schedule, model, optimizer, 6, "gloo", timeout_s=300
+        workers.gpu_matches_cpu, 3, schedule, model, optimizer, 6, "gloo", native, timeout_s=300
     )
     for rank, r in results.items():
         assert r["moved"] > 1e-3, (rank, r)
@@ -179,15 +183,17 @@ def test_three_ranks_sharing_the_gpu_through_gloo_match_the_cpu(
 
 
 @gpu
+@pytest.mark.parametrize("native", [False, True])
 @pytest.mark.parametrize("backend", backends())
 def test_decoupled_on_the_gpu_equals_wfbp_when_every_rank_sees_the_same_data(
-    backend: str,
+    backend: str, native: bool
 ) -> None:
     # With the same batch everywhere the local gradient is the average, so
     # the approximate step is exact whenever corrections land.
     world = 1 if backend == "nccl" else 2
     results = run_local(
-        workers.gpu_schedules_agree, world, "transformer", "adamw", 6, backend, timeout_s=240
+        workers.gpu_schedules_agree, world, "transformer", "adamw", 6, backend, native,
+        timeout_s=240
     )
     for rank, r in results.items():
         assert r["max_param_diff"] < 1e-5, (rank, r)

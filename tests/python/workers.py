@@ -357,8 +357,9 @@ def _agreement(a: dict[str, Any], b: dict[str, Any]) -> dict[str, float]:
 
 
 def gpu_matches_cpu(rank: int, world: int, schedule: str, model_name: str, opt_name: str,
-                    steps: int, gpu_backend: str) -> dict[str, float]:
-    """Trains with `schedule` on the CPU and on the GPU (through `gpu_backend`);
+                    steps: int, gpu_backend: str, native: bool = False) -> dict[str, float]:
+    """Trains with `schedule` on the CPU and on the GPU (through `gpu_backend`;
+    `native`: the GPU run steps with the engine's updater, native_optimizer=True);
     returns how far the two runs' parameters and losses are apart."""
     # Full float32 on the GPU (no TF32), so the two runs differ by rounding only.
     torch.backends.cudnn.allow_tf32 = False
@@ -368,6 +369,8 @@ def gpu_matches_cpu(rank: int, world: int, schedule: str, model_name: str, opt_n
     if schedule == "decoupled-on-bound":  # corrections land independently of timing
         schedule, options = "decoupled", {"correct_on_arrival": False}
     cpu = schedule_run(rank, world, schedule, model_name, opt_name, steps, False, **options)
+    if native:
+        options["native_optimizer"] = True
     gpu = schedule_run(rank, world, schedule, model_name, opt_name, steps, False, device="cuda",
                        gpu_backend=gpu_backend, **options)
     return {
@@ -378,12 +381,14 @@ def gpu_matches_cpu(rank: int, world: int, schedule: str, model_name: str, opt_n
 
 
 def gpu_schedules_agree(rank: int, world: int, model_name: str, opt_name: str, steps: int,
-                        gpu_backend: str) -> dict[str, float]:
+                        gpu_backend: str, native: bool = False) -> dict[str, float]:
     """schedules_agree on the GPU: decoupled (corrections on arrival) against
-    wfbp, every rank seeing the same data."""
+    wfbp, every rank seeing the same data (`native`: decoupled steps with the
+    engine's updater)."""
     gpu = {"device": "cuda", "gpu_backend": gpu_backend}
     a = schedule_run(rank, world, "wfbp", model_name, opt_name, steps, True, **gpu)
-    b = schedule_run(rank, world, "decoupled", model_name, opt_name, steps, True, **gpu)
+    b = schedule_run(rank, world, "decoupled", model_name, opt_name, steps, True, **gpu,
+                     native_optimizer=True if native else None)
     return _agreement(a, b)
 
 

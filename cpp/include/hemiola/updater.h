@@ -40,10 +40,16 @@
 // first).
 //
 // The optimizer state lives in caller memory (ParameterSlot), in torch's
-// layout, so a torch optimizer's state_dict() stays valid. Parameters are on
-// the CPU so far (the CUDA kernels exist; the landing path on a GPU is the
-// Python layer's until it is measured there). Not thread-safe: one thread
-// calls it, as one training loop does.
+// layout, so a torch optimizer's state_dict() stays valid. Parameters, state
+// and gradients live on the reducer's device (ReducerOptions::device). On a
+// GPU every call takes the caller's compute stream (StreamRef, as the
+// Reducer's calls do): the optimizer steps (the fused kernels of
+// hemiola/optimizer.h, one launch per parameter) and the updater's copies are
+// enqueued there, and a wait for a reduction is a wait of that stream on the
+// device, never of the host (except clipping, a GradScaler and
+// raise_if_not_finite, which read the averaged gradients' norms on the host:
+// one synchronisation per step). Not thread-safe: one thread calls it, as one
+// training loop does.
 #pragma once
 
 #include <cstddef>
@@ -82,7 +88,7 @@ struct GroupHyper {
 // the parameter's dtype and size). Index i is the reducer's gradient i.
 struct ParameterSlot {
   std::string name;                  // for error messages
-  TensorRef param;                   // the live values forward reads (CPU)
+  TensorRef param;                   // the live values forward reads (on the reducer's device)
   size_t group = 0;                  // its hyper-parameters: StepOptions::hyper[group]
   void* momentum_buffer = nullptr;   // SGD with momentum
   bool momentum_initialised = false; // false: the first step creates it (buf = grad)
@@ -132,10 +138,10 @@ class UpdaterImpl;
 class HEMIOLA_API Updater {
  public:
   // `engine` and `reducer` must outlive the updater; `params` follow the
-  // reducer's gradient order. The decoupled shadow is copied from the live
-  // parameters now.
+  // reducer's gradient order, on its device. The decoupled shadow is copied
+  // from the live parameters now (on a GPU: enqueued on `stream`).
   Updater(Engine& engine, Reducer& reducer, std::vector<ParameterSlot> params,
-          const UpdaterOptions& options);
+          const UpdaterOptions& options, StreamRef stream = {});
   ~Updater();
   Updater(const Updater&) = delete;
   Updater& operator=(const Updater&) = delete;
@@ -150,27 +156,32 @@ class HEMIOLA_API Updater {
   // it must stay valid and may be edited in place until then, e.g. clipped).
   // priority: throws if `index` still waits for the previous update (it was
   // read before it was updated: the gradient would be wrong).
-  void mark(size_t index, const void* source, void* local_grad);
+  void mark(size_t index, const void* source, void* local_grad, StreamRef stream = {});
   // The local gradient of a parameter contributed as zeros (null: none).
   void set_local_grad(size_t index, void* local_grad);
 
   // optimizer.step() after a backward whose marking closed as `iteration`.
-  void step(uint64_t iteration, const StepOptions& options);
+  void step(uint64_t iteration, const StepOptions& options, StreamRef stream = {});
   // optimizer.step() with no reduced backward since the last one: lands
   // everything, then one exact step with these local gradients (null: skip).
-  void step_local(const std::vector<void*>& grads, const StepOptions& options);
+  void step_local(const std::vector<void*>& grads, const StepOptions& options,
+                  StreamRef stream = {});
 
   // The forward reaches lander `lander`: brings its parameters up to date
   // (waiting for their reductions), and lands whatever else has arrived and
   // was not read yet. `training`: the forward will be backpropagated (counts
   // reads for approximate_read_fraction()).
-  void land(size_t lander, bool training);
+  void land(size_t lander, bool training, StreamRef stream = {});
 
-  // Lands everything pending (waits): the live parameters are exact.
-  void synchronize();
+  // Lands everything pending (waits; on a GPU `stream` waits): the live
+  // parameters are exact for work enqueued on `stream` from now on.
+  void synchronize(StreamRef stream = {});
   // The parameters or optimizer state were overwritten (a checkpoint was
   // loaded): what was pending is dropped; the shadow is taken from `params`.
-  void replace_parameters(std::vector<ParameterSlot> params);
+  void replace_parameters(std::vector<ParameterSlot> params, StreamRef stream = {});
+
+  // The device the parameters live on (the reducer's).
+  Device device() const;
 
   // Per parameter: the SGD momentum buffer holds a value (a first step was
   // committed), as torch would have created it.

@@ -5,7 +5,8 @@
 // most one iteration is pending, and per parameter it is either applied
 // (landed) or waiting for its buckets. Which buckets a parameter waits for
 // comes from the reducer's plan; which parameters a lander needs comes from
-// the caller. Everything here runs on the caller's thread.
+// the caller. Everything here runs on the caller's thread; on a GPU every
+// kernel, copy and wait is enqueued on the stream of the call in progress.
 #include "hemiola/updater.h"
 
 #include <algorithm>
@@ -15,6 +16,7 @@
 #include <string>
 #include <utility>
 
+#include "device.h"
 #include "engine/timeline.h"
 #include "hemiola/engine.h"
 #include "hemiola/optimizer.h"
@@ -50,22 +52,48 @@ struct Pending {
   }
 };
 
-// A CPU buffer that holds one reduced gradient of the updater's own.
-using Buffer = std::vector<std::max_align_t>;
+// Host memory of one tensor's size.
+using HostBuffer = std::vector<std::max_align_t>;
 
-void* allocate(Buffer& buffer, size_t bytes) {
+void* allocate(HostBuffer& buffer, size_t bytes) {
   buffer.resize((bytes + sizeof(std::max_align_t) - 1) / sizeof(std::max_align_t));
   return buffer.data();
 }
+
+// Memory of the updater's own for one tensor (a shadow parameter, a gathered
+// result), on the parameters' device.
+class Buffer {
+ public:
+  // At least `bytes` of memory on `device` (its contents are kept only when
+  // no reallocation is needed).
+  void* reserve(const Device& device, size_t bytes) {
+    if (device.type == DeviceType::kCPU) {
+      data_ = allocate(host_, bytes);
+    } else {
+      if (!device_ || device_->size() < bytes) {
+        device_ = std::make_unique<cuda::DeviceBuffer>(device.index, std::max<size_t>(bytes, 1));
+      }
+      data_ = device_->data();
+    }
+    return data_;
+  }
+  void* data() const { return data_; }
+
+ private:
+  void* data_ = nullptr;  // into host_ or device_
+  HostBuffer host_;
+  std::unique_ptr<cuda::DeviceBuffer> device_;
+};
 
 }  // namespace
 
 class UpdaterImpl {
  public:
   UpdaterImpl(Engine& engine, Reducer& reducer, std::vector<ParameterSlot> params,
-              const UpdaterOptions& options)
+              const UpdaterOptions& options, StreamRef stream)
       : engine_(engine), reducer_(reducer), options_(options),
-        timeline_(engine.options().timeline), rebuilt_(!options.rebuild_buckets) {
+        device_(reducer.options().device), timeline_(engine.options().timeline),
+        rebuilt_(!options.rebuild_buckets) {
     HEMIOLA_CHECK(options.priority_front_fraction >= 0.0 && options.priority_front_fraction <= 1.0,
                   "updater: priority_front_fraction must be in [0, 1], got ",
                   options.priority_front_fraction);
@@ -75,11 +103,9 @@ class UpdaterImpl {
                   "ReducerOptions::in_flight = 1 (it has ", reducer.options().in_flight, ")");
     HEMIOLA_CHECK(!options.rebuild_buckets || reducer.options().record_order,
                   "updater: rebuild_buckets needs ReducerOptions::record_order");
-    HEMIOLA_CHECK(reducer.options().device.type == DeviceType::kCPU,
-                  "updater: the reducer's gradients are on a GPU; the updater steps CPU "
-                  "parameters only so far");
     HEMIOLA_CHECK(!reducer.options().preview || options.schedule == UpdateSchedule::kDecoupled,
                   "updater: a reducer with a preview serves schedule decoupled only");
+    stream_ = stream;
     adopt(std::move(params));
     landers_ = {all_};
     refresh_buckets();
@@ -97,8 +123,9 @@ class UpdaterImpl {
     landers_ = std::move(landers);
   }
 
-  void mark(size_t index, const void* source, void* local_grad) {
+  void mark(size_t index, const void* source, void* local_grad, StreamRef stream) {
     check_index(index);
+    stream_ = stream;
     if (options_.schedule == UpdateSchedule::kPriority && pending_ &&
         !pending_->applied[index]) {
       const std::string message = detail::concat(
@@ -112,7 +139,7 @@ class UpdaterImpl {
       HEMIOLA_THROW(ErrorCode::kAborted, message);
     }
     local_grads_[index] = local_grad;
-    reducer_.mark_ready(index, source, result_target(index), StreamRef{});
+    reducer_.mark_ready(index, source, result_target(index), stream_);
   }
 
   void set_local_grad(size_t index, void* local_grad) {
@@ -120,8 +147,9 @@ class UpdaterImpl {
     local_grads_[index] = local_grad;
   }
 
-  void step(uint64_t iteration, const StepOptions& options) {
+  void step(uint64_t iteration, const StepOptions& options, StreamRef stream) {
     check_hyper(options);
+    stream_ = stream;
     std::fill(read_.begin(), read_.end(), 0);  // backward is done: nothing read is needed
     if (options_.schedule == UpdateSchedule::kPriority) {
       step_priority(iteration, options);
@@ -131,11 +159,12 @@ class UpdaterImpl {
     std::fill(local_grads_.begin(), local_grads_.end(), nullptr);
   }
 
-  void step_local(const std::vector<void*>& grads, const StepOptions& options) {
+  void step_local(const std::vector<void*>& grads, const StepOptions& options,
+                  StreamRef stream) {
     HEMIOLA_CHECK(grads.size() == params_.size(), "updater: step_local got ", grads.size(),
                   " gradients for ", params_.size(), " parameters");
     check_hyper(options);
-    synchronize();
+    synchronize(stream);
     const int64_t start = engine_.timeline_now_us();
     for (size_t i = 0; i < params_.size(); ++i) {
       if (grads[i]) optimizer_step(i, grads[i], options.hyper, 1.0, /*commit=*/true);
@@ -143,8 +172,9 @@ class UpdaterImpl {
     record("step", start, "local step (no reduction)");
   }
 
-  void land(size_t lander, bool training) {
+  void land(size_t lander, bool training, StreamRef stream) {
     HEMIOLA_CHECK(lander < landers_.size(), "updater: lander ", lander, " of ", landers_.size());
+    stream_ = stream;
     const std::vector<size_t>& needed = landers_[lander];
     if (pending_) {
       if (options_.schedule == UpdateSchedule::kPriority) {
@@ -169,7 +199,8 @@ class UpdaterImpl {
     for (size_t i : needed) read_[i] = 1;
   }
 
-  void synchronize() {
+  void synchronize(StreamRef stream) {
+    stream_ = stream;
     if (!pending_) return;
     if (options_.schedule == UpdateSchedule::kPriority) {
       update_priority(all_, /*wait=*/true);
@@ -178,7 +209,8 @@ class UpdaterImpl {
     }
   }
 
-  void replace_parameters(std::vector<ParameterSlot> params) {
+  void replace_parameters(std::vector<ParameterSlot> params, StreamRef stream) {
+    stream_ = stream;
     HEMIOLA_CHECK(params.size() == params_.size(), "updater: ", params.size(),
                   " parameters replace ", params_.size());
     pending_.reset();
@@ -199,13 +231,20 @@ class UpdaterImpl {
     return reads_ == 0 ? 0.0 : static_cast<double>(previewed_reads_) / reads_;
   }
 
+  Device device() const { return device_; }
+
  private:
   // ---- setup -----------------------------------------------------------------
 
   void adopt(std::vector<ParameterSlot> params) {
     for (const auto& p : params) {
-      HEMIOLA_CHECK(p.param.device.type == DeviceType::kCPU, "updater: parameter '", p.name,
-                    "' is not on the CPU");
+      HEMIOLA_CHECK(p.param.device.type == device_.type &&
+                        (device_.type == DeviceType::kCPU || p.param.device.index == device_.index),
+                    "updater: parameter '", p.name, "' is not on the reducer's device");
+      if (device_.type == DeviceType::kCUDA && p.param.numel > 0) {
+        HEMIOLA_CHECK(cuda::device_of(p.param.data) == device_.index, "updater: parameter '",
+                      p.name, "' does not point to memory of CUDA device ", device_.index);
+      }
       HEMIOLA_CHECK(is_floating(p.param.dtype), "updater: parameter '", p.name,
                     "' has dtype ", dtype_name(p.param.dtype), ", not a floating dtype");
       HEMIOLA_CHECK(p.param.numel == 0 || p.param.data, "updater: parameter '", p.name,
@@ -229,7 +268,7 @@ class UpdaterImpl {
       shadow_.resize(n);
       for (size_t i = 0; i < n; ++i) {
         const auto& p = params_[i].param;
-        std::memcpy(allocate(shadow_[i], p.nbytes()), p.data, p.nbytes());
+        copy(shadow_[i].reserve(device_, p.nbytes()), p.data, p.nbytes());
       }
     }
   }
@@ -277,7 +316,7 @@ class UpdaterImpl {
     const uint64_t slot = (reducer_.marking() ? started - 1 : started) % 2;
     auto& buffer = gathered_[slot];
     if (buffer.size() != params_.size()) buffer.resize(params_.size());
-    return allocate(buffer[index], params_[index].param.nbytes());
+    return buffer[index].reserve(device_, params_[index].param.nbytes());
   }
 
   const void* reduced(const Pending& pending, size_t index) const {
@@ -290,12 +329,12 @@ class UpdaterImpl {
   // ---- priority ----------------------------------------------------------------
 
   void step_priority(uint64_t iteration, const StepOptions& options) {
-    synchronize();  // whatever the previous iteration left (rare)
+    synchronize(stream_);  // whatever the previous iteration left (rare)
     start_pending(iteration, options);
     if (!rebuilt_) {
       // The first iteration runs synchronously; then the buckets are rebuilt
       // in the observed order and the issue order is derived from them.
-      synchronize();
+      synchronize(stream_);
       reducer_.rebuild_from_observed_order();
       refresh_buckets();
       reducer_.set_issue_order(priority_order());
@@ -364,14 +403,14 @@ class UpdaterImpl {
       // checkpoint repeats the run that saved it; only its timing differs:
       // the reduction is waited for so that the buckets can be rebuilt, and
       // its results were written to the updater's own buffers.
-      reducer_.wait(iteration, StreamRef{});
+      reducer_.wait(iteration, stream_);
       if (options.has_unused) usage = reducer_.usage(iteration);
       reducer_.rebuild_from_observed_order();
       refresh_buckets();
       rebuilt_ = true;
       gathered = true;
     }
-    synchronize();  // one iteration in flight: the previous one lands now
+    synchronize(stream_);  // one iteration in flight: the previous one lands now
     if (!options.local_overflow) {
       // The approximate step: the exact values stepped with this rank's own
       // gradient, into the live parameters only.
@@ -506,7 +545,7 @@ class UpdaterImpl {
     if (pending.gathered) return;
     const int64_t start = engine_.timeline_now_us();
     if (pending.needs_whole()) {
-      reducer_.wait(pending.iteration, StreamRef{});
+      reducer_.wait(pending.iteration, stream_);
       record("wait", start, "wait reduction ", pending.iteration);
       return;
     }
@@ -515,7 +554,7 @@ class UpdaterImpl {
       for (size_t b : buckets_of_[i]) needed[b] = 1;
     }
     for (size_t b : reducer_.issue_order()) {
-      if (needed[b]) reducer_.wait_bucket(pending.iteration, b, StreamRef{});
+      if (needed[b]) reducer_.wait_bucket(pending.iteration, b, stream_);
     }
     record("wait", start, "wait buckets (", pending.iteration, ")");
   }
@@ -533,8 +572,10 @@ class UpdaterImpl {
       scale_of(pending, used);
     }
     if (options_.raise_if_not_finite && !o.skip_if_not_finite) {
-      for (size_t i : chosen) {
-        if (used(i) && !optim::all_finite(reduced(pending, i), params_[i].param.numel,
+      const std::vector<const void*> averages = readable(pending, chosen);
+      for (size_t k = 0; k < chosen.size(); ++k) {
+        const size_t i = chosen[k];
+        if (used(i) && !optim::all_finite(averages[k], params_[i].param.numel,
                                           params_[i].param.dtype)) {
           // Nothing of the iteration is applied, and the live parameters
           // are the exact ones (a local step may have taken the NaN in).
@@ -579,11 +620,15 @@ class UpdaterImpl {
     double rounded = 0.0;  // over the per-tensor norms rounded to their dtype
     DType total_dtype = DType::kBFloat16;
     bool first = true;
+    std::vector<size_t> counted;
     for (size_t i = 0; i < params_.size(); ++i) {
-      if (!used(i)) continue;
-      const TensorRef& t = params_[i].param;
+      if (used(i)) counted.push_back(i);
+    }
+    const std::vector<const void*> averages = readable(pending, counted);
+    for (size_t k = 0; k < counted.size(); ++k) {
+      const TensorRef& t = params_[counted[k]].param;
       double acc = 0.0;
-      optim::accumulate_norm(reduced(pending, i), t.numel, t.dtype, p, acc);
+      optim::accumulate_norm(averages[k], t.numel, t.dtype, p, acc);
       const double norm = optim::round_to(t.dtype, optim::finish_norm(acc, p));
       if (inf_norm) {
         if (std::isnan(acc) || acc > exact) exact = acc;
@@ -619,7 +664,38 @@ class UpdaterImpl {
   void restore(size_t i) {
     if (options_.schedule != UpdateSchedule::kDecoupled) return;
     const auto& p = params_[i].param;
-    std::memcpy(p.data, shadow_[i].data(), p.nbytes());
+    copy(p.data, shadow_[i].data(), p.nbytes());
+  }
+
+  // A copy on the parameters' device (on a GPU: enqueued on the stream).
+  void copy(void* dst, const void* src, size_t bytes) const {
+    if (bytes == 0) return;
+    if (device_.type == DeviceType::kCPU) {
+      std::memcpy(dst, src, bytes);
+    } else {
+      cuda::copy_async(dst, src, bytes, stream_.handle);
+    }
+  }
+
+  // The averaged gradients of `indices` where the host can read them: on the
+  // CPU the reduced values themselves; on a GPU copies in host memory, made
+  // after the stream's waits for them (one synchronisation for all).
+  std::vector<const void*> readable(const Pending& pending, const std::vector<size_t>& indices) {
+    std::vector<const void*> out;
+    out.reserve(indices.size());
+    if (device_.type == DeviceType::kCPU) {
+      for (size_t i : indices) out.push_back(reduced(pending, i));
+      return out;
+    }
+    if (staging_.size() < indices.size()) staging_.resize(indices.size());
+    for (size_t k = 0; k < indices.size(); ++k) {
+      const size_t bytes = params_[indices[k]].param.nbytes();
+      void* host = allocate(staging_[k], bytes);
+      if (bytes > 0) cuda::copy_async(host, reduced(pending, indices[k]), bytes, stream_.handle);
+      out.push_back(host);
+    }
+    cuda::synchronize(stream_.handle);
+    return out;
   }
 
   // One optimizer step of parameter i from its exact value (the shadow, or
@@ -646,7 +722,7 @@ class UpdaterImpl {
                     "updater: parameter '", p.name, "' has momentum ", h.momentum,
                     " but no momentum buffer (set momentum before wrapping)");
       sgd_step(SgdTensors{p.param.data, exact, p.momentum_buffer, grad}, numel,
-               p.param.dtype, p.param.device, s, commit);
+               p.param.dtype, device_, s, commit, stream_);
       if (commit && h.momentum != 0.0) p.momentum_initialised = true;
       return;
     }
@@ -662,7 +738,7 @@ class UpdaterImpl {
     a.step = static_cast<std::int64_t>(*p.step) + 1;
     a.grad_scale = grad_scale;
     adam_step(AdamTensors{p.param.data, exact, p.exp_avg, p.exp_avg_sq, grad, p.max_exp_avg_sq},
-              numel, p.param.dtype, p.param.device, a, commit);
+              numel, p.param.dtype, device_, a, commit, stream_);
     if (commit) *p.step += 1.0f;
   }
 
@@ -678,6 +754,8 @@ class UpdaterImpl {
   Engine& engine_;
   Reducer& reducer_;
   UpdaterOptions options_;
+  Device device_;      // the reducer's: every parameter, state and gradient lives there
+  StreamRef stream_;   // the stream of the call in progress (GPU: all work goes there)
   bool timeline_;  // the engine records a timeline
   bool rebuilt_;
   std::vector<ParameterSlot> params_;
@@ -692,6 +770,7 @@ class UpdaterImpl {
   std::vector<uint8_t> selected_;    // scratch of update_priority (all zero between calls)
   std::vector<Buffer> shadow_;       // decoupled: the exact parameters
   std::vector<Buffer> gathered_[2];  // per iteration parity: results kept here
+  std::vector<HostBuffer> staging_;  // GPU: host copies of averaged gradients (readable())
   std::optional<Pending> pending_;
   uint64_t reads_ = 0;
   uint64_t approximate_reads_ = 0;
@@ -699,30 +778,34 @@ class UpdaterImpl {
 };
 
 Updater::Updater(Engine& engine, Reducer& reducer, std::vector<ParameterSlot> params,
-                 const UpdaterOptions& options)
-    : impl_(std::make_unique<UpdaterImpl>(engine, reducer, std::move(params), options)) {}
+                 const UpdaterOptions& options, StreamRef stream)
+    : impl_(std::make_unique<UpdaterImpl>(engine, reducer, std::move(params), options, stream)) {}
 Updater::~Updater() = default;
 
 void Updater::set_landers(std::vector<std::vector<size_t>> landers) {
   impl_->set_landers(std::move(landers));
 }
-void Updater::mark(size_t index, const void* source, void* local_grad) {
-  impl_->mark(index, source, local_grad);
+void Updater::mark(size_t index, const void* source, void* local_grad, StreamRef stream) {
+  impl_->mark(index, source, local_grad, stream);
 }
 void Updater::set_local_grad(size_t index, void* local_grad) {
   impl_->set_local_grad(index, local_grad);
 }
-void Updater::step(uint64_t iteration, const StepOptions& options) {
-  impl_->step(iteration, options);
+void Updater::step(uint64_t iteration, const StepOptions& options, StreamRef stream) {
+  impl_->step(iteration, options, stream);
 }
-void Updater::step_local(const std::vector<void*>& grads, const StepOptions& options) {
-  impl_->step_local(grads, options);
+void Updater::step_local(const std::vector<void*>& grads, const StepOptions& options,
+                         StreamRef stream) {
+  impl_->step_local(grads, options, stream);
 }
-void Updater::land(size_t lander, bool training) { impl_->land(lander, training); }
-void Updater::synchronize() { impl_->synchronize(); }
-void Updater::replace_parameters(std::vector<ParameterSlot> params) {
-  impl_->replace_parameters(std::move(params));
+void Updater::land(size_t lander, bool training, StreamRef stream) {
+  impl_->land(lander, training, stream);
 }
+void Updater::synchronize(StreamRef stream) { impl_->synchronize(stream); }
+void Updater::replace_parameters(std::vector<ParameterSlot> params, StreamRef stream) {
+  impl_->replace_parameters(std::move(params), stream);
+}
+Device Updater::device() const { return impl_->device(); }
 std::vector<bool> Updater::momentum_initialised() const { return impl_->momentum_initialised(); }
 double Updater::approximate_read_fraction() const { return impl_->approximate_read_fraction(); }
 double Updater::preview_read_fraction() const { return impl_->preview_read_fraction(); }

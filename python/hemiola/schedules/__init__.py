@@ -40,16 +40,17 @@ def make_schedule(name: str, model: DataParallel, optimizer: Any) -> Schedule:
     """The schedule `name` for `model`, trained by `optimizer`: for
     ``priority`` and ``decoupled``, run by the engine where it can step the
     optimizer, else through torch's step (saying why, once)."""
-    if name != "wfbp" and model.config.native_optimizer:
+    native = model.config.native_optimizer
+    if name != "wfbp" and native is not False:
         in_flight = model.config.in_flight if name == "decoupled" else 1
-        reason = unsupported(optimizer, model._params, in_flight)
+        reason = unsupported(optimizer, model._params, in_flight, gpu=native is True)
         if reason is None:
             return NativeUpdate(model, optimizer)
         if optimizer is not None and model._params:
             warnings.warn(f"hemiola: schedule={name!r} steps with torch's optimizer, not the "
                           f"engine's: {reason}", stacklevel=4)
     if name == "decoupled" and model.config.preview:
-        warnings.warn("hemiola: preview=True needs the engine's updater (native_optimizer=True; "
+        warnings.warn("hemiola: preview=True needs the engine's updater (native_optimizer; "
                       "SGD, Adam or AdamW on CPU parameters; in_flight=1); this model steps "
                       "with torch's optimizer and takes no preview", stacklevel=4)
     return _SCHEDULES[name](model)

@@ -9,14 +9,17 @@ hook), one per lander (a module's forward pre-hook) and one per
 state lives in the optimizer's own tensors, in torch's format, so
 ``optimizer.state_dict()`` and ``load_state_dict()`` are torch's.
 
-The engine steps ``torch.optim.SGD``, ``Adam`` and ``AdamW`` on CPU
-parameters with one iteration in flight; everything else takes the torch
-path (``hemiola.schedules.torch_update``) with a one-line warning at wrap
-time saying why.
+The engine steps ``torch.optim.SGD``, ``Adam`` and ``AdamW`` with one
+iteration in flight: CPU parameters by default, CUDA parameters with
+``native_optimizer=True`` (every kernel, copy and wait on the current
+stream; not yet run on a GPU). Everything else takes the torch path
+(``hemiola.schedules.torch_update``) with a one-line warning at wrap time
+saying why.
 """
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -37,8 +40,10 @@ PREVIEW_BY_DEFAULT = ("adam", "adamw")
 Hyper = tuple[float, float, float, float, bool, bool, float, float, float, bool]
 
 
-def unsupported(optimizer: Any, params: list[torch.Tensor], in_flight: int) -> str | None:
-    """Why the engine cannot step `optimizer` for these parameters (None: it can)."""
+def unsupported(optimizer: Any, params: list[torch.Tensor], in_flight: int,
+                gpu: bool = False) -> str | None:
+    """Why the engine cannot step `optimizer` for these parameters (None: it
+    can). `gpu`: CUDA parameters are allowed (``native_optimizer=True``)."""
     name = type(optimizer).__name__
     if type(optimizer) not in _KINDS:
         return f"{name} is not one of the engine's optimizers (SGD, Adam, AdamW)"
@@ -46,8 +51,16 @@ def unsupported(optimizer: Any, params: list[torch.Tensor], in_flight: int) -> s
         return "in_flight > 1 re-takes local steps on top of each other"
     if not params:
         return "the model has no trainable parameters"
-    if any(p.device.type != "cpu" for p in params):
-        return "the engine's updater steps CPU parameters only so far"
+    on_gpu = any(p.device.type == "cuda" for p in params)
+    if on_gpu and not gpu:
+        return ("on a GPU the engine's updater is opt-in until it has been run on one "
+                "(native_optimizer=True)")
+    if any(p.device.type not in ("cpu", "cuda") for p in params):
+        return "the engine's updater steps CPU and CUDA parameters only"
+    if on_gpu and any(p.dtype == torch.float64 for p in params):
+        return "the engine's CUDA optimizer kernels take float32, float16 and bfloat16 only"
+    if on_gpu and any(group.get("amsgrad") for group in optimizer.param_groups):
+        return "the engine's CUDA Adam kernel has no amsgrad"
     if any(not p.is_contiguous() for p in params):
         return "a parameter is not contiguous (e.g. channels_last)"
     for group in optimizer.param_groups:
@@ -77,7 +90,15 @@ class NativeUpdate(DeferredSchedule):
         preview = model.config.preview
         if preview is None:
             preview = self._kind in PREVIEW_BY_DEFAULT
-        self.preview = self._decoupled and preview
+        self._cuda = model.device.type == "cuda"
+        self.preview = self._decoupled and preview and not self._cuda
+        if self._cuda and model.config.preview:
+            warnings.warn("hemiola: preview=True is implemented for CPU models only; this "
+                          "model takes no preview", stacklevel=5)
+        if self._cuda:
+            warnings.warn("hemiola: native_optimizer=True steps CUDA parameters with the "
+                          "engine's kernels, a path not yet run on a GPU; compare with "
+                          "native_optimizer=None on your model first", stacklevel=5)
 
     def wrap_optimizer(self, optimizer: Any) -> Any:
         optimizer = super().wrap_optimizer(optimizer)
@@ -86,7 +107,8 @@ class NativeUpdate(DeferredSchedule):
             m._engine, m._reducer, self._slots(), schedule=m.config.schedule,
             optimizer=self._kind, correct_on_arrival=m.config.correct_on_arrival,
             priority_front_fraction=m.config.priority_front_fraction,
-            rebuild_buckets=m.config.rebuild_buckets, raise_if_not_finite=m.config.check_finite)
+            rebuild_buckets=m.config.rebuild_buckets, raise_if_not_finite=m.config.check_finite,
+            stream=m._stream())
         self._updater.set_landers(self._gate.landers)
         return optimizer
 
@@ -143,8 +165,9 @@ class NativeUpdate(DeferredSchedule):
     # ---- per iteration -----------------------------------------------------
 
     def mark(self, index: int, grad: torch.Tensor) -> None:
+        stream = self.model._stream() if self._cuda else 0
         if grad.is_contiguous() and self.model.grad_scaler is None:  # the common case
-            self._updater.mark(index, grad.data_ptr(), grad.data_ptr())
+            self._updater.mark(index, grad.data_ptr(), grad.data_ptr(), stream)
             return
         if self._decoupled and not grad.is_contiguous():
             raise ValueError(
@@ -152,7 +175,7 @@ class NativeUpdate(DeferredSchedule):
                 "schedule='decoupled' takes its local step from .grad in the engine. Make the "
                 "parameter contiguous or pass native_optimizer=False to hemiola.wrap.")
         source = self.source(grad)  # (kept alive until the engine has copied it)
-        self._updater.mark(index, source.data_ptr(), grad.data_ptr())
+        self._updater.mark(index, source.data_ptr(), grad.data_ptr(), stream)
 
     def backward_done(self, iteration: int, unmarked: list[int]) -> None:
         super().backward_done(iteration, unmarked)
@@ -162,7 +185,7 @@ class NativeUpdate(DeferredSchedule):
             self._updater.set_local_grad(i, 0 if grad is None else grad.data_ptr())
 
     def land(self, lander: int, indices: list[int]) -> None:
-        self._updater.land(lander, torch.is_grad_enabled())
+        self._updater.land(lander, torch.is_grad_enabled(), self.model._stream())
 
     def landers_learnt(self, landers: list[list[int]]) -> None:
         if self._updater is not None:
@@ -180,23 +203,25 @@ class NativeUpdate(DeferredSchedule):
             self._buffers.finish()  # the previous iteration's broadcast, as DDP's order
         if iteration is None:  # no synchronised backward since the last step
             self._updater.step_local([0 if p.grad is None else p.grad.data_ptr()
-                                      for p in self.model._params], hyper)
+                                      for p in self.model._params], hyper,
+                                     self.model._stream())
             return
         clip = self.take_clip(iteration)
         self._updater.step(
             iteration, hyper, has_unused=bool(self._unmarked.pop(iteration, None)),
             clip_max_norm=-1.0 if clip is None else clip[0],
             clip_norm_type=2.0 if clip is None else clip[1],
-            skip_if_not_finite=self.scaling, local_overflow=overflow)
+            skip_if_not_finite=self.scaling, local_overflow=overflow,
+            stream=self.model._stream())
 
     def synchronize(self) -> None:
         if self._updater is not None:
-            self._updater.synchronize()
+            self._updater.synchronize(self.model._stream())
         self._buffers.finish()
 
     def parameters_replaced(self) -> None:
         if self._updater is not None:
-            self._updater.replace_parameters(self._slots())
+            self._updater.replace_parameters(self._slots(), self.model._stream())
 
     def optimizer_state_dict(self, inner: Callable[[], dict[str, Any]]) -> dict[str, Any]:
         opt = self._optimizer
