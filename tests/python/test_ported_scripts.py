@@ -90,6 +90,32 @@ def test_imagenet_example_with_evaluation_and_resume() -> None:
                            _snapshot_flat(whole["checkpoints"][-1], "state_dict")), kind
 
 
+def _key_bias() -> torch.Tensor:
+    """Where the attention's key biases lie in nanogpt's "flat" parameters.
+
+    Their gradient is zero in exact arithmetic (softmax ignores a shift of
+    every key by the same bias), so what backward gives them is rounding noise,
+    and Adam normalises that noise into steps of about ±lr. Two optimizer
+    implementations that round one operation differently part there by O(lr)
+    within a few steps, while every other parameter stays within float
+    rounding. torch's own CPU kernels are such a pair: where torch's CPU
+    capability is AVX2, its float32 sqrt is not correctly rounded (16.5% of
+    results one ulp off, measured on an AMD EPYC), so the engine's AdamW, whose
+    sqrt is, differs from torch's by an ulp in those elements.
+    """
+    state = ported_scripts._GPT().state_dict()
+    masks = []
+    for name, value in state.items():
+        if not value.is_floating_point():
+            continue
+        mask = torch.zeros(value.numel(), dtype=torch.bool)
+        if name.endswith("attn.in_proj_bias"):
+            dim = value.numel() // 3
+            mask[dim:2 * dim] = True  # query, key, value
+        masks.append(mask)
+    return torch.cat(masks)
+
+
 def _nanogpt_agree(runs: list[tuple[Any, ...]], pairs: list[tuple[int, int]],
                    tolerance: float = EXACT) -> list[dict[str, Any]]:
     out = _run("nanogpt", runs)
@@ -100,7 +126,14 @@ def _nanogpt_agree(runs: list[tuple[Any, ...]], pairs: list[tuple[int, int]],
 
 def _nanogpt_pair_agree(out: list[dict[str, Any]], runs: list[tuple[Any, ...]], ref: int,
                         mine: int, tolerance: float) -> None:
-    assert _diff(out[ref]["flat"], out[mine]["flat"]) < tolerance, (runs[ref], runs[mine])
+    """`mine` trains as `ref` did: every parameter within `tolerance`; the key
+    biases (see _key_bias) within what six Adam steps can part them by (each
+    at most about 1.2 lr with betas 0.9, 0.95; lr at most 3e-3; either way)."""
+    key = _key_bias()
+    a, b = out[ref]["flat"], out[mine]["flat"]
+    assert a.shape == key.shape
+    assert _diff(a[~key], b[~key]) < tolerance, (runs[ref], runs[mine])
+    assert _diff(a[key], b[key]) < 0.045, (runs[ref], runs[mine])
     for a, b in zip(out[ref]["evals"], out[mine]["evals"]):
         assert abs(a - b) < 1e-3, (runs[mine], a, b)
 
@@ -109,11 +142,9 @@ def test_nanogpt_accumulation_clipping_cosine_adamw_bf16() -> None:
     runs = [("ddp", False), ("wfbp", False), ("priority", False), ("ddp", True),
             ("decoupled", True), ("decoupled", False)]
     out = _nanogpt_agree(runs, [(0, 1), (0, 2)])
-    # The engine sums the clipping norm in double, torch in float32: the
-    # coefficients differ by one ulp (e.g. 0.150247589 vs 0.150247604), and
-    # AdamW turns that into up to 6e-5 on the attention's key bias, whose
-    # gradient is zero in exact arithmetic (Adam normalises rounding noise).
-    # Every other parameter agrees to 3e-6, the evaluations to 1e-3.
+    # decoupled's corrections land on parameters the approximate step moved
+    # first: 2e-5 measured (the clipping coefficient, summed in double by the
+    # engine and in float32 by torch, also differs by an ulp).
     _nanogpt_pair_agree(out, runs, 3, 4, tolerance=1e-4)
     own = out[5]
     assert own["evals"][-1] < own["evals"][0]
@@ -126,7 +157,11 @@ def test_nanogpt_grad_scaler_skips_an_overflow_on_one_rank_everywhere() -> None:
     runs = [("ddp", False, 6, "", True, 2), ("wfbp", False, 6, "", True, 2),
             ("priority", False, 6, "", True, 2), ("ddp", True, 6, "", True, 2),
             ("decoupled", True, 6, "", True, 2), ("ddp", False, 6, "", True, -1)]
-    out = _nanogpt_agree(runs, [(0, 1), (0, 2), (3, 4)])
+    out = _nanogpt_agree(runs, [(0, 1), (0, 2)])
+    # decoupled's corrections land on parameters the approximate step moved
+    # first: 2e-5 measured (the clipping coefficient, summed in double by the
+    # engine and in float32 by torch, also differs by an ulp).
+    _nanogpt_pair_agree(out, runs, 3, 4, tolerance=1e-4)
     assert _diff(out[0]["flat"], out[5]["flat"]) > 1e-3  # the skipped step mattered
 
 
