@@ -47,9 +47,12 @@
 // hemiola/optimizer.h, one launch per parameter) and the updater's copies are
 // enqueued there, and a wait for a reduction is a wait of that stream on the
 // device, never of the host (except clipping, a GradScaler and
-// raise_if_not_finite, which read the averaged gradients' norms on the host:
-// one synchronisation per step). Not thread-safe: one thread calls it, as one
-// training loop does.
+// raise_if_not_finite, which copy averaged gradients to the host and wait for
+// them wherever they read them: a synchronisation per step, and with
+// raise_if_not_finite per landing). Calls may come on different streams: a
+// call on a new stream first makes it wait for what the updater enqueued on
+// the previous one. Not thread-safe: one thread calls it, as one training
+// loop does.
 #pragma once
 
 #include <cstddef>

@@ -72,6 +72,11 @@ class Buffer {
     } else {
       if (!device_ || device_->size() < bytes) {
         device_ = std::make_unique<cuda::DeviceBuffer>(device.index, std::max<size_t>(bytes, 1));
+        // Its zero-fill runs on the legacy default stream, which the user's
+        // and the engine's non-blocking streams do not wait for: let it end
+        // before either writes here (allocations happen in the first
+        // iterations only).
+        cuda::synchronize(nullptr);
       }
       data_ = device_->data();
     }
@@ -125,7 +130,7 @@ class UpdaterImpl {
 
   void mark(size_t index, const void* source, void* local_grad, StreamRef stream) {
     check_index(index);
-    stream_ = stream;
+    use_stream(stream);
     if (options_.schedule == UpdateSchedule::kPriority && pending_ &&
         !pending_->applied[index]) {
       const std::string message = detail::concat(
@@ -149,7 +154,7 @@ class UpdaterImpl {
 
   void step(uint64_t iteration, const StepOptions& options, StreamRef stream) {
     check_hyper(options);
-    stream_ = stream;
+    use_stream(stream);
     std::fill(read_.begin(), read_.end(), 0);  // backward is done: nothing read is needed
     if (options_.schedule == UpdateSchedule::kPriority) {
       step_priority(iteration, options);
@@ -174,7 +179,7 @@ class UpdaterImpl {
 
   void land(size_t lander, bool training, StreamRef stream) {
     HEMIOLA_CHECK(lander < landers_.size(), "updater: lander ", lander, " of ", landers_.size());
-    stream_ = stream;
+    use_stream(stream);
     const std::vector<size_t>& needed = landers_[lander];
     if (pending_) {
       if (options_.schedule == UpdateSchedule::kPriority) {
@@ -200,7 +205,7 @@ class UpdaterImpl {
   }
 
   void synchronize(StreamRef stream) {
-    stream_ = stream;
+    use_stream(stream);
     if (!pending_) return;
     if (options_.schedule == UpdateSchedule::kPriority) {
       update_priority(all_, /*wait=*/true);
@@ -210,7 +215,7 @@ class UpdaterImpl {
   }
 
   void replace_parameters(std::vector<ParameterSlot> params, StreamRef stream) {
-    stream_ = stream;
+    use_stream(stream);
     HEMIOLA_CHECK(params.size() == params_.size(), "updater: ", params.size(),
                   " parameters replace ", params_.size());
     pending_.reset();
@@ -335,6 +340,7 @@ class UpdaterImpl {
       // The first iteration runs synchronously; then the buckets are rebuilt
       // in the observed order and the issue order is derived from them.
       synchronize(stream_);
+      drain();
       reducer_.rebuild_from_observed_order();
       refresh_buckets();
       reducer_.set_issue_order(priority_order());
@@ -405,6 +411,7 @@ class UpdaterImpl {
       // its results were written to the updater's own buffers.
       reducer_.wait(iteration, stream_);
       if (options.has_unused) usage = reducer_.usage(iteration);
+      drain();
       reducer_.rebuild_from_observed_order();
       refresh_buckets();
       rebuilt_ = true;
@@ -667,6 +674,26 @@ class UpdaterImpl {
     copy(p.data, shadow_[i].data(), p.nbytes());
   }
 
+  // The stream of the call that begins. On a GPU everything the updater
+  // enqueues stays in one order, whatever streams the calls come on: a new
+  // stream first waits for the work enqueued on the previous one (so a
+  // kernel never reads a reducer buffer that a later iteration's copy-in,
+  // ordered after the marks' stream, may overwrite).
+  void use_stream(StreamRef stream) {
+    if (device_.type == DeviceType::kCUDA && stream.handle != stream_.handle) {
+      if (!switched_) switched_ = std::make_unique<cuda::Event>(device_.index);
+      switched_->record(stream_.handle);
+      switched_->block(stream.handle);
+    }
+    stream_ = stream;
+  }
+
+  // On a GPU: before the reducer frees and reallocates its buffers (a
+  // rebuild), the kernels enqueued on them must be done.
+  void drain() {
+    if (device_.type == DeviceType::kCUDA) cuda::synchronize(stream_.handle);
+  }
+
   // A copy on the parameters' device (on a GPU: enqueued on the stream).
   void copy(void* dst, const void* src, size_t bytes) const {
     if (bytes == 0) return;
@@ -756,6 +783,7 @@ class UpdaterImpl {
   UpdaterOptions options_;
   Device device_;      // the reducer's: every parameter, state and gradient lives there
   StreamRef stream_;   // the stream of the call in progress (GPU: all work goes there)
+  std::unique_ptr<cuda::Event> switched_;  // GPU: orders work across a change of stream
   bool timeline_;  // the engine records a timeline
   bool rebuilt_;
   std::vector<ParameterSlot> params_;
