@@ -151,8 +151,6 @@ void bind_ps(py::module_& parent) {
       .def("push_none", &Client::push_none, py::call_guard<py::gil_scoped_release>())
       .def("pull", &Client::pull, py::arg("tensor"), py::arg("ahead") = false,
            py::call_guard<py::gil_scoped_release>())
-      .def("refresh", &Client::refresh, py::arg("tensor"),
-           py::call_guard<py::gil_scoped_release>())
       .def("pull_ready", &Client::pull_ready)
       .def("wait_pull",
            [](Client& c, int tensor, uintptr_t dst) {

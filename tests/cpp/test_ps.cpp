@@ -526,65 +526,6 @@ class RawWorker {
   std::unique_ptr<Channel> channel_;
 };
 
-// eager's refresh: after an ahead pull and its push, a worker asks again. The
-// next wait_pull takes the refresh's reply if it has arrived (the servers'
-// values, with the push another worker made meanwhile), else the ahead reply
-// corrected for its own push, without waiting. SGD lr 0.1, no momentum, no
-// staleness rule: every push of g = 1 moves x by -0.1.
-TEST(ParameterServer, EagerRefreshTakesTheNewestReplyThatArrived) {
-  for (const bool wait_for_refresh : {true, false}) {
-    auto store = std::make_shared<MemoryStore>();
-    ServerFleet fleet(store, 1, 2, Consistency::kEager);
-    std::promise<void> ahead_sent, other_pushed;
-    auto ahead_signal = ahead_sent.get_future().share();
-    auto other_signal = other_pushed.get_future().share();
-    auto worker = [&](int w) -> std::pair<float, int64_t> {
-      auto o = client_options(w, 1, 2, Consistency::kEager);
-      o.staleness_rule = StalenessRule::kNone;
-      Client client(o, {"x"}, {1}, store);
-      std::vector<float> x(1, 1.0f), g(1, 1.0f);
-      client.initialize(w == 0 ? std::vector<const float*>{x.data()}
-                               : std::vector<const float*>{},
-                        {sgd(0.1)});
-      client.wait_pull(0, x.data());  // version 0: x = 1
-      if (w == 0) {
-        ahead_signal.wait();
-        client.push(0, g.data());  // version 1: x = 0.9
-        client.flush();
-        other_pushed.set_value();
-        client.close();
-        return {x[0], 0};
-      }
-      client.pull(0, /*ahead=*/true);  // the forward ended: the next one's pull
-      while (!client.pull_ready(0)) std::this_thread::yield();  // answered at version 0
-      ahead_sent.set_value();
-      other_signal.wait();
-      client.push(0, g.data());  // version 2: x = 0.8
-      client.flush();
-      client.refresh(0);
-      if (wait_for_refresh) std::this_thread::sleep_for(std::chrono::milliseconds(500));
-      client.wait_pull(0, x.data());
-      const std::pair<float, int64_t> seen{x[0], client.version(0)};
-      client.close();
-      return seen;
-    };
-    auto r0 = std::async(std::launch::async, worker, 0);
-    auto r1 = std::async(std::launch::async, worker, 1);
-    r0.get();
-    const auto [x, version] = r1.get();
-    if (wait_for_refresh || version == 2) {
-      EXPECT_EQ(version, 2) << "the refresh's reply had half a second to arrive";
-      EXPECT_NEAR(x, 0.8, 1e-6);
-    } else {
-      // The ahead reply (version 0), corrected for its own push; worker 0's
-      // is missing.
-      EXPECT_EQ(version, 0);
-      EXPECT_NEAR(x, 0.9, 1e-6);
-    }
-    fleet.join();
-  }
-}
-
 TEST(ParameterServer, RejectsMalformedAndOutOfOrderMessagesWithoutApplyingThem) {
   auto store = std::make_shared<MemoryStore>();
   ServerFleet fleet(store, 1, 1, Consistency::kAsp);

@@ -216,17 +216,9 @@ class HEMIOLA_API Client {
   // yet: the server moves it by that push's momentum share and the client,
   // when it takes the reply, by the push's gradient share.
   void pull(int tensor, bool ahead = false);
-  // eager with local_correction, after pull(tensor, true) and this worker's
-  // push: requests the newest parameters again, now with that push applied.
-  // The next wait_pull takes this reply if it has arrived by then (fresher:
-  // it also holds the pushes other workers made meanwhile), else the ahead
-  // reply, corrected, without waiting for this one.
-  void refresh(int tensor);
-  // Waits for the latest requested pull of `tensor` (after a refresh: for
-  // the one before it, taking the refresh's reply if it is there) and copies
-  // it into dst.
+  // Waits for the latest requested pull of `tensor` and copies it into dst.
   void wait_pull(int tensor, float* dst);
-  // True when wait_pull(tensor) would not wait.
+  // True when the latest requested pull of `tensor` has arrived.
   bool pull_ready(int tensor);
   // The version of `tensor`'s first shard that wait_pull last delivered: the
   // number of updates the servers had applied to it (in bsp, rounds).

@@ -47,11 +47,6 @@ struct KeyState {
   int64_t own_pushes = 0;      // Adam: gradient pushes (bias correction of own_sq)
   int64_t last_staleness = 0;  // of the newest acknowledged gradient push
   bool corrected = false;      // the value taken last had the own push applied locally
-  // The newest request is a refresh (Client::refresh): wait_pull need not
-  // wait for its reply. `pushes_before_refresh`: the pushes sent between the
-  // request before it and it (what that earlier reply lacks).
-  bool refresh_pending = false;
-  int64_t pushes_before_refresh = 0;
 };
 
 }  // namespace
@@ -447,30 +442,9 @@ void Client::pull(int tensor, bool ahead) {
     auto& k = im.keys[static_cast<size_t>(id)];
     k.requested += 1;
     k.pushes_since_request = 0;
-    k.refresh_pending = false;
     // The own push will be about as stale as its previous one was.
     im.send(im.shards[static_cast<size_t>(id)], MessageType::kPull, k.min_next, {}, -1,
             ahead ? kFlagAhead : 0, k.last_staleness);
-  }
-}
-
-void Client::refresh(int tensor) {
-  auto& im = *impl_;
-  HEMIOLA_CHECK(im.opt.consistency == Consistency::kEager && im.opt.local_correction,
-                "refresh: for eager with local_correction only (a reply it does not wait for "
-                "must be correctable)");
-  const auto& ids = im.keys_of(tensor);
-  std::lock_guard<std::mutex> lock(im.mutex);
-  im.require_open();
-  im.throw_if_failed();
-  for (int32_t id : ids) {
-    auto& k = im.keys[static_cast<size_t>(id)];
-    k.requested += 1;
-    k.pushes_before_refresh = k.pushes_since_request;
-    k.pushes_since_request = 0;
-    k.refresh_pending = true;
-    im.send(im.shards[static_cast<size_t>(id)], MessageType::kPull, k.min_next, {}, -1, 0,
-            k.last_staleness);
   }
 }
 
@@ -482,7 +456,7 @@ bool Client::pull_ready(int tensor) {
   im.throw_if_failed();
   return std::all_of(ids.begin(), ids.end(), [&](int32_t id) {
     const auto& k = im.keys[static_cast<size_t>(id)];
-    return k.arrived >= k.requested - (k.refresh_pending ? 1 : 0);  // as wait_pull
+    return k.arrived >= k.requested;
   });
 }
 
@@ -495,23 +469,15 @@ void Client::wait_pull(int tensor, float* dst) {
   for (int32_t id : ids) {
     auto& k = im.keys[static_cast<size_t>(id)];
     const auto& shard = im.shards[static_cast<size_t>(id)];
-    // Replies of one key arrive in request order: after a refresh, the reply
-    // before it suffices, and staging holds the newest arrived.
-    const int64_t needed = k.requested - (k.refresh_pending ? 1 : 0);
-    im.wait(lock, [&] { return k.arrived >= needed; },
+    im.wait(lock, [&] { return k.arrived >= k.requested; },
             detail::concat("the pull of '", im.names[static_cast<size_t>(tensor)], "' (key ", id,
                            ") from ", im.server_name(shard.server)));
     std::memcpy(dst + shard.begin, k.staging.data(), k.staging.size() * sizeof(float));
     k.used_version = k.arrived_version;
-    // The pushes the reply lacks: those sent after its request. Exactly one:
-    // correct for it. (A reply requested after every push, as a refresh or
-    // the pulls of synchronize(), is exact.)
-    const bool refreshed = !k.refresh_pending || k.arrived >= k.requested;
-    const int64_t missing = refreshed ? k.pushes_since_request
-                                      : k.pushes_before_refresh + k.pushes_since_request;
-    k.refresh_pending = false;  // taken: a later wait_pull waits for every reply
+    // Exactly one push since the request: the reply lacks just that one. (A
+    // reply requested after every push, as in synchronize(), is exact.)
     k.corrected = im.opt.consistency == Consistency::kEager && im.opt.local_correction &&
-                  missing == 1 && k.own_is_gradient;
+                  k.pushes_since_request == 1 && k.own_is_gradient;
     if (k.corrected) im.correct_locally(k, k.used_version, dst + shard.begin);
   }
 }

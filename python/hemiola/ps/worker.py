@@ -216,11 +216,6 @@ class ParameterServerModel(nn.Module):
         for i in self._forward_order():
             if self._prefetching[i]:  # eager: requested when the forward ended
                 self._prefetching[i] = False
-                if self.config.local_correction:
-                    # Again, now with this iteration's pushes (everyone's): the
-                    # next forward takes this reply where it has arrived, else
-                    # the earlier one, corrected, without waiting.
-                    self._client.refresh(i)
             else:
                 self._client.pull(i)
             self._pending[i] = True
