@@ -68,14 +68,21 @@ EVAL_EVERY = 5
 IMAGES = Path(__file__).resolve().parent.parent / "docs" / "images"
 
 
+def parse_scheme(scheme: str) -> tuple[str, str, bool, bool]:
+    """A --schemes entry as (consistency or schedule, staleness rule or "",
+    local correction, momentum compensation): e.g. "eager:none",
+    "eager-uncorrected", "asp-uncompensated"."""
+    compensated = not scheme.endswith(UNCOMPENSATED)
+    consistency, _, rule = scheme.removesuffix(UNCOMPENSATED).partition(":")
+    corrected = consistency != UNCORRECTED
+    return ("eager" if not corrected else consistency), rule, corrected, compensated
+
+
 def run_rank(rank: int, world: int, scheme: str, servers: int, workers: int, delay_s: float,
              iterations: int, seed: int, lr: float, momentum: float) -> dict[str, Any] | None:
     """One rank of one run (called by run_local)."""
     task = DigitsTask(lr=lr, momentum=momentum)
-    compensated = not scheme.endswith(UNCOMPENSATED)  # e.g. "asp-uncompensated"
-    consistency, _, rule = scheme.removesuffix(UNCOMPENSATED).partition(":")  # "eager:none"
-    corrected = consistency != UNCORRECTED
-    consistency = "eager" if not corrected else consistency
+    consistency, rule, corrected, compensated = parse_scheme(scheme)
     is_ps = consistency in PS_SCHEMES
     if is_ps:
         config = hemiola.ps.PSConfig(consistency=consistency, num_servers=servers,
@@ -242,8 +249,7 @@ def main() -> None:
 
     def run(scheme: str, workers: int, slowdown: float, seed: int, delay_s: float
             ) -> dict[str, Any]:
-        is_ps = scheme.removesuffix(UNCOMPENSATED).partition(":")[0] in (*PS_SCHEMES,
-                                                                           UNCORRECTED)
+        is_ps = parse_scheme(scheme)[0] in PS_SCHEMES
         world = workers + (args.servers if is_ps else 0)
         results = run_local(run_rank, world, scheme, args.servers, workers, delay_s,
                             args.iterations, seed, args.lr, args.momentum, timeout_s=900)

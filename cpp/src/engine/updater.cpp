@@ -206,6 +206,11 @@ class UpdaterImpl {
 
   void synchronize(StreamRef stream) {
     use_stream(stream);
+    land_all();
+  }
+
+  // Lands everything pending (waits), on the current stream.
+  void land_all() {
     if (!pending_) return;
     if (options_.schedule == UpdateSchedule::kPriority) {
       update_priority(all_, /*wait=*/true);
@@ -334,12 +339,12 @@ class UpdaterImpl {
   // ---- priority ----------------------------------------------------------------
 
   void step_priority(uint64_t iteration, const StepOptions& options) {
-    synchronize(stream_);  // whatever the previous iteration left (rare)
+    land_all();  // whatever the previous iteration left (rare)
     start_pending(iteration, options);
     if (!rebuilt_) {
       // The first iteration runs synchronously; then the buckets are rebuilt
       // in the observed order and the issue order is derived from them.
-      synchronize(stream_);
+      land_all();
       drain();
       reducer_.rebuild_from_observed_order();
       refresh_buckets();
@@ -417,7 +422,7 @@ class UpdaterImpl {
       rebuilt_ = true;
       gathered = true;
     }
-    synchronize(stream_);  // one iteration in flight: the previous one lands now
+    land_all();  // one iteration in flight: the previous one lands now
     if (!options.local_overflow) {
       // The approximate step: the exact values stepped with this rank's own
       // gradient, into the live parameters only.

@@ -44,7 +44,6 @@ struct PushWeight {
 //   otherwise: lr_scale f (staleness-aware ASGD, Zhang et al., IJCAI'16).
 //     Only the push's own step shrinks; the buffer keeps the stale gradient
 //     at full weight for the steps after it.
-// The weight of a push `tau` versions stale (a negative tau counts as 0).
 PushWeight push_weight(StalenessRule rule, int64_t tau, bool compensate_momentum);
 
 // One step of `state.kind` on `param` (n elements) with gradient `grad`,

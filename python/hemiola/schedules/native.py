@@ -164,8 +164,13 @@ class NativeUpdate(DeferredSchedule):
 
     # ---- per iteration -----------------------------------------------------
 
+    def _stream(self) -> int:
+        """The stream the engine's work of this call goes on (0 on the CPU,
+        without asking torch: this is on the per-gradient and per-lander path)."""
+        return self.model._stream() if self._cuda else 0
+
     def mark(self, index: int, grad: torch.Tensor) -> None:
-        stream = self.model._stream() if self._cuda else 0
+        stream = self._stream()
         if grad.is_contiguous() and self.model.grad_scaler is None:  # the common case
             self._updater.mark(index, grad.data_ptr(), grad.data_ptr(), stream)
             return
@@ -185,7 +190,7 @@ class NativeUpdate(DeferredSchedule):
             self._updater.set_local_grad(i, 0 if grad is None else grad.data_ptr())
 
     def land(self, lander: int, indices: list[int]) -> None:
-        self._updater.land(lander, torch.is_grad_enabled(), self.model._stream())
+        self._updater.land(lander, torch.is_grad_enabled(), self._stream())
 
     def landers_learnt(self, landers: list[list[int]]) -> None:
         if self._updater is not None:
@@ -203,8 +208,7 @@ class NativeUpdate(DeferredSchedule):
             self._buffers.finish()  # the previous iteration's broadcast, as DDP's order
         if iteration is None:  # no synchronised backward since the last step
             self._updater.step_local([0 if p.grad is None else p.grad.data_ptr()
-                                      for p in self.model._params], hyper,
-                                     self.model._stream())
+                                      for p in self.model._params], hyper, self._stream())
             return
         clip = self.take_clip(iteration)
         self._updater.step(
@@ -212,16 +216,16 @@ class NativeUpdate(DeferredSchedule):
             clip_max_norm=-1.0 if clip is None else clip[0],
             clip_norm_type=2.0 if clip is None else clip[1],
             skip_if_not_finite=self.scaling, local_overflow=overflow,
-            stream=self.model._stream())
+            stream=self._stream())
 
     def synchronize(self) -> None:
         if self._updater is not None:
-            self._updater.synchronize(self.model._stream())
+            self._updater.synchronize(self._stream())
         self._buffers.finish()
 
     def parameters_replaced(self) -> None:
         if self._updater is not None:
-            self._updater.replace_parameters(self._slots(), self.model._stream())
+            self._updater.replace_parameters(self._slots(), self._stream())
 
     def optimizer_state_dict(self, inner: Callable[[], dict[str, Any]]) -> dict[str, Any]:
         opt = self._optimizer
