@@ -166,11 +166,12 @@ class NativeUpdate(DeferredSchedule):
 
     def _stream(self) -> int:
         """The stream the engine's work of this call goes on (0 on the CPU,
-        without asking torch: this is on the per-gradient and per-lander path)."""
+        without asking torch). The per-gradient and per-lander calls inline
+        it: a Python call there is paid per parameter."""
         return self.model._stream() if self._cuda else 0
 
     def mark(self, index: int, grad: torch.Tensor) -> None:
-        stream = self._stream()
+        stream = self.model._stream() if self._cuda else 0  # self._stream(), inlined
         if grad.is_contiguous() and self.model.grad_scaler is None:  # the common case
             self._updater.mark(index, grad.data_ptr(), grad.data_ptr(), stream)
             return
@@ -190,7 +191,8 @@ class NativeUpdate(DeferredSchedule):
             self._updater.set_local_grad(i, 0 if grad is None else grad.data_ptr())
 
     def land(self, lander: int, indices: list[int]) -> None:
-        self._updater.land(lander, torch.is_grad_enabled(), self._stream())
+        stream = self.model._stream() if self._cuda else 0  # self._stream(), inlined
+        self._updater.land(lander, torch.is_grad_enabled(), stream)
 
     def landers_learnt(self, landers: list[list[int]]) -> None:
         if self._updater is not None:
