@@ -145,13 +145,17 @@ void bind_engine(py::module_& m) {
           "wait_all", [](Reducer& r, uintptr_t stream) { r.wait(StreamRef{reinterpret_cast<void*>(stream)}); },
           py::arg("stream") = 0, py::call_guard<py::gil_scoped_release>())
       .def(
-          "wait_bucket",
-          [](Reducer& r, uint64_t iteration, size_t bucket, uintptr_t stream) {
-            r.wait_bucket(iteration, bucket, StreamRef{reinterpret_cast<void*>(stream)});
+          "wait_for",
+          [](Reducer& r, uint64_t iteration, const std::vector<size_t>& indices,
+             uintptr_t stream) {
+            r.wait(iteration, indices, StreamRef{reinterpret_cast<void*>(stream)});
           },
-          py::arg("iteration"), py::arg("bucket"), py::arg("stream") = 0,
-          py::call_guard<py::gil_scoped_release>())
-      .def("bucket_done", &Reducer::bucket_done, py::arg("iteration"), py::arg("bucket"))
+          py::arg("iteration"), py::arg("indices"), py::arg("stream") = 0,
+          py::call_guard<py::gil_scoped_release>(),
+          "Wait until gradients `indices` of `iteration` are reduced (their buckets, in issue "
+          "order). CUDA: makes `stream` wait for them on the device.")
+      .def("arrived", &Reducer::arrived, py::arg("iteration"), py::arg("indices"),
+           "Those of `indices` whose reduced gradient of `iteration` is ready (never blocks).")
       .def("set_issue_order", &Reducer::set_issue_order, py::arg("order"),
            py::call_guard<py::gil_scoped_release>())
       .def("issue_order", &Reducer::issue_order)

@@ -204,9 +204,9 @@ TEST(Reducer, NextIterationMarksWhileThePreviousOneIsStillReducing) {
   });
 }
 
-TEST(Reducer, CustomIssueOrderAndPerBucketWaits) {
-  // Buckets are issued in the order set (the same on every rank), and each
-  // can be waited for on its own.
+TEST(Reducer, CustomIssueOrderAndPerTensorWaits) {
+  // Buckets are issued in the order set (the same on every rank), and a wait
+  // for some tensors returns once their buckets are reduced.
   const int world = 2;
   run_ranks(world, [&](Engine& e) {
     std::vector<GradSpec> specs;
@@ -225,15 +225,19 @@ TEST(Reducer, CustomIssueOrderAndPerBucketWaits) {
       reducer->mark_ready(i, grads[i].data(), nullptr);
     }
     const int64_t it = reducer->finish_marking();
-    // Bucket 3 (tensor 0, registered first) is issued last here.
-    reducer->wait_bucket(it, 5);
-    for (size_t b = 0; b < 6; ++b) {
-      reducer->wait_bucket(it, b);
-      EXPECT_TRUE(reducer->bucket_done(it, b));
-      const size_t tensor = reducer->buckets()[b][0];
-      EXPECT_FLOAT_EQ(static_cast<const float*>(reducer->result(0, tensor).data)[0],
-                      static_cast<float>(tensor) + 0.5f);
+    // Bucket 3 is issued last here: once its tensor has arrived, every tensor has.
+    const size_t last = reducer->buckets()[3][0];
+    reducer->wait(it, {last});
+    std::vector<size_t> all = {0, 1, 2, 3, 4, 5};
+    EXPECT_EQ(reducer->arrived(it, all), all);
+    for (size_t i = 0; i < 6; ++i) {
+      reducer->wait(it, {i});
+      EXPECT_FLOAT_EQ(static_cast<const float*>(reducer->result(0, i).data)[0],
+                      static_cast<float>(i) + 0.5f);
     }
+    // Not yet started: nothing has arrived.
+    EXPECT_TRUE(reducer->arrived(it + 1, all).empty());
+    EXPECT_THROW(reducer->arrived(it, {6}), Error);
   });
 }
 

@@ -14,7 +14,7 @@
 // On a CUDA reducer (ReducerOptions::device) the same calls take the CUDA
 // stream involved (StreamRef; ignored on CPU). mark_ready enqueues the copy of the gradient into
 // its bucket on the stream the gradient was produced on, and records an
-// event the engine's communication stream waits on; wait() and wait_bucket()
+// event the engine's communication stream waits on; the waits
 // return once the reductions are enqueued and make the given stream wait for
 // them on the device. The host never blocks on the user's stream, and the
 // user's stream never waits for more than the result it asked for.
@@ -77,32 +77,24 @@ class HEMIOLA_API Reducer {
   // Blocks until iteration `iteration` is reduced and written back. Throws on
   // failure or after the engine's timeout, naming the pending buckets.
   void wait(uint64_t iteration, StreamRef stream = {});
-  // Blocks until bucket `bucket` of `iteration` is reduced (other buckets may
-  // still be in flight); throws like wait(). bucket_done() never blocks.
-  void wait_bucket(uint64_t iteration, size_t bucket, StreamRef stream = {});
-  // True once the bucket is reduced (on CUDA: complete on the device).
-  bool bucket_done(uint64_t iteration, size_t bucket) const;
+  // Blocks until the gradients `indices` of `iteration` are reduced (their
+  // buckets, in issue order; the others may still be in flight): the first
+  // layers of the next forward need not wait for the last. Throws like wait().
+  void wait(uint64_t iteration, const std::vector<size_t>& indices, StreamRef stream = {});
+  // Those of `indices` whose result in `iteration` is reduced (on CUDA:
+  // complete on the device). Never blocks.
+  std::vector<size_t> arrived(uint64_t iteration, const std::vector<size_t>& indices) const;
   // finish_marking(), then waits for every iteration submitted so far.
   void wait(StreamRef stream = {});
   // Cancels the current iteration: the scheduler stops waiting for buckets
   // that will not become ready. The reducer is unusable afterwards.
   void abort(const std::string& reason);
 
-  // Once its bucket is reduced (wait() or wait_bucket()): the reduced value of
+  // Once it is reduced (wait() or arrived()): the reduced value of
   // `index` inside the reducer's buffers (valid until iteration + in_flight + 1
   // starts marking). Not for a partitioned tensor (its pieces live in several
   // buckets): give mark_ready an output instead.
   TensorRef result(uint64_t iteration, size_t index) const;
-  // ReducerOptions::preview: true once bucket `bucket` of `iteration` has its
-  // preview (false in iterations that take none; never blocks).
-  bool preview_done(uint64_t iteration, size_t bucket) const;
-  // Blocks until preview_done (returns at once in an iteration that takes no
-  // preview); throws like wait_bucket().
-  void wait_preview(uint64_t iteration, size_t bucket);
-  // Once preview_done: the rank's estimate of the average of gradient `index`
-  // (see ReducerOptions::preview), in the reducer's buffers (valid until
-  // iteration + in_flight + 1 starts marking). Not for a partitioned tensor.
-  TensorRef preview(uint64_t iteration, size_t index) const;
   // How far this rank's previews were from the averages they estimate, over
   // every previewed bucket so far: sqrt(sum |estimate - average|^2 /
   // sum |average|^2) (0 before the first).
@@ -137,6 +129,7 @@ class HEMIOLA_API Reducer {
   uint64_t iterations_started() const;
 
  private:
+  friend struct ReducerAccess;  // the engine's own per-bucket interface (the Updater)
   std::unique_ptr<ReducerImpl> impl_;
 };
 

@@ -7,6 +7,19 @@
 
 namespace hemiola {
 
+std::vector<std::vector<Placement>> place_pieces(const std::vector<PlannedBucket>& plan,
+                                                 size_t tensors) {
+  std::vector<std::vector<Placement>> placement(tensors);
+  for (size_t b = 0; b < plan.size(); ++b) {
+    const PlannedBucket& bucket = plan[b];
+    for (size_t k = 0; k < bucket.tensors.size(); ++k) {
+      placement[bucket.tensors[k]].push_back(
+          {b, bucket.offsets[k], bucket.begins[k], bucket.counts[k]});
+    }
+  }
+  return placement;
+}
+
 std::vector<size_t> reverse_order(size_t n) {
   std::vector<size_t> order(n);
   for (size_t i = 0; i < n; ++i) order[i] = n - 1 - i;

@@ -25,6 +25,15 @@ struct PlannedBucket {
   size_t nbytes() const { return numel * dtype_size(dtype); }
 };
 
+// Where a piece of a tensor lives in a plan (one piece unless the tensor is
+// partitioned).
+struct Placement {
+  size_t bucket = 0;
+  size_t offset = 0;  // in elements, within the bucket
+  size_t begin = 0;   // first element of the piece within the tensor
+  size_t count = 0;   // elements in the piece
+};
+
 // Walks `order` (a permutation of the spec indices: the order in which
 // gradients are expected to become ready) and fills one open bucket per dtype.
 // A tensor larger than `partition_bytes` (when non-zero) is cut into pieces of
@@ -36,6 +45,10 @@ struct PlannedBucket {
 std::vector<PlannedBucket> plan_buckets(const std::vector<GradSpec>& specs,
                                         const std::vector<size_t>& order, size_t first_cap_bytes,
                                         size_t cap_bytes, size_t partition_bytes = 0);
+
+// Per tensor (0..tensors-1), its pieces in `plan`, in plan order.
+std::vector<std::vector<Placement>> place_pieces(const std::vector<PlannedBucket>& plan,
+                                                 size_t tensors);
 
 // The initial order: reverse registration order (backward produces the last
 // layers' gradients first).

@@ -1,15 +1,23 @@
 // Reducer internals. See hemiola/reducer.h for the contract.
 //
+// The reducer is three parts:
+//   - the iteration lifecycle (reducer.cpp): flights, marking, the scheduler's
+//     walk over the buckets in issue order, waits, abort and rebuilds;
+//   - the bucket storage (bucket_storage.h): host or device buffers, copies
+//     in, one bucket's reduction and unpacking, and device-side waits;
+//   - the preview lane (reducer_preview.cpp, ReducerOptions::preview) and the
+//     diagnostics (reducer_diagnostics.cpp: what an error or a stall names).
+//
 // Concurrency: mark_ready/mark_unused run on autograd threads (many at once);
 // an iteration's work runs on the scheduler thread; finish_marking, wait,
 // abort and rebuild on the user's thread.
 //
-// Each iteration k owns a Flight: bucket buffers, pending counts, slot states
-// and a ready queue. Iteration k uses flights_[k % flights_.size()]; before a
-// flight is reused, the iteration that used it last must be done (that is the
-// in-flight bound). A flight's per-iteration state is reset when it is taken,
-// on the marking side, after its previous work completed, so the scheduler
-// never sees it change underneath.
+// Each iteration k owns a Flight: its bucket storage, pending counts, slot
+// states and a ready queue. Iteration k uses flights_[k % flights_.size()];
+// before a flight is reused, the iteration that used it last must be done
+// (that is the in-flight bound). A flight's per-iteration state is reset when
+// it is taken, on the marking side, after its previous work completed, so the
+// scheduler never sees it change underneath.
 #pragma once
 
 #include <atomic>
@@ -21,9 +29,8 @@
 #include <string>
 #include <vector>
 
-#include "device.h"
 #include "engine/bucket_plan.h"
-#include "comm/device_communicator.h"
+#include "engine/bucket_storage.h"
 #include "engine/engine_impl.h"
 #include "engine/ready_queue.h"
 #include "hemiola/config.h"
@@ -45,17 +52,14 @@ class ReducerImpl {
   // On a CUDA reducer, `stream` is made to wait (on the device) for the
   // result; the host waits only until the reductions are enqueued.
   void wait(uint64_t iteration, void* stream);
-  void wait_bucket(uint64_t iteration, size_t bucket, void* stream);
-  bool bucket_done(uint64_t iteration, size_t bucket) const;
+  // The tensors' buckets, in issue order (Reducer::wait(iteration, indices)).
+  void wait(uint64_t iteration, const std::vector<size_t>& indices, void* stream);
+  std::vector<size_t> arrived(uint64_t iteration, const std::vector<size_t>& indices) const;
   void wait_all();
   void set_issue_order(const std::vector<size_t>& order);
   std::vector<size_t> issue_order() const;
   void abort(const std::string& reason);
   TensorRef result(uint64_t iteration, size_t index) const;
-  bool preview_done(uint64_t iteration, size_t bucket) const;
-  void wait_preview(uint64_t iteration, size_t bucket);
-  TensorRef preview(uint64_t iteration, size_t index) const;
-  double preview_error() const;
   std::vector<int> usage(uint64_t iteration) const;
   size_t pieces(size_t index) const;
   std::vector<std::vector<size_t>> buckets() const;
@@ -68,35 +72,29 @@ class ReducerImpl {
   const ReducerOptions& options() const { return options_; }
   size_t size() const { return specs_.size(); }
 
+  // ---- per bucket: the engine's own landing logic (the Updater) and tests.
+  // Buckets are an internal unit: the public Reducer speaks of tensors.
+
+  // Blocks until bucket `bucket` of `iteration` is reduced (other buckets may
+  // still be in flight); throws like wait(). On CUDA, `stream` waits for it
+  // on the device.
+  void wait_bucket(uint64_t iteration, size_t bucket, void* stream);
+  // True once the bucket is reduced (on CUDA: complete on the device). Never blocks.
+  bool bucket_done(uint64_t iteration, size_t bucket) const;
+  // ReducerOptions::preview: true once bucket `bucket` of `iteration` has its
+  // preview (false in iterations that take none; never blocks).
+  bool preview_done(uint64_t iteration, size_t bucket) const;
+  // Blocks until preview_done (returns at once in an iteration that takes no
+  // preview); throws like wait_bucket().
+  void wait_preview(uint64_t iteration, size_t bucket);
+  // Once preview_done: the rank's estimate of the average of gradient `index`
+  // (see ReducerOptions::preview), in the reducer's buffers (valid until
+  // iteration + in_flight + 1 starts marking). Not for a partitioned tensor.
+  TensorRef preview(uint64_t iteration, size_t index) const;
+  double preview_error() const;
+
  private:
   enum SlotState : uint8_t { kPending = 0, kReady = 1, kUnused = 2 };
-  // Where a piece of tensor i lives in the plan (one piece unless the tensor
-  // is partitioned).
-  struct Placement {
-    size_t bucket = 0;
-    size_t offset = 0;  // in elements, within the bucket
-    size_t begin = 0;   // first element of the piece within the tensor
-    size_t count = 0;   // elements in the piece
-  };
-  // A CUDA flight's device state. The events order work across streams on
-  // the device: the caller's stream never waits on the host.
-  struct DeviceFlight {
-    std::vector<std::unique_ptr<cuda::DeviceBuffer>> buffers;  // per bucket
-    // Per tensor: recorded on the caller's stream after its copy into the
-    // buckets; the engine's stream waits on it before reducing the bucket.
-    std::vector<std::unique_ptr<cuda::Event>> marked;
-    std::vector<std::unique_ptr<cuda::Event>> reduced;  // per bucket: reduced and unpacked
-    std::unique_ptr<cuda::Event> done;                 // the whole iteration
-    // The caller stream that already waits for the flight's previous use
-    // (kNoStream: none yet this iteration).
-    std::atomic<std::uintptr_t> fenced{kNoStream};
-    // Per bucket, the fusion slots of the outputs to unpack into: written on
-    // the host (pinned) and uploaded only when the outputs change.
-    std::vector<std::unique_ptr<cuda::PinnedBuffer>> slots_host;
-    std::vector<std::unique_ptr<cuda::DeviceBuffer>> slots_device;
-    std::vector<std::vector<void*>> uploaded;  // per bucket: the outputs in slots_device
-  };
-  static constexpr std::uintptr_t kNoStream = ~std::uintptr_t{0};
 
   // A CPU flight's preview (ReducerOptions::preview), per bucket in plan
   // layout: the codes (all-reduced in place into their sums) and the
@@ -117,14 +115,12 @@ class ReducerImpl {
   // One iteration's state.
   struct Flight {
     uint64_t iteration = 0;
-    std::vector<unsigned char*> buffers;                     // per bucket (host or device)
-    std::vector<std::unique_ptr<unsigned char[]>> host_buffers;  // CPU: their storage
-    std::unique_ptr<DeviceFlight> gpu;                       // CUDA only
-    std::unique_ptr<Preview> preview;                        // ReducerOptions::preview only
-    std::unique_ptr<std::atomic<int64_t>[]> pending;        // per bucket
-    std::unique_ptr<std::atomic<uint8_t>[]> state;          // per tensor (SlotState)
-    std::vector<void*> out;                                  // per tensor; null: keep only
-    std::vector<float> usage;                                // per tensor, summed over ranks
+    std::unique_ptr<BucketStorage> storage;
+    std::unique_ptr<Preview> preview;                  // ReducerOptions::preview only
+    std::unique_ptr<std::atomic<int64_t>[]> pending;  // per bucket
+    std::unique_ptr<std::atomic<uint8_t>[]> state;    // per tensor (SlotState)
+    std::vector<void*> out;                            // per tensor; null: keep only
+    std::vector<float> usage;                          // per tensor, summed over ranks
     std::unique_ptr<ReadyQueue<uint32_t>> queue;
     Handle handle;
     // Per bucket: reduced and written back. Set by the scheduler thread;
@@ -134,12 +130,12 @@ class ReducerImpl {
     std::condition_variable bucket_cv;
   };
   class Work;
+  class PreviewWork;
 
+  // ---- lifecycle (reducer.cpp)
   void build(const std::vector<size_t>& order);
+  std::unique_ptr<BucketStorage> make_storage();
   Flight& begin_iteration();
-  std::unique_ptr<DeviceFlight> make_device_flight() const;
-  void copy_in_on_device(Flight& flight, size_t index, const void* source, bool used,
-                         void* stream);
   const Flight& completed_flight(uint64_t iteration) const;
   void check_usable() const;
   // The engine's timeout_s, for the waits of this reducer.
@@ -149,9 +145,13 @@ class ReducerImpl {
   // scheduler thread; `ready` is that lane's record of what was popped).
   void wait_ready(ReadyQueue<uint32_t>& queue, size_t b, std::vector<bool>& ready,
                   Timeline& timeline, const char* lane);
-  // The bucket's full-precision reduction (on the host, or enqueued on CUDA).
-  void reduce(Flight& flight, size_t b, Communicator& comm, Timeline& timeline,
-              DeviceCommunicator* device_comm, void* stream);
+  void reduce(Flight& flight, size_t b, Communicator& comm, Timeline& timeline);
+  bool on_device() const { return options_.device.type == DeviceType::kCUDA; }
+
+  // ---- preview lane (reducer_preview.cpp)
+  std::unique_ptr<Preview> make_preview() const;
+  // Submits `flight`'s preview to the engine's preview lane.
+  Handle submit_preview(Flight& flight);
   // The preview lane's work for one iteration: each bucket's codes summed,
   // and its estimate finished, in issue order.
   void run_preview(Flight& flight, Communicator& comm, Timeline& timeline);
@@ -161,14 +161,15 @@ class ReducerImpl {
   // The main lane: blocks until every bucket of `flight` has its preview
   // (throws if the preview lane failed).
   void wait_previews(Flight& flight, Timeline& timeline);
-  class PreviewWork;
-  // CUDA: the bucket's reduction and unpacking, enqueued on the engine's stream.
-  void reduce_on_device(Flight& flight, size_t bucket, DeviceCommunicator& comm, void* stream);
-  // CUDA: throws if the iteration before `flight`'s has not completed on the
-  // device within the timeout (the watchdog of work the host never waits for).
-  void check_previous_done(const Flight& flight, DeviceCommunicator& comm) const;
-  bool on_device() const { return options_.device.type == DeviceType::kCUDA; }
-  std::string describe(const Flight& flight, size_t from_bucket) const;
+  // The main lane, once bucket `b` is averaged: the next iteration's scales,
+  // and this iteration's preview error.
+  void after_reduced(Flight& flight, size_t b);
+
+  // ---- diagnostics (reducer_diagnostics.cpp)
+  // What the iteration's work was doing at issue position `position`.
+  std::string describe(size_t position) const;
+  // Names of the tensors `indices` (pieces of one tensor named once), at most `limit`.
+  std::string names(const std::vector<size_t>& indices, size_t limit = 8) const;
 
   EngineImpl& engine_;
   const std::vector<GradSpec> specs_;
@@ -209,6 +210,19 @@ class ReducerImpl {
   std::atomic<bool> aborted_{false};
   mutable std::mutex abort_mutex_;  // guards abort_reason_
   std::string abort_reason_;
+};
+
+// Blocks until `done` is set (it is set, and `cv` notified, under `mutex`),
+// or until the work of `handle`, which sets it, ends without setting it (it
+// failed); returns whether it was set. (User threads then rethrow with
+// handle.wait(); engine threads must not, because a failure's diagnosis may
+// call into a user-provided store.)
+bool wait_for_flag(std::mutex& mutex, std::condition_variable& cv, const std::atomic<bool>& done,
+                   const Handle& handle);
+
+// The engine's access to a Reducer's internals (the Updater, tests).
+struct ReducerAccess {
+  static ReducerImpl& impl(Reducer& reducer) { return *reducer.impl_; }
 };
 
 }  // namespace hemiola

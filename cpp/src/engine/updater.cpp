@@ -17,6 +17,7 @@
 #include <utility>
 
 #include "device.h"
+#include "engine/reducer_impl.h"
 #include "engine/timeline.h"
 #include "hemiola/engine.h"
 #include "hemiola/optimizer.h"
@@ -96,7 +97,7 @@ class UpdaterImpl {
  public:
   UpdaterImpl(Engine& engine, Reducer& reducer, std::vector<ParameterSlot> params,
               const UpdaterOptions& options, StreamRef stream)
-      : engine_(engine), reducer_(reducer), options_(options),
+      : engine_(engine), reducer_(ReducerAccess::impl(reducer)), options_(options),
         device_(reducer.options().device), timeline_(engine.options().timeline),
         rebuilt_(!options.rebuild_buckets) {
     HEMIOLA_CHECK(options.priority_front_fraction >= 0.0 && options.priority_front_fraction <= 1.0,
@@ -144,7 +145,7 @@ class UpdaterImpl {
       HEMIOLA_THROW(ErrorCode::kAborted, message);
     }
     local_grads_[index] = local_grad;
-    reducer_.mark_ready(index, source, result_target(index), stream_);
+    reducer_.mark(index, source, result_target(index), /*used=*/true, stream_.handle);
   }
 
   void set_local_grad(size_t index, void* local_grad) {
@@ -414,7 +415,7 @@ class UpdaterImpl {
       // checkpoint repeats the run that saved it; only its timing differs:
       // the reduction is waited for so that the buckets can be rebuilt, and
       // its results were written to the updater's own buffers.
-      reducer_.wait(iteration, stream_);
+      reducer_.wait(iteration, stream_.handle);
       if (options.has_unused) usage = reducer_.usage(iteration);
       drain();
       reducer_.rebuild_from_observed_order();
@@ -557,7 +558,7 @@ class UpdaterImpl {
     if (pending.gathered) return;
     const int64_t start = engine_.timeline_now_us();
     if (pending.needs_whole()) {
-      reducer_.wait(pending.iteration, stream_);
+      reducer_.wait(pending.iteration, stream_.handle);
       record("wait", start, "wait reduction ", pending.iteration);
       return;
     }
@@ -566,7 +567,7 @@ class UpdaterImpl {
       for (size_t b : buckets_of_[i]) needed[b] = 1;
     }
     for (size_t b : reducer_.issue_order()) {
-      if (needed[b]) reducer_.wait_bucket(pending.iteration, b, stream_);
+      if (needed[b]) reducer_.wait_bucket(pending.iteration, b, stream_.handle);
     }
     record("wait", start, "wait buckets (", pending.iteration, ")");
   }
@@ -784,7 +785,7 @@ class UpdaterImpl {
   }
 
   Engine& engine_;
-  Reducer& reducer_;
+  ReducerImpl& reducer_;  // its per-bucket interface: the landing graph is in buckets
   UpdaterOptions options_;
   Device device_;      // the reducer's: every parameter, state and gradient lives there
   StreamRef stream_;   // the stream of the call in progress (GPU: all work goes there)

@@ -68,16 +68,12 @@ class TorchUpdate(DeferredSchedule):
             for i in members:
                 self._buckets_of[i].append(b)
 
-    def wait_buckets(self, iteration: int, indices: list[int]) -> None:
-        """Waits for the buckets holding parameters `indices` of `iteration`,
-        in issue order."""
-        reducer = self.model._reducer
-        needed = {b for i in indices for b in self._buckets_of[i]}
+    def wait_params(self, iteration: int, indices: list[int]) -> None:
+        """Waits for the reduced gradients of parameters `indices` of
+        `iteration` (their buckets, in issue order)."""
         with self.model.timeline_recorder.span(
-                "compute", f"wait buckets {sorted(needed)} ({iteration})", "wait"):
-            for b in reducer.issue_order():
-                if b in needed:
-                    reducer.wait_bucket(iteration, b, stream=self.model._stream())
+                "compute", f"wait {len(indices)} parameters ({iteration})", "wait"):
+            self.model._reducer.wait_for(iteration, indices, stream=self.model._stream())
 
     def shadow_of(self, index: int) -> torch.Tensor:
         """The exact copy of parameter `index` a committed step starts from."""
@@ -108,9 +104,7 @@ class TorchUpdate(DeferredSchedule):
         """Those of `indices` whose every bucket of `iteration` is reduced."""
         if iteration in self.model._gathered_iterations:
             return indices  # waited for before the buckets were rebuilt
-        reducer = self.model._reducer
-        return [i for i in indices
-                if all(reducer.bucket_done(iteration, b) for b in self._buckets_of[i])]
+        return self.model._reducer.arrived(iteration, indices)
 
     def land(self, lander: int, indices: list[int]) -> None:
         self.land_before_forward(indices)
@@ -141,7 +135,7 @@ class TorchUpdate(DeferredSchedule):
                     "compute", f"wait reduction {pending.iteration}", "wait"):
                 self.model._reducer.wait(pending.iteration, stream=self.model._stream())
         else:
-            self.wait_buckets(pending.iteration, indices)
+            self.wait_params(pending.iteration, indices)
 
     def apply_reduced(self, pending: PendingUpdate, chosen: set[int]) -> None:
         """One step of the user's optimizer applying `pending`'s reduced

@@ -1,0 +1,88 @@
+// One in-flight iteration's bucket buffers, in host or in CUDA device memory:
+// how a gradient gets into its buckets, how a bucket is reduced and its
+// results written out, and how a caller's stream waits for a result. The
+// reducer's iteration lifecycle (reducer.cpp) is the same for both kinds;
+// everything that depends on where the memory lives is behind this interface
+// (host_buckets.cpp, device_buckets.cpp).
+//
+// Threads: copy_in on producer threads (many at once, for disjoint tensors);
+// begin_reductions, reduce and end_reductions on the engine's scheduler
+// thread, in that order, once per iteration; reduced() and the block_*
+// calls on user threads. begin_iteration runs on the marking side, after the
+// storage's previous iteration is done on the host and before any copy_in.
+#pragma once
+
+#include <chrono>
+#include <cstddef>
+#include <memory>
+#include <vector>
+
+#include "comm/communicator.h"
+#include "engine/bucket_plan.h"
+#include "hemiola/reducer.h"
+
+namespace hemiola {
+
+class EngineImpl;
+
+// The plan a storage is laid out for. Owned by the reducer; a rebuild of the
+// plan replaces every storage along with it, so the references stay valid for
+// a storage's whole life.
+struct BucketLayout {
+  const std::vector<PlannedBucket>& plan;
+  const std::vector<std::vector<Placement>>& placement;  // per tensor
+  const std::vector<GradSpec>& specs;
+};
+
+class BucketStorage {
+ public:
+  virtual ~BucketStorage() = default;
+
+  // Bucket b's packed elements (host or device memory).
+  unsigned char* buffer(size_t b) const { return buffers_[b]; }
+
+  // A new iteration takes this storage.
+  virtual void begin_iteration() {}
+  // Tensor `index`'s pieces into their buckets: from `source`, or zeros when
+  // !used. `stream` (CUDA): the stream that produced the gradient; the copy
+  // is enqueued there.
+  virtual void copy_in(size_t index, const void* source, bool used, void* stream) = 0;
+
+  // Before the iteration's first bucket is reduced. `previous`: the storage
+  // of the iteration before (of the same kind; itself with in_flight 0), or
+  // null for the first iteration.
+  virtual void begin_reductions(const BucketStorage* previous) {}
+  // All-reduces bucket b (averaged if the reducer averages) and writes each
+  // piece's result to `outs[tensor]` where that is not null. `host`: the
+  // scheduler's host communicator.
+  virtual void reduce(size_t b, const std::vector<void*>& outs, Communicator& host) = 0;
+  // After the iteration's last bucket.
+  virtual void end_reductions() {}
+
+  // Once reduce(b) returned: whether bucket b's result is complete where it
+  // is read (on a device: executed, not only enqueued).
+  virtual bool reduced(size_t b) const { return true; }
+  // Makes `stream` wait for bucket b's result, or for the whole iteration's
+  // (on the device; nothing to do on the host, where reduce() is synchronous).
+  virtual void block_until_reduced(size_t b, void* stream) const {}
+  virtual void block_until_done(void* stream) const {}
+
+ protected:
+  std::vector<unsigned char*> buffers_;  // per bucket
+};
+
+// Host memory: reduced by the host communicator, results scaled by `scale`.
+std::unique_ptr<BucketStorage> make_host_buckets(const BucketLayout& layout, double scale);
+
+// Device memory on CUDA device `device`, reduced on the engine's stream of
+// that device by its device communicator. `timeout`: how long the host waits
+// for earlier device work before declaring a rank dead.
+std::unique_ptr<BucketStorage> make_device_buckets(const BucketLayout& layout, EngineImpl& engine,
+                                                   int device, bool average,
+                                                   std::chrono::milliseconds timeout);
+
+// Creates the engine's stream and communicator for CUDA device `device`, on
+// the scheduler thread (a collective, in submission order); returns once done.
+void set_up_device(EngineImpl& engine, int device);
+
+}  // namespace hemiola

@@ -1,0 +1,63 @@
+// Buckets in host memory: copies are memcpy on the producer's thread, and a
+// reduction is the host communicator's, synchronous on the scheduler thread.
+#include <algorithm>
+#include <cstring>
+
+#include "engine/bucket_storage.h"
+#include "engine/dtype_math.h"
+
+namespace hemiola {
+
+namespace {
+
+class HostBuckets final : public BucketStorage {
+ public:
+  HostBuckets(const BucketLayout& layout, double scale) : layout_(layout), scale_(scale) {
+    for (const auto& bucket : layout_.plan) {
+      // Zero-filled: zero-element buckets and never-written slots read as zeros.
+      storage_.emplace_back(new unsigned char[std::max<size_t>(bucket.nbytes(), 1)]());
+      buffers_.push_back(storage_.back().get());
+    }
+  }
+
+  void copy_in(size_t index, const void* source, bool used, void*) override {
+    const size_t elem = dtype_size(layout_.specs[index].dtype);
+    for (const Placement& piece : layout_.placement[index]) {
+      unsigned char* dst = buffers_[piece.bucket] + piece.offset * elem;
+      if (used) {
+        std::memcpy(dst, static_cast<const unsigned char*>(source) + piece.begin * elem,
+                    piece.count * elem);
+      } else {
+        std::memset(dst, 0, piece.count * elem);
+      }
+    }
+  }
+
+  void reduce(size_t b, const std::vector<void*>& outs, Communicator& host) override {
+    const PlannedBucket& plan = layout_.plan[b];
+    unsigned char* buffer = buffers_[b];
+    host.all_reduce_sum(TensorRef{buffer, plan.dtype, plan.numel, Device{}});
+    if (scale_ != 1.0) scale_in_place(plan.dtype, buffer, plan.numel, scale_);
+    const size_t elem = dtype_size(plan.dtype);
+    for (size_t k = 0; k < plan.tensors.size(); ++k) {
+      auto* out = static_cast<unsigned char*>(outs[plan.tensors[k]]);
+      if (out != nullptr) {
+        std::memcpy(out + plan.begins[k] * elem, buffer + plan.offsets[k] * elem,
+                    plan.counts[k] * elem);
+      }
+    }
+  }
+
+ private:
+  const BucketLayout layout_;
+  const double scale_;
+  std::vector<std::unique_ptr<unsigned char[]>> storage_;
+};
+
+}  // namespace
+
+std::unique_ptr<BucketStorage> make_host_buckets(const BucketLayout& layout, double scale) {
+  return std::make_unique<HostBuckets>(layout, scale);
+}
+
+}  // namespace hemiola
