@@ -16,7 +16,8 @@ Variants of the gradient the approximate step of rank i takes:
   preview  the engine's preview (cpp/src/engine/preview.h): own gradient
            minus its own coding plus the coded average; --levels L (default
            floor(127 / world)), codes over +-range RMS of the previous
-           average (per tensor, or per --block elements); --no-remainder
+           average (default 5 sqrt(world), the engine's; per tensor, or per
+           --block elements); --no-remainder
            drops the own gradient's remainder
 
 --exact-fraction p lets each rank read each tensor exact with probability p,
@@ -50,24 +51,28 @@ def adamw(w: torch.Tensor, m: torch.Tensor, v: torch.Tensor, g: torch.Tensor, lr
     return w * (1 - lr * decay) - lr * (m / (1 - b1 ** step)) / denom, m, v
 
 
-def code(g: torch.Tensor, reference: torch.Tensor, levels: int, span: float,
-         block: int = 0) -> torch.Tensor:
-    """The preview's coding of g, dequantised: s * clamp(rint(g / s), -L, L),
-    with s = span * RMS(reference) / L per tensor, or per `block` elements."""
-    flat, ref = g.reshape(-1), reference.reshape(-1)
-    if block and flat.numel() > block:
-        pad = (-flat.numel()) % block
+def block_rms(reference: torch.Tensor, block: int = 0) -> torch.Tensor:
+    """Per element of `reference` (flattened), the RMS of its block of
+    `block` elements (0: of the whole tensor)."""
+    ref = reference.reshape(-1)
+    if block and ref.numel() > block:
+        pad = (-ref.numel()) % block
         ref_blocks = F.pad(ref, (0, pad)).view(-1, block)
-        rms = ref_blocks.pow(2).mean(1).sqrt().repeat_interleave(block)[: flat.numel()]
-    else:
-        rms = ref.pow(2).mean().sqrt().expand_as(flat)
+        return ref_blocks.pow(2).mean(1).sqrt().repeat_interleave(block)[: ref.numel()]
+    return ref.pow(2).mean().sqrt().expand_as(ref)
+
+
+def code(g: torch.Tensor, rms: torch.Tensor, levels: int, span: float) -> torch.Tensor:
+    """The preview's coding of g, dequantised: s * clamp(rint(g / s), -L, L),
+    with s = span * rms / L (`rms` per element of g, flattened)."""
+    flat = g.reshape(-1)
     scale = span * rms / levels
     safe = torch.where(scale > 0, scale, torch.ones_like(scale))
     coded = (flat / safe).round().clamp(-levels, levels) * scale
     return coded.view_as(g)
 
 
-def approximate_grads(variant: str, grads: list[Grads], mean: Grads, previous: Grads | None,
+def approximate_grads(variant: str, grads: list[Grads], mean: Grads, rms: Grads | None,
                       args: argparse.Namespace) -> list[Grads] | None:
     """The gradient each rank's approximate step takes (None: no step)."""
     if variant == "exact":
@@ -76,12 +81,11 @@ def approximate_grads(variant: str, grads: list[Grads], mean: Grads, previous: G
         return grads
     if variant == "delay":
         return None
-    if previous is None:  # no scale yet: the engine previews from the third iteration
+    if rms is None:  # no scale yet: the engine previews from the third iteration
         return grads
     world = len(grads)
     levels = args.levels or 127 // world
-    coded = [{n: code(g[n], previous[n], levels, args.range, args.block) for n in g}
-             for g in grads]
+    coded = [{n: code(g[n], rms[n], levels, args.range) for n in g} for g in grads]
     coded_mean = {n: sum(c[n] for c in coded) / world for n in mean}
     if args.no_remainder:
         return [coded_mean] * world
@@ -133,7 +137,9 @@ def run(variant: str, seed: int, args: argparse.Namespace) -> tuple[float, float
             lr, step = schedule.get_last_lr()[0], step + 1
             mean = {n: sum(gr[n] for gr in grads) / world for n in names}
             previous = history[-args.scale_lag] if len(history) >= args.scale_lag else None
-            approx = approximate_grads(variant, grads, mean, previous, args)
+            rms = None if previous is None else \
+                {n: block_rms(previous[n], args.block) for n in names}
+            approx = approximate_grads(variant, grads, mean, rms, args)
             # As the engine counts it: only steps that took a preview.
             counted = approx if variant != "preview" or previous is not None else None
             for a in counted or []:
@@ -170,7 +176,9 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, default=1, help="seeds 0..N-1")
     parser.add_argument("--world", type=int, default=4, help="virtual ranks (default 4)")
     parser.add_argument("--levels", type=int, default=0, help="preview: code magnitude L")
-    parser.add_argument("--range", type=float, default=3.0, help="preview: codes span +-range RMS")
+    parser.add_argument("--range", type=float,
+                        help="preview: codes span +-range RMS of a block's previous average "
+                             "(default 5 * sqrt(world), the engine's preview_range)")
     parser.add_argument("--block", type=int, default=64,
                         help="preview: one scale per this many elements (0: per tensor; "
                              "default 64, the engine's)")
@@ -187,6 +195,8 @@ def main() -> None:
     parser.add_argument("--no-remainder", action="store_true",
                         help="preview: the coded average alone")
     args = parser.parse_args()
+    if args.range is None:
+        args.range = 5.0 * args.world ** 0.5
     seeds = [args.seed] if args.seed is not None else list(range(args.seeds))
     losses = []
     for seed in seeds:

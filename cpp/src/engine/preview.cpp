@@ -11,12 +11,6 @@ namespace hemiola {
 
 namespace {
 
-// Codes span +-kPreviewRange RMS of the reference average: wide enough that
-// few elements clip (a clipped element keeps its own gradient's excess in
-// the estimate), narrow enough that with L = 31 (4 ranks) a step is 0.1 RMS
-// (bench/approximation_model.py --range tries others).
-constexpr double kPreviewRange = 3.0;
-
 // Element access in float (half types) or the element's own type.
 template <typename T>
 struct Native {
@@ -48,7 +42,11 @@ void dispatch(DType dtype, const F& f) {
 
 int preview_levels(int world) { return world >= 1 ? 127 / world : 0; }
 
-void preview_scales(DType dtype, const void* averaged, size_t n, int levels, float* scales) {
+double preview_range(int world) { return 5.0 * std::sqrt(static_cast<double>(world)); }
+
+void preview_scales(DType dtype, const void* averaged, size_t n, int world, float* scales) {
+  const int levels = preview_levels(world);
+  const double range = preview_range(world);
   dispatch(dtype, [&](auto access) {
     using A = decltype(access);
     for (size_t first = 0, block = 0; first < n; first += kPreviewBlock, ++block) {
@@ -60,7 +58,7 @@ void preview_scales(DType dtype, const void* averaged, size_t n, int levels, flo
       }
       const double rms = std::sqrt(sum / static_cast<double>(last - first));
       const bool usable = levels > 0 && std::isfinite(rms) && rms > 0.0;
-      scales[block] = usable ? static_cast<float>(kPreviewRange * rms / levels) : 0.0f;
+      scales[block] = usable ? static_cast<float>(range * rms / levels) : 0.0f;
     }
   });
 }

@@ -36,12 +36,24 @@ constexpr size_t kPreviewBlock = 64;
 // The largest code magnitude L for `world` ranks (0: no preview possible).
 int preview_levels(int world);
 
+// How wide the codes span, in RMS of a block's average: ±5 RMS of one
+// rank's gradient, taking a rank's gradient to be the average plus noise
+// that averaging over `world` ranks shrinks by sqrt(world). A rank's value
+// beyond the span is clipped, and its estimate keeps the excess of its own
+// gradient: on the LM of bench/convergence.py (4 ranks, small batches) a
+// span of 3 RMS of the average clipped so often that the estimates were
+// 0.5-0.8 of the average's norm away from it; 10 (this at 4 ranks) brought
+// that to 0.2-0.3 and the held-out loss to the exact run's
+// (bench/approximation_model.py --range; docs/schedules.md).
+double preview_range(int world);
+
 // The scales of a bucket of n elements whose averaged gradient (of an
-// earlier iteration) is `averaged`: per block, codes span +-kPreviewRange
-// RMS of that block's average. 0 where that average is zero or not finite
-// (those elements are then not coded: their estimate is the rank's own
-// gradient). `scales` holds ceil(n / kPreviewBlock) values.
-void preview_scales(DType dtype, const void* averaged, size_t n, int levels, float* scales);
+// earlier iteration) is `averaged`, for `world` ranks: per block, codes span
+// +-preview_range(world) RMS of that block's average, in preview_levels(world)
+// steps each way. 0 where that average is zero or not finite (those elements
+// are then not coded: their estimate is the rank's own gradient).
+// `scales` holds ceil(n / kPreviewBlock) values.
+void preview_scales(DType dtype, const void* averaged, size_t n, int world, float* scales);
 
 // For the n elements at `offset` of a bucket (`scales` are the bucket's):
 // codes <- clamp(rint(g / s), -levels, levels); estimate <- g - s*codes

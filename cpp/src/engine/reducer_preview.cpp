@@ -111,7 +111,7 @@ void ReducerImpl::after_reduced(Flight& flight, size_t b) {
   // The next iteration's scales: the same on every rank, since the averages
   // are. (Before the bucket counts as done: the next iteration's preview
   // lane reads them once it is.)
-  preview_scales(plan.dtype, average, plan.numel, preview_levels(engine_.options().world_size),
+  preview_scales(plan.dtype, average, plan.numel, engine_.options().world_size,
                  preview_scales_[b].data());
   if (!flight.preview->active) return;
   double distance = 0.0;
