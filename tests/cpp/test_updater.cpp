@@ -221,5 +221,32 @@ TEST(Updater, PriorityRefusesAGradientOfAParameterReadBeforeItLanded) {
   });
 }
 
+TEST(Updater, DestroyedWhileGradientsAreMarkedAbortsThatIteration) {
+  // The reducer would write the iteration's results into the updater's
+  // buffers, so an updater that goes away mid-iteration takes the iteration
+  // with it, and says so, rather than leaving the reducer to write into
+  // freed memory or wait for gradients that never come.
+  run_ranks([&](Engine& e) {
+    Model m(e.rank());
+    auto reducer = e.make_reducer(m.specs(), reducer_options());
+    {
+      UpdaterOptions options;
+      options.schedule = UpdateSchedule::kDecoupled;
+      Updater updater(e, *reducer, m.slots(), options);
+      m.backward(e.rank(), 0);
+      updater.mark(2, m.grad[2].data(), m.grad[2].data());  // p0 and p1 never come
+      EXPECT_TRUE(reducer->marking());
+    }
+    try {
+      reducer->mark_ready(1, m.grad[1].data());
+      ADD_FAILURE() << "the reducer went on after its updater was destroyed mid-iteration";
+    } catch (const Error& error) {
+      EXPECT_EQ(error.code(), ErrorCode::kAborted);
+      EXPECT_NE(std::string(error.what()).find("its updater was destroyed"), std::string::npos)
+          << error.what();
+    }
+  });
+}
+
 }  // namespace
 }  // namespace hemiola

@@ -66,6 +66,9 @@ class BucketStorage {
   // (on the device; nothing to do on the host, where reduce() is synchronous).
   virtual void block_until_reduced(size_t b, void* stream) const {}
   virtual void block_until_done(void* stream) const {}
+  // Blocks the host until every reduction and unpack enqueued so far on this
+  // storage is complete on the device (at most `timeout`; false if not).
+  virtual bool wait_device(std::chrono::milliseconds timeout) const { return true; }
 
  protected:
   std::vector<unsigned char*> buffers_;  // per bucket

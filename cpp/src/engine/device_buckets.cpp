@@ -166,6 +166,13 @@ class DeviceBuckets final : public BucketStorage {
   bool reduced(size_t b) const override { return reduced_[b]->query(); }
   void block_until_reduced(size_t b, void* stream) const override { reduced_[b]->block(stream); }
   void block_until_done(void* stream) const override { done_->block(stream); }
+  bool wait_device(std::chrono::milliseconds timeout) const override {
+    // Per bucket too: an iteration that failed midway recorded no done_.
+    for (const auto& event : reduced_) {
+      if (!event->wait_for(timeout)) return false;
+    }
+    return done_->wait_for(timeout);
+  }
 
  private:
   static constexpr std::uintptr_t kNoStream = ~std::uintptr_t{0};

@@ -99,10 +99,30 @@ ReducerImpl::ReducerImpl(EngineImpl& engine, std::vector<GradSpec> specs,
 ReducerImpl::~ReducerImpl() {
   // Iteration work refers to our flights: never let it outlive us.
   abort("reducer destroyed");
+  drain(/*abort_marking=*/false);
+}
+
+void ReducerImpl::drain(bool abort_marking) noexcept {
+  if (abort_marking && marking()) {
+    try {
+      abort("the outputs of the iteration being marked were released (its updater was "
+            "destroyed) before it finished");
+    } catch (...) {
+      aborted_.store(true, std::memory_order_release);  // without a reason (no memory for it)
+    }
+  }
+  // An aborted iteration's work ends at its next look at the ready queue; a
+  // running reduction ends within the engine's timeout; then the device's
+  // share of it (unpacks into the outputs).
   for (auto& flight : flights_) {
     if (flight->handle.valid()) flight->handle.wait_for(std::chrono::hours(1));
     if (flight->preview && flight->preview->handle.valid()) {
       flight->preview->handle.wait_for(std::chrono::hours(1));
+    }
+    try {
+      flight->storage->wait_device(timeout());
+    } catch (...) {
+      // A device that fails here has failed its work already.
     }
   }
 }

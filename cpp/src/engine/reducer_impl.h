@@ -56,6 +56,11 @@ class ReducerImpl {
   void wait(uint64_t iteration, const std::vector<size_t>& indices, void* stream);
   std::vector<size_t> arrived(uint64_t iteration, const std::vector<size_t>& indices) const;
   void wait_all();
+  // Waits for every submitted iteration's work to end, successfully or not
+  // (never throws): afterwards nothing writes to the outputs given to mark().
+  // With `abort_marking`, an iteration still being marked is aborted first
+  // (its buckets would never all become ready).
+  void drain(bool abort_marking) noexcept;
   void set_issue_order(const std::vector<size_t>& order);
   std::vector<size_t> issue_order() const;
   void abort(const std::string& reason);

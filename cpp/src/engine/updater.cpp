@@ -117,6 +117,11 @@ class UpdaterImpl {
     refresh_buckets();
   }
 
+  // The reducer writes results into gathered_ (on a GPU, its stream does):
+  // an iteration in flight must end, on the device too, before they are
+  // freed, and one still being marked can never end normally: it is aborted.
+  ~UpdaterImpl() { reducer_.drain(/*abort_marking=*/true); }
+
   void set_landers(std::vector<std::vector<size_t>> landers) {
     HEMIOLA_CHECK(!landers.empty() && landers[0] == all_,
                   "updater: lander 0 must be every parameter");
