@@ -148,7 +148,7 @@ void bind_engine(py::module_& m) {
           "wait_for",
           [](Reducer& r, uint64_t iteration, const std::vector<size_t>& indices,
              uintptr_t stream) {
-            r.wait(iteration, indices, StreamRef{reinterpret_cast<void*>(stream)});
+            r.wait_for(iteration, indices, StreamRef{reinterpret_cast<void*>(stream)});
           },
           py::arg("iteration"), py::arg("indices"), py::arg("stream") = 0,
           py::call_guard<py::gil_scoped_release>(),

@@ -227,17 +227,43 @@ TEST(Reducer, CustomIssueOrderAndPerTensorWaits) {
     const int64_t it = reducer->finish_marking();
     // Bucket 3 is issued last here: once its tensor has arrived, every tensor has.
     const size_t last = reducer->buckets()[3][0];
-    reducer->wait(it, {last});
+    reducer->wait_for(it, {last});
     std::vector<size_t> all = {0, 1, 2, 3, 4, 5};
     EXPECT_EQ(reducer->arrived(it, all), all);
     for (size_t i = 0; i < 6; ++i) {
-      reducer->wait(it, {i});
+      reducer->wait_for(it, {i});
       EXPECT_FLOAT_EQ(static_cast<const float*>(reducer->result(0, i).data)[0],
                       static_cast<float>(i) + 0.5f);
     }
     // Not yet started: nothing has arrived.
     EXPECT_TRUE(reducer->arrived(it + 1, all).empty());
     EXPECT_THROW(reducer->arrived(it, {6}), Error);
+  });
+}
+
+TEST(Reducer, PerTensorWaitsBeforeAndAfterARebuild) {
+  const int world = 2;
+  run_ranks(world, [&](Engine& e) {
+    std::vector<GradSpec> specs;
+    for (int i = 0; i < 3; ++i) specs.push_back({DType::kFloat32, 50, "p" + std::to_string(i)});
+    ReducerOptions options;
+    options.fusion_bytes = options.first_bucket_bytes = 200;  // one tensor per bucket
+    auto reducer = e.make_reducer(specs, options);
+    std::vector<std::vector<float>> grads(3, std::vector<float>(50, 1.0f));
+    reducer->mark_ready(2, grads[2].data());
+    // Its own iteration is still being marked: an error, not a wait for a
+    // gradient this thread has yet to give.
+    EXPECT_THROW(reducer->wait_for(0, {2}), Error);
+    reducer->mark_ready(1, grads[1].data());
+    reducer->mark_ready(0, grads[0].data());
+    const int64_t it = reducer->finish_marking();
+    reducer->wait_for(it, {0, 2});
+    EXPECT_EQ(reducer->arrived(it, {0, 2}), (std::vector<size_t>{0, 2}));
+    // A rebuild makes new buffers: iteration 0 is long done, and its results gone.
+    reducer->rebuild({0, 1, 2});
+    EXPECT_EQ(reducer->arrived(it, {0, 1, 2}), (std::vector<size_t>{0, 1, 2}));
+    reducer->wait_for(it, {1});
+    EXPECT_THROW(reducer->result(it, 1), Error);
   });
 }
 

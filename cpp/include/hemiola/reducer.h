@@ -80,7 +80,7 @@ class HEMIOLA_API Reducer {
   // Blocks until the gradients `indices` of `iteration` are reduced (their
   // buckets, in issue order; the others may still be in flight): the first
   // layers of the next forward need not wait for the last. Throws like wait().
-  void wait(uint64_t iteration, const std::vector<size_t>& indices, StreamRef stream = {});
+  void wait_for(uint64_t iteration, const std::vector<size_t>& indices, StreamRef stream = {});
   // Those of `indices` whose result in `iteration` is reduced (on CUDA:
   // complete on the device). Never blocks.
   std::vector<size_t> arrived(uint64_t iteration, const std::vector<size_t>& indices) const;
@@ -90,7 +90,7 @@ class HEMIOLA_API Reducer {
   // that will not become ready. The reducer is unusable afterwards.
   void abort(const std::string& reason);
 
-  // Once it is reduced (wait() or arrived()): the reduced value of
+  // Once it is reduced (wait(), wait_for() or arrived()): the reduced value of
   // `index` inside the reducer's buffers (valid until iteration + in_flight + 1
   // starts marking). Not for a partitioned tensor (its pieces live in several
   // buckets): give mark_ready an output instead.

@@ -145,6 +145,10 @@ class HEMIOLA_API Updater {
   // from the live parameters now (on a GPU: enqueued on `stream`).
   Updater(Engine& engine, Reducer& reducer, std::vector<ParameterSlot> params,
           const UpdaterOptions& options, StreamRef stream = {});
+  // Blocks until the reductions still in flight are done (on a GPU, on the
+  // device too): they write into the updater's buffers. An iteration still
+  // being marked can never complete without the updater: it is aborted, and
+  // the reducer with it (make a new one to go on).
   ~Updater();
   Updater(const Updater&) = delete;
   Updater& operator=(const Updater&) = delete;

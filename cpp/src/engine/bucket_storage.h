@@ -48,10 +48,10 @@ class BucketStorage {
   // is enqueued there.
   virtual void copy_in(size_t index, const void* source, bool used, void* stream) = 0;
 
-  // Before the iteration's first bucket is reduced. `previous`: the storage
-  // of the iteration before (of the same kind; itself with in_flight 0), or
-  // null for the first iteration.
-  virtual void begin_reductions(const BucketStorage* previous) {}
+  // Before the first bucket of iteration `iteration` is reduced. `previous`:
+  // the storage of the iteration before (of the same kind; itself with
+  // in_flight 0), or null for the first iteration.
+  virtual void begin_reductions(uint64_t iteration, const BucketStorage* previous) {}
   // All-reduces bucket b (averaged if the reducer averages) and writes each
   // piece's result to `outs[tensor]` where that is not null. `host`: the
   // scheduler's host communicator.
@@ -67,8 +67,10 @@ class BucketStorage {
   virtual void block_until_reduced(size_t b, void* stream) const {}
   virtual void block_until_done(void* stream) const {}
   // Blocks the host until every reduction and unpack enqueued so far on this
-  // storage is complete on the device (at most `timeout`; false if not).
-  virtual bool wait_device(std::chrono::milliseconds timeout) const { return true; }
+  // storage is complete on the device. Work that is not within `timeout` (a
+  // collective whose peer is gone) is cut off by aborting the device
+  // communicator, and waited for again.
+  virtual void drain_device(std::chrono::milliseconds timeout) {}
 
  protected:
   std::vector<unsigned char*> buffers_;  // per bucket

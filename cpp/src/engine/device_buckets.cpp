@@ -96,7 +96,7 @@ class DeviceBuckets final : public BucketStorage {
     marked_[index]->record(stream);
   }
 
-  void begin_reductions(const BucketStorage* previous) override {
+  void begin_reductions(uint64_t iteration, const BucketStorage* previous) override {
     cuda::set_device(device_);
     Devices::Entry& entry = engine_.devices().get(device_);
     comm_ = entry.comm.get();
@@ -108,9 +108,9 @@ class DeviceBuckets final : public BucketStorage {
     if (!before.done_->wait_for(timeout_)) {
       comm_->check();  // an NCCL error, if there is one, says more than the timeout
       comm_->abort();
-      HEMIOLA_THROW(ErrorCode::kTimeout, "the previous iteration's reductions did not complete on "
-                    "CUDA device ", device_, " within ", seconds(), " s (", comm_->name(),
-                    "): a rank died or stalled, or the device hangs");
+      HEMIOLA_THROW(ErrorCode::kTimeout, "the reductions of iteration ", iteration - 1,
+                    " did not complete on CUDA device ", device_, " within ", seconds(), " s (",
+                    comm_->name(), "): a rank died or stalled, or the device hangs");
     }
   }
 
@@ -166,16 +166,22 @@ class DeviceBuckets final : public BucketStorage {
   bool reduced(size_t b) const override { return reduced_[b]->query(); }
   void block_until_reduced(size_t b, void* stream) const override { reduced_[b]->block(stream); }
   void block_until_done(void* stream) const override { done_->block(stream); }
-  bool wait_device(std::chrono::milliseconds timeout) const override {
-    // Per bucket too: an iteration that failed midway recorded no done_.
+  void drain_device(std::chrono::milliseconds timeout) override {
+    if (complete(timeout) || comm_ == nullptr) return;
+    comm_->abort();  // NCCL's kernels of an unfinished collective end with it
+    complete(timeout);
+  }
+
+ private:
+  static constexpr std::uintptr_t kNoStream = ~std::uintptr_t{0};
+  // Whether the work enqueued so far completed on the device within
+  // `timeout` (per bucket too: an iteration that failed midway recorded no done_).
+  bool complete(std::chrono::milliseconds timeout) const {
     for (const auto& event : reduced_) {
       if (!event->wait_for(timeout)) return false;
     }
     return done_->wait_for(timeout);
   }
-
- private:
-  static constexpr std::uintptr_t kNoStream = ~std::uintptr_t{0};
   double seconds() const { return static_cast<double>(timeout_.count()) / 1000.0; }
 
   const BucketLayout layout_;

@@ -120,7 +120,7 @@ void ReducerImpl::drain(bool abort_marking) noexcept {
       flight->preview->handle.wait_for(std::chrono::hours(1));
     }
     try {
-      flight->storage->wait_device(timeout());
+      flight->storage->drain_device(timeout());
     } catch (...) {
       // A device that fails here has failed its work already.
     }
@@ -137,8 +137,10 @@ void ReducerImpl::build(const std::vector<size_t>& order) {
   for (size_t f = 0; f < options_.in_flight + 1; ++f) {
     auto flight = std::make_unique<Flight>();
     flight->storage = make_storage();
-    flight->pending.reset(new std::atomic<int64_t>[plan_.size()]);
-    flight->bucket_done.reset(new std::atomic<bool>[plan_.size()]);
+    // No iteration yet: the waits and queries treat it as long completed.
+    flight->iteration = kNoIteration;
+    flight->pending.reset(new std::atomic<int64_t>[plan_.size()]());
+    flight->bucket_done.reset(new std::atomic<bool>[plan_.size()]());
     flight->state.reset(new std::atomic<uint8_t>[specs_.size()]);
     flight->out.assign(specs_.size(), nullptr);
     flight->usage.assign(specs_.size(), 0.0f);
@@ -290,7 +292,7 @@ void ReducerImpl::run(Flight& flight, Communicator& comm, Timeline& timeline,
   const BucketStorage* previous =
       flight.iteration == 0 ? nullptr
                             : flights_[(flight.iteration - 1) % flights_.size()]->storage.get();
-  flight.storage->begin_reductions(previous);
+  flight.storage->begin_reductions(flight.iteration, previous);
   // With a preview, the full reductions wait for all of it: it is what the
   // next forward needs first, and the full reductions have the whole next
   // iteration to run, so they do not compete with it for the network.
@@ -369,7 +371,16 @@ void ReducerImpl::wait(uint64_t iteration, void* stream) {
   storage->block_until_done(stream);
 }
 
-void ReducerImpl::wait(uint64_t iteration, const std::vector<size_t>& indices, void* stream) {
+void ReducerImpl::wait_for(uint64_t iteration, const std::vector<size_t>& indices,
+                           void* stream) {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    HEMIOLA_CHECK(iteration < started_.load(), "iteration ", iteration, " has not started");
+    const Flight& flight = *flights_[iteration % flights_.size()];
+    HEMIOLA_CHECK(flight.iteration != iteration || marking_.load() != &flight, "wait_for(",
+                  iteration, ", ...) while its gradients are still being marked; call "
+                  "finish_marking() first");
+  }
   std::vector<bool> needed(plan_.size(), false);
   for (size_t i : indices) {
     HEMIOLA_CHECK(i < specs_.size(), "gradient index ", i, " is out of range (", specs_.size(),
@@ -596,8 +607,9 @@ void Reducer::wait(StreamRef stream) {
   // On the device iterations complete in order: waiting for the last is enough.
   if (started > 0) impl_->wait(started - 1, stream.handle);
 }
-void Reducer::wait(uint64_t iteration, const std::vector<size_t>& indices, StreamRef stream) {
-  impl_->wait(iteration, indices, stream.handle);
+void Reducer::wait_for(uint64_t iteration, const std::vector<size_t>& indices,
+                       StreamRef stream) {
+  impl_->wait_for(iteration, indices, stream.handle);
 }
 std::vector<size_t> Reducer::arrived(uint64_t iteration, const std::vector<size_t>& indices) const {
   return impl_->arrived(iteration, indices);

@@ -52,14 +52,16 @@ class ReducerImpl {
   // On a CUDA reducer, `stream` is made to wait (on the device) for the
   // result; the host waits only until the reductions are enqueued.
   void wait(uint64_t iteration, void* stream);
-  // The tensors' buckets, in issue order (Reducer::wait(iteration, indices)).
-  void wait(uint64_t iteration, const std::vector<size_t>& indices, void* stream);
+  // The tensors' buckets, in issue order (Reducer::wait_for).
+  void wait_for(uint64_t iteration, const std::vector<size_t>& indices, void* stream);
   std::vector<size_t> arrived(uint64_t iteration, const std::vector<size_t>& indices) const;
   void wait_all();
   // Waits for every submitted iteration's work to end, successfully or not
-  // (never throws): afterwards nothing writes to the outputs given to mark().
-  // With `abort_marking`, an iteration still being marked is aborted first
-  // (its buckets would never all become ready).
+  // (never throws), on the host and on the device: afterwards nothing writes
+  // to the outputs given to mark(). With `abort_marking`, an iteration still
+  // being marked is aborted first (its buckets would never all become ready),
+  // and the reducer with it. Device work that does not end within the
+  // engine's timeout is cut off by aborting the device communicator.
   void drain(bool abort_marking) noexcept;
   void set_issue_order(const std::vector<size_t>& order);
   std::vector<size_t> issue_order() const;
@@ -117,9 +119,10 @@ class ReducerImpl {
     Handle handle;  // the preview lane's work (submitted before the main lane's, which waits on it)
   };
 
+  static constexpr uint64_t kNoIteration = ~uint64_t{0};
   // One iteration's state.
   struct Flight {
-    uint64_t iteration = 0;
+    uint64_t iteration = kNoIteration;  // the last iteration that took it
     std::unique_ptr<BucketStorage> storage;
     std::unique_ptr<Preview> preview;                  // ReducerOptions::preview only
     std::unique_ptr<std::atomic<int64_t>[]> pending;  // per bucket
