@@ -36,6 +36,14 @@ bool wait_for_flag(std::mutex& mutex, std::condition_variable& cv, const std::at
   return done.load(std::memory_order_acquire);
 }
 
+void set_flag(std::mutex& mutex, std::condition_variable& cv, std::atomic<bool>& done) {
+  {
+    std::lock_guard<std::mutex> lock(mutex);
+    done.store(true, std::memory_order_release);
+  }
+  cv.notify_all();
+}
+
 // The scheduler's view of one iteration: reduce its buckets in plan order.
 class ReducerImpl::Work final : public hemiola::Work {
  public:
@@ -341,11 +349,7 @@ void ReducerImpl::reduce(Flight& flight, size_t b, Communicator& comm, Timeline&
   const int64_t start_us = timeline.now_us();
   flight.storage->reduce(b, flight.out, comm);
   if (options_.preview) after_reduced(flight, b);
-  {
-    std::lock_guard<std::mutex> lock(flight.bucket_mutex);
-    flight.bucket_done[b].store(true, std::memory_order_release);
-  }
-  flight.bucket_cv.notify_all();
+  set_flag(flight.bucket_mutex, flight.bucket_cv, flight.bucket_done[b]);
   if (timeline.enabled()) {
     timeline.record("comm",
                     "allreduce bucket " + std::to_string(b) + " (iteration " +

@@ -132,7 +132,7 @@ class ReducerImpl {
     std::unique_ptr<ReadyQueue<uint32_t>> queue;
     Handle handle;
     // Per bucket: reduced and written back. Set by the scheduler thread;
-    // bucket_cv is notified under bucket_mutex so waiters never miss it.
+    // set_flag sets it under bucket_mutex, so waiters never miss it.
     std::unique_ptr<std::atomic<bool>[]> bucket_done;
     std::mutex bucket_mutex;
     std::condition_variable bucket_cv;
@@ -227,6 +227,8 @@ class ReducerImpl {
 // call into a user-provided store.)
 bool wait_for_flag(std::mutex& mutex, std::condition_variable& cv, const std::atomic<bool>& done,
                    const Handle& handle);
+// Sets `done` under `mutex` and wakes every wait_for_flag on it.
+void set_flag(std::mutex& mutex, std::condition_variable& cv, std::atomic<bool>& done);
 
 // The engine's access to a Reducer's internals (the Updater, tests).
 struct ReducerAccess {

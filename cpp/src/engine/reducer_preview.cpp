@@ -65,11 +65,7 @@ void ReducerImpl::run_preview(Flight& flight, Communicator& comm, Timeline& time
     // sum fits an int8 (|sum| <= world * levels <= 127).
     comm.all_reduce_sum(TensorRef{codes, DType::kUInt8, plan.numel, Device{}});
     preview_decode(plan.dtype, codes, 0, plan.numel, scales, world, estimate);
-    {
-      std::lock_guard<std::mutex> lock(preview.mutex);
-      preview.done[b].store(true, std::memory_order_release);
-    }
-    preview.cv.notify_all();
+    set_flag(preview.mutex, preview.cv, preview.done[b]);
     if (timeline.enabled()) {
       timeline.record("preview",
                       "preview bucket " + std::to_string(b) + " (iteration " +
