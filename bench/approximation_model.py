@@ -118,6 +118,15 @@ def run(variant: str, seed: int, args: argparse.Namespace) -> tuple[float, float
     holder = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=task.lr)
     schedule = task.lr_scheduler(holder, total)
     live = [dict(w) for _ in range(world)]
+    # --exact-back f: the tensors last in forward order, f of the elements,
+    # read exact on every rank (as in the engine, whose back layers' reductions
+    # arrive first), the others approximate.
+    exact_back: set[str] = set()
+    total_numel = sum(w[n].numel() for n in names)
+    for n in reversed(names):
+        if sum(w[k].numel() for k in exact_back) + w[n].numel() > args.exact_back * total_numel:
+            break
+        exact_back.add(n)
     history: list[Grads] = []  # the newest averages, newest last
     luck = torch.Generator().manual_seed(seed)
     distance = norm = 0.0
@@ -155,8 +164,8 @@ def run(variant: str, seed: int, args: argparse.Namespace) -> tuple[float, float
             # on each rank independently.
             for r in range(world):
                 for n in names:
-                    if args.exact_fraction and float(torch.rand(1, generator=luck)) < \
-                            args.exact_fraction:
+                    if n in exact_back or (args.exact_fraction and float(
+                            torch.rand(1, generator=luck)) < args.exact_fraction):
                         live[r][n] = w[n]
             history = [*history[-(args.scale_lag - 1):], mean] if args.scale_lag > 1 else [mean]
             holder.step()
@@ -188,6 +197,9 @@ def main() -> None:
     parser.add_argument("--exact-fraction", type=float, default=0.0,
                         help="each rank reads each tensor exact with this probability "
                              "(a correction that landed first), independently")
+    parser.add_argument("--exact-back", type=float, default=0.0, metavar="F",
+                        help="the tensors last in forward order, at most F of the elements, "
+                             "read exact on every rank (the engine's pattern of landings)")
     for flag, what in (("--own-front", "their own gradient"), ("--exact-front", "the average")):
         parser.add_argument(flag, type=int, default=0, metavar="K",
                             help=f"preview: the first K parameter tensors (in forward order) "
