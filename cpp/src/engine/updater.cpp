@@ -567,13 +567,7 @@ class UpdaterImpl {
       record("wait", start, "wait reduction ", pending.iteration);
       return;
     }
-    std::vector<uint8_t> needed(bucket_bytes_.size(), 0);
-    for (size_t i : indices) {
-      for (size_t b : buckets_of_[i]) needed[b] = 1;
-    }
-    for (size_t b : reducer_.issue_order()) {
-      if (needed[b]) reducer_.wait_bucket(pending.iteration, b, stream_.handle);
-    }
+    reducer_.wait_for(pending.iteration, indices, stream_.handle);
     record("wait", start, "wait buckets (", pending.iteration, ")");
   }
 
