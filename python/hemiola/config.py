@@ -66,13 +66,18 @@ class Config:
             makes the trajectory independent of network timing.
         preview: ``decoupled`` only: before the full-precision all-reduce,
             all-reduce a one-byte coding of every gradient (a quarter of
-            float32's bytes) and, where it arrives before the next forward
-            reads a parameter, take the approximate step from it: the rank's
-            own gradient plus the coded average minus its own coding, whose
-            mean over the ranks is the exact average. ``None`` (default): on
+            float32's bytes, on a lane of its own); the next forward waits for
+            it where it reads a parameter and computes on the approximate
+            step taken from it: the rank's own gradient plus the coded average
+            minus its own coding, whose mean over the ranks is the exact
+            average. The exact steps then land in ``optimizer.step()`` only,
+            never on arrival: every forward reads estimates rather than exact
+            back layers beside approximate front ones, which measured
+            better. ``None`` (default): on
             for Adam and AdamW, off for SGD (where the rank's own gradient
             already trains as well as the exact step). Needs the engine's
-            updater (``native_optimizer``) and at most 127 ranks.
+            updater (``native_optimizer``), ``in_flight=1`` and at most 127
+            ranks.
         timeline: Record engine events; read them with ``model.timeline()``.
         gpu_backend: How a model on a GPU is reduced: ``"nccl"`` (one GPU
             per rank), ``"gloo"`` (through pinned host memory; no NCCL needed,
@@ -86,7 +91,7 @@ class Config:
         native_optimizer: ``priority`` and ``decoupled``: the engine lands
             the updates and steps ``torch.optim.SGD``, ``Adam`` and ``AdamW``
             itself (on the optimizer's own state tensors; no Python work per
-            parameter) with ``in_flight=1``. ``None`` (default): for CPU
+            parameter). ``None`` (default): for CPU
             parameters. ``True``: for CUDA parameters too (the fused
             kernels on the compute stream; built and compiled, not yet run
             on a GPU: it warns once). Otherwise, and for other optimizers,

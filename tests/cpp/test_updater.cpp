@@ -60,8 +60,10 @@ struct Model {
     }
     return out;
   }
-  // This rank's gradient at the current (live) parameters, iteration k.
-  void backward(int rank, int k) {
+  // This rank's gradient at the current (live) parameters, iteration k
+  // (`identical`: every rank's is rank 0's).
+  void backward(int rank, int k, bool identical = false) {
+    if (identical) rank = 0;
     for (size_t p = 0; p < w.size(); ++p) {
       for (size_t i = 0; i < w[p].size(); ++i) {
         const float target = static_cast<float>(rank + 1) * 0.1f * static_cast<float>(k % 3 + 1);
@@ -86,21 +88,22 @@ GroupHyper adam_hyper(int k) {
   return h;
 }
 
-ReducerOptions reducer_options() {
+ReducerOptions reducer_options(size_t in_flight = 1) {
   ReducerOptions o;
   o.fusion_bytes = 2048;  // several buckets
   o.record_order = true;
-  o.in_flight = 1;
+  o.in_flight = in_flight;
   return o;
 }
 
 // Synchronous data parallelism, by hand: wait for the averaged gradients,
 // then one committed optimizer step per parameter.
-std::vector<std::vector<float>> reference(Engine& e, OptimizerKind kind, int steps) {
+std::vector<std::vector<float>> reference(Engine& e, OptimizerKind kind, int steps,
+                                          bool identical = false) {
   Model m(e.rank());
   auto reducer = e.make_reducer(m.specs(), reducer_options());
   for (int k = 0; k < steps; ++k) {
-    m.backward(e.rank(), k);
+    m.backward(e.rank(), k, identical);
     for (size_t p = m.w.size(); p-- > 0;) reducer->mark_ready(p, m.grad[p].data());
     reducer->wait();
     for (size_t p = 0; p < m.w.size(); ++p) {
@@ -134,9 +137,10 @@ std::vector<std::vector<float>> reference(Engine& e, OptimizerKind kind, int ste
 // then the next "forward" lands parameter 0, then 1, then 2 (three landers).
 std::vector<std::vector<float>> with_updater(Engine& e, UpdateSchedule schedule,
                                              OptimizerKind kind, int steps,
-                                             bool correct_on_arrival, double* approx = nullptr) {
+                                             bool correct_on_arrival, double* approx = nullptr,
+                                             size_t in_flight = 1, bool identical = false) {
   Model m(e.rank());
-  auto reducer = e.make_reducer(m.specs(), reducer_options());
+  auto reducer = e.make_reducer(m.specs(), reducer_options(in_flight));
   UpdaterOptions options;
   options.schedule = schedule;
   options.optimizer = kind;
@@ -147,7 +151,7 @@ std::vector<std::vector<float>> with_updater(Engine& e, UpdateSchedule schedule,
     if (k > 0) {
       for (size_t lander = 1; lander <= 3; ++lander) updater.land(lander, true);
     }
-    m.backward(e.rank(), k);
+    m.backward(e.rank(), k, identical);
     for (size_t p = m.w.size(); p-- > 0;) updater.mark(p, m.grad[p].data(), m.grad[p].data());
     const auto iteration = static_cast<uint64_t>(reducer->finish_marking());
     StepOptions step;
@@ -190,6 +194,61 @@ TEST(Updater, DecoupledLandsExactParametersIdenticalOnEveryRank) {
   EXPECT_GT(approx[0], 0.99);
   // And training moved the parameters towards the averaged targets.
   EXPECT_NE(runs[0][0][0], 0.0f);
+}
+
+TEST(Updater, DecoupledWithSeveralIterationsInFlightEqualsSynchronousOnIdenticalData) {
+  // Every rank's gradient is the average, so each local step is the exact
+  // one: however many iterations are pending and whenever they land, the
+  // run must be synchronous training bitwise. It exercises the re-taken
+  // local steps (an older iteration lands under newer ones) through the
+  // scratch state, with momentum and Adam's moments.
+  for (OptimizerKind kind : {OptimizerKind::kSgd, OptimizerKind::kAdamW}) {
+    for (size_t in_flight : {2u, 3u}) {
+      for (bool on_arrival : {true, false}) {
+        run_ranks([&](Engine& e) {
+          const auto expected = reference(e, kind, 8, /*identical=*/true);
+          double approx = 0.0;
+          const auto got = with_updater(e, UpdateSchedule::kDecoupled, kind, 8, on_arrival,
+                                        &approx, in_flight, /*identical=*/true);
+          for (size_t p = 0; p < got.size(); ++p) {
+            EXPECT_EQ(std::memcmp(got[p].data(), expected[p].data(), got[p].size() * 4), 0)
+                << "parameter " << p << ", in_flight " << in_flight << ", on arrival "
+                << on_arrival;
+          }
+          if (!on_arrival) EXPECT_GT(approx, 0.99);
+        });
+      }
+    }
+  }
+}
+
+TEST(Updater, DecoupledWithTwoInFlightLagsFurtherButStaysIdenticalOnEveryRank) {
+  // Different data per rank, landings only where in_flight forces them: the
+  // ranks' exact parameters are bitwise identical, and the trajectory is not
+  // in_flight 1's (the approximation lags one more iteration).
+  std::vector<std::vector<std::vector<float>>> two(kWorld), one(kWorld);
+  run_ranks([&](Engine& e) {
+    two[e.rank()] = with_updater(e, UpdateSchedule::kDecoupled, OptimizerKind::kAdamW, 8, false,
+                                 nullptr, 2);
+    one[e.rank()] = with_updater(e, UpdateSchedule::kDecoupled, OptimizerKind::kAdamW, 8, false);
+  });
+  EXPECT_EQ(two[1], two[0]);
+  EXPECT_NE(two[0], one[0]);
+}
+
+TEST(Updater, RefusesAReducerItCannotServe) {
+  run_ranks([&](Engine& e) {
+    Model m(e.rank());
+    auto reducer = e.make_reducer(m.specs(), reducer_options(2));
+    UpdaterOptions options;  // priority
+    try {
+      Updater updater(e, *reducer, m.slots(), options);
+      ADD_FAILURE() << "priority accepted a reducer with in_flight 2";
+    } catch (const Error& error) {
+      EXPECT_NE(std::string(error.what()).find("priority needs ReducerOptions::in_flight = 1"),
+                std::string::npos) << error.what();
+    }
+  });
 }
 
 TEST(Updater, PriorityRefusesAGradientOfAParameterReadBeforeItLanded) {

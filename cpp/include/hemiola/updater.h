@@ -27,11 +27,18 @@
 //     shadow with the averaged gradient, as soon as it has arrived and no
 //     forward still reads the approximate value (correct_on_arrival), at the
 //     latest in the next step(). With a reducer that takes a preview
-//     (ReducerOptions::preview), a parameter whose preview arrives first is
-//     stepped again from the shadow with the preview's estimate of the
-//     average, under the same condition. Invariant per parameter: live =
-//     shadow, or shadow stepped with the local gradient (or its preview
-//     estimate) of the one pending iteration.
+//     (ReducerOptions::preview), a parameter is instead stepped again from
+//     the shadow with the preview's estimate of the average once its preview
+//     arrives (land() waits for it), and the exact steps land only in
+//     step(): every forward reads estimates, none a mix of exact back layers
+//     and approximate front ones (measured worse). The reducer's in_flight
+//     bounds the pending iterations: step() of iteration t lands t - in_flight
+//     (waiting) before taking t's approximate step; each parameter lands its
+//     iterations in order. Invariant per parameter: live = shadow stepped
+//     with the local gradient of every pending iteration that has not landed
+//     it, in order (with a preview, in_flight 1: its estimate instead). After
+//     an older iteration lands, the later local steps are taken again, from
+//     copies of their gradients and through scratch optimizer state.
 //
 // Both take their first iteration synchronously when rebuild_buckets is set:
 // its reduction is waited for, then every rank rebuilds the bucket plan in the

@@ -1,18 +1,18 @@
 // hemiola/updater.h: the landing graph of the priority and decoupled
 // schedules and the optimizer steps that land their updates.
 //
-// With one iteration in flight (the only case so far) the graph is small: at
-// most one iteration is pending, and per parameter it is either applied
-// (landed) or waiting for its buckets. Which buckets a parameter waits for
-// comes from the reducer's plan; which parameters a lander needs comes from
-// the caller. Everything here runs on the caller's thread; on a GPU every
+// The graph is small: at most in_flight iterations are pending (one for
+// priority), oldest first, and per parameter each is either applied (landed)
+// or waiting for its buckets; a parameter lands its iterations in order.
+// Which buckets a parameter waits for comes from the reducer's plan; which
+// parameters a lander needs comes from the caller. Everything here runs on the caller's thread; on a GPU every
 // kernel, copy and wait is enqueued on the stream of the call in progress.
 #include "hemiola/updater.h"
 
 #include <algorithm>
 #include <cmath>
 #include <cstring>
-#include <optional>
+#include <deque>
 #include <string>
 #include <utility>
 
@@ -28,30 +28,6 @@
 namespace hemiola {
 
 namespace {
-
-// An iteration whose update is not applied to every parameter yet.
-struct Pending {
-  uint64_t iteration = 0;
-  StepOptions options;
-  // Its results were written to the updater's own buffers and waited for
-  // (the first iteration, whose buckets are rebuilt before it lands).
-  bool gathered = false;
-  std::vector<int> usage;      // how many ranks used each parameter (has_unused)
-  bool scale_known = false;    // coef / skip below are computed
-  double coef = 1.0;           // clip_grad_norm_'s coefficient
-  bool skip = false;           // some averaged gradient is not finite (GradScaler)
-  std::vector<uint8_t> applied;    // per parameter
-  std::vector<size_t> remaining;   // the parameters not applied yet, ascending
-  std::vector<uint8_t> bucket_arrived;  // per bucket, once seen reduced
-  // decoupled with a preview (ReducerOptions::preview):
-  std::vector<uint8_t> stepped;          // per parameter: took the local step
-  std::vector<uint8_t> previewed;        // per parameter: live = shadow stepped with the preview
-  std::vector<uint8_t> bucket_previewed; // per bucket, once seen previewed
-
-  bool needs_whole() const {
-    return options.has_unused || options.clip_max_norm >= 0.0 || options.skip_if_not_finite;
-  }
-};
 
 // Host memory of one tensor's size.
 using HostBuffer = std::vector<std::max_align_t>;
@@ -91,6 +67,41 @@ class Buffer {
   std::unique_ptr<cuda::DeviceBuffer> device_;
 };
 
+// An iteration whose update is not applied to every parameter yet.
+struct Pending {
+  uint64_t iteration = 0;
+  StepOptions options;
+  // Its results were written to the updater's own buffers and waited for
+  // (the first iteration, whose buckets are rebuilt before it lands).
+  bool gathered = false;
+  std::vector<int> usage;      // how many ranks used each parameter (has_unused)
+  bool scale_known = false;    // coef / skip below are computed
+  double coef = 1.0;           // clip_grad_norm_'s coefficient
+  bool skip = false;           // some averaged gradient is not finite (GradScaler)
+  std::vector<uint8_t> applied;    // per parameter
+  std::vector<size_t> remaining;   // the parameters not applied yet, ascending
+  std::vector<uint8_t> bucket_arrived;  // per bucket, once seen reduced
+  // decoupled:
+  std::vector<uint8_t> stepped;          // per parameter: took the local step
+  std::vector<Buffer> local;             // in_flight > 1: the local gradients, to re-step
+  // decoupled with a preview (ReducerOptions::preview):
+  std::vector<uint8_t> previewed;        // per parameter: live = shadow stepped with the preview
+  std::vector<uint8_t> bucket_previewed; // per bucket, once seen previewed
+
+  bool needs_whole() const {
+    return options.has_unused || options.clip_max_norm >= 0.0 || options.skip_if_not_finite;
+  }
+};
+
+// Scratch of re-taken local steps (decoupled, in_flight > 1): a parameter
+// and its optimizer state stepped through several pending iterations. One
+// set, grown to the largest tensor, serves every parameter in turn (on a GPU
+// the steps are ordered on one stream).
+struct Restep {
+  Buffer param, momentum, exp_avg, exp_avg_sq, max_exp_avg_sq;
+  float step = 0.0f;
+};
+
 }  // namespace
 
 class UpdaterImpl {
@@ -98,15 +109,25 @@ class UpdaterImpl {
   UpdaterImpl(Engine& engine, Reducer& reducer, std::vector<ParameterSlot> params,
               const UpdaterOptions& options, StreamRef stream)
       : engine_(engine), reducer_(ReducerAccess::impl(reducer)), options_(options),
-        device_(reducer.options().device), timeline_(engine.options().timeline),
-        rebuilt_(!options.rebuild_buckets) {
+        device_(reducer.options().device), in_flight_(reducer.options().in_flight),
+        timeline_(engine.options().timeline), rebuilt_(!options.rebuild_buckets),
+        gathered_(in_flight_ + 1) {
     HEMIOLA_CHECK(options.priority_front_fraction >= 0.0 && options.priority_front_fraction <= 1.0,
                   "updater: priority_front_fraction must be in [0, 1], got ",
                   options.priority_front_fraction);
-    // One iteration reduces while the next marks, so the reducer must keep
-    // two sets of buffers; the first iteration's rebuild needs the order.
-    HEMIOLA_CHECK(reducer.options().in_flight == 1, "updater: the reducer must be made with "
-                  "ReducerOptions::in_flight = 1 (it has ", reducer.options().in_flight, ")");
+    // The reducer's in_flight is the schedule's: iteration t's results stay
+    // readable until t + in_flight + 1 starts marking, so at most in_flight
+    // iterations are pending while the next one marks. priority lands
+    // everything before the next step, hence one.
+    HEMIOLA_CHECK(in_flight_ >= 1, "updater: the reducer must be made with "
+                  "ReducerOptions::in_flight >= 1");
+    HEMIOLA_CHECK(in_flight_ == 1 || options.schedule == UpdateSchedule::kDecoupled,
+                  "updater: schedule priority needs ReducerOptions::in_flight = 1 (the reducer "
+                  "has ", in_flight_, ")");
+    HEMIOLA_CHECK(in_flight_ == 1 || !reducer.options().preview,
+                  "updater: a reducer with a preview needs ReducerOptions::in_flight = 1 (it "
+                  "has ", in_flight_, ")");
+    // The first iteration's rebuild needs the order.
     HEMIOLA_CHECK(!options.rebuild_buckets || reducer.options().record_order,
                   "updater: rebuild_buckets needs ReducerOptions::record_order");
     HEMIOLA_CHECK(!reducer.options().preview || options.schedule == UpdateSchedule::kDecoupled,
@@ -137,8 +158,8 @@ class UpdaterImpl {
   void mark(size_t index, const void* source, void* local_grad, StreamRef stream) {
     check_index(index);
     use_stream(stream);
-    if (options_.schedule == UpdateSchedule::kPriority && pending_ &&
-        !pending_->applied[index]) {
+    if (options_.schedule == UpdateSchedule::kPriority && !pending_.empty() &&
+        !pending_.front().applied[index]) {
       const std::string message = detail::concat(
           "schedule='priority': parameter '", params_[index].name,
           "' was read in this forward before its update from the previous iteration was "
@@ -187,23 +208,23 @@ class UpdaterImpl {
     HEMIOLA_CHECK(lander < landers_.size(), "updater: lander ", lander, " of ", landers_.size());
     use_stream(stream);
     const std::vector<size_t>& needed = landers_[lander];
-    if (pending_) {
+    if (!pending_.empty()) {
       if (options_.schedule == UpdateSchedule::kPriority) {
         update_priority(needed, /*wait=*/true);
       } else if (options_.correct_on_arrival) {
-        if (!pending_->previewed.empty() && !pending_->needs_whole()) {
-          wait_previews(*pending_, needed);
-        }
-        advance_decoupled(/*wait=*/false);
+        Pending& newest = pending_.back();  // with a preview the only one (in_flight 1)
+        if (!newest.previewed.empty() && !newest.needs_whole()) wait_previews(newest, needed);
+        land_arrived();
       }
     }
     if (training && options_.schedule == UpdateSchedule::kDecoupled) {
       for (size_t i : needed) {
         const uint64_t numel = params_[i].param.numel;
         reads_ += numel;
-        if (pending_ && !pending_->applied[i]) {
+        if (!pending_.empty() && !pending_.back().applied[i]) {  // parameters land in order
           approximate_reads_ += numel;
-          if (!pending_->previewed.empty() && pending_->previewed[i]) previewed_reads_ += numel;
+          const Pending& newest = pending_.back();
+          if (!newest.previewed.empty() && newest.previewed[i]) previewed_reads_ += numel;
         }
       }
     }
@@ -217,11 +238,10 @@ class UpdaterImpl {
 
   // Lands everything pending (waits), on the current stream.
   void land_all() {
-    if (!pending_) return;
     if (options_.schedule == UpdateSchedule::kPriority) {
-      update_priority(all_, /*wait=*/true);
+      if (!pending_.empty()) update_priority(all_, /*wait=*/true);
     } else {
-      advance_decoupled(/*wait=*/true);
+      while (!pending_.empty()) land_oldest();
     }
   }
 
@@ -229,7 +249,7 @@ class UpdaterImpl {
     use_stream(stream);
     HEMIOLA_CHECK(params.size() == params_.size(), "updater: ", params.size(),
                   " parameters replace ", params_.size());
-    pending_.reset();
+    pending_.clear();
     adopt(std::move(params));
   }
 
@@ -329,7 +349,7 @@ class UpdaterImpl {
     if (!gathers(index)) return nullptr;
     // The iteration being marked (the reducer starts one at its first mark).
     const uint64_t started = reducer_.iterations_started();
-    const uint64_t slot = (reducer_.marking() ? started - 1 : started) % 2;
+    const uint64_t slot = (reducer_.marking() ? started - 1 : started) % gathered_.size();
     auto& buffer = gathered_[slot];
     if (buffer.size() != params_.size()) buffer.resize(params_.size());
     return buffer[index].reserve(device_, params_[index].param.nbytes());
@@ -337,7 +357,7 @@ class UpdaterImpl {
 
   const void* reduced(const Pending& pending, size_t index) const {
     if (pending.gathered || partitioned_[index]) {
-      return gathered_[pending.iteration % 2][index].data();
+      return gathered_[pending.iteration % gathered_.size()][index].data();
     }
     return reducer_.result(pending.iteration, index).data;
   }
@@ -358,7 +378,7 @@ class UpdaterImpl {
       rebuilt_ = true;
       return;
     }
-    if (!pending_->needs_whole()) update_priority(all_, /*wait=*/false);
+    if (!pending_.back().needs_whole()) update_priority(all_, /*wait=*/false);
   }
 
   // Plan order (backward order), except that the buckets holding the front
@@ -387,7 +407,7 @@ class UpdaterImpl {
   // step() whose buckets are reduced: one pass of optimizer steps. The work
   // is over the parameters still pending, not all of them.
   void update_priority(const std::vector<size_t>& wanted, bool wait) {
-    Pending& pending = *pending_;
+    Pending& pending = pending_.front();  // the only one
     std::vector<size_t> todo;
     for (size_t i : wanted) {
       if (!pending.applied[i]) todo.push_back(i);
@@ -406,7 +426,7 @@ class UpdaterImpl {
       apply(pending, chosen);
       record("step", start, "update ", chosen.size(), " parameters (", pending.iteration, ")");
     }
-    if (pending.remaining.empty()) pending_.reset();
+    if (pending.remaining.empty()) pending_.pop_front();
   }
 
   // ---- decoupled -----------------------------------------------------------------
@@ -428,26 +448,41 @@ class UpdaterImpl {
       rebuilt_ = true;
       gathered = true;
     }
-    land_all();  // one iteration in flight: the previous one lands now
+    // With this one, at most in_flight iterations stay pending: the oldest
+    // land now (waiting); the others land what has arrived.
+    while (pending_.size() >= in_flight_) land_oldest();
+    if (options_.correct_on_arrival && !pending_.empty()) land_arrived();
+    start_pending(iteration, options);
+    Pending& pending = pending_.back();
+    pending.gathered = gathered;
+    pending.usage = std::move(usage);
+    pending.stepped.assign(params_.size(), 0);
+    for (size_t i = 0; i < params_.size(); ++i) {
+      pending.stepped[i] = !options.local_overflow && local_grads_[i] != nullptr;
+    }
+    if (in_flight_ > 1) {
+      // The gradients' memory is the caller's until the next backward; a
+      // local step is re-taken after an older iteration lands.
+      pending.local.resize(params_.size());
+      for (size_t i = 0; i < params_.size(); ++i) {
+        if (!pending.stepped[i]) continue;
+        const size_t bytes = params_[i].param.nbytes();
+        copy(pending.local[i].reserve(device_, bytes), local_grads_[i], bytes);
+      }
+    }
     if (!options.local_overflow) {
       // The approximate step: the exact values stepped with this rank's own
-      // gradient, into the live parameters only.
+      // gradient (after the local steps of older pending iterations), into
+      // the live parameters only.
       const int64_t start = engine_.timeline_now_us();
       for (size_t i = 0; i < params_.size(); ++i) {
-        if (local_grads_[i]) optimizer_step(i, local_grads_[i], options.hyper, 1.0, false);
+        if (pending.stepped[i]) restep(i);
       }
       record("step", start, "local step ", iteration);
     }
-    start_pending(iteration, options);
-    pending_->gathered = gathered;
-    pending_->usage = std::move(usage);
     if (previews()) {
-      pending_->stepped.assign(params_.size(), 0);
-      for (size_t i = 0; i < params_.size(); ++i) {
-        pending_->stepped[i] = !options.local_overflow && local_grads_[i] != nullptr;
-      }
-      pending_->previewed.assign(params_.size(), 0);
-      pending_->bucket_previewed.assign(bucket_bytes_.size(), 0);
+      pending.previewed.assign(params_.size(), 0);
+      pending.bucket_previewed.assign(bucket_bytes_.size(), 0);
     }
   }
 
@@ -457,8 +492,21 @@ class UpdaterImpl {
     return reducer_.options().preview && options_.correct_on_arrival;
   }
 
-  // Lands the pending exact step of every parameter (waiting), or of those
-  // that have arrived and that no forward read since step().
+  // Lands the oldest pending iteration's exact step of every parameter
+  // (waiting for it).
+  void land_oldest() {
+    Pending& pending = pending_.front();
+    const std::vector<size_t> chosen = pending.remaining;
+    if (!chosen.empty()) {
+      wait_for(pending, chosen);
+      correct(pending, chosen);
+    }
+    pending_.pop_front();
+  }
+
+  // Lands the exact steps that have arrived, of parameters no forward read
+  // since step() and whose older iterations have landed; with a preview,
+  // lands the previews that have arrived instead.
   //
   // With the preview on, exact steps land only when waited for (in step()),
   // never on arrival: a forward then reads the preview's estimate for every
@@ -466,24 +514,35 @@ class UpdaterImpl {
   // measured worse on the LM with AdamW (+1.85% held-out loss from wfbp
   // against +0.95% with every read on the estimate, 12 seeds; see
   // docs/schedules.md), and the model reproduces it.
-  void advance_decoupled(bool wait) {
-    Pending& pending = *pending_;
-    std::vector<size_t> chosen;
-    if (wait) {
-      chosen = pending.remaining;
-      if (!chosen.empty()) wait_for(pending, chosen);
-    } else if (!pending.needs_whole() && pending.previewed.empty()) {
-      for (size_t i : pending.remaining) {
-        if (!read_[i] && arrived(pending, i)) chosen.push_back(i);
+  void land_arrived() {
+    for (size_t k = 0; k < pending_.size(); ++k) {
+      Pending& pending = pending_[k];
+      if (pending.needs_whole()) continue;
+      if (!pending.previewed.empty()) {
+        land_previews(pending);
+        continue;
       }
+      std::vector<size_t> chosen;
+      for (size_t i : pending.remaining) {
+        if (!read_[i] && landed_before(k, i) && arrived(pending, i)) chosen.push_back(i);
+      }
+      if (!chosen.empty()) correct(pending, chosen);
     }
-    if (!chosen.empty()) {
-      const int64_t start = engine_.timeline_now_us();
-      apply(pending, chosen);
-      record("correction", start, "exact step (", chosen.size(), " parameters)");
+    while (!pending_.empty() && pending_.front().remaining.empty()) pending_.pop_front();
+  }
+
+  // The iterations pending before pending_[k] have landed parameter i.
+  bool landed_before(size_t k, size_t i) const {
+    for (size_t j = 0; j < k; ++j) {
+      if (!pending_[j].applied[i]) return false;
     }
-    if (!wait && !pending.previewed.empty() && !pending.needs_whole()) land_previews(pending);
-    if (pending.remaining.empty()) pending_.reset();
+    return true;
+  }
+
+  void correct(Pending& pending, const std::vector<size_t>& chosen) {
+    const int64_t start = engine_.timeline_now_us();
+    apply(pending, chosen);
+    record("correction", start, "exact step (", chosen.size(), " parameters)");
   }
 
   // The approximate step again, from the preview's estimate of the average
@@ -545,12 +604,12 @@ class UpdaterImpl {
   // ---- common ----------------------------------------------------------------
 
   void start_pending(uint64_t iteration, const StepOptions& options) {
-    pending_.emplace();
-    pending_->iteration = iteration;
-    pending_->options = options;
-    pending_->applied.assign(params_.size(), 0);
-    pending_->remaining = all_;
-    pending_->bucket_arrived.assign(bucket_bytes_.size(), 0);
+    Pending& pending = pending_.emplace_back();
+    pending.iteration = iteration;
+    pending.options = options;
+    pending.applied.assign(params_.size(), 0);
+    pending.remaining = all_;
+    pending.bucket_arrived.assign(bucket_bytes_.size(), 0);
   }
 
   bool arrived(Pending& pending, size_t index) const {
@@ -596,11 +655,14 @@ class UpdaterImpl {
         const size_t i = chosen[k];
         if (used(i) && !optim::all_finite(averages[k], params_[i].param.numel,
                                           params_[i].param.dtype)) {
-          // Nothing of the iteration is applied, and the live parameters
-          // are the exact ones (a local step may have taken the NaN in).
-          for (size_t j : pending.remaining) restore(j);
+          // Nothing more of the iteration (nor of a later one) is applied,
+          // and the live parameters are the exact ones (a local step may
+          // have taken the NaN in).
+          for (const Pending& q : pending_) {
+            for (size_t j : q.remaining) restore(j);
+          }
           const uint64_t iteration = pending.iteration;
-          pending_.reset();  // (`pending` is gone from here on)
+          pending_.clear();  // (`pending` is gone from here on)
           HEMIOLA_THROW(
               ErrorCode::kNotFinite, "hemiola: the averaged gradient of parameter '",
               params_[i].name, "' holds NaN or infinity in iteration ", iteration,
@@ -617,11 +679,72 @@ class UpdaterImpl {
         optimizer_step(i, reduced(pending, i), o.hyper, pending.coef, /*commit=*/true);
       }
       pending.applied[i] = 1;
+      // decoupled, in_flight > 1: the later iterations' local steps again.
+      if (&pending != &pending_.back() && steps_pending(i)) restep(i);
     }
     auto& remaining = pending.remaining;
     remaining.erase(std::remove_if(remaining.begin(), remaining.end(),
                                    [&](size_t i) { return pending.applied[i] != 0; }),
                     remaining.end());
+  }
+
+  // decoupled: an iteration whose local step of parameter i is in the live
+  // value has not landed it.
+  bool steps_pending(size_t i) const {
+    for (const Pending& p : pending_) {
+      if (!p.applied[i] && !p.stepped.empty() && p.stepped[i]) return true;
+    }
+    return false;
+  }
+
+  // decoupled: live parameter i <- the shadow stepped with the local
+  // gradient of every pending iteration that has not landed it (the
+  // invariant), in order. More than one such step goes through scratch
+  // copies of the shadow and the optimizer state, so that each step reads
+  // the state the previous one left, and none is committed.
+  void restep(size_t i) {
+    std::vector<const Pending*> steps;
+    for (const Pending& p : pending_) {
+      if (!p.applied[i] && p.stepped[i]) steps.push_back(&p);
+    }
+    if (steps.empty()) return restore(i);
+    if (steps.size() == 1) {
+      return optimizer_step(i, local_grad(*steps[0], i), steps[0]->options.hyper, 1.0,
+                            /*commit=*/false);
+    }
+    ParameterSlot slot = params_[i];
+    const size_t bytes = slot.param.nbytes();
+    void* live = slot.param.data;
+    void* value = restep_.param.reserve(device_, bytes);
+    copy(value, shadow_[i].data(), bytes);
+    auto scratch = [&](Buffer& buffer, void*& state) {
+      if (!state) return;
+      void* copied = buffer.reserve(device_, bytes);
+      copy(copied, state, bytes);
+      state = copied;
+    };
+    scratch(restep_.momentum, slot.momentum_buffer);
+    scratch(restep_.exp_avg, slot.exp_avg);
+    scratch(restep_.exp_avg_sq, slot.exp_avg_sq);
+    scratch(restep_.max_exp_avg_sq, slot.max_exp_avg_sq);
+    if (slot.step) {
+      restep_.step = *slot.step;
+      slot.step = &restep_.step;
+    }
+    for (size_t k = 0; k < steps.size(); ++k) {
+      const bool last = k + 1 == steps.size();
+      // Committing into the scratch (live and shadow the same memory), and
+      // the last step from it into the live parameter.
+      slot.param.data = last ? live : value;
+      step_slot(slot, value, local_grad(*steps[k], i), steps[k]->options.hyper, 1.0,
+                /*commit=*/!last);
+    }
+  }
+
+  // The local gradient `pending` stepped parameter i with: the caller's
+  // during its step(), a copy of it afterwards (in_flight > 1).
+  const void* local_grad(const Pending& pending, size_t i) const {
+    return pending.local.empty() ? local_grads_[i] : pending.local[i].data();
   }
 
   // The GradScaler skip (any averaged gradient not finite) and the clipping
@@ -742,10 +865,15 @@ class UpdaterImpl {
   // also advances the exact value and the state.
   void optimizer_step(size_t i, const void* grad, const std::vector<GroupHyper>& groups,
                       double grad_scale, bool commit) {
-    ParameterSlot& p = params_[i];
-    const GroupHyper& h = groups[p.group];
     void* exact = options_.schedule == UpdateSchedule::kDecoupled ? shadow_[i].data()
-                                                                    : p.param.data;
+                                                                    : params_[i].param.data;
+    step_slot(params_[i], exact, grad, groups, grad_scale, commit);
+  }
+
+  // One optimizer step of `p` from `exact` into p.param (see above).
+  void step_slot(ParameterSlot& p, void* exact, const void* grad,
+                 const std::vector<GroupHyper>& groups, double grad_scale, bool commit) {
+    const GroupHyper& h = groups[p.group];
     const auto numel = static_cast<std::int64_t>(p.param.numel);
     if (options_.optimizer == OptimizerKind::kSgd) {
       SgdHyper s;
@@ -794,6 +922,7 @@ class UpdaterImpl {
   ReducerImpl& reducer_;  // its per-bucket interface: the landing graph is in buckets
   UpdaterOptions options_;
   Device device_;      // the reducer's: every parameter, state and gradient lives there
+  size_t in_flight_;   // the reducer's: decoupled keeps at most this many iterations pending
   StreamRef stream_;   // the stream of the call in progress (GPU: all work goes there)
   std::unique_ptr<cuda::Event> switched_;  // GPU: orders work across a change of stream
   bool timeline_;  // the engine records a timeline
@@ -809,9 +938,10 @@ class UpdaterImpl {
   std::vector<uint8_t> read_;        // read by a forward since the last step()
   std::vector<uint8_t> selected_;    // scratch of update_priority (all zero between calls)
   std::vector<Buffer> shadow_;       // decoupled: the exact parameters
-  std::vector<Buffer> gathered_[2];  // per iteration parity: results kept here
+  std::vector<std::vector<Buffer>> gathered_;  // per iteration % (in_flight + 1): results kept here
   std::vector<HostBuffer> staging_;  // GPU: host copies of averaged gradients (readable())
-  std::optional<Pending> pending_;
+  std::deque<Pending> pending_;  // oldest first
+  Restep restep_;                // in_flight > 1: scratch of re-taken local steps
   uint64_t reads_ = 0;
   uint64_t approximate_reads_ = 0;
   uint64_t previewed_reads_ = 0;  // approximate reads of a preview step

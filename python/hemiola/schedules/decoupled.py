@@ -26,7 +26,7 @@ independent of network timing (bitwise reproducible).
 By default the engine runs this schedule (``hemiola.schedules.native``: the
 shadow, the landing graph and the SGD / Adam / AdamW steps in C++, see
 cpp/include/hemiola/updater.h). This module is the path for everything else
-(other optimizers, GPU parameters, ``in_flight > 1``): the exact parameters
+(other optimizers, GPU parameters by default): the exact parameters
 and optimizer state live in a shadow copy; both steps are the user's own
 optimizer (the others' gradients hidden), so every
 ``torch.optim`` optimizer whose update is per parameter works (SGD with

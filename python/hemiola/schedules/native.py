@@ -9,8 +9,8 @@ hook), one per lander (a module's forward pre-hook) and one per
 state lives in the optimizer's own tensors, in torch's format, so
 ``optimizer.state_dict()`` and ``load_state_dict()`` are torch's.
 
-The engine steps ``torch.optim.SGD``, ``Adam`` and ``AdamW`` with one
-iteration in flight: CPU parameters by default, CUDA parameters with
+The engine steps ``torch.optim.SGD``, ``Adam`` and ``AdamW`` (``decoupled``
+with any ``in_flight``): CPU parameters by default, CUDA parameters with
 ``native_optimizer=True`` (every kernel, copy and wait on the current
 stream; not yet run on a GPU). Everything else takes the torch path
 (``hemiola.schedules.torch_update``) with a one-line warning at wrap time
@@ -40,15 +40,12 @@ PREVIEW_BY_DEFAULT = ("adam", "adamw")
 Hyper = tuple[float, float, float, float, bool, bool, float, float, float, bool]
 
 
-def unsupported(optimizer: Any, params: list[torch.Tensor], in_flight: int,
-                gpu: bool = False) -> str | None:
+def unsupported(optimizer: Any, params: list[torch.Tensor], gpu: bool = False) -> str | None:
     """Why the engine cannot step `optimizer` for these parameters (None: it
     can). `gpu`: CUDA parameters are allowed (``native_optimizer=True``)."""
     name = type(optimizer).__name__
     if type(optimizer) not in _KINDS:
         return f"{name} is not one of the engine's optimizers (SGD, Adam, AdamW)"
-    if in_flight > 1:
-        return "in_flight > 1 re-takes local steps on top of each other"
     if not params:
         return "the model has no trainable parameters"
     on_gpu = any(p.device.type == "cuda" for p in params)
@@ -87,14 +84,16 @@ class NativeUpdate(DeferredSchedule):
         self._kind = _KINDS[type(optimizer)]
         self._updater: Any = None  # C.Updater, made by wrap_optimizer
         self._decoupled = model.config.schedule == "decoupled"
+        if self._decoupled:
+            self.in_flight = model.config.in_flight
         preview = model.config.preview
         if preview is None:
-            preview = self._kind in PREVIEW_BY_DEFAULT
+            preview = self._kind in PREVIEW_BY_DEFAULT and self.in_flight == 1
         self._cuda = model.device.type == "cuda"
-        self.preview = self._decoupled and preview and not self._cuda
-        if self._cuda and model.config.preview:
-            warnings.warn("hemiola: preview=True is implemented for CPU models only; this "
-                          "model takes no preview", stacklevel=5)
+        self.preview = self._decoupled and preview and not self._cuda and self.in_flight == 1
+        if model.config.preview and not self.preview and self._decoupled:
+            warnings.warn("hemiola: preview=True is implemented for CPU models with "
+                          "in_flight=1 only; this model takes no preview", stacklevel=5)
         if self._cuda:
             warnings.warn("hemiola: native_optimizer=True steps CUDA parameters with the "
                           "engine's kernels, a path not yet run on a GPU; compare with "

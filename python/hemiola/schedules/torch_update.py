@@ -1,9 +1,9 @@
 """The landing path that steps with torch's optimizer: the fallback of
 ``priority`` and ``decoupled`` for what the engine's updater does not cover
-(optimizers other than SGD / Adam / AdamW, GPU parameters, ``in_flight > 1``;
-see ``hemiola.schedules.native``). The landing logic here mirrors the engine's
-(cpp/src/engine/updater.cpp) with per-parameter Python bookkeeping, which is
-why it is only the fallback."""
+(optimizers other than SGD / Adam / AdamW, GPU parameters unless
+``native_optimizer=True``; see ``hemiola.schedules.native``). The landing
+logic here mirrors the engine's (cpp/src/engine/updater.cpp) with
+per-parameter Python bookkeeping, which is why it is only the fallback."""
 
 from __future__ import annotations
 
