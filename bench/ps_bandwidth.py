@@ -44,8 +44,10 @@ def rank_main(config: dict[str, Any]) -> dict[str, Any] | None:
     import hemiola.ps
 
     torch.set_num_threads(1)
-    ps_config = hemiola.ps.PSConfig(consistency=config["scheme"], num_servers=config["servers"],
-                                    timeout_s=600)
+    consistency, _, ahead = config["scheme"].partition("@")  # eager@F: ahead_fraction F
+    fraction = float(ahead) if ahead else hemiola.ps.PSConfig.ahead_fraction
+    ps_config = hemiola.ps.PSConfig(consistency=consistency, num_servers=config["servers"],
+                                    timeout_s=600, ahead_fraction=fraction)
     role = hemiola.ps.role(config["servers"])
     if role.is_server:
         hemiola.ps.serve(ps_config, role)
@@ -96,7 +98,9 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--iterations", type=int, default=15)
     parser.add_argument("--batch", type=int, default=MLP_BATCH)
-    parser.add_argument("--schemes", nargs="+", default=list(SCHEMES))
+    parser.add_argument("--schemes", nargs="+", default=list(SCHEMES),
+                        help="consistency models; eager@F: eager pulling the front F of the "
+                             "bytes ahead (PSConfig.ahead_fraction)")
     parser.add_argument("--timeout-s", type=float, default=900.0)
     parser.add_argument("--rank", help=argparse.SUPPRESS)
     args = parser.parse_args()

@@ -43,7 +43,7 @@ import itertools
 import statistics
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import matplotlib
 import torch
@@ -68,27 +68,39 @@ EVAL_EVERY = 5
 IMAGES = Path(__file__).resolve().parent.parent / "docs" / "images"
 
 
-def parse_scheme(scheme: str) -> tuple[str, str, bool, bool]:
-    """A --schemes entry as (consistency or schedule, staleness rule or "",
-    local correction, momentum compensation): e.g. "eager:none",
-    "eager-uncorrected", "asp-uncompensated"."""
+class Scheme(NamedTuple):
+    """A --schemes entry: e.g. "eager:none", "eager-uncorrected",
+    "asp-uncompensated", "eager@0.25"."""
+
+    consistency: str  # or an all-reduce schedule
+    rule: str  # staleness rule, "" for the default
+    corrected: bool  # PSConfig.local_correction
+    compensated: bool  # PSConfig.momentum_compensation
+    ahead: float  # PSConfig.ahead_fraction
+
+
+def parse_scheme(scheme: str) -> Scheme:
+    """Splits a --schemes entry into its parts."""
     compensated = not scheme.endswith(UNCOMPENSATED)
-    consistency, _, rule = scheme.removesuffix(UNCOMPENSATED).partition(":")
+    name, _, ahead = scheme.removesuffix(UNCOMPENSATED).partition("@")
+    consistency, _, rule = name.partition(":")
     corrected = consistency != UNCORRECTED
-    return ("eager" if not corrected else consistency), rule, corrected, compensated
+    return Scheme("eager" if not corrected else consistency, rule, corrected, compensated,
+                  float(ahead) if ahead else hemiola.ps.PSConfig.ahead_fraction)
 
 
 def run_rank(rank: int, world: int, scheme: str, servers: int, workers: int, delay_s: float,
              iterations: int, seed: int, lr: float, momentum: float) -> dict[str, Any] | None:
     """One rank of one run (called by run_local)."""
     task = DigitsTask(lr=lr, momentum=momentum)
-    consistency, rule, corrected, compensated = parse_scheme(scheme)
+    consistency, rule, corrected, compensated, ahead = parse_scheme(scheme)
     is_ps = consistency in PS_SCHEMES
     if is_ps:
         config = hemiola.ps.PSConfig(consistency=consistency, num_servers=servers,
                                      staleness_rule=rule or None, staleness_bound=2,
                                      timeout_s=120, local_correction=corrected,
-                                     momentum_compensation=compensated)
+                                     momentum_compensation=compensated,
+                                     ahead_fraction=ahead)
         r = hemiola.ps.role(servers)
         if r.is_server:
             hemiola.ps.serve(config, r)
@@ -234,7 +246,8 @@ def main() -> None:
                              "overrides the staleness rule (e.g. eager:none, asp:inverse); "
                              f"{UNCORRECTED}: eager without local correction; a suffix "
                              f"{UNCOMPENSATED} (e.g. asp{UNCOMPENSATED}): without momentum "
-                             "compensation")
+                             "compensation; a suffix @F (e.g. eager@0.25): eager pulling "
+                             "the front F of the bytes ahead")
     parser.add_argument("--slowdowns", nargs="+", type=float, default=[1, 2, 4])
     parser.add_argument("--workers", nargs="+", type=int, default=[4],
                         help="numbers of workers (the last one is the straggler)")
@@ -249,7 +262,7 @@ def main() -> None:
 
     def run(scheme: str, workers: int, slowdown: float, seed: int, delay_s: float
             ) -> dict[str, Any]:
-        is_ps = parse_scheme(scheme)[0] in PS_SCHEMES
+        is_ps = parse_scheme(scheme).consistency in PS_SCHEMES
         world = workers + (args.servers if is_ps else 0)
         results = run_local(run_rank, world, scheme, args.servers, workers, delay_s,
                             args.iterations, seed, args.lr, args.momentum, timeout_s=900)

@@ -84,9 +84,10 @@ def test_staleness_rules() -> None:
         C.ps.staleness_factor("sometimes", 1)
 
 
-def _one_worker(consistency: str, correction: bool, opt: str, steps: int = 6) -> dict:
+def _one_worker(consistency: str, correction: bool, opt: str, steps: int = 6,
+                ahead: float = 1.0) -> dict:
     options = {"consistency": consistency, "num_servers": 1, "timeout_s": 60,
-               "local_correction": correction}
+               "local_correction": correction, "ahead_fraction": ahead}
     [w] = _workers(run_local(ps_workers.train, 2, options, "mlp", opt, steps))
     return w
 
@@ -107,6 +108,29 @@ def test_eager_local_correction_puts_the_own_push_into_the_next_forward(opt: str
     assert {r["staleness"] for r in stale["records"]} == {0, 1}
     gaps = [abs(a - b) for a, b in zip(stale["losses"][2:], bsp["losses"][2:])]
     assert min(gaps) > 1e-4, gaps  # the check above can fail: the stale run differs
+
+
+@pytest.mark.parametrize("ahead,front", [(0.0, set()), (0.2, {"net.0.weight"})])
+def test_eager_pulls_ahead_only_the_front_fraction(ahead: float, front: set[str]) -> None:
+    """ahead_fraction 0.2 of the MLP's 5829 elements: only net.0.weight (1280,
+    the first tensor the forward reads) is pulled ahead of the push; the
+    others after it, as asp pulls. Uncorrected, exactly the front tensors are
+    stale; corrected, the mix still trains exactly as bsp does."""
+    bsp = _one_worker("bsp", True, "sgd")
+    mixed = _one_worker("eager", True, "sgd", ahead=ahead)
+    stale = _one_worker("eager", False, "sgd", ahead=ahead)
+    torch.testing.assert_close(mixed["losses"], bsp["losses"], rtol=1e-5, atol=1e-6)
+    for name, p in bsp["params"].items():
+        torch.testing.assert_close(mixed["params"][name], p, rtol=1e-5, atol=1e-6)
+    assert {r["tensor"] for r in stale["records"] if r["staleness"] > 0} == front
+    assert all(r["staleness"] == 0 for r in mixed["records"])
+
+
+def test_ahead_fraction_is_checked() -> None:
+    import hemiola.ps
+
+    with pytest.raises(ValueError, match="ahead_fraction must be within"):
+        hemiola.ps.PSConfig(consistency="eager", ahead_fraction=1.5)
 
 
 def test_eager_local_correction_with_adamw_tracks_bsp_closer() -> None:

@@ -47,6 +47,15 @@ class PSConfig:
             contains the worker's own last gradient and the staleness rule
             counts only other workers' updates. The servers' parameters and
             optimizer state are untouched by it. On by default.
+        ahead_fraction: ``eager`` only: the share of the parameter bytes,
+            front layers first (the order the last forward read them), whose
+            next values are pulled ahead, when the forward ends, without
+            waiting for this worker's push (and corrected locally). The
+            other parameters are pulled after their push, when
+            ``optimizer.step()`` runs, as ``asp`` pulls: those replies
+            hold every push made during this backward, so their gradients
+            are less stale, and they stream in while the front layers
+            compute. 1 pulls everything ahead; 0 is ``asp``.
         momentum_compensation: asynchronous modes with SGD momentum: a
             push tau versions stale steps with momentum/(1+tau). Asynchrony
             acts as momentum of its own (Mitliagkas et al., 2016), and a
@@ -73,6 +82,7 @@ class PSConfig:
     check_finite: bool = True
     local_correction: bool = True
     momentum_compensation: bool = True
+    ahead_fraction: float = 1.0
 
     def __post_init__(self) -> None:
         if self.consistency not in CONSISTENCIES:
@@ -86,6 +96,8 @@ class PSConfig:
             raise ValueError(f"staleness_bound must be >= 0, got {self.staleness_bound}")
         if self.partition_mb <= 0 or self.timeout_s <= 0:
             raise ValueError("partition_mb and timeout_s must be positive")
+        if not 0.0 <= self.ahead_fraction <= 1.0:
+            raise ValueError(f"ahead_fraction must be within [0, 1], got {self.ahead_fraction}")
         if self.restore and not self.snapshot_dir:
             raise ValueError("restore=True needs snapshot_dir")
 

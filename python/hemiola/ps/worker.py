@@ -72,6 +72,7 @@ class ParameterServerModel(nn.Module):
                     "contiguous float32 CPU parameters")
         self._names = [n for n, _ in named]
         self._params = [p for _, p in named]
+        self._total_numel = sum(p.numel() for p in self._params)
         self._index = {id(p): i for i, p in enumerate(self._params)}
         self._kind = _optimizer_kind(optimizer)
         self._optimizer = optimizer
@@ -189,13 +190,28 @@ class ParameterServerModel(nn.Module):
         taken = set(self._order)
         return self._order + [i for i in range(len(self._params)) if i not in taken]
 
+    def _ahead(self) -> list[int]:
+        """eager: the parameters pulled ahead, the front `ahead_fraction` of the
+        bytes in the order the last forward read them (at least one when the
+        fraction is positive)."""
+        budget = self.config.ahead_fraction * self._total_numel
+        ahead: list[int] = []
+        taken = 0
+        for i in self._forward_order():
+            if taken >= budget:
+                break
+            ahead.append(i)
+            taken += self._params[i].numel()
+        return ahead
+
     def _after_forward(self, module: nn.Module, args: Any, output: Any) -> None:
-        """eager: request the next iteration's parameters now, front layers first.
-        The server answers at once, before this iteration's pushes arrive, so the
-        replies stream in under backward and the next forward need not wait."""
+        """eager: request the front layers' next parameters now. The server
+        answers at once, before this iteration's pushes arrive, so the replies
+        stream in under backward and the next forward need not wait for them;
+        the other layers are pulled at optimizer.step(), after their push."""
         if not (self._sync and module.training and torch.is_grad_enabled()):
             return  # evaluation, or a micro-batch under no_sync(): not the end of an iteration
-        for i in self._forward_order():
+        for i in self._ahead():
             if not self._pending[i] and not self._prefetching[i]:
                 self._client.pull(i, True)
                 self._prefetching[i] = True
