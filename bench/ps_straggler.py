@@ -76,7 +76,7 @@ class Scheme(NamedTuple):
     rule: str  # staleness rule, "" for the default
     corrected: bool  # PSConfig.local_correction
     compensated: bool  # PSConfig.momentum_compensation
-    ahead: float  # PSConfig.ahead_fraction
+    ahead: float | None  # PSConfig.ahead_fraction (None: learned)
 
 
 def parse_scheme(scheme: str) -> Scheme:
@@ -156,6 +156,7 @@ def run_rank(rank: int, world: int, scheme: str, servers: int, workers: int, del
     result = {"worker": worker, "own_iterations": own, "seconds": clock, "evals": evals}
     if is_ps:
         result["staleness"] = wrapped.staleness()
+        result["pulled_ahead"] = wrapped.pulled_ahead()
         wrapped.close()
     return result
 
@@ -181,6 +182,7 @@ def summarize(scheme: str, slowdown: float, seed: int, results: dict[int, Any], 
     if "staleness" in w0:
         row["mean_staleness"] = {w["worker"]: round(w["staleness"]["mean"], 2) for w in workers}
         row["max_staleness"] = max(w["staleness"]["max"] for w in workers)
+        row["pulled_ahead"] = w0["pulled_ahead"]
     return row
 
 

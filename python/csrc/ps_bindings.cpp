@@ -154,7 +154,7 @@ void bind_ps(py::module_& parent) {
       .def("pull_ready", &Client::pull_ready)
       .def("wait_pull",
            [](Client& c, int tensor, uintptr_t dst) {
-             c.wait_pull(tensor, reinterpret_cast<float*>(dst));
+             return c.wait_pull(tensor, reinterpret_cast<float*>(dst));
            },
            py::call_guard<py::gil_scoped_release>())
       .def("version", &Client::version)

@@ -85,11 +85,12 @@ def scheduled_staleness(rank: int, world: int, consistency: str, local_correctio
     waits (through the store) until worker 0 has had 3 pushes applied before
     its backward pushes: its gradient must be reported with tau = 3. Worker 0
     pulls after its own push in asp (taus 0, 0, 0); in eager it pulls before
-    its own push lands, so the schedule gives it taus 0, 1, 1, unless it
-    corrects locally for its own push (then 0, 0, 0)."""
+    its own push lands (every pull ahead, ahead_fraction 1), so the schedule
+    gives it taus 0, 1, 1, unless it corrects locally for its own push (then
+    0, 0, 0)."""
 
     config = hemiola.ps.PSConfig(consistency=consistency, num_servers=1, timeout_s=30,
-                                 local_correction=local_correction)
+                                 local_correction=local_correction, ahead_fraction=1.0)
     served = server_or_none(config)
     if served is not None:
         return served

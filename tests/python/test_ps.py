@@ -85,7 +85,7 @@ def test_staleness_rules() -> None:
 
 
 def _one_worker(consistency: str, correction: bool, opt: str, steps: int = 6,
-                ahead: float = 1.0) -> dict:
+                ahead: float | None = 1.0) -> dict:
     options = {"consistency": consistency, "num_servers": 1, "timeout_s": 60,
                "local_correction": correction, "ahead_fraction": ahead}
     [w] = _workers(run_local(ps_workers.train, 2, options, "mlp", opt, steps))
@@ -124,6 +124,46 @@ def test_eager_pulls_ahead_only_the_front_fraction(ahead: float, front: set[str]
         torch.testing.assert_close(mixed["params"][name], p, rtol=1e-5, atol=1e-6)
     assert {r["tensor"] for r in stale["records"] if r["staleness"] > 0} == front
     assert all(r["staleness"] == 0 for r in mixed["records"])
+
+
+def test_learned_ahead_plan_moves_only_pulls_that_keep_the_forward_waiting() -> None:
+    from hemiola.ps.ahead import AheadPlan
+
+    plan = AheadPlan([10, 10, 10], None)
+    order = [2, 0, 1]
+    assert plan.choose(order) == []  # every pull starts after the push
+    plan.waited(2, 0.6)  # 6% of a 10 s iteration: moved at once
+    plan.waited(0, 0.05)  # 0.5%: never enough
+    plan.iteration_ended(10.0)
+    assert plan.choose(order) == [2]
+    for _ in range(50):
+        plan.waited(0, 0.05)
+        plan.iteration_ended(10.0)
+    assert plan.choose(order) == [2]
+    for _ in range(4):  # 1.5% of every iteration: the mean passes 1% in the fifth
+        plan.waited(1, 0.15)
+        plan.iteration_ended(10.0)
+        assert plan.choose(order) == [2]
+    plan.waited(1, 0.15)
+    plan.iteration_ended(10.0)
+    assert plan.choose(order) == [2, 1]
+
+
+def test_fixed_ahead_plan_takes_the_front_share_of_the_bytes() -> None:
+    from hemiola.ps.ahead import AheadPlan
+
+    plan = AheadPlan([100, 10, 10, 80], 0.5)
+    assert plan.choose([3, 1, 0, 2]) == [3, 1, 0]  # the front tensors covering 100 of 200
+    assert plan.choose([1, 2, 3, 0]) == [1, 2, 3]
+    assert AheadPlan([1, 2], 0.0).choose([0, 1]) == []
+    assert AheadPlan([1, 2], 1.0).choose([1, 0]) == [1, 0]
+
+
+def test_eager_with_a_learned_plan_trains_as_bsp_with_one_worker() -> None:
+    bsp = _one_worker("bsp", True, "nesterov")
+    learned = _one_worker("eager", True, "nesterov", ahead=None)
+    torch.testing.assert_close(learned["losses"], bsp["losses"], rtol=1e-5, atol=1e-6)
+    assert all(r["staleness"] == 0 for r in learned["records"])
 
 
 def test_ahead_fraction_is_checked() -> None:

@@ -217,7 +217,9 @@ class HEMIOLA_API Client {
   // when it takes the reply, by the push's gradient share.
   void pull(int tensor, bool ahead = false);
   // Waits for the latest requested pull of `tensor` and copies it into dst.
-  void wait_pull(int tensor, float* dst);
+  // Returns the seconds it blocked waiting for the reply (0 when it had
+  // arrived): eager learns from it which pulls to request ahead.
+  double wait_pull(int tensor, float* dst);
   // True when the latest requested pull of `tensor` has arrived.
   bool pull_ready(int tensor);
   // The version of `tensor`'s first shard that wait_pull last delivered: the

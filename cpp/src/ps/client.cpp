@@ -460,18 +460,23 @@ bool Client::pull_ready(int tensor) {
   });
 }
 
-void Client::wait_pull(int tensor, float* dst) {
+double Client::wait_pull(int tensor, float* dst) {
   auto& im = *impl_;
   const auto& ids = im.keys_of(tensor);
   HEMIOLA_CHECK(dst != nullptr || ids.empty(), "wait_pull: null destination");
   std::unique_lock<std::mutex> lock(im.mutex);
   im.require_open();
+  std::chrono::duration<double> blocked{0.0};
   for (int32_t id : ids) {
     auto& k = im.keys[static_cast<size_t>(id)];
     const auto& shard = im.shards[static_cast<size_t>(id)];
-    im.wait(lock, [&] { return k.arrived >= k.requested; },
-            detail::concat("the pull of '", im.names[static_cast<size_t>(tensor)], "' (key ", id,
-                           ") from ", im.server_name(shard.server)));
+    if (k.arrived < k.requested) {
+      const auto start = Clock::now();
+      im.wait(lock, [&] { return k.arrived >= k.requested; },
+              detail::concat("the pull of '", im.names[static_cast<size_t>(tensor)], "' (key ",
+                             id, ") from ", im.server_name(shard.server)));
+      blocked += Clock::now() - start;
+    }
     std::memcpy(dst + shard.begin, k.staging.data(), k.staging.size() * sizeof(float));
     k.used_version = k.arrived_version;
     // Exactly one push since the request: the reply lacks just that one. (A
@@ -480,6 +485,7 @@ void Client::wait_pull(int tensor, float* dst) {
                   k.pushes_since_request == 1 && k.own_is_gradient;
     if (k.corrected) im.correct_locally(k, k.used_version, dst + shard.begin);
   }
+  return blocked.count();
 }
 
 int64_t Client::version(int tensor) const {

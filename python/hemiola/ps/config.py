@@ -47,20 +47,23 @@ class PSConfig:
             contains the worker's own last gradient and the staleness rule
             counts only other workers' updates. The servers' parameters and
             optimizer state are untouched by it. On by default.
-        ahead_fraction: ``eager`` only: the share of the parameter bytes,
-            front layers first (the order the last forward read them), whose
-            next values are pulled ahead, when the forward ends, without
-            waiting for this worker's push (and corrected locally). The
-            other parameters are pulled after their push, when
-            ``optimizer.step()`` runs, as ``asp`` pulls: those replies
-            hold every push made during this backward, so their gradients
-            are less stale, and they stream in while the front layers
-            compute. 1 pulls everything ahead; 0 is ``asp``.
         momentum_compensation: asynchronous modes with SGD momentum: a
             push tau versions stale steps with momentum/(1+tau). Asynchrony
             acts as momentum of its own (Mitliagkas et al., 2016), and a
             momentum of 0.9 on top of it diverges at learning rates where
             ``bsp`` trains. No effect in ``bsp`` or with Adam. On by default.
+        ahead_fraction: ``eager`` only: which pulls are requested ahead,
+            when the forward ends, without waiting for this worker's push
+            (and corrected locally), so that they stream in under backward.
+            The others are requested after their push, at
+            ``optimizer.step()``, as ``asp`` pulls: those replies hold the
+            pushes the other workers made during this backward, so the next
+            gradient is less stale, but the next forward may wait for them.
+            ``None`` (the default) learns it: every pull starts after the
+            push, and a tensor whose pull keeps the forward waiting (more
+            than 1% of an iteration, on average) is pulled ahead from then
+            on. A number fixes it: that share of the parameter bytes, front
+            layers first; 1 pulls everything ahead, 0 is ``asp``'s pulling.
         check_finite: servers refuse a gradient holding NaN or infinity and
             name the parameter (``bsp`` fails the job; asynchronous modes
             reject that push and fail its worker). On by default.
@@ -82,7 +85,7 @@ class PSConfig:
     check_finite: bool = True
     local_correction: bool = True
     momentum_compensation: bool = True
-    ahead_fraction: float = 1.0
+    ahead_fraction: float | None = None
 
     def __post_init__(self) -> None:
         if self.consistency not in CONSISTENCIES:
@@ -96,7 +99,7 @@ class PSConfig:
             raise ValueError(f"staleness_bound must be >= 0, got {self.staleness_bound}")
         if self.partition_mb <= 0 or self.timeout_s <= 0:
             raise ValueError("partition_mb and timeout_s must be positive")
-        if not 0.0 <= self.ahead_fraction <= 1.0:
+        if self.ahead_fraction is not None and not 0.0 <= self.ahead_fraction <= 1.0:
             raise ValueError(f"ahead_fraction must be within [0, 1], got {self.ahead_fraction}")
         if self.restore and not self.snapshot_dir:
             raise ValueError("restore=True needs snapshot_dir")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import time
 import types
 import weakref
 from collections.abc import Iterator
@@ -14,6 +15,7 @@ import torch
 from torch import nn
 
 from hemiola._native import C
+from hemiola.ps.ahead import AheadPlan
 from hemiola.ps.config import PSConfig
 from hemiola.ps.roles import Role, job_token, rendezvous_store
 from hemiola.schedules.gate import ForwardGate
@@ -72,7 +74,6 @@ class ParameterServerModel(nn.Module):
                     "contiguous float32 CPU parameters")
         self._names = [n for n, _ in named]
         self._params = [p for _, p in named]
-        self._total_numel = sum(p.numel() for p in self._params)
         self._index = {id(p): i for i, p in enumerate(self._params)}
         self._kind = _optimizer_kind(optimizer)
         self._optimizer = optimizer
@@ -98,6 +99,9 @@ class ParameterServerModel(nn.Module):
         # they become takeable at optimizer.step() (so a second forward before
         # backward can never overwrite parameters that autograd saved).
         self._prefetching = [False] * n
+        self._requested_ahead = [False] * n  # the pending pull was requested ahead
+        self._ahead = AheadPlan([p.numel() for p in self._params], config.ahead_fraction)
+        self._step_time = time.perf_counter()
         self._pushed = [False] * n  # pushed in this iteration
         self._accumulated = [False] * n  # got gradient under no_sync() since the last push
         self._sync = True
@@ -154,7 +158,9 @@ class ParameterServerModel(nn.Module):
 
     def _take_pull(self, i: int) -> None:
         if self._pending[i]:
-            self._client.wait_pull(i, self._params[i].data_ptr())
+            waited = self._client.wait_pull(i, self._params[i].data_ptr())
+            if not self._requested_ahead[i]:
+                self._ahead.waited(i, waited)
             self._pending[i] = False
             self._order.append(i)
 
@@ -190,20 +196,6 @@ class ParameterServerModel(nn.Module):
         taken = set(self._order)
         return self._order + [i for i in range(len(self._params)) if i not in taken]
 
-    def _ahead(self) -> list[int]:
-        """eager: the parameters pulled ahead, the front `ahead_fraction` of the
-        bytes in the order the last forward read them (at least one when the
-        fraction is positive)."""
-        budget = self.config.ahead_fraction * self._total_numel
-        ahead: list[int] = []
-        taken = 0
-        for i in self._forward_order():
-            if taken >= budget:
-                break
-            ahead.append(i)
-            taken += self._params[i].numel()
-        return ahead
-
     def _after_forward(self, module: nn.Module, args: Any, output: Any) -> None:
         """eager: request the front layers' next parameters now. The server
         answers at once, before this iteration's pushes arrive, so the replies
@@ -211,7 +203,7 @@ class ParameterServerModel(nn.Module):
         the other layers are pulled at optimizer.step(), after their push."""
         if not (self._sync and module.training and torch.is_grad_enabled()):
             return  # evaluation, or a micro-batch under no_sync(): not the end of an iteration
-        for i in self._ahead():
+        for i in self._ahead.choose(self._forward_order()):
             if not self._pending[i] and not self._prefetching[i]:
                 self._client.pull(i, True)
                 self._prefetching[i] = True
@@ -230,12 +222,16 @@ class ParameterServerModel(nn.Module):
         # whose pull is still pending (unused lately) is pulled again: in bsp
         # the pending reply may be a round old.
         for i in self._forward_order():
+            self._requested_ahead[i] = self._prefetching[i]
             if self._prefetching[i]:  # eager: requested when the forward ended
                 self._prefetching[i] = False
             else:
                 self._client.pull(i)
             self._pending[i] = True
         self._pushed = [False] * len(self._params)
+        now = time.perf_counter()
+        self._ahead.iteration_ended(now - self._step_time)
+        self._step_time = now
 
     # ---- public API -------------------------------------------------------------
 
@@ -290,6 +286,14 @@ class ParameterServerModel(nn.Module):
         return [{"tensor": self._names[r.tensor], "key": r.key, "computed_on": r.computed_on,
                  "applied_at": r.applied_at, "staleness": r.staleness, "lr_factor": r.lr_factor}
                 for r in self._client.push_records()]
+
+    def pulled_ahead(self) -> list[str]:
+        """``eager``: the parameters whose next values are pulled when the
+        forward ends, ahead of this worker's push (``PSConfig.ahead_fraction``);
+        the others are pulled after their push. Empty for other models."""
+        if self.config.consistency != "eager":
+            return []
+        return [self._names[i] for i in self._ahead.choose(self._forward_order())]
 
     def staleness(self) -> dict[str, Any]:
         """This worker's staleness statistics over all applied gradient pushes
