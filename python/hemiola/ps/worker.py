@@ -101,6 +101,7 @@ class ParameterServerModel(nn.Module):
         self._prefetching = [False] * n
         self._requested_ahead = [False] * n  # the pending pull was requested ahead
         self._ahead = AheadPlan([p.numel() for p in self._params], config.ahead_fraction)
+        self._learning_ahead = config.consistency == "eager" and config.ahead_fraction is None
         self._step_time = time.perf_counter()
         self._pushed = [False] * n  # pushed in this iteration
         self._accumulated = [False] * n  # got gradient under no_sync() since the last push
@@ -159,7 +160,7 @@ class ParameterServerModel(nn.Module):
     def _take_pull(self, i: int) -> None:
         if self._pending[i]:
             waited = self._client.wait_pull(i, self._params[i].data_ptr())
-            if not self._requested_ahead[i]:
+            if self._learning_ahead and not self._requested_ahead[i]:
                 self._ahead.waited(i, waited)
             self._pending[i] = False
             self._order.append(i)
@@ -229,9 +230,10 @@ class ParameterServerModel(nn.Module):
                 self._client.pull(i)
             self._pending[i] = True
         self._pushed = [False] * len(self._params)
-        now = time.perf_counter()
-        self._ahead.iteration_ended(now - self._step_time)
-        self._step_time = now
+        if self._learning_ahead:
+            now = time.perf_counter()
+            self._ahead.iteration_ended(now - self._step_time)
+            self._step_time = now
 
     # ---- public API -------------------------------------------------------------
 
