@@ -19,7 +19,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 COLOURS = {"forward": "#4c72b0", "backward": "#55a868", "step": "#8172b2",
            "correction": "#c44e52", "wait": "#bbbbbb", "allreduce": "#dd8452",
-           "collective": "#937860"}
+           "collective": "#937860", "preview": "#da8bc3"}
 
 
 def plot(trace_path: Path, out: Path, last_ms: float | None) -> Path:
@@ -46,8 +46,8 @@ def plot(trace_path: Path, out: Path, last_ms: float | None) -> Path:
     ax.set_xlim(0, (end - start) / 1000)
     ax.legend(handles=[plt.Rectangle((0, 0), 1, 1, color=c) for c in COLOURS.values()],
               labels=list(COLOURS), ncol=len(COLOURS), loc="upper center",
-              bbox_to_anchor=(0.5, 1.25), frameon=False)
-    ax.set_title(trace_path.name, pad=28)
+              bbox_to_anchor=(0.5, 1.22), frameon=False)
+    ax.set_title(trace_path.name, pad=34)
     fig.tight_layout()
     fig.savefig(out, dpi=120)
     return out
