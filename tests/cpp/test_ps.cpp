@@ -2,6 +2,7 @@
 // Gloo TCP connections on loopback, rendezvousing through a MemoryStore.
 #include <gtest/gtest.h>
 
+#include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <fstream>
@@ -347,6 +348,37 @@ TEST(ParameterServer, BspAveragesGradientsAcrossWorkersAndServers) {
         EXPECT_FLOAT_EQ(params[t][i], static_cast<float>(i + 1) - 3.0f);
   }
   for (const auto& s : fleet.join()) EXPECT_EQ(s.rejected, 0);
+}
+
+TEST(ParameterServer, WaitPullReportsHowLongItBlocked) {
+  // bsp: worker 0's pull waits for the round, which worker 1 ends 200 ms
+  // late; a reply that has already arrived is taken without blocking.
+  auto store = std::make_shared<MemoryStore>();
+  ServerFleet fleet(store, 1, 2, Consistency::kBsp);
+  auto worker = [&](int w) {
+    Client c(client_options(w, 1, 2, Consistency::kBsp), {"x"}, {4}, store);
+    std::vector<float> x(4, 1.0f), g(4, 1.0f);
+    c.initialize(w == 0 ? std::vector<const float*>{x.data()} : std::vector<const float*>{},
+                 {sgd(0.1)});
+    c.wait_pull(0, x.data());
+    if (w == 1) std::this_thread::sleep_for(std::chrono::milliseconds(200));
+    c.push(0, g.data());
+    c.pull(0);
+    const double blocked = c.wait_pull(0, x.data());
+    if (w == 0) {
+      EXPECT_GE(blocked, 0.1);
+    }
+    c.push(0, g.data());
+    c.pull(0);
+    while (!c.pull_ready(0)) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    EXPECT_EQ(c.wait_pull(0, x.data()), 0.0);
+    c.close();
+  };
+  auto w0 = std::async(std::launch::async, worker, 0);
+  auto w1 = std::async(std::launch::async, worker, 1);
+  w0.get();
+  w1.get();
+  fleet.join();
 }
 
 TEST(ParameterServer, AsyncStalenessMatchesThePushSchedule) {

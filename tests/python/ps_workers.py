@@ -53,7 +53,8 @@ def train(rank: int, world: int, options: dict[str, Any], model_name: str, opt_n
     model.synchronize()
     params = {n: p.detach().clone() for n, p in m.named_parameters()}
     out = {"worker": r.worker_index, "params": params, "losses": losses,
-           "records": model.push_records(), "staleness": model.staleness()}
+           "records": model.push_records(), "staleness": model.staleness(),
+           "pulled_ahead": model.pulled_ahead()}
     model.close()
     model(x)  # after close the hooks are gone: a plain local forward
     try:
@@ -62,6 +63,44 @@ def train(rank: int, world: int, options: dict[str, Any], model_name: str, opt_n
     except ValueError as e:
         out["step_after_close"] = str(e)
     return out
+
+
+def train_learning_every_pull_ahead(rank: int, world: int, *args: Any) -> dict[str, Any]:
+    """``train`` with eager's learned plan moving every tensor ahead as soon as
+    its warm-up is over (any wait counts as a stall): the tensors switch from
+    pulls after the push to corrected pulls ahead in the middle of the run."""
+    import hemiola.ps.ahead
+
+    hemiola.ps.ahead.STALL_SHARE = -1.0
+    return train(rank, world, *args)
+
+
+def synchronize_between_forward_and_backward(rank: int, world: int) -> dict[str, Any] | None:
+    """eager, 2 workers. Worker 0 calls synchronize() (as state_dict() does)
+    between each forward and its backward, after giving worker 1 time to push:
+    the values the forward read must stay, or backward would use others."""
+    config = hemiola.ps.PSConfig(consistency="eager", num_servers=1, timeout_s=60)
+    served = server_or_none(config)
+    if served is not None:
+        return served
+    r = hemiola.ps.role(1)
+    torch.manual_seed(0)
+    m = make_model("mlp")
+    model, opt = hemiola.ps.wrap(m, make_optimizer("sgd", m.parameters()), config)
+    changed = []
+    for step in range(6 if r.worker_index == 0 else 60):
+        x, y = make_batch("mlp", step, r.worker_index, r.num_workers)
+        opt.zero_grad()
+        loss = loss_of("mlp", model(x), y)
+        if r.worker_index == 0:
+            read = [p.detach().clone() for p in m.parameters()]
+            time.sleep(0.05)  # worker 1 pushes meanwhile
+            model.synchronize()
+            changed.append(any(not torch.equal(a, p) for a, p in zip(read, m.parameters())))
+        loss.backward()
+        opt.step()
+    model.close()
+    return {"worker": r.worker_index, "changed": changed}
 
 
 def wfbp_train(rank: int, world: int, model_name: str, opt_name: str, steps: int

@@ -127,10 +127,14 @@ def test_eager_pulls_ahead_only_the_front_fraction(ahead: float, front: set[str]
 
 
 def test_learned_ahead_plan_moves_only_pulls_that_keep_the_forward_waiting() -> None:
+    from hemiola.ps import ahead
     from hemiola.ps.ahead import AheadPlan
 
     plan = AheadPlan([10, 10, 10], None)
     order = [2, 0, 1]
+    for _ in range(ahead.WARMUP_ITERATIONS):  # not learnt from
+        plan.waited(0, 9.0)
+        plan.iteration_ended(10.0)
     assert plan.choose(order) == []  # every pull starts after the push
     plan.waited(2, 0.6)  # 6% of a 10 s iteration: moved at once
     plan.waited(0, 0.05)  # 0.5%: never enough
@@ -159,11 +163,27 @@ def test_fixed_ahead_plan_takes_the_front_share_of_the_bytes() -> None:
     assert AheadPlan([1, 2], 1.0).choose([1, 0]) == [1, 0]
 
 
-def test_eager_with_a_learned_plan_trains_as_bsp_with_one_worker() -> None:
-    bsp = _one_worker("bsp", True, "nesterov")
-    learned = _one_worker("eager", True, "nesterov", ahead=None)
+def test_eager_switching_pulls_ahead_mid_run_trains_as_bsp_with_one_worker() -> None:
+    """The learned plan moves every tensor ahead after its warm-up, in the
+    middle of the run: from then on the replies lack the own push and are
+    corrected, and the pushes declare the version that includes it. With one
+    worker and Nesterov that is still exactly bsp."""
+    steps = 10
+    bsp = _one_worker("bsp", True, "nesterov", steps=steps)
+    options = {"consistency": "eager", "num_servers": 1, "timeout_s": 60}
+    [learned] = _workers(run_local(ps_workers.train_learning_every_pull_ahead, 2, options,
+                                   "mlp", "nesterov", steps))
+    assert sorted(learned["pulled_ahead"]) == sorted(bsp["params"])
     torch.testing.assert_close(learned["losses"], bsp["losses"], rtol=1e-5, atol=1e-6)
+    for name, p in bsp["params"].items():
+        torch.testing.assert_close(learned["params"][name], p, rtol=1e-5, atol=1e-6)
     assert all(r["staleness"] == 0 for r in learned["records"])
+
+
+def test_synchronize_between_forward_and_backward_keeps_the_values_read() -> None:
+    results = run_local(ps_workers.synchronize_between_forward_and_backward, 3)
+    w0 = _workers(results)[0]
+    assert w0["changed"] == [False] * 6
 
 
 def test_ahead_fraction_is_checked() -> None:

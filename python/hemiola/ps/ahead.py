@@ -24,8 +24,12 @@ STALL_SHARE = 0.01
 #: Weight of the newest iteration in that average: a short late reply (the
 #: machine busy for a moment) does not move a tensor ahead; a wait of over 5%
 #: of an iteration does at once, and a shorter one that recurs within a few
-#: iterations.
+#: iterations. A tensor moved ahead stays ahead: its pull no longer waits, so
+#: nothing would tell when to move it back.
 NEWEST_WEIGHT = 0.2
+#: The first iterations, while the other workers may still be starting, are
+#: not learnt from.
+WARMUP_ITERATIONS = 3
 
 
 class AheadPlan:
@@ -38,9 +42,12 @@ class AheadPlan:
         self._learned = [False] * len(numels)
         self._stall = [0.0] * len(numels)  # moving mean of wait / iteration time
         self._waits: dict[int, float] = {}  # this iteration's waits for pulls sent after the push
+        self._iterations = 0
 
     def choose(self, order: Sequence[int]) -> list[int]:
-        """The tensors to pull ahead, in `order` (the last forward's reads)."""
+        """The tensors to pull ahead, in `order` (the last forward's reads). A
+        fixed fraction takes the front tensors until their elements reach it
+        (so any fraction above 0 takes at least the first tensor)."""
         if self._fraction is None:
             return [i for i in order if self._learned[i]]
         budget = self._fraction * sum(self._numels)
@@ -59,7 +66,8 @@ class AheadPlan:
 
     def iteration_ended(self, seconds: float) -> None:
         """Learns from the waits of an iteration that took `seconds`."""
-        if self._fraction is not None or seconds <= 0:
+        self._iterations += 1
+        if self._fraction is not None or seconds <= 0 or self._iterations <= WARMUP_ITERATIONS:
             self._waits.clear()
             return
         for i, wait in self._waits.items():

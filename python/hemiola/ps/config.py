@@ -19,8 +19,9 @@ class PSConfig:
             ``"asp"`` (asynchronous), ``"ssp"`` (asynchronous, at most
             `staleness_bound` pushes ahead of the slowest worker) or
             ``"eager"`` (asynchronous with pull and push decoupled: the next
-            iteration's parameters are pulled without waiting for this
-            worker's own push, so both overlap computation).
+            iteration's parameters that the forward would otherwise wait for
+            are pulled without waiting for this worker's own push, so both
+            overlap computation; see `ahead_fraction`).
         num_servers: the first `num_servers` ranks of the job are servers,
             the rest are workers.
         staleness_bound: the ``ssp`` bound *s*.
@@ -61,9 +62,11 @@ class PSConfig:
             gradient is less stale, but the next forward may wait for them.
             ``None`` (the default) learns it: every pull starts after the
             push, and a tensor whose pull keeps the forward waiting (more
-            than 1% of an iteration, on average) is pulled ahead from then
-            on. A number fixes it: that share of the parameter bytes, front
-            layers first; 1 pulls everything ahead, 0 is ``asp``'s pulling.
+            than 1% of an iteration, on average, after 3 iterations of
+            warm-up) is pulled ahead from then on. A number fixes it: the
+            front tensors whose elements reach that share of the parameters
+            (at least one when above 0); 1 pulls everything ahead, 0 is
+            ``asp``'s pulling.
         check_finite: servers refuse a gradient holding NaN or infinity and
             name the parameter (``bsp`` fails the job; asynchronous modes
             reject that push and fail its worker). On by default.

@@ -106,7 +106,9 @@ class ParameterServerModel(nn.Module):
         self._pushed = [False] * n  # pushed in this iteration
         self._accumulated = [False] * n  # got gradient under no_sync() since the last push
         self._sync = True
-        self._order: list[int] = []  # first use in the last forward
+        self._order: list[int] = []  # first use in the last forward that took pulls
+        self._order_stale = True  # the next pull taken starts a new order
+        self._grad_forward = False  # a forward with autograd ran since the last step
         self._closed = False
         self.synchronize()  # every worker starts from worker 0's parameters
 
@@ -151,7 +153,8 @@ class ParameterServerModel(nn.Module):
                 for i, gi in enumerate(self._group_of):
                     if gi == g:
                         self._client.set_hyper(i, C.ps.Hyper(*h))
-        self._order = []
+        if torch.is_grad_enabled():
+            self._grad_forward = True
 
     def _take_pulls(self, lander: int, indices: list[int]) -> None:
         for i in indices:
@@ -163,6 +166,8 @@ class ParameterServerModel(nn.Module):
             if self._learning_ahead and not self._requested_ahead[i]:
                 self._ahead.waited(i, waited)
             self._pending[i] = False
+            if self._order_stale:  # the first pull this forward takes
+                self._order, self._order_stale = [], False
             self._order.append(i)
 
     def _on_grad(self, p: torch.Tensor) -> None:
@@ -230,6 +235,8 @@ class ParameterServerModel(nn.Module):
                 self._client.pull(i)
             self._pending[i] = True
         self._pushed = [False] * len(self._params)
+        self._order_stale = True
+        self._grad_forward = False
         if self._learning_ahead:
             now = time.perf_counter()
             self._ahead.iteration_ended(now - self._step_time)
@@ -255,11 +262,15 @@ class ParameterServerModel(nn.Module):
         the parameters."""
         self._client.flush()
         for i in range(len(self._params)):
-            if self.config.consistency == "eager" and not self._prefetching[i]:
-                # An eager reply was answered before this worker's last push and
-                # corrected locally: ask again, now that every push is applied,
-                # for the servers' values. (A pull requested ahead, between a
-                # forward and optimizer.step(), stays for the next forward.)
+            # A value a forward with autograd took since the last step is what
+            # its backward will use: it stays until optimizer.step().
+            in_use = self._grad_forward and not self._pending[i]
+            if self.config.consistency == "eager" and not self._prefetching[i] and not in_use:
+                # An eager reply asked ahead was answered before this worker's
+                # last push and corrected locally: ask again, now that every
+                # push is applied, for the servers' values. (A pull requested
+                # ahead, between a forward and optimizer.step(), stays for the
+                # next forward.)
                 self._client.pull(i)
                 self._pending[i] = True
             if self._pending[i]:
