@@ -27,3 +27,10 @@ def write_results(name: str, rows: list[dict[str, Any]]) -> Path:
 
 def median(values: list[float]) -> float:
     return statistics.median(values)
+
+
+def split_ahead(scheme: str) -> tuple[str, float | None]:
+    """A --schemes entry "NAME@F" as (NAME, F), F being eager's
+    ``PSConfig.ahead_fraction``; without "@F", (NAME, None): the learned plan."""
+    name, _, ahead = scheme.partition("@")
+    return name, float(ahead) if ahead else None

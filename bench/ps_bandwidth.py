@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 from bandwidth_limited import MLP_BATCH, make_model
-from common import median, write_results
+from common import median, split_ahead, write_results
 from netlab import Network, parse_result, print_result
 
 SCHEMES = ("bsp", "asp", "eager")
@@ -46,8 +46,7 @@ def rank_main(config: dict[str, Any]) -> dict[str, Any] | None:
     import hemiola.ps
 
     torch.set_num_threads(1)
-    consistency, _, ahead = config["scheme"].partition("@")  # eager@F: ahead_fraction F
-    fraction = float(ahead) if ahead else hemiola.ps.PSConfig.ahead_fraction
+    consistency, fraction = split_ahead(config["scheme"])
     ps_config = hemiola.ps.PSConfig(consistency=consistency, num_servers=config["servers"],
                                     timeout_s=600, ahead_fraction=fraction)
     role = hemiola.ps.role(config["servers"])

@@ -47,7 +47,7 @@ from typing import Any, NamedTuple
 
 import matplotlib
 import torch
-from common import write_results
+from common import split_ahead, write_results
 from tasks import DigitsTask
 from tqdm import tqdm
 
@@ -82,11 +82,10 @@ class Scheme(NamedTuple):
 def parse_scheme(scheme: str) -> Scheme:
     """Splits a --schemes entry into its parts."""
     compensated = not scheme.endswith(UNCOMPENSATED)
-    name, _, ahead = scheme.removesuffix(UNCOMPENSATED).partition("@")
+    name, ahead = split_ahead(scheme.removesuffix(UNCOMPENSATED))
     consistency, _, rule = name.partition(":")
     corrected = consistency != UNCORRECTED
-    return Scheme("eager" if not corrected else consistency, rule, corrected, compensated,
-                  float(ahead) if ahead else hemiola.ps.PSConfig.ahead_fraction)
+    return Scheme("eager" if not corrected else consistency, rule, corrected, compensated, ahead)
 
 
 def run_rank(rank: int, world: int, scheme: str, servers: int, workers: int, delay_s: float,

@@ -38,6 +38,7 @@ class AheadPlan:
 
     def __init__(self, numels: Sequence[int], fraction: float | None) -> None:
         self._numels = list(numels)
+        self._total = sum(self._numels)
         self._fraction = fraction
         self._learned = [False] * len(numels)
         self._stall = [0.0] * len(numels)  # moving mean of wait / iteration time
@@ -50,7 +51,7 @@ class AheadPlan:
         (so any fraction above 0 takes at least the first tensor)."""
         if self._fraction is None:
             return [i for i in order if self._learned[i]]
-        budget = self._fraction * sum(self._numels)
+        budget = self._fraction * self._total
         ahead: list[int] = []
         taken = 0
         for i in order:
