@@ -10,15 +10,19 @@ its namespace's address, and every rank's Gloo (torch's and hemiola's) binds
 its veth. Each rank alternates blocks of iterations of every variant, with a
 barrier before each block:
 
-- ``ddp``: torch DistributedDataParallel over Gloo;
+- ``ddp``: torch DistributedDataParallel over Gloo, and the communication
+  hooks DDP users run on slow links (``--baselines``): ``ddp_fp16``
+  (``fp16_compress_hook``) and ``ddp_powersgd`` (``powerSGD_hook``, rank 2,
+  2 warm-up steps; one bucket, see ``worker``);
 - ``hemiola_<schedule>``: ``hemiola.wrap(..., schedule=<schedule>)``, for each
   schedule in ``--schedules`` (default: all of ``hemiola.config.SCHEDULES``);
+  ``<schedule>+<compression>`` wraps with ``compression=<compression>``;
 - ``compute``: the bare model, no communication;
 - ``comm``: one all-reduce (average) through a hemiola engine of a flat
   float32 buffer as large as all the gradients, no computation.
 
-DDP and hemiola use the same bucket cap, ``--fusion-mb`` (default 25 MiB, the
-default of both).
+DDP and hemiola use their own default buckets (25 MiB, the first 1 MiB) unless
+``--fusion-mb`` sets both caps.
 The lower bound of an iteration is max(compute, comm) (medians). Rank 0's
 medians are reported. Writes bench/results/bandwidth_limited.jsonl and .png
 and prints a table.
@@ -42,30 +46,58 @@ from torch import nn
 from wfbp_vs_ddp import _iterations
 from wfbp_vs_ddp import make_model as make_wfbp_model
 
-#: Batch of the ``mlp`` model, chosen so that on the development machine its
-#: compute alone takes about as long as its all-reduce at 1 Gbit/s (see
-#: bench/BANDWIDTH.md for how it was measured).
-MLP_BATCH = 896
+#: Width and batch of the ``mlp`` model: 9.4M parameters (37.8 MB of float32
+#: gradients, whose all-reduce takes about 1.5x the compute at 1 Gbit/s), the
+#: slow-link setting of issue 26 (see bench/BANDWIDTH.md).
+MLP_WIDTH = 1536
+MLP_BATCH = 384
 MODELS = {
-    "mlp": "4.2M-parameter MLP (16.8 MB of gradients): communication ~ computation at 1 Gbit/s",
+    "mlp": "9.4M-parameter MLP (37.8 MB of gradients): communication > computation at 1 Gbit/s",
     "cnn": "0.39M-parameter CNN (1.6 MB of gradients): computation dominates",
 }
 
 
-def make_model(name: str, mlp_batch: int) -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
+def make_model(name: str, mlp_batch: int,
+               mlp_width: int = 1024) -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
     """A model of MODELS and one batch for it (per rank), the same on every rank."""
     if name == "cnn":  # bench/wfbp_vs_ddp.py's CNN, batch 16 of 32x32 images
         return make_wfbp_model("cnn")
-    if name == "mlp":  # four 1024x1024 layers and a classifier
+    if name == "mlp":  # four width x width layers and a classifier
         torch.manual_seed(0)
         layers: list[nn.Module] = []
         for _ in range(4):
-            layers += [nn.Linear(1024, 1024), nn.ReLU()]
-        model = nn.Sequential(*layers, nn.Linear(1024, 10))
-        x = torch.randn(mlp_batch, 1024)
+            layers += [nn.Linear(mlp_width, mlp_width), nn.ReLU()]
+        model = nn.Sequential(*layers, nn.Linear(mlp_width, 10))
+        x = torch.randn(mlp_batch, mlp_width)
         y = torch.randint(0, 10, (mlp_batch,))
         return model, x, y
     raise ValueError(f"unknown model {name!r}; known: {', '.join(MODELS)}")
+
+
+#: The DDP configurations a user on a slow link runs today (``--baselines``).
+BASELINES = {
+    "ddp": "torch DDP",
+    "ddp_fp16": "torch DDP + fp16_compress_hook",
+    "ddp_bf16": "torch DDP + bf16_compress_hook",
+    "ddp_powersgd": "torch DDP + PowerSGD (rank 2, 2 warm-up steps)",
+}
+
+
+def register_ddp_hook(model: nn.Module, variant: str) -> None:
+    """Registers the communication hook of a BASELINES entry on a DDP model."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
+
+    if variant == "ddp_fp16":
+        model.register_comm_hook(None, default_hooks.fp16_compress_hook)
+    elif variant == "ddp_bf16":
+        model.register_comm_hook(None, default_hooks.bf16_compress_hook)
+    elif variant == "ddp_powersgd":
+        state = powersgd.PowerSGDState(process_group=None, matrix_approximation_rank=2,
+                                       start_powerSGD_iter=2)
+        model.register_comm_hook(state, powersgd.powerSGD_hook)
+    elif variant != "ddp":
+        raise ValueError(f"unknown baseline {variant!r}; known: {', '.join(BASELINES)}")
 
 
 def worker(config: dict[str, Any]) -> dict[str, Any]:
@@ -81,16 +113,25 @@ def worker(config: dict[str, Any]) -> dict[str, Any]:
     hemiola.init()
     name, schedules = config["model"], config["schedules"]
     variants: dict[str, tuple[nn.Module, torch.optim.Optimizer, torch.Tensor, torch.Tensor]] = {}
-    for variant in ["ddp", *[f"hemiola_{s}" for s in schedules], "compute"]:
-        model, x, y = make_model(name, config["mlp_batch"])
-        if variant == "ddp":
-            model = nn.parallel.DistributedDataParallel(model,
-                                                        bucket_cap_mb=config["fusion_mb"])
+    for variant in [*config["baselines"], *[f"hemiola_{s}" for s in schedules], "compute"]:
+        model, x, y = make_model(name, config["mlp_batch"], config["mlp_width"])
+        if variant.startswith("ddp"):
+            # PowerSGD's hook issues its later all-reduces from Gloo's completion
+            # threads, so with two buckets the ranks can issue them in different
+            # orders (a collective mismatch): one bucket keeps it correct on CPU.
+            cap = 1e6 if variant == "ddp_powersgd" else config["fusion_mb"]
+            model = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=cap)
+            register_ddp_hook(model, variant)
         opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
         if variant.startswith("hemiola_"):
-            model, opt = hemiola.wrap(model, opt, schedule=variant[len("hemiola_"):],
-                                      fusion_mb=config["fusion_mb"],
-                                      timeline=config["timeline"] is not None)
+            schedule, _, compression = variant[len("hemiola_"):].partition("+")
+            options = dict(config["hemiola_options"])
+            if compression:
+                options["compression"] = compression
+            if config["fusion_mb"] is not None:
+                options["fusion_mb"] = config["fusion_mb"]
+            model, opt = hemiola.wrap(model, opt, schedule=schedule,
+                                      timeline=config["timeline"] is not None, **options)
         variants[variant] = (model, opt, x, y)
     params = sum(p.numel() for p in variants["compute"][0].parameters() if p.requires_grad)
     engine, _store = new_engine(timeout_s=300.0)
@@ -138,45 +179,53 @@ def run_model(net: Network, model: str, rate: str, args: argparse.Namespace,
     if args.timeline:
         Path(args.timeline).mkdir(parents=True, exist_ok=True)
         timeline = str(Path(args.timeline).resolve() / f"{rate}-{model}")
-    config = {"model": model, "schedules": args.schedules, "iterations": args.iterations,
-              "blocks": args.blocks, "mlp_batch": args.mlp_batch, "fusion_mb": args.fusion_mb,
-              "timeline": timeline}
+    config = {"model": model, "schedules": args.schedules, "baselines": args.baselines,
+              "iterations": args.iterations, "blocks": args.blocks, "mlp_batch": args.mlp_batch,
+              "mlp_width": args.mlp_width, "fusion_mb": args.fusion_mb,
+              "hemiola_options": args.hemiola_options, "timeline": timeline}
     result = net.run_ranks([sys.executable, __file__, "--worker", json.dumps(config)], port,
                            args.timeout_s)[0]
     return dict(parse_result(result))
 
 
-def summarise(rate: str, model: str, world: int, schedules: list[str], iterations: int,
-              result: dict[str, Any]) -> dict[str, Any]:
-    """A result row: the medians, the lower bound and every schedule's ratios."""
+def compared(baselines: list[str], schedules: list[str]) -> list[str]:
+    """The variants a row compares against DDP: the other baselines, then hemiola's."""
+    return [b for b in baselines if b != "ddp"] + [f"hemiola_{s}" for s in schedules]
+
+
+def summarise(rate: str, model: str, world: int, baselines: list[str], schedules: list[str],
+              iterations: int, result: dict[str, Any]) -> dict[str, Any]:
+    """A result row: the medians, the lower bound and every variant's ratios."""
     bound = max(result["compute_ms"], result["comm_ms"])
     row = {"bench": "bandwidth_limited", "rate": rate, "model": model, "world": world,
            "iterations": iterations, **result, "grad_mb": 4 * result["params"] / 1e6,
            "lower_bound_ms": bound, "ddp_vs_bound": result["ddp_ms"] / bound}
-    for s in schedules:
-        ms = result[f"hemiola_{s}_ms"]
-        row[f"hemiola_{s}_vs_ddp"] = ms / result["ddp_ms"]
-        row[f"hemiola_{s}_vs_bound"] = ms / bound
+    for v in compared(baselines, schedules):
+        ms = result[f"{v}_ms"]
+        row[f"{v}_vs_ddp"] = ms / result["ddp_ms"]
+        row[f"{v}_vs_bound"] = ms / bound
     return row
 
 
-def print_table(rows: list[dict[str, Any]], schedules: list[str]) -> None:
-    """A markdown table of every row (times in ms)."""
-    head = ["rate", "model", "compute", "comm", "bound", "DDP", "DDP/bound"]
-    for s in schedules:
-        head += [s, f"{s}/DDP", f"{s}/bound"]
+def print_table(rows: list[dict[str, Any]], baselines: list[str], schedules: list[str]) -> None:
+    """A markdown table of every row (times in ms, and each variant's ratio to DDP)."""
+    variants = compared(baselines, schedules)
+    head = ["rate", "model", "compute", "comm", "bound", "DDP"]
+    for v in variants:
+        label = v.removeprefix("hemiola_")
+        head += [label, f"{label}/DDP"]
     print("| " + " | ".join(head) + " |")
     print("|" + "---|" * len(head))
     for r in rows:
         cells = [r["rate"], r["model"], *(f"{r[k]:.1f}" for k in
-                 ("compute_ms", "comm_ms", "lower_bound_ms", "ddp_ms")), f"{r['ddp_vs_bound']:.2f}"]
-        for s in schedules:
-            cells += [f"{r[f'hemiola_{s}_ms']:.1f}", f"{r[f'hemiola_{s}_vs_ddp']:.2f}",
-                      f"{r[f'hemiola_{s}_vs_bound']:.2f}"]
+                 ("compute_ms", "comm_ms", "lower_bound_ms", "ddp_ms"))]
+        for v in variants:
+            cells += [f"{r[f'{v}_ms']:.1f}", f"{r[f'{v}_vs_ddp']:.2f}"]
         print("| " + " | ".join(cells) + " |")
 
 
-def plot(rows: list[dict[str, Any]], schedules: list[str], path: Path) -> None:
+def plot(rows: list[dict[str, Any]], baselines: list[str], schedules: list[str],
+         path: Path) -> None:
     """Grouped bars: per model, one group per rate, one bar per variant."""
     import matplotlib
 
@@ -184,9 +233,9 @@ def plot(rows: list[dict[str, Any]], schedules: list[str], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     models = list(dict.fromkeys(r["model"] for r in rows))
-    keys = ["compute_ms", "comm_ms", "lower_bound_ms", "ddp_ms",
+    keys = ["compute_ms", "comm_ms", "lower_bound_ms", *[f"{b}_ms" for b in baselines],
             *[f"hemiola_{s}_ms" for s in schedules]]
-    labels = ["compute alone", "comm alone", "lower bound", "torch DDP",
+    labels = ["compute alone", "comm alone", "lower bound", *[BASELINES[b] for b in baselines],
               *[f"hemiola {s}" for s in schedules]]
     fig, axes = plt.subplots(1, len(models), figsize=(6 * len(models), 4), squeeze=False)
     width = 0.8 / len(keys)
@@ -212,15 +261,27 @@ def main() -> None:
     parser.add_argument("--rates", default="1gbit,5gbit", help="tc rates, comma-separated")
     parser.add_argument("--models", default=",".join(MODELS), help=", ".join(MODELS))
     parser.add_argument("--schedules", default=",".join(SCHEDULES),
-                        help=f"hemiola schedules (default: all of {', '.join(SCHEDULES)})")
+                        help=f"hemiola schedules (default: all of {', '.join(SCHEDULES)}); "
+                             "SCHEDULE+COMPRESSION wraps with that compression, e.g. "
+                             "decoupled+fp16")
+    parser.add_argument("--baselines", default="ddp,ddp_fp16,ddp_powersgd",
+                        help=f"DDP configurations, ddp first; known: {', '.join(BASELINES)} "
+                             "(torch allows ddp_bf16 only with NCCL)")
+    parser.add_argument("--hemiola-options", type=json.loads, default={}, metavar="JSON",
+                        help="more keyword arguments of hemiola.wrap, e.g. "
+                             "'{\"first_bucket_mb\": 8}'")
     parser.add_argument("--iterations", type=int, default=20,
                         help="measured iterations per variant (after 2 of warm-up)")
     parser.add_argument("--blocks", type=int, default=4,
                         help="alternating blocks the iterations are split into")
     parser.add_argument("--world-size", type=int, default=2)
-    parser.add_argument("--fusion-mb", type=float, default=25.0,
-                        help="bucket cap in MiB of DDP (bucket_cap_mb) and hemiola (fusion_mb)")
+    parser.add_argument("--fusion-mb", type=float, default=None,
+                        help="bucket cap in MiB of DDP (bucket_cap_mb) and hemiola (fusion_mb); "
+                             "default: each library's own (25 MiB, the first bucket 1 MiB; "
+                             "torch DDP caps its first bucket at 1 MiB only when bucket_cap_mb "
+                             "is not given)")
     parser.add_argument("--mlp-batch", type=int, default=MLP_BATCH)
+    parser.add_argument("--mlp-width", type=int, default=MLP_WIDTH)
     parser.add_argument("--timeout-s", type=float, default=1800.0, help="per rate and model")
     parser.add_argument("--timeline", metavar="DIR",
                         help="write rank 0's timeline of each hemiola schedule here "
@@ -234,9 +295,12 @@ def main() -> None:
         dist.destroy_process_group()  # torch's Gloo thread must not outlive the interpreter
         return
     args.schedules = [s for s in args.schedules.split(",") if s]
-    unknown = sorted(set(args.schedules) - set(SCHEDULES))
+    unknown = sorted({s.partition("+")[0] for s in args.schedules} - set(SCHEDULES))
     if unknown:
         parser.error(f"unknown schedule(s) {', '.join(unknown)}; known: {', '.join(SCHEDULES)}")
+    args.baselines = [b for b in args.baselines.split(",") if b]
+    if not args.baselines or args.baselines[0] != "ddp" or set(args.baselines) - set(BASELINES):
+        parser.error(f"--baselines: ddp first, then any of {', '.join(BASELINES)}")
     if args.iterations < args.blocks:
         parser.error("--iterations must be at least --blocks")
     # SIGTERM (e.g. from `timeout`) unwinds like Ctrl-C, so the namespaces are removed.
@@ -248,14 +312,14 @@ def main() -> None:
         with Network(args.world_size, rate) as net:
             for k, model in enumerate(args.models.split(",")):
                 result = run_model(net, model, rate, args, port=29500 + k)
-                rows.append(summarise(rate, model, args.world_size, args.schedules,
-                                      args.iterations, result))
+                rows.append(summarise(rate, model, args.world_size, args.baselines,
+                                      args.schedules, args.iterations, result))
                 print(f"{rate:>7s} {model:4s}: " + "  ".join(
                     f"{key[:-3]} {value:.1f} ms" for key, value in result.items()
                     if key.endswith("_ms")), flush=True)
-    print_table(rows, args.schedules)
+    print_table(rows, args.baselines, args.schedules)
     path = write_results("bandwidth_limited", rows)
-    plot(rows, args.schedules, RESULTS / "bandwidth_limited.png")
+    plot(rows, args.baselines, args.schedules, RESULTS / "bandwidth_limited.png")
     print(f"wrote {path} and {RESULTS / 'bandwidth_limited.png'}")
 
 

@@ -27,9 +27,14 @@ class Config:
             bucket's update is applied as soon as it is reduced, the next
             forward of a module waits only for its own parameters, and the
             front layers are reduced first once backward is done.
-        fusion_mb: Gradients are fused into buckets of at most this many MiB
-            (a larger tensor gets a bucket of its own). Like DDP's
-            ``bucket_cap_mb``.
+        fusion_mb: Gradients are fused into buckets in the order backward
+            produces them; a bucket closes as soon as it holds this many MiB
+            (the gradient that reaches the cap is its last), as with DDP's
+            ``bucket_cap_mb``. ``None`` (default): 25 MiB, DDP's default,
+            for ``wfbp`` and ``decoupled``; 4 MiB for ``priority``, whose
+            front-first order needs buckets small enough to reorder (on a
+            1 Gbit/s link 25 MiB buckets left it 1.07x DDP's time, 4 MiB
+            0.88-0.90x: docs/benchmarks.md).
         first_bucket_mb: Cap of the first bucket (the last layers, whose
             gradients are ready first), so communication starts early.
         timeout_s: Any collective that does not complete within this many
@@ -100,7 +105,7 @@ class Config:
     """
 
     schedule: str = "wfbp"
-    fusion_mb: float = 25.0
+    fusion_mb: float | None = None
     first_bucket_mb: float = 1.0
     timeout_s: float = 300.0
     broadcast_buffers: bool = True
@@ -123,6 +128,8 @@ class Config:
             )
         for name in ("fusion_mb", "first_bucket_mb", "timeout_s"):
             value = getattr(self, name)
+            if name == "fusion_mb" and value is None:
+                continue
             if not value > 0:
                 raise ValueError(f"{name} must be positive, got {value!r}")
         if self.partition_mb is not None and self.partition_mb < 0:
@@ -138,7 +145,11 @@ class Config:
 
     @property
     def fusion_bytes(self) -> int:
-        return max(1, int(self.fusion_mb * (1 << 20)))
+        """Bucket cap in bytes (see ``fusion_mb``)."""
+        mb = self.fusion_mb
+        if mb is None:
+            mb = 4.0 if self.schedule == "priority" else 25.0
+        return max(1, int(mb * (1 << 20)))
 
     @property
     def partition_bytes(self) -> int:

@@ -64,8 +64,6 @@ std::vector<PlannedBucket> plan_buckets(const std::vector<GradSpec>& specs,
     size_t begin = 0;
     do {  // at least one piece, also for a zero-element tensor
       const size_t count = std::min(piece, spec.numel - begin);
-      const size_t cap = closed.empty() ? first_cap_bytes : cap_bytes;
-      if (!o.bucket.tensors.empty() && (o.bucket.numel + count) * elem > cap) close(o);
       if (o.bucket.tensors.empty()) {
         o.bucket.dtype = spec.dtype;
         o.first_position = position;
@@ -76,6 +74,8 @@ std::vector<PlannedBucket> plan_buckets(const std::vector<GradSpec>& specs,
       o.bucket.offsets.push_back(o.bucket.numel);
       o.bucket.numel += count;
       begin += count;
+      const size_t cap = closed.empty() ? first_cap_bytes : cap_bytes;
+      if (o.bucket.numel * elem >= cap) close(o);
     } while (begin < spec.numel);
   }
   for (auto& [dtype, o] : open) {

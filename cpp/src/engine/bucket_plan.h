@@ -38,10 +38,14 @@ struct Placement {
 // gradients are expected to become ready) and fills one open bucket per dtype.
 // A tensor larger than `partition_bytes` (when non-zero) is cut into pieces of
 // at most that size, placed one after another as if they were tensors. A
-// bucket is closed before a piece would push it over its cap; a piece larger
-// than the cap gets a bucket of its own. The first bucket to close is capped
-// at `first_cap_bytes`, the rest at `cap_bytes`. Buckets are returned in plan
-// order: by the position in `order` of their first piece.
+// bucket closes as soon as it holds at least its cap: the piece that reaches
+// the cap is its last (torch DDP's rule). Closing *before* such a piece
+// instead would leave a large gradient waiting in the next bucket for the
+// gradients behind it, and the link idle meanwhile: with a 1 MiB first cap,
+// the last layer's big weight would wait for the whole layer before it. The
+// first bucket to close is capped at `first_cap_bytes`, the rest at
+// `cap_bytes`. Buckets are returned in plan order: by the position in `order`
+// of their first piece.
 std::vector<PlannedBucket> plan_buckets(const std::vector<GradSpec>& specs,
                                         const std::vector<size_t>& order, size_t first_cap_bytes,
                                         size_t cap_bytes, size_t partition_bytes = 0);
