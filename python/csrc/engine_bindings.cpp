@@ -106,6 +106,19 @@ void bind_engine(py::module_& m) {
       .def_property_readonly("description", &Handle::description);
 
   py::class_<Reducer>(m, "Reducer", "Gradient reducer; see hemiola/reducer.h.")
+      .def(
+          "residual_view",
+          [](Reducer& r, size_t index) {
+            TensorRef ref;
+            {
+              py::gil_scoped_release release;  // waits for the reductions in flight
+              ref = r.residual(index);
+            }
+            return py::memoryview::from_memory(ref.data, static_cast<ssize_t>(ref.nbytes()));
+          },
+          py::arg("index"),
+          "compression='int8': writable memoryview (float32) of gradient `index`'s "
+          "error-feedback residual (no copy; between iterations only).")
       .def("preview_error", &Reducer::preview_error,
            "sqrt(sum |estimate - average|^2 / sum |average|^2) over every preview so far.")
       .def(
@@ -231,7 +244,8 @@ void bind_engine(py::module_& m) {
           "make_reducer",
           [](Engine& e, const std::vector<std::tuple<int, size_t, std::string>>& specs,
              size_t fusion_bytes, size_t first_bucket_bytes, bool average, bool track_usage,
-             bool record_order, size_t in_flight, size_t partition_bytes, int device, bool preview) {
+             bool record_order, size_t in_flight, size_t partition_bytes, int device, bool preview,
+             int compression) {
             std::vector<GradSpec> grad_specs;
             for (const auto& [dtype, numel, name] : specs) {
               grad_specs.push_back({static_cast<DType>(dtype), numel, name});
@@ -245,6 +259,9 @@ void bind_engine(py::module_& m) {
             options.in_flight = in_flight;
             options.partition_bytes = partition_bytes;
             options.preview = preview;
+            HEMIOLA_CHECK(compression >= 0 && compression <= 3, "unknown compression code ",
+                          compression);
+            options.compression = static_cast<Compression>(compression);
             if (device >= 0) options.device = Device{DeviceType::kCUDA, device};
             // A CUDA reducer waits for the scheduler thread to create its
             // communicator, which reads the (possibly Python) store: the GIL
@@ -256,7 +273,7 @@ void bind_engine(py::module_& m) {
           py::arg("average") = true, py::arg("track_usage") = false,
           py::arg("record_order") = true, py::arg("in_flight") = 0,
           py::arg("partition_bytes") = 0, py::arg("device") = -1, py::arg("preview") = false,
-          py::keep_alive<0, 1>())
+          py::arg("compression") = 0, py::keep_alive<0, 1>())
       .def("timeline_json", &Engine::timeline_json)
       .def_property_readonly("timeline_enabled",
                              [](const Engine& e) { return e.options().timeline; })

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstddef>
+#include <cstdint>
 #include <string>
 
 #include "hemiola/tensor.h"
@@ -34,9 +35,18 @@ struct EngineOptions {
   std::string gpu_backend = "auto";
 };
 
+// How a bucket travels on the wire (engine/wire_codec.h). Applies to float32
+// buckets; buckets of other dtypes travel as they are.
+enum class Compression : uint8_t {
+  kNone = 0,
+  kFp16 = 1,  // two bytes, pre-divided by the world size (DDP's fp16 hook)
+  kBf16 = 2,  // the same in bfloat16 (DDP's bf16 hook)
+  kInt8 = 3,  // one byte per element, a scale per block, error feedback
+};
+
 struct ReducerOptions {
-  // Gradients are fused into buckets of at most this many bytes (a tensor
-  // larger than the cap gets a bucket of its own).
+  // Gradients are fused into buckets in plan order; a bucket closes once it
+  // holds at least this many bytes (engine/bucket_plan.h).
   size_t fusion_bytes = 25u << 20;
   // The first bucket (the last layers, whose gradients are ready first) is
   // capped smaller, so communication starts early in backward.
@@ -67,6 +77,8 @@ struct ReducerOptions {
   // codes' scales come from the previous iteration's averages). CPU only;
   // at most 127 ranks. Costs a quarter more bytes (of float32 gradients).
   bool preview = false;
+  // How each float32 bucket travels (host buckets only, for now).
+  Compression compression = Compression::kNone;
   // Where the gradients live: every gradient of a reducer is on this device.
   // On a CUDA device the buckets are device memory, gradients are copied in
   // on the caller's stream, and reductions run on the engine's stream.

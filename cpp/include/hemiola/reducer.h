@@ -99,6 +99,12 @@ class HEMIOLA_API Reducer {
   // every previewed bucket so far: sqrt(sum |estimate - average|^2 /
   // sum |average|^2) (0 before the first).
   double preview_error() const;
+  // ReducerOptions::compression = kInt8: what this rank's coding of gradient
+  // `index` has dropped so far and will add to its next gradient (float32,
+  // one per element; empty for a gradient that is not float32). Waits for
+  // every iteration submitted so far; valid for the reducer's life. Read it
+  // for a checkpoint and write it back on a resume, between iterations.
+  TensorRef residual(size_t index);
   // After wait(iteration) with track_usage: how many ranks produced a
   // gradient for each tensor.
   std::vector<int> usage(uint64_t iteration) const;

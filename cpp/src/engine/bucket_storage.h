@@ -76,8 +76,12 @@ class BucketStorage {
   std::vector<unsigned char*> buffers_;  // per bucket
 };
 
-// Host memory: reduced by the host communicator, results scaled by `scale`.
-std::unique_ptr<BucketStorage> make_host_buckets(const BucketLayout& layout, double scale);
+class WireCodec;
+
+// Host memory: reduced by the host communicator, results scaled by `scale`;
+// buckets `codec` applies to travel compressed (it averages them itself).
+std::unique_ptr<BucketStorage> make_host_buckets(const BucketLayout& layout, double scale,
+                                                 WireCodec* codec = nullptr);
 
 // Device memory on CUDA device `device`, reduced on the engine's stream of
 // that device by its device communicator. `timeout`: how long the host waits

@@ -5,6 +5,7 @@
 
 #include "engine/bucket_storage.h"
 #include "engine/dtype_math.h"
+#include "engine/wire_codec.h"
 
 namespace hemiola {
 
@@ -12,7 +13,8 @@ namespace {
 
 class HostBuckets final : public BucketStorage {
  public:
-  HostBuckets(const BucketLayout& layout, double scale) : layout_(layout), scale_(scale) {
+  HostBuckets(const BucketLayout& layout, double scale, WireCodec* codec)
+      : layout_(layout), scale_(scale), codec_(codec) {
     for (const auto& bucket : layout_.plan) {
       // Zero-filled: zero-element buckets and never-written slots read as zeros.
       storage_.emplace_back(new unsigned char[std::max<size_t>(bucket.nbytes(), 1)]());
@@ -36,8 +38,12 @@ class HostBuckets final : public BucketStorage {
   void reduce(size_t b, const std::vector<void*>& outs, Communicator& host) override {
     const PlannedBucket& plan = layout_.plan[b];
     unsigned char* buffer = buffers_[b];
-    host.all_reduce_sum(TensorRef{buffer, plan.dtype, plan.numel, Device{}});
-    if (scale_ != 1.0) scale_in_place(plan.dtype, buffer, plan.numel, scale_);
+    if (codec_ != nullptr && codec_->applies(plan)) {
+      codec_->reduce_average(plan, buffer, host);  // averages on the wire
+    } else {
+      host.all_reduce_sum(TensorRef{buffer, plan.dtype, plan.numel, Device{}});
+      if (scale_ != 1.0) scale_in_place(plan.dtype, buffer, plan.numel, scale_);
+    }
     const size_t elem = dtype_size(plan.dtype);
     for (size_t k = 0; k < plan.tensors.size(); ++k) {
       auto* out = static_cast<unsigned char*>(outs[plan.tensors[k]]);
@@ -51,13 +57,15 @@ class HostBuckets final : public BucketStorage {
  private:
   const BucketLayout layout_;
   const double scale_;
+  WireCodec* const codec_;  // the reducer's, shared by its flights; null: none
   std::vector<std::unique_ptr<unsigned char[]>> storage_;
 };
 
 }  // namespace
 
-std::unique_ptr<BucketStorage> make_host_buckets(const BucketLayout& layout, double scale) {
-  return std::make_unique<HostBuckets>(layout, scale);
+std::unique_ptr<BucketStorage> make_host_buckets(const BucketLayout& layout, double scale,
+                                                 WireCodec* codec) {
+  return std::make_unique<HostBuckets>(layout, scale, codec);
 }
 
 }  // namespace hemiola

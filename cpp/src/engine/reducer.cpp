@@ -93,6 +93,14 @@ ReducerImpl::ReducerImpl(EngineImpl& engine, std::vector<GradSpec> specs,
     HEMIOLA_CHECK(options_.device.index >= 0, "a CUDA reducer needs a device index, got ",
                   options_.device.index);
   }
+  if (options_.compression != Compression::kNone) {
+    HEMIOLA_CHECK(!on_device(), "ReducerOptions::compression is implemented for CPU reducers "
+                  "only; a CUDA reducer travels uncompressed");
+    HEMIOLA_CHECK(options_.average, "ReducerOptions::compression averages on the wire (each "
+                  "rank divides by the world size before its coding): it needs average = true");
+    codec_ = std::make_unique<WireCodec>(options_.compression, specs_,
+                                         engine.options().world_size);
+  }
   observed_.assign(specs_.size(), 0);
   build(reverse_order(specs_.size()));
   if (on_device()) {
@@ -171,7 +179,7 @@ std::unique_ptr<BucketStorage> ReducerImpl::make_storage() {
     return make_device_buckets(layout, engine_, options_.device.index, options_.average,
                                timeout());
   }
-  return make_host_buckets(layout, scale_);
+  return make_host_buckets(layout, scale_, codec_.get());
 }
 
 std::chrono::milliseconds ReducerImpl::timeout() const {
@@ -513,6 +521,16 @@ TensorRef ReducerImpl::result(uint64_t iteration, size_t index) const {
                    spec.dtype, spec.numel, options_.device};
 }
 
+TensorRef ReducerImpl::residual(size_t index) {
+  HEMIOLA_CHECK(index < specs_.size(), "gradient index ", index, " is out of range");
+  HEMIOLA_CHECK(codec_ && codec_->compression() == Compression::kInt8,
+                "residual() needs ReducerOptions::compression = int8 (error feedback)");
+  HEMIOLA_CHECK(!marking(), "residual() while gradients are being marked");
+  wait_all();  // every reduction submitted so far has written its residual
+  std::vector<float>& r = codec_->residual(index);
+  return TensorRef{r.data(), DType::kFloat32, r.size(), Device{}};
+}
+
 std::vector<int> ReducerImpl::usage(uint64_t iteration) const {
   HEMIOLA_CHECK(options_.track_usage, "usage() needs ReducerOptions::track_usage");
   const Flight& flight = completed_flight(iteration);
@@ -626,6 +644,7 @@ TensorRef Reducer::result(uint64_t iteration, size_t index) const {
 }
 std::vector<int> Reducer::usage(uint64_t iteration) const { return impl_->usage(iteration); }
 double Reducer::preview_error() const { return impl_->preview_error(); }
+TensorRef Reducer::residual(size_t index) { return impl_->residual(index); }
 std::vector<std::vector<size_t>> Reducer::buckets() const { return impl_->buckets(); }
 std::vector<size_t> Reducer::observed_order() const { return impl_->observed_order(); }
 size_t Reducer::pieces(size_t index) const { return impl_->pieces(index); }

@@ -33,6 +33,7 @@
 #include "engine/bucket_storage.h"
 #include "engine/engine_impl.h"
 #include "engine/ready_queue.h"
+#include "engine/wire_codec.h"
 #include "hemiola/config.h"
 #include "hemiola/reducer.h"
 
@@ -99,6 +100,9 @@ class ReducerImpl {
   // iteration + in_flight + 1 starts marking). Not for a partitioned tensor.
   TensorRef preview(uint64_t iteration, size_t index) const;
   double preview_error() const;
+  // Compression::kInt8: tensor `index`'s error-feedback residual (float32,
+  // in the reducer; read and write it only between iterations).
+  TensorRef residual(size_t index);
 
  private:
   enum SlotState : uint8_t { kPending = 0, kReady = 1, kUnused = 2 };
@@ -183,6 +187,9 @@ class ReducerImpl {
   const std::vector<GradSpec> specs_;
   const ReducerOptions options_;
   const double scale_;  // 1/world when averaging
+  // ReducerOptions::compression (null: none). Shared by every flight's
+  // storage and used on the scheduler thread only.
+  std::unique_ptr<WireCodec> codec_;
 
   // The plan. Replaced only by rebuild(), with no iteration in flight.
   std::vector<PlannedBucket> plan_;

@@ -1,0 +1,135 @@
+#include "engine/wire_codec.h"
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+
+#include "engine/dtype_math.h"
+#include "hemiola/status.h"
+
+namespace hemiola {
+
+WireCodec::WireCodec(Compression compression, const std::vector<GradSpec>& specs, int world)
+    : compression_(compression), world_(world) {
+  HEMIOLA_CHECK(world >= 1, "world size must be positive, got ", world);
+  if (compression_ == Compression::kInt8) {
+    HEMIOLA_CHECK(world <= 127, "compression int8 sums every rank's one-byte codes in one byte, "
+                  "which needs at most 127 ranks (world_size is ", world, ")");
+    residuals_.resize(specs.size());
+    for (size_t i = 0; i < specs.size(); ++i) {
+      if (specs[i].dtype == DType::kFloat32) residuals_[i].assign(specs[i].numel, 0.0f);
+    }
+  }
+}
+
+bool WireCodec::applies(const PlannedBucket& plan) const {
+  return compression_ != Compression::kNone && plan.dtype == DType::kFloat32 && plan.numel > 0;
+}
+
+void WireCodec::reduce_average(const PlannedBucket& plan, unsigned char* buffer,
+                               Communicator& comm) {
+  HEMIOLA_CHECK(applies(plan), "internal: bucket does not travel compressed");
+  float* data = reinterpret_cast<float*>(buffer);
+  if (compression_ == Compression::kInt8) {
+    reduce_int8(plan, data, comm);
+  } else {
+    reduce_half(plan, data, comm);
+  }
+}
+
+void WireCodec::reduce_half(const PlannedBucket& plan, float* data, Communicator& comm) {
+  const bool fp16 = compression_ == Compression::kFp16;
+  const size_t n = plan.numel;
+  halves_.resize(n);
+  uint16_t* wire = halves_.data();
+  const float world = static_cast<float>(world_);
+  // Cast, then divide in the half type (the division rounds to it again),
+  // as torch's hooks do: buffer.to(half).div_(world_size).
+  if (fp16) {
+    for (size_t i = 0; i < n; ++i) {
+      wire[i] = float_to_fp16(fp16_to_float(float_to_fp16(data[i])) / world);
+    }
+  } else {
+    for (size_t i = 0; i < n; ++i) {
+      wire[i] = float_to_bf16(bf16_to_float(float_to_bf16(data[i])) / world);
+    }
+  }
+  comm.all_reduce_sum(TensorRef{wire, fp16 ? DType::kFloat16 : DType::kBFloat16, n, Device{}});
+  if (fp16) {
+    for (size_t i = 0; i < n; ++i) data[i] = fp16_to_float(wire[i]);
+  } else {
+    for (size_t i = 0; i < n; ++i) data[i] = bf16_to_float(wire[i]);
+  }
+}
+
+void WireCodec::reduce_int8(const PlannedBucket& plan, float* data, Communicator& comm) {
+  const size_t n = plan.numel;
+  const size_t blocks = (n + kInt8Block - 1) / kInt8Block;
+  const int levels = 127 / world_;
+  // v = gradient + residual, in the bucket itself.
+  for (size_t k = 0; k < plan.tensors.size(); ++k) {
+    const float* residual = residuals_[plan.tensors[k]].data() + plan.begins[k];
+    float* v = data + plan.offsets[k];
+    for (size_t j = 0; j < plan.counts[k]; ++j) v[j] += residual[j];
+  }
+  // Each block's max |v| on this rank (NaN when the block holds a non-finite
+  // value), then the max over the ranks: the same scales everywhere.
+  maxima_.assign(blocks, 0.0f);
+  for (size_t blk = 0; blk < blocks; ++blk) {
+    const size_t end = std::min(n, (blk + 1) * kInt8Block);
+    float m = 0.0f;
+    bool finite = true;
+    for (size_t i = blk * kInt8Block; i < end; ++i) {
+      const float a = std::fabs(data[i]);
+      finite = finite && a <= std::numeric_limits<float>::max();
+      m = std::max(m, a);
+    }
+    maxima_[blk] = finite ? m : std::numeric_limits<float>::quiet_NaN();
+  }
+  gathered_.resize(blocks * static_cast<size_t>(world_));
+  comm.all_gather(TensorRef{maxima_.data(), DType::kFloat32, blocks, Device{}},
+                  TensorRef{gathered_.data(), DType::kFloat32, gathered_.size(), Device{}});
+  for (size_t blk = 0; blk < blocks; ++blk) {
+    float m = 0.0f;
+    for (int r = 0; r < world_; ++r) {
+      const float x = gathered_[static_cast<size_t>(r) * blocks + blk];
+      m = std::isnan(x) || std::isnan(m) ? std::numeric_limits<float>::quiet_NaN()
+                                         : std::max(m, x);
+    }
+    maxima_[blk] = m / static_cast<float>(levels);  // now the block's scale
+  }
+  // Code, keeping what the coding drops in v (the new residual).
+  codes_.resize(n);
+  const float magic = 12582912.0f;  // 1.5 * 2^23: (x + magic) - magic == rint(x) for small x
+  const float limit = static_cast<float>(levels);
+  for (size_t blk = 0; blk < blocks; ++blk) {
+    const size_t end = std::min(n, (blk + 1) * kInt8Block);
+    const float s = maxima_[blk];
+    const bool coded = std::isfinite(s) && s > 0.0f;
+    const float inverse = coded ? 1.0f / s : 0.0f;
+    for (size_t i = blk * kInt8Block; i < end; ++i) {
+      const float x = std::min(limit, std::max(-limit, data[i] * inverse));
+      const float q = coded ? (x + magic) - magic : 0.0f;
+      codes_[i] = static_cast<uint8_t>(static_cast<int8_t>(q));
+      // A non-finite block keeps nothing: its average is NaN for everyone.
+      data[i] = coded ? data[i] - s * q : (std::isfinite(s) ? data[i] : 0.0f);
+    }
+  }
+  for (size_t k = 0; k < plan.tensors.size(); ++k) {
+    float* residual = residuals_[plan.tensors[k]].data() + plan.begins[k];
+    const float* v = data + plan.offsets[k];
+    std::copy(v, v + plan.counts[k], residual);
+  }
+  comm.all_reduce_sum(TensorRef{codes_.data(), DType::kUInt8, n, Device{}});
+  for (size_t blk = 0; blk < blocks; ++blk) {
+    const size_t end = std::min(n, (blk + 1) * kInt8Block);
+    const float step = maxima_[blk] / static_cast<float>(world_);
+    for (size_t i = blk * kInt8Block; i < end; ++i) {
+      // A zero scale (every rank's block was zero) decodes to zeros; a NaN
+      // scale to NaN.
+      data[i] = maxima_[blk] == 0.0f ? 0.0f : step * static_cast<float>(static_cast<int8_t>(codes_[i]));
+    }
+  }
+}
+
+}  // namespace hemiola

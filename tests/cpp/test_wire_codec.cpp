@@ -1,0 +1,258 @@
+// Wire compression (ReducerOptions::compression) through a real reducer:
+// N ranks as threads over loopback Gloo, results against references computed
+// here from every rank's gradients.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <mutex>
+#include <random>
+
+#include "engine/dtype_math.h"
+#include "engine/wire_codec.h"
+#include "hemiola/hemiola.h"
+#include "run_ranks.h"
+
+namespace hemiola {
+namespace {
+
+using test::run_ranks;
+
+// Rank r's gradient of tensor i in iteration `it`: a few orders of magnitude
+// apart across tensors, different on every rank.
+std::vector<float> gradient(int rank, size_t i, size_t n, int it) {
+  std::mt19937 rng(static_cast<unsigned>(1000 * rank + 10 * i + it));
+  std::normal_distribution<float> normal(0.0f, std::pow(10.0f, static_cast<float>(i % 3) - 2.0f));
+  std::vector<float> g(n);
+  for (auto& x : g) x = normal(rng);
+  return g;
+}
+
+std::vector<GradSpec> specs_of(const std::vector<size_t>& numels) {
+  std::vector<GradSpec> specs;
+  for (size_t i = 0; i < numels.size(); ++i) {
+    specs.push_back({DType::kFloat32, numels[i], "t" + std::to_string(i)});
+  }
+  return specs;
+}
+
+class HalfWire : public ::testing::TestWithParam<std::tuple<Compression, int>> {};
+
+TEST_P(HalfWire, IsTheCastPreDividedSumCastBack) {
+  const auto [compression, world] = GetParam();
+  const bool fp16 = compression == Compression::kFp16;
+  auto to_half = [&](float f) { return fp16 ? float_to_fp16(f) : float_to_bf16(f); };
+  auto to_float = [&](uint16_t h) { return fp16 ? fp16_to_float(h) : bf16_to_float(h); };
+  const std::vector<size_t> numels = {3000, 17, 600};
+  const auto specs = specs_of(numels);
+  std::vector<std::vector<std::vector<float>>> results(world);
+  run_ranks(world, [&](Engine& e) {
+    ReducerOptions options;
+    options.compression = compression;
+    options.fusion_bytes = options.first_bucket_bytes = 4096;
+    auto reducer = e.make_reducer(specs, options);
+    std::vector<std::vector<float>> grads;
+    for (size_t i = 0; i < specs.size(); ++i) grads.push_back(gradient(e.rank(), i, numels[i], 0));
+    for (size_t i = 0; i < specs.size(); ++i) {
+      reducer->mark_ready(i, TensorRef{grads[i].data(), DType::kFloat32, numels[i], {}});
+    }
+    reducer->wait();
+    results[e.rank()] = grads;
+  });
+  for (size_t i = 0; i < numels.size(); ++i) {
+    for (size_t j = 0; j < numels[i]; ++j) {
+      // Each rank's half, divided in half precision, summed in half precision.
+      float sum = 0.0f;
+      for (int r = 0; r < world; ++r) {
+        const float mine = to_float(to_half(to_float(to_half(gradient(r, i, numels[i], 0)[j])) /
+                                            static_cast<float>(world)));
+        sum = r == 0 ? mine : to_float(to_half(sum + mine));
+      }
+      double exact_sum = 0.0;
+      double magnitude = 0.0;  // what the roundings are relative to
+      for (int r = 0; r < world; ++r) {
+        const float g = gradient(r, i, numels[i], 0)[j];
+        exact_sum += g;
+        magnitude += std::fabs(g) / world;
+      }
+      const double exact = exact_sum / world;
+      for (int r = 0; r < world; ++r) {
+        ASSERT_EQ(results[r][i][j], results[0][i][j]) << "ranks differ at " << i << "," << j;
+      }
+      if (world == 2) {  // two addends: the sum's order cannot differ
+        ASSERT_EQ(results[0][i][j], sum) << "tensor " << i << " element " << j;
+      }
+      // Three roundings (cast, divide, sum) of half an ulp each, and fp16's
+      // subnormal spacing (6e-8) near zero.
+      const double tolerance = (fp16 ? 2e-3 : 1.6e-2) * magnitude + (fp16 ? 2e-7 : 0.0);
+      ASSERT_NEAR(results[0][i][j], exact, tolerance) << "tensor " << i << " element " << j;
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Codings, HalfWire,
+                         ::testing::Combine(::testing::Values(Compression::kFp16,
+                                                              Compression::kBf16),
+                                            ::testing::Values(2, 3)));
+
+class Int8Wire : public ::testing::TestWithParam<int> {};
+
+// One rank's side of the coding, written out: v = g + e; the block scale is
+// the max over ranks of max |v| divided by floor(127 / world).
+TEST_P(Int8Wire, AveragesWithErrorFeedbackCarriedAcrossIterations) {
+  const int world = GetParam();
+  const std::vector<size_t> numels = {700, 5, 300};
+  const auto specs = specs_of(numels);
+  const int iterations = 4;
+  std::vector<std::vector<std::vector<std::vector<float>>>> results(
+      world, std::vector<std::vector<std::vector<float>>>(iterations));
+  std::vector<std::vector<std::vector<float>>> residuals(world);
+  run_ranks(world, [&](Engine& e) {
+    ReducerOptions options;
+    options.compression = Compression::kInt8;
+    options.fusion_bytes = options.first_bucket_bytes = 2048;
+    auto reducer = e.make_reducer(specs, options);
+    for (int it = 0; it < iterations; ++it) {
+      std::vector<std::vector<float>> grads;
+      for (size_t i = 0; i < specs.size(); ++i) {
+        grads.push_back(gradient(e.rank(), i, numels[i], it));
+      }
+      for (size_t i = specs.size(); i-- > 0;) {
+        reducer->mark_ready(i, TensorRef{grads[i].data(), DType::kFloat32, numels[i], {}});
+      }
+      reducer->wait();
+      results[e.rank()][it] = grads;
+    }
+    for (size_t i = 0; i < specs.size(); ++i) {
+      const TensorRef r = reducer->residual(i);
+      const float* data = static_cast<const float*>(r.data);
+      residuals[e.rank()].emplace_back(data, data + r.numel);
+    }
+  });
+  // The reference: the same coding over the same plan, written out here.
+  // The plan (reverse order, 2048-byte caps): bucket {t2, t1} (1220 bytes
+  // after t2 + t1, then t0 reaches the cap: {t2, t1, t0}).
+  const std::vector<size_t> order = {2, 1, 0};
+  const int levels = 127 / world;
+  std::vector<std::vector<std::vector<float>>> e(world);  // per rank, per tensor
+  for (int r = 0; r < world; ++r) {
+    for (size_t n : numels) e[r].emplace_back(n, 0.0f);
+  }
+  for (int it = 0; it < iterations; ++it) {
+    std::vector<std::vector<float>> v(world);  // per rank, the packed bucket
+    for (int r = 0; r < world; ++r) {
+      for (size_t i : order) {
+        const auto g = gradient(r, i, numels[i], it);
+        for (size_t j = 0; j < numels[i]; ++j) v[r].push_back(g[j] + e[r][i][j]);
+      }
+    }
+    const size_t n = v[0].size();
+    std::vector<float> average(n);
+    for (size_t first = 0; first < n; first += kInt8Block) {
+      const size_t last = std::min(n, first + kInt8Block);
+      float m = 0.0f;
+      for (int r = 0; r < world; ++r) {
+        for (size_t k = first; k < last; ++k) m = std::max(m, std::fabs(v[r][k]));
+      }
+      const float s = m / static_cast<float>(levels);
+      for (size_t k = first; k < last; ++k) {
+        int sum = 0;
+        for (int r = 0; r < world; ++r) {
+          const float q = std::nearbyint(std::clamp(v[r][k] * (1.0f / s), -1.0f * levels,
+                                                    1.0f * levels));
+          sum += static_cast<int>(q);
+          v[r][k] -= s * q;  // the residual
+        }
+        average[k] = s / static_cast<float>(world) * static_cast<float>(sum);
+      }
+    }
+    size_t offset = 0;
+    for (size_t i : order) {
+      for (size_t j = 0; j < numels[i]; ++j, ++offset) {
+        for (int r = 0; r < world; ++r) {
+          e[r][i][j] = v[r][offset];
+          ASSERT_EQ(results[r][it][i][j], average[offset])
+              << "rank " << r << " iteration " << it << " tensor " << i << " element " << j;
+        }
+      }
+    }
+  }
+  for (int r = 0; r < world; ++r) {
+    for (size_t i = 0; i < numels.size(); ++i) EXPECT_EQ(residuals[r][i], e[r][i]);
+  }
+  // Error feedback: summed over the iterations, the averages equal the exact
+  // averages up to what is still in the residuals.
+  double drift = 0.0;
+  double norm = 0.0;
+  for (size_t i = 0; i < numels.size(); ++i) {
+    for (size_t j = 0; j < numels[i]; ++j) {
+      double exact = 0.0;
+      double delivered = 0.0;
+      double held = 0.0;
+      for (int it = 0; it < iterations; ++it) {
+        for (int r = 0; r < world; ++r) exact += gradient(r, i, numels[i], it)[j] / world;
+        delivered += results[0][it][i][j];
+      }
+      for (int r = 0; r < world; ++r) held += residuals[r][i][j] / world;
+      drift = std::max(drift, std::fabs(exact - delivered - held));
+      norm = std::max(norm, std::fabs(exact));
+    }
+  }
+  EXPECT_LT(drift, 1e-5 * norm);
+}
+
+INSTANTIATE_TEST_SUITE_P(Worlds, Int8Wire, ::testing::Values(1, 2, 3));
+
+TEST(Int8Wire, ANonFiniteGradientGivesANonFiniteAverageOnEveryRank) {
+  const auto specs = specs_of({600});
+  run_ranks(2, [&](Engine& e) {
+    ReducerOptions options;
+    options.compression = Compression::kInt8;
+    auto reducer = e.make_reducer(specs, options);
+    std::vector<float> g(600, 1.0f);
+    if (e.rank() == 1) g[300] = std::numeric_limits<float>::infinity();
+    reducer->mark_ready(0, TensorRef{g.data(), DType::kFloat32, 600, {}});
+    reducer->wait();
+    EXPECT_TRUE(std::isnan(g[300]));  // its block (256..511) is NaN everywhere
+    EXPECT_TRUE(std::isnan(g[256]));
+    EXPECT_FLOAT_EQ(g[0], 1.0f);  // other blocks are untouched by it
+    EXPECT_FLOAT_EQ(g[599], 1.0f);
+    // The non-finite block's residual is reset, so the next iteration is clean.
+    const TensorRef r = reducer->residual(0);
+    EXPECT_EQ(static_cast<const float*>(r.data)[300], 0.0f);
+    std::fill(g.begin(), g.end(), 2.0f);
+    reducer->mark_ready(0, TensorRef{g.data(), DType::kFloat32, 600, {}});
+    reducer->wait();
+    EXPECT_FLOAT_EQ(g[300], 2.0f);
+  });
+}
+
+TEST(Compression, RefusedWhereItCannotWork) {
+  const auto specs = specs_of({10});
+  run_ranks(1, [&](Engine& e) {
+    ReducerOptions options;
+    options.compression = Compression::kFp16;
+    options.average = false;
+    EXPECT_THROW(e.make_reducer(specs, options), Error);
+    ReducerOptions plain;
+    auto reducer = e.make_reducer(specs, plain);
+    EXPECT_THROW(reducer->residual(0), Error);  // no error feedback without int8
+  });
+}
+
+TEST(Compression, OtherDtypesTravelAsTheyAre) {
+  std::vector<GradSpec> specs = {{DType::kFloat64, 100, "d"}};
+  run_ranks(2, [&](Engine& e) {
+    ReducerOptions options;
+    options.compression = Compression::kInt8;
+    auto reducer = e.make_reducer(specs, options);
+    std::vector<double> g(100, 0.1 * (e.rank() + 1) + 1e-12);
+    reducer->mark_ready(0, TensorRef{g.data(), DType::kFloat64, 100, {}});
+    reducer->wait();
+    EXPECT_DOUBLE_EQ(g[7], 0.15 + 1e-12);
+  });
+}
+
+}  // namespace
+}  // namespace hemiola
