@@ -119,6 +119,13 @@ void bind_engine(py::module_& m) {
           py::arg("index"),
           "compression='int8': writable memoryview (float32) of gradient `index`'s "
           "error-feedback residual (no copy; between iterations only).")
+      .def(
+          "set_compression",
+          [](Reducer& r, int code) {
+            HEMIOLA_CHECK(code >= 0 && code <= 3, "unknown compression code ", code);
+            r.set_compression(static_cast<Compression>(code));
+          },
+          py::arg("code"), "Before the first iteration: 0 none, 1 fp16, 2 bf16, 3 int8.")
       .def("preview_error", &Reducer::preview_error,
            "sqrt(sum |estimate - average|^2 / sum |average|^2) over every preview so far.")
       .def(

@@ -6,6 +6,8 @@ import dataclasses
 from dataclasses import dataclass
 
 SCHEDULES = ("wfbp", "priority", "decoupled")
+#: Values of ``Config.compression`` besides None, with the engine's code of each.
+COMPRESSIONS = {"fp16": 1, "bf16": 2, "int8": 3}
 
 
 @dataclass(frozen=True)
@@ -93,6 +95,20 @@ class Config:
             one, instead of applying it. Costs one pass over the gradients
             per iteration. With a GradScaler (``grad_scaler``), overflows skip
             the step instead, as GradScaler does.
+        compression: How float32 gradient buckets travel, for every schedule:
+            ``None`` (default) as they are; ``"fp16"`` / ``"bf16"``: in half
+            precision, each rank's bucket divided by the world size first so
+            the sum cannot overflow (what DDP's ``fp16_compress_hook`` /
+            ``bf16_compress_hook`` do; half the bytes); ``"int8"``: one byte
+            per element with a scale per block of 256 agreed by all ranks,
+            and error feedback: what a rank's coding dropped is added to its
+            next gradient (a quarter of the bytes, plus 1.6% for the
+            scales; ``model.comm_state_dict()`` holds the residuals for a
+            checkpoint). Every rank gets the same average, bit for bit; with
+            ``priority`` and ``decoupled`` the exact step is the step with
+            that average. CPU models only for now (a CUDA model refuses it).
+            ``model.register_comm_hook(state, hook)`` with torch's
+            ``fp16_compress_hook`` or ``bf16_compress_hook`` sets this too.
         native_optimizer: ``priority`` and ``decoupled``: the engine lands
             the updates and steps ``torch.optim.SGD``, ``Adam`` and ``AdamW``
             itself (on the optimizer's own state tensors; no Python work per
@@ -120,6 +136,7 @@ class Config:
     gpu_backend: str = "auto"
     check_finite: bool = False
     native_optimizer: bool | None = None
+    compression: str | None = None
 
     def __post_init__(self) -> None:
         if self.schedule not in SCHEDULES:
@@ -139,6 +156,13 @@ class Config:
         if self.gpu_backend not in ("auto", "nccl", "gloo"):
             raise ValueError(f"gpu_backend must be 'auto', 'nccl' or 'gloo', got "
                              f"{self.gpu_backend!r}")
+        if self.compression == "powersgd":
+            raise ValueError("compression='powersgd' is not implemented yet; 'int8' (one byte "
+                             "per element with error feedback) is the strongest compression "
+                             "hemiola has today")
+        if self.compression is not None and self.compression not in COMPRESSIONS:
+            raise ValueError(f"unknown compression {self.compression!r}; available: None, "
+                             f"{', '.join(repr(c) for c in COMPRESSIONS)}")
         if not 0.0 <= self.priority_front_fraction <= 1.0:
             raise ValueError("priority_front_fraction must be in [0, 1], got "
                              f"{self.priority_front_fraction!r}")

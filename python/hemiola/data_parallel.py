@@ -9,6 +9,7 @@ marking is closed); what happens next is the schedule's business (see
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Iterator
 from typing import Any
 
@@ -16,7 +17,8 @@ import torch
 from torch import nn
 
 from hemiola._native import C
-from hemiola.config import Config
+from hemiola.comm_hooks import compression_of
+from hemiola.config import COMPRESSIONS, Config
 from hemiola.schedules import Schedule, make_schedule
 from hemiola.tensors import broadcast_tensors, device_view, dtype_code, stream_of
 from hemiola.timeline import Recorder
@@ -48,6 +50,10 @@ class DataParallel(nn.Module):
         self.grad_scaler = grad_scaler
         #: the device the model lives on (the CPU or one GPU)
         self.device = check_module(module)
+        if config.compression is not None and self.device.type == "cuda":
+            raise ValueError(f"compression={config.compression!r} is implemented for CPU models "
+                             "only for now (its CUDA kernels have not run on a GPU yet); leave "
+                             "compression=None for a model on a GPU")
         self.module = module
         self.config = config
         self._engine = engine
@@ -84,6 +90,7 @@ class DataParallel(nn.Module):
                 preview=self._schedule.preview,
                 partition_bytes=config.partition_bytes,
                 device=self.device.index if self.device.type == "cuda" else -1,
+                compression=COMPRESSIONS.get(config.compression or "", 0),
             )
         # Partitioned gradients are spread over several buckets; schedules that
         # read results in place get them gathered into tensors of their own.
@@ -146,13 +153,62 @@ class DataParallel(nn.Module):
             self.require_backward_grad_sync = previous
 
     def register_comm_hook(self, state: object, hook: Any) -> None:
-        """Not supported: refuses with what to do instead."""
-        raise NotImplementedError(
-            "hemiola does not take DDP communication hooks: its engine packs, reduces and "
-            "averages buckets natively (fp16/bf16 gradients are reduced in their own dtype). "
-            "Remove the register_comm_hook call; for gradient compression or custom "
-            "reductions keep torch DDP for this model."
-        )
+        """DDP's ``register_comm_hook`` for torch's standard hooks: each is
+        mapped to the engine's native compression (``allreduce_hook``: none;
+        ``fp16_compress_hook`` / ``bf16_compress_hook``: ``compression=
+        "fp16"`` / ``"bf16"``); any other hook is refused with the list of
+        those understood. As with DDP, call it on every rank before the first
+        backward; ranks that register different hooks fail here, naming them.
+        """
+        compression = compression_of(state, hook)
+        if self._reducer is not None and self._reducer.iterations_started > 0:
+            raise RuntimeError("register_comm_hook must be called before the first backward "
+                               "(as with DDP)")
+        if compression is not None and self.device.type == "cuda":
+            raise ValueError(f"{getattr(hook, '__name__', hook)}: compression is implemented "
+                             "for CPU models only for now")
+        code = COMPRESSIONS.get(compression or "", 0)
+        mine = torch.tensor([code], dtype=torch.float64)
+        every = torch.zeros(self.world_size, dtype=torch.float64)
+        self._engine.all_gather(mine.data_ptr(), every.data_ptr(), dtype_code(torch.float64),
+                                1).wait()
+        if len(set(every.tolist())) != 1:
+            names = {v: k for k, v in COMPRESSIONS.items()}
+            seen = [names.get(int(c), "none") for c in every.tolist()]
+            raise RuntimeError(f"register_comm_hook: the ranks registered different hooks "
+                               f"(compression per rank: {seen}); register the same on every rank")
+        self.config = dataclasses.replace(self.config, compression=compression)
+        if self._reducer is not None:
+            self._reducer.set_compression(code)
+
+    def comm_state_dict(self) -> dict[str, torch.Tensor]:
+        """The communication state a checkpoint must carry to resume exactly:
+        with ``compression="int8"``, each float32 parameter's error-feedback
+        residual (what this rank's coding has dropped and will add to its next
+        gradient), by parameter name; empty otherwise. Per rank: save it from
+        every rank (torch.save to a per-rank file) and load it into the same
+        rank with :meth:`load_comm_state_dict`."""
+        if self.config.compression != "int8" or self._reducer is None:
+            return {}
+        self.synchronize()
+        out = {}
+        for i, (name, p) in enumerate(zip(self._names, self._params)):
+            if p.dtype == torch.float32:
+                view = torch.frombuffer(self._reducer.residual_view(i), dtype=torch.float32)
+                out[name] = view.clone().view_as(p)
+        return out
+
+    def load_comm_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """Restores what :meth:`comm_state_dict` returned (on the same rank)."""
+        mine = self.comm_state_dict()
+        if set(state) != set(mine):
+            raise ValueError(f"comm state holds {sorted(state)[:4]}..., this model expects "
+                             f"{sorted(mine)[:4]}... (was it saved with the same compression?)")
+        assert self._reducer is not None or not mine
+        for i, name in enumerate(self._names):
+            if name in state:
+                view = torch.frombuffer(self._reducer.residual_view(i), dtype=torch.float32)  # type: ignore[union-attr]
+                view.copy_(state[name].reshape(-1))
 
     def synchronize(self) -> None:
         """Lands every pending correction: afterwards every rank holds the

@@ -105,6 +105,9 @@ class HEMIOLA_API Reducer {
   // every iteration submitted so far; valid for the reducer's life. Read it
   // for a checkpoint and write it back on a resume, between iterations.
   TensorRef residual(size_t index);
+  // Changes ReducerOptions::compression; only before the first iteration
+  // (every rank must do the same: the coding decides what travels).
+  void set_compression(Compression compression);
   // After wait(iteration) with track_usage: how many ranks produced a
   // gradient for each tensor.
   std::vector<int> usage(uint64_t iteration) const;

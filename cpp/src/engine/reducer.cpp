@@ -93,14 +93,7 @@ ReducerImpl::ReducerImpl(EngineImpl& engine, std::vector<GradSpec> specs,
     HEMIOLA_CHECK(options_.device.index >= 0, "a CUDA reducer needs a device index, got ",
                   options_.device.index);
   }
-  if (options_.compression != Compression::kNone) {
-    HEMIOLA_CHECK(!on_device(), "ReducerOptions::compression is implemented for CPU reducers "
-                  "only; a CUDA reducer travels uncompressed");
-    HEMIOLA_CHECK(options_.average, "ReducerOptions::compression averages on the wire (each "
-                  "rank divides by the world size before its coding): it needs average = true");
-    codec_ = std::make_unique<WireCodec>(options_.compression, specs_,
-                                         engine.options().world_size);
-  }
+  codec_ = make_codec(options_.compression);
   observed_.assign(specs_.size(), 0);
   build(reverse_order(specs_.size()));
   if (on_device()) {
@@ -171,6 +164,25 @@ void ReducerImpl::build(const std::vector<size_t>& order) {
     }
   }
   plan_start_ = started_.load();
+}
+
+std::unique_ptr<WireCodec> ReducerImpl::make_codec(Compression compression) const {
+  if (compression == Compression::kNone) return nullptr;
+  HEMIOLA_CHECK(!on_device(), "ReducerOptions::compression is implemented for CPU reducers "
+                "only; a CUDA reducer travels uncompressed");
+  HEMIOLA_CHECK(options_.average, "ReducerOptions::compression averages on the wire (each "
+                "rank divides by the world size before its coding): it needs average = true");
+  return std::make_unique<WireCodec>(compression, specs_, engine_.options().world_size);
+}
+
+void ReducerImpl::set_compression(Compression compression) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  HEMIOLA_CHECK(started_.load() == 0 && !marking(),
+                "set_compression after the first iteration started; set it before");
+  codec_ = make_codec(compression);
+  options_.compression = compression;
+  // The storages hold the codec: make them anew (no iteration has used them).
+  for (auto& flight : flights_) flight->storage = make_storage();
 }
 
 std::unique_ptr<BucketStorage> ReducerImpl::make_storage() {
@@ -645,6 +657,7 @@ TensorRef Reducer::result(uint64_t iteration, size_t index) const {
 std::vector<int> Reducer::usage(uint64_t iteration) const { return impl_->usage(iteration); }
 double Reducer::preview_error() const { return impl_->preview_error(); }
 TensorRef Reducer::residual(size_t index) { return impl_->residual(index); }
+void Reducer::set_compression(Compression compression) { impl_->set_compression(compression); }
 std::vector<std::vector<size_t>> Reducer::buckets() const { return impl_->buckets(); }
 std::vector<size_t> Reducer::observed_order() const { return impl_->observed_order(); }
 size_t Reducer::pieces(size_t index) const { return impl_->pieces(index); }

@@ -103,6 +103,8 @@ class ReducerImpl {
   // Compression::kInt8: tensor `index`'s error-feedback residual (float32,
   // in the reducer; read and write it only between iterations).
   TensorRef residual(size_t index);
+  // Before the first iteration only (Reducer::set_compression).
+  void set_compression(Compression compression);
 
  private:
   enum SlotState : uint8_t { kPending = 0, kReady = 1, kUnused = 2 };
@@ -147,6 +149,7 @@ class ReducerImpl {
   // ---- lifecycle (reducer.cpp)
   void build(const std::vector<size_t>& order);
   std::unique_ptr<BucketStorage> make_storage();
+  std::unique_ptr<WireCodec> make_codec(Compression compression) const;
   Flight& begin_iteration();
   const Flight& completed_flight(uint64_t iteration) const;
   void check_usable() const;
@@ -185,7 +188,7 @@ class ReducerImpl {
 
   EngineImpl& engine_;
   const std::vector<GradSpec> specs_;
-  const ReducerOptions options_;
+  ReducerOptions options_;  // fixed, but for compression before the first iteration
   const double scale_;  // 1/world when averaging
   // ReducerOptions::compression (null: none). Shared by every flight's
   // storage and used on the scheduler thread only.

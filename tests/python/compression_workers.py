@@ -1,0 +1,150 @@
+"""Rank functions of tests/python/test_compression.py (see hemiola.launch.run_local)."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+import hemiola
+
+from models import loss_of, make_batch, make_model
+from workers import _optimizer, schedule_run
+
+
+def _steps(model: nn.Module, opt: torch.optim.Optimizer, name: str, rank: int, world: int,
+           steps: range) -> list[float]:
+    losses = []
+    for step in steps:
+        x, y = make_batch(name, step, rank, world)
+        opt.zero_grad()
+        loss = loss_of(name, model(x), y)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
+def fp16_vs_ddp_hook(rank: int, world: int, model_name: str, via_hook: bool,
+                     steps: int = 6) -> dict[str, Any]:
+    """torch DDP + fp16_compress_hook against hemiola wfbp with compression
+    'fp16' (given to wrap, or through register_comm_hook), same data."""
+    hemiola.init()
+    torch.manual_seed(0)
+    ref = make_model(model_name)
+    ddp = nn.parallel.DistributedDataParallel(ref)
+    ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
+    ddp_losses = _steps(ddp, _optimizer("sgd", ddp.parameters()), model_name, rank, world,
+                        range(steps))
+    torch.manual_seed(0)
+    mine = make_model(model_name)
+    options: dict[str, Any] = {} if via_hook else {"compression": "fp16"}
+    model, opt = hemiola.wrap(mine, _optimizer("sgd", mine.parameters()), timeout_s=60,
+                              **options)
+    if via_hook:
+        model.register_comm_hook(None, default_hooks.fp16_compress_hook)
+    losses = _steps(model, opt, model_name, rank, world, range(steps))
+    diff = max((a - b).abs().max().item() for a, b in zip(ref.parameters(), mine.parameters()))
+    scale = max(a.abs().max().item() for a in ref.parameters())
+    return {"max_diff": diff, "scale": scale, "ddp": ddp_losses, "hemiola": losses,
+            "compression": model.config.compression}
+
+
+def compressed_run(rank: int, world: int, schedule: str, compression: str | None,
+                   model_name: str, opt_name: str, steps: int) -> dict[str, Any]:
+    """schedule_run with one compression and the same plan for every schedule
+    (one bucket cap, no partitions), each rank on its own data."""
+    return schedule_run(rank, world, schedule, model_name, opt_name, steps, False,
+                        compression=compression, partition_mb=0.0)
+
+
+def int8_resume(rank: int, world: int, schedule: str, steps: int, cut: int,
+                options: dict[str, Any]) -> dict[str, Any]:
+    """int8 compression: `steps` steps straight, against `cut` steps, a
+    checkpoint (model, optimizer and comm state), a fresh wrap that loads it,
+    and the rest. Returns how far the resumed runs end from the straight one."""
+    hemiola.init()
+
+    def fresh(saved: dict[str, Any] | None = None) -> tuple[nn.Module, torch.optim.Optimizer]:
+        # A resume loads into the plain model and optimizer before wrapping,
+        # as DDP scripts do; the comm state goes into the wrapped model.
+        torch.manual_seed(0)
+        m = make_model("mlp")
+        o = _optimizer("sgd", m.parameters())
+        if saved is not None:
+            m.load_state_dict(saved["model"])
+            o.load_state_dict(copy.deepcopy(saved["optimizer"]))
+        return hemiola.wrap(m, o, schedule=schedule,
+                            **{"compression": "int8", "fusion_mb": 1 / 64, "timeout_s": 60,
+                               **options})
+
+    model, opt = fresh()
+    _steps(model, opt, "mlp", rank, world, range(steps))
+    model.synchronize()
+    straight = [p.detach().clone() for p in model.parameters()]
+
+    model, opt = fresh()
+    _steps(model, opt, "mlp", rank, world, range(cut))
+    saved = {"model": {k: v.clone() for k, v in model.state_dict().items()},
+             "optimizer": copy.deepcopy(opt.state_dict()), "comm": model.comm_state_dict()}
+    residual_norm = sum(v.norm().item() for v in saved["comm"].values())
+    model, opt = fresh(saved)
+    model.load_comm_state_dict(saved["comm"])
+    _steps(model, opt, "mlp", rank, world, range(cut, steps))
+    model.synchronize()
+    resumed = [p.detach().clone() for p in model.parameters()]
+    # Without the comm state the resumed run differs (so the check above can fail).
+    model, opt = fresh(saved)
+    _steps(model, opt, "mlp", rank, world, range(cut, steps))
+    model.synchronize()
+    forgetful = [p.detach().clone() for p in model.parameters()]
+    return {
+        "resumed_diff": max((a - b).abs().max().item() for a, b in zip(straight, resumed)),
+        "forgetful_diff": max((a - b).abs().max().item() for a, b in zip(straight, forgetful)),
+        "residual_norm": residual_norm, "keys": sorted(saved["comm"]),
+    }
+
+
+def comm_hook_errors(rank: int, world: int) -> dict[str, str]:
+    """What register_comm_hook says to hooks it cannot honour."""
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
+
+    hemiola.init()
+    out = {}
+    m = make_model("mlp")
+    model, opt = hemiola.wrap(m, _optimizer("sgd", m.parameters()), timeout_s=60)
+    for name, state, hook in [
+        ("custom", None, lambda state, bucket: bucket.buffer()),
+        ("powersgd", powersgd.PowerSGDState(None, matrix_approximation_rank=2),
+         powersgd.powerSGD_hook),
+    ]:
+        try:
+            model.register_comm_hook(state, hook)
+            out[name] = "accepted"
+        except NotImplementedError as e:
+            out[name] = str(e)
+    model.register_comm_hook(None, default_hooks.allreduce_hook)
+    out["allreduce"] = str(model.config.compression)
+    _steps(model, opt, "mlp", rank, world, range(1))
+    try:
+        model.register_comm_hook(None, default_hooks.fp16_compress_hook)
+        out["late"] = "accepted"
+    except RuntimeError as e:
+        out["late"] = str(e)
+    return out
+
+
+def mismatched_hooks(rank: int, world: int) -> str:
+    """Rank 0 registers fp16, the others bf16."""
+    hemiola.init()
+    m = make_model("mlp")
+    model, _ = hemiola.wrap(m, _optimizer("sgd", m.parameters()), timeout_s=60)
+    hook = default_hooks.fp16_compress_hook if rank == 0 else default_hooks.bf16_compress_hook
+    try:
+        model.register_comm_hook(None, hook)
+    except RuntimeError as e:
+        return str(e)
+    return "accepted"
