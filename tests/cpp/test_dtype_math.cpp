@@ -1,8 +1,13 @@
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
+#include <cstring>
+#include <random>
+#include <vector>
 
 #include "engine/dtype_math.h"
+#include "engine/half_cast.h"
 
 namespace hemiola {
 namespace {
@@ -52,6 +57,59 @@ TEST(DtypeMath, SumAndScaleEveryFloatDtype) {
   scale_in_place(DType::kBFloat16, bf, 1, 1.0 / 3.0);
   EXPECT_FLOAT_EQ(bf16_to_float(bf[0]), 1.0f);
   EXPECT_THROW(scale_in_place(DType::kInt64, nullptr, 0, 0.5), std::exception);
+}
+
+// The bulk (F16C / vectorised) conversions against the element-wise ones, on
+// every float16 and bfloat16 value, random float32 values of every magnitude,
+// and the edge cases, bit for bit (NaN payloads aside).
+TEST(DtypeMath, BulkHalfConversionsEqualTheElementwiseOnes) {
+  std::vector<float> floats;
+  for (uint32_t h = 0; h < 65536; ++h) {
+    floats.push_back(fp16_to_float(static_cast<uint16_t>(h)));
+    floats.push_back(bf16_to_float(static_cast<uint16_t>(h)));
+  }
+  std::mt19937 rng(7);
+  for (int i = 0; i < 200000; ++i) {
+    uint32_t bits = rng();
+    float f;
+    std::memcpy(&f, &bits, sizeof f);
+    floats.push_back(f);
+  }
+  for (float f : {0.0f, -0.0f, 65504.0f, 65520.0f, 1e-8f, 5.96e-8f, 2.98e-8f, 1e38f}) {
+    floats.push_back(f);
+  }
+  const size_t n = floats.size();
+  auto same = [](uint16_t a, uint16_t b, bool fp16) {
+    const float fa = fp16 ? fp16_to_float(a) : bf16_to_float(a);
+    const float fb = fp16 ? fp16_to_float(b) : bf16_to_float(b);
+    return a == b || (std::isnan(fa) && std::isnan(fb));
+  };
+  for (const DType half : {DType::kFloat16, DType::kBFloat16}) {
+    const bool fp16 = half == DType::kFloat16;
+    auto to = [&](float f) { return fp16 ? float_to_fp16(f) : float_to_bf16(f); };
+    auto from = [&](uint16_t h) { return fp16 ? fp16_to_float(h) : bf16_to_float(h); };
+    for (const float divisor : {1.0f, 2.0f, 3.0f}) {
+      std::vector<uint16_t> bulk(n);
+      floats_to_halves(half, floats.data(), bulk.data(), n, divisor);
+      for (size_t i = 0; i < n; ++i) {
+        const uint16_t h = to(floats[i]);
+        const uint16_t expected = divisor == 1.0f ? h : to(from(h) / divisor);
+        ASSERT_TRUE(same(bulk[i], expected, fp16))
+            << dtype_name(half) << " " << floats[i] << " / " << divisor;
+      }
+    }
+    std::vector<uint16_t> a(n), b(n), sum(n);
+    floats_to_halves(half, floats.data(), a.data(), n, 1.0f);
+    std::reverse_copy(a.begin(), a.end(), b.begin());
+    sum_halves(half, sum.data(), a.data(), b.data(), n);
+    std::vector<float> back(n);
+    halves_to_floats(half, a.data(), back.data(), n);
+    for (size_t i = 0; i < n; ++i) {
+      ASSERT_TRUE(same(sum[i], to(from(a[i]) + from(b[i])), fp16)) << i;
+      const float f = from(a[i]);
+      ASSERT_TRUE(back[i] == f || (std::isnan(back[i]) && std::isnan(f))) << i;
+    }
+  }
 }
 
 }  // namespace

@@ -1,5 +1,7 @@
 #include "engine/dtype_math.h"
 
+#include "engine/half_cast.h"
+
 #include "hemiola/status.h"
 
 namespace hemiola {
@@ -14,14 +16,6 @@ void sum_native(void* out, const void* a, const void* b, size_t n) {
 }
 
 template <float (*ToFloat)(uint16_t), uint16_t (*FromFloat)(float)>
-void sum_half(void* out, const void* a, const void* b, size_t n) {
-  uint16_t* o = static_cast<uint16_t*>(out);
-  const uint16_t* x = static_cast<const uint16_t*>(a);
-  const uint16_t* y = static_cast<const uint16_t*>(b);
-  for (size_t i = 0; i < n; ++i) o[i] = FromFloat(ToFloat(x[i]) + ToFloat(y[i]));
-}
-
-template <float (*ToFloat)(uint16_t), uint16_t (*FromFloat)(float)>
 void scale_half(void* data, size_t n, float factor) {
   uint16_t* d = static_cast<uint16_t*>(data);
   for (size_t i = 0; i < n; ++i) d[i] = FromFloat(ToFloat(d[i]) * factor);
@@ -32,8 +26,10 @@ void sum_into(DType dtype, void* out, const void* a, const void* b, size_t n) {
   switch (dtype) {
     case DType::kFloat32: return sum_native<float>(out, a, b, n);
     case DType::kFloat64: return sum_native<double>(out, a, b, n);
-    case DType::kFloat16: return sum_half<fp16_to_float, float_to_fp16>(out, a, b, n);
-    case DType::kBFloat16: return sum_half<bf16_to_float, float_to_bf16>(out, a, b, n);
+    case DType::kFloat16:
+    case DType::kBFloat16:
+      return sum_halves(dtype, static_cast<uint16_t*>(out), static_cast<const uint16_t*>(a),
+                        static_cast<const uint16_t*>(b), n);
     case DType::kInt32: return sum_native<int32_t>(out, a, b, n);
     case DType::kInt64: return sum_native<int64_t>(out, a, b, n);
     case DType::kUInt8: return sum_native<uint8_t>(out, a, b, n);

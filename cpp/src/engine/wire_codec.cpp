@@ -4,7 +4,7 @@
 #include <cmath>
 #include <limits>
 
-#include "engine/dtype_math.h"
+#include "engine/half_cast.h"
 #include "hemiola/status.h"
 
 namespace hemiola {
@@ -38,53 +38,42 @@ void WireCodec::reduce_average(const PlannedBucket& plan, unsigned char* buffer,
 }
 
 void WireCodec::reduce_half(const PlannedBucket& plan, float* data, Communicator& comm) {
-  const bool fp16 = compression_ == Compression::kFp16;
+  const DType half = compression_ == Compression::kFp16 ? DType::kFloat16 : DType::kBFloat16;
   const size_t n = plan.numel;
   halves_.resize(n);
-  uint16_t* wire = halves_.data();
-  const float world = static_cast<float>(world_);
   // Cast, then divide in the half type (the division rounds to it again),
   // as torch's hooks do: buffer.to(half).div_(world_size).
-  if (fp16) {
-    for (size_t i = 0; i < n; ++i) {
-      wire[i] = float_to_fp16(fp16_to_float(float_to_fp16(data[i])) / world);
-    }
-  } else {
-    for (size_t i = 0; i < n; ++i) {
-      wire[i] = float_to_bf16(bf16_to_float(float_to_bf16(data[i])) / world);
-    }
-  }
-  comm.all_reduce_sum(TensorRef{wire, fp16 ? DType::kFloat16 : DType::kBFloat16, n, Device{}});
-  if (fp16) {
-    for (size_t i = 0; i < n; ++i) data[i] = fp16_to_float(wire[i]);
-  } else {
-    for (size_t i = 0; i < n; ++i) data[i] = bf16_to_float(wire[i]);
-  }
+  floats_to_halves(half, data, halves_.data(), n, static_cast<float>(world_));
+  comm.all_reduce_sum(TensorRef{halves_.data(), half, n, Device{}});
+  halves_to_floats(half, halves_.data(), data, n);
 }
 
 void WireCodec::reduce_int8(const PlannedBucket& plan, float* data, Communicator& comm) {
   const size_t n = plan.numel;
   const size_t blocks = (n + kInt8Block - 1) / kInt8Block;
   const int levels = 127 / world_;
-  // v = gradient + residual, in the bucket itself.
+  // Pass 1: v = gradient + residual, in the bucket itself.
   for (size_t k = 0; k < plan.tensors.size(); ++k) {
     const float* residual = residuals_[plan.tensors[k]].data() + plan.begins[k];
     float* v = data + plan.offsets[k];
-    for (size_t j = 0; j < plan.counts[k]; ++j) v[j] += residual[j];
+    const size_t count = plan.counts[k];
+    for (size_t j = 0; j < count; ++j) v[j] += residual[j];
   }
   // Each block's max |v| on this rank (NaN when the block holds a non-finite
-  // value), then the max over the ranks: the same scales everywhere.
-  maxima_.assign(blocks, 0.0f);
+  // value: max() drops NaN, so a separate finiteness test), then the max over
+  // the ranks: the same scales everywhere.
+  maxima_.resize(blocks);
   for (size_t blk = 0; blk < blocks; ++blk) {
-    const size_t end = std::min(n, (blk + 1) * kInt8Block);
+    const size_t first = blk * kInt8Block;
+    const size_t end = std::min(n, first + kInt8Block);
     float m = 0.0f;
-    bool finite = true;
-    for (size_t i = blk * kInt8Block; i < end; ++i) {
+    float bad = 0.0f;  // stays 0 while every value is finite
+    for (size_t i = first; i < end; ++i) {
       const float a = std::fabs(data[i]);
-      finite = finite && a <= std::numeric_limits<float>::max();
       m = std::max(m, a);
+      bad += a - a;  // NaN for an infinite or NaN value
     }
-    maxima_[blk] = finite ? m : std::numeric_limits<float>::quiet_NaN();
+    maxima_[blk] = bad == 0.0f ? m : std::numeric_limits<float>::quiet_NaN();
   }
   gathered_.resize(blocks * static_cast<size_t>(world_));
   comm.all_gather(TensorRef{maxima_.data(), DType::kFloat32, blocks, Device{}},
@@ -98,21 +87,30 @@ void WireCodec::reduce_int8(const PlannedBucket& plan, float* data, Communicator
     }
     maxima_[blk] = m / static_cast<float>(levels);  // now the block's scale
   }
-  // Code, keeping what the coding drops in v (the new residual).
+  // Pass 2: code, keeping what the coding drops in v (the new residual).
   codes_.resize(n);
   const float magic = 12582912.0f;  // 1.5 * 2^23: (x + magic) - magic == rint(x) for small x
   const float limit = static_cast<float>(levels);
   for (size_t blk = 0; blk < blocks; ++blk) {
-    const size_t end = std::min(n, (blk + 1) * kInt8Block);
+    const size_t first = blk * kInt8Block;
+    const size_t end = std::min(n, first + kInt8Block);
     const float s = maxima_[blk];
-    const bool coded = std::isfinite(s) && s > 0.0f;
-    const float inverse = coded ? 1.0f / s : 0.0f;
-    for (size_t i = blk * kInt8Block; i < end; ++i) {
-      const float x = std::min(limit, std::max(-limit, data[i] * inverse));
-      const float q = coded ? (x + magic) - magic : 0.0f;
-      codes_[i] = static_cast<uint8_t>(static_cast<int8_t>(q));
-      // A non-finite block keeps nothing: its average is NaN for everyone.
-      data[i] = coded ? data[i] - s * q : (std::isfinite(s) ? data[i] : 0.0f);
+    int8_t* codes = reinterpret_cast<int8_t*>(codes_.data());
+    if (std::isfinite(s) && s > 0.0f) {
+      const float inverse = 1.0f / s;
+      for (size_t i = first; i < end; ++i) {
+        const float x = std::min(limit, std::max(-limit, data[i] * inverse));
+        const float q = (x + magic) - magic;
+        codes[i] = static_cast<int8_t>(q);
+        data[i] -= s * q;
+      }
+    } else {
+      // Zero scale: every rank's block is zero, and so is the residual. NaN:
+      // the block's average is NaN for everyone; its residual is dropped.
+      for (size_t i = first; i < end; ++i) {
+        codes[i] = 0;
+        data[i] = 0.0f;
+      }
     }
   }
   for (size_t k = 0; k < plan.tensors.size(); ++k) {
@@ -121,14 +119,13 @@ void WireCodec::reduce_int8(const PlannedBucket& plan, float* data, Communicator
     std::copy(v, v + plan.counts[k], residual);
   }
   comm.all_reduce_sum(TensorRef{codes_.data(), DType::kUInt8, n, Device{}});
+  // Pass 3: the average. A zero scale decodes to zeros, a NaN scale to NaN.
   for (size_t blk = 0; blk < blocks; ++blk) {
-    const size_t end = std::min(n, (blk + 1) * kInt8Block);
+    const size_t first = blk * kInt8Block;
+    const size_t end = std::min(n, first + kInt8Block);
     const float step = maxima_[blk] / static_cast<float>(world_);
-    for (size_t i = blk * kInt8Block; i < end; ++i) {
-      // A zero scale (every rank's block was zero) decodes to zeros; a NaN
-      // scale to NaN.
-      data[i] = maxima_[blk] == 0.0f ? 0.0f : step * static_cast<float>(static_cast<int8_t>(codes_[i]));
-    }
+    const int8_t* sums = reinterpret_cast<const int8_t*>(codes_.data());
+    for (size_t i = first; i < end; ++i) data[i] = step * static_cast<float>(sums[i]);
   }
 }
 
