@@ -32,7 +32,7 @@ from common import RESULTS, write_results
 from tasks import HEADLINE, TASKS, VARIANTS, RankResult, corpus_info, shapes_info, train_rank
 from tqdm import tqdm
 
-from hemiola.config import SCHEDULES
+from hemiola.config import COMPRESSIONS, SCHEDULES
 from hemiola.launch import run_local
 
 matplotlib.use("Agg")
@@ -226,7 +226,8 @@ def main() -> None:
                         help=f"comma-separated, of {', '.join(TASKS)} (default digits,lm)")
     parser.add_argument("--schedules", default=",".join([*SCHEDULES, *VARIANTS]),
                         help="comma-separated (default: all of "
-                             f"{', '.join([*SCHEDULES, *VARIANTS])})")
+                             f"{', '.join([*SCHEDULES, *VARIANTS])}); SCHEDULE+COMPRESSION "
+                             "trains with that compression, e.g. wfbp+int8")
     parser.add_argument("--seeds", type=int, default=3, help="seeds 0..N-1 (default 3)")
     parser.add_argument("--first-seed", type=int, default=0,
                         help="start the seeds here (--first-seed 3 --seeds 3: seeds 3, 4, 5)")
@@ -244,9 +245,13 @@ def main() -> None:
         if t not in TASKS:
             parser.error(f"unknown task {t!r}; available: {', '.join(TASKS)}")
     for s in schedules:
-        if s not in SCHEDULES and s not in VARIANTS:
+        base, _, compression = s.partition("+")
+        if base not in SCHEDULES and base not in VARIANTS:
             parser.error(f"unknown schedule {s!r}; available: "
-                         f"{', '.join([*SCHEDULES, *VARIANTS])}")
+                         f"{', '.join([*SCHEDULES, *VARIANTS])}, each optionally "
+                         f"+{'|+'.join(COMPRESSIONS)}")
+        if compression and compression not in COMPRESSIONS:
+            parser.error(f"unknown compression in {s!r}; available: {', '.join(COMPRESSIONS)}")
     if BASELINE not in schedules:
         print(f"note: {BASELINE} is not in --schedules, so there is no comparison with it")
 

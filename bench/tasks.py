@@ -555,7 +555,10 @@ def train_rank(rank: int, world: int, task_name: str, schedule: str, seed: int,
 
     torch.manual_seed(seed)
     model = task.model()
-    name, options = VARIANTS.get(schedule, (schedule, {}))
+    base, _, compression = schedule.partition("+")  # e.g. "wfbp+int8"
+    name, options = VARIANTS.get(base, (base, {}))
+    if compression:
+        options = {**options, "compression": compression}
     model, optimizer = hemiola.wrap(model, task.optimizer(model), schedule=name, **options)
     scheduler = task.lr_scheduler(optimizer, total)
 
