@@ -121,11 +121,13 @@ void bind_engine(py::module_& m) {
           "error-feedback residual (no copy; between iterations only).")
       .def(
           "set_compression",
-          [](Reducer& r, int code) {
-            HEMIOLA_CHECK(code >= 0 && code <= 3, "unknown compression code ", code);
-            r.set_compression(static_cast<Compression>(code));
+          [](Reducer& r, int code, size_t powersgd_rank, uint64_t powersgd_start_iteration) {
+            HEMIOLA_CHECK(code >= 0 && code <= 4, "unknown compression code ", code);
+            r.set_compression(static_cast<Compression>(code), powersgd_rank,
+                              powersgd_start_iteration);
           },
-          py::arg("code"), "Before the first iteration: 0 none, 1 fp16, 2 bf16, 3 int8.")
+          py::arg("code"), py::arg("powersgd_rank") = 2, py::arg("powersgd_start_iteration") = 10,
+          "Before the first iteration: 0 none, 1 fp16, 2 bf16, 3 int8, 4 powersgd.")
       .def("preview_error", &Reducer::preview_error,
            "sqrt(sum |estimate - average|^2 / sum |average|^2) over every preview so far.")
       .def(
@@ -249,13 +251,19 @@ void bind_engine(py::module_& m) {
       .def("barrier", &Engine::barrier)
       .def(
           "make_reducer",
-          [](Engine& e, const std::vector<std::tuple<int, size_t, std::string>>& specs,
+          [](Engine& e, const std::vector<py::tuple>& specs,
              size_t fusion_bytes, size_t first_bucket_bytes, bool average, bool track_usage,
              bool record_order, size_t in_flight, size_t partition_bytes, int device, bool preview,
-             int compression) {
+             int compression, size_t powersgd_rank, uint64_t powersgd_start_iteration) {
             std::vector<GradSpec> grad_specs;
-            for (const auto& [dtype, numel, name] : specs) {
-              grad_specs.push_back({static_cast<DType>(dtype), numel, name});
+            // (dtype, numel, name[, rows]): rows is the first dimension of a
+            // matrix gradient (PowerSGD's view), 0 otherwise.
+            for (const py::tuple& spec : specs) {
+              HEMIOLA_CHECK(spec.size() == 3 || spec.size() == 4,
+                            "a gradient spec is (dtype, numel, name[, rows])");
+              grad_specs.push_back({static_cast<DType>(spec[0].cast<int>()),
+                                    spec[1].cast<size_t>(), spec[2].cast<std::string>(),
+                                    spec.size() == 4 ? spec[3].cast<size_t>() : 0});
             }
             ReducerOptions options;
             options.fusion_bytes = fusion_bytes;
@@ -266,9 +274,11 @@ void bind_engine(py::module_& m) {
             options.in_flight = in_flight;
             options.partition_bytes = partition_bytes;
             options.preview = preview;
-            HEMIOLA_CHECK(compression >= 0 && compression <= 3, "unknown compression code ",
+            HEMIOLA_CHECK(compression >= 0 && compression <= 4, "unknown compression code ",
                           compression);
             options.compression = static_cast<Compression>(compression);
+            options.powersgd_rank = powersgd_rank;
+            options.powersgd_start_iteration = powersgd_start_iteration;
             if (device >= 0) options.device = Device{DeviceType::kCUDA, device};
             // A CUDA reducer waits for the scheduler thread to create its
             // communicator, which reads the (possibly Python) store: the GIL
@@ -280,7 +290,8 @@ void bind_engine(py::module_& m) {
           py::arg("average") = true, py::arg("track_usage") = false,
           py::arg("record_order") = true, py::arg("in_flight") = 0,
           py::arg("partition_bytes") = 0, py::arg("device") = -1, py::arg("preview") = false,
-          py::arg("compression") = 0, py::keep_alive<0, 1>())
+          py::arg("compression") = 0, py::arg("powersgd_rank") = 2,
+          py::arg("powersgd_start_iteration") = 10, py::keep_alive<0, 1>())
       .def("timeline_json", &Engine::timeline_json)
       .def_property_readonly("timeline_enabled",
                              [](const Engine& e) { return e.options().timeline; })

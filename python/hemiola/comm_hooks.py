@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 
 def _known_hooks() -> dict[Any, str | None]:
-    """torch's hooks that have a native equivalent: hook -> compression."""
+    """torch's stateless hooks that have a native equivalent: hook -> compression."""
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
     return {
@@ -27,26 +27,50 @@ def _known_hooks() -> dict[Any, str | None]:
 
 UNDERSTOOD = ("allreduce_hook (no compression), fp16_compress_hook (compression='fp16'), "
               "bf16_compress_hook (compression='bf16') from "
-              "torch.distributed.algorithms.ddp_comm_hooks.default_hooks")
+              "torch.distributed.algorithms.ddp_comm_hooks.default_hooks, and powerSGD_hook "
+              "(compression='powersgd') from ...ddp_comm_hooks.powerSGD_hook")
 
 
-def compression_of(state: object, hook: Any) -> str | None:
-    """The ``Config.compression`` that does what `hook` does, or a clear
-    error for a hook (or a state) hemiola cannot honour."""
+def _powersgd_options(state: Any) -> dict[str, int]:
+    """The Config options a PowerSGDState asks for; refuses what differs from
+    what the engine does."""
+    refused = []
+    if not getattr(state, "use_error_feedback", True):
+        refused.append("use_error_feedback=False")
+    if not getattr(state, "warm_start", True):
+        refused.append("warm_start=False")
+    if getattr(state, "min_compression_rate", 2) != 2:
+        refused.append(f"min_compression_rate={state.min_compression_rate}")
+    if refused:
+        raise NotImplementedError(
+            f"hemiola's PowerSGD always uses error feedback, warm start and "
+            f"min_compression_rate=2; this state sets {', '.join(refused)}")
+    return {"powersgd_rank": int(state.matrix_approximation_rank),
+            "powersgd_start_iter": int(state.start_powerSGD_iter)}
+
+
+def compression_of(state: object, hook: Any) -> tuple[str | None, dict[str, int]]:
+    """The ``Config.compression`` that does what `hook` does and the options
+    its state asks for, or a clear error for a hook (or a state) hemiola
+    cannot honour."""
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
+
+    if hook is powersgd.powerSGD_hook:
+        group = getattr(state, "process_group", None)
+        _check_group(group)
+        return "powersgd", _powersgd_options(state)
     known = _known_hooks()
     if hook not in known:
         name = getattr(hook, "__qualname__", None) or type(hook).__name__
-        if "powerSGD" in str(name):
-            raise NotImplementedError(
-                f"hemiola does not implement PowerSGD yet ({name}); its native compressions "
-                "are 'fp16', 'bf16' and 'int8' (one byte per element with error feedback, "
-                "a quarter of the bytes): hemiola.wrap(..., compression='int8')")
         raise NotImplementedError(
             f"hemiola maps torch's standard communication hooks onto its engine and cannot "
             f"run an arbitrary one ({name}). Understood: {UNDERSTOOD}. Or pass "
-            "compression='fp16' | 'bf16' | 'int8' to hemiola.wrap.")
-    group = state
+            "compression='fp16' | 'bf16' | 'int8' | 'powersgd' to hemiola.wrap.")
+    _check_group(state)
+    return known[hook], {}
+
+
+def _check_group(group: object) -> None:
     if group is not None and dist.is_initialized() and group is not dist.group.WORLD:
-        raise ValueError("register_comm_hook: hemiola reduces over all ranks; the hook's state "
-                         "must be None or the default process group")
-    return known[hook]
+        raise ValueError("register_comm_hook: hemiola reduces over all ranks; the hook's "
+                         "process group must be None or the default group")

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 SCHEDULES = ("wfbp", "priority", "decoupled")
 #: Values of ``Config.compression`` besides None, with the engine's code of each.
-COMPRESSIONS = {"fp16": 1, "bf16": 2, "int8": 3}
+COMPRESSIONS = {"fp16": 1, "bf16": 2, "int8": 3, "powersgd": 4}
 
 
 @dataclass(frozen=True)
@@ -104,11 +104,21 @@ class Config:
             and error feedback: what a rank's coding dropped is added to its
             next gradient (a quarter of the bytes, plus 1.6% for the
             scales; ``model.comm_state_dict()`` holds the residuals for a
-            checkpoint). Every rank gets the same average, bit for bit; with
+            checkpoint); ``"powersgd"``: each gradient matrix (viewed as
+            first dimension x the rest) sent as a rank-``powersgd_rank``
+            approximation with error feedback and warm start, as torch's
+            ``powerSGD_hook`` does, from iteration ``powersgd_start_iter``
+            on; small tensors travel as they are. Every rank gets the same
+            average, bit for bit; with
             ``priority`` and ``decoupled`` the exact step is the step with
             that average. CPU models only for now (a CUDA model refuses it).
             ``model.register_comm_hook(state, hook)`` with torch's
-            ``fp16_compress_hook`` or ``bf16_compress_hook`` sets this too.
+            ``fp16_compress_hook``, ``bf16_compress_hook`` or
+            ``powerSGD_hook`` sets this too.
+        powersgd_rank: ``compression="powersgd"``: the rank of each
+            gradient's approximation (torch's ``matrix_approximation_rank``).
+        powersgd_start_iter: ``compression="powersgd"``: iterations before
+            this one travel uncompressed (torch's ``start_powerSGD_iter``).
         native_optimizer: ``priority`` and ``decoupled``: the engine lands
             the updates and steps ``torch.optim.SGD``, ``Adam`` and ``AdamW``
             itself (on the optimizer's own state tensors; no Python work per
@@ -137,6 +147,8 @@ class Config:
     check_finite: bool = False
     native_optimizer: bool | None = None
     compression: str | None = None
+    powersgd_rank: int = 2
+    powersgd_start_iter: int = 10
 
     def __post_init__(self) -> None:
         if self.schedule not in SCHEDULES:
@@ -156,10 +168,11 @@ class Config:
         if self.gpu_backend not in ("auto", "nccl", "gloo"):
             raise ValueError(f"gpu_backend must be 'auto', 'nccl' or 'gloo', got "
                              f"{self.gpu_backend!r}")
-        if self.compression == "powersgd":
-            raise ValueError("compression='powersgd' is not implemented yet; 'int8' (one byte "
-                             "per element with error feedback) is the strongest compression "
-                             "hemiola has today")
+        if not (isinstance(self.powersgd_rank, int) and self.powersgd_rank >= 1):
+            raise ValueError(f"powersgd_rank must be an integer >= 1, got {self.powersgd_rank!r}")
+        if not (isinstance(self.powersgd_start_iter, int) and self.powersgd_start_iter >= 0):
+            raise ValueError("powersgd_start_iter must be an integer >= 0, got "
+                             f"{self.powersgd_start_iter!r}")
         if self.compression is not None and self.compression not in COMPRESSIONS:
             raise ValueError(f"unknown compression {self.compression!r}; available: None, "
                              f"{', '.join(repr(c) for c in COMPRESSIONS)}")
@@ -180,7 +193,9 @@ class Config:
         """Partition size in bytes (0: never partition)."""
         mb = self.partition_mb
         if mb is None:
-            mb = 4.0 if self.schedule == "priority" else 0.0
+            # PowerSGD compresses whole matrices (or pieces of whole rows):
+            # priority's partitions would leave most of them uncompressed.
+            mb = 4.0 if self.schedule == "priority" and self.compression != "powersgd" else 0.0
         return max(0, int(mb * (1 << 20)))
 
     @property

@@ -79,7 +79,8 @@ class DataParallel(nn.Module):
             lambda *_: self._schedule.parameters_replaced())
         self._reducer: C.Reducer | None = None
         if self._params:
-            specs = [(dtype_code(p.dtype), p.numel(), n) for n, p in named]
+            specs = [(dtype_code(p.dtype), p.numel(), n, p.shape[0] if p.dim() > 1 else 0)
+                     for n, p in named]
             self._reducer = engine.make_reducer(
                 specs,
                 fusion_bytes=config.fusion_bytes,
@@ -91,6 +92,8 @@ class DataParallel(nn.Module):
                 partition_bytes=config.partition_bytes,
                 device=self.device.index if self.device.type == "cuda" else -1,
                 compression=COMPRESSIONS.get(config.compression or "", 0),
+                powersgd_rank=config.powersgd_rank,
+                powersgd_start_iteration=config.powersgd_start_iter,
             )
         # Partitioned gradients are spread over several buckets; schedules that
         # read results in place get them gathered into tensors of their own.
@@ -160,7 +163,7 @@ class DataParallel(nn.Module):
         those understood. As with DDP, call it on every rank before the first
         backward; ranks that register different hooks fail here, naming them.
         """
-        compression = compression_of(state, hook)
+        compression, options = compression_of(state, hook)
         if self._reducer is not None and self._reducer.iterations_started > 0:
             raise RuntimeError("register_comm_hook must be called before the first backward "
                                "(as with DDP)")
@@ -168,34 +171,42 @@ class DataParallel(nn.Module):
             raise ValueError(f"{getattr(hook, '__name__', hook)}: compression is implemented "
                              "for CPU models only for now")
         code = COMPRESSIONS.get(compression or "", 0)
-        mine = torch.tensor([code], dtype=torch.float64)
-        every = torch.zeros(self.world_size, dtype=torch.float64)
+        config = dataclasses.replace(self.config, compression=compression, **options)
+        chosen = [code, config.powersgd_rank, config.powersgd_start_iter]
+        mine = torch.tensor(chosen, dtype=torch.float64)
+        every = torch.zeros(3 * self.world_size, dtype=torch.float64)
         self._engine.all_gather(mine.data_ptr(), every.data_ptr(), dtype_code(torch.float64),
-                                1).wait()
-        if len(set(every.tolist())) != 1:
+                                3).wait()
+        rows = every.view(self.world_size, 3).tolist()
+        if any(row != rows[0] for row in rows):
             names = {v: k for k, v in COMPRESSIONS.items()}
-            seen = [names.get(int(c), "none") for c in every.tolist()]
+            seen = [f"{names.get(int(c), 'none')}" + (f" (rank {int(r)}, from iteration "
+                    f"{int(i)})" if int(c) == COMPRESSIONS["powersgd"] else "")
+                    for c, r, i in rows]
             raise RuntimeError(f"register_comm_hook: the ranks registered different hooks "
                                f"(compression per rank: {seen}); register the same on every rank")
-        self.config = dataclasses.replace(self.config, compression=compression)
         if self._reducer is not None:
-            self._reducer.set_compression(code)
+            self._reducer.set_compression(code, powersgd_rank=config.powersgd_rank,
+                                          powersgd_start_iteration=config.powersgd_start_iter)
+        self.config = config
 
     def comm_state_dict(self) -> dict[str, torch.Tensor]:
         """The communication state a checkpoint must carry to resume exactly:
-        with ``compression="int8"``, each float32 parameter's error-feedback
-        residual (what this rank's coding has dropped and will add to its next
-        gradient), by parameter name; empty otherwise. Per rank: save it from
-        every rank (torch.save to a per-rank file) and load it into the same
-        rank with :meth:`load_comm_state_dict`."""
-        if self.config.compression != "int8" or self._reducer is None:
+        with ``compression="int8"`` or ``"powersgd"``, each compressed
+        parameter's error-feedback residual (what this rank's coding has
+        dropped and will add to its next gradient), by parameter name; empty
+        otherwise. Per rank: save it from every rank (torch.save to a per-rank
+        file) and load it into the same rank with :meth:`load_comm_state_dict`.
+        (PowerSGD's warm-start matrices are not in it: a resumed run starts
+        them afresh, as torch's hook does unless its state is pickled.)"""
+        if self.config.compression not in ("int8", "powersgd") or self._reducer is None:
             return {}
         self.synchronize()
         out = {}
         for i, (name, p) in enumerate(zip(self._names, self._params)):
-            if p.dtype == torch.float32:
-                view = torch.frombuffer(self._reducer.residual_view(i), dtype=torch.float32)
-                out[name] = view.clone().view_as(p)
+            view = self._reducer.residual_view(i)
+            if p.dtype == torch.float32 and view.nbytes > 0:
+                out[name] = torch.frombuffer(view, dtype=torch.float32).clone().view_as(p)
         return out
 
     def load_comm_state_dict(self, state: dict[str, torch.Tensor]) -> None:

@@ -39,7 +39,8 @@ def signature(module: nn.Module, config: Config) -> list[list[object]]:
     rows: list[list[object]] = [
         ["config", config.schedule, config.fusion_bytes, config.first_bucket_bytes,
          config.partition_bytes, config.find_unused_parameters, config.broadcast_buffers,
-         config.rebuild_buckets, config.priority_front_fraction, config.compression]
+         config.rebuild_buckets, config.priority_front_fraction, config.compression,
+         config.powersgd_rank, config.powersgd_start_iter]
     ]
     for name, p in module.named_parameters():
         rows.append(["parameter", name, list(p.shape), str(p.dtype), p.requires_grad])

@@ -58,7 +58,7 @@ def compressed_run(rank: int, world: int, schedule: str, compression: str | None
     """schedule_run with one compression and the same plan for every schedule
     (one bucket cap, no partitions), each rank on its own data."""
     return schedule_run(rank, world, schedule, model_name, opt_name, steps, False,
-                        compression=compression, partition_mb=0.0)
+                        compression=compression, partition_mb=0.0, powersgd_start_iter=2)
 
 
 def int8_resume(rank: int, world: int, schedule: str, steps: int, cut: int,
@@ -118,8 +118,9 @@ def comm_hook_errors(rank: int, world: int) -> dict[str, str]:
     model, opt = hemiola.wrap(m, _optimizer("sgd", m.parameters()), timeout_s=60)
     for name, state, hook in [
         ("custom", None, lambda state, bucket: bucket.buffer()),
-        ("powersgd", powersgd.PowerSGDState(None, matrix_approximation_rank=2),
-         powersgd.powerSGD_hook),
+        ("batched", powersgd.PowerSGDState(None), powersgd.batched_powerSGD_hook),
+        ("no-feedback", powersgd.PowerSGDState(None, use_error_feedback=False,
+                                               warm_start=False), powersgd.powerSGD_hook),
     ]:
         try:
             model.register_comm_hook(state, hook)
@@ -128,6 +129,10 @@ def comm_hook_errors(rank: int, world: int) -> dict[str, str]:
             out[name] = str(e)
     model.register_comm_hook(None, default_hooks.allreduce_hook)
     out["allreduce"] = str(model.config.compression)
+    state = powersgd.PowerSGDState(None, matrix_approximation_rank=3, start_powerSGD_iter=7)
+    model.register_comm_hook(state, powersgd.powerSGD_hook)
+    out["powersgd"] = (f"{model.config.compression} {model.config.powersgd_rank} "
+                       f"{model.config.powersgd_start_iter}")
     _steps(model, opt, "mlp", rank, world, range(1))
     try:
         model.register_comm_hook(None, default_hooks.fp16_compress_hook)
@@ -135,6 +140,32 @@ def comm_hook_errors(rank: int, world: int) -> dict[str, str]:
     except RuntimeError as e:
         out["late"] = str(e)
     return out
+
+
+def powersgd_vs_ddp_hook(rank: int, world: int, steps: int = 12) -> dict[str, Any]:
+    """torch DDP + powerSGD_hook against hemiola wfbp through the same
+    register_comm_hook call (rank 2, compressed from iteration 2)."""
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
+
+    hemiola.init()
+    losses = {}
+    for kind in ("ddp", "hemiola"):
+        torch.manual_seed(0)
+        m = make_model("mlp")
+        state = powersgd.PowerSGDState(None, matrix_approximation_rank=2, start_powerSGD_iter=2)
+        if kind == "ddp":  # one bucket: torch's PowerSGD over Gloo races between two
+            model = nn.parallel.DistributedDataParallel(m, bucket_cap_mb=1000)
+            opt = _optimizer("sgd", model.parameters())
+        else:
+            model, opt = hemiola.wrap(m, _optimizer("sgd", m.parameters()), timeout_s=60)
+        model.register_comm_hook(state, powersgd.powerSGD_hook)
+        losses[kind] = _steps(model, opt, "mlp", rank, world, range(steps))
+    plain = []
+    torch.manual_seed(0)
+    m = make_model("mlp")
+    model, opt = hemiola.wrap(m, _optimizer("sgd", m.parameters()), timeout_s=60)
+    plain = _steps(model, opt, "mlp", rank, world, range(steps))
+    return {**losses, "plain": plain}
 
 
 def mismatched_hooks(rank: int, world: int) -> str:

@@ -42,6 +42,7 @@ enum class Compression : uint8_t {
   kFp16 = 1,  // two bytes, pre-divided by the world size (DDP's fp16 hook)
   kBf16 = 2,  // the same in bfloat16 (DDP's bf16 hook)
   kInt8 = 3,  // one byte per element, a scale per block, error feedback
+  kPowerSgd = 4,  // low rank (PowerSGD) with error feedback; small tensors as they are
 };
 
 struct ReducerOptions {
@@ -79,6 +80,10 @@ struct ReducerOptions {
   bool preview = false;
   // How each float32 bucket travels (host buckets only, for now).
   Compression compression = Compression::kNone;
+  // Compression::kPowerSgd: the rank of the approximation, and the first
+  // iteration that is compressed (the ones before travel uncompressed).
+  size_t powersgd_rank = 2;
+  uint64_t powersgd_start_iteration = 10;
   // Where the gradients live: every gradient of a reducer is on this device.
   // On a CUDA device the buckets are device memory, gradients are copied in
   // on the caller's stream, and reductions run on the engine's stream.

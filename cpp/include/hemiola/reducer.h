@@ -42,6 +42,9 @@ struct GradSpec {
   DType dtype = DType::kFloat32;
   size_t numel = 0;
   std::string name;  // for error messages, e.g. "layer1.0.conv1.weight"
+  // The tensor's first dimension (0: not a matrix). PowerSGD compression
+  // views the gradient as rows x (numel / rows), as torch's hook does.
+  size_t rows = 0;
 };
 
 class ReducerImpl;
@@ -105,9 +108,11 @@ class HEMIOLA_API Reducer {
   // every iteration submitted so far; valid for the reducer's life. Read it
   // for a checkpoint and write it back on a resume, between iterations.
   TensorRef residual(size_t index);
-  // Changes ReducerOptions::compression; only before the first iteration
-  // (every rank must do the same: the coding decides what travels).
-  void set_compression(Compression compression);
+  // Changes ReducerOptions::compression (and PowerSGD's rank and first
+  // compressed iteration); only before the first iteration (every rank must
+  // do the same: the coding decides what travels).
+  void set_compression(Compression compression, size_t powersgd_rank = 2,
+                       uint64_t powersgd_start_iteration = 10);
   // After wait(iteration) with track_usage: how many ranks produced a
   // gradient for each tensor.
   std::vector<int> usage(uint64_t iteration) const;

@@ -35,11 +35,15 @@ class HostBuckets final : public BucketStorage {
     }
   }
 
+  void begin_reductions(uint64_t iteration, const BucketStorage*) override {
+    iteration_ = iteration;
+  }
+
   void reduce(size_t b, const std::vector<void*>& outs, Communicator& host) override {
     const PlannedBucket& plan = layout_.plan[b];
     unsigned char* buffer = buffers_[b];
     if (codec_ != nullptr && codec_->applies(plan)) {
-      codec_->reduce_average(plan, buffer, host);  // averages on the wire
+      codec_->reduce_average(plan, buffer, host, iteration_);  // averages on the wire
     } else {
       host.all_reduce_sum(TensorRef{buffer, plan.dtype, plan.numel, Device{}});
       if (scale_ != 1.0) scale_in_place(plan.dtype, buffer, plan.numel, scale_);
@@ -58,6 +62,7 @@ class HostBuckets final : public BucketStorage {
   const BucketLayout layout_;
   const double scale_;
   WireCodec* const codec_;  // the reducer's, shared by its flights; null: none
+  uint64_t iteration_ = 0;  // the iteration being reduced (scheduler thread)
   std::vector<std::unique_ptr<unsigned char[]>> storage_;
 };
 

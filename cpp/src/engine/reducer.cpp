@@ -172,13 +172,18 @@ std::unique_ptr<WireCodec> ReducerImpl::make_codec(Compression compression) cons
                 "only; a CUDA reducer travels uncompressed");
   HEMIOLA_CHECK(options_.average, "ReducerOptions::compression averages on the wire (each "
                 "rank divides by the world size before its coding): it needs average = true");
-  return std::make_unique<WireCodec>(compression, specs_, engine_.options().world_size);
+  ReducerOptions options = options_;
+  options.compression = compression;
+  return std::make_unique<WireCodec>(options, specs_, engine_.options().world_size);
 }
 
-void ReducerImpl::set_compression(Compression compression) {
+void ReducerImpl::set_compression(Compression compression, size_t powersgd_rank,
+                                  uint64_t powersgd_start_iteration) {
   std::lock_guard<std::mutex> lock(mutex_);
   HEMIOLA_CHECK(started_.load() == 0 && !marking(),
                 "set_compression after the first iteration started; set it before");
+  options_.powersgd_rank = powersgd_rank;
+  options_.powersgd_start_iteration = powersgd_start_iteration;
   codec_ = make_codec(compression);
   options_.compression = compression;
   // The storages hold the codec: make them anew (no iteration has used them).
@@ -535,8 +540,9 @@ TensorRef ReducerImpl::result(uint64_t iteration, size_t index) const {
 
 TensorRef ReducerImpl::residual(size_t index) {
   HEMIOLA_CHECK(index < specs_.size(), "gradient index ", index, " is out of range");
-  HEMIOLA_CHECK(codec_ && codec_->compression() == Compression::kInt8,
-                "residual() needs ReducerOptions::compression = int8 (error feedback)");
+  HEMIOLA_CHECK(codec_ && (codec_->compression() == Compression::kInt8 ||
+                            codec_->compression() == Compression::kPowerSgd),
+                "residual() needs ReducerOptions::compression int8 or powersgd (error feedback)");
   HEMIOLA_CHECK(!marking(), "residual() while gradients are being marked");
   wait_all();  // every reduction submitted so far has written its residual
   std::vector<float>& r = codec_->residual(index);
@@ -657,7 +663,10 @@ TensorRef Reducer::result(uint64_t iteration, size_t index) const {
 std::vector<int> Reducer::usage(uint64_t iteration) const { return impl_->usage(iteration); }
 double Reducer::preview_error() const { return impl_->preview_error(); }
 TensorRef Reducer::residual(size_t index) { return impl_->residual(index); }
-void Reducer::set_compression(Compression compression) { impl_->set_compression(compression); }
+void Reducer::set_compression(Compression compression, size_t powersgd_rank,
+                              uint64_t powersgd_start_iteration) {
+  impl_->set_compression(compression, powersgd_rank, powersgd_start_iteration);
+}
 std::vector<std::vector<size_t>> Reducer::buckets() const { return impl_->buckets(); }
 std::vector<size_t> Reducer::observed_order() const { return impl_->observed_order(); }
 size_t Reducer::pieces(size_t index) const { return impl_->pieces(index); }

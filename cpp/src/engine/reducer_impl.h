@@ -104,7 +104,8 @@ class ReducerImpl {
   // in the reducer; read and write it only between iterations).
   TensorRef residual(size_t index);
   // Before the first iteration only (Reducer::set_compression).
-  void set_compression(Compression compression);
+  void set_compression(Compression compression, size_t powersgd_rank,
+                       uint64_t powersgd_start_iteration);
 
  private:
   enum SlotState : uint8_t { kPending = 0, kReady = 1, kUnused = 2 };

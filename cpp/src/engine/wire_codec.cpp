@@ -9,8 +9,11 @@
 
 namespace hemiola {
 
-WireCodec::WireCodec(Compression compression, const std::vector<GradSpec>& specs, int world)
-    : compression_(compression), world_(world) {
+WireCodec::WireCodec(const ReducerOptions& options, const std::vector<GradSpec>& specs,
+                     int world)
+    : compression_(options.compression),
+      world_(world),
+      powersgd_start_(options.powersgd_start_iteration) {
   HEMIOLA_CHECK(world >= 1, "world size must be positive, got ", world);
   if (compression_ == Compression::kInt8) {
     HEMIOLA_CHECK(world <= 127, "compression int8 sums every rank's one-byte codes in one byte, "
@@ -20,6 +23,9 @@ WireCodec::WireCodec(Compression compression, const std::vector<GradSpec>& specs
       if (specs[i].dtype == DType::kFloat32) residuals_[i].assign(specs[i].numel, 0.0f);
     }
   }
+  if (compression_ == Compression::kPowerSgd) {
+    powersgd_ = std::make_unique<PowerSgd>(specs, options.powersgd_rank, world);
+  }
 }
 
 bool WireCodec::applies(const PlannedBucket& plan) const {
@@ -27,10 +33,18 @@ bool WireCodec::applies(const PlannedBucket& plan) const {
 }
 
 void WireCodec::reduce_average(const PlannedBucket& plan, unsigned char* buffer,
-                               Communicator& comm) {
+                               Communicator& comm, uint64_t iteration) {
   HEMIOLA_CHECK(applies(plan), "internal: bucket does not travel compressed");
   float* data = reinterpret_cast<float*>(buffer);
-  if (compression_ == Compression::kInt8) {
+  if (compression_ == Compression::kPowerSgd) {
+    if (iteration >= powersgd_start_) {
+      powersgd_->reduce_average(plan, data, comm);
+    } else {  // warm-up: uncompressed, as torch's hook before start_powerSGD_iter
+      comm.all_reduce_sum(TensorRef{data, DType::kFloat32, plan.numel, Device{}});
+      const float world = static_cast<float>(world_);
+      for (size_t i = 0; i < plan.numel; ++i) data[i] /= world;
+    }
+  } else if (compression_ == Compression::kInt8) {
     reduce_int8(plan, data, comm);
   } else {
     reduce_half(plan, data, comm);

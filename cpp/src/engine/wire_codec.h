@@ -16,6 +16,8 @@
 //     exactly. The scales are agreed by an all-gather of each rank's block
 //     maxima (4 bytes per block, 1.6% of float32's bytes). The average is
 //     s * sum(q) / world; the residual becomes v - s * q.
+//   - kPowerSgd: low rank with error feedback (engine/powersgd.h), from
+//     iteration `powersgd_start_iteration` on; uncompressed before.
 // Every rank decodes the same sums with the same scales, so the averages are
 // bitwise identical across ranks. A non-finite value makes its block's scale
 // non-finite: the whole block's average is NaN on every rank (as an
@@ -30,8 +32,11 @@
 #include <cstdint>
 #include <vector>
 
+#include <memory>
+
 #include "comm/communicator.h"
 #include "engine/bucket_plan.h"
+#include "engine/powersgd.h"
 #include "hemiola/config.h"
 
 namespace hemiola {
@@ -43,17 +48,21 @@ class WireCodec {
  public:
   // `specs`: the reducer's gradients (residuals are kept per tensor, so they
   // survive a rebuild of the bucket plan).
-  WireCodec(Compression compression, const std::vector<GradSpec>& specs, int world);
+  WireCodec(const ReducerOptions& options, const std::vector<GradSpec>& specs, int world);
 
   Compression compression() const { return compression_; }
   // Whether bucket `plan` travels compressed (float32 buckets only).
   bool applies(const PlannedBucket& plan) const;
-  // All-reduces the bucket at `buffer` (laid out as `plan`) in place and
-  // leaves the *average* there. Only for buckets that applies() to.
-  void reduce_average(const PlannedBucket& plan, unsigned char* buffer, Communicator& comm);
-  // kInt8: tensor `index`'s residual (float32, one per element); empty for
-  // the other codings.
-  std::vector<float>& residual(size_t index) { return residuals_[index]; }
+  // All-reduces the bucket at `buffer` (laid out as `plan`) of iteration
+  // `iteration` in place and leaves the *average* there. Only for buckets
+  // that applies() to.
+  void reduce_average(const PlannedBucket& plan, unsigned char* buffer, Communicator& comm,
+                      uint64_t iteration);
+  // kInt8 and kPowerSgd: tensor `index`'s residual (float32, one per
+  // element); empty for the other codings and for tensors never compressed.
+  std::vector<float>& residual(size_t index) {
+    return powersgd_ ? powersgd_->residual(index) : residuals_[index];
+  }
 
  private:
   void reduce_half(const PlannedBucket& plan, float* data, Communicator& comm);
@@ -61,6 +70,8 @@ class WireCodec {
 
   const Compression compression_;
   const int world_;
+  const uint64_t powersgd_start_;
+  std::unique_ptr<PowerSgd> powersgd_;  // kPowerSgd
   std::vector<std::vector<float>> residuals_;  // per tensor (kInt8)
   // Scratch, reused by every bucket: the wire buffer and the block maxima.
   std::vector<uint16_t> halves_;
