@@ -19,7 +19,8 @@ barrier before each block:
   ``<schedule>+<compression>`` wraps with ``compression=<compression>``;
 - ``compute``: the bare model, no communication;
 - ``comm``: one all-reduce (average) through a hemiola engine of a flat
-  float32 buffer as large as all the gradients, no computation.
+  float32 buffer as large as all the gradients, no computation;
+  ``comm_torch``: the same through torch's Gloo (``dist.all_reduce``).
 
 DDP and hemiola use their own default buckets (25 MiB, the first 1 MiB) unless
 ``--fusion-mb`` sets both caps.
@@ -137,22 +138,26 @@ def worker(config: dict[str, Any]) -> dict[str, Any]:
     engine, _store = new_engine(timeout_s=300.0)
     flat = torch.zeros(params, dtype=torch.float32)
 
-    def comm(n: int) -> list[float]:
+    def comm(n: int, torch_gloo: bool) -> list[float]:
         times = []
         for _ in range(n):
             start = time.perf_counter()
-            engine.all_reduce(flat.data_ptr(), dtype_code(torch.float32), flat.numel(),
-                              C.ReduceOp.average).wait()
+            if torch_gloo:
+                dist.all_reduce(flat)
+                flat.div_(dist.get_world_size())
+            else:
+                engine.all_reduce(flat.data_ptr(), dtype_code(torch.float32), flat.numel(),
+                                  C.ReduceOp.average).wait()
             times.append(time.perf_counter() - start)
         return times
 
     def block(variant: str, n: int) -> list[float]:
-        if variant == "comm":
-            return comm(n)
+        if variant.startswith("comm"):
+            return comm(n, torch_gloo=variant == "comm_torch")
         model, opt, x, y = variants[variant]
         return _iterations(model, opt, x, y, n)
 
-    order = [*variants, "comm"]
+    order = [*variants, "comm", "comm_torch"]
     for variant in order:  # warm-up (and bucket rebuild)
         block(variant, 2)
     samples: dict[str, list[float]] = {v: [] for v in order}

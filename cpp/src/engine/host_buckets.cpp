@@ -42,18 +42,27 @@ class HostBuckets final : public BucketStorage {
   void reduce(size_t b, const std::vector<void*>& outs, Communicator& host) override {
     const PlannedBucket& plan = layout_.plan[b];
     unsigned char* buffer = buffers_[b];
-    if (codec_ != nullptr && codec_->applies(plan)) {
-      codec_->reduce_average(plan, buffer, host, iteration_);  // averages on the wire
+    const bool averaged_on_wire = codec_ != nullptr && codec_->applies(plan);
+    if (averaged_on_wire) {
+      codec_->reduce_average(plan, buffer, host, iteration_);
     } else {
       host.all_reduce_sum(TensorRef{buffer, plan.dtype, plan.numel, Device{}});
-      if (scale_ != 1.0) scale_in_place(plan.dtype, buffer, plan.numel, scale_);
     }
+    const bool scale = !averaged_on_wire && scale_ != 1.0;
     const size_t elem = dtype_size(plan.dtype);
+    // Average and copy out a cache-sized chunk at a time: the copy reads
+    // what the scaling just wrote while it is still in cache, instead of a
+    // second pass over the whole bucket from memory.
+    constexpr size_t kChunkBytes = 64 << 10;
+    const size_t chunk = std::max<size_t>(1, kChunkBytes / elem);
     for (size_t k = 0; k < plan.tensors.size(); ++k) {
+      unsigned char* in = buffer + plan.offsets[k] * elem;
       auto* out = static_cast<unsigned char*>(outs[plan.tensors[k]]);
-      if (out != nullptr) {
-        std::memcpy(out + plan.begins[k] * elem, buffer + plan.offsets[k] * elem,
-                    plan.counts[k] * elem);
+      if (out != nullptr) out += plan.begins[k] * elem;
+      for (size_t done = 0; done < plan.counts[k]; done += chunk) {
+        const size_t n = std::min(chunk, plan.counts[k] - done);
+        if (scale) scale_in_place(plan.dtype, in + done * elem, n, scale_);
+        if (out != nullptr) std::memcpy(out + done * elem, in + done * elem, n * elem);
       }
     }
   }
