@@ -30,9 +30,10 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     # server import torch (2-3 s); the cluster simulator needs none of it, so
     # its commands leave them out.
     if command != "cluster":
-        from hemiola import demo
+        from hemiola import advise, demo
 
         demo.register(commands)
+        advise.register(commands)
     from hemiola.cluster import cli as cluster_cli
 
     cluster_cli.register(commands)

@@ -1,0 +1,295 @@
+"""``hemiola advise``: which schedule, bucket size and compression fit this
+model on this network, from measurements made here, then a check.
+
+Run it where the job will run, with its ranks::
+
+    torchrun --nproc-per-node 2 -m hemiola advise --model mypkg.models:make
+    hemiola advise --local 2                 # two local ranks, the built-in MLP
+
+``--model MODULE:FACTORY`` names a function returning ``(model, loss_fn)``:
+``loss_fn(model)`` runs one training batch's forward and returns the loss
+(each rank its own batch). Every rank measures, with one thread per rank
+as training would run:
+
+- the computation alone: forward, backward and SGD step of the bare model,
+  and the forward alone;
+- one all-reduce of all the model's gradients through the engine, for each
+  compression (none, fp16, int8, powersgd);
+- the computation while that all-reduce runs, because on a small machine
+  communication takes CPU from computation.
+
+The prediction per configuration (``c``: computation while communicating,
+``f``: the forward, ``b``: the rest of the computation, ``r``: the all-reduce,
+``s``: the share of the backward after which the first bucket is ready):
+
+- ``wfbp``: ``f + max(b, s*b + r)``: the reduction starts with the first
+  bucket and must end before the step;
+- ``priority``: the same, but the front layers' share of ``f`` runs under
+  the tail of the reduction: ``max(c, f + max(b, s*b + r) - f/2)``;
+- ``decoupled``: ``max(c, r)``: the reduction has the whole next iteration.
+
+The configuration predicted fastest is then run for a few iterations and its
+measured time printed beside the prediction. The ranks agree on every number
+(rank 0's measurements, broadcast), so they pick the same configuration.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from hemiola.config import COMPRESSIONS
+
+#: what a --model factory returns
+Factory = Callable[[], tuple[nn.Module, Callable[[nn.Module], torch.Tensor]]]
+#: compressions tried, as (name, Config.compression)
+CODINGS: list[tuple[str, str | None]] = [("none", None), ("fp16", "fp16"), ("int8", "int8"),
+                                         ("powersgd", "powersgd")]
+
+
+def builtin_mlp(width: int = 1536, batch: int = 384) -> tuple[nn.Module,
+                                                              Callable[[nn.Module], torch.Tensor]]:
+    """The MLP of bench/bandwidth_limited.py: four width x width layers and a
+    classifier (9.4M parameters at 1536), one random batch per rank."""
+    torch.manual_seed(0)
+    layers: list[nn.Module] = []
+    for _ in range(4):
+        layers += [nn.Linear(width, width), nn.ReLU()]
+    model = nn.Sequential(*layers, nn.Linear(width, 10))
+    x = torch.randn(batch, width)
+    y = torch.randint(0, 10, (batch,))
+    return model, lambda m: nn.functional.cross_entropy(m(x), y)
+
+
+def load_factory(spec: str | None) -> Factory:
+    """``MODULE:FUNCTION`` imported, or the built-in MLP for None."""
+    if spec is None:
+        return builtin_mlp
+    module, sep, name = spec.partition(":")
+    if not sep or not module or not name:
+        raise ValueError(f"--model must be MODULE:FUNCTION (e.g. mypkg.models:make), got {spec!r}")
+    factory = getattr(importlib.import_module(module), name, None)
+    if not callable(factory):
+        raise ValueError(f"{spec}: {module} has no function {name!r}")
+    return factory  # type: ignore[no-any-return]
+
+
+@dataclass
+class Measured:
+    """Rank 0's measurements, in seconds (medians)."""
+
+    compute: float
+    forward: float
+    first_bucket_share: float
+    reduce: dict[str, float]  # per coding
+    compute_under: dict[str, float]  # per coding: the computation while it reduces
+
+
+@dataclass
+class Prediction:
+    schedule: str
+    coding: str
+    seconds: float
+
+
+class _Reduction:
+    """One all-reduce of every gradient through a reducer (the engine thread
+    does it; start() returns at once)."""
+
+    def __init__(self, reducer: Any, grads: list[torch.Tensor]) -> None:
+        self.reducer = reducer
+        self.grads = grads
+
+    def start(self) -> int:
+        for i in reversed(range(len(self.grads))):  # backward order
+            self.reducer.mark_ready(i, self.grads[i].data_ptr())
+        return int(self.reducer.finish_marking())
+
+    def run(self) -> None:
+        self.reducer.wait(self.start())
+
+
+def _median_time(fn: Callable[[], Any], repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def _training_step(model: nn.Module, loss_fn: Callable[[nn.Module], torch.Tensor],
+                   optimizer: torch.optim.Optimizer) -> None:
+    optimizer.zero_grad()
+    loss_fn(model).backward()
+    optimizer.step()
+
+
+def measure(model: nn.Module, loss_fn: Callable[[nn.Module], torch.Tensor], repeats: int
+            ) -> Measured:
+    """Every rank measures (collectively: the reductions need all ranks);
+    rank 0's numbers are broadcast so the ranks agree."""
+    from hemiola.distributed import new_engine
+    from hemiola.tensors import broadcast_tensors, dtype_code
+
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-6)
+    _training_step(model, loss_fn, optimizer)  # warm-up
+    compute = _median_time(lambda: _training_step(model, loss_fn, optimizer), repeats)
+    forward = _median_time(lambda: loss_fn(model), repeats)
+    params = [p for p in model.parameters() if p.requires_grad]
+    grads = [torch.randn_like(p) for p in params]
+    specs = [(dtype_code(p.dtype), p.numel(), f"p{i}", p.shape[0] if p.dim() > 1 else 0)
+             for i, p in enumerate(params)]
+    engine, _ = new_engine(timeout_s=300.0)
+    reduce: dict[str, float] = {}
+    under: dict[str, float] = {}
+    for name, coding in CODINGS:
+        reduction = _Reduction(engine.make_reducer(
+            specs, 25 << 20, 1 << 20, record_order=False,
+            compression=COMPRESSIONS.get(coding or "", 0), powersgd_start_iteration=0), grads)
+        reduction.run()  # warm-up (and PowerSGD's first Q)
+        engine.barrier().wait()
+        reduce[name] = _median_time(reduction.run, repeats)
+        engine.barrier().wait()
+        # The computation's own time, measured while a reduction runs beside it.
+        samples = []
+        for _ in range(repeats):
+            iteration = reduction.start()
+            t0 = time.perf_counter()
+            _training_step(model, loss_fn, optimizer)
+            samples.append(time.perf_counter() - t0)
+            reduction.reducer.wait(iteration)
+        under[name] = statistics.median(samples)
+    bytes_per = [p.numel() * p.element_size() for p in params]
+    # The first bucket closes at its 1 MiB cap in backward order (the last
+    # parameters first): its share of the bytes stands for its share of the
+    # backward.
+    total, first = sum(bytes_per), 0
+    for b in reversed(bytes_per):
+        first += b
+        if first >= 1 << 20:
+            break
+    numbers = torch.tensor([compute, forward, first / total,
+                            *[reduce[n] for n, _ in CODINGS], *[under[n] for n, _ in CODINGS]],
+                           dtype=torch.float64)
+    broadcast_tensors(engine, [numbers])
+    values = numbers.tolist()
+    k = len(CODINGS)
+    return Measured(values[0], values[1], values[2],
+                    {n: values[3 + i] for i, (n, _) in enumerate(CODINGS)},
+                    {n: values[3 + k + i] for i, (n, _) in enumerate(CODINGS)})
+
+
+def predict(m: Measured) -> list[Prediction]:
+    """Every schedule x coding, fastest first (see the module docstring)."""
+    out = []
+    f = m.forward
+    b = max(0.0, m.compute - m.forward)
+    s = m.first_bucket_share
+    for coding, r in m.reduce.items():
+        c = m.compute_under[coding]
+        wfbp = f + max(b, s * b + r)
+        out.append(Prediction("wfbp", coding, max(c, wfbp)))
+        out.append(Prediction("priority", coding, max(c, wfbp - f / 2)))
+        out.append(Prediction("decoupled", coding, max(c, r)))
+    return sorted(out, key=lambda p: p.seconds)
+
+
+def run_configuration(factory: Factory, choice: Prediction, fusion_mb: float | None,
+                      iterations: int) -> float:
+    """Trains `iterations` (after 3 of warm-up) with the chosen configuration;
+    median seconds per iteration on this rank."""
+    import hemiola
+
+    model, loss_fn = factory()
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
+    compression = None if choice.coding == "none" else choice.coding
+    wrapped, optimizer = hemiola.wrap(model, optimizer, schedule=choice.schedule,
+                                      compression=compression, fusion_mb=fusion_mb,
+                                      powersgd_start_iter=0)
+    for _ in range(3):
+        _training_step(wrapped, loss_fn, optimizer)
+    seconds = _median_time(lambda: _training_step(wrapped, loss_fn, optimizer), iterations)
+    wrapped.synchronize()
+    return seconds
+
+
+def advise_rank(rank: int, world: int, model_spec: str | None, fusion_mb: float | None,
+                repeats: int, iterations: int) -> dict[str, Any]:
+    """One rank's part (also under torchrun: rank and world from its environment)."""
+    import hemiola
+
+    hemiola.init()
+    torch.set_num_threads(1)
+    factory = load_factory(model_spec)
+    model, loss_fn = factory()
+    measured = measure(model, loss_fn, repeats)
+    predictions = predict(measured)
+    seconds = run_configuration(factory, predictions[0], fusion_mb, iterations)
+    return {"measured": measured.__dict__, "predictions": [p.__dict__ for p in predictions],
+            "run_seconds": seconds}
+
+
+def report(result: dict[str, Any], world: int) -> str:
+    """What rank 0 prints."""
+    m = result["measured"]
+    lines = [f"{world} ranks. Measured here (medians): computation {1e3 * m['compute']:.1f} ms "
+             f"(forward {1e3 * m['forward']:.1f} ms); all-reduce of all gradients:"]
+    for name, _ in CODINGS:
+        lines.append(f"  {name:9s} {1e3 * m['reduce'][name]:8.1f} ms   (computation meanwhile "
+                     f"{1e3 * m['compute_under'][name]:.1f} ms)")
+    lines.append("Predicted time per iteration:")
+    for p in result["predictions"]:
+        compression = "" if p["coding"] == "none" else f", compression={p['coding']!r}"
+        lines.append(f"  {1e3 * p['seconds']:8.1f} ms  schedule={p['schedule']!r}{compression}")
+    best = result["predictions"][0]
+    measured = result["run_seconds"]
+    error = measured / best["seconds"] - 1
+    compression = "" if best["coding"] == "none" else f", compression={best['coding']!r}"
+    lines.append(f"Use: hemiola.wrap(model, optimizer, schedule={best['schedule']!r}"
+                 f"{compression})")
+    lines.append(f"Checked: {1e3 * measured:.1f} ms per iteration measured against "
+                 f"{1e3 * best['seconds']:.1f} ms predicted ({100 * error:+.0f}%).")
+    return "\n".join(lines)
+
+
+def main(args: argparse.Namespace) -> int:
+    import os
+
+    from hemiola.launch import run_local
+
+    if args.local:
+        results = run_local(advise_rank, args.local, args.model, args.fusion_mb, args.repeats,
+                            args.iterations, timeout_s=1800)
+        print(report(results[0], args.local))
+        return 0
+    rank = int(os.environ.get("RANK", "0"))
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    result = advise_rank(rank, world, args.model, args.fusion_mb, args.repeats, args.iterations)
+    if rank == 0:
+        print(report(result, world))
+    return 0
+
+
+def register(commands: Any) -> None:
+    """Adds ``hemiola advise`` to the CLI."""
+    p = commands.add_parser("advise", help="measure this model on this network and say which "
+                                           "schedule and compression to use")
+    p.add_argument("--model", metavar="MODULE:FUNCTION",
+                   help="a function returning (model, loss_fn); default: a 9.4M-parameter MLP")
+    p.add_argument("--local", type=int, metavar="N",
+                   help="spawn N local ranks instead of running as one rank of torchrun")
+    p.add_argument("--fusion-mb", type=float, default=None,
+                   help="bucket cap of the checking run (default: the schedule's own)")
+    p.add_argument("--repeats", type=int, default=5, help="repetitions per measurement")
+    p.add_argument("--iterations", type=int, default=10,
+                   help="iterations of the chosen configuration that check the prediction")
+    p.set_defaults(run=main)

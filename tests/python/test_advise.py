@@ -1,0 +1,68 @@
+"""``hemiola advise``: it measures, predicts every configuration, runs the one
+it picks and reports both; bad --model values are refused with the form."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from hemiola import advise
+from hemiola.launch import run_local
+
+
+def small_model() -> tuple[nn.Module, object]:
+    """A --model factory: (model, loss_fn)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 10))
+    x, y = torch.randn(32, 64), torch.randint(0, 10, (32,))
+    return model, lambda m: nn.functional.cross_entropy(m(x), y)
+
+
+def test_advise_measures_predicts_and_checks_its_choice() -> None:
+    results = run_local(advise.advise_rank, 2, "test_advise:small_model", None, 3, 4,
+                        timeout_s=300)
+    r0, r1 = results[0], results[1]
+    # The ranks agree on the measurements, so on the choice.
+    assert r0["measured"] == r1["measured"]
+    assert r0["predictions"] == r1["predictions"]
+    predictions = r0["predictions"]
+    assert len(predictions) == 3 * len(advise.CODINGS)
+    assert [p["seconds"] for p in predictions] == sorted(p["seconds"] for p in predictions)
+    assert all(p["seconds"] > 0 for p in predictions)
+    m = r0["measured"]
+    assert 0 < m["forward"] < m["compute"]
+    assert set(m["reduce"]) == {name for name, _ in advise.CODINGS}
+    assert all(v > 0 for v in m["reduce"].values())
+    assert r0["run_seconds"] > 0
+    text = advise.report(r0, 2)
+    assert "Use: hemiola.wrap(model, optimizer, schedule=" in text
+    assert "measured against" in text
+
+
+@pytest.mark.parametrize("spec,words", [
+    ("nocolon", "MODULE:FUNCTION"), ("test_advise:missing", "no function"),
+])
+def test_bad_model_specs_are_refused(spec: str, words: str) -> None:
+    with pytest.raises(ValueError, match=words):
+        advise.load_factory(spec)
+
+
+def test_predictions_follow_the_model() -> None:
+    # Communication longer than the computation, even compressed: decoupled
+    # hides the most of it, with the smallest all-reduce.
+    m = advise.Measured(compute=0.1, forward=0.03, first_bucket_share=0.25,
+                        reduce={"none": 0.3, "fp16": 0.2, "int8": 0.15, "powersgd": 0.14},
+                        compute_under={name: 0.12 for name, _ in advise.CODINGS})
+    predictions = advise.predict(m)
+    best = predictions[0]
+    assert (best.schedule, best.coding) == ("decoupled", "powersgd")
+    assert best.seconds == pytest.approx(0.14)
+    by = {(p.schedule, p.coding): p.seconds for p in predictions}
+    assert by["wfbp", "none"] == pytest.approx(0.03 + 0.25 * 0.07 + 0.3)
+    assert by["priority", "none"] == pytest.approx(0.03 + 0.25 * 0.07 + 0.3 - 0.015)
+    # Where the computation dominates, every schedule is bounded by it.
+    fast = advise.Measured(compute=0.1, forward=0.03, first_bucket_share=0.25,
+                           reduce={name: 0.01 for name, _ in advise.CODINGS},
+                           compute_under={name: 0.105 for name, _ in advise.CODINGS})
+    assert all(p.seconds == pytest.approx(0.105) for p in advise.predict(fast))
