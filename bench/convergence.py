@@ -227,7 +227,8 @@ def main() -> None:
     parser.add_argument("--schedules", default=",".join([*SCHEDULES, *VARIANTS]),
                         help="comma-separated (default: all of "
                              f"{', '.join([*SCHEDULES, *VARIANTS])}); SCHEDULE+COMPRESSION "
-                             "trains with that compression, e.g. wfbp+int8")
+                             "trains with that compression, e.g. wfbp+int8; ddp and "
+                             "ddp+COMPRESSION train torch DDP with the matching hook")
     parser.add_argument("--seeds", type=int, default=3, help="seeds 0..N-1 (default 3)")
     parser.add_argument("--first-seed", type=int, default=0,
                         help="start the seeds here (--first-seed 3 --seeds 3: seeds 3, 4, 5)")
@@ -246,9 +247,9 @@ def main() -> None:
             parser.error(f"unknown task {t!r}; available: {', '.join(TASKS)}")
     for s in schedules:
         base, _, compression = s.partition("+")
-        if base not in SCHEDULES and base not in VARIANTS:
+        if base not in SCHEDULES and base not in VARIANTS and base != "ddp":
             parser.error(f"unknown schedule {s!r}; available: "
-                         f"{', '.join([*SCHEDULES, *VARIANTS])}, each optionally "
+                         f"{', '.join([*SCHEDULES, *VARIANTS])}, ddp, each optionally "
                          f"+{'|+'.join(COMPRESSIONS)}")
         if compression and compression not in COMPRESSIONS:
             parser.error(f"unknown compression in {s!r}; available: {', '.join(COMPRESSIONS)}")

@@ -534,6 +534,26 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
 }
 
 
+def ddp_with_hook(model: nn.Module, compression: str) -> nn.Module:
+    """torch DDP with the communication hook that does what hemiola's
+    `compression` does ("": none; PowerSGD: rank 2 from iteration 10, as
+    hemiola's defaults, in one bucket: over Gloo its chained all-reduces race
+    between two)."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
+
+    if compression == "powersgd":
+        ddp = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=1000)
+        state = powersgd.PowerSGDState(None, matrix_approximation_rank=2, start_powerSGD_iter=10)
+        ddp.register_comm_hook(state, powersgd.powerSGD_hook)
+        return ddp
+    ddp = nn.parallel.DistributedDataParallel(model)
+    hooks = {"fp16": default_hooks.fp16_compress_hook, "bf16": default_hooks.bf16_compress_hook}
+    if compression:
+        ddp.register_comm_hook(None, hooks[compression])
+    return ddp
+
+
 def train_rank(rank: int, world: int, task_name: str, schedule: str, seed: int,
                epochs: int | None = None, max_steps: int | None = None,
                evals: int = 10) -> RankResult:
@@ -555,11 +575,15 @@ def train_rank(rank: int, world: int, task_name: str, schedule: str, seed: int,
 
     torch.manual_seed(seed)
     model = task.model()
-    base, _, compression = schedule.partition("+")  # e.g. "wfbp+int8"
-    name, options = VARIANTS.get(base, (base, {}))
-    if compression:
-        options = {**options, "compression": compression}
-    model, optimizer = hemiola.wrap(model, task.optimizer(model), schedule=name, **options)
+    base, _, compression = schedule.partition("+")  # e.g. "wfbp+int8", "ddp+powersgd"
+    if base == "ddp":  # torch DDP, with the hook of that compression
+        model = ddp_with_hook(model, compression)
+        optimizer = task.optimizer(model)
+    else:
+        name, options = VARIANTS.get(base, (base, {}))
+        if compression:
+            options = {**options, "compression": compression}
+        model, optimizer = hemiola.wrap(model, task.optimizer(model), schedule=name, **options)
     scheduler = task.lr_scheduler(optimizer, total)
 
     losses: list[float] = []
