@@ -64,11 +64,9 @@ def make_model(name: str, mlp_batch: int,
     if name == "cnn":  # bench/wfbp_vs_ddp.py's CNN, batch 16 of 32x32 images
         return make_wfbp_model("cnn")
     if name == "mlp":  # four width x width layers and a classifier
-        torch.manual_seed(0)
-        layers: list[nn.Module] = []
-        for _ in range(4):
-            layers += [nn.Linear(mlp_width, mlp_width), nn.ReLU()]
-        model = nn.Sequential(*layers, nn.Linear(mlp_width, 10))
+        from hemiola.advise import slow_link_mlp
+
+        model = slow_link_mlp(mlp_width)
         x = torch.randn(mlp_batch, mlp_width)
         y = torch.randint(0, 10, (mlp_batch,))
         return model, x, y

@@ -57,15 +57,21 @@ CODINGS: list[tuple[str, str | None]] = [("none", None), ("fp16", "fp16"), ("int
                                          ("powersgd", "powersgd")]
 
 
-def builtin_mlp(width: int = 1536, batch: int = 384) -> tuple[nn.Module,
-                                                              Callable[[nn.Module], torch.Tensor]]:
-    """The MLP of bench/bandwidth_limited.py: four width x width layers and a
-    classifier (9.4M parameters at 1536), one random batch per rank."""
+def slow_link_mlp(width: int = 1536) -> nn.Sequential:
+    """Four width x width layers and a 10-way classifier (9.4M parameters at
+    1536): the model of issue 26's slow-link setting and of
+    bench/bandwidth_limited.py, seeded the same on every rank."""
     torch.manual_seed(0)
     layers: list[nn.Module] = []
     for _ in range(4):
         layers += [nn.Linear(width, width), nn.ReLU()]
-    model = nn.Sequential(*layers, nn.Linear(width, 10))
+    return nn.Sequential(*layers, nn.Linear(width, 10))
+
+
+def builtin_mlp(width: int = 1536, batch: int = 384) -> tuple[nn.Module,
+                                                              Callable[[nn.Module], torch.Tensor]]:
+    """slow_link_mlp with one random batch per rank."""
+    model = slow_link_mlp(width)
     x = torch.randn(batch, width)
     y = torch.randint(0, 10, (batch,))
     return model, lambda m: nn.functional.cross_entropy(m(x), y)

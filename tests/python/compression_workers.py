@@ -11,21 +11,8 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 import hemiola
 
-from models import loss_of, make_batch, make_model
-from workers import _optimizer, schedule_run
-
-
-def _steps(model: nn.Module, opt: torch.optim.Optimizer, name: str, rank: int, world: int,
-           steps: range) -> list[float]:
-    losses = []
-    for step in steps:
-        x, y = make_batch(name, step, rank, world)
-        opt.zero_grad()
-        loss = loss_of(name, model(x), y)
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
-    return losses
+from models import make_model
+from workers import _optimizer, _train, schedule_run
 
 
 def fp16_vs_ddp_hook(rank: int, world: int, model_name: str, via_hook: bool,
@@ -37,7 +24,7 @@ def fp16_vs_ddp_hook(rank: int, world: int, model_name: str, via_hook: bool,
     ref = make_model(model_name)
     ddp = nn.parallel.DistributedDataParallel(ref)
     ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
-    ddp_losses = _steps(ddp, _optimizer("sgd", ddp.parameters()), model_name, rank, world,
+    ddp_losses = _train(ddp, _optimizer("sgd", ddp.parameters()), model_name, rank, world,
                         range(steps))
     torch.manual_seed(0)
     mine = make_model(model_name)
@@ -46,7 +33,7 @@ def fp16_vs_ddp_hook(rank: int, world: int, model_name: str, via_hook: bool,
                               **options)
     if via_hook:
         model.register_comm_hook(None, default_hooks.fp16_compress_hook)
-    losses = _steps(model, opt, model_name, rank, world, range(steps))
+    losses = _train(model, opt, model_name, rank, world, range(steps))
     diff = max((a - b).abs().max().item() for a, b in zip(ref.parameters(), mine.parameters()))
     scale = max(a.abs().max().item() for a in ref.parameters())
     return {"max_diff": diff, "scale": scale, "ddp": ddp_losses, "hemiola": losses,
@@ -82,23 +69,23 @@ def int8_resume(rank: int, world: int, schedule: str, steps: int, cut: int,
                                **options})
 
     model, opt = fresh()
-    _steps(model, opt, "mlp", rank, world, range(steps))
+    _train(model, opt, "mlp", rank, world, range(steps))
     model.synchronize()
     straight = [p.detach().clone() for p in model.parameters()]
 
     model, opt = fresh()
-    _steps(model, opt, "mlp", rank, world, range(cut))
+    _train(model, opt, "mlp", rank, world, range(cut))
     saved = {"model": {k: v.clone() for k, v in model.state_dict().items()},
              "optimizer": copy.deepcopy(opt.state_dict()), "comm": model.comm_state_dict()}
     residual_norm = sum(v.norm().item() for v in saved["comm"].values())
     model, opt = fresh(saved)
     model.load_comm_state_dict(saved["comm"])
-    _steps(model, opt, "mlp", rank, world, range(cut, steps))
+    _train(model, opt, "mlp", rank, world, range(cut, steps))
     model.synchronize()
     resumed = [p.detach().clone() for p in model.parameters()]
     # Without the comm state the resumed run differs (so the check above can fail).
     model, opt = fresh(saved)
-    _steps(model, opt, "mlp", rank, world, range(cut, steps))
+    _train(model, opt, "mlp", rank, world, range(cut, steps))
     model.synchronize()
     forgetful = [p.detach().clone() for p in model.parameters()]
     return {
@@ -133,7 +120,7 @@ def comm_hook_errors(rank: int, world: int) -> dict[str, str]:
     model.register_comm_hook(state, powersgd.powerSGD_hook)
     out["powersgd"] = (f"{model.config.compression} {model.config.powersgd_rank} "
                        f"{model.config.powersgd_start_iter}")
-    _steps(model, opt, "mlp", rank, world, range(1))
+    _train(model, opt, "mlp", rank, world, range(1))
     try:
         model.register_comm_hook(None, default_hooks.fp16_compress_hook)
         out["late"] = "accepted"
@@ -159,12 +146,12 @@ def powersgd_vs_ddp_hook(rank: int, world: int, steps: int = 12) -> dict[str, An
         else:
             model, opt = hemiola.wrap(m, _optimizer("sgd", m.parameters()), timeout_s=60)
         model.register_comm_hook(state, powersgd.powerSGD_hook)
-        losses[kind] = _steps(model, opt, "mlp", rank, world, range(steps))
+        losses[kind] = _train(model, opt, "mlp", rank, world, range(steps))
     plain = []
     torch.manual_seed(0)
     m = make_model("mlp")
     model, opt = hemiola.wrap(m, _optimizer("sgd", m.parameters()), timeout_s=60)
-    plain = _steps(model, opt, "mlp", rank, world, range(steps))
+    plain = _train(model, opt, "mlp", rank, world, range(steps))
     return {**losses, "plain": plain}
 
 

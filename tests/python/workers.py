@@ -15,9 +15,10 @@ from models import loss_of, make_batch, make_model, make_optimizer
 
 
 def _train(model: nn.Module, opt: torch.optim.Optimizer, name: str, rank: int, world: int,
-           steps: int) -> list[float]:
+           steps: int | range) -> list[float]:
+    """Trains steps 0..steps-1 (or the steps of a range: a resumed run)."""
     losses = []
-    for step in range(steps):
+    for step in range(steps) if isinstance(steps, int) else steps:
         x, y = make_batch(name, step, rank, world)
         opt.zero_grad()
         loss = loss_of(name, model(x), y)
