@@ -25,7 +25,8 @@ barrier before each block:
 DDP and hemiola use their own default buckets (25 MiB, the first 1 MiB) unless
 ``--fusion-mb`` sets both caps.
 The lower bound of an iteration is max(compute, comm) (medians). Rank 0's
-medians are reported. Writes bench/results/bandwidth_limited.jsonl and .png
+medians are reported, with their 10th and 90th percentiles (``<variant>_ms_p10_p90``)
+and the environment (commit, torch, CPU) in every row. Writes bench/results/bandwidth_limited.jsonl and .png
 and prints a table.
 """
 
@@ -41,7 +42,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from common import RESULTS, median, write_results
+from common import RESULTS, median, spread, write_results
 from netlab import Network, parse_result, print_result
 from torch import nn
 from wfbp_vs_ddp import _iterations
@@ -172,7 +173,8 @@ def worker(config: dict[str, Any]) -> dict[str, Any]:
                 Path(f"{config['timeline']}-{variant[len('hemiola_'):]}.json").write_text(
                     model.timeline())
     return {"params": params, "batch": int(variants["compute"][2].shape[0]),
-            **{f"{v}_ms": 1e3 * median(s) for v, s in samples.items()}}
+            **{f"{v}_ms": 1e3 * median(s) for v, s in samples.items()},
+            **{f"{v}_ms_p10_p90": [1e3 * x for x in spread(s)] for v, s in samples.items()}}
 
 
 def run_model(net: Network, model: str, rate: str, args: argparse.Namespace,
