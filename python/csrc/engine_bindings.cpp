@@ -117,8 +117,8 @@ void bind_engine(py::module_& m) {
             return py::memoryview::from_memory(ref.data, static_cast<ssize_t>(ref.nbytes()));
           },
           py::arg("index"),
-          "compression='int8': writable memoryview (float32) of gradient `index`'s "
-          "error-feedback residual (no copy; between iterations only).")
+          "compression='int8' or 'powersgd': writable memoryview (float32) of gradient "
+          "`index`'s error-feedback residual (no copy; between iterations only).")
       .def(
           "set_compression",
           [](Reducer& r, int code, size_t powersgd_rank, uint64_t powersgd_start_iteration) {

@@ -264,6 +264,11 @@ def advise_rank(rank: int, world: int, model_spec: str | None, fusion_mb: float 
     torch.set_num_threads(1)
     factory = load_factory(model_spec)
     model, loss_fn = factory()
+    devices = {p.device.type for p in model.parameters()}
+    if devices != {"cpu"}:
+        raise ValueError(f"hemiola advise measures CPU models for now (this one is on "
+                         f"{', '.join(sorted(devices))}): its compressions run on host buckets "
+                         "only")
     measured = measure(model, loss_fn, repeats)
     predictions = predict(measured)
     choice = choose(predictions)

@@ -159,9 +159,11 @@ class DataParallel(nn.Module):
         """DDP's ``register_comm_hook`` for torch's standard hooks: each is
         mapped to the engine's native compression (``allreduce_hook``: none;
         ``fp16_compress_hook`` / ``bf16_compress_hook``: ``compression=
-        "fp16"`` / ``"bf16"``); any other hook is refused with the list of
-        those understood. As with DDP, call it on every rank before the first
-        backward; ranks that register different hooks fail here, naming them.
+        "fp16"`` / ``"bf16"``; ``powerSGD_hook``: ``"powersgd"`` with its
+        state's rank and first iteration); any other hook is refused with the
+        list of those understood. As with DDP, call it on every rank before
+        the first backward; ranks that register different hooks fail here,
+        naming them.
         """
         compression, options = compression_of(state, hook)
         if self._reducer is not None and self._reducer.iterations_started > 0:
@@ -172,6 +174,14 @@ class DataParallel(nn.Module):
                              "for CPU models only for now")
         code = COMPRESSIONS.get(compression or "", 0)
         config = dataclasses.replace(self.config, compression=compression, **options)
+        if config.partition_bytes != self.config.partition_bytes:
+            # The buckets were planned at wrap time with priority's partitions,
+            # which would cut most matrices into pieces PowerSGD cannot compress.
+            raise ValueError("register_comm_hook(powerSGD_hook) under schedule='priority': the "
+                             "buckets were planned with priority's 4 MiB partitions, which "
+                             "PowerSGD cannot compress; pass compression='powersgd' (and the "
+                             "state's powersgd_rank / powersgd_start_iter) to hemiola.wrap "
+                             "instead")
         chosen = [code, config.powersgd_rank, config.powersgd_start_iter]
         mine = torch.tensor(chosen, dtype=torch.float64)
         every = torch.zeros(3 * self.world_size, dtype=torch.float64)
@@ -197,8 +207,9 @@ class DataParallel(nn.Module):
         dropped and will add to its next gradient), by parameter name; empty
         otherwise. Per rank: save it from every rank (torch.save to a per-rank
         file) and load it into the same rank with :meth:`load_comm_state_dict`.
-        (PowerSGD's warm-start matrices are not in it: a resumed run starts
-        them afresh, as torch's hook does unless its state is pickled.)"""
+        (PowerSGD's warm-start matrices are not in it, and its iteration count
+        starts again with the new wrap: a resumed run travels uncompressed for
+        ``powersgd_start_iter`` iterations, then starts the matrices afresh.)"""
         if self.config.compression not in ("int8", "powersgd") or self._reducer is None:
             return {}
         self.synchronize()
@@ -215,6 +226,10 @@ class DataParallel(nn.Module):
         if set(state) != set(mine):
             raise ValueError(f"comm state holds {sorted(state)[:4]}..., this model expects "
                              f"{sorted(mine)[:4]}... (was it saved with the same compression?)")
+        for name, tensor in state.items():
+            if tensor.shape != mine[name].shape:
+                raise ValueError(f"comm state {name!r} has shape {tuple(tensor.shape)}, this "
+                                 f"model's is {tuple(mine[name].shape)}")
         assert self._reducer is not None or not mine
         for i, name in enumerate(self._names):
             if name in state:

@@ -399,5 +399,107 @@ TEST(PowerSgdWire, AnAverageThatIsItselfLowRankIsRecovered) {
   }
 }
 
+// The review's cases: a zero gradient must not stall PowerSGD for ever, a
+// non-finite one must not poison later iterations, an unused tensor keeps
+// its residual, and a block of tiny values is kept rather than miscoded.
+TEST(PowerSgdWire, AZeroGradientDoesNotStallTheWarmStart) {
+  const size_t n = 64;
+  std::vector<GradSpec> specs = {{DType::kFloat32, n * n, "w", n}};
+  run_ranks(2, [&](Engine& e) {
+    ReducerOptions options;
+    options.compression = Compression::kPowerSgd;
+    options.powersgd_start_iteration = 0;
+    auto reducer = e.make_reducer(specs, options);
+    for (int it = 0; it < 3; ++it) {
+      std::vector<float> g(n * n, it == 0 ? 0.0f : 1.0f);  // rank 1, a constant: exact
+      reducer->mark_ready(0, TensorRef{g.data(), DType::kFloat32, g.size(), {}});
+      reducer->wait();
+      for (float x : {g[0], g[n * n / 2], g[n * n - 1]}) {
+        EXPECT_NEAR(x, it == 0 ? 0.0f : 1.0f, 1e-4f) << "iteration " << it;
+      }
+    }
+  });
+}
+
+TEST(PowerSgdWire, ANonFiniteGradientIsNaNOnceAndTheNextIterationsAreClean) {
+  const size_t n = 32;
+  std::vector<GradSpec> specs = {{DType::kFloat32, n * n, "w", n}};
+  run_ranks(2, [&](Engine& e) {
+    ReducerOptions options;
+    options.compression = Compression::kPowerSgd;
+    options.powersgd_start_iteration = 0;
+    auto reducer = e.make_reducer(specs, options);
+    for (int it = 0; it < 4; ++it) {
+      std::vector<float> g(n * n, 2.0f);
+      if (it == 1 && e.rank() == 1) g[5] = std::numeric_limits<float>::infinity();
+      reducer->mark_ready(0, TensorRef{g.data(), DType::kFloat32, g.size(), {}});
+      reducer->wait();
+      if (it == 1) {
+        EXPECT_TRUE(std::isnan(g[0]));
+        EXPECT_TRUE(std::isnan(g[n * n - 1]));
+      } else {
+        EXPECT_NEAR(g[0], 2.0f, 1e-3f) << "iteration " << it;
+        EXPECT_NEAR(g[n * n - 1], 2.0f, 1e-3f) << "iteration " << it;
+      }
+    }
+  });
+}
+
+class UnusedKeepsResidual : public ::testing::TestWithParam<Compression> {};
+
+TEST_P(UnusedKeepsResidual, AnUnusedTensorContributesZerosAndKeepsItsResidual) {
+  const size_t n = 48;
+  std::vector<GradSpec> specs = {{DType::kFloat32, n * n, "w", n},
+                                 {DType::kFloat32, n * n, "v", n}};
+  run_ranks(2, [&](Engine& e) {
+    ReducerOptions options;
+    options.compression = GetParam();
+    options.powersgd_start_iteration = 0;
+    auto reducer = e.make_reducer(specs, options);
+    std::vector<std::vector<float>> grads(2);
+    for (size_t i = 0; i < 2; ++i) grads[i] = gradient(e.rank(), i, n * n, 0);
+    for (size_t i = 0; i < 2; ++i) {
+      reducer->mark_ready(i, TensorRef{grads[i].data(), DType::kFloat32, n * n, {}});
+    }
+    reducer->wait();
+    const TensorRef r = reducer->residual(0);
+    const std::vector<float> kept(static_cast<const float*>(r.data),
+                                  static_cast<const float*>(r.data) + r.numel);
+    double norm = 0.0;
+    for (float x : kept) norm += std::fabs(x);
+    EXPECT_GT(norm, 0.0);
+    // Iteration 1: tensor 0 unused on this rank (both ranks), tensor 1 used.
+    std::vector<float> other = gradient(e.rank(), 1, n * n, 1);
+    reducer->mark_unused(0);
+    reducer->mark_ready(1, TensorRef{other.data(), DType::kFloat32, n * n, {}});
+    reducer->wait();
+    const TensorRef after = reducer->residual(0);
+    EXPECT_EQ(std::vector<float>(static_cast<const float*>(after.data),
+                                 static_cast<const float*>(after.data) + after.numel),
+              kept);
+  });
+}
+
+INSTANTIATE_TEST_SUITE_P(Codings, UnusedKeepsResidual,
+                         ::testing::Values(Compression::kInt8, Compression::kPowerSgd));
+
+TEST(Int8Wire, ABlockOfTinyValuesIsKeptNotMiscoded) {
+  const auto specs = specs_of({300});
+  run_ranks(1, [&](Engine& e) {
+    ReducerOptions options;
+    options.compression = Compression::kInt8;
+    auto reducer = e.make_reducer(specs, options);
+    std::vector<float> g(300, 0.0f);
+    g[0] = 1e-37f;  // its block's scale (1e-37 / 127) has no finite inverse
+    reducer->mark_ready(0, TensorRef{g.data(), DType::kFloat32, 300, {}});
+    reducer->wait();
+    EXPECT_EQ(g[1], 0.0f);  // was -1e-37 before the fix
+    EXPECT_EQ(g[0], 0.0f);  // not sent this time...
+    const TensorRef r = reducer->residual(0);
+    EXPECT_EQ(static_cast<const float*>(r.data)[0], 1e-37f);  // ...but kept
+    EXPECT_EQ(static_cast<const float*>(r.data)[1], 0.0f);
+  });
+}
+
 }  // namespace
 }  // namespace hemiola

@@ -100,3 +100,16 @@ def test_powersgd_hook_trains_like_ddp_with_it() -> None:
         gap = max(abs(a - b) for a, b in zip(r[kind], r["plain"]))
         assert gap < 0.1 * r["plain"][0], (kind, gap, r)
     assert r["ddp"][:2] == r["hemiola"][:2] == r["plain"][:2]  # warm-up: uncompressed
+
+
+def test_powersgd_hook_under_priority_points_to_wrap() -> None:
+    # priority's buckets are planned with 4 MiB partitions at wrap time, which
+    # PowerSGD could not compress: say how to get it instead of sending the
+    # matrices uncompressed.
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
+
+    inner = torch.nn.Linear(8, 4)
+    model, _ = hemiola.wrap(inner, torch.optim.SGD(inner.parameters(), lr=0.1),
+                            schedule="priority")
+    with pytest.raises(ValueError, match="compression='powersgd'"):
+        model.register_comm_hook(powersgd.PowerSGDState(None), powersgd.powerSGD_hook)

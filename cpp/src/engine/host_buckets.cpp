@@ -14,7 +14,7 @@ namespace {
 class HostBuckets final : public BucketStorage {
  public:
   HostBuckets(const BucketLayout& layout, double scale, WireCodec* codec)
-      : layout_(layout), scale_(scale), codec_(codec) {
+      : layout_(layout), scale_(scale), codec_(codec), used_(layout.specs.size(), 1) {
     for (const auto& bucket : layout_.plan) {
       // Zero-filled: zero-element buckets and never-written slots read as zeros.
       storage_.emplace_back(new unsigned char[std::max<size_t>(bucket.nbytes(), 1)]());
@@ -23,6 +23,9 @@ class HostBuckets final : public BucketStorage {
   }
 
   void copy_in(size_t index, const void* source, bool used, void*) override {
+    // Producers write distinct elements; the scheduler reads them after the
+    // bucket's acq_rel pending count.
+    used_[index] = used ? 1 : 0;
     const size_t elem = dtype_size(layout_.specs[index].dtype);
     for (const Placement& piece : layout_.placement[index]) {
       unsigned char* dst = buffers_[piece.bucket] + piece.offset * elem;
@@ -44,7 +47,7 @@ class HostBuckets final : public BucketStorage {
     unsigned char* buffer = buffers_[b];
     const bool averaged_on_wire = codec_ != nullptr && codec_->applies(plan);
     if (averaged_on_wire) {
-      codec_->reduce_average(plan, buffer, host, iteration_);
+      codec_->reduce_average(plan, buffer, host, iteration_, used_);
     } else {
       host.all_reduce_sum(TensorRef{buffer, plan.dtype, plan.numel, Device{}});
     }
@@ -72,6 +75,7 @@ class HostBuckets final : public BucketStorage {
   const double scale_;
   WireCodec* const codec_;  // the reducer's, shared by its flights; null: none
   uint64_t iteration_ = 0;  // the iteration being reduced (scheduler thread)
+  std::vector<uint8_t> used_;  // per tensor, this iteration: produced on this rank
   std::vector<std::unique_ptr<unsigned char[]>> storage_;
 };
 

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <random>
 
 #include "hemiola/status.h"
@@ -95,7 +96,16 @@ size_t PowerSgd::compressible_rows(const PlannedBucket& plan, size_t k) const {
 
 std::vector<float>& PowerSgd::warm_q(size_t tensor, size_t begin, size_t cols, size_t rank) {
   std::vector<float>& q = qs_[{tensor, begin}];
-  if (q.size() != cols * rank) {
+  // A warm Q with a (near) zero column, left by a zero gradient, would stay
+  // zero for ever: P = M Q = 0, and Q = M^T P = 0 again. Start such a Q
+  // afresh. Q comes from sums every rank shares, so every rank decides alike.
+  bool fresh = q.size() != cols * rank;
+  for (size_t k = 0; k < rank && !fresh; ++k) {
+    double norm = 0.0;
+    for (size_t j = 0; j < cols; ++j) norm += static_cast<double>(q[k * cols + j]) * q[k * cols + j];
+    fresh = !(norm > 1e-30);  // also NaN
+  }
+  if (fresh) {
     // The same seeded start on every rank.
     std::mt19937 rng(static_cast<unsigned>(1000003u * tensor + begin + 17u));
     std::normal_distribution<float> normal(0.0f, 1.0f);
@@ -106,7 +116,8 @@ std::vector<float>& PowerSgd::warm_q(size_t tensor, size_t begin, size_t cols, s
   return q;
 }
 
-void PowerSgd::reduce_average(const PlannedBucket& plan, float* data, Communicator& comm) {
+void PowerSgd::reduce_average(const PlannedBucket& plan, float* data, Communicator& comm,
+                              const std::vector<uint8_t>& used) {
   const float world = static_cast<float>(world_);
   std::vector<Matrix> matrices;
   uncompressed_.clear();
@@ -122,8 +133,11 @@ void PowerSgd::reduce_average(const PlannedBucket& plan, float* data, Communicat
     const size_t t = plan.tensors[k];
     const size_t cols = plan.counts[k] / rows;
     const size_t rank = std::min({rank_, rows, cols});
-    const float* residual = residuals_[t].data() + plan.begins[k];
-    for (size_t j = 0; j < plan.counts[k]; ++j) piece[j] += residual[j];
+    // A tensor this rank did not use contributes zeros and keeps its residual.
+    if (used[t]) {
+      const float* residual = residuals_[t].data() + plan.begins[k];
+      for (size_t j = 0; j < plan.counts[k]; ++j) piece[j] += residual[j];
+    }
     matrices.push_back({k, rows, cols, rank, warm_q(t, plan.begins[k], cols, rank).data()});
     p_size += rows * rank;
     q_size += cols * rank;
@@ -148,16 +162,27 @@ void PowerSgd::reduce_average(const PlannedBucket& plan, float* data, Communicat
     at += mx.rows * mx.rank;
   }
   comm.all_reduce_sum(TensorRef{ps_.data(), DType::kFloat32, ps_.size(), {}});
+  // A non-finite value in any rank's M makes its summed P non-finite on every
+  // rank alike: that matrix's average is delivered as NaN (as an
+  // uncompressed all-reduce would carry it, so check_finite and a GradScaler
+  // see it), and its residual and warm start are dropped, so the next
+  // iterations are clean.
+  std::vector<bool> finite(matrices.size(), true);
   at = 0;
-  for (const Matrix& mx : matrices) {
-    orthogonalise(ps_.data() + at, mx.rows, mx.rank);
+  for (size_t x = 0; x < matrices.size(); ++x) {
+    const Matrix& mx = matrices[x];
+    float bad = 0.0f;
+    for (size_t i = 0; i < mx.rows * mx.rank; ++i) bad += ps_[at + i] - ps_[at + i];
+    finite[x] = bad == 0.0f;
+    if (finite[x]) orthogonalise(ps_.data() + at, mx.rows, mx.rank);
     at += mx.rows * mx.rank;
   }
   // Q = M^T P, summed over the ranks and averaged.
   qsum_.resize(q_size);
   at = 0;
   size_t qat = 0;
-  for (const Matrix& mx : matrices) {
+  for (size_t x = 0; x < matrices.size(); ++x) {
+    const Matrix& mx = matrices[x];
     multiply_transposed(data + plan.offsets[mx.piece], mx.rows, mx.cols, ps_.data() + at,
                         mx.rank, qsum_.data() + qat);
     at += mx.rows * mx.rank;
@@ -168,11 +193,24 @@ void PowerSgd::reduce_average(const PlannedBucket& plan, float* data, Communicat
   // The average is P Q^T; the residual keeps what it missed of this rank's M.
   at = 0;
   qat = 0;
-  for (const Matrix& mx : matrices) {
+  for (size_t x = 0; x < matrices.size(); ++x) {
+    const Matrix& mx = matrices[x];
     float* m = data + plan.offsets[mx.piece];
-    float* residual = residuals_[plan.tensors[mx.piece]].data() + plan.begins[mx.piece];
+    const size_t t = plan.tensors[mx.piece];
+    float* residual = residuals_[t].data() + plan.begins[mx.piece];
     const float* p = ps_.data() + at;
     const float* q = qsum_.data() + qat;
+    float bad = 0.0f;
+    for (size_t i = 0; i < mx.cols * mx.rank; ++i) bad += q[i] - q[i];
+    if (!finite[x] || bad != 0.0f) {
+      const size_t n = mx.rows * mx.cols;
+      std::fill(m, m + n, std::numeric_limits<float>::quiet_NaN());
+      std::fill(residual, residual + n, 0.0f);
+      std::fill(mx.q, mx.q + mx.cols * mx.rank, 0.0f);  // warm_q starts it afresh
+      at += mx.rows * mx.rank;
+      qat += mx.cols * mx.rank;
+      continue;
+    }
     approx_.resize(mx.cols);
     for (size_t i = 0; i < mx.rows; ++i) {
       std::fill(approx_.begin(), approx_.end(), 0.0f);
@@ -184,7 +222,7 @@ void PowerSgd::reduce_average(const PlannedBucket& plan, float* data, Communicat
       float* row = m + i * mx.cols;
       float* res = residual + i * mx.cols;
       for (size_t j = 0; j < mx.cols; ++j) {
-        res[j] = row[j] - approx_[j];
+        if (used[t]) res[j] = row[j] - approx_[j];
         row[j] = approx_[j];
       }
     }

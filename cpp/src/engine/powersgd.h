@@ -12,7 +12,10 @@
 // (rows + cols) * rank * 2 < rows * cols (torch's min_compression_rate 2);
 // the others, and every piece of a partitioned tensor that does not hold
 // whole rows, are all-reduced as they are, in one collective. Three
-// collectives per bucket: the uncompressed part, the Ps, the Qs. Every rank
+// collectives per bucket: the uncompressed part, the Ps, the Qs. A warm Q
+// with a zero column (left by a zero gradient) starts afresh; a non-finite
+// value delivers that matrix's average as NaN and drops its residual and Q.
+// Every rank
 // computes from the same sums in the same order, so the averages are
 // bitwise identical on every rank.
 #pragma once
@@ -33,8 +36,11 @@ class PowerSgd {
   PowerSgd(const std::vector<GradSpec>& specs, size_t rank, int world);
 
   // All-reduces the float32 bucket at `data` (laid out as `plan`) and leaves
-  // the approximate average there; updates the residuals.
-  void reduce_average(const PlannedBucket& plan, float* data, Communicator& comm);
+  // the approximate average there; updates the residuals. `used[t]`: whether
+  // this rank produced tensor t's gradient this iteration (an unused one
+  // contributes zeros and keeps its residual for when it is used again).
+  void reduce_average(const PlannedBucket& plan, float* data, Communicator& comm,
+                      const std::vector<uint8_t>& used);
   // Tensor `index`'s residual (empty for tensors that are never compressed).
   std::vector<float>& residual(size_t index) { return residuals_[index]; }
 

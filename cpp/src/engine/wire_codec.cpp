@@ -33,19 +33,20 @@ bool WireCodec::applies(const PlannedBucket& plan) const {
 }
 
 void WireCodec::reduce_average(const PlannedBucket& plan, unsigned char* buffer,
-                               Communicator& comm, uint64_t iteration) {
+                               Communicator& comm, uint64_t iteration,
+                               const std::vector<uint8_t>& used) {
   HEMIOLA_CHECK(applies(plan), "internal: bucket does not travel compressed");
   float* data = reinterpret_cast<float*>(buffer);
   if (compression_ == Compression::kPowerSgd) {
     if (iteration >= powersgd_start_) {
-      powersgd_->reduce_average(plan, data, comm);
+      powersgd_->reduce_average(plan, data, comm, used);
     } else {  // warm-up: uncompressed, as torch's hook before start_powerSGD_iter
       comm.all_reduce_sum(TensorRef{data, DType::kFloat32, plan.numel, Device{}});
       const float world = static_cast<float>(world_);
       for (size_t i = 0; i < plan.numel; ++i) data[i] /= world;
     }
   } else if (compression_ == Compression::kInt8) {
-    reduce_int8(plan, data, comm);
+    reduce_int8(plan, data, comm, used);
   } else {
     reduce_half(plan, data, comm);
   }
@@ -62,12 +63,15 @@ void WireCodec::reduce_half(const PlannedBucket& plan, float* data, Communicator
   halves_to_floats(half, halves_.data(), data, n);
 }
 
-void WireCodec::reduce_int8(const PlannedBucket& plan, float* data, Communicator& comm) {
+void WireCodec::reduce_int8(const PlannedBucket& plan, float* data, Communicator& comm,
+                            const std::vector<uint8_t>& used) {
   const size_t n = plan.numel;
   const size_t blocks = (n + kInt8Block - 1) / kInt8Block;
   const int levels = 127 / world_;
-  // Pass 1: v = gradient + residual, in the bucket itself.
+  // Pass 1: v = gradient + residual, in the bucket itself. A tensor this rank
+  // did not use contributes zeros and keeps its residual for later.
   for (size_t k = 0; k < plan.tensors.size(); ++k) {
+    if (!used[plan.tensors[k]]) continue;
     const float* residual = residuals_[plan.tensors[k]].data() + plan.begins[k];
     float* v = data + plan.offsets[k];
     const size_t count = plan.counts[k];
@@ -110,8 +114,10 @@ void WireCodec::reduce_int8(const PlannedBucket& plan, float* data, Communicator
     const size_t end = std::min(n, first + kInt8Block);
     const float s = maxima_[blk];
     int8_t* codes = reinterpret_cast<int8_t*>(codes_.data());
-    if (std::isfinite(s) && s > 0.0f) {
-      const float inverse = 1.0f / s;
+    const float inverse = 1.0f / s;
+    // A scale so small that its inverse overflows (a block of values below
+    // about 1e-37) is not coded either: the residual keeps those values.
+    if (std::isfinite(s) && s > 0.0f && std::isfinite(inverse)) {
       for (size_t i = first; i < end; ++i) {
         const float x = std::min(limit, std::max(-limit, data[i] * inverse));
         const float q = (x + magic) - magic;
@@ -119,15 +125,18 @@ void WireCodec::reduce_int8(const PlannedBucket& plan, float* data, Communicator
         data[i] -= s * q;
       }
     } else {
-      // Zero scale: every rank's block is zero, and so is the residual. NaN:
-      // the block's average is NaN for everyone; its residual is dropped.
+      // Zero or tiny scale: code 0, and v stays in the residual (zeros for a
+      // zero block). NaN: the block's average is NaN for everyone; its
+      // residual is dropped.
+      const bool drop = std::isnan(s);
       for (size_t i = first; i < end; ++i) {
         codes[i] = 0;
-        data[i] = 0.0f;
+        if (drop) data[i] = 0.0f;
       }
     }
   }
   for (size_t k = 0; k < plan.tensors.size(); ++k) {
+    if (!used[plan.tensors[k]]) continue;
     float* residual = residuals_[plan.tensors[k]].data() + plan.begins[k];
     const float* v = data + plan.offsets[k];
     std::copy(v, v + plan.counts[k], residual);

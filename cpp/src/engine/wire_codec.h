@@ -56,8 +56,10 @@ class WireCodec {
   // All-reduces the bucket at `buffer` (laid out as `plan`) of iteration
   // `iteration` in place and leaves the *average* there. Only for buckets
   // that applies() to.
+  // `used[t]`: whether this rank produced tensor t's gradient this iteration
+  // (an unused one contributes zeros and keeps its residual).
   void reduce_average(const PlannedBucket& plan, unsigned char* buffer, Communicator& comm,
-                      uint64_t iteration);
+                      uint64_t iteration, const std::vector<uint8_t>& used);
   // kInt8 and kPowerSgd: tensor `index`'s residual (float32, one per
   // element); empty for the other codings and for tensors never compressed.
   std::vector<float>& residual(size_t index) {
@@ -66,7 +68,8 @@ class WireCodec {
 
  private:
   void reduce_half(const PlannedBucket& plan, float* data, Communicator& comm);
-  void reduce_int8(const PlannedBucket& plan, float* data, Communicator& comm);
+  void reduce_int8(const PlannedBucket& plan, float* data, Communicator& comm,
+                   const std::vector<uint8_t>& used);
 
   const Compression compression_;
   const int world_;
