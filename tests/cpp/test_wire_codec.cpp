@@ -399,6 +399,14 @@ TEST(PowerSgdWire, AnAverageThatIsItselfLowRankIsRecovered) {
   }
 }
 
+// PowerSGD from the first iteration on, the options of the tests below.
+ReducerOptions powersgd_now() {
+  ReducerOptions options;
+  options.compression = Compression::kPowerSgd;
+  options.powersgd_start_iteration = 0;
+  return options;
+}
+
 // The review's cases: a zero gradient must not stall PowerSGD for ever, a
 // non-finite one must not poison later iterations, an unused tensor keeps
 // its residual, and a block of tiny values is kept rather than miscoded.
@@ -406,10 +414,7 @@ TEST(PowerSgdWire, AZeroGradientDoesNotStallTheWarmStart) {
   const size_t n = 64;
   std::vector<GradSpec> specs = {{DType::kFloat32, n * n, "w", n}};
   run_ranks(2, [&](Engine& e) {
-    ReducerOptions options;
-    options.compression = Compression::kPowerSgd;
-    options.powersgd_start_iteration = 0;
-    auto reducer = e.make_reducer(specs, options);
+    auto reducer = e.make_reducer(specs, powersgd_now());
     for (int it = 0; it < 3; ++it) {
       std::vector<float> g(n * n, it == 0 ? 0.0f : 1.0f);  // rank 1, a constant: exact
       reducer->mark_ready(0, TensorRef{g.data(), DType::kFloat32, g.size(), {}});
@@ -425,10 +430,7 @@ TEST(PowerSgdWire, ANonFiniteGradientIsNaNOnceAndTheNextIterationsAreClean) {
   const size_t n = 32;
   std::vector<GradSpec> specs = {{DType::kFloat32, n * n, "w", n}};
   run_ranks(2, [&](Engine& e) {
-    ReducerOptions options;
-    options.compression = Compression::kPowerSgd;
-    options.powersgd_start_iteration = 0;
-    auto reducer = e.make_reducer(specs, options);
+    auto reducer = e.make_reducer(specs, powersgd_now());
     for (int it = 0; it < 4; ++it) {
       std::vector<float> g(n * n, 2.0f);
       if (it == 1 && e.rank() == 1) g[5] = std::numeric_limits<float>::infinity();
