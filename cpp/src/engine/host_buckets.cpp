@@ -45,7 +45,7 @@ class HostBuckets final : public BucketStorage {
   void reduce(size_t b, const std::vector<void*>& outs, Communicator& host) override {
     const PlannedBucket& plan = layout_.plan[b];
     unsigned char* buffer = buffers_[b];
-    const bool averaged_on_wire = codec_ != nullptr && codec_->applies(plan);
+    const bool averaged_on_wire = codec_ != nullptr && codec_->applies(plan, iteration_);
     if (averaged_on_wire) {
       codec_->reduce_average(plan, buffer, host, iteration_, used_);
     } else {

@@ -28,23 +28,20 @@ WireCodec::WireCodec(const ReducerOptions& options, const std::vector<GradSpec>&
   }
 }
 
-bool WireCodec::applies(const PlannedBucket& plan) const {
-  return compression_ != Compression::kNone && plan.dtype == DType::kFloat32 && plan.numel > 0;
+bool WireCodec::applies(const PlannedBucket& plan, uint64_t iteration) const {
+  // PowerSGD's warm-up iterations travel as an uncompressed bucket does.
+  const bool warming_up = compression_ == Compression::kPowerSgd && iteration < powersgd_start_;
+  return compression_ != Compression::kNone && !warming_up && plan.dtype == DType::kFloat32 &&
+         plan.numel > 0;
 }
 
 void WireCodec::reduce_average(const PlannedBucket& plan, unsigned char* buffer,
                                Communicator& comm, uint64_t iteration,
                                const std::vector<uint8_t>& used) {
-  HEMIOLA_CHECK(applies(plan), "internal: bucket does not travel compressed");
+  HEMIOLA_CHECK(applies(plan, iteration), "internal: bucket does not travel compressed");
   float* data = reinterpret_cast<float*>(buffer);
   if (compression_ == Compression::kPowerSgd) {
-    if (iteration >= powersgd_start_) {
-      powersgd_->reduce_average(plan, data, comm, used);
-    } else {  // warm-up: uncompressed, as torch's hook before start_powerSGD_iter
-      comm.all_reduce_sum(TensorRef{data, DType::kFloat32, plan.numel, Device{}});
-      const float world = static_cast<float>(world_);
-      for (size_t i = 0; i < plan.numel; ++i) data[i] /= world;
-    }
+    powersgd_->reduce_average(plan, data, comm, used);
   } else if (compression_ == Compression::kInt8) {
     reduce_int8(plan, data, comm, used);
   } else {

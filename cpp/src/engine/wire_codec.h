@@ -51,13 +51,15 @@ class WireCodec {
   WireCodec(const ReducerOptions& options, const std::vector<GradSpec>& specs, int world);
 
   Compression compression() const { return compression_; }
-  // Whether bucket `plan` travels compressed (float32 buckets only).
-  bool applies(const PlannedBucket& plan) const;
+  // Whether bucket `plan` travels compressed in iteration `iteration`
+  // (float32 buckets only, and not during PowerSGD's warm-up: then it is
+  // reduced as an uncompressed bucket is).
+  bool applies(const PlannedBucket& plan, uint64_t iteration) const;
   // All-reduces the bucket at `buffer` (laid out as `plan`) of iteration
   // `iteration` in place and leaves the *average* there. Only for buckets
-  // that applies() to.
-  // `used[t]`: whether this rank produced tensor t's gradient this iteration
-  // (an unused one contributes zeros and keeps its residual).
+  // that applies() to. `used[t]`: whether this rank produced tensor t's
+  // gradient this iteration (an unused one contributes zeros and keeps its
+  // residual).
   void reduce_average(const PlannedBucket& plan, unsigned char* buffer, Communicator& comm,
                       uint64_t iteration, const std::vector<uint8_t>& used);
   // kInt8 and kPowerSgd: tensor `index`'s residual (float32, one per
