@@ -25,9 +25,9 @@ barrier before each block:
 DDP and hemiola use their own default buckets (25 MiB, the first 1 MiB) unless
 ``--fusion-mb`` sets both caps.
 The lower bound of an iteration is max(compute, comm) (medians). Rank 0's
-medians are reported, with their 10th and 90th percentiles (``<variant>_ms_p10_p90``)
-and the environment (commit, torch, CPU) in every row. Writes bench/results/bandwidth_limited.jsonl and .png
-and prints a table.
+medians are reported, with their 10th and 90th percentiles
+(``<variant>_ms_p10_p90``) and the environment (commit, torch, CPU) in every
+row. Writes bench/results/bandwidth_limited.jsonl and .png and prints a table.
 """
 
 from __future__ import annotations

@@ -48,7 +48,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from hemiola.config import COMPRESSIONS
+from hemiola.config import compression_code
 
 #: what a --model factory returns
 Factory = Callable[[], tuple[nn.Module, Callable[[nn.Module], torch.Tensor]]]
@@ -162,7 +162,7 @@ def measure(model: nn.Module, loss_fn: Callable[[nn.Module], torch.Tensor], repe
     for name, coding in CODINGS:
         reduction = _Reduction(engine.make_reducer(
             specs, 25 << 20, 1 << 20, record_order=False,
-            compression=COMPRESSIONS.get(coding or "", 0), powersgd_start_iteration=0), grads)
+            compression=compression_code(coding), powersgd_start_iteration=0), grads)
         reduction.run()  # warm-up (and PowerSGD's first Q)
         engine.barrier().wait()
         reduce[name] = _median_time(reduction.run, repeats)

@@ -10,6 +10,11 @@ SCHEDULES = ("wfbp", "priority", "decoupled")
 COMPRESSIONS = {"fp16": 1, "bf16": 2, "int8": 3, "powersgd": 4}
 
 
+def compression_code(compression: str | None) -> int:
+    """The engine's code of a ``Config.compression`` value (0: None)."""
+    return 0 if compression is None else COMPRESSIONS[compression]
+
+
 @dataclass(frozen=True)
 class Config:
     """Knobs of :func:`hemiola.wrap`. Pass them as keyword arguments to ``wrap``.

@@ -18,7 +18,7 @@ from torch import nn
 
 from hemiola._native import C
 from hemiola.comm_hooks import compression_of
-from hemiola.config import COMPRESSIONS, Config
+from hemiola.config import COMPRESSIONS, Config, compression_code
 from hemiola.schedules import Schedule, make_schedule
 from hemiola.tensors import broadcast_tensors, device_view, dtype_code, stream_of
 from hemiola.timeline import Recorder
@@ -50,10 +50,7 @@ class DataParallel(nn.Module):
         self.grad_scaler = grad_scaler
         #: the device the model lives on (the CPU or one GPU)
         self.device = check_module(module)
-        if config.compression is not None and self.device.type == "cuda":
-            raise ValueError(f"compression={config.compression!r} is implemented for CPU models "
-                             "only for now (its CUDA kernels have not run on a GPU yet); leave "
-                             "compression=None for a model on a GPU")
+        self._refuse_compression_on_gpu(config.compression)
         self.module = module
         self.config = config
         self._engine = engine
@@ -91,7 +88,7 @@ class DataParallel(nn.Module):
                 preview=self._schedule.preview,
                 partition_bytes=config.partition_bytes,
                 device=self.device.index if self.device.type == "cuda" else -1,
-                compression=COMPRESSIONS.get(config.compression or "", 0),
+                compression=compression_code(config.compression),
                 powersgd_rank=config.powersgd_rank,
                 powersgd_start_iteration=config.powersgd_start_iter,
             )
@@ -169,10 +166,8 @@ class DataParallel(nn.Module):
         if self._reducer is not None and self._reducer.iterations_started > 0:
             raise RuntimeError("register_comm_hook must be called before the first backward "
                                "(as with DDP)")
-        if compression is not None and self.device.type == "cuda":
-            raise ValueError(f"{getattr(hook, '__name__', hook)}: compression is implemented "
-                             "for CPU models only for now")
-        code = COMPRESSIONS.get(compression or "", 0)
+        self._refuse_compression_on_gpu(compression)
+        code = compression_code(compression)
         config = dataclasses.replace(self.config, compression=compression, **options)
         if config.partition_bytes != self.config.partition_bytes:
             # The buckets were planned at wrap time with priority's partitions,
@@ -199,6 +194,12 @@ class DataParallel(nn.Module):
             self._reducer.set_compression(code, powersgd_rank=config.powersgd_rank,
                                           powersgd_start_iteration=config.powersgd_start_iter)
         self.config = config
+
+    def _refuse_compression_on_gpu(self, compression: str | None) -> None:
+        if compression is not None and self.device.type == "cuda":
+            raise ValueError(f"compression={compression!r} is implemented for CPU models only "
+                             "for now (its CUDA kernels have not run on a GPU yet); leave "
+                             "compression=None for a model on a GPU")
 
     def comm_state_dict(self) -> dict[str, torch.Tensor]:
         """The communication state a checkpoint must carry to resume exactly:
