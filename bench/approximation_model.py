@@ -3,7 +3,7 @@ approximate steps quickly: N virtual ranks take turns on one CPU, each
 computing its gradient at its own approximate parameters, and the exact
 AdamW step lands before the next step (every read approximate, as with
 ``correct_on_arrival=False``). The task, data shards, model and learning-rate
-schedule are bench/tasks.py's LM (bench/convergence.py's), so the exact
+schedule are hemiola.bench.tasks's LM (hemiola bench convergence's), so the exact
 variant is wfbp's trajectory, up to the order of floating-point sums.
 
     python bench/approximation_model.py --variant own --seed 0
@@ -34,8 +34,9 @@ import time
 
 import torch
 import torch.nn.functional as F
-from tasks import LMTask
 from torch.func import functional_call
+
+from hemiola.bench.tasks import LMTask
 
 Grads = dict[str, torch.Tensor]
 
@@ -137,7 +138,7 @@ def run(variant: str, seed: int, args: argparse.Namespace) -> tuple[float, float
         order = torch.randperm(len(x_all), generator=g)
         for i in range(min(len(x_all) // (task.batch_size * world), total - step)):
             grads = []
-            for r in range(world):  # bench/tasks.py's shards
+            for r in range(world):  # hemiola.bench.tasks's shards
                 idx = order[r::world][i * task.batch_size:(i + 1) * task.batch_size]
                 params = {n: live[r][n].clone().requires_grad_(True) for n in names}
                 out = functional_call(model, params, (x_all[idx],))

@@ -17,15 +17,11 @@ import argparse
 import statistics
 import sys
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import write_results  # noqa: E402
-from gpu_shapes import resnet50_shapes  # noqa: E402
-
-from hemiola._native import C  # noqa: E402
+from hemiola._native import C
+from hemiola.bench.record import DEFAULT_OUT, write_lines
 
 CODES = {
     torch.float32: int(C.DType.float32),
@@ -33,6 +29,23 @@ CODES = {
     torch.float16: int(C.DType.float16),
 }
 
+
+
+def resnet50_shapes() -> list[tuple[int, ...]]:
+    """The shapes of resnet50().parameters(), in registration order."""
+    shapes: list[tuple[int, ...]] = [(64, 3, 7, 7), (64,), (64,)]
+    in_ch = 64
+    for width, blocks in ((64, 3), (128, 4), (256, 6), (512, 3)):
+        out_ch = width * 4
+        for block in range(blocks):
+            shapes += [(width, in_ch, 1, 1), (width,), (width,)]
+            shapes += [(width, width, 3, 3), (width,), (width,)]
+            shapes += [(out_ch, width, 1, 1), (out_ch,), (out_ch,)]
+            if block == 0:  # the projection shortcut
+                shapes += [(out_ch, in_ch, 1, 1), (out_ch,), (out_ch,)]
+            in_ch = out_ch
+    shapes += [(1000, 2048), (1000,)]
+    return shapes
 
 def time_ms(launch: Callable[[], None], repeats: int) -> float:
     """Median milliseconds of `launch` on the current stream (CUDA events)."""
@@ -125,7 +138,8 @@ def main() -> None:
             f" {r['pack_gbps']:10.0f} {r['unpack_gbps']:12.0f}"
             f" {r['pack_fraction']:10.1%} {r['unpack_fraction']:12.1%}"
         )
-    print("device:", rows[0]["device"], "| written", write_results("gpu_kernels", rows))
+    path = write_lines(DEFAULT_OUT / "gpu_kernels.jsonl", rows)
+    print("device:", rows[0]["device"], "| written", path)
 
 
 if __name__ == "__main__":

@@ -23,15 +23,12 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import write_results  # noqa: E402
-
-import hemiola  # noqa: E402
+import hemiola
+from hemiola.bench.record import DEFAULT_OUT, write_lines
 
 Step = Callable[[], None]
 
@@ -114,7 +111,8 @@ def main() -> None:
             }
         )
         print(f"{v:10} {ms:9.2f} {ms / bare - 1:+9.2%}")
-    print("device:", torch.cuda.get_device_name(), "| written", write_results("gpu_overhead", rows))
+    path = write_lines(DEFAULT_OUT / "gpu_overhead.jsonl", rows)
+    print("device:", torch.cuda.get_device_name(), "| written", path)
     dist.destroy_process_group()
 
 

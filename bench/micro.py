@@ -14,8 +14,9 @@ import os
 import subprocess
 import tempfile
 from pathlib import Path
+from statistics import median
 
-from common import median, write_results
+from hemiola.bench.record import DEFAULT_OUT, write_lines
 
 ROOT = Path(__file__).resolve().parents[1]
 BUILD = ROOT / "build" / "bench"
@@ -68,7 +69,7 @@ def main() -> None:
         rows.append(row)
         print(f"{size:12d} {row['engine_ms']:10.3f} {row['raw_gloo_ms']:12.3f} "
               f"{row['engine_vs_raw']:14.3f} {min(ratios):10.3f}..{max(ratios):.3f}")
-    print(f"wrote {write_results('micro', rows)}")
+    print(f"wrote {write_lines(DEFAULT_OUT / 'micro.jsonl', rows)}")
 
 
 if __name__ == "__main__":

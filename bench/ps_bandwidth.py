@@ -5,9 +5,9 @@
     python bench/ps_bandwidth.py --servers 2         # 2 servers: communication ~ computation
 
 Needs root. `--servers` + `--workers` network namespaces joined through veth
-pairs limited by ``tc tbf`` (bench/netlab.py), one process in each, every
+pairs limited by ``tc tbf`` (hemiola.bench.netlab), one process in each, every
 process binding its veth (the servers are the first ranks). The model
-is bench/bandwidth_limited.py's 4.2M-parameter MLP (16.8 MB of float32
+is hemiola.bench.speed's MLP at width 1024, 4.2M parameters (16.8 MB of float32
 gradients and as many of parameters) with its batch (896), so on the
 development machine its compute alone takes about as long as moving it once
 at 1 Gbit/s. Each worker first times the bare model (compute alone), then
@@ -31,12 +31,14 @@ import os
 import signal
 import sys
 import time
+from statistics import median
 from typing import Any
 
 import torch
-from bandwidth_limited import MLP_BATCH, make_model
-from common import median, split_ahead, write_results
-from netlab import Network, parse_result, print_result
+
+from hemiola.bench.netlab import Network, parse_result, print_result
+from hemiola.bench.record import DEFAULT_OUT, split_ahead, write_lines
+from hemiola.bench.speed import MLP_BATCH, make_model
 
 SCHEMES = ("bsp", "asp", "eager")
 
@@ -53,7 +55,7 @@ def rank_main(config: dict[str, Any]) -> dict[str, Any] | None:
     if role.is_server:
         hemiola.ps.serve(ps_config, role)
         return None
-    model, x, y = make_model("mlp", config["batch"])
+    model, x, y = make_model("mlp", config["batch"], mlp_width=1024)
     loss_fn = torch.nn.CrossEntropyLoss()
 
     def compute_alone() -> float:
@@ -133,7 +135,7 @@ def main() -> None:
                   f"bound {bound:.1f}, x{result['iteration_ms'] / bound:.2f}; "
                   f"mean staleness {result['mean_staleness']:.2f}, pulled ahead "
                   f"{100 * result['ahead_share']:.0f}% of the bytes)", flush=True)
-    path = write_results("ps_bandwidth", rows)
+    path = write_lines(DEFAULT_OUT / "ps_bandwidth.jsonl", rows)
     print(f"wrote {path}")
 
 

@@ -1,6 +1,6 @@
 """Where a training step's time goes, per schedule, over a real rate-limited
 network: the convergence task's model and optimizer, its ranks in network
-namespaces joined by ``tc tbf`` links (bench/netlab.py), the engine's
+namespaces joined by ``tc tbf`` links (hemiola.bench.netlab), the engine's
 timeline on, and the compute alone (the bare model, one process per core,
 both at once) measured first for the bound.
 
@@ -30,8 +30,8 @@ import sys
 import time
 from typing import Any
 
-from common import RESULTS, write_results
-from netlab import Network, parse_result, print_result
+from hemiola.bench.netlab import Network, parse_result, print_result
+from hemiola.bench.record import DEFAULT_OUT, write_lines
 
 
 def _task(name: str) -> Any:
@@ -92,8 +92,8 @@ def rank_main(config: dict[str, Any]) -> dict[str, Any]:
     result: dict[str, Any] = {"ms": 1e3 * statistics.median(window)}
     if rank == 0:
         result["per_step"] = breakdown(json.loads(trace), sum(window), len(window))
-        RESULTS.mkdir(parents=True, exist_ok=True)
-        path = RESULTS / f"step_breakdown_{config['task']}_{config['schedule']}.json"
+        DEFAULT_OUT.mkdir(parents=True, exist_ok=True)
+        path = DEFAULT_OUT / f"step_breakdown_{config['task']}_{config['schedule']}.json"
         path.write_text(trace)
         result["trace"] = str(path)
     model.synchronize()
@@ -159,7 +159,7 @@ def main() -> None:
             for key, ms in result["per_step"].items():
                 print(f"{'':>12}{key:<24} {ms:7.2f}")
             print(f"{'':>12}trace: {result['trace']}")
-    path = write_results("step_breakdown", rows)
+    path = write_lines(DEFAULT_OUT / "step_breakdown.jsonl", rows)
     print(f"wrote {path}")
 
 

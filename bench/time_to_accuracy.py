@@ -1,13 +1,13 @@
 """Time to accuracy over a real, rate-limited network: each schedule trains the
 same task, hyper-parameters and seeds with its ranks in network namespaces
-joined by ``tc tbf`` links (bench/netlab.py), and the wall-clock training time
+joined by ``tc tbf`` links (hemiola.bench.netlab), and the wall-clock training time
 it needs to reach ``wfbp``'s final held-out quality is compared with wfbp's.
 
     python bench/time_to_accuracy.py                       # lm and digits, 1 Gbit/s, 3 seeds
     python bench/time_to_accuracy.py --tasks lm --seeds 1 --rate 500mbit
 
-Needs root. Each run is bench/tasks.py's ``train_rank`` (the task of
-bench/convergence.py, every rank on its own shard), one fresh interpreter per
+Needs root. Each run is hemiola.bench.tasks's ``train_rank`` (the task of
+hemiola bench convergence, every rank on its own shard), one fresh interpreter per
 rank inside its namespace, `--evals` held-out evaluations spread over training
 (their time is not counted). Per seed the target is wfbp's final held-out
 metric of that seed; a schedule's *time to target* is its training time at the
@@ -30,10 +30,11 @@ import sys
 from typing import Any
 
 import matplotlib
-from common import RESULTS, write_results
-from netlab import Network, parse_result, print_result
-from tasks import HEADLINE, TASKS, VARIANTS
 from tqdm import tqdm
+
+from hemiola.bench.netlab import Network, parse_result, print_result
+from hemiola.bench.record import DEFAULT_OUT, write_lines
+from hemiola.bench.tasks import HEADLINE, TASKS, VARIANTS
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402 - after choosing the backend
@@ -189,9 +190,9 @@ def main() -> None:
                  f"time to wfbp's final: {row['seconds_to_target_mean']:.1f} s = "
                  f"{ratio:.2f}x wfbp [{row['ratio_to_wfbp_min']:.2f}, "
                  f"{row['ratio_to_wfbp_max']:.2f}]"))
-    print(f"wrote {write_results(args.name, runs + rows)}")
+    print(f"wrote {write_lines(DEFAULT_OUT / f'{args.name}.jsonl', runs + rows)}")
     for task in args.tasks.split(","):
-        path = RESULTS / f"{args.name}_{task}.png"
+        path = DEFAULT_OUT / f"{args.name}_{task}.png"
         plot(runs, task, str(path))
         print(f"wrote {path}")
 

@@ -31,9 +31,11 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     # its commands leave them out.
     if command != "cluster":
         from hemiola import advise, demo
+        from hemiola.bench import cli as bench_cli
 
         demo.register(commands)
         advise.register(commands)
+        bench_cli.register(commands)
     from hemiola.cluster import cli as cluster_cli
 
     cluster_cli.register(commands)

@@ -1,18 +1,13 @@
-"""The convergence benchmark's tasks (bench/tasks.py): they build, the text
+"""The convergence benchmark's tasks (hemiola.bench.tasks): they build, the text
 corpus is deterministic, and a tiny 2-rank wfbp run of each learns."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
+from hemiola.bench import tasks
 from hemiola.launch import run_local
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
-import tasks  # noqa: E402 - bench/ is not a package
 
 
 def test_corpus_is_deterministic_and_plausible() -> None:

@@ -1,4 +1,4 @@
-"""bench/netlab.py: two ranks in rate-limited network namespaces train a step
+"""hemiola.bench.netlab: two ranks in rate-limited network namespaces train a step
 with hemiola, and every namespace and interface is gone afterwards (also when
 the block raises). Skipped without root or `ip netns`."""
 
@@ -7,12 +7,10 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
-import netlab  # noqa: E402
+from hemiola.bench import netlab
 
 REASON = netlab.available()
 pytestmark = pytest.mark.skipif(REASON is not None, reason=f"netlab unavailable: {REASON}")

@@ -1,4 +1,4 @@
-"""The tasks of the convergence benchmark (bench/convergence.py), and the
+"""The tasks of the convergence benchmark (:mod:`hemiola.bench.convergence`), and the
 function each rank runs.
 
 Small tasks, each with fixed hyper-parameters that are the same for every

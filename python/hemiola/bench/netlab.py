@@ -2,6 +2,7 @@
 
     with Network(2, rate="1gbit") as net:
         proc = net.popen(0, [sys.executable, "-c", "..."], env={"RANK": "0"})
+        outputs = net.run_ranks([sys.executable, "-m", "mymodule"], port=29500, timeout_s=600)
 
 creates, for each of the N ranks, a namespace ``hemiola-bench-<tag>-<i>``
 holding one end of a veth pair (``net.ifaces[i]``, address ``net.addrs[i]`` in
@@ -15,7 +16,8 @@ of the namespaces created here.
 Everything is removed on exit, also on exceptions and KeyboardInterrupt:
 processes started with :meth:`Network.popen` are killed first, then the
 namespaces (and with them their interfaces) are deleted. Needs root and
-iproute2's ``ip`` and ``tc``.
+iproute2's ``ip`` and ``tc``. :class:`Loopback` runs the same ranks on this
+machine's loopback, with no limit and no root.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ import subprocess
 import tempfile
 import time
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from types import TracebackType
 from typing import Any
 
@@ -149,41 +151,11 @@ class Network:
         return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
     def run_ranks(self, command: Sequence[str], port: int, timeout_s: float) -> list[str]:
-        """Runs `command` once per namespace as the ranks of one job, and returns
-        each rank's output (stdout and stderr).
-
-        Rank i runs in namespace i with RANK, WORLD_SIZE, MASTER_ADDR (rank 0's
-        address), MASTER_PORT=`port`, GLOO_SOCKET_IFNAME (its veth) and
-        OMP_NUM_THREADS=1. Raises RuntimeError with the output's end as soon as
-        a rank fails, or when one still runs after `timeout_s`.
-        """
-        logs = [tempfile.TemporaryFile("w+") for _ in range(self.n)]
-        procs = []
-        for rank in range(self.n):
-            env = {"RANK": str(rank), "WORLD_SIZE": str(self.n), "MASTER_ADDR": self.addrs[0],
-                   "MASTER_PORT": str(port), "GLOO_SOCKET_IFNAME": self.ifaces[rank],
-                   "OMP_NUM_THREADS": "1"}
-            procs.append(self.popen(rank, command, env=env, stdout=logs[rank],
-                                    stderr=subprocess.STDOUT))
-
-        def output(rank: int) -> str:
-            logs[rank].seek(0)
-            return logs[rank].read()
-
-        deadline = time.monotonic() + timeout_s
-        while any(p.poll() is None for p in procs):
-            failed = [r for r, p in enumerate(procs) if p.returncode not in (None, 0)]
-            if failed or time.monotonic() > deadline:
-                rank = failed[0] if failed else 0
-                raise RuntimeError(f"rank {rank} " + (f"exited with {procs[rank].returncode}"
-                                   if failed else f"still running after {timeout_s} s")
-                                   + f"; its output ends:\n{output(rank)[-4000:]}")
-            time.sleep(0.2)
-        for rank, proc in enumerate(procs):
-            if proc.returncode != 0:
-                raise RuntimeError(f"rank {rank} exited with {proc.returncode}:\n"
-                                   f"{output(rank)[-4000:]}")
-        return [output(rank) for rank in range(self.n)]
+        """Runs `command` once per namespace as the ranks of one job (rank i in
+        namespace i, MASTER_ADDR rank 0's address, GLOO_SOCKET_IFNAME its veth);
+        see :func:`run_ranks`."""
+        return run_ranks(lambda rank, env, **kw: self.popen(rank, command, env=env, **kw),
+                         self.n, self.addrs[0], self.ifaces, port, timeout_s)
 
     def close(self) -> None:
         """Kills the processes started here and deletes every namespace (idempotent)."""
@@ -197,6 +169,73 @@ class Network:
         for ns in reversed(self._created):
             subprocess.run(["ip", "netns", "del", ns], capture_output=True)
         self._created.clear()
+
+
+class Loopback:
+    """N ranks on this machine's loopback (``lo``), no rate limit, no root:
+    :class:`Network`'s ``run_ranks`` for the unlimited case."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.rate = "none"
+
+    def __enter__(self) -> Loopback:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        pass
+
+    def run_ranks(self, command: Sequence[str], port: int, timeout_s: float) -> list[str]:
+        """Runs `command` once per rank on loopback; see :func:`run_ranks`."""
+        def start(rank: int, env: Mapping[str, str], **kwargs: Any) -> subprocess.Popen[str]:
+            return subprocess.Popen(  # type: ignore[call-overload, no-any-return]
+                list(command), env={**os.environ, **env}, text=True, **kwargs)
+
+        return run_ranks(start, self.n, "127.0.0.1", ["lo"] * self.n, port, timeout_s)
+
+
+def run_ranks(start: Callable[..., subprocess.Popen[str]], n: int, master: str,
+              ifaces: Sequence[str], port: int, timeout_s: float) -> list[str]:
+    """Starts `n` ranks of one job with ``start(rank, env, stdout=..., stderr=...)``
+    and returns each rank's output (stdout and stderr).
+
+    Each rank gets RANK, WORLD_SIZE, MASTER_ADDR=`master`, MASTER_PORT=`port`,
+    GLOO_SOCKET_IFNAME (``ifaces[rank]``) and OMP_NUM_THREADS=1. Raises
+    RuntimeError with the output's end as soon as a rank fails, or when one
+    still runs after `timeout_s`; the other ranks are killed then.
+    """
+    logs = [tempfile.TemporaryFile("w+") for _ in range(n)]
+    procs: list[subprocess.Popen[str]] = []
+
+    def output(rank: int) -> str:
+        logs[rank].seek(0)
+        return logs[rank].read()
+
+    try:
+        for rank in range(n):
+            env = {"RANK": str(rank), "WORLD_SIZE": str(n), "MASTER_ADDR": master,
+                   "MASTER_PORT": str(port), "GLOO_SOCKET_IFNAME": ifaces[rank],
+                   "OMP_NUM_THREADS": "1"}
+            procs.append(start(rank, env, stdout=logs[rank], stderr=subprocess.STDOUT))
+        deadline = time.monotonic() + timeout_s
+        while any(p.poll() is None for p in procs):
+            failed = [r for r, p in enumerate(procs) if p.returncode not in (None, 0)]
+            if failed or time.monotonic() > deadline:
+                rank = failed[0] if failed else 0
+                raise RuntimeError(f"rank {rank} " + (f"exited with {procs[rank].returncode}"
+                                   if failed else f"still running after {timeout_s} s")
+                                   + f"; its output ends:\n{output(rank)[-4000:]}")
+            time.sleep(0.2)
+        for rank, proc in enumerate(procs):
+            if proc.returncode != 0:
+                raise RuntimeError(f"rank {rank} exited with {proc.returncode}:\n"
+                                   f"{output(rank)[-4000:]}")
+        return [output(rank) for rank in range(n)]
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
 
 
 def leftovers() -> list[str]:

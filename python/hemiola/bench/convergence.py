@@ -1,20 +1,20 @@
 """Convergence of every schedule: the same tasks, hyper-parameters and seeds,
 trained to the end with each schedule, compared with ``wfbp``.
 
-    python bench/convergence.py                          # every schedule, 2 tasks, 3 seeds, 4 ranks
-    python bench/convergence.py --schedules wfbp --seeds 1 --steps 20   # a quick check
-    python bench/convergence.py --tasks shapes,shapes-adamw          # the ResNet image tasks
+    hemiola bench convergence                            # every schedule, 2 tasks, 3 seeds, 4 ranks
+    hemiola bench convergence --schedules wfbp --seeds 1 --steps 20  # a quick check
+    hemiola bench convergence --tasks shapes,shapes-adamw            # the ResNet image tasks
 
 For every task x seed x schedule it runs `--world-size` local CPU ranks
 (``hemiola.launch.run_local``), each training on its own shard of every
-epoch's shuffled data (bench/tasks.py). It records rank 0's per-step loss,
+epoch's shuffled data (:mod:`hemiola.bench.tasks`). It records rank 0's per-step loss,
 evaluations spread over training, the final metrics and the time, then reports
-the mean, std and min/max over seeds per schedule and each schedule's
+the mean, std, min/max, median and p10-p90 over seeds per schedule and each schedule's
 difference from ``wfbp``. Targets: mean final test accuracy within 0.5 points
 of wfbp or better; mean final losses within 5% of wfbp's or better.
 
-Writes bench/results/<name>.jsonl (one row per run, then one per task and
-schedule) and bench/results/<name>_<task>.png (loss curves).
+Writes OUT/<name>.jsonl (one row per run, then one per task and schedule)
+and OUT/<name>_<task>.png (loss curves, when matplotlib is installed).
 """
 
 from __future__ import annotations
@@ -25,18 +25,23 @@ import itertools
 import statistics
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
-import matplotlib
-from common import RESULTS, write_results
-from tasks import HEADLINE, TASKS, VARIANTS, RankResult, corpus_info, shapes_info, train_rank
 from tqdm import tqdm
 
+from hemiola.bench.record import DEFAULT_OUT, percentiles, write_lines
+from hemiola.bench.tasks import (
+    HEADLINE,
+    TASKS,
+    VARIANTS,
+    RankResult,
+    corpus_info,
+    shapes_info,
+    train_rank,
+)
 from hemiola.config import COMPRESSIONS, SCHEDULES
 from hemiola.launch import run_local
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402 - after choosing the backend
 
 BASELINE = "wfbp"
 ACCURACY_POINTS = 0.5  # a schedule may lose at most this many accuracy points
@@ -93,10 +98,10 @@ def metrics_of(task: str) -> list[str]:
 
 
 def spread(values: list[float]) -> dict[str, float | None]:
-    """Mean, sample std (None for one value), min and max."""
+    """Mean, sample std (None for one value), min, max, median, p10 and p90."""
     return {"mean": statistics.fmean(values),
             "std": statistics.stdev(values) if len(values) > 1 else None,
-            "min": min(values), "max": max(values)}
+            "min": min(values), "max": max(values), **percentiles(values)}
 
 
 def summarize(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -143,9 +148,17 @@ def smooth(values: list[float], window: int) -> list[float]:
             for i in range(len(values))]
 
 
-def plot(runs: list[dict[str, Any]], task: str, path: str) -> None:
+def plot(runs: list[dict[str, Any]], task: str, path: Path) -> Path | None:
     """Training loss (smoothed) and the headline metric over steps: the mean over
-    seeds per schedule, shaded between the seeds' min and max."""
+    seeds per schedule, shaded between the seeds' min and max. Returns None when
+    matplotlib is not installed."""
+    try:
+        import matplotlib
+    except ImportError:
+        return None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
     headline = HEADLINE[task].metric
     fig, (ax_loss, ax_eval) = plt.subplots(1, 2, figsize=(12, 4.5))
     lowest, highest, window = float("inf"), 0.0, 1
@@ -184,6 +197,7 @@ def plot(runs: list[dict[str, Any]], task: str, path: str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+    return path
 
 
 def fmt(s: dict[str, Any] | None, scale: float = 1.0, digits: int = 3) -> str:
@@ -220,8 +234,7 @@ def print_table(summaries: list[dict[str, Any]]) -> None:
             print(f"  {metric:20s} {fmt(s, scale, digits)}{unit}{verdict}")
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tasks", default="digits,lm",
                         help=f"comma-separated, of {', '.join(TASKS)} (default digits,lm)")
     parser.add_argument("--schedules", default=",".join([*SCHEDULES, *VARIANTS]),
@@ -237,22 +250,26 @@ def main() -> None:
     parser.add_argument("--steps", type=int, help="override every task's number of steps")
     parser.add_argument("--evals", type=int, default=10,
                         help="evaluations spread over training (default 10)")
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT,
+                        help=f"results directory (default {DEFAULT_OUT})")
     parser.add_argument("--name", default="convergence",
-                        help="results go to bench/results/NAME.jsonl and NAME_<task>.png")
-    args = parser.parse_args()
+                        help="results go to OUT/NAME.jsonl and OUT/NAME_<task>.png")
+
+
+def run(args: argparse.Namespace) -> int:
     tasks = args.tasks.split(",")
     schedules = args.schedules.split(",")
     for t in tasks:
         if t not in TASKS:
-            parser.error(f"unknown task {t!r}; available: {', '.join(TASKS)}")
+            raise SystemExit(f"unknown task {t!r}; available: {', '.join(TASKS)}")
     for s in schedules:
         base, _, compression = s.partition("+")
         if base not in SCHEDULES and base not in VARIANTS and base != "ddp":
-            parser.error(f"unknown schedule {s!r}; available: "
+            raise SystemExit(f"unknown schedule {s!r}; available: "
                          f"{', '.join([*SCHEDULES, *VARIANTS])}, ddp, each optionally "
                          f"+{'|+'.join(COMPRESSIONS)}")
         if compression and compression not in COMPRESSIONS:
-            parser.error(f"unknown compression in {s!r}; available: {', '.join(COMPRESSIONS)}")
+            raise SystemExit(f"unknown compression in {s!r}; available: {', '.join(COMPRESSIONS)}")
     if BASELINE not in schedules:
         print(f"note: {BASELINE} is not in --schedules, so there is no comparison with it")
 
@@ -277,12 +294,11 @@ def main() -> None:
                       "epochs_override": args.epochs, "steps_override": args.steps,
                       **(DATA_INFO[t]() if t in DATA_INFO else {})})
     print_table(summaries)
-    print(f"\nwrote {write_results(args.name, setup + runs + summaries)}")
+    for row in setup + runs + summaries:
+        row["suite"] = "convergence"
+    print(f"\nwrote {write_lines(args.out / f'{args.name}.jsonl', setup + runs + summaries)}")
     for t in tasks:
-        path = RESULTS / f"{args.name}_{t}.png"
-        plot(runs, t, str(path))
-        print(f"wrote {path}")
-
-
-if __name__ == "__main__":
-    main()
+        picture = plot(runs, t, args.out / f"{args.name}_{t}.png")
+        if picture is not None:
+            print(f"wrote {picture}")
+    return 0

@@ -1,11 +1,11 @@
 """Parameter server with a straggler: every consistency model against
 all-reduce, on a real task, per iteration and to a target accuracy.
 
-    python bench/ps_straggler.py                      # 1x, 2x, 4x straggler, every scheme
-    python bench/ps_straggler.py --slowdowns 4 --schemes bsp eager --iterations 100
-    python bench/ps_straggler.py --workers 2 4 --lr 0.05 --seeds 3   # the stability check
+    hemiola bench ps                        # 1x, 2x, 4x straggler, every scheme
+    hemiola bench ps --slowdowns 4 --schemes bsp eager --iterations 100
+    hemiola bench ps --workers 2 4 --lr 0.05 --seeds 3   # the stability check
 
-Task: ``hemiola.demo.DigitsCNN`` on scikit-learn's digits (bench/tasks.py's
+Task: ``hemiola.demo.DigitsCNN`` on scikit-learn's digits (:mod:`hemiola.bench.tasks`'
 ``digits``: SGD, lr 0.02 (``--lr``), momentum 0.9 (``--momentum``), weight
 decay 5e-4, 16 samples per worker and iteration). `--workers` workers (4 by
 default); the parameter-server schemes (``bsp``, ``asp``, ``ssp`` with s=2,
@@ -33,7 +33,9 @@ Targets (issues 5 and 14): with a 4x straggler, ``eager`` time per iteration
 within 0.5 points of ``bsp``; at lr 0.05 with 2 and 4 workers, ``eager``'s
 final accuracy >= ``bsp``'s - 1 point.
 
-Writes bench/results/<--name>.jsonl and docs/images/<--name>[_<workers>w].png.
+Writes OUT/<--name>.jsonl (one row per run, then one per workers, slowdown and
+scheme with the median and p10-p90 over seeds) and OUT/<--name>[_<workers>w].png
+(when matplotlib is installed).
 """
 
 from __future__ import annotations
@@ -45,18 +47,14 @@ import time
 from pathlib import Path
 from typing import Any, NamedTuple
 
-import matplotlib
 import torch
-from common import split_ahead, write_results
-from tasks import DigitsTask
 from tqdm import tqdm
 
 import hemiola
 import hemiola.ps
+from hemiola.bench.record import DEFAULT_OUT, percentiles, split_ahead, write_lines
+from hemiola.bench.tasks import DigitsTask
 from hemiola.launch import run_local
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402 - after choosing the backend
 
 PS_SCHEMES = ("bsp", "asp", "ssp", "eager")
 #: eager without the local correction of the worker's own push (PSConfig.local_correction)
@@ -65,7 +63,6 @@ UNCORRECTED = "eager-uncorrected"
 UNCOMPENSATED = "-uncompensated"
 ALLREDUCE = ("wfbp", "decoupled")
 EVAL_EVERY = 5
-IMAGES = Path(__file__).resolve().parent.parent / "docs" / "images"
 
 
 class Scheme(NamedTuple):
@@ -185,7 +182,16 @@ def summarize(scheme: str, slowdown: float, seed: int, results: dict[int, Any], 
     return row
 
 
-def plot(rows: list[dict[str, Any]], slowdown: float, workers: int, path: Path) -> None:
+def plot(rows: list[dict[str, Any]], slowdown: float, workers: int, path: Path) -> Path | None:
+    """Test accuracy over iterations and seconds, one line per scheme (the
+    first seed). Returns None when matplotlib is not installed."""
+    try:
+        import matplotlib
+    except ImportError:
+        return None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
     runs = [r for r in rows if r["slowdown"] == slowdown and r["seed"] == rows[0]["seed"]
             and r["workers"] == workers]
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
@@ -209,6 +215,31 @@ def plot(rows: list[dict[str, Any]], slowdown: float, workers: int, path: Path) 
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def summaries(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One row per workers, slowdown and scheme: the median and p10-p90 over
+    seeds of the time per iteration, the final accuracy and (over the seeds that
+    reached the target) the iterations and seconds to it."""
+    out = []
+    for workers, slowdown, scheme in dict.fromkeys(
+            (r["workers"], r["slowdown"], r["scheme"]) for r in rows):
+        runs = [r for r in rows if (r["workers"], r["slowdown"], r["scheme"])
+                == (workers, slowdown, scheme)]
+        hit = [r for r in runs if r["iterations_to_target"] is not None]
+        row: dict[str, Any] = {
+            "suite": "ps", "row": "summary", "workers": workers, "slowdown": slowdown,
+            "scheme": scheme, "seeds": len(runs), "reached": len(hit),
+            "target": runs[0]["target"], "lr": runs[0]["lr"],
+            "ms_per_iteration": percentiles(r["ms_per_iteration"] for r in runs),
+            "final_accuracy": percentiles(r["final_accuracy"] for r in runs)}
+        if hit:
+            row["iterations_to_target"] = percentiles(r["iterations_to_target"] for r in hit)
+            row["seconds_to_target"] = percentiles(r["seconds_to_target"] for r in hit)
+        out.append(row)
+    return out
 
 
 def spread(values: list[float], fmt: str) -> str:
@@ -240,8 +271,7 @@ def print_table(rows: list[dict[str, Any]], args: argparse.Namespace) -> None:
                   f"{spread([100 * r['final_accuracy'] for r in runs], '.1f'):>20}")
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--schemes", nargs="+", default=list(PS_SCHEMES + ALLREDUCE),
                         help="consistency models and all-reduce schedules; CONSISTENCY:RULE "
                              "overrides the staleness rule (e.g. eager:none, asp:inverse); "
@@ -258,10 +288,13 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, default=1)
     parser.add_argument("--lr", type=float, default=DigitsTask.lr)
     parser.add_argument("--momentum", type=float, default=DigitsTask.momentum)
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT,
+                        help=f"results directory (default {DEFAULT_OUT})")
     parser.add_argument("--name", default="ps_straggler", help="name of the result files")
-    args = parser.parse_args()
 
-    def run(scheme: str, workers: int, slowdown: float, seed: int, delay_s: float
+
+def run(args: argparse.Namespace) -> int:
+    def run_scheme(scheme: str, workers: int, slowdown: float, seed: int, delay_s: float
             ) -> dict[str, Any]:
         is_ps = parse_scheme(scheme).consistency in PS_SCHEMES
         world = workers + (args.servers if is_ps else 0)
@@ -272,23 +305,20 @@ def main() -> None:
     rows = []
     for workers in args.workers:
         # T: bsp's time per iteration without a straggler, the unit of the slowdowns.
-        t_ref = run("bsp", workers, 1.0, 0, 0.0)["ms_per_iteration"] / 1000
+        t_ref = run_scheme("bsp", workers, 1.0, 0, 0.0)["ms_per_iteration"] / 1000
         print(f"{workers} workers: T = {1000 * t_ref:.1f} ms per bsp iteration without a "
               "straggler")
         plan = list(itertools.product(range(args.seeds), args.slowdowns, args.schemes))
         for seed, slowdown, scheme in tqdm(plan, desc=f"ps straggler, {workers} workers",
                                            unit="run"):
-            row = run(scheme, workers, slowdown, seed, (slowdown - 1) * t_ref)
-            rows.append({**row, "t_ref_ms": 1000 * t_ref})
+            row = run_scheme(scheme, workers, slowdown, seed, (slowdown - 1) * t_ref)
+            rows.append({**row, "suite": "ps", "row": "run", "t_ref_ms": 1000 * t_ref})
     print_table(rows, args)
-    path = write_results(args.name, rows)
+    path = write_lines(args.out / f"{args.name}.jsonl", rows + summaries(rows))
     print(f"\nwrote {path}")
     for workers in args.workers:
         suffix = "" if len(args.workers) == 1 else f"_{workers}w"
-        image = IMAGES / f"{args.name}{suffix}.png"
-        plot(rows, max(args.slowdowns), workers, image)
-        print(f"wrote {image}")
-
-
-if __name__ == "__main__":
-    main()
+        image = plot(rows, max(args.slowdowns), workers, args.out / f"{args.name}{suffix}.png")
+        if image is not None:
+            print(f"wrote {image}")
+    return 0

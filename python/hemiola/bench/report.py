@@ -1,0 +1,248 @@
+"""Tables from benchmark result lines, and the documentation regenerated from
+them, so every number in docs/benchmarks.md names the run that measured it.
+
+    hemiola bench report                       # rewrite docs/benchmarks.md's tables
+    hemiola bench report --check               # exit 1 when a table is out of date
+    hemiola bench report bench/results/speed.jsonl   # print the tables of a file
+
+A generated block in a Markdown file is
+
+    <!-- bench-report results/speed-1gbit.jsonl model=mlp -->
+    (anything: replaced by the table and its provenance)
+    <!-- /bench-report -->
+
+naming a JSON-lines file relative to the Markdown file and optional
+``key=value`` filters on its rows. The rows' ``suite`` picks the table: one
+per suite of ``hemiola bench``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import shlex
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from hemiola.bench.record import read_lines
+
+Rows = list[dict[str, Any]]
+
+BLOCK = re.compile(r"(<!-- bench-report (?P<spec>[^\n]*?) -->\n)(?P<body>.*?)"
+                   r"(<!-- /bench-report -->)", re.DOTALL)
+DEFAULT_DOC = Path("docs") / "benchmarks.md"
+
+
+class ReportError(ValueError):
+    """A block names a missing file, rows of no known suite, or a filter that matches nothing."""
+
+
+def _table(head: list[str], lines: list[list[str]]) -> str:
+    out = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
+    out += ["| " + " | ".join(cells) + " |" for cells in lines]
+    return "\n".join(out)
+
+
+def _spread(s: dict[str, float], fmt: str = ".1f", scale: float = 1.0) -> str:
+    """'median (p10–p90)' of a percentiles() dict."""
+    return (f"{scale * s['median']:{fmt}} ({scale * s['p10']:{fmt}}–"
+            f"{scale * s['p90']:{fmt}})")
+
+
+def speed_table(rows: Rows) -> str:
+    """Per model: one line per variant, per rate its median ms (p10–p90) and
+    its ratio to DDP's median at that rate."""
+    parts = []
+    for model in dict.fromkeys(r["model"] for r in rows):
+        mine = [r for r in rows if r["model"] == model]
+        rates = list(dict.fromkeys(r["rate"] for r in mine))
+        head = ["configuration"]
+        for rate in rates:
+            head += [f"ms at {rate}" if rate != "none" else "ms, no limit", "× DDP"]
+        lines = []
+        for variant in dict.fromkeys(r["variant"] for r in mine):
+            cells = [next(r["label"] for r in mine if r["variant"] == variant)]
+            for rate in rates:
+                r = next((r for r in mine if (r["rate"], r["variant"]) == (rate, variant)), None)
+                if r is None:
+                    cells += ["–", "–"]
+                    continue
+                cells.append(f"{r['median_ms']:.1f} ({r['p10_ms']:.1f}–{r['p90_ms']:.1f})")
+                cells.append(f"{r['vs_ddp']:.2f}" if r["vs_ddp"] is not None else "–")
+            lines.append(cells)
+        first = mine[0]
+        title = (f"**{model}** ({first['params'] / 1e6:.1f}M parameters, "
+                 f"{first['grad_mb']:.1f} MB of gradients, batch {first['batch']} per rank, "
+                 f"{first['world']} ranks, {first['samples']} iterations per variant):")
+        parts.append(title + "\n\n" + _table(head, lines))
+    return "\n\n".join(parts)
+
+
+def convergence_table(rows: Rows) -> str:
+    """Per task: one line per schedule, each metric's median (p10–p90) over
+    seeds and its difference from wfbp's mean."""
+    from hemiola.bench.convergence import metrics_of
+    from hemiola.bench.tasks import HEADLINE
+
+    summaries = [r for r in rows if r.get("row") == "summary"]
+    parts = []
+    for task in dict.fromkeys(r["task"] for r in summaries):
+        mine = [r for r in summaries if r["task"] == task]
+        metrics = [m for m in metrics_of(task) if m != "heldout_perplexity"]
+        head = ["schedule"]
+        for m in metrics:
+            head += [m.replace("_", " "), "vs wfbp"]
+        head += ["ms / step", "target reached"]
+        lines = []
+        for r in mine:
+            cells = [r["schedule"]]
+            for m in metrics:
+                scale, fmt = (100.0, ".2f") if m == "test_accuracy" else (1.0, ".4f")
+                cells.append(_spread(r[m], fmt, scale))
+                diff = r[m].get("vs_wfbp")
+                unit = " pts" if m == "test_accuracy" else "%"
+                cells.append("–" if diff is None else f"{diff:+.2f}{unit}")
+            cells += [_spread(r["ms_per_step"]), r["target_reached"]]
+            lines.append(cells)
+        first = mine[0]
+        target = HEADLINE[task]
+        title = (f"**{task}** ({len(first['seeds'])} seeds, {first['world']} ranks, "
+                 f"{first['steps']} steps; target: {target.metric} "
+                 f"{'≥' if target.higher_is_better else '≤'} {target.target:g}):")
+        parts.append(title + "\n\n" + _table(head, lines))
+    return "\n\n".join(parts)
+
+
+def ps_table(rows: Rows) -> str:
+    """One line per workers, slowdown and scheme: median (p10–p90) over seeds."""
+    summaries = [r for r in rows if r.get("row") == "summary"]
+    head = ["workers", "straggler", "scheme", "ms / iteration", "iterations to target",
+            "seconds to target", "reached", "final accuracy %"]
+    lines = []
+    for r in summaries:
+        lines.append([str(r["workers"]), f"{r['slowdown']:g}×", r["scheme"],
+                      _spread(r["ms_per_iteration"]),
+                      _spread(r["iterations_to_target"], ".0f") if "iterations_to_target" in r
+                      else "–",
+                      _spread(r["seconds_to_target"], ".2f") if "seconds_to_target" in r else "–",
+                      f"{r['reached']}/{r['seeds']}",
+                      _spread(r["final_accuracy"], ".1f", 100.0)])
+    first = summaries[0]
+    return (f"Target {100 * first['target']:.0f}% test accuracy, lr {first['lr']:g}; "
+            f"median (p10–p90) over {first['seeds']} seed(s):\n\n" + _table(head, lines))
+
+
+def cluster_table(rows: Rows) -> str:
+    """One line per (placement, comm): mean JCT, its ratio to first-fit/SRSF(1)
+    on the same jobs, and the makespan; median (p10–p90) over seeds."""
+    head = ["placement", "communication", "mean JCT (s)", "× first-fit, srsf:1",
+            "makespan (s)"]
+    lines = [[r["placement"], r["comm"], _spread(r["mean_jct_s"]),
+              _spread(r["jct_vs_baseline"], ".3f") if "jct_vs_baseline" in r else "–",
+              _spread(r["makespan_s"], ".0f")] for r in rows]
+    first = rows[0]
+    return (f"{first['jobs']} jobs on {first['nodes']} × {first['gpus_per_node']} GPUs, "
+            f"median (p10–p90) over {first['seeds']} seeds:\n\n" + _table(head, lines))
+
+
+def advise_table(rows: Rows) -> str:
+    """One line per rate: the advice, its predicted and measured time."""
+    head = ["link", "advice", "predicted ms", "measured ms", "error"]
+    lines = [[r["rate"], f"`{r['choice']}`", f"{r['predicted_ms']:.1f}",
+              f"{r['measured_ms']:.1f}", f"{100 * r['error']:+.1f}%"] for r in rows]
+    return f"{rows[0]['world']} ranks:\n\n" + _table(head, lines)
+
+
+RENDERERS: dict[str, Callable[[Rows], str]] = {
+    "speed": speed_table, "convergence": convergence_table, "ps": ps_table,
+    "cluster": cluster_table, "advise": advise_table}
+
+
+def provenance(rows: Rows, source: str) -> str:
+    """One line: where and when the rows were measured, and from which file."""
+    stamps = {(r.get("commit", "unknown"), r.get("torch", "?"), r.get("cpu", "?"),
+               r.get("cpus", "?"), r.get("gpu")) for r in rows}
+    dates = sorted(r["date"] for r in rows if "date" in r)
+    described = []
+    for commit, torch, cpu, cpus, gpu in sorted(stamps, key=str):
+        described.append(f"commit `{commit}`, torch {torch}, {cpu} ({cpus} cores)"
+                         + (f", {gpu}" if gpu else ""))
+    when = dates[0][:10] if dates else "undated"
+    return f"<sub>Measured {when}; " + "; ".join(described) + f"; rows: `{source}`.</sub>"
+
+
+def render(rows: Rows, source: str) -> str:
+    """The table(s) of `rows` (one suite) and their provenance line."""
+    suites = {r.get("suite") for r in rows}
+    if len(suites) != 1:
+        raise ReportError(f"{source}: rows of {len(suites)} suites ({sorted(map(str, suites))}); "
+                          "a block renders one")
+    suite = suites.pop()
+    if suite not in RENDERERS:
+        raise ReportError(f"{source}: no table for suite {suite!r}; known: {', '.join(RENDERERS)}")
+    return RENDERERS[suite](rows) + "\n\n" + provenance(rows, source)
+
+
+def select(rows: Rows, filters: list[str], source: str) -> Rows:
+    """The rows whose fields equal every ``key=value`` of `filters` (as text)."""
+    for f in filters:
+        key, sep, value = f.partition("=")
+        if not sep:
+            raise ReportError(f"{source}: filter {f!r} is not key=value")
+        rows = [r for r in rows if str(r.get(key)) == value]
+    if not rows:
+        raise ReportError(f"{source}: no rows match {' '.join(filters)}")
+    return rows
+
+
+def regenerate(doc: Path) -> str:
+    """`doc`'s text with every bench-report block rendered from its file."""
+    text = doc.read_text()
+
+    def block(match: re.Match[str]) -> str:
+        spec = shlex.split(match.group("spec"))
+        if not spec:
+            raise ReportError(f"{doc}: a bench-report block names no file")
+        path = doc.parent / spec[0]
+        if not path.is_file():
+            raise ReportError(f"{doc}: bench-report names {spec[0]}, which is not a file "
+                              f"(looked for {path})")
+        rows = select(read_lines(path), spec[1:], spec[0])
+        return match.group(1) + render(rows, spec[0]) + "\n" + match.group(4)
+
+    return BLOCK.sub(block, text)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("files", nargs="*", type=Path,
+                        help="result files to print as tables (default: regenerate --doc)")
+    parser.add_argument("--doc", type=Path, default=DEFAULT_DOC,
+                        help=f"the Markdown file whose bench-report blocks to regenerate "
+                             f"(default {DEFAULT_DOC})")
+    parser.add_argument("--check", action="store_true",
+                        help="change nothing; exit 1 when --doc is not what its rows give")
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        if args.files:
+            for path in args.files:
+                print(render(read_lines(path), str(path)) + "\n")
+            return 0
+        if not args.doc.is_file():
+            raise ReportError(f"{args.doc} is not a file (run from the checkout, or pass --doc)")
+        new = regenerate(args.doc)
+    except (ReportError, ValueError, OSError) as e:
+        print(f"hemiola bench report: {e}")
+        return 2
+    blocks = len(BLOCK.findall(new))
+    if new == args.doc.read_text():
+        print(f"{args.doc}: {blocks} tables, all up to date")
+        return 0
+    if args.check:
+        print(f"{args.doc}: tables differ from their rows; run `hemiola bench report`")
+        return 1
+    args.doc.write_text(new)
+    print(f"{args.doc}: regenerated {blocks} tables")
+    return 0

@@ -1,0 +1,394 @@
+"""Iteration time of every hemiola schedule against what a DDP user runs
+today, over a real rate-limited link or over loopback, in one run.
+
+    hemiola bench speed                                  # 1 and 5 Gbit/s, the slow-link MLP
+    hemiola bench speed --rates none --models cnn,transformer   # no limit: the overhead
+
+For each rate, the ranks run in network namespaces joined through veth pairs
+limited by ``tc tbf`` (:mod:`hemiola.bench.netlab`, needs root); ``none``
+runs them on loopback (no root). One fresh interpreter per rank; rank 0 hosts
+torch's TCPStore, and every rank's Gloo (torch's and hemiola's) binds its
+link. Each rank alternates blocks of iterations of every variant, in
+alternating order, with a barrier before each block, so a drift in machine
+load touches every variant alike:
+
+- baselines: ``compute`` (the bare model, no communication), ``ddp`` (torch
+  DistributedDataParallel over Gloo) and the communication hooks DDP users run
+  on slow links, ``ddp_fp16`` (``fp16_compress_hook``) and ``ddp_powersgd``
+  (``powerSGD_hook``, rank 2; one bucket, see :func:`worker`);
+- ``hemiola_<schedule>`` for each of ``--schedules``, ``<schedule>+<compression>``
+  with that ``compression``; PowerSGD starts after ``--powersgd-start``
+  iterations in DDP and hemiola alike;
+- ``comm``: one all-reduce (average) through a hemiola engine of a flat float32
+  buffer as large as all the gradients, no computation; ``comm_torch``: the same
+  through torch's Gloo.
+
+DDP and hemiola use their own default buckets unless ``--fusion-mb`` sets both
+caps. Each result row is one variant at one rate: rank 0's median iteration
+time with its 10th and 90th percentiles, its ratio to DDP, the lower bound
+max(compute, comm), and the environment stamp. ``hemiola bench report`` makes
+the tables of docs/benchmarks.md from these rows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from hemiola.bench.netlab import Loopback, Network, parse_result, print_result
+from hemiola.bench.record import DEFAULT_OUT, percentiles, write_lines
+
+#: Width and batch of the ``mlp`` model: 9.4M parameters (37.8 MB of float32
+#: gradients, whose all-reduce takes about 1.5x the compute at 1 Gbit/s on the
+#: 2-core development machine), the slow-link setting of issue 26.
+MLP_WIDTH = 1536
+MLP_BATCH = 384
+MODELS = {
+    "mlp": "9.4M-parameter MLP (37.8 MB of gradients): communication > computation at 1 Gbit/s",
+    "cnn": "1.2M-parameter CNN with BatchNorm, batch 16 of 32x32 images",
+    "transformer": "3.5M-parameter 2-layer transformer LM, 8 x 64 tokens",
+}
+
+#: The configurations a user compares against, in the order of the tables.
+BASELINES = {
+    "compute": "bare model (no communication)",
+    "ddp": "torch DDP",
+    "ddp_fp16": "torch DDP + fp16_compress_hook",
+    "ddp_bf16": "torch DDP + bf16_compress_hook",
+    "ddp_powersgd": "torch DDP + PowerSGD (rank 2)",
+}
+DEFAULT_BASELINES = "compute,ddp,ddp_fp16,ddp_powersgd"
+
+
+def make_model(name: str, mlp_batch: int = MLP_BATCH,
+               mlp_width: int = MLP_WIDTH) -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
+    """A model of MODELS and one batch for it (per rank), the same on every rank."""
+    torch.manual_seed(0)
+    if name == "mlp":
+        from hemiola.advise import slow_link_mlp
+
+        model: nn.Module = slow_link_mlp(mlp_width)
+        return model, torch.randn(mlp_batch, mlp_width), torch.randint(0, 10, (mlp_batch,))
+    if name == "cnn":
+        def block(cin: int, cout: int) -> nn.Sequential:
+            return nn.Sequential(nn.Conv2d(cin, cout, 3, padding=1, bias=False),
+                                 nn.BatchNorm2d(cout), nn.ReLU())
+        model = nn.Sequential(block(3, 32), block(32, 64), nn.MaxPool2d(2), block(64, 128),
+                              nn.MaxPool2d(2), block(128, 256), nn.AdaptiveAvgPool2d(1),
+                              nn.Flatten(), nn.Linear(256, 10))
+        return model, torch.randn(16, 3, 32, 32), torch.randint(0, 10, (16,))
+    if name == "transformer":
+        model = _TinyLM()
+        tokens = torch.randint(0, 8000, (8, 65))
+        return model, tokens[:, :-1], tokens[:, 1:].flatten()
+    raise ValueError(f"unknown model {name!r}; known: {', '.join(MODELS)}")
+
+
+class _TinyLM(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(8000, 256)
+        layer = nn.TransformerEncoderLayer(256, 4, 1024, dropout=0.0, batch_first=True)
+        self.blocks = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+        self.out = nn.Linear(256, 8000)
+
+    def forward(self, t: torch.Tensor) -> torch.Tensor:
+        return self.out(self.blocks(self.embed(t))).flatten(0, 1)
+
+
+def timed_iterations(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor,
+                     y: torch.Tensor, n: int) -> list[float]:
+    """Seconds of each of `n` training iterations (zero_grad, forward, backward, step)."""
+    times = []
+    for _ in range(n):
+        start = time.perf_counter()
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+        times.append(time.perf_counter() - start)
+    return times
+
+
+def register_ddp_hook(model: nn.Module, variant: str, powersgd_start: int) -> None:
+    """Registers the communication hook of a BASELINES entry on a DDP model."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
+
+    if variant == "ddp_fp16":
+        model.register_comm_hook(None, default_hooks.fp16_compress_hook)
+    elif variant == "ddp_bf16":
+        model.register_comm_hook(None, default_hooks.bf16_compress_hook)
+    elif variant == "ddp_powersgd":
+        state = powersgd.PowerSGDState(process_group=None, matrix_approximation_rank=2,
+                                       start_powerSGD_iter=powersgd_start)
+        model.register_comm_hook(state, powersgd.powerSGD_hook)
+    elif variant != "ddp":
+        raise ValueError(f"unknown baseline {variant!r}; known: {', '.join(BASELINES)}")
+
+
+def _build(variant: str, config: dict[str, Any]) -> tuple[nn.Module, torch.optim.Optimizer,
+                                                          torch.Tensor, torch.Tensor]:
+    import hemiola
+
+    model, x, y = make_model(config["model"], config["mlp_batch"], config["mlp_width"])
+    if variant.startswith("ddp"):
+        # PowerSGD's hook issues its later all-reduces from Gloo's completion
+        # threads, so with two buckets the ranks can issue them in different
+        # orders (a collective mismatch): one bucket keeps it correct on CPU.
+        cap = 1e6 if variant == "ddp_powersgd" else config["fusion_mb"]
+        model = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=cap)
+        register_ddp_hook(model, variant, config["powersgd_start"])
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    if variant.startswith("hemiola_"):
+        schedule, _, compression = variant[len("hemiola_"):].partition("+")
+        options = dict(config["hemiola_options"])
+        if compression:
+            options["compression"] = compression
+            if compression == "powersgd":
+                options.setdefault("powersgd_start_iter", config["powersgd_start"])
+        if config["fusion_mb"] is not None:
+            options["fusion_mb"] = config["fusion_mb"]
+        model, opt = hemiola.wrap(model, opt, schedule=schedule,
+                                  timeline=config["timeline"] is not None, **options)
+    return model, opt, x, y
+
+
+def worker(config: dict[str, Any]) -> dict[str, Any]:
+    """One rank (RANK, WORLD_SIZE, MASTER_* and GLOO_SOCKET_IFNAME in the
+    environment): every variant in alternating blocks; returns each variant's
+    iteration times in ms."""
+    import torch.distributed as dist
+
+    import hemiola
+    from hemiola._native import C
+    from hemiola.distributed import new_engine
+    from hemiola.tensors import dtype_code
+
+    torch.set_num_threads(1)
+    hemiola.init()
+    names = [*config["baselines"], *[f"hemiola_{s}" for s in config["schedules"]]]
+    variants = {v: _build(v, config) for v in names}
+    bare = variants.get("compute") or _build("compute", config)
+    params = sum(p.numel() for p in bare[0].parameters() if p.requires_grad)
+    engine, _store = new_engine(timeout_s=300.0)
+    flat = torch.zeros(params, dtype=torch.float32)
+
+    def comm(n: int, torch_gloo: bool) -> list[float]:
+        times = []
+        for _ in range(n):
+            start = time.perf_counter()
+            if torch_gloo:
+                dist.all_reduce(flat)
+                flat.div_(dist.get_world_size())
+            else:
+                engine.all_reduce(flat.data_ptr(), dtype_code(torch.float32), flat.numel(),
+                                  C.ReduceOp.average).wait()
+            times.append(time.perf_counter() - start)
+        return times
+
+    def block(variant: str, n: int) -> list[float]:
+        if variant.startswith("comm"):
+            return comm(n, torch_gloo=variant == "comm_torch")
+        return timed_iterations(*variants[variant], n)
+
+    order = [*variants, "comm", "comm_torch"]
+    for variant in order:  # warm-up (and DDP's bucket rebuild)
+        block(variant, 2)
+    samples: dict[str, list[float]] = {v: [] for v in order}
+    blocks = config["blocks"]
+    for b in range(blocks):
+        per_block = config["iterations"] // blocks + (b < config["iterations"] % blocks)
+        for variant in order if b % 2 == 0 else reversed(order):
+            dist.barrier()
+            samples[variant] += block(variant, per_block)
+    dist.barrier()
+    if config["timeline"] is not None and dist.get_rank() == 0:
+        for variant, (model, *_) in variants.items():
+            if variant.startswith("hemiola_"):
+                Path(f"{config['timeline']}-{variant[len('hemiola_'):]}.json").write_text(
+                    model.timeline())
+    return {"params": params, "batch": int(bare[2].shape[0]),
+            "ms": {v: [1e3 * t for t in s] for v, s in samples.items()}}
+
+
+def rows_of(result: dict[str, Any], rate: str, model: str, world: int,
+            config: dict[str, Any]) -> list[dict[str, Any]]:
+    """One row per variant: median and p10-p90 in ms, the ratio to DDP's median
+    and to the lower bound max(compute, comm)."""
+    stats = {v: percentiles(ms) for v, ms in result["ms"].items()}
+    ddp = stats["ddp"]["median"] if "ddp" in stats else None
+    compute = stats["compute"]["median"] if "compute" in stats else None
+    bound = max(compute, stats["comm"]["median"]) if compute is not None else None
+    rows = []
+    for variant, s in stats.items():
+        rows.append({
+            "suite": "speed", "rate": rate, "model": model, "world": world,
+            "variant": variant, "label": label(variant),
+            "median_ms": s["median"], "p10_ms": s["p10"], "p90_ms": s["p90"],
+            "samples": len(result["ms"][variant]),
+            "vs_ddp": s["median"] / ddp if ddp and not variant.startswith("comm") else None,
+            "bound_ms": bound, "params": result["params"], "batch": result["batch"],
+            "grad_mb": 4 * result["params"] / 1e6, "fusion_mb": config["fusion_mb"],
+            "powersgd_start": config["powersgd_start"],
+            "hemiola_options": config["hemiola_options"]})
+    return rows
+
+
+def label(variant: str) -> str:
+    """How a variant reads in a table."""
+    if variant in BASELINES:
+        return BASELINES[variant]
+    if variant == "comm":
+        return "all-reduce alone (hemiola engine)"
+    if variant == "comm_torch":
+        return "all-reduce alone (torch Gloo)"
+    schedule, _, compression = variant.removeprefix("hemiola_").partition("+")
+    return f"hemiola {schedule}" + (f" + {compression}" if compression else "")
+
+
+def plot(rows: list[dict[str, Any]], path: Path) -> Path | None:
+    """Grouped bars per model: one group per rate, one bar per variant (median,
+    whiskers p10-p90). Returns None when matplotlib is not installed."""
+    try:
+        import matplotlib
+    except ImportError:
+        return None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    models = list(dict.fromkeys(r["model"] for r in rows))
+    fig, axes = plt.subplots(1, len(models), figsize=(7 * len(models), 4.5), squeeze=False)
+    for ax, model in zip(axes[0], models):
+        mine = [r for r in rows if r["model"] == model]
+        rates = list(dict.fromkeys(r["rate"] for r in mine))
+        variants = list(dict.fromkeys(r["variant"] for r in mine))
+        width = 0.8 / len(variants)
+        for k, variant in enumerate(variants):
+            vrows = [next(r for r in mine if r["rate"] == rate and r["variant"] == variant)
+                     for rate in rates]
+            heights = [r["median_ms"] for r in vrows]
+            errors = [[r["median_ms"] - r["p10_ms"] for r in vrows],
+                      [r["p90_ms"] - r["median_ms"] for r in vrows]]
+            ax.bar([i + k * width for i in range(len(rates))], heights, width, yerr=errors,
+                   label=label(variant), capsize=2)
+        ax.set_xticks([i + width * (len(variants) - 1) / 2 for i in range(len(rates))], rates)
+        ax.set_title(f"{model} ({mine[0]['world']} ranks)")
+        ax.set_ylabel("iteration time (ms), median and p10-p90")
+    axes[0][0].legend(fontsize="x-small")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def print_table(rows: list[dict[str, Any]]) -> None:
+    """Per rate and model: each variant's median [p10-p90] and ratio to DDP."""
+    for rate, model in dict.fromkeys((r["rate"], r["model"]) for r in rows):
+        print(f"\n{model} at {rate}:")
+        for r in rows:
+            if (r["rate"], r["model"]) != (rate, model):
+                continue
+            ratio = f"{r['vs_ddp']:.2f}x DDP" if r["vs_ddp"] is not None else ""
+            print(f"  {r['label']:40s} {r['median_ms']:8.1f} ms  "
+                  f"[{r['p10_ms']:.1f}-{r['p90_ms']:.1f}]  {ratio}")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from hemiola.config import SCHEDULES
+
+    parser.add_argument("--rates", default="1gbit,5gbit",
+                        help="tc rates, comma-separated (default 1gbit,5gbit; needs root); "
+                             "'none' runs on loopback without a limit")
+    parser.add_argument("--models", default="mlp", help=f"comma-separated, of {', '.join(MODELS)}")
+    parser.add_argument("--schedules", default=",".join(SCHEDULES),
+                        help=f"hemiola schedules (default: {','.join(SCHEDULES)}); "
+                             "SCHEDULE+COMPRESSION wraps with that compression, e.g. "
+                             "decoupled+int8")
+    parser.add_argument("--baselines", default=DEFAULT_BASELINES,
+                        help=f"comma-separated, of {', '.join(BASELINES)} (default "
+                             f"{DEFAULT_BASELINES}; torch allows ddp_bf16 only with NCCL)")
+    parser.add_argument("--hemiola-options", type=json.loads, default={}, metavar="JSON",
+                        help="more keyword arguments of hemiola.wrap, e.g. '{\"fusion_mb\": 8}'")
+    parser.add_argument("--iterations", type=int, default=20,
+                        help="measured iterations per variant (after 2 of warm-up)")
+    parser.add_argument("--blocks", type=int, default=4,
+                        help="alternating blocks the iterations are split into")
+    parser.add_argument("--world-size", type=int, default=2)
+    parser.add_argument("--fusion-mb", type=float, default=None,
+                        help="bucket cap in MiB of DDP and hemiola; default: each library's own")
+    parser.add_argument("--powersgd-start", type=int, default=2,
+                        help="iterations before PowerSGD compresses, DDP and hemiola alike "
+                             "(default 2: the measured iterations are all compressed)")
+    parser.add_argument("--mlp-batch", type=int, default=MLP_BATCH)
+    parser.add_argument("--mlp-width", type=int, default=MLP_WIDTH)
+    parser.add_argument("--timeout-s", type=float, default=1800.0, help="per rate and model")
+    parser.add_argument("--timeline", metavar="DIR",
+                        help="write rank 0's timeline of each hemiola schedule here "
+                             "(<rate>-<model>-<schedule>.json)")
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT,
+                        help=f"results directory (default {DEFAULT_OUT})")
+    parser.add_argument("--name", default="speed", help="results go to OUT/NAME.jsonl and .png")
+
+
+def run(args: argparse.Namespace) -> int:
+    from hemiola.config import SCHEDULES
+
+    schedules = [s for s in args.schedules.split(",") if s]
+    unknown = sorted({s.partition("+")[0] for s in schedules} - set(SCHEDULES))
+    if unknown:
+        raise SystemExit(f"unknown schedule(s) {', '.join(unknown)}; known: {', '.join(SCHEDULES)}")
+    baselines = [b for b in args.baselines.split(",") if b]
+    if set(baselines) - set(BASELINES):
+        raise SystemExit(f"--baselines: any of {', '.join(BASELINES)}")
+    models = [m for m in args.models.split(",") if m]
+    if set(models) - set(MODELS):
+        raise SystemExit(f"--models: any of {', '.join(MODELS)}")
+    if args.iterations < args.blocks:
+        raise SystemExit("--iterations must be at least --blocks")
+    # SIGTERM (e.g. from `timeout`) unwinds like Ctrl-C, so the namespaces are removed.
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+    # Rank 0 hosts the store itself (torch's env:// default).
+    os.environ.pop("TORCHELASTIC_USE_AGENT_STORE", None)
+    rows: list[dict[str, Any]] = []
+    for rate in args.rates.split(","):
+        net = Loopback(args.world_size) if rate == "none" else Network(args.world_size, rate)
+        with net:
+            for k, model in enumerate(models):
+                timeline = None
+                if args.timeline:
+                    Path(args.timeline).mkdir(parents=True, exist_ok=True)
+                    timeline = str(Path(args.timeline).resolve() / f"{rate}-{model}")
+                config = {"model": model, "schedules": schedules, "baselines": baselines,
+                          "iterations": args.iterations, "blocks": args.blocks,
+                          "mlp_batch": args.mlp_batch, "mlp_width": args.mlp_width,
+                          "fusion_mb": args.fusion_mb, "powersgd_start": args.powersgd_start,
+                          "hemiola_options": args.hemiola_options, "timeline": timeline}
+                print(f"{model} at {rate}: {len(baselines) + len(schedules) + 2} variants x "
+                      f"{args.iterations} iterations on {args.world_size} ranks ...", flush=True)
+                out = net.run_ranks([sys.executable, "-m", "hemiola.bench.speed", "--worker",
+                                     json.dumps(config)], 29500 + k, args.timeout_s)
+                rows += rows_of(parse_result(out[0]), rate, model, args.world_size, config)
+    print_table(rows)
+    path = write_lines(args.out / f"{args.name}.jsonl", rows)
+    picture = plot(rows, args.out / f"{args.name}.png")
+    print(f"\nwrote {path}" + (f" and {picture}" if picture else ""))
+    return 0
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 3 and sys.argv[1] == "--worker":
+        print_result(worker(json.loads(sys.argv[2])))
+        import torch.distributed as dist
+
+        dist.destroy_process_group()  # torch's Gloo thread must not outlive the interpreter
+    else:
+        sys.exit("run `hemiola bench speed` (this module's entry point is for its ranks)")

@@ -1,0 +1,159 @@
+"""``hemiola bench``: its suites write stamped rows with median and p10-p90,
+``report`` turns them into tables and regenerates the documentation, and
+docs/benchmarks.md is what its committed rows give."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from hemiola.bench import report
+from hemiola.bench.record import percentiles, read_lines, write_lines
+
+ROOT = Path(__file__).resolve().parents[2]
+STAMP = ("date", "commit", "hemiola", "torch", "cpu", "cpus")
+
+
+def bench(*args: str, timeout: float = 600) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "hemiola", "bench", *args], capture_output=True,
+                          text=True, timeout=timeout, cwd=ROOT)
+
+
+def test_percentiles() -> None:
+    assert percentiles([5.0]) == {"median": 5.0, "p10": 5.0, "p90": 5.0}
+    s = percentiles(float(v) for v in range(11))  # 0..10
+    assert s == {"median": 5.0, "p10": 1.0, "p90": 9.0}
+    with pytest.raises(ValueError, match="no samples"):
+        percentiles([])
+
+
+def test_bad_line_is_named(tmp_path: Path) -> None:
+    path = tmp_path / "r.jsonl"
+    path.write_text('{"a": 1}\n{"a": \n')
+    with pytest.raises(ValueError, match=r"r.jsonl:2: not a JSON line"):
+        read_lines(path)
+
+
+def test_speed_suite_on_loopback(tmp_path: Path) -> None:
+    """Two real ranks over loopback: every variant measured in the same run."""
+    out = bench("speed", "--rates", "none", "--models", "cnn", "--iterations", "4", "--blocks",
+                "2", "--schedules", "wfbp,priority+fp16", "--baselines", "compute,ddp,ddp_fp16",
+                "--out", str(tmp_path))
+    assert out.returncode == 0, out.stdout + out.stderr
+    rows = read_lines(tmp_path / "speed.jsonl")
+    variants = [r["variant"] for r in rows]
+    assert variants == ["compute", "ddp", "ddp_fp16", "hemiola_wfbp", "hemiola_priority+fp16",
+                        "comm", "comm_torch"]
+    for r in rows:
+        assert all(k in r for k in STAMP), r
+        assert (r["suite"], r["rate"], r["model"], r["world"]) == ("speed", "none", "cnn", 2)
+        assert r["samples"] == 4
+        assert 0 < r["p10_ms"] <= r["median_ms"] <= r["p90_ms"]
+    ddp = next(r for r in rows if r["variant"] == "ddp")
+    assert ddp["vs_ddp"] == 1.0
+    wfbp = next(r for r in rows if r["variant"] == "hemiola_wfbp")
+    assert wfbp["vs_ddp"] == pytest.approx(wfbp["median_ms"] / ddp["median_ms"])
+    assert next(r for r in rows if r["variant"] == "comm")["vs_ddp"] is None
+    table = report.render(rows, "speed.jsonl")
+    assert f"| hemiola wfbp | {wfbp['median_ms']:.1f} ({wfbp['p10_ms']:.1f}–" in table
+    assert f"commit `{rows[0]['commit']}`" in table
+
+
+def _rows(tmp_path: Path, suite: str = "speed") -> Path:
+    base: dict[str, Any] = {"suite": suite, "rate": "1gbit", "model": "mlp", "world": 2,
+                            "samples": 20, "params": 9_000_000, "batch": 384, "grad_mb": 36.0,
+                            "p10_ms": 1.0, "p90_ms": 3.0}
+    rows = [{**base, "variant": "ddp", "label": "torch DDP", "median_ms": 2.0, "vs_ddp": 1.0},
+            {**base, "variant": "hemiola_wfbp", "label": "hemiola wfbp", "median_ms": 1.5,
+             "vs_ddp": 0.75},
+            {**base, "model": "cnn", "variant": "ddp", "label": "torch DDP", "median_ms": 9.0,
+             "vs_ddp": 1.0}]
+    return write_lines(tmp_path / "results" / "speed.jsonl", rows)
+
+
+def test_report_regenerates_blocks(tmp_path: Path) -> None:
+    _rows(tmp_path)
+    doc = tmp_path / "bench.md"
+    doc.write_text("# Title\n\n<!-- bench-report results/speed.jsonl model=mlp -->\nstale\n"
+                   "<!-- /bench-report -->\n\nprose stays\n")
+    check = bench("report", "--doc", str(doc), "--check")
+    assert check.returncode == 1 and "differ" in check.stdout
+    assert "stale" in doc.read_text()  # --check changes nothing
+    assert bench("report", "--doc", str(doc)).returncode == 0
+    text = doc.read_text()
+    assert "stale" not in text and text.endswith("<!-- /bench-report -->\n\nprose stays\n")
+    assert "| hemiola wfbp | 1.5 (1.0–3.0) | 0.75 |" in text
+    assert "**cnn**" not in text  # the filter kept the mlp rows only
+    assert "rows: `results/speed.jsonl`" in text
+    again = bench("report", "--doc", str(doc), "--check")
+    assert again.returncode == 0 and "up to date" in again.stdout
+
+
+@pytest.mark.parametrize(("block", "message"), [
+    ("missing.jsonl", "names missing.jsonl, which is not a file"),
+    ("results/speed.jsonl model=nothing", "no rows match model=nothing"),
+    ("results/speed.jsonl model", "filter 'model' is not key=value"),
+])
+def test_report_refuses_bad_blocks(tmp_path: Path, block: str, message: str) -> None:
+    _rows(tmp_path)
+    doc = tmp_path / "bench.md"
+    doc.write_text(f"<!-- bench-report {block} -->\n<!-- /bench-report -->\n")
+    out = bench("report", "--doc", str(doc))
+    assert out.returncode == 2 and message in out.stdout, out.stdout
+
+
+def test_report_refuses_unknown_suite(tmp_path: Path) -> None:
+    rows = read_lines(_rows(tmp_path))
+    with pytest.raises(report.ReportError, match="no table for suite 'nope'"):
+        report.render([{**r, "suite": "nope"} for r in rows], "x.jsonl")
+    mixed = [rows[0], {**rows[1], "suite": "ps"}]
+    with pytest.raises(report.ReportError, match="rows of 2 suites"):
+        report.render(mixed, "x.jsonl")
+
+
+def test_cluster_suite(tmp_path: Path) -> None:
+    out = bench("cluster", "--seeds", "2", "--jobs", "24", "--placements", "first-fit,lwf:1",
+                "--comms", "srsf:1,ada-srsf", "--out", str(tmp_path))
+    assert out.returncode == 0, out.stdout + out.stderr
+    rows = read_lines(tmp_path / "cluster.jsonl")
+    assert [(r["placement"], r["comm"]) for r in rows] == [
+        ("first-fit", "srsf:1"), ("first-fit", "ada-srsf"), ("lwf:1", "srsf:1"),
+        ("lwf:1", "ada-srsf")]
+    assert rows[0]["jct_vs_baseline"] == {"median": 1.0, "p10": 1.0, "p90": 1.0}
+    for r in rows:
+        s = r["mean_jct_s"]
+        assert r["seeds"] == 2 and 0 < s["p10"] <= s["median"] <= s["p90"]
+    assert "| lwf:1 | ada-srsf |" in report.render(rows, "cluster.jsonl")
+
+
+def test_convergence_suite(tmp_path: Path) -> None:
+    out = bench("convergence", "--tasks", "digits", "--schedules", "wfbp,decoupled",
+                "--seeds", "2", "--steps", "6", "--world-size", "2", "--evals", "2",
+                "--out", str(tmp_path))
+    assert out.returncode == 0, out.stdout + out.stderr
+    rows = read_lines(tmp_path / "convergence.jsonl")
+    summaries = [r for r in rows if r["row"] == "summary"]
+    assert [r["schedule"] for r in summaries] == ["wfbp", "decoupled"]
+    acc = summaries[1]["test_accuracy"]
+    runs = [r["test_accuracy"] for r in rows
+            if r["row"] == "run" and r["schedule"] == "decoupled"]
+    assert acc["median"] == pytest.approx(sum(runs) / 2)  # two seeds: the median is the mean
+    assert acc["p10"] == pytest.approx(min(runs) + 0.1 * abs(runs[1] - runs[0]))
+    assert "| decoupled |" in report.render(rows, "convergence.jsonl")
+
+
+def test_committed_doc_matches_its_rows() -> None:
+    """Every table of docs/benchmarks.md is what its committed rows give."""
+    doc = ROOT / "docs" / "benchmarks.md"
+    blocks = report.BLOCK.findall(doc.read_text())
+    assert len(blocks) >= 4, "docs/benchmarks.md lost its generated tables"
+    out = bench("report", "--doc", str(doc), "--check")
+    assert out.returncode == 0, out.stdout
+    for spec, *_ in blocks:
+        path = doc.parent / spec.split()[0]
+        assert all(k in json.loads(path.read_text().splitlines()[0]) for k in STAMP), path
