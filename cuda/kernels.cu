@@ -245,6 +245,26 @@ void launch_cast(const void* src, void* dst, std::int64_t numel, void* stream) {
   HEMIOLA_CHECK_LAUNCH("cast");
 }
 
+template <typename Half>
+__global__ void __launch_bounds__(kThreads)
+    cast_divide_kernel(const float* __restrict__ src, Half* __restrict__ dst, std::int64_t numel,
+                       float divisor) {
+  const std::int64_t stride = static_cast<std::int64_t>(blockDim.x) * gridDim.x;
+  for (std::int64_t i = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+       i < numel; i += stride) {
+    const float rounded = Elem<Half>::to_math(Elem<Half>::from_math(src[i]));
+    dst[i] = Elem<Half>::from_math(rounded / divisor);
+  }
+}
+
+template <typename Half>
+void launch_cast_divide(const float* src, void* dst, std::int64_t numel, float divisor,
+                        void* stream) {
+  cast_divide_kernel<Half><<<elementwise_blocks(numel), kThreads, 0, as_stream(stream)>>>(
+      src, static_cast<Half*>(dst), numel, divisor);
+  HEMIOLA_CHECK_LAUNCH("cast_divide");
+}
+
 // ---- SGD ------------------------------------------------------------------
 
 // Float constants of one SGD step, derived on the host in double.
@@ -427,6 +447,18 @@ void cast(const void* src, DType src_dtype, void* dst, DType dst_dtype, std::int
   }
   if (dst_dtype == DType::kFloat16) return launch_cast<float, __half>(src, dst, numel, stream);
   launch_cast<float, __nv_bfloat16>(src, dst, numel, stream);
+}
+
+void cast_divide(const float* src, void* dst, DType half, std::int64_t numel, float divisor,
+                 void* stream) {
+  HEMIOLA_CHECK(numel >= 0, "cast_divide: negative element count ", numel);
+  HEMIOLA_CHECK(numel == 0 || (src && dst), "cast_divide: null pointer");
+  HEMIOLA_CHECK(half == DType::kFloat16 || half == DType::kBFloat16,
+                "cast_divide: the target is float16 or bfloat16, not ", dtype_name(half));
+  HEMIOLA_CHECK(divisor > 0.0f, "cast_divide: divisor ", divisor, " is not positive");
+  if (numel == 0) return;
+  if (half == DType::kFloat16) return launch_cast_divide<__half>(src, dst, numel, divisor, stream);
+  launch_cast_divide<__nv_bfloat16>(src, dst, numel, divisor, stream);
 }
 
 void sgd_step(const SgdTensors& tensors, std::int64_t numel, DType dtype, const SgdHyper& hyper,

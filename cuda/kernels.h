@@ -53,6 +53,12 @@ HEMIOLA_API void unpack(const FusionSlot* slots, std::int64_t slot_count, std::i
 HEMIOLA_API void cast(const void* src, DType src_dtype, void* dst, DType dst_dtype,
                       std::int64_t numel, void* stream);
 
+// dst[i] = half(float(half(src[i])) / divisor) for `half` float16 or bfloat16:
+// cast, then divide in the half type, as torch's DDP hooks do with
+// buffer.to(half).div_(world_size) (and the host's floats_to_halves).
+HEMIOLA_API void cast_divide(const float* src, void* dst, DType half, std::int64_t numel,
+                             float divisor, void* stream);
+
 // ---- fused optimizer steps for the decoupled schedule ---------------------
 //
 // Parameters, gradients and optimizer state share one floating dtype (float32,

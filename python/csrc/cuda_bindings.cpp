@@ -81,6 +81,17 @@ void bind_cuda(py::module_& m) {
       py::arg("numel"), py::arg("stream"), Release(),
       "float32 <-> float16/bfloat16 conversion (round to nearest even).");
   cuda.def(
+      "cast_divide",
+      [](std::uintptr_t src, std::uintptr_t dst, int half, std::int64_t numel, float divisor,
+         std::uintptr_t stream) {
+        cuda::cast_divide(pointer<const float>(src), pointer<void>(dst), dtype_of(half), numel,
+                          divisor, pointer<void>(stream));
+      },
+      py::arg("src"), py::arg("dst"), py::arg("half"), py::arg("numel"), py::arg("divisor"),
+      py::arg("stream"), Release(),
+      "float32 -> float16/bfloat16, then divided in that type: the wire format of DDP's "
+      "fp16/bf16 hooks, buffer.to(half).div_(world_size).");
+  cuda.def(
       "sgd_step",
       [](std::uintptr_t param, std::uintptr_t shadow, std::uintptr_t momentum_buffer,
          std::uintptr_t grad, std::int64_t numel, int dtype, double lr, double momentum,

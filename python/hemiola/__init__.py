@@ -35,14 +35,15 @@ def cmake_prefix_path() -> str:
 def __getattr__(name: str) -> object:
     # torch is imported lazily: the cluster simulator and the C++ package
     # helpers work without it.
-    if name in ("wrap", "init", "Config", "DataParallel"):
-        from hemiola import config, data_parallel, distributed, wrapping
+    if name in ("wrap", "init", "Config", "DataParallel", "clip_grad_norm_"):
+        from hemiola import clipping, config, data_parallel, distributed, wrapping
 
         return {
             "wrap": wrapping.wrap,
             "init": distributed.init,
             "Config": config.Config,
             "DataParallel": data_parallel.DataParallel,
+            "clip_grad_norm_": clipping.clip_grad_norm_,
         }[name]
     raise AttributeError(f"module 'hemiola' has no attribute {name!r}")
 
@@ -53,6 +54,7 @@ __all__ = [
     "HemiolaError",
     "HemiolaTimeoutError",
     "build_info",
+    "clip_grad_norm_",
     "cmake_prefix_path",
     "init",
     "wrap",

@@ -19,13 +19,18 @@ as training would run:
   communication takes CPU from computation.
 
 The prediction per configuration (``c``: computation while communicating,
-``f``: the forward, ``b``: the rest of the computation, ``r``: the all-reduce,
-``s``: the share of the backward after which the first bucket is ready):
+``f``: the forward, ``b``: the rest of the computation, ``r``: the all-reduce):
 
-- ``wfbp``: ``f + max(b, s*b + r)``: the reduction starts with the first
-  bucket and must end before the step;
-- ``priority``: the same, but the front layers' share of ``f`` runs under
-  the tail of the reduction: ``max(c, f + max(b, s*b + r) - f/2)``;
+- ``wfbp``: ``max(c, f + max(b, e))``, where ``e`` is when the last bucket's
+  reduction ends: DDP's buckets (the first closes at 1 MiB, the others at
+  the bucket cap, once reached) are reduced one after another, bucket k
+  starting once backward has produced its gradients (its bytes' share of
+  ``b``, the last parameters first) and the bucket before it has gone, and
+  taking its bytes' share of ``r``;
+- ``priority``: the same less ``f/2``: the front layers' share of the next
+  forward runs under the tail of the reduction. (Its smaller buckets do not
+  start the reduction measurably earlier on a machine where communication
+  and computation share the cores, so ``e`` is taken with DDP's buckets.)
 - ``decoupled``: ``max(c, r)``: the reduction has the whole next iteration.
 
 The advice is the configuration predicted fastest, or, among those within 5%
@@ -60,7 +65,7 @@ CODINGS: list[tuple[str, str | None]] = [("none", None), ("fp16", "fp16"), ("int
 def slow_link_mlp(width: int = 1536) -> nn.Sequential:
     """Four width x width layers and a 10-way classifier (9.4M parameters at
     1536): the model of issue 26's slow-link setting and of
-    bench/bandwidth_limited.py, seeded the same on every rank."""
+    hemiola.bench.speed, seeded the same on every rank."""
     torch.manual_seed(0)
     layers: list[nn.Module] = []
     for _ in range(4):
@@ -96,7 +101,9 @@ class Measured:
 
     compute: float
     forward: float
-    first_bucket_share: float
+    #: per bucket in reduction order: (share of the gradient bytes, share of
+    #: the backward after which its gradients are ready); see bucket_profile
+    buckets: list[tuple[float, float]]
     reduce: dict[str, float]  # per coding
     compute_under: dict[str, float]  # per coding: the computation while it reduces
 
@@ -176,24 +183,40 @@ def measure(model: nn.Module, loss_fn: Callable[[nn.Module], torch.Tensor], repe
             samples.append(time.perf_counter() - t0)
             reduction.reducer.wait(iteration)
         under[name] = statistics.median(samples)
-    bytes_per = [p.numel() * p.element_size() for p in params]
-    # The first bucket closes at its 1 MiB cap in backward order (the last
-    # parameters first): its share of the bytes stands for its share of the
-    # backward.
-    total, first = sum(bytes_per), 0
-    for b in reversed(bytes_per):
-        first += b
-        if first >= 1 << 20:
-            break
-    numbers = torch.tensor([compute, forward, first / total,
+    numbers = torch.tensor([compute, forward,
                             *[reduce[n] for n, _ in CODINGS], *[under[n] for n, _ in CODINGS]],
                            dtype=torch.float64)
     broadcast_tensors(engine, [numbers])
     values = numbers.tolist()
     k = len(CODINGS)
-    return Measured(values[0], values[1], values[2],
-                    {n: values[3 + i] for i, (n, _) in enumerate(CODINGS)},
-                    {n: values[3 + k + i] for i, (n, _) in enumerate(CODINGS)})
+    return Measured(values[0], values[1],
+                    bucket_profile([p.numel() * p.element_size() for p in params]),
+                    {n: values[2 + i] for i, (n, _) in enumerate(CODINGS)},
+                    {n: values[2 + k + i] for i, (n, _) in enumerate(CODINGS)})
+
+
+def bucket_profile(nbytes: list[int], first_cap: int = 1 << 20,
+                   cap: int = 25 << 20) -> list[tuple[float, float]]:
+    """DDP's buckets over parameters of `nbytes` (registration order), as
+    (share of all bytes, share of the backward after which the bucket is
+    ready) in reduction order. Backward produces the last parameters first,
+    and a parameter's share of the bytes stands for its share of the backward
+    time; a bucket closes once it reaches its cap (`first_cap` for the first).
+    """
+    total = sum(nbytes)
+    if total == 0:
+        return []
+    out: list[tuple[float, float]] = []
+    done = size = 0
+    for n in reversed(nbytes):
+        done += n
+        size += n
+        if size >= (first_cap if not out else cap):
+            out.append((size / total, done / total))
+            size = 0
+    if size:
+        out.append((size / total, 1.0))
+    return out
 
 
 def predict(m: Measured) -> list[Prediction]:
@@ -201,10 +224,12 @@ def predict(m: Measured) -> list[Prediction]:
     out = []
     f = m.forward
     b = max(0.0, m.compute - m.forward)
-    s = m.first_bucket_share
     for coding, r in m.reduce.items():
         c = m.compute_under[coding]
-        wfbp = f + max(b, s * b + r)
+        end = 0.0
+        for share, ready in m.buckets:  # one reduction after another, each once ready
+            end = max(end, ready * b) + share * r
+        wfbp = f + max(b, end)
         out.append(Prediction("wfbp", coding, max(c, wfbp)))
         out.append(Prediction("priority", coding, max(c, wfbp - f / 2)))
         out.append(Prediction("decoupled", coding, max(c, r)))

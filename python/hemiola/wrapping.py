@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, TypeVar
+from typing import Any, TypeVar, overload
 
 import torch
 from torch import nn
@@ -14,10 +14,31 @@ from hemiola.distributed import new_engine
 OptimizerT = TypeVar("OptimizerT")
 
 
+class _NoOptimizer:
+    """The default of wrap's `optimizer`: not passed at all (the DDP habit)."""
+
+    def __repr__(self) -> str:
+        return "<no optimizer>"
+
+
+_NO_OPTIMIZER: Any = _NoOptimizer()
+
+
+@overload
+def wrap(model: nn.Module, *, schedule: str = "wfbp",
+         grad_scaler: torch.amp.GradScaler | None = None, **options: Any) -> DataParallel: ...
+
+
+@overload
+def wrap(model: nn.Module, optimizer: OptimizerT, schedule: str = "wfbp",
+         grad_scaler: torch.amp.GradScaler | None = None,
+         **options: Any) -> tuple[DataParallel, OptimizerT]: ...
+
+
 def wrap(
-    model: nn.Module, optimizer: OptimizerT, schedule: str = "wfbp",
+    model: nn.Module, optimizer: Any = _NO_OPTIMIZER, schedule: str = "wfbp",
     grad_scaler: torch.amp.GradScaler | None = None, **options: Any
-) -> tuple[DataParallel, OptimizerT]:
+) -> Any:
     """Makes `model` data-parallel across the ranks of the default process group.
 
     Call it on every rank with the same model. ``torch.distributed`` is
@@ -43,8 +64,20 @@ def wrap(
         ``(wrapped_model, optimizer)``. Train as usual: forward, ``loss.backward()``,
         ``optimizer.step()`` (under ``wfbp`` gradients come back averaged; the
         other schedules apply the averaged gradient in their own time).
+        Without an optimizer argument (``model = hemiola.wrap(model)``, as
+        with DDP) only the wrapped model, for ``wfbp``: the other schedules
+        run the update themselves and refuse, saying what to pass.
     """
     config = Config.from_kwargs(schedule=schedule, **options)
+    model_only = optimizer is _NO_OPTIMIZER
+    if model_only:
+        if config.schedule != "wfbp":
+            raise TypeError(
+                f"schedule={config.schedule!r} applies the averaged gradients itself, so it "
+                "needs your optimizer: model, optimizer = hemiola.wrap(model, optimizer, "
+                f"schedule={config.schedule!r}) (build the optimizer over model.parameters() "
+                "first). schedule='wfbp' wraps without one: model = hemiola.wrap(model)")
+        optimizer = None
     _refuse_double_wrapping(model, optimizer)
     engine, store = new_engine(config.timeout_s, timeline=config.timeline,
                                gpu_backend=config.gpu_backend)
@@ -54,7 +87,7 @@ def wrap(
     object.__setattr__(model, WRAPPED_MARK, True)
     if optimizer is not None:
         object.__setattr__(optimizer, WRAPPED_MARK, True)
-    return wrapped, optimizer
+    return wrapped if model_only else (wrapped, optimizer)
 
 
 def _refuse_double_wrapping(model: nn.Module, optimizer: object) -> None:

@@ -49,10 +49,22 @@ def test_bad_model_specs_are_refused(spec: str, words: str) -> None:
         advise.load_factory(spec)
 
 
+def test_bucket_profile_follows_ddps_rule() -> None:
+    mib = 1 << 20
+    # registration order; backward (and the buckets) run from the last
+    profile = advise.bucket_profile([10 * mib, 10 * mib, 10 * mib, mib // 2, mib // 2],
+                                    cap=15 * mib)
+    # first bucket: the two halves (reaches 1 MiB); then 10 + 10 reaches 15;
+    # the last 10 MiB closes at the end
+    assert profile == [(1 / 31, 1 / 31), (20 / 31, 21 / 31), (10 / 31, 1.0)]
+    assert advise.bucket_profile([]) == []
+    assert sum(s for s, _ in advise.bucket_profile([3, 5, 7], first_cap=4, cap=4)) == 1.0
+
+
 def test_predictions_follow_the_model() -> None:
     # Communication longer than the computation, even compressed: decoupled
     # hides the most of it, with the smallest all-reduce.
-    m = advise.Measured(compute=0.1, forward=0.03, first_bucket_share=0.25,
+    m = advise.Measured(compute=0.1, forward=0.03, buckets=[(0.25, 0.25), (0.75, 1.0)],
                         reduce={"none": 0.3, "fp16": 0.2, "int8": 0.15, "powersgd": 0.14},
                         compute_under={name: 0.12 for name, _ in advise.CODINGS})
     predictions = advise.predict(m)
@@ -62,13 +74,20 @@ def test_predictions_follow_the_model() -> None:
     # int8 is within 5%? No (0.15 > 0.147): the fastest is the advice.
     assert advise.choose(predictions) == best
     by = {(p.schedule, p.coding): p.seconds for p in predictions}
+    # bucket 0 ready at 0.25 b, reduced by 0.25 b + 0.25 r; bucket 1 starts
+    # then (it is ready at b = 0.07 < 0.0925), and takes 0.75 r
     assert by["wfbp", "none"] == pytest.approx(0.03 + 0.25 * 0.07 + 0.3)
     assert by["priority", "none"] == pytest.approx(0.03 + 0.25 * 0.07 + 0.3 - 0.015)
-    # Where the computation dominates, every schedule is bounded by it.
-    fast = advise.Measured(compute=0.1, forward=0.03, first_bucket_share=0.25,
+    # a reduction shorter than the backward waits for the last bucket to be ready
+    assert by["wfbp", "powersgd"] == pytest.approx(max(0.12, 0.03 + 0.07 + 0.75 * 0.14))
+    fast = advise.Measured(compute=0.1, forward=0.03, buckets=[(0.25, 0.25), (0.75, 1.0)],
                            reduce={name: 0.01 for name, _ in advise.CODINGS},
                            compute_under={name: 0.105 for name, _ in advise.CODINGS})
-    assert all(p.seconds == pytest.approx(0.105) for p in advise.predict(fast))
+    # Where the computation dominates, every schedule is bounded by it, but
+    # wfbp's last bucket still travels after backward (0.75 r = 7.5 ms).
+    by = {(p.schedule, p.coding): p.seconds for p in advise.predict(fast)}
+    for (schedule, _), seconds in by.items():
+        assert seconds == pytest.approx(0.1075 if schedule == "wfbp" else 0.105)
     # A tie: the least compressed, least approximate configuration.
     choice = advise.choose(advise.predict(fast))
     assert (choice.schedule, choice.coding) == ("wfbp", "none")

@@ -32,6 +32,12 @@ def test_percentiles() -> None:
         percentiles([])
 
 
+def test_rate_labels() -> None:
+    assert report.rate_label("1gbit") == "1 Gbit/s"
+    assert report.rate_label("500mbit") == "500 Mbit/s"
+    assert report.rate_label("none") == "no limit"
+
+
 def test_bad_line_is_named(tmp_path: Path) -> None:
     path = tmp_path / "r.jsonl"
     path.write_text('{"a": 1}\n{"a": \n')

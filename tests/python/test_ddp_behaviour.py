@@ -100,6 +100,48 @@ def test_single_process_without_torchrun() -> None:
     assert list(model.state_dict()) == ["weight", "bias"]
 
 
+def test_wrap_without_an_optimizer_is_the_ddp_habit() -> None:
+    """model = hemiola.wrap(model) as model = DDP(model): the wrapped model
+    alone under wfbp; the schedules that run the update say what to pass."""
+    model = hemiola.wrap(nn.Linear(3, 1))
+    assert isinstance(model, hemiola.DataParallel)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    model(torch.ones(2, 3)).sum().backward()
+    assert torch.allclose(model.module.weight.grad, torch.full((1, 3), 2.0))
+    before = model.module.weight.detach().clone()
+    opt.step()
+    assert torch.allclose(model.module.weight, before - 1.0)
+    for schedule in ("priority", "decoupled"):
+        with pytest.raises(TypeError, match=rf"needs your optimizer: model, optimizer = "
+                           rf"hemiola.wrap\(model, optimizer, schedule='{schedule}'\)"):
+            hemiola.wrap(nn.Linear(3, 1), schedule=schedule)
+
+
+def test_one_clip_call_for_wrapped_and_plain_modules() -> None:
+    """hemiola.clip_grad_norm_ clips a plain module, its parameters and a
+    wrapped model alike (torch's norm and coefficient), and refuses a module
+    that only contains a wrapped one."""
+    def grads(model: nn.Module) -> None:
+        model.zero_grad()
+        model(torch.ones(2, 3)).sum().backward()  # weight grad 2 per element, bias 2
+
+    plain = nn.Linear(3, 1)
+    grads(plain)
+    norm = hemiola.clip_grad_norm_(plain, 1.0)
+    assert norm.item() == pytest.approx(4.0)  # sqrt(3 * 2^2 + 2^2)
+    assert torch.allclose(plain.weight.grad, torch.full((1, 3), 0.5), atol=1e-6)
+    grads(plain)
+    assert hemiola.clip_grad_norm_(plain.parameters(), 2.0).item() == pytest.approx(4.0)
+    assert torch.allclose(plain.bias.grad, torch.ones(1), atol=1e-6)
+
+    wrapped = hemiola.wrap(nn.Linear(3, 1))
+    grads(wrapped)
+    assert hemiola.clip_grad_norm_(wrapped, 1.0).item() == pytest.approx(4.0)
+    assert torch.allclose(wrapped.module.weight.grad, torch.full((1, 3), 0.5), atol=1e-6)
+    with pytest.raises(ValueError, match="submodule '0' is a hemiola-wrapped model"):
+        hemiola.clip_grad_norm_(nn.Sequential(wrapped), 1.0)
+
+
 def test_wrapping_twice_is_refused() -> None:
     inner = nn.Linear(3, 1)
     opt = torch.optim.SGD(inner.parameters(), lr=0.1)

@@ -44,6 +44,7 @@ def backends() -> list[object]:
 
 
 F32 = int(C.DType.float32)
+F64 = int(C.DType.float64)
 SLEEP_CYCLES = 2_000_000_000  # about a second of GPU time at H100 clocks
 
 
@@ -134,6 +135,35 @@ def test_bucket_results_in_place_and_kept(backend: str) -> None:
                 assert torch.equal(outs[i], src), (step, i)
             kept = device_view(reducer.result_ptr(iteration, i), src)
             assert torch.equal(kept, src), (step, i)
+
+
+@gpu
+@pytest.mark.parametrize("backend", backends())
+@pytest.mark.parametrize("compression", ["fp16", "bf16"])
+def test_half_wire_on_the_gpu(backend: str, compression: str) -> None:
+    """compression='fp16'/'bf16' on a CUDA reducer: float32 buckets travel in
+    the half type as DDP's hooks send them (one rank: the result is the
+    gradient rounded to it); a float64 bucket travels as it is."""
+    from hemiola.config import compression_code
+
+    half = torch.float16 if compression == "fp16" else torch.bfloat16
+    engine = C.Engine(0, 1, C.MemoryStore(), gpu_backend=backend)
+    sizes = [5, 2049, 30001]
+    specs = [(F32, n, f"g{i}") for i, n in enumerate(sizes)] + [(F64, 9, "d")]
+    reducer = engine.make_reducer(specs, fusion_bytes=64 << 10, first_bucket_bytes=8 << 10,
+                                  device=0, in_flight=1,
+                                  compression=compression_code(compression))
+    stream = torch.cuda.current_stream().cuda_stream
+    for step in range(2):
+        sources = [torch.randn(n, device="cuda") * 1e3 for n in sizes]
+        sources.append(torch.randn(9, device="cuda", dtype=torch.float64) / 3)
+        outs = [torch.full_like(src, float("nan")) for src in sources]
+        for i, src in enumerate(sources):
+            reducer.mark_ready_to(i, src.data_ptr(), outs[i].data_ptr(), stream=stream)
+        reducer.wait(reducer.finish_marking(), stream=stream)
+        for i, src in enumerate(sources[:-1]):
+            assert torch.equal(outs[i], src.to(half).float()), (step, i)
+        assert torch.equal(outs[-1], sources[-1]), step
 
 
 # decoupled lands corrections when reductions arrive, which depends on timing

@@ -216,6 +216,26 @@ def test_casts_round_like_torch(narrow, numel):
     assert back.guards_intact()
 
 
+@gpu
+@pytest.mark.parametrize("divisor", [1.0, 2.0, 3.0, 8.0])
+@pytest.mark.parametrize("narrow", [torch.float16, torch.bfloat16])
+def test_cast_divide_is_the_ddp_hooks_wire_format(narrow, divisor):
+    numel = 70_001
+    gen = torch.Generator(device="cuda").manual_seed(int(divisor))
+    values = torch.randn(numel, generator=gen, device="cuda") * torch.logspace(
+        -7, 5, numel, device="cuda")
+    wide = Poisoned(numel, torch.float32, misalign=1).fill(values)
+    short = Poisoned(numel, narrow, misalign=3)
+    run_on_side_stream(
+        lambda s: KERNELS.cast_divide(wide.ptr(), short.ptr(), CODES[narrow], numel, divisor, s)
+    )
+    # torch's hook: the cast rounds, the division in the half type rounds again
+    # (computed in float, as the kernel does).
+    expected = (values.to(narrow).float() / divisor).to(narrow)
+    assert torch.equal(bits(short.view), bits(expected))
+    assert short.guards_intact()
+
+
 # ---- SGD ---------------------------------------------------------------------
 
 SGD_CASES = [

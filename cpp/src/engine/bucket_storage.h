@@ -83,11 +83,20 @@ class WireCodec;
 std::unique_ptr<BucketStorage> make_host_buckets(const BucketLayout& layout, double scale,
                                                  WireCodec* codec = nullptr);
 
+// How device buckets travel: `half` float16 or bfloat16 sends each float32
+// bucket in that type (DDP's fp16/bf16 hooks: each rank divides by
+// `world_size`, the wire sums); float32 sends every bucket as it is.
+struct DeviceWire {
+  DType half = DType::kFloat32;
+  int world_size = 1;
+};
+
 // Device memory on CUDA device `device`, reduced on the engine's stream of
 // that device by its device communicator. `timeout`: how long the host waits
 // for earlier device work before declaring a rank dead.
 std::unique_ptr<BucketStorage> make_device_buckets(const BucketLayout& layout, EngineImpl& engine,
                                                    int device, bool average,
+                                                   const DeviceWire& wire,
                                                    std::chrono::milliseconds timeout);
 
 // Creates the engine's stream and communicator for CUDA device `device`, on

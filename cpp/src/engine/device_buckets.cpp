@@ -43,12 +43,18 @@ class DeviceSetup final : public Work {
 class DeviceBuckets final : public BucketStorage {
  public:
   DeviceBuckets(const BucketLayout& layout, EngineImpl& engine, int device, bool average,
-                std::chrono::milliseconds timeout)
-      : layout_(layout), engine_(engine), device_(device), average_(average), timeout_(timeout) {
+                const DeviceWire& wire, std::chrono::milliseconds timeout)
+      : layout_(layout), engine_(engine), device_(device), average_(average), wire_(wire),
+        timeout_(timeout) {
     for (const auto& bucket : layout_.plan) {
       // Zero-filled, as on the host.
       storage_.push_back(
           std::make_unique<cuda::DeviceBuffer>(device, std::max<size_t>(bucket.nbytes(), 1)));
+      // float32 buckets travel in the wire's half type; others as they are.
+      const bool compressed = wire_.half != DType::kFloat32 &&
+                              bucket.dtype == DType::kFloat32 && bucket.numel > 0;
+      halves_.push_back(compressed ? std::make_unique<cuda::DeviceBuffer>(device, 2 * bucket.numel)
+                                   : nullptr);
       buffers_.push_back(static_cast<unsigned char*>(storage_.back()->data()));
       reduced_.push_back(std::make_unique<cuda::Event>(device));
       const size_t slot_bytes =
@@ -122,11 +128,23 @@ class DeviceBuckets final : public BucketStorage {
         marked_[plan.tensors[k]]->block(stream_);
       }
     }
-    comm_->all_reduce(TensorRef{buffers_[b], plan.dtype, plan.numel, Device{DeviceType::kCUDA,
-                                                                            device_}},
-                      average_, stream_);
-    // Averaged in the reduction itself; results with an output go there in
-    // one unpack launch.
+    const Device here{DeviceType::kCUDA, device_};
+    if (halves_[b]) {
+      // As the host's WireCodec::reduce_half: each rank's share in half
+      // precision, summed on the wire, widened back into the bucket.
+      void* wire = halves_[b]->data();
+      cuda::cast_divide(reinterpret_cast<const float*>(buffers_[b]), wire, wire_.half,
+                        static_cast<std::int64_t>(plan.numel),
+                        static_cast<float>(wire_.world_size), stream_);
+      comm_->all_reduce(TensorRef{wire, wire_.half, plan.numel, here}, /*average=*/false,
+                        stream_);
+      cuda::cast(wire, wire_.half, buffers_[b], DType::kFloat32,
+                 static_cast<std::int64_t>(plan.numel), stream_);
+    } else {
+      comm_->all_reduce(TensorRef{buffers_[b], plan.dtype, plan.numel, here}, average_, stream_);
+    }
+    // Averaged in the reduction itself (or by the wire's division); results
+    // with an output go there in one unpack launch.
     const size_t elem = dtype_size(plan.dtype);
     std::vector<void*> targets;
     std::vector<cuda::FusionSlot> slots;
@@ -188,9 +206,12 @@ class DeviceBuckets final : public BucketStorage {
   EngineImpl& engine_;
   const int device_;
   const bool average_;
+  const DeviceWire wire_;
   const std::chrono::milliseconds timeout_;
 
   std::vector<std::unique_ptr<cuda::DeviceBuffer>> storage_;  // per bucket
+  // Per bucket: its half-precision wire copy, or null when it travels as is.
+  std::vector<std::unique_ptr<cuda::DeviceBuffer>> halves_;
   // Per tensor: recorded on the producer's stream after its copy in; the
   // engine's stream waits on it before reducing the tensor's buckets.
   std::vector<std::unique_ptr<cuda::Event>> marked_;
@@ -215,8 +236,15 @@ class DeviceBuckets final : public BucketStorage {
 
 std::unique_ptr<BucketStorage> make_device_buckets(const BucketLayout& layout, EngineImpl& engine,
                                                    int device, bool average,
+                                                   const DeviceWire& wire,
                                                    std::chrono::milliseconds timeout) {
-  return std::make_unique<DeviceBuckets>(layout, engine, device, average, timeout);
+  HEMIOLA_CHECK(wire.half == DType::kFloat32 || wire.half == DType::kFloat16 ||
+                    wire.half == DType::kBFloat16,
+                "internal: a device wire is float16 or bfloat16 (float32: uncompressed)");
+  HEMIOLA_CHECK(wire.half == DType::kFloat32 || average,
+                "a compressed wire averages (each rank divides by the world size first): it "
+                "needs average = true");
+  return std::make_unique<DeviceBuckets>(layout, engine, device, average, wire, timeout);
 }
 
 void set_up_device(EngineImpl& engine, int device) {

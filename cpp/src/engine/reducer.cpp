@@ -168,8 +168,15 @@ void ReducerImpl::build(const std::vector<size_t>& order) {
 
 std::unique_ptr<WireCodec> ReducerImpl::make_codec(Compression compression) const {
   if (compression == Compression::kNone) return nullptr;
-  HEMIOLA_CHECK(!on_device(), "ReducerOptions::compression is implemented for CPU reducers "
-                "only; a CUDA reducer travels uncompressed");
+  if (on_device()) {
+    // The device buckets cast on the engine's stream themselves (DeviceWire).
+    HEMIOLA_CHECK(compression == Compression::kFp16 || compression == Compression::kBf16,
+                  "a CUDA reducer compresses with fp16 or bf16; int8 and powersgd are "
+                  "implemented for CPU reducers only");
+    HEMIOLA_CHECK(options_.average, "ReducerOptions::compression averages on the wire: it needs "
+                  "average = true");
+    return nullptr;
+  }
   HEMIOLA_CHECK(options_.average, "ReducerOptions::compression averages on the wire (each "
                 "rank divides by the world size before its coding): it needs average = true");
   ReducerOptions options = options_;
@@ -193,7 +200,11 @@ void ReducerImpl::set_compression(Compression compression, size_t powersgd_rank,
 std::unique_ptr<BucketStorage> ReducerImpl::make_storage() {
   const BucketLayout layout{plan_, placement_, specs_};
   if (on_device()) {
-    return make_device_buckets(layout, engine_, options_.device.index, options_.average,
+    DeviceWire wire;
+    wire.world_size = engine_.options().world_size;
+    if (options_.compression == Compression::kFp16) wire.half = DType::kFloat16;
+    if (options_.compression == Compression::kBf16) wire.half = DType::kBFloat16;
+    return make_device_buckets(layout, engine_, options_.device.index, options_.average, wire,
                                timeout());
   }
   return make_host_buckets(layout, scale_, codec_.get());

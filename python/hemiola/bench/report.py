@@ -50,6 +50,14 @@ def _spread(s: dict[str, float], fmt: str = ".1f", scale: float = 1.0) -> str:
             f"{scale * s['p90']:{fmt}})")
 
 
+def rate_label(rate: str) -> str:
+    """A tc rate as a reader writes it: "1gbit" -> "1 Gbit/s", "none" -> "no limit"."""
+    if rate == "none":
+        return "no limit"
+    match = re.fullmatch(r"([\d.]+)([kmg])bit", rate)
+    return f"{match.group(1)} {match.group(2).upper()}bit/s" if match else rate
+
+
 def speed_table(rows: Rows) -> str:
     """Per model: one line per variant, per rate its median ms (p10–p90) and
     its ratio to DDP's median at that rate."""
@@ -59,7 +67,7 @@ def speed_table(rows: Rows) -> str:
         rates = list(dict.fromkeys(r["rate"] for r in mine))
         head = ["configuration"]
         for rate in rates:
-            head += [f"ms at {rate}" if rate != "none" else "ms, no limit", "× DDP"]
+            head += [f"ms, {rate_label(rate)}", "× DDP"]
         lines = []
         for variant in dict.fromkeys(r["variant"] for r in mine):
             cells = [next(r["label"] for r in mine if r["variant"] == variant)]
@@ -149,7 +157,7 @@ def cluster_table(rows: Rows) -> str:
 def advise_table(rows: Rows) -> str:
     """One line per rate: the advice, its predicted and measured time."""
     head = ["link", "advice", "predicted ms", "measured ms", "error"]
-    lines = [[r["rate"], f"`{r['choice']}`", f"{r['predicted_ms']:.1f}",
+    lines = [[rate_label(r["rate"]), f"`{r['choice']}`", f"{r['predicted_ms']:.1f}",
               f"{r['measured_ms']:.1f}", f"{100 * r['error']:+.1f}%"] for r in rows]
     return f"{rows[0]['world']} ranks:\n\n" + _table(head, lines)
 

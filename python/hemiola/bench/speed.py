@@ -54,7 +54,7 @@ MLP_WIDTH = 1536
 MLP_BATCH = 384
 MODELS = {
     "mlp": "9.4M-parameter MLP (37.8 MB of gradients): communication > computation at 1 Gbit/s",
-    "cnn": "1.2M-parameter CNN with BatchNorm, batch 16 of 32x32 images",
+    "cnn": "0.39M-parameter CNN with BatchNorm, batch 16 of 32x32 images",
     "transformer": "3.5M-parameter 2-layer transformer LM, 8 x 64 tokens",
 }
 

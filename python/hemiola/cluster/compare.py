@@ -97,8 +97,14 @@ def compare(
             for row in rows:
                 f.write(json.dumps({**row, **meta}) + "\n")
         (out / "table.md").write_text(format_table(rows))
-        plot_jct_cdf(series, out / "jct_cdf.png")
-        plot_utilization(series, out / "utilization.png")
+        try:
+            import matplotlib  # noqa: F401 - only to know whether the plots can be drawn
+        except ImportError:
+            print("note: matplotlib is not installed, so jct_cdf.png and utilization.png are "
+                  "not drawn (pip install matplotlib)")
+        else:
+            plot_jct_cdf(series, out / "jct_cdf.png")
+            plot_utilization(series, out / "utilization.png")
     return rows
 
 
