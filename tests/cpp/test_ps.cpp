@@ -5,8 +5,11 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <cstring>
 #include <fstream>
+#include <functional>
 #include <future>
+#include <iterator>
 #include <numeric>
 #include <thread>
 
@@ -308,6 +311,112 @@ TEST(Snapshot, RoundTripsAndDetectsCorruption) {
       out.write(bad.data(), static_cast<std::streamsize>(bad.size()));
     }
     EXPECT_THROW(read_snapshot(dir + "/snap"), Error) << "flipped byte " << at;
+  }
+}
+
+// FNV-1a of `bytes`, as snapshot.cpp seals its files: lets a test forge a
+// hand-made snapshot whose checksum is valid.
+uint64_t seal(const std::string& bytes) {
+  uint64_t hash = 1469598103934665603ull;
+  for (unsigned char c : bytes) {
+    hash ^= c;
+    hash *= 1099511628211ull;
+  }
+  return hash;
+}
+
+std::string read_file(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  return std::string(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+}
+
+// Rewrites the snapshot at `path` with `edit` applied to its body, re-sealed.
+void forge(const std::string& path, const std::function<void(std::string&)>& edit) {
+  std::string body = read_file(path);
+  body.resize(body.size() - sizeof(uint64_t));
+  edit(body);
+  const uint64_t sum = seal(body);
+  body.append(reinterpret_cast<const char*>(&sum), sizeof sum);
+  std::ofstream(path, std::ios::binary | std::ios::trunc)
+      .write(body.data(), static_cast<std::streamsize>(body.size()));
+}
+
+void expect_refused(const std::string& path, const std::string& words) {
+  try {
+    read_snapshot(path);
+    ADD_FAILURE() << "accepted; expected: " << words;
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find(words), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find(path), std::string::npos) << e.what();
+  }
+}
+
+TEST(Snapshot, HandMadeFilesWithValidChecksumsAreCheckedFieldByField) {
+  const std::string dir = temp_dir();
+  const std::string path = dir + "/snap";
+  ServerSnapshot s;
+  s.num_servers = 1;
+  s.table = "t";
+  KeySnapshot k;
+  k.param = {1.0f, 2.0f};
+  k.optimizer.kind = OptimizerKind::kSgd;
+  k.optimizer.has_momentum = true;
+  k.optimizer.m = {0.5f, 0.5f};
+  s.keys.push_back(k);
+  write_snapshot(path, s);
+  EXPECT_EQ(read_snapshot(path).keys.at(0).param, k.param);
+  // The body: prefix (20 bytes), server (4), servers (4), table (8 + 1),
+  // key count (8), then the key: key (4), version (8), param count (8) ...
+  const size_t key_count = 20 + 4 + 4 + 8 + 1;
+  const size_t param_count = key_count + 8 + 4 + 8;
+  forge(path, [&](std::string& b) {
+    const uint64_t huge = uint64_t{1} << 62;  // * 4 wraps to 0
+    std::memcpy(&b[param_count], &huge, sizeof huge);
+  });
+  expect_refused(path, "claims 4611686018427387904 values");
+  write_snapshot(path, s);
+  forge(path, [&](std::string& b) {
+    const uint64_t many = uint64_t{1} << 40;
+    std::memcpy(&b[key_count], &many, sizeof many);
+  });
+  expect_refused(path, "claims 1099511627776 keys");
+
+  auto bad = s;
+  bad.keys[0].optimizer.kind = static_cast<OptimizerKind>(7);
+  write_snapshot(path, bad);
+  expect_refused(path, "key 0 has optimizer kind 7");
+  bad = s;
+  bad.keys[0].param[1] = std::nanf("");
+  write_snapshot(path, bad);
+  expect_refused(path, "key 0 holds a non-finite parameter");
+  bad = s;
+  bad.keys[0].optimizer.m = {1.0f};
+  write_snapshot(path, bad);
+  expect_refused(path, "key 0 has 2 parameters but optimizer state of 1");
+  bad = s;
+  bad.server_index = 3;
+  write_snapshot(path, bad);
+  expect_refused(path, "is for server 3 of 1");
+  bad = s;
+  bad.keys.push_back(s.keys[0]);
+  write_snapshot(path, bad);
+  expect_refused(path, "key 0 is negative or appears twice");
+  // Adam before its first step has no moments yet: accepted.
+  auto adam = s;
+  adam.keys[0].optimizer = OptimizerState{};
+  adam.keys[0].optimizer.kind = OptimizerKind::kAdamW;
+  write_snapshot(path, adam);
+  EXPECT_EQ(read_snapshot(path).keys.at(0).optimizer.kind, OptimizerKind::kAdamW);
+}
+
+TEST(Snapshot, ADirectoryIsNamedNotMisread) {
+  const std::string dir = temp_dir();
+  try {
+    read_snapshot(dir);
+    FAIL() << "a directory was read as a snapshot";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("snapshot " + dir + " is a directory"),
+              std::string::npos) << e.what();
   }
 }
 

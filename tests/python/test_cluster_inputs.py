@@ -43,6 +43,13 @@ def test_malformed_trace_rows(tmp_path: Path, body: str, message: str) -> None:
         _run_trace(_trace(tmp_path, body))
 
 
+def test_trace_header_naming_a_column_twice_is_refused_at_line_1(tmp_path: Path) -> None:
+    p = tmp_path / "t.csv"
+    p.write_text("timestamp,duration,num_gpus,duration\n2017-10-09 07:01:55,60,1,60\n")
+    with pytest.raises(ValueError, match="t.csv line 1: column 'duration' appears twice"):
+        _run_trace(str(p))
+
+
 def test_trace_unknown_model_names_the_row(tmp_path: Path) -> None:
     p = tmp_path / "jobs.csv"
     p.write_text("timestamp,duration,num_gpus,model,iterations\n"

@@ -29,19 +29,24 @@ print("\\n".join(gloo))
 """
 
 
-@pytest.mark.skipif(shutil.which("auditwheel") is None, reason="auditwheel is not installed")
-def test_repaired_wheel_vendors_gloo_and_runs(tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def repaired(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The wheel scripts/build_wheel.sh makes (CPU only, as CI has no GPU)."""
+    if shutil.which("auditwheel") is None:
+        pytest.skip("auditwheel is not installed")
+    out = tmp_path_factory.mktemp("wheelhouse")
     env = dict(os.environ, CMAKE_BUILD_PARALLEL_LEVEL=str(os.cpu_count() or 1))
     env.pop("CUDACXX", None)
-    subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", str(ROOT), "--no-deps", "--no-build-isolation",
-         "-w", str(tmp_path / "dist"), "-Ccmake.define.HEMIOLA_WITH_CUDA=OFF"],
-        check=True, capture_output=True, env=env,
+    built = subprocess.run(
+        ["bash", str(ROOT / "scripts" / "build_wheel.sh"), str(out), "--no-build-isolation",
+         "-Ccmake.define.HEMIOLA_WITH_CUDA=OFF"],
+        capture_output=True, text=True, env=env, cwd=ROOT,
     )
-    wheel = next((tmp_path / "dist").glob("hemiola-*.whl"))
-    subprocess.run(["auditwheel", "repair", str(wheel), "-w", str(tmp_path / "wheelhouse")],
-                   check=True, capture_output=True)
-    repaired = next((tmp_path / "wheelhouse").glob("hemiola-*manylinux*.whl"))
+    assert built.returncode == 0, built.stdout[-3000:] + built.stderr[-3000:]
+    return next(out.glob("hemiola-*manylinux*.whl"))
+
+
+def test_repaired_wheel_vendors_gloo_and_runs(repaired: Path, tmp_path: Path) -> None:
     names = zipfile.ZipFile(repaired).namelist()
     assert any("hemiola.libs/libgloo" in n for n in names), names
 
@@ -54,3 +59,34 @@ def test_repaired_wheel_vendors_gloo_and_runs(tmp_path: Path) -> None:
     assert module.startswith(str(site)), f"imported {module}, not the repaired wheel"
     # The only Gloo in the process is the vendored copy, not /usr/lib/libgloo.
     assert gloo and all("hemiola.libs" in path for path in gloo), gloo
+
+
+def test_wheel_installs_into_a_fresh_venv_with_torch_and_trains(repaired: Path,
+                                                                tmp_path: Path) -> None:
+    """A user's environment: a new venv with the CPU torch, then plain
+    `pip install hemiola-*.whl`; torch stays as it was, the engine loads the
+    vendored Gloo, and two local ranks train (`hemiola demo`)."""
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    python = str(venv / "bin" / "python")
+    pip = [python, "-m", "pip", "install", "-q"]
+    torch_version = subprocess.run([sys.executable, "-c", "import torch; print(torch.__version__)"],
+                                   check=True, capture_output=True, text=True).stdout.strip()
+    subprocess.run([*pip, f"torch=={torch_version.split('+')[0]}"], check=True,
+                   capture_output=True)
+    installed = subprocess.run([*pip, str(repaired)], capture_output=True, text=True)
+    assert installed.returncode == 0, installed.stderr[-3000:]
+    after = subprocess.run([python, "-c", "import torch; print(torch.__version__)"],
+                           check=True, capture_output=True, text=True).stdout.strip()
+    assert after == torch_version, f"installing hemiola changed torch: {torch_version} -> {after}"
+
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    out = subprocess.run([python, "-c", CHECK], check=True, capture_output=True, text=True,
+                         cwd=tmp_path, env=env)
+    module, *gloo = out.stdout.strip().splitlines()
+    assert module.startswith(str(venv)), f"imported {module}, not the venv's hemiola"
+    assert gloo and all("hemiola.libs" in path for path in gloo), gloo
+    demo = subprocess.run([str(venv / "bin" / "hemiola"), "demo", "--epochs", "1"],
+                          capture_output=True, text=True, cwd=tmp_path, env=env, timeout=600)
+    assert demo.returncode == 0, demo.stdout[-3000:] + demo.stderr[-3000:]
+    assert "test accuracy" in demo.stdout, demo.stdout[-3000:]

@@ -114,7 +114,7 @@ std::string abbreviate(const std::string& text, size_t max_chars) {
 CsvReader::CsvReader(std::istream& in, std::string source, const std::vector<std::string>& required)
     : in_(in), source_(std::move(source)) {
   std::string header;
-  if (!std::getline(in_, header)) throw std::invalid_argument(source_ + ": empty file (no header)");
+  if (!read_line(header)) throw std::invalid_argument(source_ + ": empty file (no header)");
   line_ = 1;
   // Editors on Windows start UTF-8 files with a byte-order mark; it is not
   // part of the first column's name.
@@ -122,7 +122,14 @@ CsvReader::CsvReader(std::istream& in, std::string source, const std::vector<std
   if (header.compare(0, kBom.size(), kBom) == 0) header.erase(0, kBom.size());
   check_text(header);
   auto names = split(header);
-  for (size_t i = 0; i < names.size(); ++i) columns_[names[i]] = i;
+  for (size_t i = 0; i < names.size(); ++i) {
+    // A second column of one name would shift every row's fields against
+    // the names: refuse the header rather than each row.
+    if (!columns_.emplace(names[i], i).second) {
+      throw std::invalid_argument(source_ + " line 1: column '" + abbreviate(names[i]) +
+                                  "' appears twice in header '" + abbreviate(header) + "'");
+    }
+  }
   for (const auto& r : required) {
     if (!columns_.count(r)) {
       throw std::invalid_argument(source_ + " line 1: missing column '" + r + "' in header '" +
@@ -140,9 +147,27 @@ void CsvReader::check_text(const std::string& line) const {
                               " at column " + std::to_string(bad + 1) + ")");
 }
 
+bool CsvReader::read_line(std::string& line) {
+  line.clear();
+  std::streambuf* buf = in_.rdbuf();
+  bool any = false;
+  for (int c = buf->sbumpc(); c != std::char_traits<char>::eof(); c = buf->sbumpc()) {
+    any = true;
+    if (c == '\n') return true;
+    if (line.size() == kMaxLineBytes) {
+      throw std::invalid_argument(source_ + " line " + std::to_string(line_ + 1) +
+                                  ": longer than " + std::to_string(kMaxLineBytes) +
+                                  " bytes; is this a CSV trace?");
+    }
+    line.push_back(static_cast<char>(c));
+  }
+  in_.setstate(std::ios::eofbit);
+  return any;
+}
+
 bool CsvReader::next() {
   std::string line;
-  while (std::getline(in_, line)) {
+  while (read_line(line)) {
     ++line_;
     check_text(line);
     if (line.find_first_not_of(" \t\r") == std::string::npos) continue;

@@ -2,7 +2,9 @@
 // Quoting is not supported (none of our inputs need it) and is rejected clearly.
 // Input must be UTF-8 text (a leading byte-order mark is skipped); anything else,
 // e.g. a compressed or binary file given by mistake, is refused at its first
-// bad line, so no message ever echoes bytes that are not text.
+// bad line, so no message ever echoes bytes that are not text. A header that
+// names a column twice is refused at line 1, and no line may be longer than
+// kMaxLineBytes: a runaway line fails at once instead of filling memory.
 #pragma once
 
 #include <istream>
@@ -14,6 +16,9 @@ namespace hemiola::cluster {
 
 class CsvReader {
  public:
+  // The longest line accepted (header or row), in bytes.
+  static constexpr size_t kMaxLineBytes = 1 << 20;
+
   // Reads the header and checks that every name in `required` is present.
   CsvReader(std::istream& in, std::string source, const std::vector<std::string>& required);
 
@@ -34,6 +39,9 @@ class CsvReader {
  private:
   // Throws unless `line` (the current one) is UTF-8 text without control characters.
   void check_text(const std::string& line) const;
+  // std::getline that refuses a line longer than kMaxLineBytes (numbering
+  // it line_ + 1) before reading all of it.
+  bool read_line(std::string& line);
 
   std::istream& in_;
   std::string source_;

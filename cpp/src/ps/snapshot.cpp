@@ -1,9 +1,12 @@
 #include "ps/snapshot.h"
 
+#include <cmath>
 #include <cstdio>
 #include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <iterator>
+#include <set>
 
 #include "hemiola/status.h"
 
@@ -60,12 +63,17 @@ class Reader {
   }
   std::vector<float> get_floats() {
     const auto n = get<uint64_t>();
-    need(n * sizeof(float));
+    // Checked before multiplying: a count near 2^62 would wrap n * 4.
+    if (n > (in_.size() - at_) / sizeof(float)) {
+      HEMIOLA_THROW(ErrorCode::kInvalidArgument, "snapshot ", path_, " claims ", n,
+                    " values where ", in_.size() - at_, " bytes remain; refusing to load it");
+    }
     std::vector<float> values(n);
     std::memcpy(values.data(), in_.data() + at_, n * sizeof(float));
     at_ += n * sizeof(float);
     return values;
   }
+  size_t remaining() const { return in_.size() - at_; }
   std::string get_string() {
     const auto n = get<uint64_t>();
     need(n);
@@ -120,10 +128,60 @@ void write_snapshot(const std::string& path, const ServerSnapshot& s) {
   HEMIOLA_CHECK(std::rename(tmp.c_str(), path.c_str()) == 0, "cannot rename ", tmp, " to ", path);
 }
 
+namespace {
+
+// A hand-made file can carry a valid checksum: every field is checked for
+// what the server will do with it, naming the file and the key.
+void check_snapshot(const std::string& path, const ServerSnapshot& s) {
+  HEMIOLA_CHECK(s.num_servers >= 1 && s.server_index >= 0 && s.server_index < s.num_servers,
+                "snapshot ", path, " is for server ", s.server_index, " of ", s.num_servers,
+                ", which is not a server index; refusing to load it");
+  std::set<int32_t> seen;
+  for (const auto& k : s.keys) {
+    const std::string where = "snapshot " + path + " key " + std::to_string(k.key);
+    HEMIOLA_CHECK(k.key >= 0 && seen.insert(k.key).second, where,
+                  " is negative or appears twice; refusing to load it");
+    HEMIOLA_CHECK(k.version >= 0 && k.optimizer.step >= 0, where, " has version ", k.version,
+                  " and step ", k.optimizer.step, " (negative); refusing to load it");
+    const auto kind = static_cast<int32_t>(k.optimizer.kind);
+    HEMIOLA_CHECK(kind >= 0 && kind <= 2, where, " has optimizer kind ", kind,
+                  " (known: 0 SGD, 1 Adam, 2 AdamW); refusing to load it");
+    // SGD: a momentum buffer exactly when has_momentum; Adam/AdamW: both
+    // moments, or neither before the first step.
+    const size_t n = k.param.size();
+    const size_t m = k.optimizer.m.size();
+    const bool consistent =
+        k.optimizer.kind == OptimizerKind::kSgd
+            ? m == (k.optimizer.has_momentum ? n : 0) && k.optimizer.v.empty()
+            : (m == 0 || m == n) && k.optimizer.v.size() == m;
+    HEMIOLA_CHECK(consistent, where,
+                  " has ", n, " parameters but optimizer state of ", k.optimizer.m.size(),
+                  " and ", k.optimizer.v.size(), " values; refusing to load it");
+    for (const auto* values : {&k.param, &k.optimizer.m, &k.optimizer.v}) {
+      for (float x : *values) {
+        HEMIOLA_CHECK(std::isfinite(x), where, " holds a non-finite ",
+                      values == &k.param ? "parameter" : "optimizer state",
+                      " value; refusing to load it");
+      }
+    }
+  }
+}
+
+}  // namespace
+
 ServerSnapshot read_snapshot(const std::string& path) {
+  std::error_code ec;
+  HEMIOLA_CHECK(!std::filesystem::is_directory(path, ec), "snapshot ", path,
+                " is a directory; snapshot_path names a file (each server's own)");
   std::ifstream in(path, std::ios::binary);
   HEMIOLA_CHECK(in.good(), "snapshot ", path, " does not exist or cannot be read");
-  const std::string bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  std::string bytes;
+  try {
+    bytes.assign(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+  } catch (const std::exception& e) {
+    HEMIOLA_THROW(ErrorCode::kInvalidArgument, "snapshot ", path, " cannot be read: ", e.what());
+  }
+  HEMIOLA_CHECK(!in.bad(), "snapshot ", path, " cannot be read (I/O error)");
   HEMIOLA_CHECK(bytes.size() >= sizeof kFileMagic &&
                     std::memcmp(bytes.data(), kFileMagic, sizeof kFileMagic) == 0,
                 "snapshot ", path, " is not a hemiola parameter-server snapshot (", bytes.size(),
@@ -153,6 +211,11 @@ ServerSnapshot read_snapshot(const std::string& path) {
   s.num_servers = r.get<int32_t>();
   s.table = r.get_string();
   const auto n = r.get<uint64_t>();
+  // A key takes at least its fixed fields: a count beyond that is a lie,
+  // refused before it sizes a vector.
+  constexpr size_t kMinKeyBytes = 4 + 8 + 8 + 4 + 8 + 1 + 8 + 8;
+  HEMIOLA_CHECK(n <= r.remaining() / kMinKeyBytes, "snapshot ", path, " claims ", n,
+                " keys in ", r.remaining(), " bytes; refusing to load it");
   s.keys.resize(n);
   for (auto& k : s.keys) {
     k.key = r.get<int32_t>();
@@ -160,10 +223,14 @@ ServerSnapshot read_snapshot(const std::string& path) {
     k.param = r.get_floats();
     k.optimizer.kind = static_cast<OptimizerKind>(r.get<int32_t>());
     k.optimizer.step = r.get<int64_t>();
-    k.optimizer.has_momentum = r.get<uint8_t>() != 0;
+    const auto has_momentum = r.get<uint8_t>();
+    HEMIOLA_CHECK(has_momentum <= 1, "snapshot ", path, " key ", k.key,
+                  " has a momentum flag of ", int{has_momentum}, "; refusing to load it");
+    k.optimizer.has_momentum = has_momentum == 1;
     k.optimizer.m = r.get_floats();
     k.optimizer.v = r.get_floats();
   }
+  check_snapshot(path, s);
   return s;
 }
 

@@ -97,7 +97,8 @@ def convergence_table(rows: Rows) -> str:
     parts = []
     for task in dict.fromkeys(r["task"] for r in summaries):
         mine = [r for r in summaries if r["task"] == task]
-        metrics = [m for m in metrics_of(task) if m != "heldout_perplexity"]
+        # the headline and one more (perplexity is the held-out loss again)
+        metrics = [m for m in metrics_of(task) if m != "heldout_perplexity"][:2]
         head = ["schedule"]
         for m in metrics:
             head += [m.replace("_", " "), "vs wfbp"]

@@ -4,6 +4,7 @@
 #include <cmath>
 #include <sstream>
 
+#include "cluster/csv.h"
 #include "cluster/policy.h"
 #include "cluster/simulator.h"
 #include "cluster/trace.h"
@@ -68,6 +69,17 @@ TEST(Trace, MalformedRowsNameTheLine) {
                "t.csv line 2: expected 5 fields, got 3");
   expect_error([&] { trace("timestamp,num_gpus\n"); }, "missing column 'duration'");
   expect_error([&] { trace(""); }, "empty file");
+  // A column named twice is the header's fault, refused at line 1, not at every row.
+  expect_error([&] { trace("timestamp,duration,num_gpus,duration\n2017-10-09 07:01:55,1,1,1\n"); },
+               "t.csv line 1: column 'duration' appears twice");
+  // A runaway line fails at its start, whether header or row.
+  const std::string huge(CsvReader::kMaxLineBytes + 1, '9');
+  expect_error([&] { trace(huge + "\n"); }, "t.csv line 1: longer than 1048576 bytes");
+  expect_error([&] { trace(h + "2017-10-09 07:01:55,60,1,60,x\n" + huge); },
+               "t.csv line 3: longer than 1048576 bytes");
+  // A line of exactly the limit is read (and then judged on its fields).
+  expect_error([&] { trace(h + std::string(CsvReader::kMaxLineBytes, '9') + "\n"); },
+               "t.csv line 2: expected 5 fields, got 1");
   // Wider than the cluster (64 GPUs by default).
   expect_error(
       [&] { trace(h + "2017-10-09 07:01:55,60,1,60,x\n2017-10-09 07:01:55,60,128,60,x\n"); },
