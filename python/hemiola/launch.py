@@ -13,6 +13,7 @@ import multiprocessing as mp
 import os
 import pickle
 import queue
+import secrets
 import socket
 import time
 import traceback
@@ -79,6 +80,8 @@ def run_local(fn: Callable[..., Any], world: int, *args: Any, timeout_s: float =
     """Runs ``fn(rank, world, *args)`` on `world` local processes.
 
     `fn` must be importable (a module-level function). Returns ``{rank: result}``.
+    The ranks share a random ``HEMIOLA_JOB_TOKEN`` (the parameter server's
+    admission secret) unless the environment or `env` sets one.
     Raises :class:`RankFailure` with every failed rank's traceback if any rank
     raised or died, unless `expect_errors`, which returns
     ``{rank: ("ok", result) or ("error", text)}`` instead. A rank still running
@@ -86,6 +89,12 @@ def run_local(fn: Callable[..., Any], world: int, *args: Any, timeout_s: float =
     """
     ctx = mp.get_context("spawn")
     port = free_port()
+    # A parameter server admits only ranks that present the job's token: a
+    # local job gets a fresh random one unless the caller chose one.
+    from hemiola.ps.roles import JOB_TOKEN_ENV
+
+    if JOB_TOKEN_ENV not in os.environ and JOB_TOKEN_ENV not in (env or {}):
+        env = {JOB_TOKEN_ENV: secrets.token_hex(16), **(env or {})}
     store = dist.TCPStore("127.0.0.1", port, world, is_master=True, wait_for_workers=False)
     results = ctx.Queue()
     procs = [

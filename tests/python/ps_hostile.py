@@ -246,6 +246,11 @@ def token_job(rank: int, world: int, options: dict[str, Any], tokens: dict[int, 
     return ps_workers.train(rank, world, options, "mlp", "sgd", 3)
 
 
+def token_seen(rank: int, world: int) -> str | None:
+    """The job token this rank's environment holds."""
+    return os.environ.get("HEMIOLA_JOB_TOKEN")
+
+
 def nan_job(rank: int, world: int, consistency: str) -> dict[str, Any] | None:
     """Worker 0 trains an MLP whose input turns NaN at step 2."""
     config = hemiola.ps.PSConfig(consistency=consistency, num_servers=1, timeout_s=20)

@@ -99,6 +99,22 @@ def test_a_worker_without_the_job_token_is_refused() -> None:
         assert "HemiolaTimeoutError" in text
 
 
+def test_local_jobs_get_a_random_token_unless_one_is_given(monkeypatch: pytest.MonkeyPatch
+                                                           ) -> None:
+    """run_local (and with it hemiola demo --ps) never starts an open server."""
+    from hemiola.ps.server import _loopback
+
+    monkeypatch.delenv("HEMIOLA_JOB_TOKEN", raising=False)
+    first, second = (run_local(ps_hostile.token_seen, 2) for _ in range(2))
+    assert first[0] == first[1] and len(first[0]) == 32, first  # one per job, 128 bits
+    assert second[0] != first[0]  # fresh per job
+    assert run_local(ps_hostile.token_seen, 2, env={"HEMIOLA_JOB_TOKEN": TOKEN}) == {
+        0: TOKEN, 1: TOKEN}
+    # The warning for a server without a token is for non-loopback addresses only.
+    assert _loopback("lo", "") and _loopback("", "127.0.0.1")
+    assert not _loopback("eth0", "10.0.0.1") and not _loopback("", "10.0.0.1")
+
+
 def test_right_token_trains() -> None:
     options = {"consistency": "bsp", "num_servers": 1, "timeout_s": 20.0}
     outcome = run_local(ps_hostile.token_job, 3, options, {0: TOKEN, 1: TOKEN, 2: TOKEN},

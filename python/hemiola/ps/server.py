@@ -13,6 +13,13 @@ from hemiola.ps.roles import Role, job_token, rendezvous_store, role
 log = logging.getLogger("hemiola.ps")
 
 
+def _loopback(iface: str, master: str) -> bool:
+    """Whether the server binds loopback only (then only this machine reaches it)."""
+    if iface:
+        return iface == "lo"
+    return master in ("127.0.0.1", "localhost", "::1") or master.startswith("127.")
+
+
 def serve(config: PSConfig, server_role: Role | None = None) -> C.ps.ServerStats:
     """Serves this rank's shards until every worker has finished.
 
@@ -24,6 +31,12 @@ def serve(config: PSConfig, server_role: Role | None = None) -> C.ps.ServerStats
     if not r.is_server:
         raise ValueError(f"rank {r.rank} is a worker, not a server")
     store, iface, master = rendezvous_store(config.timeout_s)
+    if not job_token() and not _loopback(iface, master):
+        log.warning(
+            "hemiola.ps: no HEMIOLA_JOB_TOKEN is set, so anyone who reaches this server "
+            "(interface %r, master %r) can join the job as a worker; set HEMIOLA_JOB_TOKEN to "
+            "the same secret on every rank (hemiola.launch.run_local and hemiola demo make one)",
+            iface or "by route", master)
     if config.snapshot_dir:
         os.makedirs(config.snapshot_dir, exist_ok=True)
     started = time.monotonic()
