@@ -314,28 +314,18 @@ TEST(Snapshot, RoundTripsAndDetectsCorruption) {
   }
 }
 
-// FNV-1a of `bytes`, as snapshot.cpp seals its files: lets a test forge a
-// hand-made snapshot whose checksum is valid.
-uint64_t seal(const std::string& bytes) {
-  uint64_t hash = 1469598103934665603ull;
-  for (unsigned char c : bytes) {
-    hash ^= c;
-    hash *= 1099511628211ull;
-  }
-  return hash;
-}
-
 std::string read_file(const std::string& path) {
   std::ifstream in(path, std::ios::binary);
   return std::string(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
 }
 
-// Rewrites the snapshot at `path` with `edit` applied to its body, re-sealed.
+// Rewrites the snapshot at `path` with `edit` applied to its body, re-sealed
+// with a valid checksum: a hand-made file, as an attacker would make it.
 void forge(const std::string& path, const std::function<void(std::string&)>& edit) {
   std::string body = read_file(path);
   body.resize(body.size() - sizeof(uint64_t));
   edit(body);
-  const uint64_t sum = seal(body);
+  const uint64_t sum = snapshot_checksum(body);
   body.append(reinterpret_cast<const char*>(&sum), sizeof sum);
   std::ofstream(path, std::ios::binary | std::ios::trunc)
       .write(body.data(), static_cast<std::streamsize>(body.size()));

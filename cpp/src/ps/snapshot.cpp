@@ -21,15 +21,6 @@ constexpr char kFileMagic[8] = {'H', 'M', 'P', 'S', 'S', 'N', 'A', 'P'};
 constexpr uint32_t kFormat = 2;
 constexpr size_t kPrefixBytes = sizeof kFileMagic + sizeof(uint32_t) + sizeof(uint64_t);
 
-uint64_t fnv1a(const std::string& bytes) {
-  uint64_t hash = 1469598103934665603ull;
-  for (unsigned char c : bytes) {
-    hash ^= c;
-    hash *= 1099511628211ull;
-  }
-  return hash;
-}
-
 class Writer {
  public:
   template <typename T>
@@ -94,6 +85,15 @@ class Reader {
 
 }  // namespace
 
+uint64_t snapshot_checksum(const std::string& bytes) {
+  uint64_t hash = 1469598103934665603ull;  // FNV-1a
+  for (unsigned char c : bytes) {
+    hash ^= c;
+    hash *= 1099511628211ull;
+  }
+  return hash;
+}
+
 void write_snapshot(const std::string& path, const ServerSnapshot& s) {
   Writer w;
   w.bytes().append(kFileMagic, sizeof kFileMagic);
@@ -115,7 +115,7 @@ void write_snapshot(const std::string& path, const ServerSnapshot& s) {
   }
   const uint64_t total = w.bytes().size() + sizeof(uint64_t);
   std::memcpy(&w.bytes()[sizeof kFileMagic + sizeof kFormat], &total, sizeof total);
-  w.put(fnv1a(w.bytes()));
+  w.put(snapshot_checksum(w.bytes()));
 
   const std::string tmp = path + ".tmp";
   {
@@ -201,7 +201,7 @@ ServerSnapshot read_snapshot(const std::string& path) {
   uint64_t stored = 0;
   std::memcpy(&stored, bytes.data() + bytes.size() - sizeof stored, sizeof stored);
   const std::string body = bytes.substr(0, bytes.size() - sizeof stored);
-  HEMIOLA_CHECK(fnv1a(body) == stored, "snapshot ", path,
+  HEMIOLA_CHECK(snapshot_checksum(body) == stored, "snapshot ", path,
                 " is corrupted (checksum mismatch); refusing to load it");
 
   Reader r(body, path);

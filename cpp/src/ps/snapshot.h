@@ -23,6 +23,9 @@ struct ServerSnapshot {
   std::vector<KeySnapshot> keys;
 };
 
+// The checksum sealing a snapshot: FNV-1a of every byte before it.
+uint64_t snapshot_checksum(const std::string& bytes);
+
 // Writes atomically (a temporary file, then rename) with a trailing checksum.
 void write_snapshot(const std::string& path, const ServerSnapshot& snapshot);
 // Throws Error(kInvalidArgument) naming the problem for a missing, truncated
