@@ -87,24 +87,43 @@ def device_view(pointer: int, like: torch.Tensor) -> torch.Tensor:
     return torch.as_tensor(memory, device=like.device).view(like.shape)
 
 
+def pack_bytes(tensors: list[torch.Tensor]) -> tuple[torch.Tensor, list[int]]:
+    """`tensors` (any dtypes and devices) copied into one host byte buffer,
+    each starting at a multiple of 16 bytes so that its bytes can be viewed as
+    its dtype again (an int64 after an odd number of float32s could not);
+    returns the buffer and each tensor's offset. See :func:`unpack_bytes`."""
+    offsets, end = [], 0
+    for t in tensors:
+        offsets.append(end)
+        end += -(-t.numel() * t.element_size() // 16) * 16
+    flat = torch.zeros(end, dtype=torch.uint8)
+    with torch.no_grad():
+        for t, offset in zip(tensors, offsets):
+            nbytes = t.numel() * t.element_size()
+            flat[offset:offset + nbytes] = t.detach().contiguous().reshape(-1).view(
+                torch.uint8).cpu()
+    return flat, offsets
+
+
+def unpack_bytes(flat: torch.Tensor, offsets: list[int], tensors: list[torch.Tensor]) -> None:
+    """Copies what :func:`pack_bytes` laid out in `flat` back into `tensors`."""
+    with torch.no_grad():
+        for t, offset in zip(tensors, offsets):
+            nbytes = t.numel() * t.element_size()
+            t.copy_(flat[offset:offset + nbytes].view(t.dtype).view(t.shape))
+
+
 def broadcast_tensors(engine: C.Engine, tensors: list[torch.Tensor], root: int = 0) -> None:
-    """Broadcasts `tensors` (any dtypes) from `root`, coalesced into one byte buffer."""
+    """Broadcasts `tensors` (any dtypes) from `root`, coalesced into one byte
+    buffer. The engine's own collectives take host memory: CUDA tensors are
+    staged (this runs at wrap time and for buffers, not per gradient)."""
     tensors = [t for t in tensors if t.numel() > 0]
     if not tensors or engine.world_size == 1:
         return
-    with torch.no_grad():
-        # The engine's own collectives take host memory: CUDA tensors are
-        # staged (this runs at wrap time and for buffers, not per gradient).
-        flat = torch.cat([t.detach().contiguous().reshape(-1).view(torch.uint8).cpu()
-                          for t in tensors])
-        engine.broadcast(flat.data_ptr(), UINT8, flat.numel(), root).wait()
-        if engine.rank != root:
-            offset = 0
-            for t in tensors:
-                nbytes = t.numel() * t.element_size()
-                chunk = flat[offset : offset + nbytes].view(t.dtype).view(t.shape)
-                t.copy_(chunk)
-                offset += nbytes
+    flat, offsets = pack_bytes(tensors)
+    engine.broadcast(flat.data_ptr(), UINT8, flat.numel(), root).wait()
+    if engine.rank != root:
+        unpack_bytes(flat, offsets, tensors)
 
 
 def raise_if_not_finite(named: list[tuple[str, torch.Tensor]], iteration: int) -> None:

@@ -20,6 +20,16 @@ def test_wrap_broadcasts_parameters_and_buffers_from_rank0() -> None:
     assert torch.all(results[2]["running_mean"] == 0.0)  # rank 0's value
 
 
+@pytest.mark.parametrize("schedule", ["wfbp", "priority", "decoupled"])
+def test_buffers_of_mixed_dtypes_follow_rank0(schedule: str) -> None:
+    """An int64 buffer after an odd count of float32 values (used to fail at
+    wrap: "storage_offset() must be divisible by 8")."""
+    results = run_local(workers.odd_buffers, 2, schedule)
+    for key in ("odd", "count", "weight"):
+        assert torch.equal(results[1][key], results[0][key]), key
+    assert results[1]["count"].item() >= 7 and results[1]["count"].item() < 1000
+
+
 def test_no_sync_accumulation_equals_one_large_batch() -> None:
     results = run_local(workers.no_sync_accumulation, 2)
     for diffs in results.values():

@@ -84,6 +84,39 @@ def broadcast_at_wrap(rank: int, world: int) -> dict[str, Any]:
     return {"flat": flat, "running_mean": m.features[1].running_mean.clone()}
 
 
+class _OddBuffers(nn.Module):
+    """An odd number of float32 parameters and buffers before an int64 buffer
+    (its bytes land at an offset that is not a multiple of 8 when packed)."""
+
+    def __init__(self, rank: int) -> None:
+        super().__init__()
+        self.lin = nn.Linear(3, 3)  # 12 parameters
+        self.register_buffer("odd", torch.full((7,), float(rank)))
+        self.register_buffer("count", torch.tensor([rank * 1000 + 7], dtype=torch.int64))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training:
+            with torch.no_grad():
+                self.count += 1
+                self.odd += 0.5
+        return self.lin(x) + self.odd[:3]
+
+
+def odd_buffers(rank: int, world: int, schedule: str) -> dict[str, torch.Tensor]:
+    """Wrap and train two steps: buffers of any dtypes and offsets follow rank 0."""
+    hemiola.init()
+    torch.manual_seed(rank)
+    m = _OddBuffers(rank)
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    model, opt = hemiola.wrap(m, opt, schedule=schedule, timeout_s=30)
+    for _ in range(2):
+        opt.zero_grad()
+        model(torch.ones(2, 3)).sum().backward()
+        opt.step()
+    model.synchronize()
+    return {"odd": m.odd.clone(), "count": m.count.clone(), "weight": m.lin.weight.detach().clone()}
+
+
 def no_sync_accumulation(rank: int, world: int) -> dict[str, torch.Tensor]:
     """Two micro-batches under no_sync + one synced == one batch of all three."""
     hemiola.init()

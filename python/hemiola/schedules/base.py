@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from hemiola.schedules.gate import ForwardGate
-from hemiola.tensors import UINT8
+from hemiola.tensors import UINT8, pack_bytes, unpack_bytes
 
 if TYPE_CHECKING:
     from hemiola.data_parallel import DataParallel
@@ -129,6 +129,7 @@ def take_over_optimizer(schedule: Schedule, optimizer: Any, step: Callable[[], N
             with torch.enable_grad():
                 loss = closure()
         step()
+        opt._opt_called = True  # what an LR scheduler's wrapper of step records
         return loss
 
     def state_dict(opt: torch.optim.Optimizer) -> dict[str, Any]:
@@ -140,6 +141,10 @@ def take_over_optimizer(schedule: Schedule, optimizer: Any, step: Callable[[], N
         inner_load(state)
         schedule.parameters_replaced()
 
+    if hasattr(inner_step, "_wrapped_by_lr_sched"):
+        # An LR scheduler built before wrapping checks that step is still its
+        # wrapper; this one records the call as that wrapper does.
+        wrapped_step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
     optimizer.step = types.MethodType(wrapped_step, optimizer)
     # GradScaler then always calls step (see DeferredSchedule.take_scaler_state).
     optimizer._step_supports_amp_scaling = True
@@ -155,6 +160,7 @@ class BufferBroadcast:
     def __init__(self, model: DataParallel) -> None:
         self.model = model
         self._stage: torch.Tensor | None = None
+        self._offsets: list[int] = []
         self._handle: Any = None
 
     @property
@@ -164,9 +170,8 @@ class BufferBroadcast:
 
     def start(self) -> None:
         self.finish()
-        buffers = self.model._buffers_to_sync
         # Host memory: the engine's broadcast reads it from its own thread.
-        self._stage = torch.cat([b.detach().reshape(-1).view(torch.uint8) for b in buffers]).cpu()
+        self._stage, self._offsets = pack_bytes(self.model._buffers_to_sync)
         self._handle = self.model._engine.broadcast(self._stage.data_ptr(), UINT8,
                                                     self._stage.numel(), 0)
 
@@ -178,12 +183,7 @@ class BufferBroadcast:
         handle.wait()
         if self.model.rank == 0:
             return
-        offset = 0
-        with torch.no_grad():
-            for b in self.model._buffers_to_sync:
-                nbytes = b.numel() * b.element_size()
-                b.copy_(stage[offset:offset + nbytes].view(b.dtype).view(b.shape))
-                offset += nbytes
+        unpack_bytes(stage, self._offsets, self.model._buffers_to_sync)
 
 
 class DeferredSchedule(Schedule):
