@@ -68,10 +68,13 @@ def init(timeout_s: float = 300.0) -> None:
     # We created the group, so we also take it down at exit: torch's Gloo
     # worker thread must not outlive the interpreter (it can abort the process
     # at shutdown when a script ends without destroy_process_group()).
-    atexit.register(_destroy_process_group)
+    atexit.register(destroy_process_group_if_initialized)
 
 
-def _destroy_process_group() -> None:
+def destroy_process_group_if_initialized() -> None:
+    """Takes the default process group down, if there is one (registered with
+    atexit by whoever created it: torch's Gloo thread must not outlive the
+    interpreter)."""
     if dist.is_initialized():
         dist.destroy_process_group()
 

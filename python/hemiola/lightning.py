@@ -24,6 +24,7 @@ are refused, saying why, under the schedules that run the update themselves.
 
 from __future__ import annotations
 
+import atexit
 from collections.abc import Generator
 from contextlib import contextmanager
 from typing import Any
@@ -36,6 +37,7 @@ from pytorch_lightning.trainer.states import TrainerFn
 
 from hemiola.config import SCHEDULES, Config
 from hemiola.data_parallel import DataParallel
+from hemiola.distributed import destroy_process_group_if_initialized
 from hemiola.wrapping import wrap
 
 __all__ = ["HemiolaStrategy"]
@@ -74,6 +76,13 @@ class HemiolaStrategy(DDPStrategy):
 
     # ---- setup -------------------------------------------------------------
 
+    def setup_distributed(self) -> None:
+        super().setup_distributed()
+        # Lightning leaves the process group to the interpreter's exit, where
+        # torch's Gloo thread can abort the process ("terminate called without
+        # an active exception"); take it down first, as hemiola.init does.
+        atexit.register(destroy_process_group_if_initialized)
+
     def setup(self, trainer: pl.Trainer) -> None:
         assert self.accelerator is not None and self.model is not None
         self.accelerator.setup(trainer)
@@ -106,24 +115,29 @@ class HemiolaStrategy(DDPStrategy):
         wrapped, _ = wrap(module, optimizer, self._schedule, grad_scaler=scaler,
                           **self._options)
         self.model = wrapped
-        # Lightning clips with torch.nn.utils.clip_grad_norm_ on .grad; the
-        # schedule must see the call to clip what it applies.
-        plugin = self.precision_plugin
-
-        def clip_grad_by_norm(optimizer: torch.optim.Optimizer, clip_val: float) -> None:
-            wrapped.clip_grad_norm_(float(clip_val))
-
-        plugin.clip_grad_by_norm = clip_grad_by_norm  # type: ignore[method-assign]
         if deferred:
-            schedule = self._schedule
+            self._clip_through(wrapped)
 
-            def clip_grad_by_value(optimizer: torch.optim.Optimizer, clip_val: float) -> None:
+    def _clip_through(self, wrapped: DataParallel) -> None:
+        """Lightning clips with torch.nn.utils.clip_grad_norm_ on .grad (and
+        refuses to when the optimizer's step unscales itself, as a taken-over
+        step declares); under priority and decoupled the schedule must see the
+        call to clip what it applies. Under wfbp Lightning's own clipping is
+        right as it is (the averaged .grad), so this is not installed."""
+        schedule = self._schedule
+
+        def clip_gradients(optimizer: torch.optim.Optimizer, clip_val: float = 0.0,
+                           gradient_clip_algorithm: Any = None) -> None:
+            if not clip_val or clip_val <= 0:
+                return
+            if str(getattr(gradient_clip_algorithm, "value", gradient_clip_algorithm)) == "value":
                 raise ValueError(
                     f"gradient_clip_algorithm='value' edits each rank's .grad, which "
                     f"schedule={schedule!r} does not apply (it applies the averaged gradient); "
                     "clip by norm (the default) or use schedule='wfbp'")
+            wrapped.clip_grad_norm_(float(clip_val))
 
-            plugin.clip_grad_by_value = clip_grad_by_value  # type: ignore[method-assign]
+        self.precision_plugin.clip_gradients = clip_gradients  # type: ignore[method-assign]
 
     # ---- what DDPStrategy does with a DistributedDataParallel ---------------
 

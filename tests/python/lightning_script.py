@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 from pathlib import Path
 
 import pytorch_lightning as pl
@@ -94,8 +93,10 @@ def main() -> None:
         torch.save({"params": params, "metrics": metrics, "steps": trainer.global_step,
                     "world": trainer.world_size},
                    Path(args.out) / "result.pt")
-    if os.environ.get("HEMIOLA_LIGHTNING_VALIDATE"):
-        trainer.validate(model, val, verbose=False)
+    # Lightning's DDPStrategy leaves the process group to the interpreter's exit,
+    # where torch's Gloo thread can abort the process; a script ends it first.
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":

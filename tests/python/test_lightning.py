@@ -100,9 +100,10 @@ class _TwoOptimizers(pl.LightningModule):
         self.automatic_optimization = False
 
     def training_step(self, batch: Any, _: int) -> None:
-        for opt, layer in zip(self.optimizers(), (self.a, self.b)):
+        for opt in self.optimizers():
             opt.zero_grad()
-            self.manual_backward(layer(batch[0]).sum())
+        self.manual_backward((self.a(batch[0]) * self.b(batch[0])).sum())
+        for opt in self.optimizers():
             opt.step()
 
     def configure_optimizers(self) -> Any:
@@ -110,16 +111,38 @@ class _TwoOptimizers(pl.LightningModule):
                 torch.optim.SGD(self.b.parameters(), lr=0.1)]
 
 
-def _fit_in_process(strategy: HemiolaStrategy) -> None:
+class _OneOptimizer(pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = torch.nn.Linear(2, 1)
+
+    def training_step(self, batch: Any, _: int) -> torch.Tensor:
+        return self.a(batch[0]).sum()
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def _fit_in_process(strategy: HemiolaStrategy, module: pl.LightningModule | None = None,
+                    **trainer: Any) -> None:
     data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.ones(4, 2)),
                                        batch_size=2)
-    trainer = pl.Trainer(accelerator="cpu", devices=1, strategy=strategy, max_steps=2,
-                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                         enable_model_summary=False)
-    trainer.fit(_TwoOptimizers(), data)
+    pl.Trainer(accelerator="cpu", devices=1, strategy=strategy, max_steps=2, logger=False,
+               enable_checkpointing=False, enable_progress_bar=False,
+               enable_model_summary=False, **trainer).fit(module or _TwoOptimizers(), data)
 
 
 def test_manual_optimization_works_under_wfbp_and_is_refused_otherwise() -> None:
     _fit_in_process(HemiolaStrategy(schedule="wfbp"))
     with pytest.raises(ValueError, match="manual optimization cannot hand over"):
         _fit_in_process(HemiolaStrategy(schedule="priority"))
+
+
+def test_value_clipping_works_under_wfbp_and_is_refused_otherwise() -> None:
+    clip = {"gradient_clip_val": 0.5, "gradient_clip_algorithm": "value"}
+    _fit_in_process(HemiolaStrategy(schedule="wfbp"), _OneOptimizer(), **clip)
+    with pytest.raises(ValueError, match="gradient_clip_algorithm='value' edits each rank"):
+        _fit_in_process(HemiolaStrategy(schedule="decoupled"), _OneOptimizer(), **clip)
+    # by norm, in process (one rank): through the schedule
+    _fit_in_process(HemiolaStrategy(schedule="decoupled"), _OneOptimizer(),
+                    gradient_clip_val=0.5)
