@@ -21,6 +21,7 @@
 #include "hemiola/ps.h"
 #include "hemiola/status.h"
 #include "ps/channel.h"
+#include "ps/log_limit.h"
 #include "ps/optimizer.h"
 #include "ps/snapshot.h"
 #include "ps/table.h"
@@ -241,6 +242,21 @@ TEST(ServerOptimizer, MomentumShareIsAZeroGradientStep) {
       }
     }
   }
+}
+
+TEST(LogLimit, AFloodPrintsABoundedNumberOfLinesAndSaysHowManyItDropped) {
+  LogLimit limit(3, std::chrono::seconds(10));
+  const auto t0 = LogLimit::Clock::now();
+  int printed = 0;
+  for (int i = 0; i < 100000; ++i) {
+    if (!limit.admit("refused " + std::to_string(i), t0 + std::chrono::microseconds(i)).empty())
+      ++printed;
+  }
+  EXPECT_EQ(printed, 3);  // 100,000 refusals in 0.1 s: three lines
+  // The next window's first line says what the last one dropped.
+  EXPECT_EQ(limit.admit("refused again", t0 + std::chrono::seconds(11)),
+            "(99997 more like it not shown) refused again");
+  EXPECT_EQ(limit.admit("and again", t0 + std::chrono::seconds(12)), "and again");
 }
 
 TEST(Snapshot, RoundTripsAndDetectsCorruption) {

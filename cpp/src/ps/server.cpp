@@ -18,6 +18,7 @@
 #include "hemiola/ps.h"
 #include "hemiola/status.h"
 #include "ps/channel.h"
+#include "ps/log_limit.h"
 #include "ps/optimizer.h"
 #include "ps/protocol.h"
 #include "ps/snapshot.h"
@@ -85,6 +86,8 @@ struct Server::Impl {
   std::thread refuser;  // while serving: refuses latecomers, drops silent ones
 
   mutable std::mutex mutex;
+  // Refused connections: 10 lines per 10 s at most (guarded by mutex).
+  LogLimit refusal_log{10, std::chrono::seconds(10)};
   std::condition_variable changed;
   std::map<int32_t, Key> keys;
   std::string table;  // what every worker must register (empty until the first does)
@@ -129,9 +132,14 @@ struct Server::Impl {
          std::vector<char>(message.begin(), message.end()));
   }
 
-  void remember(const std::string& message) {
+  // Kept for stats(); printed by the caller.
+  void keep(const std::string& message) {
     stats.rejections.push_back(message);
     if (stats.rejections.size() > 32) stats.rejections.erase(stats.rejections.begin());
+  }
+
+  void remember(const std::string& message) {
+    keep(message);
     std::cerr << tag() << message << std::endl;
   }
 
@@ -146,10 +154,18 @@ struct Server::Impl {
 
   // A connection refused at the handshake: it never became a worker, so only
   // the counters change.
+  // Anyone can open connections: the lines they cause are rate-limited and
+  // written after the lock is released, so a flood cannot stall training.
   void refused(const std::string& why) {
-    std::lock_guard<std::mutex> lock(mutex);
-    stats.refused += 1;
-    remember(detail::concat("server ", opt.server_index, " ", why));
+    std::string line;
+    {
+      std::lock_guard<std::mutex> lock(mutex);
+      stats.refused += 1;
+      const std::string message = detail::concat("server ", opt.server_index, " ", why);
+      keep(message);
+      line = refusal_log.admit(message, Clock::now());
+    }
+    if (!line.empty()) std::cerr << tag() << line << std::endl;
   }
 
   // Empty when every element is finite; else which one (of the whole tensor) is not.
