@@ -784,6 +784,27 @@ TEST(ParameterServer, BspFailsNamingADeadWorkerWhileAspGoesOn) {
   }
 }
 
+TEST(ParameterServer, AServerThatFailsToStartTellsItsWorkersWhyAtOnce) {
+  // restore=true with no snapshot on disk: the server cannot start. Its
+  // worker used to wait out timeout_s and report only a missing store key.
+  const std::string dir = temp_dir();
+  auto store = std::make_shared<MemoryStore>();
+  auto o = server_options(0, 1, 1, Consistency::kAsp);
+  o.snapshot_path = dir + "/missing";
+  o.restore = true;
+  EXPECT_THROW(Server(o, store), Error);
+  const auto start = std::chrono::steady_clock::now();
+  try {
+    Client c(client_options(0, 1, 1, Consistency::kAsp), {"w"}, {3}, store);
+    FAIL() << "a worker connected to a server that never started";
+  } catch (const Error& e) {
+    const std::string what = e.what();
+    EXPECT_NE(what.find("server 0 (rank 0) failed to start: snapshot " + dir + "/missing"),
+              std::string::npos) << "got: " << what;
+  }
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(5));  // not 20 s
+}
+
 TEST(ParameterServer, RestoresFromSnapshot) {
   const std::string dir = temp_dir();
   std::vector<float> after_first(3);

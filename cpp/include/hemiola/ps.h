@@ -134,6 +134,9 @@ class HEMIOLA_API Server {
 
  private:
   struct Impl;
+  // Everything up to admitting the workers; a failure here is published
+  // where the workers look for the address.
+  static void start_up(Impl& im, const ServerOptions& options);
   std::unique_ptr<Impl> impl_;
 };
 

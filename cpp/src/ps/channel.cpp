@@ -154,6 +154,12 @@ std::string bind_address(const BindSpec& spec) {
 
 std::string address_key(int server_index) { return detail::concat("ps/s", server_index, "/address"); }
 
+namespace {
+constexpr char kStartupFailed[] = "failed to start: ";
+}  // namespace
+
+std::string startup_failure(const std::string& why) { return kStartupFailed + why; }
+
 Header hello_header(int worker, const std::string& token) {
   Header h;
   h.type = static_cast<uint16_t>(MessageType::kHello);
@@ -584,6 +590,12 @@ Socket connect_to_server(Store& store, int server_index, int worker, const std::
                          std::chrono::milliseconds timeout, const std::string& server_name) {
   const auto deadline = Clock::now() + timeout;
   const std::string published = store.get(address_key(server_index), timeout);
+  if (published.rfind(kStartupFailed, 0) == 0) {
+    HEMIOLA_THROW(ErrorCode::kInvalidArgument, server_name, " ",
+                  published.substr(0, sizeof kStartupFailed - 3), ": ",
+                  published.substr(sizeof kStartupFailed - 1),
+                  " (this worker cannot train without it)");
+  }
   const auto space = published.rfind(' ');
   HEMIOLA_CHECK(space != std::string::npos, "the store holds no valid address for ", server_name,
                 ": '", published, "'");

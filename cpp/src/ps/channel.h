@@ -47,8 +47,10 @@ std::chrono::milliseconds heartbeat_for(double timeout_s);
 // wildcard address unless the caller named it.
 std::string bind_address(const BindSpec& spec);
 
-// The store key under which server `server_index` publishes its address.
+// The store key under which server `server_index` publishes its address
+// ("HOST PORT"), or, if it failed to start, startup_failure(why).
 std::string address_key(int server_index);
+std::string startup_failure(const std::string& why);
 
 // An owned socket descriptor (closed on destruction).
 class Socket {

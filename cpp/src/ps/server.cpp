@@ -579,6 +579,17 @@ Server::Server(const ServerOptions& options, std::shared_ptr<Store> store)
   im.opt = options;
   im.store = std::move(store);
   HEMIOLA_CHECK(im.store, "a store is required");
+  try {
+    start_up(im, options);
+  } catch (const std::exception& e) {
+    // The workers wait for this key: they learn why at once, instead of
+    // waiting out timeout_s for an address that never comes.
+    im.store->set(address_key(options.server_index), startup_failure(e.what()));
+    throw;
+  }
+}
+
+void Server::start_up(Impl& im, const ServerOptions& options) {
   HEMIOLA_CHECK(options.num_workers >= 1, "need at least one worker, got ", options.num_workers);
   HEMIOLA_CHECK(options.server_index >= 0 && options.server_index < options.num_servers,
                 "server index ", options.server_index, " is outside [0, ", options.num_servers, ")");
