@@ -170,6 +170,8 @@ void bind_updater(py::module_& m) {
           py::arg("slots"), py::arg("stream") = 0)
       .def("momentum_initialised", &Updater::momentum_initialised)
       .def("approximate_read_fraction", &Updater::approximate_read_fraction)
+      .def("clip_norm", &Updater::clip_norm, py::arg("iteration"),
+           "The total norm the clipped update of `iteration` used, once computed (else None).")
       .def("preview_read_fraction", &Updater::preview_read_fraction);
 }
 

@@ -262,7 +262,9 @@ class DataParallel(nn.Module):
         ``backward()`` returns: it is clipped now (``decoupled``'s local step
         uses it) and the averaged gradient is clipped by the same rule, with
         its own global norm, when the update is applied. Returns the norm of
-        ``.grad`` as it was (for ``priority``/``decoupled``, the local one).
+        the averaged gradient, as DDP does, the same on every rank: under
+        ``priority``/``decoupled`` a 0-d tensor filled when first read
+        (reading it before ``optimizer.step()`` waits for the reduction).
         """
         return self._schedule.clip_grad_norm_(max_norm, norm_type)
 

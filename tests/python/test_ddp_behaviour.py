@@ -202,3 +202,28 @@ def test_a_script_without_torchrun_leaves_no_files(tmp_path: object) -> None:
               "m(torch.ones(2, 3)).sum().backward()\n")
     subprocess.run([sys.executable, "-c", script], check=True, timeout=120)
     assert set(glob.glob("/tmp/hemiola-*")) <= before
+
+
+@pytest.mark.parametrize("read", ["now", "later"])
+def test_clip_grad_norm_returns_the_averaged_norm_on_every_rank(read: str) -> None:
+    """As DDP and wfbp do: the norm of the averaged gradient, equal on every
+    rank, whether read before optimizer.step() or long after (priority and
+    decoupled return it deferred: it is filled when read)."""
+    wfbp = run_local(workers.clip_norms, 2, "wfbp", "now")
+    assert wfbp[0]["returned"] == wfbp[1]["returned"]
+    priority = run_local(workers.clip_norms, 2, "priority", read)
+    # .grad holds each rank's own gradient under priority: its norms differ
+    assert priority[0]["local"] != priority[1]["local"]
+    for r in (0, 1):  # priority's math is wfbp's: the same norms
+        assert priority[r]["returned"] == pytest.approx(wfbp[0]["returned"], rel=1e-6)
+    torch_path = run_local(workers.clip_norms, 2, "priority", read, {"native_optimizer": False})
+    assert torch_path[1]["returned"] == pytest.approx(wfbp[0]["returned"], rel=1e-6)
+    late = {"correct_on_arrival": False}  # a trajectory independent of timing
+    decoupled = run_local(workers.clip_norms, 2, "decoupled", read, late)
+    again = run_local(workers.clip_norms, 2, "decoupled", "now" if read == "later" else "later",
+                      late)
+    assert decoupled[0]["returned"] == decoupled[1]["returned"]
+    # Read before the step it is torch's get_total_norm of the averaged
+    # gradient; read after, the engine's (its rounding may differ in the last bit).
+    assert decoupled[0]["returned"] == pytest.approx(again[0]["returned"], rel=1e-6)
+    assert decoupled[0]["returned"] != pytest.approx(decoupled[0]["local"], rel=1e-3)

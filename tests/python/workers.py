@@ -584,3 +584,26 @@ def non_finite_gradient(rank: int, world: int, schedule: str) -> str:
         untouched = all(torch.isfinite(p).all() for p in m.parameters())
         return f"{e} | finite parameters: {untouched} | had a step: {before is not None}"
     return "no error"
+
+
+def clip_norms(rank: int, world: int, schedule: str, read: str,
+               options: dict[str, Any] | None = None) -> dict[str, list[float]]:
+    """Four SGD steps on different data per rank, clipping at 0.5: the norms
+    model.clip_grad_norm_ returned, read at once ("now", before
+    optimizer.step()) or after the loop ("later"), and this rank's own
+    gradient norm before clipping."""
+    hemiola.init()
+    torch.manual_seed(0)
+    m = make_model("mlp")
+    opt = torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)
+    model, opt = hemiola.wrap(m, opt, schedule=schedule, timeout_s=30, **(options or {}))
+    returned, local = [], []
+    for step in range(4):
+        x, y = make_batch("mlp", step, rank, world)
+        opt.zero_grad()
+        loss_of("mlp", model(x), y).backward()
+        local.append(float(torch.nn.utils.get_total_norm([p.grad for p in m.parameters()])))
+        norm = model.clip_grad_norm_(0.5)
+        returned.append(norm.item() if read == "now" else norm)
+        opt.step()
+    return {"returned": [float(n) for n in returned], "local": local}

@@ -65,6 +65,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -206,6 +207,11 @@ class HEMIOLA_API Updater {
   // decoupled with a preview: share of parameter elements training forwards
   // read while they held the preview's approximation (part of the above).
   double preview_read_fraction() const;
+  // The total norm clip_grad_norm_ found for `iteration`'s averaged gradient
+  // (StepOptions::clip_max_norm >= 0), once a landing of that iteration has
+  // computed it; nullopt before (or for the oldest iterations: the last 16
+  // are kept).
+  std::optional<double> clip_norm(uint64_t iteration) const;
 
  private:
   std::unique_ptr<UpdaterImpl> impl_;

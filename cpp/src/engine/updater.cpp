@@ -267,6 +267,13 @@ class UpdaterImpl {
     return reads_ == 0 ? 0.0 : static_cast<double>(previewed_reads_) / reads_;
   }
 
+  std::optional<double> clip_norm(uint64_t iteration) const {
+    for (const auto& [it, norm] : clip_norms_) {
+      if (it == iteration) return norm;
+    }
+    return std::nullopt;
+  }
+
   Device device() const { return device_; }
 
  private:
@@ -791,6 +798,8 @@ class UpdaterImpl {
       const float product = static_cast<float>(inverse) * static_cast<float>(o.clip_max_norm);
       const double coef = optim::round_to(d, static_cast<double>(product));
       pending.coef = std::min(1.0, d == DType::kFloat64 ? inverse * o.clip_max_norm : coef);
+      clip_norms_.emplace_back(pending.iteration, total);
+      if (clip_norms_.size() > 16) clip_norms_.pop_front();
     }
     pending.scale_known = true;
   }
@@ -941,6 +950,8 @@ class UpdaterImpl {
   std::vector<std::vector<Buffer>> gathered_;  // per iteration % (in_flight + 1): results kept here
   std::vector<HostBuffer> staging_;  // GPU: host copies of averaged gradients (readable())
   std::deque<Pending> pending_;  // oldest first
+  // (iteration, total norm) of the last clipped iterations, oldest first.
+  std::deque<std::pair<uint64_t, double>> clip_norms_;
   Restep restep_;                // in_flight > 1: scratch of re-taken local steps
   uint64_t reads_ = 0;
   uint64_t approximate_reads_ = 0;
@@ -978,6 +989,9 @@ void Updater::replace_parameters(std::vector<ParameterSlot> params, StreamRef st
 Device Updater::device() const { return impl_->device(); }
 std::vector<bool> Updater::momentum_initialised() const { return impl_->momentum_initialised(); }
 double Updater::approximate_read_fraction() const { return impl_->approximate_read_fraction(); }
+std::optional<double> Updater::clip_norm(uint64_t iteration) const {
+  return impl_->clip_norm(iteration);
+}
 double Updater::preview_read_fraction() const { return impl_->preview_read_fraction(); }
 
 }  // namespace hemiola

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from hemiola.deferred_norm import DeferredNorm
 from hemiola.schedules.gate import ForwardGate
 from hemiola.tensors import UINT8, pack_bytes, unpack_bytes
 
@@ -212,6 +213,9 @@ class DeferredSchedule(Schedule):
         self._grads_seen: list[tuple[int, int]] | None = None
         #: per iteration: (max_norm, norm_type) of model.clip_grad_norm_
         self._clip: dict[int, tuple[float, float]] = {}
+        #: per clipped iteration, once its update computed it: the total norm
+        #: of the averaged gradient (torch path; the engine keeps its own)
+        self._clip_norms: dict[int, float] = {}
         # 1 / the GradScaler's scale in the backward being marked
         self._inv_scale: float | None = None
 
@@ -255,10 +259,38 @@ class DeferredSchedule(Schedule):
         if self._finished is None:
             raise RuntimeError("model.clip_grad_norm_() goes between backward() and "
                                "optimizer.step()")
-        self._clip[self._finished] = (float(max_norm), float(norm_type))
-        norm = super().clip_grad_norm_(max_norm, norm_type)
+        iteration = self._finished
+        self._clip[iteration] = (float(max_norm), float(norm_type))
+        super().clip_grad_norm_(max_norm, norm_type)
         self._grads_seen = self._grad_versions()
-        return norm
+        # What clip_grad_norm_ returns under wfbp and DDP: the norm of the
+        # averaged gradient, the same on every rank, read when it is known.
+        return DeferredNorm(lambda: self._averaged_norm(iteration, float(norm_type)))
+
+    def recorded_clip_norm(self, iteration: int) -> float | None:
+        """The total norm the update of `iteration` clipped with, once computed."""
+        return self._clip_norms.get(iteration)
+
+    def _averaged_norm(self, iteration: int, norm_type: float) -> float:
+        recorded = self.recorded_clip_norm(iteration)
+        if recorded is not None:
+            return recorded
+        m = self.model
+        if iteration == self._finished:
+            # Read before optimizer.step(): wait for the reduction and take
+            # the norm of what it delivered, as the update will.
+            assert m._reducer is not None
+            m._reducer.wait(iteration, stream=m._stream())
+            return float(torch.nn.utils.get_total_norm(
+                [m._reduced(iteration, i) for i in range(len(m._params))], norm_type))
+        self.synchronize()  # the update computes it when it lands
+        recorded = self.recorded_clip_norm(iteration)
+        if recorded is None:
+            raise RuntimeError(
+                f"the gradient norm of iteration {iteration} was never computed: a second "
+                "backward before optimizer.step() superseded that iteration (accumulate "
+                "inside model.no_sync(), or read the norm before the next backward)")
+        return recorded
 
     def _grad_versions(self) -> list[tuple[int, int]]:
         return [(id(p.grad), p.grad._version) if p.grad is not None else (0, 0)

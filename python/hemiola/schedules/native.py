@@ -219,6 +219,9 @@ class NativeUpdate(DeferredSchedule):
             skip_if_not_finite=self.scaling, local_overflow=overflow,
             stream=self._stream())
 
+    def recorded_clip_norm(self, iteration: int) -> float | None:
+        return None if self._updater is None else self._updater.clip_norm(iteration)
+
     def synchronize(self) -> None:
         if self._updater is not None:
             self._updater.synchronize(self._stream())

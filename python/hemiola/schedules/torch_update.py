@@ -156,6 +156,8 @@ class TorchUpdate(DeferredSchedule):
                 [m._reduced(it, i) for i in range(count) if used[i]], norm_type)
             if pending.clip:
                 pending.coef = torch.clamp(pending.clip[0] / (pending.norm + 1e-6), max=1.0)
+                self._clip_norms[it] = float(pending.norm)
+                self._clip_norms.pop(it - 16, None)
         if pending.check_finite and not bool(torch.isfinite(pending.norm)):
             return  # non-finite iff some rank overflowed: GradScaler skips, on every rank
         if m.config.check_finite and not pending.check_finite:  # (a scaler skips instead)
