@@ -23,6 +23,10 @@ class Communicator {
   // output = concat over ranks of input (output.numel == size() * input.numel).
   virtual void all_gather(const TensorRef& input, const TensorRef& output) = 0;
   virtual void barrier() = 0;
+  // After a failure: closes this rank's connections, so that peers blocked
+  // on it fail now rather than at their timeout (and reach the failure's
+  // diagnosis while this rank still waits there). Later calls throw.
+  virtual void abort() {}
 };
 
 }  // namespace hemiola

@@ -66,11 +66,25 @@ GlooCommunicator::GlooCommunicator(const EngineOptions& options, Store& store)
 
 GlooCommunicator::~GlooCommunicator() = default;
 
+const std::shared_ptr<gloo::Context>& GlooCommunicator::context(const char* what) const {
+  if (!context_) {
+    HEMIOLA_THROW(ErrorCode::kCommFailure, what, " on rank ", rank_,
+                  ": this communicator was closed after an earlier failure");
+  }
+  return context_;
+}
+
+void GlooCommunicator::abort() {
+  // Destroying the context closes every pair's socket: a peer blocked on a
+  // receive from this rank sees the connection close at once.
+  context_.reset();
+}
+
 void GlooCommunicator::all_reduce_sum(const TensorRef& t) {
   require_cpu(t, "all_reduce");
   if (t.numel == 0 || size_ == 1) return;
   translate_gloo_errors("all_reduce", &t, rank_, [&] {
-    gloo::AllreduceOptions opts(context_);
+    gloo::AllreduceOptions opts(context("all_reduce"));
     opts.setTimeout(timeout_);
     opts.setReduceFunction(reduce_function(t.dtype));
     switch (dtype_size(t.dtype)) {
@@ -89,7 +103,7 @@ void GlooCommunicator::broadcast(const TensorRef& t, int root) {
   HEMIOLA_CHECK(root >= 0 && root < size_, "broadcast root ", root, " is outside [0, ", size_, ")");
   if (t.numel == 0 || size_ == 1) return;
   translate_gloo_errors("broadcast", &t, rank_, [&] {
-    gloo::BroadcastOptions opts(context_);
+    gloo::BroadcastOptions opts(context("broadcast"));
     opts.setTimeout(timeout_);
     opts.setRoot(root);
     opts.setOutput(static_cast<uint8_t*>(t.data), t.nbytes());
@@ -105,7 +119,7 @@ void GlooCommunicator::all_gather(const TensorRef& input, const TensorRef& outpu
                 output.numel, " elements, expected world_size * ", input.numel);
   if (input.numel == 0) return;
   translate_gloo_errors("all_gather", &input, rank_, [&] {
-    gloo::AllgatherOptions opts(context_);
+    gloo::AllgatherOptions opts(context("all_gather"));
     opts.setTimeout(timeout_);
     opts.setInput(static_cast<uint8_t*>(input.data), input.nbytes());
     opts.setOutput(static_cast<uint8_t*>(output.data), output.nbytes());
@@ -116,7 +130,7 @@ void GlooCommunicator::all_gather(const TensorRef& input, const TensorRef& outpu
 void GlooCommunicator::barrier() {
   if (size_ == 1) return;
   translate_gloo_errors("barrier", nullptr, rank_, [&] {
-    gloo::BarrierOptions opts(context_);
+    gloo::BarrierOptions opts(context("barrier"));
     opts.setTimeout(timeout_);
     gloo::barrier(opts);
   });

@@ -29,13 +29,17 @@ class GlooCommunicator final : public Communicator {
   void broadcast(const TensorRef& tensor, int root) override;
   void all_gather(const TensorRef& input, const TensorRef& output) override;
   void barrier() override;
+  void abort() override;
 
  private:
   int rank_;
   int size_;
   std::string address_;  // what we bound, for messages
   std::chrono::milliseconds timeout_;
+  // Null once aborted: every later collective throws.
   std::shared_ptr<gloo::Context> context_;
+  // The context, or a kCommFailure naming `what` after abort().
+  const std::shared_ptr<gloo::Context>& context(const char* what) const;
 };
 
 }  // namespace hemiola

@@ -75,6 +75,10 @@ void Scheduler::loop() {
       }
       if (!failed_message_.empty()) {
         failed_ = true;
+        // Nothing runs on this lane after a failure: close its connections
+        // so that peers blocked on this rank fail now and reach the
+        // diagnosis (which ranks are missing) while this rank waits in it.
+        comm_.abort();
         failed_sequence_ = item.state->sequence;
         item.state->failure_sequence = failed_sequence_;
         error = std::make_exception_ptr(Error(failed_code_, failed_message_));

@@ -19,8 +19,15 @@ SUITES = {
 
 
 def _run(args: argparse.Namespace) -> int:
+    from hemiola.bench.netlab import NetlabError
+
     module = importlib.import_module(f"hemiola.bench.{args.suite}")
-    return int(module.run(args) or 0)
+    try:
+        return int(module.run(args) or 0)
+    except NetlabError as e:
+        print(f"hemiola bench {args.suite}: a rate-limited link needs network namespaces: {e}. "
+              "Run as root, or measure without a limit (hemiola bench speed --rates none).")
+        return 2
 
 
 def register(commands: Any) -> None:
