@@ -116,7 +116,9 @@ class Config:
             on; small tensors travel as they are. Every rank gets the same
             average, bit for bit; with
             ``priority`` and ``decoupled`` the exact step is the step with
-            that average. CPU models only for now (a CUDA model refuses it).
+            that average. CPU models; on a CUDA model ``"fp16"``/``"bf16"``
+            are written but have not run on a GPU (they need
+            ``HEMIOLA_UNTESTED_GPU_COMPRESSION=1``), the others are refused.
             ``model.register_comm_hook(state, hook)`` with torch's
             ``fp16_compress_hook``, ``bf16_compress_hook`` or
             ``powerSGD_hook`` sets this too.
