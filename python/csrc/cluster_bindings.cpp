@@ -134,11 +134,19 @@ void bind_cluster(py::module_& m) {
         o.seed = seed;
         o.first_row = first_row;
         o.max_rows = max_rows;
+        // As simulate: the GIL is taken back every few milliseconds only to
+        // let Python handle signals (Ctrl-C raises KeyboardInterrupt).
+        o.stop = [] {
+          py::gil_scoped_acquire gil;
+          if (PyErr_CheckSignals() != 0) throw py::error_already_set();
+          return false;
+        };
+        py::gil_scoped_release release;
         return load_trace(path, models, cluster, o);
       },
       py::arg("path"), py::arg("models"), py::arg("cluster"), py::arg("seed") = 0,
       py::arg("first_row") = 0, py::arg("max_rows") = -1,
-      py::call_guard<py::gil_scoped_release>(), "Jobs from a Philly-format CSV trace.");
+      "Jobs from a Philly-format CSV trace; KeyboardInterrupt on Ctrl-C while it loads.");
   // The run releases the GIL; it takes it back every few milliseconds only to
   // let Python handle signals (Ctrl-C raises KeyboardInterrupt out of the run)
   // and to ask `should_stop`, which lets another thread cancel it (signals

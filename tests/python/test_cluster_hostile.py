@@ -258,3 +258,42 @@ def test_cluster_commands_do_not_import_torch(tmp_path: Path, command: list[str]
     }
     assert "hemiola.cluster.cli" in imported  # the listing is real
     assert not {m for m in imported if m == "torch" or m.startswith("torch.")}
+
+
+def test_ctrl_c_stops_a_trace_while_it_loads(tmp_path: Path) -> None:
+    """A trace of millions of rows: Ctrl-C during the load (not after it)."""
+    rows = 4_000_000
+    trace = tmp_path / "big.csv"
+    with trace.open("w") as f:
+        f.write("timestamp,duration,num_gpus\n")
+        row = "2017-10-09 07:01:55,60,1\n"
+        for _ in range(rows // 100_000):
+            f.write(row * 100_000)
+    script = (
+        "import signal, sys, time\n"
+        "signal.signal(signal.SIGINT, signal.default_int_handler)\n"
+        "from hemiola import _C\n"
+        "c = _C.cluster\n"
+        "print('ready', flush=True)\n"
+        "start = time.perf_counter()\n"
+        "try:\n"
+        f"    c.load_trace({str(trace)!r}, c.builtin_models(), c.ClusterSpec())\n"
+        "    print('loaded', time.perf_counter() - start, flush=True)\n"
+        "except KeyboardInterrupt:\n"
+        "    print('interrupted', time.perf_counter() - start, flush=True)\n"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, cwd=tmp_path)
+    try:
+        assert proc.stdout is not None and proc.stdout.readline() == "ready\n"
+        time.sleep(0.3)
+        sent = time.perf_counter()
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=60)
+        waited = time.perf_counter() - sent
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert out.startswith("interrupted"), out + err  # not "loaded": it stopped mid-file
+    assert waited < 2, waited

@@ -29,16 +29,22 @@ class StopPoller {
 
   // Call once per event-loop step; throws Interrupted when the check says stop.
   void poll(long long events, double now_ms) {
-    // Reading the clock costs tens of nanoseconds, an event step about a
-    // microsecond: look at it only every 64 steps.
-    if (!check_ || (events & 63) != 0) return;
-    const auto t = std::chrono::steady_clock::now();
-    if (t < next_) return;
-    next_ = t + std::chrono::milliseconds(10);
-    if (check_()) {
+    if (should_stop(events)) {
       throw Interrupted("simulation interrupted after " + std::to_string(events) +
                         " events, at simulated time " + std::to_string(now_ms / 1000.0) + " s");
     }
+  }
+
+  // Call once per step of any loop: the check's answer, asked at most once
+  // per 10 ms (false in between).
+  bool should_stop(long long steps) {
+    // Reading the clock costs tens of nanoseconds, an event step about a
+    // microsecond: look at it only every 64 steps.
+    if (!check_ || (steps & 63) != 0) return false;
+    const auto t = std::chrono::steady_clock::now();
+    if (t < next_) return false;
+    next_ = t + std::chrono::milliseconds(10);
+    return check_();
   }
 
  private:

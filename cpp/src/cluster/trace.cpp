@@ -90,8 +90,13 @@ std::vector<JobSpec> parse_trace(std::istream& in, const std::string& source,
   std::vector<JobSpec> jobs;
   std::vector<long long> stamps;
   long long row = -1;
+  StopPoller poller(options.stop);
   while (reader.next()) {
     ++row;
+    if (poller.should_stop(row)) {
+      throw Interrupted("loading " + source + " interrupted at line " +
+                        std::to_string(reader.line()));
+    }
     if (row < options.first_row) continue;
     if (options.max_rows >= 0 && row >= options.first_row + options.max_rows) break;
     JobSpec job;

@@ -7,6 +7,7 @@
 #include <string>
 #include <vector>
 
+#include "interrupt.h"
 #include "job.h"
 
 namespace hemiola::cluster {
@@ -15,6 +16,9 @@ struct TraceOptions {
   std::uint64_t seed = 0;     // picks each row's model
   long long first_row = 0;    // 0-based index of the first data row to use
   long long max_rows = -1;    // -1: all rows from first_row on; otherwise > 0
+  // Asked every few milliseconds while the file is read: true stops the load
+  // with Interrupted (Python's bindings raise KeyboardInterrupt on Ctrl-C).
+  StopCheck stop;
 };
 
 // Longest duration a row may have: one year (the longest Philly job is 53 days).

@@ -88,6 +88,23 @@ TEST(Trace, MalformedRowsNameTheLine) {
                "cannot open trace file '/nonexistent/philly.csv'");
 }
 
+TEST(Trace, AStopCheckEndsALoadMidFileNamingTheLine) {
+  std::string text = kHeader;
+  for (int i = 0; i < 200000; ++i) text += "2017-10-09 07:01:55,60,1,60,x\n";
+  std::istringstream in(text);
+  TraceOptions options;
+  int calls = 0;
+  options.stop = [&calls] { return ++calls == 3; };
+  try {
+    parse_trace(in, "t.csv", builtin_models(), ClusterSpec{}, options);
+    FAIL() << "the load ignored its stop check";
+  } catch (const Interrupted& e) {
+    EXPECT_NE(std::string(e.what()).find("loading t.csv interrupted at line"), std::string::npos)
+        << e.what();
+  }
+  EXPECT_EQ(calls, 3);
+}
+
 TEST(Trace, OptionalModelAndIterationColumns) {
   auto jobs = trace("timestamp,duration,num_gpus,model,iterations\n"
                     "2017-10-09 07:00:00,60,4,resnet50,25\n"
