@@ -166,10 +166,13 @@ def measure(model: nn.Module, loss_fn: Callable[[nn.Module], torch.Tensor], repe
     engine, _ = new_engine(timeout_s=300.0)
     reduce: dict[str, float] = {}
     under: dict[str, float] = {}
+    plan: list[list[int]] = []
     for name, coding in CODINGS:
+        # DDP's buckets: 25 MiB, the first 1 MiB (the same plan for every coding).
         reduction = _Reduction(engine.make_reducer(
             specs, 25 << 20, 1 << 20, record_order=False,
             compression=compression_code(coding), powersgd_start_iteration=0), grads)
+        plan = reduction.reducer.buckets()
         reduction.run()  # warm-up (and PowerSGD's first Q)
         engine.barrier().wait()
         reduce[name] = _median_time(reduction.run, repeats)
@@ -190,33 +193,22 @@ def measure(model: nn.Module, loss_fn: Callable[[nn.Module], torch.Tensor], repe
     values = numbers.tolist()
     k = len(CODINGS)
     return Measured(values[0], values[1],
-                    bucket_profile([p.numel() * p.element_size() for p in params]),
+                    bucket_profile([p.numel() * p.element_size() for p in params], plan),
                     {n: values[2 + i] for i, (n, _) in enumerate(CODINGS)},
                     {n: values[2 + k + i] for i, (n, _) in enumerate(CODINGS)})
 
 
-def bucket_profile(nbytes: list[int], first_cap: int = 1 << 20,
-                   cap: int = 25 << 20) -> list[tuple[float, float]]:
-    """DDP's buckets over parameters of `nbytes` (registration order), as
-    (share of all bytes, share of the backward after which the bucket is
-    ready) in reduction order. Backward produces the last parameters first,
-    and a parameter's share of the bytes stands for its share of the backward
-    time; a bucket closes once it reaches its cap (`first_cap` for the first).
-    """
+def bucket_profile(nbytes: list[int], buckets: list[list[int]]) -> list[tuple[float, float]]:
+    """The engine's `buckets` (parameter indices, in reduction order) over
+    parameters of `nbytes` (registration order), as (share of all bytes,
+    share of the backward after which the bucket is ready). Backward produces
+    the last parameters first, and a parameter's share of the bytes stands
+    for its share of the backward time: a bucket is ready once its
+    earliest-registered parameter is."""
     total = sum(nbytes)
     if total == 0:
         return []
-    out: list[tuple[float, float]] = []
-    done = size = 0
-    for n in reversed(nbytes):
-        done += n
-        size += n
-        if size >= (first_cap if not out else cap):
-            out.append((size / total, done / total))
-            size = 0
-    if size:
-        out.append((size / total, 1.0))
-    return out
+    return [(sum(nbytes[i] for i in b) / total, sum(nbytes[min(b):]) / total) for b in buckets]
 
 
 def predict(m: Measured) -> list[Prediction]:

@@ -61,7 +61,7 @@ class HemiolaStrategy(DDPStrategy):
                  process_group_backend: str | None = None, timeout: Any = None,
                  **options: Any) -> None:
         # Bad options fail here, in the launching process, not in every rank.
-        self._config = Config.from_kwargs(schedule=schedule, **options)
+        Config.from_kwargs(schedule=schedule, **options)
         self._schedule = schedule
         self._options = options
         ddp: dict[str, Any] = {"start_method": start_method,
@@ -152,12 +152,6 @@ class HemiolaStrategy(DDPStrategy):
                 yield None
         else:
             yield None
-
-    def pre_backward(self, closure_loss: torch.Tensor) -> None:
-        pass
-
-    def post_backward(self, closure_loss: torch.Tensor) -> None:
-        pass
 
     def lightning_module_state_dict(self) -> dict[str, Any]:
         """The module's state with every pending update landed (exact)."""

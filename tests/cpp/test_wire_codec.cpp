@@ -37,6 +37,13 @@ std::vector<GradSpec> specs_of(const std::vector<size_t>& numels) {
   return specs;
 }
 
+// Reducer options with `compression`, the others at their defaults.
+ReducerOptions compressed(Compression compression) {
+  ReducerOptions options;
+  options.compression = compression;
+  return options;
+}
+
 class HalfWire : public ::testing::TestWithParam<std::tuple<Compression, int>> {};
 
 TEST_P(HalfWire, IsTheCastPreDividedSumCastBack) {
@@ -48,8 +55,7 @@ TEST_P(HalfWire, IsTheCastPreDividedSumCastBack) {
   const auto specs = specs_of(numels);
   std::vector<std::vector<std::vector<float>>> results(world);
   run_ranks(world, [&](Engine& e) {
-    ReducerOptions options;
-    options.compression = compression;
+    ReducerOptions options = compressed(compression);
     options.fusion_bytes = options.first_bucket_bytes = 4096;
     auto reducer = e.make_reducer(specs, options);
     std::vector<std::vector<float>> grads;
@@ -109,8 +115,7 @@ TEST_P(Int8Wire, AveragesWithErrorFeedbackCarriedAcrossIterations) {
       world, std::vector<std::vector<std::vector<float>>>(iterations));
   std::vector<std::vector<std::vector<float>>> residuals(world);
   run_ranks(world, [&](Engine& e) {
-    ReducerOptions options;
-    options.compression = Compression::kInt8;
+    ReducerOptions options = compressed(Compression::kInt8);
     options.fusion_bytes = options.first_bucket_bytes = 2048;
     auto reducer = e.make_reducer(specs, options);
     for (int it = 0; it < iterations; ++it) {
@@ -207,9 +212,7 @@ INSTANTIATE_TEST_SUITE_P(Worlds, Int8Wire, ::testing::Values(1, 2, 3));
 TEST(Int8Wire, ANonFiniteGradientGivesANonFiniteAverageOnEveryRank) {
   const auto specs = specs_of({600});
   run_ranks(2, [&](Engine& e) {
-    ReducerOptions options;
-    options.compression = Compression::kInt8;
-    auto reducer = e.make_reducer(specs, options);
+    auto reducer = e.make_reducer(specs, compressed(Compression::kInt8));
     std::vector<float> g(600, 1.0f);
     if (e.rank() == 1) g[300] = std::numeric_limits<float>::infinity();
     reducer->mark_ready(0, TensorRef{g.data(), DType::kFloat32, 600, {}});
@@ -231,8 +234,7 @@ TEST(Int8Wire, ANonFiniteGradientGivesANonFiniteAverageOnEveryRank) {
 TEST(Compression, RefusedWhereItCannotWork) {
   const auto specs = specs_of({10});
   run_ranks(1, [&](Engine& e) {
-    ReducerOptions options;
-    options.compression = Compression::kFp16;
+    ReducerOptions options = compressed(Compression::kFp16);
     options.average = false;
     EXPECT_THROW(e.make_reducer(specs, options), Error);
     ReducerOptions plain;
@@ -244,9 +246,7 @@ TEST(Compression, RefusedWhereItCannotWork) {
 TEST(Compression, OtherDtypesTravelAsTheyAre) {
   std::vector<GradSpec> specs = {{DType::kFloat64, 100, "d"}};
   run_ranks(2, [&](Engine& e) {
-    ReducerOptions options;
-    options.compression = Compression::kInt8;
-    auto reducer = e.make_reducer(specs, options);
+    auto reducer = e.make_reducer(specs, compressed(Compression::kInt8));
     std::vector<double> g(100, 0.1 * (e.rank() + 1) + 1e-12);
     reducer->mark_ready(0, TensorRef{g.data(), DType::kFloat64, 100, {}});
     reducer->wait();
@@ -273,8 +273,7 @@ TEST_P(PowerSgdWire, LowRankWithErrorFeedbackAndExactSmallTensors) {
   std::vector<std::vector<std::vector<std::vector<float>>>> residuals(
       world, std::vector<std::vector<std::vector<float>>>(iterations));
   run_ranks(world, [&](Engine& e) {
-    ReducerOptions options;
-    options.compression = Compression::kPowerSgd;
+    ReducerOptions options = compressed(Compression::kPowerSgd);
     options.powersgd_rank = rank;
     options.powersgd_start_iteration = 1;  // iteration 0 travels uncompressed
     auto reducer = e.make_reducer(specs, options);
@@ -383,8 +382,7 @@ TEST(PowerSgdWire, AnAverageThatIsItselfLowRankIsRecovered) {
     return g;
   };
   run_ranks(2, [&](Engine& e) {
-    ReducerOptions options;
-    options.compression = Compression::kPowerSgd;
+    ReducerOptions options = compressed(Compression::kPowerSgd);
     options.powersgd_start_iteration = 0;
     auto reducer = e.make_reducer(specs, options);
     auto g = grad_of(e.rank());
@@ -401,8 +399,7 @@ TEST(PowerSgdWire, AnAverageThatIsItselfLowRankIsRecovered) {
 
 // PowerSGD from the first iteration on, the options of the tests below.
 ReducerOptions powersgd_now() {
-  ReducerOptions options;
-  options.compression = Compression::kPowerSgd;
+  ReducerOptions options = compressed(Compression::kPowerSgd);
   options.powersgd_start_iteration = 0;
   return options;
 }
@@ -454,8 +451,7 @@ TEST_P(UnusedKeepsResidual, AnUnusedTensorContributesZerosAndKeepsItsResidual) {
   std::vector<GradSpec> specs = {{DType::kFloat32, n * n, "w", n},
                                  {DType::kFloat32, n * n, "v", n}};
   run_ranks(2, [&](Engine& e) {
-    ReducerOptions options;
-    options.compression = GetParam();
+    ReducerOptions options = compressed(GetParam());
     options.powersgd_start_iteration = 0;
     auto reducer = e.make_reducer(specs, options);
     std::vector<std::vector<float>> grads(2);
@@ -488,9 +484,7 @@ INSTANTIATE_TEST_SUITE_P(Codings, UnusedKeepsResidual,
 TEST(Int8Wire, ABlockOfTinyValuesIsKeptNotMiscoded) {
   const auto specs = specs_of({300});
   run_ranks(1, [&](Engine& e) {
-    ReducerOptions options;
-    options.compression = Compression::kInt8;
-    auto reducer = e.make_reducer(specs, options);
+    auto reducer = e.make_reducer(specs, compressed(Compression::kInt8));
     std::vector<float> g(300, 0.0f);
     g[0] = 1e-37f;  // its block's scale (1e-37 / 127) has no finite inverse
     reducer->mark_ready(0, TensorRef{g.data(), DType::kFloat32, 300, {}});

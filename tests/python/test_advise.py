@@ -49,16 +49,26 @@ def test_bad_model_specs_are_refused(spec: str, words: str) -> None:
         advise.load_factory(spec)
 
 
+def _profile(nbytes: list[int], first_cap: int = 1 << 20,
+             cap: int = 25 << 20) -> list[tuple[float, float]]:
+    """bucket_profile over the engine's own plan of float32 gradients of `nbytes`."""
+    from hemiola._native import C
+
+    engine = C.Engine(0, 1, C.MemoryStore())
+    specs = [(int(C.DType.float32), n // 4, f"p{i}") for i, n in enumerate(nbytes)]
+    plan = engine.make_reducer(specs, cap, first_cap, record_order=False).buckets()
+    return advise.bucket_profile(nbytes, plan)
+
+
 def test_bucket_profile_follows_ddps_rule() -> None:
     mib = 1 << 20
     # registration order; backward (and the buckets) run from the last
-    profile = advise.bucket_profile([10 * mib, 10 * mib, 10 * mib, mib // 2, mib // 2],
-                                    cap=15 * mib)
+    profile = _profile([10 * mib, 10 * mib, 10 * mib, mib // 2, mib // 2], cap=15 * mib)
     # first bucket: the two halves (reaches 1 MiB); then 10 + 10 reaches 15;
     # the last 10 MiB closes at the end
     assert profile == [(1 / 31, 1 / 31), (20 / 31, 21 / 31), (10 / 31, 1.0)]
-    assert advise.bucket_profile([]) == []
-    assert sum(s for s, _ in advise.bucket_profile([3, 5, 7], first_cap=4, cap=4)) == 1.0
+    assert advise.bucket_profile([], []) == []
+    assert sum(s for s, _ in _profile([12, 20, 28], first_cap=16, cap=16)) == 1.0
 
 
 def test_predictions_follow_the_model() -> None:

@@ -1,7 +1,8 @@
-// The CUDA runtime view (cuda/device.h), and the one kernel the engine
-// launches (cuda::unpack, cast, cast_divide) and the optimizer's GPU steps, in a build without CUDA: no devices,
-// and every other call refuses with what to do. Compiled instead of
-// cuda/device.cu, so engine code needs no #if around its device path.
+// The CUDA runtime view (cuda/device.h), the kernels the engine launches
+// (cuda::unpack, cast, cast_divide) and the optimizer's GPU steps, in a build
+// without CUDA: no devices, and every other call refuses with what to do.
+// Compiled instead of cuda/device.cu, so engine code needs no #if around its
+// device path.
 #include "device.h"
 #include "kernels.h"
 

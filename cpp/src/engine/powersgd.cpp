@@ -6,6 +6,7 @@
 #include <random>
 
 #include "hemiola/status.h"
+#include "optim/grad_norm.h"
 
 namespace hemiola {
 
@@ -171,9 +172,8 @@ void PowerSgd::reduce_average(const PlannedBucket& plan, float* data, Communicat
   at = 0;
   for (size_t x = 0; x < matrices.size(); ++x) {
     const Matrix& mx = matrices[x];
-    float bad = 0.0f;
-    for (size_t i = 0; i < mx.rows * mx.rank; ++i) bad += ps_[at + i] - ps_[at + i];
-    finite[x] = bad == 0.0f;
+    finite[x] = optim::all_finite(ps_.data() + at,
+                                  static_cast<std::int64_t>(mx.rows * mx.rank), DType::kFloat32);
     if (finite[x]) orthogonalise(ps_.data() + at, mx.rows, mx.rank);
     at += mx.rows * mx.rank;
   }
@@ -200,9 +200,8 @@ void PowerSgd::reduce_average(const PlannedBucket& plan, float* data, Communicat
     float* residual = residuals_[t].data() + plan.begins[mx.piece];
     const float* p = ps_.data() + at;
     const float* q = qsum_.data() + qat;
-    float bad = 0.0f;
-    for (size_t i = 0; i < mx.cols * mx.rank; ++i) bad += q[i] - q[i];
-    if (!finite[x] || bad != 0.0f) {
+    if (!finite[x] ||
+        !optim::all_finite(q, static_cast<std::int64_t>(mx.cols * mx.rank), DType::kFloat32)) {
       const size_t n = mx.rows * mx.cols;
       std::fill(m, m + n, std::numeric_limits<float>::quiet_NaN());
       std::fill(residual, residual + n, 0.0f);

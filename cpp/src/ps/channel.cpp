@@ -590,10 +590,8 @@ Socket connect_to_server(Store& store, int server_index, int worker, const std::
                          std::chrono::milliseconds timeout, const std::string& server_name) {
   const auto deadline = Clock::now() + timeout;
   const std::string published = store.get(address_key(server_index), timeout);
-  if (published.rfind(kStartupFailed, 0) == 0) {
-    HEMIOLA_THROW(ErrorCode::kInvalidArgument, server_name, " ",
-                  published.substr(0, sizeof kStartupFailed - 3), ": ",
-                  published.substr(sizeof kStartupFailed - 1),
+  if (published.rfind(kStartupFailed, 0) == 0) {  // "failed to start: why"
+    HEMIOLA_THROW(ErrorCode::kInvalidArgument, server_name, " ", published,
                   " (this worker cannot train without it)");
   }
   const auto space = published.rfind(' ');

@@ -1,6 +1,5 @@
 #include "ps/snapshot.h"
 
-#include <cmath>
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
@@ -9,6 +8,7 @@
 #include <set>
 
 #include "hemiola/status.h"
+#include "optim/grad_norm.h"
 
 namespace hemiola::ps {
 
@@ -158,11 +158,11 @@ void check_snapshot(const std::string& path, const ServerSnapshot& s) {
                   " has ", n, " parameters but optimizer state of ", k.optimizer.m.size(),
                   " and ", k.optimizer.v.size(), " values; refusing to load it");
     for (const auto* values : {&k.param, &k.optimizer.m, &k.optimizer.v}) {
-      for (float x : *values) {
-        HEMIOLA_CHECK(std::isfinite(x), where, " holds a non-finite ",
-                      values == &k.param ? "parameter" : "optimizer state",
-                      " value; refusing to load it");
-      }
+      HEMIOLA_CHECK(optim::all_finite(values->data(), static_cast<std::int64_t>(values->size()),
+                                      DType::kFloat32),
+                    where, " holds a non-finite ",
+                    values == &k.param ? "parameter" : "optimizer state",
+                    " value; refusing to load it");
     }
   }
 }
