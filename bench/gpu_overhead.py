@@ -1,17 +1,18 @@
 """Engine overhead per iteration on one GPU, ResNet-50, one rank.
 
-    python bench/gpu_overhead.py [--batch 64] [--iterations 30] [--rounds 3]
+    python bench/gpu_overhead.py [--batch 64] [--iterations 30] [--rounds 3] [--out DIR]
 
 Trains torchvision's ResNet-50 (161 parameter tensors, 25.6M parameters) with
 SGD on random data and times an iteration (forward, backward, step) for:
 the bare model (no data parallelism at all), torch DDP (NCCL), and hemiola's
-schedules over NCCL. With one rank every all-reduce is a copy, so the
+schedules over NCCL (``SCHEDULE:native`` steps with the engine's updater,
+``native_optimizer=True``). With one rank every all-reduce is a copy, so the
 difference to the bare model is what the engine itself costs: hooks, copies
 into the fusion buffers, the reduction, the unpack, and stream waits. The
 target is <= 1% of the iteration. Variants alternate over several rounds and
 each is the median round; timing uses CUDA-synchronised wall clock. Needs a
-GPU, torchvision and a CUDA build of hemiola; writes
-bench/results/gpu_overhead.jsonl.
+GPU, torchvision and a CUDA build of hemiola; writes OUT/gpu_overhead.jsonl
+(default bench/results).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -46,7 +48,9 @@ def make_step(variant: str, batch: int) -> tuple[Step, torch.nn.Module]:
         group = dist.new_group(backend="nccl")
         run = torch.nn.parallel.DistributedDataParallel(model, process_group=group)
     elif variant != "bare":
-        run, opt = hemiola.wrap(model, opt, schedule=variant, gpu_backend="nccl")
+        schedule, _, native = variant.partition(":")
+        run, opt = hemiola.wrap(model, opt, schedule=schedule, gpu_backend="nccl",
+                                native_optimizer=True if native == "native" else None)
 
     def step() -> None:
         opt.zero_grad(set_to_none=True)
@@ -72,6 +76,7 @@ def main() -> None:
     parser.add_argument("--iterations", type=int, default=30)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--variants", default="bare,ddp,wfbp,priority,decoupled")
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="results directory")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("needs a CUDA GPU")
@@ -111,7 +116,7 @@ def main() -> None:
             }
         )
         print(f"{v:10} {ms:9.2f} {ms / bare - 1:+9.2%}")
-    path = write_lines(DEFAULT_OUT / "gpu_overhead.jsonl", rows)
+    path = write_lines(args.out / "gpu_overhead.jsonl", rows)
     print("device:", torch.cuda.get_device_name(), "| written", path)
     dist.destroy_process_group()
 

@@ -56,6 +56,8 @@ MODELS = {
     "mlp": "9.4M-parameter MLP (37.8 MB of gradients): communication > computation at 1 Gbit/s",
     "cnn": "0.39M-parameter CNN with BatchNorm, batch 16 of 32x32 images",
     "transformer": "3.5M-parameter 2-layer transformer LM, 8 x 64 tokens",
+    "resnet50": "torchvision ResNet-50 (25.6M parameters, 102 MB of gradients), batch 64 "
+                "of 224x224 images: for a GPU (--device cuda)",
 }
 
 #: The configurations a user compares against, in the order of the tables.
@@ -90,6 +92,11 @@ def make_model(name: str, mlp_batch: int = MLP_BATCH,
         model = _TinyLM()
         tokens = torch.randint(0, 8000, (8, 65))
         return model, tokens[:, :-1], tokens[:, 1:].flatten()
+    if name == "resnet50":
+        import torchvision
+
+        return (torchvision.models.resnet50(), torch.randn(64, 3, 224, 224),
+                torch.randint(0, 1000, (64,)))
     raise ValueError(f"unknown model {name!r}; known: {', '.join(MODELS)}")
 
 
@@ -107,13 +114,17 @@ class _TinyLM(nn.Module):
 
 def timed_iterations(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor,
                      y: torch.Tensor, n: int) -> list[float]:
-    """Seconds of each of `n` training iterations (zero_grad, forward, backward, step)."""
+    """Seconds of each of `n` training iterations (zero_grad, forward, backward,
+    step); on a GPU each ends when the device has finished its work."""
+    cuda = x.is_cuda
     times = []
     for _ in range(n):
         start = time.perf_counter()
         opt.zero_grad()
         nn.functional.cross_entropy(model(x), y).backward()
         opt.step()
+        if cuda:
+            torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
     return times
 
@@ -140,6 +151,8 @@ def _build(variant: str, config: dict[str, Any]) -> tuple[nn.Module, torch.optim
     import hemiola
 
     model, x, y = make_model(config["model"], config["mlp_batch"], config["mlp_width"])
+    device = torch.device(config["device"])
+    model, x, y = model.to(device), x.to(device), y.to(device)
     if variant.startswith("ddp"):
         # PowerSGD's hook issues its later all-reduces from Gloo's completion
         # threads, so with two buckets the ranks can issue them in different
@@ -157,6 +170,10 @@ def _build(variant: str, config: dict[str, Any]) -> tuple[nn.Module, torch.optim
                 options.setdefault("powersgd_start_iter", config["powersgd_start"])
         if config["fusion_mb"] is not None:
             options["fusion_mb"] = config["fusion_mb"]
+        if device.type == "cuda":
+            # Several ranks share the one GPU: NCCL refuses that, so both DDP
+            # (torch's Gloo) and hemiola stage CUDA tensors through the host.
+            options.setdefault("gpu_backend", "gloo")
         model, opt = hemiola.wrap(model, opt, schedule=schedule,
                                   timeline=config["timeline"] is not None, **options)
     return model, opt, x, y
@@ -238,6 +255,8 @@ def rows_of(result: dict[str, Any], rate: str, model: str, world: int,
             "vs_ddp": s["median"] / ddp if ddp and not variant.startswith("comm") else None,
             "bound_ms": bound, "params": result["params"], "batch": result["batch"],
             "grad_mb": 4 * result["params"] / 1e6, "fusion_mb": config["fusion_mb"],
+            "device": config["device"],
+            "mps_percent": os.environ.get("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"),
             "powersgd_start": config["powersgd_start"],
             "hemiola_options": config["hemiola_options"]})
     return rows
@@ -328,6 +347,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--powersgd-start", type=int, default=2,
                         help="iterations before PowerSGD compresses, DDP and hemiola alike "
                              "(default 2: the measured iterations are all compressed)")
+    parser.add_argument("--device", default="cpu",
+                        help="cpu, or cuda: every rank trains on the one GPU (cuda:0) and "
+                             "DDP and hemiola reduce over Gloo staged through the host")
     parser.add_argument("--mlp-batch", type=int, default=MLP_BATCH)
     parser.add_argument("--mlp-width", type=int, default=MLP_WIDTH)
     parser.add_argument("--timeout-s", type=float, default=1800.0, help="per rate and model")
@@ -367,7 +389,8 @@ def run(args: argparse.Namespace) -> int:
                 if args.timeline:
                     Path(args.timeline).mkdir(parents=True, exist_ok=True)
                     timeline = str(Path(args.timeline).resolve() / f"{rate}-{model}")
-                config = {"model": model, "schedules": schedules, "baselines": baselines,
+                config = {"model": model, "device": args.device, "schedules": schedules,
+                          "baselines": baselines,
                           "iterations": args.iterations, "blocks": args.blocks,
                           "mlp_batch": args.mlp_batch, "mlp_width": args.mlp_width,
                           "fusion_mb": args.fusion_mb, "powersgd_start": args.powersgd_start,
