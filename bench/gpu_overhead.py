@@ -3,16 +3,16 @@
     python bench/gpu_overhead.py [--batch 64] [--iterations 30] [--rounds 3] [--out DIR]
 
 Trains torchvision's ResNet-50 (161 parameter tensors, 25.6M parameters) with
-SGD on random data and times an iteration (forward, backward, step) for:
-the bare model (no data parallelism at all), torch DDP (NCCL), and hemiola's
-schedules over NCCL (``SCHEDULE:native`` steps with the engine's updater,
-``native_optimizer=True``). With one rank every all-reduce is a copy, so the
-difference to the bare model is what the engine itself costs: hooks, copies
-into the fusion buffers, the reduction, the unpack, and stream waits. The
-target is <= 1% of the iteration. Variants alternate over several rounds and
-each is the median round; timing uses CUDA-synchronised wall clock. Needs a
-GPU, torchvision and a CUDA build of hemiola; writes OUT/gpu_overhead.jsonl
-(default bench/results).
+SGD on random data and times an iteration (forward, backward, step) for: the
+bare model (no data parallelism at all), torch DDP (NCCL), and hemiola's
+schedules over NCCL (``SCHEDULE:torch`` steps with torch's optimizer,
+``native_optimizer=False``, instead of the engine's updater). With one rank
+every all-reduce is a copy, so the difference to the bare model is what the
+engine itself costs: hooks, copies into the fusion buffers, the reduction, the
+unpack, and stream waits. The target is <= 1% of the iteration. Variants
+alternate over several rounds and each is the median round; timing uses CUDA-
+synchronised wall clock. Needs a GPU, torchvision and a CUDA build of hemiola;
+writes OUT/gpu_overhead.jsonl (default bench/results).
 """
 
 from __future__ import annotations
@@ -48,9 +48,9 @@ def make_step(variant: str, batch: int) -> tuple[Step, torch.nn.Module]:
         group = dist.new_group(backend="nccl")
         run = torch.nn.parallel.DistributedDataParallel(model, process_group=group)
     elif variant != "bare":
-        schedule, _, native = variant.partition(":")
+        schedule, _, path = variant.partition(":")
         run, opt = hemiola.wrap(model, opt, schedule=schedule, gpu_backend="nccl",
-                                native_optimizer=True if native == "native" else None)
+                                native_optimizer=False if path == "torch" else None)
 
     def step() -> None:
         opt.zero_grad(set_to_none=True)

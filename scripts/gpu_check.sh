@@ -12,7 +12,7 @@
 #
 # Steps (each under its own time limit, so one that hangs still leaves the others'
 # results; GPU_CHECK_TESTS_S, GPU_CHECK_OVERHEAD_S, GPU_CHECK_SPEED_S override them):
-#   1. pytest -m gpu tests/python (with the GPU wire compression enabled)   -> gpu-tests.log
+#   1. pytest -m gpu tests/python   -> gpu-tests.log
 #   2. one rank, ResNet-50: bare, DDP, each schedule (+ the engine's updater) -> gpu_overhead.jsonl
 #   3. two ranks sharing the GPU under CUDA MPS (half the SMs each), in network
 #      namespaces at 5 and 20 Gbit/s: bound, DDP (+ hooks), each schedule    -> gpu_speed.jsonl
@@ -40,14 +40,14 @@ $py -c "import hemiola, torch; print('torch', torch.__version__); print(hemiola.
 echo "== 1. GPU tests"
 xdist=()
 $py -c "import xdist" 2>/dev/null && xdist=(-n 4)
-HEMIOLA_UNTESTED_GPU_COMPRESSION=1 timeout "${GPU_CHECK_TESTS_S:-210}" \
+timeout "${GPU_CHECK_TESTS_S:-210}" \
   $py -m pytest -m gpu tests/python -q -rfEs "${xdist[@]}" -p no:cacheprovider \
   --junitxml "$out/gpu-tests.xml" 2>&1 | tee "$out/gpu-tests.log" | tail -40
 tests_rc=${PIPESTATUS[0]}
 
 echo "== 2. one-rank overhead (ResNet-50)"
 timeout "${GPU_CHECK_OVERHEAD_S:-100}" $py bench/gpu_overhead.py --out "$out" \
-  --variants bare,ddp,wfbp,priority,decoupled,priority:native,decoupled:native \
+  --variants bare,ddp,wfbp,priority,decoupled,priority:torch,decoupled:torch \
   --iterations 20 --rounds 3 2>&1 | tail -15
 overhead_rc=${PIPESTATUS[0]}
 
@@ -61,7 +61,7 @@ if [ "$(id -u)" = 0 ] && command -v tc >/dev/null && command -v nvidia-cuda-mps-
     echo "gpu_check: CUDA MPS did not start; the two ranks time-share the GPU instead"
     unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY; mps=100
   fi
-  HEMIOLA_UNTESTED_GPU_COMPRESSION=1 CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=$mps \
+  CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=$mps \
     timeout "${GPU_CHECK_SPEED_S:-200}" $py -m hemiola bench speed --device cuda \
     --models resnet50 --rates 5gbit,20gbit --world-size 2 --iterations 12 --blocks 3 \
     --schedules wfbp,priority,decoupled,wfbp+fp16,decoupled+fp16 \

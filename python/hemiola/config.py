@@ -116,9 +116,8 @@ class Config:
             on; small tensors travel as they are. Every rank gets the same
             average, bit for bit; with
             ``priority`` and ``decoupled`` the exact step is the step with
-            that average. CPU models; on a CUDA model ``"fp16"``/``"bf16"``
-            are written but have not run on a GPU (they need
-            ``HEMIOLA_UNTESTED_GPU_COMPRESSION=1``), the others are refused.
+            that average. On a CUDA model ``"fp16"`` and ``"bf16"``; the
+            others are CPU only and refused there.
             ``model.register_comm_hook(state, hook)`` with torch's
             ``fp16_compress_hook``, ``bf16_compress_hook`` or
             ``powerSGD_hook`` sets this too.
@@ -129,12 +128,10 @@ class Config:
         native_optimizer: ``priority`` and ``decoupled``: the engine lands
             the updates and steps ``torch.optim.SGD``, ``Adam`` and ``AdamW``
             itself (on the optimizer's own state tensors; no Python work per
-            parameter). ``None`` (default): for CPU
-            parameters. ``True``: for CUDA parameters too (the fused
-            kernels on the compute stream; built and compiled, not yet run
-            on a GPU: it warns once). Otherwise, and for other optimizers,
-            updates land through torch's step, with a one-line warning at
-            wrap time. ``False``: always torch's step.
+            parameter; on a GPU the fused kernels on the compute stream).
+            ``None`` (default) or ``True``: wherever it can; for other
+            optimizers updates land through torch's step, with a one-line
+            warning at wrap time. ``False``: always torch's step.
     """
 
     schedule: str = "wfbp"

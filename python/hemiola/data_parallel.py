@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import os
 from collections.abc import Iterator
 from typing import Any
 
@@ -197,19 +196,13 @@ class DataParallel(nn.Module):
         self.config = config
 
     def _refuse_compression_on_gpu(self, compression: str | None) -> None:
-        """Compression on a CUDA model: fp16 and bf16 are written (the engine
-        casts on its stream) but have not run on a GPU yet, so they stay off
-        unless HEMIOLA_UNTESTED_GPU_COMPRESSION=1 says to try them; int8 and
-        powersgd are CPU only."""
+        """Compression on a CUDA model: fp16 and bf16 (the engine casts on its
+        stream); int8 and powersgd are CPU only."""
         if compression is None or self.device.type != "cuda":
             return
         if compression not in ("fp16", "bf16"):
             raise ValueError(f"compression={compression!r} is implemented for CPU models only; "
                              "on a GPU use compression='fp16' or 'bf16', or None")
-        if os.environ.get("HEMIOLA_UNTESTED_GPU_COMPRESSION") != "1":
-            raise ValueError(f"compression={compression!r} on a CUDA model has not run on a GPU "
-                             "yet; leave compression=None, or set "
-                             "HEMIOLA_UNTESTED_GPU_COMPRESSION=1 to try it (and tell us)")
 
     def comm_state_dict(self) -> dict[str, torch.Tensor]:
         """The communication state a checkpoint must carry to resume exactly:

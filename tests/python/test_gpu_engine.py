@@ -171,7 +171,8 @@ def test_half_wire_on_the_gpu(backend: str, compression: str) -> None:
 # the trajectory timing-independent; its on-arrival path on the GPU is
 # checked against wfbp below.
 SCHEDULES = ["wfbp", "priority", "decoupled-on-bound"]
-#: the same with the engine's updater on the GPU (native_optimizer=True)
+#: with the engine's updater on the GPU (the default; the names without
+#: -native step with torch's optimizer, native_optimizer=False)
 NATIVE = ["priority-native", "decoupled-on-bound-native"]
 
 

@@ -393,7 +393,7 @@ def _agreement(a: dict[str, Any], b: dict[str, Any]) -> dict[str, float]:
 def gpu_matches_cpu(rank: int, world: int, schedule: str, model_name: str, opt_name: str,
                     steps: int, gpu_backend: str, native: bool = False) -> dict[str, float]:
     """Trains with `schedule` on the CPU and on the GPU (through `gpu_backend`;
-    `native`: the GPU run steps with the engine's updater, native_optimizer=True);
+    `native`: the GPU run steps with the engine's updater, else with torch's);
     returns how far the two runs' parameters and losses are apart."""
     # Full float32 on the GPU (no TF32), so the two runs differ by rounding only.
     torch.backends.cudnn.allow_tf32 = False
@@ -403,8 +403,7 @@ def gpu_matches_cpu(rank: int, world: int, schedule: str, model_name: str, opt_n
     if schedule == "decoupled-on-bound":  # corrections land independently of timing
         schedule, options = "decoupled", {"correct_on_arrival": False}
     cpu = schedule_run(rank, world, schedule, model_name, opt_name, steps, False, **options)
-    if native:
-        options["native_optimizer"] = True
+    options["native_optimizer"] = native
     gpu = schedule_run(rank, world, schedule, model_name, opt_name, steps, False, device="cuda",
                        gpu_backend=gpu_backend, **options)
     return {
@@ -422,7 +421,7 @@ def gpu_schedules_agree(rank: int, world: int, model_name: str, opt_name: str, s
     gpu = {"device": "cuda", "gpu_backend": gpu_backend}
     a = schedule_run(rank, world, "wfbp", model_name, opt_name, steps, True, **gpu)
     b = schedule_run(rank, world, "decoupled", model_name, opt_name, steps, True, **gpu,
-                     native_optimizer=True if native else None)
+                     native_optimizer=native)
     return _agreement(a, b)
 
 

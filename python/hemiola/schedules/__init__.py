@@ -42,7 +42,7 @@ def make_schedule(name: str, model: DataParallel, optimizer: Any) -> Schedule:
     optimizer, else through torch's step (saying why, once)."""
     native = model.config.native_optimizer
     if name != "wfbp" and native is not False:
-        reason = unsupported(optimizer, model._params, gpu=native is True)
+        reason = unsupported(optimizer, model._params)
         if reason is None:
             return NativeUpdate(model, optimizer)
         if optimizer is not None and model._params:
@@ -50,7 +50,7 @@ def make_schedule(name: str, model: DataParallel, optimizer: Any) -> Schedule:
                           f"engine's: {reason}", stacklevel=4)
     if name == "decoupled" and model.config.preview:
         warnings.warn("hemiola: preview=True needs the engine's updater (native_optimizer; "
-                      "SGD, Adam or AdamW on CPU parameters); this model steps "
+                      "SGD, Adam or AdamW); this model steps "
                       "with torch's optimizer and takes no preview", stacklevel=4)
     return _SCHEDULES[name](model)
 

@@ -10,9 +10,8 @@ state lives in the optimizer's own tensors, in torch's format, so
 ``optimizer.state_dict()`` and ``load_state_dict()`` are torch's.
 
 The engine steps ``torch.optim.SGD``, ``Adam`` and ``AdamW`` (``decoupled``
-with any ``in_flight``): CPU parameters by default, CUDA parameters with
-``native_optimizer=True`` (every kernel, copy and wait on the current
-stream; not yet run on a GPU). Everything else takes the torch path
+with any ``in_flight``) on CPU and CUDA parameters (on a GPU every kernel,
+copy and wait is on the current stream). Everything else takes the torch path
 (``hemiola.schedules.torch_update``) with a one-line warning at wrap time
 saying why.
 """
@@ -40,18 +39,14 @@ PREVIEW_BY_DEFAULT = ("adam", "adamw")
 Hyper = tuple[float, float, float, float, bool, bool, float, float, float, bool]
 
 
-def unsupported(optimizer: Any, params: list[torch.Tensor], gpu: bool = False) -> str | None:
-    """Why the engine cannot step `optimizer` for these parameters (None: it
-    can). `gpu`: CUDA parameters are allowed (``native_optimizer=True``)."""
+def unsupported(optimizer: Any, params: list[torch.Tensor]) -> str | None:
+    """Why the engine cannot step `optimizer` for these parameters (None: it can)."""
     name = type(optimizer).__name__
     if type(optimizer) not in _KINDS:
         return f"{name} is not one of the engine's optimizers (SGD, Adam, AdamW)"
     if not params:
         return "the model has no trainable parameters"
     on_gpu = any(p.device.type == "cuda" for p in params)
-    if on_gpu and not gpu:
-        return ("on a GPU the engine's updater is opt-in until it has been run on one "
-                "(native_optimizer=True)")
     if any(p.device.type not in ("cpu", "cuda") for p in params):
         return "the engine's updater steps CPU and CUDA parameters only"
     if on_gpu and any(p.dtype == torch.float64 for p in params):
@@ -94,10 +89,6 @@ class NativeUpdate(DeferredSchedule):
         if model.config.preview and not self.preview and self._decoupled:
             warnings.warn("hemiola: preview=True is implemented for CPU models with "
                           "in_flight=1 only; this model takes no preview", stacklevel=5)
-        if self._cuda:
-            warnings.warn("hemiola: native_optimizer=True steps CUDA parameters with the "
-                          "engine's kernels, a path not yet run on a GPU; compare with "
-                          "native_optimizer=None on your model first", stacklevel=5)
 
     def wrap_optimizer(self, optimizer: Any) -> Any:
         optimizer = super().wrap_optimizer(optimizer)

@@ -1,7 +1,7 @@
 """The landing path that steps with torch's optimizer: the fallback of
 ``priority`` and ``decoupled`` for what the engine's updater does not cover
-(optimizers other than SGD / Adam / AdamW, GPU parameters unless
-``native_optimizer=True``; see ``hemiola.schedules.native``). The landing
+(optimizers other than SGD / Adam / AdamW, non-contiguous parameters, or
+``native_optimizer=False``; see ``hemiola.schedules.native``). The landing
 logic here mirrors the engine's (cpp/src/engine/updater.cpp) with
 per-parameter Python bookkeeping, which is why it is only the fallback."""
 
