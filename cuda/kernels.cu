@@ -265,16 +265,6 @@ void launch_cast_divide(const float* src, void* dst, std::int64_t numel, float d
   HEMIOLA_CHECK_LAUNCH("cast_divide");
 }
 
-template <typename T>
-__global__ void __launch_bounds__(kThreads)
-    scale_kernel(T* __restrict__ data, std::int64_t numel, Scale<T> transform) {
-  const std::int64_t stride = static_cast<std::int64_t>(blockDim.x) * gridDim.x;
-  for (std::int64_t i = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-       i < numel; i += stride) {
-    data[i] = transform(data[i]);
-  }
-}
-
 // ---- SGD ------------------------------------------------------------------
 
 // Float constants of one SGD step, derived on the host in double.
@@ -437,19 +427,6 @@ void unpack(const FusionSlot* slots, std::int64_t slot_count, std::int64_t exten
     using T = typename decltype(tag)::type;
     const Scale<T> transform{static_cast<typename Elem<T>::Math>(scale)};
     launch_fusion<false, T>(slots, slot_count, extent, source, transform, stream);
-  });
-}
-
-void scale(void* data, DType dtype, std::int64_t numel, double factor, void* stream) {
-  HEMIOLA_CHECK(numel >= 0, "scale: negative element count ", numel);
-  HEMIOLA_CHECK(numel == 0 || data, "scale: null pointer");
-  if (numel == 0) return;
-  dispatch_floating(dtype, /*with_double=*/true, "scale", [&](auto tag) {
-    using T = typename decltype(tag)::type;
-    const Scale<T> transform{static_cast<typename Elem<T>::Math>(factor)};
-    scale_kernel<T><<<elementwise_blocks(numel), kThreads, 0, as_stream(stream)>>>(
-        static_cast<T*>(data), numel, transform);
-    HEMIOLA_CHECK_LAUNCH("scale");
   });
 }
 

@@ -59,11 +59,6 @@ HEMIOLA_API void cast(const void* src, DType src_dtype, void* dst, DType dst_dty
 HEMIOLA_API void cast_divide(const float* src, void* dst, DType half, std::int64_t numel,
                              float divisor, void* stream);
 
-// data[i] *= factor, in place, for a floating dtype: the product in float
-// (double for float64), rounded once, as the host's scale_in_place, so an
-// average taken on the device equals one taken on the host bit for bit.
-HEMIOLA_API void scale(void* data, DType dtype, std::int64_t numel, double factor, void* stream);
-
 // ---- fused optimizer steps for the decoupled schedule ---------------------
 //
 // Parameters, gradients and optimizer state share one floating dtype (float32,

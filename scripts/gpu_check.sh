@@ -5,9 +5,10 @@
 #
 #   bash scripts/gpu_check.sh [OUT_DIR]          # default: bench/results/gpu_check
 #
-# On the lent machine (see docs/development.md#gpu-tests), from the checkout with
+# On the lent machine (see docs/gpu.md), from the checkout with
 # .device-kit carried:
 #   export CMAKE_ARGS=-DHEMIOLA_CUDA_ARCHITECTURES=90 CMAKE_BUILD_PARALLEL_LEVEL=16
+#   export HEMIOLA_BENCH_COMMIT=<the commit you run: that copy's .git is not the tree's>
 #   source .device-kit/enter.sh && bash scripts/gpu_check.sh "$OUT"
 #
 # Steps (each under its own time limit, so one that hangs still leaves the others'

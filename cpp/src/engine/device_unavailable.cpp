@@ -1,5 +1,5 @@
 // The CUDA runtime view (cuda/device.h), the kernels the engine launches
-// (cuda::unpack, cast, cast_divide, scale) and the optimizer's GPU steps, in a build
+// (cuda::unpack, cast, cast_divide) and the optimizer's GPU steps, in a build
 // without CUDA: no devices, and every other call refuses with what to do.
 // Compiled instead of cuda/device.cu, so engine code needs no #if around its
 // device path.
@@ -44,7 +44,6 @@ void synchronize(void*) { unavailable(); }
 int device_of(const void*) { unavailable(); }
 void cast(const void*, DType, void*, DType, std::int64_t, void*) { unavailable(); }
 void cast_divide(const float*, void*, DType, std::int64_t, float, void*) { unavailable(); }
-void scale(void*, DType, std::int64_t, double, void*) { unavailable(); }
 void unpack(const FusionSlot*, std::int64_t, std::int64_t, DType, const void*, double, void*) {
   unavailable();
 }

@@ -22,7 +22,12 @@ DEFAULT_OUT = Path("bench") / "results"
 def commit(where: Path | None = None) -> str:
     """The commit of the git checkout at `where` (the working directory by
     default), with "+dirty" when tracked files have uncommitted changes, or
-    "unknown" outside a checkout."""
+    "unknown" outside a checkout. ``HEMIOLA_BENCH_COMMIT`` overrides it, for a
+    copy of the tree whose .git is not the tree's own (the lent GPU machine
+    gets the working tree with the session's first HEAD)."""
+    if os.environ.get("HEMIOLA_BENCH_COMMIT"):
+        return os.environ["HEMIOLA_BENCH_COMMIT"]
+
     def git(*args: str) -> str:
         try:
             out = subprocess.run(["git", "-C", str(where or Path.cwd()), *args],

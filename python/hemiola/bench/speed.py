@@ -115,14 +115,23 @@ class _TinyLM(nn.Module):
 def timed_iterations(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor,
                      y: torch.Tensor, n: int) -> list[float]:
     """Seconds of each of `n` training iterations (zero_grad, forward, backward,
-    step); on a GPU each ends when the device has finished its work."""
+    step); on a GPU each ends when the device has finished its work.
+
+    ``priority`` and ``decoupled`` leave the last iteration's reductions in
+    flight (they overlap the next iteration). The block ends by landing them
+    (``synchronize()``), timed into its last iteration: otherwise they would
+    finish during the next variant's block, slowing it on the shared link,
+    and this variant's next block would start with nothing to wait for."""
     cuda = x.is_cuda
+    drain = getattr(model, "synchronize", None)
     times = []
-    for _ in range(n):
+    for i in range(n):
         start = time.perf_counter()
         opt.zero_grad()
         nn.functional.cross_entropy(model(x), y).backward()
         opt.step()
+        if i == n - 1 and drain is not None:
+            drain()
         if cuda:
             torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
