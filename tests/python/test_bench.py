@@ -153,11 +153,12 @@ def test_convergence_suite(tmp_path: Path) -> None:
     assert "| decoupled |" in report.render(rows, "convergence.jsonl")
 
 
-def test_committed_doc_matches_its_rows() -> None:
-    """Every table of docs/benchmarks.md is what its committed rows give."""
-    doc = ROOT / "docs" / "benchmarks.md"
+@pytest.mark.parametrize("name", ["benchmarks.md", "gpu.md"])
+def test_committed_doc_matches_its_rows(name: str) -> None:
+    """Every table of docs/benchmarks.md and docs/gpu.md is what its committed rows give."""
+    doc = ROOT / "docs" / name
     specs = [m.group("spec") for m in report.BLOCK.finditer(doc.read_text())]
-    assert len(specs) >= 4, "docs/benchmarks.md lost its generated tables"
+    assert len(specs) >= 4, f"docs/{name} lost its generated tables"
     out = bench("report", "--doc", str(doc), "--check")
     assert out.returncode == 0, out.stdout
     for spec in specs:
