@@ -3,7 +3,21 @@
 
 #include <pybind11/pybind11.h>
 
+#include <cstdint>
+
+#include "hemiola/optimizer.h"
+
 namespace hemiola::python {
+
+// The square roots of the CPU Adam step from their addresses (0: std::sqrt),
+// as hemiola.torch_math finds them in torch.
+inline VectorSqrt vector_sqrt(std::uintptr_t f32, std::uintptr_t f64) {
+  VectorSqrt roots;
+  roots.f32 = reinterpret_cast<VectorSqrtF32>(f32);
+  roots.f64 = reinterpret_cast<VectorSqrtF64>(f64);
+  return roots;
+}
+
 void bind_engine(pybind11::module_& m);
 void bind_cluster(pybind11::module_& m);
 void bind_ps(pybind11::module_& m);

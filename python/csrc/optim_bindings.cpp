@@ -65,7 +65,8 @@ void bind_optim(py::module_& m) {
          std::uintptr_t exp_avg_sq, std::uintptr_t max_exp_avg_sq, std::uintptr_t grad,
          std::int64_t numel, int dtype, int device, double lr, double beta1, double beta2,
          double eps, double weight_decay, bool decoupled_weight_decay, bool maximize,
-         bool amsgrad, std::int64_t step, bool commit, std::uintptr_t stream) {
+         bool amsgrad, std::int64_t step, bool commit, std::uintptr_t stream,
+         std::uintptr_t sqrt_f32, std::uintptr_t sqrt_f64) {
         AdamHyper hyper;
         hyper.lr = lr;
         hyper.beta1 = beta1;
@@ -76,6 +77,7 @@ void bind_optim(py::module_& m) {
         hyper.maximize = maximize;
         hyper.amsgrad = amsgrad;
         hyper.step = step;
+        hyper.sqrt = vector_sqrt(sqrt_f32, sqrt_f64);
         adam_step(AdamTensors{pointer(param), pointer(shadow), pointer(exp_avg),
                               pointer(exp_avg_sq), pointer(grad), pointer(max_exp_avg_sq)},
                   numel, dtype_of(dtype), device_of(device), hyper, commit,
@@ -85,7 +87,8 @@ void bind_optim(py::module_& m) {
       py::arg("max_exp_avg_sq"), py::arg("grad"), py::arg("numel"), py::arg("dtype"),
       py::arg("device"), py::arg("lr"), py::arg("beta1"), py::arg("beta2"), py::arg("eps"),
       py::arg("weight_decay"), py::arg("decoupled_weight_decay"), py::arg("maximize"),
-      py::arg("amsgrad"), py::arg("step"), py::arg("commit"), py::arg("stream") = 0, Release(),
+      py::arg("amsgrad"), py::arg("step"), py::arg("commit"), py::arg("stream") = 0,
+      py::arg("sqrt_f32") = 0, py::arg("sqrt_f64") = 0, Release(),
       "One torch.optim.Adam / AdamW step over one tensor (see hemiola/optimizer.h).");
 }
 

@@ -81,7 +81,8 @@ void bind_updater(py::module_& m) {
       .def(py::init([](Engine& engine, Reducer& reducer, const std::vector<Slot>& slots,
                        const std::string& schedule, const std::string& optimizer,
                        bool correct_on_arrival, double priority_front_fraction,
-                       bool rebuild_buckets, bool raise_if_not_finite, std::uintptr_t stream) {
+                       bool rebuild_buckets, bool raise_if_not_finite, std::uintptr_t stream,
+                       std::uintptr_t sqrt_f32, std::uintptr_t sqrt_f64) {
              UpdaterOptions o;
              if (schedule == "priority") {
                o.schedule = UpdateSchedule::kPriority;
@@ -103,6 +104,7 @@ void bind_updater(py::module_& m) {
              o.priority_front_fraction = priority_front_fraction;
              o.rebuild_buckets = rebuild_buckets;
              o.raise_if_not_finite = raise_if_not_finite;
+             o.sqrt = vector_sqrt(sqrt_f32, sqrt_f64);
              return std::make_unique<Updater>(engine, reducer,
                                               slots_of(slots, reducer.options().device), o,
                                               StreamRef{pointer(stream)});
@@ -111,6 +113,7 @@ void bind_updater(py::module_& m) {
            py::arg("optimizer"), py::arg("correct_on_arrival") = true,
            py::arg("priority_front_fraction") = 0.25, py::arg("rebuild_buckets") = true,
            py::arg("raise_if_not_finite") = false, py::arg("stream") = 0,
+           py::arg("sqrt_f32") = 0, py::arg("sqrt_f64") = 0,
            py::keep_alive<1, 2>(),
            py::keep_alive<1, 3>())
       .def("set_landers", &Updater::set_landers, py::arg("landers"))

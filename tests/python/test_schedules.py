@@ -20,27 +20,30 @@ import workers
 def test_equals_wfbp_when_every_rank_sees_the_same_data(model: str, optimizer: str,
                                                         partition_mb: float | None) -> None:
     # Then the local gradient is the average, the approximation is exact, and
-    # decoupled must follow wfbp's trajectory (LR scheduler included).
+    # decoupled must follow wfbp's trajectory bit for bit (LR scheduler
+    # included; the engine's Adam is torch's, hemiola.torch_math).
     results = run_local(workers.schedules_agree, 2, model, optimizer, 8, partition_mb,
                         timeout_s=240)
     for r in results.values():
-        assert r["max_param_diff"] < 1e-5, r
-        assert r["max_loss_diff"] < 1e-4, r
+        assert r["max_param_diff"] == 0, r
+        assert r["max_loss_diff"] == 0, r
 
 
-@pytest.mark.parametrize("options", [
-    {"in_flight": 2}, {"in_flight": 3},
-    {"correct_on_arrival": False}, {"clip": 0.05},
+@pytest.mark.parametrize("options,tolerance", [
+    ({"in_flight": 2}, 0.0), ({"in_flight": 3}, 0.0), ({"correct_on_arrival": False}, 0.0),
+    # The engine sums the clipping norm in its own order, not torch's
+    # clip_grad_norm_'s: the coefficient can differ in its last bit.
+    ({"clip": 0.05}, 1e-6),
 ])
 def test_decoupled_options_equal_wfbp_when_every_rank_sees_the_same_data(
-        options: dict[str, object]) -> None:
+        options: dict[str, object], tolerance: float) -> None:
     # in_flight > 1 re-takes the local steps of younger iterations after an
     # older one lands; clip 0.05 is below the gradient norm, so it clips.
     results = run_local(workers.schedules_agree, 2, "transformer", "adamw", 8, None, options,
                         timeout_s=240)
     for r in results.values():
-        assert r["max_param_diff"] < 1e-5, r
-        assert r["max_loss_diff"] < 1e-4, r
+        assert r["max_param_diff"] <= tolerance, r
+        assert r["max_loss_diff"] <= 100 * tolerance, r
 
 
 @pytest.mark.parametrize("model,optimizer,partition_mb", [
@@ -54,7 +57,7 @@ def test_priority_equals_wfbp(world: int, model: str, optimizer: str,
     results = run_local(workers.priority_matches_wfbp, world, model, optimizer, 8, partition_mb,
                         timeout_s=240)
     for rank, diff in results.items():
-        assert diff < 1e-6, f"rank {rank}: priority differs from wfbp by {diff}"
+        assert diff == 0, f"rank {rank}: priority differs from wfbp by {diff}"
 
 
 @pytest.mark.parametrize("use_closure", [False, True])
@@ -62,7 +65,7 @@ def test_priority_with_clipping_equals_wfbp_with_clipping(use_closure: bool) -> 
     results = run_local(workers.priority_matches_wfbp, 2, "mlp", "sgd", 6, None, 0.05,
                         use_closure, timeout_s=240)
     for rank, diff in results.items():
-        assert diff < 1e-6, f"rank {rank}: priority differs from wfbp by {diff}"
+        assert diff == 0, f"rank {rank}: priority differs from wfbp by {diff}"
 
 
 @pytest.mark.parametrize("schedule,options", [
@@ -169,8 +172,9 @@ def test_two_backward_passes_per_step_accumulate_like_ddp(schedule: str, same_da
 def test_priority_steps_parameters_of_every_float_dtype_like_wfbp(dtype: str,
                                                                   optimizer: str) -> None:
     # The engine steps the parameters in their own dtype, rounding where
-    # torch's ops round: float64 agrees to rounding, the half types within a
-    # few percent of how far training moved them (one ulp here and there).
+    # torch's ops round: bit for bit, but for SGD in the half types, which
+    # differ from wfbp in one ulp here and there (not yet explained: the
+    # engine's SGD step alone is torch's bit for bit, test_native_optimizer).
     def run(schedule: str, steps: int) -> list[torch.Tensor]:
         return run_local(workers.schedule_run_with, 2, schedule, "mlp", optimizer, steps,
                          False, {"dtype": dtype}, timeout_s=120)[0]["params"]
@@ -180,4 +184,5 @@ def test_priority_steps_parameters_of_every_float_dtype_like_wfbp(dtype: str,
     moved = max((a.double() - b.double()).abs().max().item() for a, b in zip(wfbp, initial))
     diff = max((a.double() - b.double()).abs().max().item() for a, b in zip(wfbp, priority))
     assert moved > 1e-3
-    assert diff <= (1e-12 if dtype == "float64" else 0.05 * moved), (diff, moved)
+    exact = dtype == "float64" or optimizer == "adamw"
+    assert diff <= (0 if exact else 0.05 * moved), (diff, moved)

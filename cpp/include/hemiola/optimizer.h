@@ -61,6 +61,24 @@ HEMIOLA_API void sgd_step(const SgdTensors& tensors, std::int64_t numel, DType d
                           const Device& device, const SgdHyper& hyper, bool commit,
                           StreamRef stream = {});
 
+// A vector square root, out[i] = sqrt(in[i]) for i < *n, in the calling
+// convention of MKL's VSSQRT_/VDSQRT_ (n by pointer; a 64-bit count whose low
+// half is the count too, so an LP64 and an ILP64 MKL read it alike).
+using VectorSqrtF32 = void (*)(const std::int64_t* n, const float* in, float* out);
+using VectorSqrtF64 = void (*)(const std::int64_t* n, const double* in, double* out);
+
+// The square root the CPU Adam step takes of its second moment, for float32
+// and float64 (float16 and bfloat16 take the correctly rounded float root, as
+// torch does). Null: std::sqrt, IEEE's correctly rounded root. torch's own CPU
+// sqrt is not always that one (x86-64 wheels take MKL's, which differs in the
+// last bit for about one input in six), so to be torch's step bit for bit the
+// step must take torch's: the Python layer finds it and checks it
+// (hemiola.torch_math).
+struct VectorSqrt {
+  VectorSqrtF32 f32 = nullptr;
+  VectorSqrtF64 f64 = nullptr;
+};
+
 // torch.optim.Adam / AdamW's hyper-parameters for one step.
 struct AdamHyper {
   double lr = 0.0;
@@ -73,6 +91,7 @@ struct AdamHyper {
   bool amsgrad = false;                 // the CPU only; the GPU refuses it
   std::int64_t step = 1;  // the step being taken, counted from 1 (bias correction)
   double grad_scale = 1.0;  // as SgdHyper::grad_scale
+  VectorSqrt sqrt;          // the CPU step's square root (see VectorSqrt)
 };
 
 struct AdamTensors {

@@ -70,6 +70,7 @@
 #include <vector>
 
 #include "hemiola/export.h"
+#include "hemiola/optimizer.h"
 #include "hemiola/tensor.h"
 
 namespace hemiola {
@@ -124,6 +125,9 @@ struct UpdaterOptions {
   // Throw (ErrorCode::kNotFinite), naming it, when an averaged gradient
   // holds NaN or infinity; nothing of that iteration is applied.
   bool raise_if_not_finite = false;
+  // The CPU Adam step's square root (hemiola/optimizer.h): torch's, to step
+  // as torch does bit for bit.
+  VectorSqrt sqrt;
 };
 
 // What one step() applies, as the iteration ran.

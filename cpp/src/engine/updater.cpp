@@ -913,6 +913,7 @@ class UpdaterImpl {
     a.amsgrad = h.amsgrad;
     a.step = static_cast<std::int64_t>(*p.step) + 1;
     a.grad_scale = grad_scale;
+    a.sqrt = options_.sqrt;
     adam_step(AdamTensors{p.param.data, exact, p.exp_avg, p.exp_avg_sq, grad, p.max_exp_avg_sq},
               numel, p.param.dtype, device_, a, commit, stream_);
     if (commit) *p.step += 1.0f;

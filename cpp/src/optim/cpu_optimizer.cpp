@@ -171,6 +171,25 @@ HEMIOLA_INLINE void sgd(const SgdTensors& t, std::int64_t n, const SgdHyper& h, 
 // Adam's weight decay: none, L2 (Adam's), or decoupled (AdamW's).
 enum Decay : int { kNoDecay = 0, kL2 = 1, kDecoupled = 2 };
 
+// The square root of `n` values into `out`: the step's injected one for
+// float32 and float64 when there is one (VectorSqrt), else std::sqrt.
+template <typename C>
+HEMIOLA_INLINE void take_sqrt(const typename C::Math* in, typename C::Math* out, std::int64_t n,
+                              const VectorSqrt& vector_sqrt) {
+  if constexpr (std::is_same_v<C, F32>) {
+    if (vector_sqrt.f32) return vector_sqrt.f32(&n, in, out);
+  } else if constexpr (std::is_same_v<C, F64>) {
+    if (vector_sqrt.f64) return vector_sqrt.f64(&n, in, out);
+  }
+  for (std::int64_t i = 0; i < n; ++i) out[i] = C::round(std::sqrt(in[i]));
+}
+
+// In blocks of kAdamBlock elements, so that the square root between the
+// moments and the update can be a vector call (torch's own: see VectorSqrt):
+// pass 1 computes the moments (and commits them), the root is taken of the
+// block, pass 2 the update. Each pass is a branch-free loop that vectorises.
+constexpr std::int64_t kAdamBlock = 512;
+
 template <typename C, int kDecay, bool kAmsgrad, int kWrite>
 HEMIOLA_INLINE void adam_loop(const AdamTensors& t, std::int64_t n, const AdamHyper& h) {
   constexpr bool kCommit = kWrite != kLive;
@@ -196,28 +215,43 @@ HEMIOLA_INLINE void adam_loop(const AdamTensors& t, std::int64_t n, const AdamHy
   const M eps = static_cast<M>(h.eps);
   const float coef = static_cast<float>(h.grad_scale);  // as in sgd_loop
   const M factor = static_cast<M>(h.maximize ? -coef : coef);
-  for (std::int64_t i = 0; i < n; ++i) {
-    M w = C::load(shadow[i]);
-    M g = C::round(C::load(grad[i]) * factor);
-    if constexpr (kDecay == kDecoupled) {
-      w = C::round(w * decay);                            // param.mul_(1 - lr * wd)
-    } else if constexpr (kDecay == kL2) {
-      g = C::round(std::fma(wd, w, g));                   // grad.add(param, alpha=wd)
+  M w_block[kAdamBlock];
+  M m_block[kAdamBlock];
+  M v_block[kAdamBlock];     // v^, the moment whose root is taken
+  M root_block[kAdamBlock];  // sqrt(v^)
+  for (std::int64_t begin = 0; begin < n; begin += kAdamBlock) {
+    const std::int64_t len = std::min(kAdamBlock, n - begin);
+    for (std::int64_t j = 0; j < len; ++j) {
+      const std::int64_t i = begin + j;
+      M w = C::load(shadow[i]);
+      M g = C::round(C::load(grad[i]) * factor);
+      if constexpr (kDecay == kDecoupled) {
+        w = C::round(w * decay);                            // param.mul_(1 - lr * wd)
+      } else if constexpr (kDecay == kL2) {
+        g = C::round(std::fma(wd, w, g));                   // grad.add(param, alpha=wd)
+      }
+      const M m_old = C::load(exp_avg[i]);
+      const M m = C::round(lerp(m_old, g, one_minus_beta1));  // exp_avg.lerp_(grad, 1 - beta1)
+      const M v = C::round(std::fma(one_minus_beta2 * g, g,  // exp_avg_sq.mul_(beta2)
+                                    C::round(C::load(exp_avg_sq[i]) * beta2)));  // .addcmul_
+      M v_hat = v;
+      if constexpr (kAmsgrad) {
+        v_hat = std::max(C::load(vmax[i]), v);              // torch.maximum(vmax, v, out=vmax)
+        if constexpr (kCommit) vmax[i] = C::store(v_hat);
+      }
+      if constexpr (kCommit) {
+        exp_avg[i] = C::store(m);
+        exp_avg_sq[i] = C::store(v);
+      }
+      w_block[j] = w;
+      m_block[j] = m;
+      v_block[j] = v_hat;
     }
-    const M m_old = C::load(exp_avg[i]);
-    const M m = C::round(lerp(m_old, g, one_minus_beta1));  // exp_avg.lerp_(grad, 1 - beta1)
-    const M v = C::round(std::fma(one_minus_beta2 * g, g,  // exp_avg_sq.mul_(beta2)
-                                  C::round(C::load(exp_avg_sq[i]) * beta2)));  // .addcmul_
-    M v_hat = v;
-    if constexpr (kAmsgrad) {
-      v_hat = std::max(C::load(vmax[i]), v);              // torch.maximum(vmax, v, out=vmax)
-      if constexpr (kCommit) vmax[i] = C::store(v_hat);
-    }
-    const M denom = C::round(C::round(C::round(std::sqrt(v_hat)) / bias2_sqrt) + eps);
-    write<kWrite>(param, shadow, i, C::store(w + (neg_step_size * m) / denom));  // addcdiv_
-    if constexpr (kCommit) {
-      exp_avg[i] = C::store(m);
-      exp_avg_sq[i] = C::store(v);
+    take_sqrt<C>(v_block, root_block, len, h.sqrt);         // exp_avg_sq.sqrt()
+    for (std::int64_t j = 0; j < len; ++j) {
+      const M denom = C::round(C::round(root_block[j] / bias2_sqrt) + eps);  // (/ bc2_sqrt).add_(eps)
+      write<kWrite>(param, shadow, begin + j,
+                    C::store(w_block[j] + (neg_step_size * m_block[j]) / denom));  // addcdiv_
     }
   }
 }

@@ -27,6 +27,7 @@ import torch
 from hemiola._native import C
 from hemiola.schedules.base import DeferredSchedule
 from hemiola.tensors import dtype_code
+from hemiola.torch_math import torch_sqrt
 
 if TYPE_CHECKING:
     from hemiola.data_parallel import DataParallel
@@ -93,12 +94,13 @@ class NativeUpdate(DeferredSchedule):
     def wrap_optimizer(self, optimizer: Any) -> Any:
         optimizer = super().wrap_optimizer(optimizer)
         m = self.model
+        roots = torch_sqrt()  # the engine's Adam takes torch's square root
         self._updater = C.Updater(
             m._engine, m._reducer, self._slots(), schedule=m.config.schedule,
             optimizer=self._kind, correct_on_arrival=m.config.correct_on_arrival,
             priority_front_fraction=m.config.priority_front_fraction,
             rebuild_buckets=m.config.rebuild_buckets, raise_if_not_finite=m.config.check_finite,
-            stream=m._stream())
+            stream=m._stream(), sqrt_f32=roots.f32, sqrt_f64=roots.f64)
         self._updater.set_landers(self._gate.landers)
         return optimizer
 
