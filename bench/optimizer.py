@@ -14,6 +14,7 @@ import torch
 
 from hemiola._native import C
 from hemiola.tensors import dtype_code
+from hemiola.torch_math import torch_sqrt
 
 
 def _time(step: Callable[[int], None], steps: int) -> float:
@@ -27,6 +28,7 @@ def _time(step: Callable[[int], None], steps: int) -> float:
 def _compare(name: str, n: int, steps: int) -> tuple[float, float]:
     """(torch ms, hemiola ms) per step of `name` over `n` float32 elements."""
     f32 = dtype_code(torch.float32)
+    roots = torch_sqrt()
     param, grad = torch.randn(n), torch.randn(n)
     a, b = torch.zeros(n), torch.zeros(n)
     ref = param.clone().requires_grad_()
@@ -47,7 +49,7 @@ def _compare(name: str, n: int, steps: int) -> tuple[float, float]:
                 exp_avg_sq=b.data_ptr(), max_exp_avg_sq=0, grad=grad.data_ptr(), numel=n,
                 dtype=f32, device=-1, lr=0.01, beta1=0.9, beta2=0.999, eps=1e-8,
                 weight_decay=0.0, decoupled_weight_decay=False, maximize=False, amsgrad=False,
-                step=k + 1, commit=True)
+                step=k + 1, commit=True, sqrt_f32=roots.f32)  # torch's root, as the updater
 
     return _time(lambda k: opt.step(), steps), _time(native, steps)
 

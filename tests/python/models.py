@@ -32,13 +32,16 @@ class PeekMLP(nn.Module):
 
 
 class CNN(nn.Module):
-    # Convolutions before BatchNorm have no bias (as in ResNets): BatchNorm
-    # cancels it, so its gradient is pure rounding noise that Adam would
-    # amplify into lr-sized steps, making any two reduction orders disagree.
+    # Convolutions before BatchNorm have no bias (as in ResNets), except in
+    # CNNWithCancelledBias: BatchNorm cancels it, so its gradient is pure
+    # rounding noise that Adam amplifies into lr-sized steps, making any two
+    # reduction orders, or any two Adam steps not equal bit for bit, disagree.
+    bias = False
+
     def __init__(self) -> None:
         super().__init__()
         self.features = nn.Sequential(
-            nn.Conv2d(1, 8, 3, padding=1, bias=False), nn.BatchNorm2d(8), nn.ReLU(),
+            nn.Conv2d(1, 8, 3, padding=1, bias=self.bias), nn.BatchNorm2d(8), nn.ReLU(),
             nn.MaxPool2d(2),
             nn.Conv2d(8, 16, 3, padding=1, bias=False), nn.BatchNorm2d(16), nn.ReLU(),
             nn.MaxPool2d(2),
@@ -47,6 +50,10 @@ class CNN(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.head(self.features(x).flatten(1))
+
+
+class CNNWithCancelledBias(CNN):
+    bias = True
 
 
 class TinyTransformerLM(nn.Module):
@@ -78,7 +85,8 @@ class TinyTransformerLM(nn.Module):
 
 
 def make_model(name: str) -> nn.Module:
-    return {"mlp": MLP, "peek": PeekMLP, "cnn": CNN, "transformer": TinyTransformerLM}[name]()
+    return {"mlp": MLP, "peek": PeekMLP, "cnn": CNN,
+            "cnn-bias": CNNWithCancelledBias, "transformer": TinyTransformerLM}[name]()
 
 
 def make_batch(name: str, step: int, rank: int, world: int, batch: int = 8
@@ -88,7 +96,7 @@ def make_batch(name: str, step: int, rank: int, world: int, batch: int = 8
     if name in ("mlp", "peek"):
         x = torch.randn(batch * world, 20, generator=g)
         y = torch.randint(0, 5, (batch * world,), generator=g)
-    elif name == "cnn":
+    elif name in ("cnn", "cnn-bias"):
         x = torch.randn(batch * world, 1, 8, 8, generator=g)
         y = torch.randint(0, 10, (batch * world,), generator=g)
     else:

@@ -283,6 +283,8 @@ def _optimizer(name: str, params: Any) -> torch.optim.Optimizer:
         return torch.optim.Adam(params, lr=1e-3)
     if name == "adamw":
         return torch.optim.AdamW(params, lr=1e-3, weight_decay=0.01)
+    if name == "adamw-fast":
+        return torch.optim.AdamW(params, lr=1e-2)
     if name == "rmsprop":
         return torch.optim.RMSprop(params, lr=1e-3, momentum=0.5)
     if name == "adam-amsgrad":  # L2 decay, amsgrad, other betas and eps
