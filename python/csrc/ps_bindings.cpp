@@ -112,10 +112,7 @@ void bind_ps(py::module_& parent) {
              o.num_servers = num_servers;
              o.consistency = consistency_from_name(consistency);
              o.staleness_rule = staleness_rule_from_name(staleness_rule);
-             if (optimizer == "sgd") o.optimizer = OptimizerKind::kSgd;
-             else if (optimizer == "adam") o.optimizer = OptimizerKind::kAdam;
-             else if (optimizer == "adamw") o.optimizer = OptimizerKind::kAdamW;
-             else throw Error(ErrorCode::kInvalidArgument, "unknown optimizer '" + optimizer + "'");
+             o.optimizer = optimizer_kind(optimizer);
              o.partition_elems = partition_elems;
              o.timeout_s = timeout_s;
              o.iface = iface;

@@ -91,15 +91,7 @@ void bind_updater(py::module_& m) {
              } else {
                throw Error(ErrorCode::kInvalidArgument, "unknown schedule '" + schedule + "'");
              }
-             if (optimizer == "sgd") {
-               o.optimizer = OptimizerKind::kSgd;
-             } else if (optimizer == "adam") {
-               o.optimizer = OptimizerKind::kAdam;
-             } else if (optimizer == "adamw") {
-               o.optimizer = OptimizerKind::kAdamW;
-             } else {
-               throw Error(ErrorCode::kInvalidArgument, "unknown optimizer '" + optimizer + "'");
-             }
+             o.optimizer = optimizer_kind(optimizer);
              o.correct_on_arrival = correct_on_arrival;
              o.priority_front_fraction = priority_front_fraction;
              o.rebuild_buckets = rebuild_buckets;

@@ -19,11 +19,20 @@
 #pragma once
 
 #include <cstdint>
+#include <string>
 
 #include "hemiola/export.h"
 #include "hemiola/tensor.h"
 
 namespace hemiola {
+
+// The optimizers the engine steps itself, for the schedules' Updater and the
+// parameter server alike (the values are part of the server's snapshots).
+enum class OptimizerKind : std::int32_t { kSgd = 0, kAdam = 1, kAdamW = 2 };
+
+// The kind torch.optim names "sgd", "adam" or "adamw"; anything else throws,
+// naming the three.
+HEMIOLA_API OptimizerKind optimizer_kind(const std::string& name);
 
 // torch.optim.SGD's hyper-parameters for one step. Doubles, as torch holds
 // them (Python floats).

@@ -20,6 +20,7 @@
 #include <vector>
 
 #include "hemiola/export.h"
+#include "hemiola/optimizer.h"
 #include "hemiola/store.h"
 
 namespace hemiola::ps {
@@ -32,8 +33,6 @@ enum class Consistency : int32_t {
   kEager = 3,  // asp with pull and push decoupled: the pull of the next iteration is answered
                // at once, without waiting for this worker's own push
 };
-
-enum class OptimizerKind : int32_t { kSgd = 0, kAdam = 1, kAdamW = 2 };
 
 // How much a gradient tau versions old counts: a factor on its weight (SGD:
 // on the gradient as it enters the momentum buffer; Adam/AdamW: on the step's

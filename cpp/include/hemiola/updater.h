@@ -79,7 +79,6 @@ class Engine;
 class Reducer;
 
 enum class UpdateSchedule : int { kPriority = 0, kDecoupled = 1 };
-enum class OptimizerKind : int { kSgd = 0, kAdam = 1, kAdamW = 2 };
 
 // One parameter group's hyper-parameters, with torch.optim's names. SGD reads
 // the first six, Adam/AdamW lr, weight_decay, maximize and the rest.

@@ -21,6 +21,14 @@ void check_common(const void* param, const void* shadow, const void* grad, std::
 
 }  // namespace
 
+OptimizerKind optimizer_kind(const std::string& name) {
+  if (name == "sgd") return OptimizerKind::kSgd;
+  if (name == "adam") return OptimizerKind::kAdam;
+  if (name == "adamw") return OptimizerKind::kAdamW;
+  HEMIOLA_THROW(ErrorCode::kInvalidArgument, "unknown optimizer '", name,
+                "': the engine steps 'sgd', 'adam' and 'adamw'");
+}
+
 void sgd_step(const SgdTensors& tensors, std::int64_t numel, DType dtype, const Device& device,
               const SgdHyper& hyper, bool commit, StreamRef stream) {
   check_common(tensors.param, tensors.shadow, tensors.grad, numel, dtype);
