@@ -19,8 +19,9 @@ from torch import nn
 from hemiola._native import C
 from hemiola.comm_hooks import compression_of
 from hemiola.config import COMPRESSIONS, Config, compression_code
-from hemiola.schedules import Schedule, make_schedule
-from hemiola.tensors import broadcast_tensors, device_view, dtype_code, stream_of
+from hemiola.replica import Replica
+from hemiola.schedules import Schedule, choose_schedule
+from hemiola.tensors import broadcast_tensors, dtype_code
 from hemiola.timeline import Recorder
 from hemiola.validate import check_module, check_same_model
 
@@ -52,21 +53,17 @@ class DataParallel(nn.Module):
         self.device = check_module(module)
         self._refuse_compression_on_gpu(config.compression)
         self.module = module
-        self.config = config
         self._engine = engine
         check_same_model(engine, store, module, config)
         broadcast_tensors(engine, [*module.parameters(), *module.buffers()])
-
-        named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
-        self._names = [n for n, _ in named]
-        self._params = [p for _, p in named]
-        self._buffers_to_sync = [b for b in module.buffers() if b.numel() > 0]
-        #: while True, every reduced gradient of the iteration being marked is
-        #: written to a tensor of the model's (as partitioned ones are), so it
-        #: outlives a rebuild of the reducer's buckets
-        self.gather_all_results = False
-        self._gathered_iterations: set[int] = set()
-        self._schedule: Schedule = make_schedule(config.schedule, self, optimizer)
+        # The schedule's kind decides what its reducer must hold, so it is
+        # chosen first; the replica (parameters, reducer, results) is built
+        # for it, and the schedule from the replica, each complete when made.
+        trainable = [p for p in module.parameters() if p.requires_grad]
+        kind = choose_schedule(config, optimizer, trainable)
+        in_flight, preview = kind.reducer_needs(config, optimizer, self.device)
+        self._replica = Replica(module, engine, config, self.device, in_flight, preview)
+        self._schedule: Schedule = kind(self._replica, optimizer, grad_scaler)
         # Checkpoints are exact however they are taken (model.state_dict(),
         # model.module.state_dict(), a reference to the module kept from
         # before): pending updates land first; a load replaces them.
@@ -74,47 +71,26 @@ class DataParallel(nn.Module):
         module.register_load_state_dict_pre_hook(lambda *_: self.synchronize())
         module.register_load_state_dict_post_hook(
             lambda *_: self._schedule.parameters_replaced())
-        self._reducer: C.Reducer | None = None
-        if self._params:
-            specs = [(dtype_code(p.dtype), p.numel(), n, p.shape[0] if p.dim() > 1 else 0)
-                     for n, p in named]
-            self._reducer = engine.make_reducer(
-                specs,
-                fusion_bytes=config.fusion_bytes,
-                first_bucket_bytes=config.first_bucket_bytes,
-                track_usage=config.find_unused_parameters,
-                record_order=config.rebuild_buckets,
-                in_flight=self._schedule.in_flight,
-                preview=self._schedule.preview,
-                partition_bytes=config.partition_bytes,
-                device=self.device.index if self.device.type == "cuda" else -1,
-                compression=compression_code(config.compression),
-                powersgd_rank=config.powersgd_rank,
-                powersgd_start_iteration=config.powersgd_start_iter,
-            )
-        # Partitioned gradients are spread over several buckets; schedules that
-        # read results in place get them gathered into tensors of their own.
-        self._partitioned = {
-            i for i, p in enumerate(self._params)
-            if 0 < config.partition_bytes < p.numel() * p.element_size()
-        }
-        self._gathered: dict[tuple[int, int], torch.Tensor] = {}
-        self._marking_iteration = 0
         #: DDP's flag (``no_sync()`` clears it; nanoGPT sets it directly): when
         #: False, backward accumulates gradients locally and reduces nothing.
         self.require_backward_grad_sync = True
-        # DDP's rule for buffers: broadcast them before a forward that follows
-        # a synchronised training forward (and before the first one), so
-        # evaluation right after training sees rank 0's statistics too.
-        self._require_forward_param_sync = True
         self._in_backward = False
         self._backward_start = 0
-        self.timeline_recorder = Recorder(engine)
         self.timeline_recorder.watch_modules(module)
         self._hook_handles = [
             p.register_post_accumulate_grad_hook(self._make_hook(i))
-            for i, p in enumerate(self._params)
+            for i, p in enumerate(self._replica.params)
         ]
+
+    @property
+    def config(self) -> Config:
+        """The configuration the model was wrapped with (:class:`hemiola.Config`)."""
+        return self._replica.config
+
+    @property
+    def timeline_recorder(self) -> Recorder:
+        """Records forward, backward and waits on the engine's timeline."""
+        return self._replica.timeline
 
     # ---- user API ----------------------------------------------------------
 
@@ -130,8 +106,8 @@ class DataParallel(nn.Module):
                 # module (torch.compile(model) before wrapping).
                 module = getattr(module, "_orig_mod", module)
             out = module(*args, **kwargs)
-        self._require_forward_param_sync = (torch.is_grad_enabled()
-                                            and self.require_backward_grad_sync)
+        self._replica.require_forward_param_sync = (torch.is_grad_enabled()
+                                                     and self.require_backward_grad_sync)
         return out
 
     @torch.compiler.disable
@@ -163,7 +139,8 @@ class DataParallel(nn.Module):
         naming them.
         """
         compression, options = compression_of(state, hook)
-        if self._reducer is not None and self._reducer.iterations_started > 0:
+        reducer = self._replica.reducer
+        if reducer is not None and reducer.iterations_started > 0:
             raise RuntimeError("register_comm_hook must be called before the first backward "
                                "(as with DDP)")
         self._refuse_compression_on_gpu(compression)
@@ -190,10 +167,10 @@ class DataParallel(nn.Module):
                     for c, r, i in rows]
             raise RuntimeError(f"register_comm_hook: the ranks registered different hooks "
                                f"(compression per rank: {seen}); register the same on every rank")
-        if self._reducer is not None:
-            self._reducer.set_compression(code, powersgd_rank=config.powersgd_rank,
-                                          powersgd_start_iteration=config.powersgd_start_iter)
-        self.config = config
+        if reducer is not None:
+            reducer.set_compression(code, powersgd_rank=config.powersgd_rank,
+                                    powersgd_start_iteration=config.powersgd_start_iter)
+        self._replica.config = config
 
     def _refuse_compression_on_gpu(self, compression: str | None) -> None:
         """Compression on a CUDA model: fp16 and bf16 (the engine casts on its
@@ -214,12 +191,13 @@ class DataParallel(nn.Module):
         (PowerSGD's warm-start matrices are not in it, and its iteration count
         starts again with the new wrap: a resumed run travels uncompressed for
         ``powersgd_start_iter`` iterations, then starts the matrices afresh.)"""
-        if self.config.compression not in ("int8", "powersgd") or self._reducer is None:
+        r = self._replica
+        if self.config.compression not in ("int8", "powersgd") or r.reducer is None:
             return {}
         self.synchronize()
         out = {}
-        for i, (name, p) in enumerate(zip(self._names, self._params)):
-            view = self._reducer.residual_view(i)
+        for i, (name, p) in enumerate(zip(r.names, r.params)):
+            view = r.reducer.residual_view(i)
             if p.dtype == torch.float32 and view.nbytes > 0:
                 out[name] = torch.frombuffer(view, dtype=torch.float32).clone().view_as(p)
         return out
@@ -234,10 +212,11 @@ class DataParallel(nn.Module):
             if tensor.shape != mine[name].shape:
                 raise ValueError(f"comm state {name!r} has shape {tuple(tensor.shape)}, this "
                                  f"model's is {tuple(mine[name].shape)}")
-        assert self._reducer is not None or not mine
-        for i, name in enumerate(self._names):
+        reducer = self._replica.reducer
+        assert reducer is not None or not mine
+        for i, name in enumerate(self._replica.names):
             if name in state:
-                view = torch.frombuffer(self._reducer.residual_view(i), dtype=torch.float32)  # type: ignore[union-attr]
+                view = torch.frombuffer(reducer.residual_view(i), dtype=torch.float32)  # type: ignore[union-attr]
                 view.copy_(state[name].reshape(-1))
 
     def synchronize(self) -> None:
@@ -297,9 +276,10 @@ class DataParallel(nn.Module):
 
     def buckets(self) -> list[list[str]]:
         """The current fusion plan: parameter names per bucket, in issue order."""
-        if self._reducer is None:
+        r = self._replica
+        if r.reducer is None:
             return []
-        return [[self._names[i] for i in b] for b in self._reducer.buckets()]
+        return [[r.names[i] for i in b] for b in r.reducer.buckets()]
 
     def timeline(self) -> str:
         """Chrome trace JSON of engine events (``timeline=True`` to record)."""
@@ -317,15 +297,15 @@ class DataParallel(nn.Module):
             if not self._in_backward:
                 self._in_backward = True
                 self._backward_start = self.timeline_recorder.now()
-                if not self._reducer.marking:
-                    self._marking_iteration = self._reducer.iterations_started
+                reducer = self._replica.reducer
+                if not reducer.marking:
+                    self._replica.marking_iteration = reducer.iterations_started
                 # Runs once, when the whole backward pass has finished.
                 torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
             if grad.is_sparse:
-                raise ValueError(
-                    f"parameter {self._names[index]!r} got a sparse gradient; hemiola reduces "
-                    "dense gradients only"
-                )
+                name = self._replica.names[index]
+                raise ValueError(f"parameter {name!r} got a sparse gradient; hemiola reduces "
+                                 "dense gradients only")
             self._schedule.mark(index, grad)
 
         return hook
@@ -333,12 +313,12 @@ class DataParallel(nn.Module):
     def _finish_backward(self) -> None:
         self._in_backward = False
         self.timeline_recorder.record("compute", "backward", "backward", self._backward_start)
-        reducer = self._reducer
+        reducer = self._replica.reducer
         assert reducer is not None
         unmarked = reducer.unmarked()
         if unmarked:
             if not self.config.find_unused_parameters:
-                names = [self._names[i] for i in unmarked]
+                names = [self._replica.names[i] for i in unmarked]
                 message = (
                     f"hemiola: {len(names)} parameter(s) received no gradient in this "
                     f"backward pass: {', '.join(names[:10])}"
@@ -350,53 +330,5 @@ class DataParallel(nn.Module):
                 reducer.abort(message)
                 raise RuntimeError(message)
             for i in unmarked:
-                reducer.mark_unused(i, stream=self._stream())
+                reducer.mark_unused(i, stream=self._replica.stream())
         self._schedule.backward_done(reducer.finish_marking(), unmarked)
-
-    def _reduced(self, iteration: int, index: int) -> torch.Tensor:
-        """Parameter `index`'s reduced gradient of `iteration`: a view into the
-        engine's buffers, or, for a partitioned gradient, its gathered copy."""
-        assert self._reducer is not None
-        p = self._params[index]
-        if index in self._partitioned or iteration in self._gathered_iterations:
-            return self._gathered[(iteration % (self._schedule.in_flight + 1), index)]
-        if self.device.type == "cuda":
-            return device_view(self._reducer.result_ptr(iteration, index), p)
-        view = self._reducer.result_view(iteration, index)
-        return torch.frombuffer(view, dtype=p.dtype).view(p.shape)
-
-    def _stream(self) -> int:
-        """The current stream's handle on the model's GPU (0 on the CPU): the
-        engine orders its copies after work there and makes it wait for
-        results on the device, never on the host."""
-        return stream_of(self.device)
-
-    def _result_target(self, index: int) -> int:
-        """Where the engine should write parameter `index`'s reduced gradient
-        of the iteration being marked: 0 (keep it in the engine) unless it is
-        partitioned or gather_all_results is set."""
-        if not self.gather_all_results and index not in self._partitioned:
-            return 0
-        if self.gather_all_results:
-            self._gathered_iterations.add(self._marking_iteration)
-        key = (self._marking_iteration % (self._schedule.in_flight + 1), index)
-        target = self._gathered.get(key)
-        if target is None:
-            p = self._params[index]
-            target = torch.empty(p.shape, dtype=p.dtype, device=self.device)
-            self._gathered[key] = target
-        return target.data_ptr()
-
-    def _release_gathered(self, iteration: int) -> None:
-        """`iteration`'s gathered results (gather_all_results) are applied:
-        free the copies of the tensors that are not partitioned."""
-        if iteration not in self._gathered_iterations:
-            return
-        self._gathered_iterations.discard(iteration)
-        slot = iteration % (self._schedule.in_flight + 1)
-        for i in range(len(self._params)):
-            if i not in self._partitioned:
-                self._gathered.pop((slot, i), None)
-
-    def _sync_buffers(self) -> None:
-        broadcast_tensors(self._engine, self._buffers_to_sync)

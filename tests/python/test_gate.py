@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from hemiola.schedules.gate import ForwardGate
+from hemiola.forward_gate import ForwardGate
 
 from models import TinyTransformerLM
 

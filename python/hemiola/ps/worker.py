@@ -18,7 +18,7 @@ from hemiola._native import C
 from hemiola.ps.ahead import AheadPlan
 from hemiola.ps.config import PSConfig
 from hemiola.ps.roles import Role, job_token, rendezvous_store
-from hemiola.schedules.gate import ForwardGate
+from hemiola.forward_gate import ForwardGate
 
 _OPTIMIZERS = {torch.optim.SGD: "sgd", torch.optim.Adam: "adam", torch.optim.AdamW: "adamw"}
 

@@ -11,11 +11,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from hemiola.deferred_norm import DeferredNorm
-from hemiola.schedules.gate import ForwardGate
+from hemiola.forward_gate import ForwardGate
 from hemiola.tensors import UINT8, pack_bytes, unpack_bytes
 
 if TYPE_CHECKING:
-    from hemiola.data_parallel import DataParallel
+    from hemiola.config import Config
+    from hemiola.replica import Replica
 
 
 class Schedule:
@@ -26,8 +27,23 @@ class Schedule:
     #: the reducer takes a preview of every bucket (``Config.preview``)
     preview = False
 
-    def __init__(self, model: DataParallel) -> None:
-        self.model = model
+    def __init__(self, replica: Replica, optimizer: Any = None,
+                 grad_scaler: torch.amp.GradScaler | None = None) -> None:
+        self.replica = replica
+        #: the GradScaler given to hemiola.wrap (None: no loss scaling)
+        self.grad_scaler = grad_scaler
+        # What the replica's reducer was built for (see reducer_needs).
+        self.in_flight = replica.in_flight
+        self.preview = replica.preview
+
+    @classmethod
+    def reducer_needs(cls, config: Config, optimizer: Any,
+                      device: torch.device) -> tuple[int, bool]:
+        """(in_flight, preview) this schedule needs of the reducer, known
+        before the reducer and the schedule exist: the earlier iterations
+        whose reduction may still run while one is marked, and whether the
+        reducer takes a preview of every bucket."""
+        return cls.in_flight, False
 
     def mark(self, index: int, grad: torch.Tensor) -> None:
         """Autograd produced `grad` for parameter `index` (hook path)."""
@@ -56,7 +72,7 @@ class Schedule:
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float) -> torch.Tensor:
         """``model.clip_grad_norm_``: clips what the optimizer will apply."""
-        params = [p for p in self.model._params if p.grad is not None]
+        params = [p for p in self.replica.params if p.grad is not None]
         return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type)
 
     def wrap_optimizer(self, optimizer: Any) -> Any:
@@ -98,7 +114,7 @@ def take_over_optimizer(schedule: Schedule, optimizer: Any, step: Callable[[], N
     """Makes ``optimizer.step()`` call `step` (the schedule decides when and
     with which gradients the real step runs), and ``state_dict`` /
     ``load_state_dict`` synchronize first. Returns the original bound step."""
-    name = schedule.model.config.schedule
+    name = schedule.replica.config.schedule
     if not isinstance(optimizer, torch.optim.Optimizer):
         got = "None" if optimizer is None else type(optimizer).__name__
         raise ValueError(
@@ -108,7 +124,7 @@ def take_over_optimizer(schedule: Schedule, optimizer: Any, step: Callable[[], N
             "hemiola.wrap(model, optimizer, ...). (Only schedule='wfbp' accepts None and an "
             "optimizer built after wrapping.)"
         )
-    ours = {id(p) for p in schedule.model._params}
+    ours = {id(p) for p in schedule.replica.params}
     for group in optimizer.param_groups:
         for p in group["params"]:
             if p.requires_grad and id(p) not in ours:
@@ -158,22 +174,22 @@ class BufferBroadcast:
     """Rank 0's buffers, broadcast asynchronously after backward and applied
     later, so that a forward never waits behind an in-flight reduction."""
 
-    def __init__(self, model: DataParallel) -> None:
-        self.model = model
+    def __init__(self, replica: Replica) -> None:
+        self.replica = replica
         self._stage: torch.Tensor | None = None
         self._offsets: list[int] = []
         self._handle: Any = None
 
     @property
     def wanted(self) -> bool:
-        m = self.model
-        return bool(m.config.broadcast_buffers and m._buffers_to_sync and m.world_size > 1)
+        m = self.replica
+        return bool(m.config.broadcast_buffers and m.buffers and m.world_size > 1)
 
     def start(self) -> None:
         self.finish()
         # Host memory: the engine's broadcast reads it from its own thread.
-        self._stage, self._offsets = pack_bytes(self.model._buffers_to_sync)
-        self._handle = self.model._engine.broadcast(self._stage.data_ptr(), UINT8,
+        self._stage, self._offsets = pack_bytes(self.replica.buffers)
+        self._handle = self.replica.engine.broadcast(self._stage.data_ptr(), UINT8,
                                                     self._stage.numel(), 0)
 
     def finish(self) -> None:
@@ -182,9 +198,9 @@ class BufferBroadcast:
         handle, stage = self._handle, self._stage
         self._handle = self._stage = None
         handle.wait()
-        if self.model.rank == 0:
+        if self.replica.rank == 0:
             return
-        unpack_bytes(stage, self._offsets, self.model._buffers_to_sync)
+        unpack_bytes(stage, self._offsets, self.replica.buffers)
 
 
 class DeferredSchedule(Schedule):
@@ -198,15 +214,16 @@ class DeferredSchedule(Schedule):
 
     in_flight = 1
 
-    def __init__(self, model: DataParallel) -> None:
-        super().__init__(model)
+    def __init__(self, replica: Replica, optimizer: Any = None,
+                 grad_scaler: torch.amp.GradScaler | None = None) -> None:
+        super().__init__(replica, optimizer, grad_scaler)
         self._optimizer: torch.optim.Optimizer | None = None
         self._inner_step: Any = None
         # The iteration whose marking closed and whose step is not taken yet.
         self._finished: int | None = None
         self._unmarked: dict[int, list[int]] = {}
-        self._buffers = BufferBroadcast(model)
-        self._gate = ForwardGate(model.module, model._params, self.land, self.landers_learnt)
+        self._buffers = BufferBroadcast(replica)
+        self._gate = ForwardGate(replica.module, replica.params, self.land, self.landers_learnt)
         # The local gradients as backward left them (object, version), to
         # catch code that edits .grad before optimizer.step(): that edit would
         # not reach the reduced gradient the update uses.
@@ -275,14 +292,14 @@ class DeferredSchedule(Schedule):
         recorded = self.recorded_clip_norm(iteration)
         if recorded is not None:
             return recorded
-        m = self.model
+        m = self.replica
         if iteration == self._finished:
             # Read before optimizer.step(): wait for the reduction and take
             # the norm of what it delivered, as the update will.
-            assert m._reducer is not None
-            m._reducer.wait(iteration, stream=m._stream())
+            assert m.reducer is not None
+            m.reducer.wait(iteration, stream=m.stream())
             return float(torch.nn.utils.get_total_norm(
-                [m._reduced(iteration, i) for i in range(len(m._params))], norm_type))
+                [m.reduced(iteration, i) for i in range(len(m.params))], norm_type))
         self.synchronize()  # the update computes it when it lands
         recorded = self.recorded_clip_norm(iteration)
         if recorded is None:
@@ -294,7 +311,7 @@ class DeferredSchedule(Schedule):
 
     def _grad_versions(self) -> list[tuple[int, int]]:
         return [(id(p.grad), p.grad._version) if p.grad is not None else (0, 0)
-                for p in self.model._params]
+                for p in self.replica.params]
 
     def check_grads_untouched(self) -> None:
         """Raises if .grad was modified in place since backward (clipping,
@@ -303,8 +320,8 @@ class DeferredSchedule(Schedule):
         seen, self._grads_seen = self._grads_seen, None
         if seen is None:
             return
-        m = self.model
-        for (grad_id, version), p, name in zip(seen, m._params, m._names):
+        m = self.replica
+        for (grad_id, version), p, name in zip(seen, m.params, m.names):
             if grad_id and id(p.grad) == grad_id and p.grad._version != version:
                 raise RuntimeError(
                     f"parameter {name!r}: its .grad was modified in place between backward() "
@@ -320,7 +337,7 @@ class DeferredSchedule(Schedule):
 
     def source(self, grad: torch.Tensor) -> torch.Tensor:
         """What this rank contributes for local gradient `grad`."""
-        scaler = self.model.grad_scaler
+        scaler = self.grad_scaler
         if scaler is not None and scaler.is_enabled():
             # Each rank reduces its gradient unscaled, so the average is right
             # whatever the ranks' scales, and not finite iff a rank overflowed.
@@ -349,7 +366,7 @@ class DeferredSchedule(Schedule):
     @property
     def scaling(self) -> bool:
         """A GradScaler scales this model's gradients."""
-        scaler = self.model.grad_scaler
+        scaler = self.grad_scaler
         return scaler is not None and scaler.is_enabled()
 
     def take_scaler_state(self) -> bool:
@@ -365,7 +382,7 @@ class DeferredSchedule(Schedule):
         found_inf = getattr(opt, "found_inf", None)
         if found_inf is None:
             return False
-        name = self.model.config.schedule
+        name = self.replica.config.schedule
         if not self.scaling:
             message = (
                 f"schedule={name!r}: optimizer.step() is driven by a torch.amp.GradScaler that "
@@ -373,12 +390,12 @@ class DeferredSchedule(Schedule):
                 "Pass it when wrapping: hemiola.wrap(model, optimizer, schedule=..., "
                 "grad_scaler=scaler)."
             )
-            self.model._reducer.abort(message)
+            self.replica.reducer.abort(message)
             raise RuntimeError(message)
         grad_scale = getattr(opt, "grad_scale", None)
         opt.grad_scale = opt.found_inf = None  # GradScaler deletes them after the step
         if grad_scale is not None:  # unscale_() was not called: .grad is still scaled
-            grads = [p.grad for p in self.model._params if p.grad is not None]
+            grads = [p.grad for p in self.replica.params if p.grad is not None]
             if grads:
                 torch._foreach_mul_(grads, grad_scale.double().reciprocal().float())
         return bool(found_inf.item())

@@ -17,7 +17,7 @@ and the approximation is re-derived from it. The invariant, per parameter:
 
 When does an exact step land? As soon as it has arrived, but never while a
 forward may still need the value it read: in the forward pre-hook of the
-module that reads the parameter first (see ``hemiola.schedules.gate``), or
+module that reads the parameter first (see ``hemiola.forward_gate``), or
 in ``optimizer.step()``; and at the latest when ``in_flight`` iterations are
 pending, in ``optimizer.step()``, which then waits. With
 ``correct_on_arrival=False`` it lands only then, which makes training
@@ -47,6 +47,8 @@ from typing import Any
 
 import torch
 
+from hemiola.config import Config
+from hemiola.replica import Replica
 from hemiola.schedules.torch_update import PendingUpdate, TorchUpdate, hyper_parameters
 
 
@@ -83,22 +85,27 @@ class Decoupled(TorchUpdate):
     """The decoupled schedule stepping with torch's optimizer (the fallback of
     ``hemiola.schedules.native``); see the module docstring."""
 
-    def __init__(self, model) -> None:  # type: ignore[no-untyped-def]
-        super().__init__(model)
-        self.in_flight = model.config.in_flight
-        self._on_arrival = model.config.correct_on_arrival
+    @classmethod
+    def reducer_needs(cls, config: Config, optimizer: Any,
+                      device: torch.device) -> tuple[int, bool]:
+        return config.in_flight, False
+
+    def __init__(self, replica: Replica, optimizer: Any = None,
+                 grad_scaler: torch.amp.GradScaler | None = None) -> None:
+        super().__init__(replica, optimizer, grad_scaler)
+        self._on_arrival = replica.config.correct_on_arrival
         # Exact parameters and optimizer state, per parameter index.
-        self._shadow_params = [p.detach().clone() for p in model._params]
-        self._shadow_state: list[dict[str, Any]] = [{} for _ in model._params]
+        self._shadow_params = [p.detach().clone() for p in replica.params]
+        self._shadow_state: list[dict[str, Any]] = [{} for _ in replica.params]
         # Per parameter: the newest iteration whose exact step is in the shadow.
-        self._landed = [-1] * len(model._params)
+        self._landed = [-1] * len(replica.params)
         self._pending: deque[_Iteration] = deque()
         # Elements read by forwards in total, and while still approximate.
         self._reads = 0
         self._approximate_reads = 0
         # The first iteration's results must outlive the rebuild of the
         # buckets that follows it (see step()).
-        model.gather_all_results = not self._rebuilt
+        replica.gather_all_results = not self._rebuilt
 
     # ---- optimizer side ------------------------------------------------------
 
@@ -109,7 +116,7 @@ class Decoupled(TorchUpdate):
         overflow = self.take_scaler_state()
         self._read.clear()
         iteration, self._finished = self._finished, None
-        everything = list(range(len(self.model._params)))
+        everything = list(range(len(self.replica.params)))
         if iteration is None:  # no synchronised backward since the last step
             self._advance(everything, must=len(self._pending))
             self._inner_step()
@@ -125,26 +132,26 @@ class Decoupled(TorchUpdate):
             # differs: the reduction is waited for here so that the buckets
             # can be rebuilt in the observed order; its results were written
             # to tensors of the model's and outlive the rebuild.
-            reducer = self.model._reducer
-            reducer.wait(iteration, stream=self.model._stream())
+            reducer = self.replica.reducer
+            reducer.wait(iteration, stream=self.replica.stream())
             if iteration in self._unmarked:
                 usage = reducer.usage(iteration)
             reducer.rebuild_from_observed_order()
             self.refresh_buckets()
             self._rebuilt = True
-            self.model.gather_all_results = False
+            self.replica.gather_all_results = False
         self._advance(everything, must=len(self._pending) + 1 - self.in_flight)
         hyper = hyper_parameters(self._optimizer)
         # From the live values with the local gradient; none if it overflowed
         # (the exact step is then skipped too: the average is not finite).
         if not overflow:
-            with self.model.timeline_recorder.span("compute", f"local step {iteration}",
+            with self.replica.timeline.span("compute", f"local step {iteration}",
                                                    "step"):
                 self._inner_step()  # from the live values, which are the exact ones
         local = None
         if self.in_flight > 1:
             local = [None if p.grad is None or overflow else p.grad.detach().clone()
-                     for p in self.model._params]
+                     for p in self.replica.params]
         pending = _Iteration(iteration, hyper, self._unmarked.pop(iteration, None),
                              self.take_clip(iteration), local, self.scaling)
         pending.usage = usage
@@ -154,24 +161,24 @@ class Decoupled(TorchUpdate):
         return self._shadow_params[index]
 
     def synchronize(self) -> None:
-        self._advance(list(range(len(self.model._params))), must=len(self._pending))
+        self._advance(list(range(len(self.replica.params))), must=len(self._pending))
         self._buffers.finish()
 
     def parameters_replaced(self) -> None:
         # Whatever was pending belongs to the old parameters.
         for pending in self._pending:
-            self.model._release_gathered(pending.iteration)
+            self.replica.release_gathered(pending.iteration)
         self._pending.clear()
-        self._commit(list(range(len(self.model._params))))
+        self._commit(list(range(len(self.replica.params))))
 
     def land_before_forward(self, indices: list[int]) -> None:
         if self._pending and self._on_arrival:
             # Everything that has arrived and that no forward read since the
             # last backward, not only `indices`: one optimizer step.
-            self._advance(self.unread(list(range(len(self.model._params)))), must=0)
+            self._advance(self.unread(list(range(len(self.replica.params)))), must=0)
         if torch.is_grad_enabled():
             newest = self._pending[-1].iteration if self._pending else -1
-            params = self.model._params
+            params = self.replica.params
             for i in indices:
                 self._reads += params[i].numel()
                 if self._landed[i] < newest:
@@ -187,7 +194,7 @@ class Decoupled(TorchUpdate):
         pending iterations waiting for their reductions, of the newer ones
         those that have arrived (if correcting on arrival). Per parameter the
         steps land in order; then the approximation is re-derived."""
-        recorder = self.model.timeline_recorder
+        recorder = self.replica.timeline
         plan: list[tuple[_Iteration, list[int]]] = []
         blocked: set[int] = set()  # an older iteration has not landed for them
         for age, pending in enumerate(self._pending):
@@ -223,14 +230,14 @@ class Decoupled(TorchUpdate):
                 self.step_with([g if i in again else None
                                 for i, g in enumerate(pending.local_grads)], pending.hyper)
         while self._pending and min(self._landed) >= self._pending[0].iteration:
-            self.model._release_gathered(self._pending.popleft().iteration)
+            self.replica.release_gathered(self._pending.popleft().iteration)
         recorder.record("compute", f"exact step ({len(touched)} parameters)", "correction",
                         start)
 
     def _restore(self, indices: list[int]) -> None:
         """Live parameters and optimizer state `indices` <- the shadow."""
         opt = self._optimizer
-        params = self.model._params
+        params = self.replica.params
         with torch.no_grad():
             for i in indices:
                 p = params[i]
@@ -242,7 +249,7 @@ class Decoupled(TorchUpdate):
         """The live parameters and optimizer state `indices` are exact:
         remember them."""
         opt = self._optimizer
-        params = self.model._params
+        params = self.replica.params
         with torch.no_grad():
             for i in indices:
                 p = params[i]

@@ -30,7 +30,8 @@ from hemiola.tensors import dtype_code
 from hemiola.torch_math import torch_sqrt
 
 if TYPE_CHECKING:
-    from hemiola.data_parallel import DataParallel
+    from hemiola.config import Config
+    from hemiola.replica import Replica
 
 _KINDS = {torch.optim.SGD: "sgd", torch.optim.Adam: "adam", torch.optim.AdamW: "adamw"}
 #: the optimizers ``decoupled`` takes a preview for when ``Config.preview`` is None
@@ -75,32 +76,39 @@ class NativeUpdate(DeferredSchedule):
     """``priority`` or ``decoupled`` (``model.config.schedule``) with the
     engine's updater; see the module docstring and the schedules' own."""
 
-    def __init__(self, model: DataParallel, optimizer: torch.optim.Optimizer) -> None:
-        super().__init__(model)
+    @classmethod
+    def reducer_needs(cls, config: Config, optimizer: Any,
+                      device: torch.device) -> tuple[int, bool]:
+        if config.schedule != "decoupled":
+            return cls.in_flight, False
+        in_flight = config.in_flight
+        preview = config.preview
+        if preview is None:
+            preview = _KINDS[type(optimizer)] in PREVIEW_BY_DEFAULT and in_flight == 1
+        takes = bool(preview) and device.type != "cuda" and in_flight == 1
+        if config.preview and not takes:
+            warnings.warn("hemiola: preview=True is implemented for CPU models with "
+                          "in_flight=1 only; this model takes no preview", stacklevel=6)
+        return in_flight, takes
+
+    def __init__(self, replica: Replica, optimizer: Any = None,
+                 grad_scaler: torch.amp.GradScaler | None = None) -> None:
+        super().__init__(replica, optimizer, grad_scaler)
         self._kind = _KINDS[type(optimizer)]
         self._updater: Any = None  # C.Updater, made by wrap_optimizer
-        self._decoupled = model.config.schedule == "decoupled"
-        if self._decoupled:
-            self.in_flight = model.config.in_flight
-        preview = model.config.preview
-        if preview is None:
-            preview = self._kind in PREVIEW_BY_DEFAULT and self.in_flight == 1
-        self._cuda = model.device.type == "cuda"
-        self.preview = self._decoupled and preview and not self._cuda and self.in_flight == 1
-        if model.config.preview and not self.preview and self._decoupled:
-            warnings.warn("hemiola: preview=True is implemented for CPU models with "
-                          "in_flight=1 only; this model takes no preview", stacklevel=5)
+        self._decoupled = replica.config.schedule == "decoupled"
+        self._cuda = replica.device.type == "cuda"
 
     def wrap_optimizer(self, optimizer: Any) -> Any:
         optimizer = super().wrap_optimizer(optimizer)
-        m = self.model
+        m = self.replica
         roots = torch_sqrt()  # the engine's Adam takes torch's square root
         self._updater = C.Updater(
-            m._engine, m._reducer, self._slots(), schedule=m.config.schedule,
+            m.engine, m.reducer, self._slots(), schedule=m.config.schedule,
             optimizer=self._kind, correct_on_arrival=m.config.correct_on_arrival,
             priority_front_fraction=m.config.priority_front_fraction,
             rebuild_buckets=m.config.rebuild_buckets, raise_if_not_finite=m.config.check_finite,
-            stream=m._stream(), sqrt_f32=roots.f32, sqrt_f64=roots.f64)
+            stream=m.stream(), sqrt_f32=roots.f32, sqrt_f64=roots.f64)
         self._updater.set_landers(self._gate.landers)
         return optimizer
 
@@ -112,7 +120,7 @@ class NativeUpdate(DeferredSchedule):
         assert opt is not None
         group_of = {id(p): g for g, group in enumerate(opt.param_groups) for p in group["params"]}
         slots = []
-        for name, p in zip(self.model._names, self.model._params):
+        for name, p in zip(self.replica.names, self.replica.params):
             group = opt.param_groups[group_of[id(p)]]
             state = opt.state[p]
             momentum_buffer = exp_avg = exp_avg_sq = max_exp_avg_sq = step = 0
@@ -160,16 +168,16 @@ class NativeUpdate(DeferredSchedule):
         """The stream the engine's work of this call goes on (0 on the CPU,
         without asking torch). The per-gradient and per-lander calls inline
         it: a Python call there is paid per parameter."""
-        return self.model._stream() if self._cuda else 0
+        return self.replica.stream() if self._cuda else 0
 
     def mark(self, index: int, grad: torch.Tensor) -> None:
-        stream = self.model._stream() if self._cuda else 0  # self._stream(), inlined
-        if grad.is_contiguous() and self.model.grad_scaler is None:  # the common case
+        stream = self.replica.stream() if self._cuda else 0  # self._stream(), inlined
+        if grad.is_contiguous() and self.grad_scaler is None:  # the common case
             self._updater.mark(index, grad.data_ptr(), grad.data_ptr(), stream)
             return
         if self._decoupled and not grad.is_contiguous():
             raise ValueError(
-                f"parameter {self.model._names[index]!r} has a non-contiguous gradient; "
+                f"parameter {self.replica.names[index]!r} has a non-contiguous gradient; "
                 "schedule='decoupled' takes its local step from .grad in the engine. Make the "
                 "parameter contiguous or pass native_optimizer=False to hemiola.wrap.")
         source = self.source(grad)  # (kept alive until the engine has copied it)
@@ -177,13 +185,13 @@ class NativeUpdate(DeferredSchedule):
 
     def backward_done(self, iteration: int, unmarked: list[int]) -> None:
         super().backward_done(iteration, unmarked)
-        params = self.model._params
+        params = self.replica.params
         for i in unmarked:  # contributed as zeros; torch steps them if .grad exists
             grad = params[i].grad
             self._updater.set_local_grad(i, 0 if grad is None else grad.data_ptr())
 
     def land(self, lander: int, indices: list[int]) -> None:
-        stream = self.model._stream() if self._cuda else 0  # self._stream(), inlined
+        stream = self.replica.stream() if self._cuda else 0  # self._stream(), inlined
         self._updater.land(lander, torch.is_grad_enabled(), stream)
 
     def landers_learnt(self, landers: list[list[int]]) -> None:
@@ -202,7 +210,7 @@ class NativeUpdate(DeferredSchedule):
             self._buffers.finish()  # the previous iteration's broadcast, as DDP's order
         if iteration is None:  # no synchronised backward since the last step
             self._updater.step_local([0 if p.grad is None else p.grad.data_ptr()
-                                      for p in self.model._params], hyper, self._stream())
+                                      for p in self.replica.params], hyper, self._stream())
             return
         clip = self.take_clip(iteration)
         self._updater.step(
@@ -230,7 +238,7 @@ class NativeUpdate(DeferredSchedule):
             return inner()
         # A momentum buffer the first step has not filled is not torch's state.
         hidden = {}
-        for p, initialised in zip(self.model._params, self._updater.momentum_initialised()):
+        for p, initialised in zip(self.replica.params, self._updater.momentum_initialised()):
             if not initialised and "momentum_buffer" in opt.state.get(p, {}):
                 hidden[p] = opt.state[p].pop("momentum_buffer")
         try:
@@ -245,5 +253,5 @@ class NativeUpdate(DeferredSchedule):
         stats = {"approximate_read_fraction": self._updater.approximate_read_fraction()}
         if self.preview:
             stats["preview_read_fraction"] = self._updater.preview_read_fraction()
-            stats["preview_error"] = self.model._reducer.preview_error()
+            stats["preview_error"] = self.replica.reducer.preview_error()
         return stats

@@ -8,7 +8,7 @@ Same math as ``wfbp``, different timing:
 - The next forward of a module waits only for the buckets of the parameters
   it reads first (a forward pre-hook waits for them and applies their update;
   which module reads a parameter first is learnt in the first forward, see
-  ``hemiola.schedules.gate``), so the front layers compute while the rest is
+  ``hemiola.forward_gate``), so the front layers compute while the rest is
   still being reduced. A parameter that receives a gradient while its update
   is still pending was read before it was updated: that is an error, never a
   silently stale gradient.
@@ -38,6 +38,7 @@ from typing import Any
 
 import torch
 
+from hemiola.replica import Replica
 from hemiola.schedules.torch_update import PendingUpdate, TorchUpdate, hyper_parameters
 
 
@@ -54,8 +55,9 @@ class Priority(TorchUpdate):
     """The priority schedule stepping with torch's optimizer (the fallback of
     ``hemiola.schedules.native``); see the module docstring."""
 
-    def __init__(self, model) -> None:  # type: ignore[no-untyped-def]
-        super().__init__(model)
+    def __init__(self, replica: Replica, optimizer: Any = None,
+                 grad_scaler: torch.amp.GradScaler | None = None) -> None:
+        super().__init__(replica, optimizer, grad_scaler)
         self._pending: _Pending | None = None
 
     def synchronize(self) -> None:
@@ -74,17 +76,17 @@ class Priority(TorchUpdate):
     def mark(self, index: int, grad: torch.Tensor) -> None:
         pending = self._pending
         if pending is not None and index in pending.remaining:
-            m = self.model
+            m = self.replica
             lander = self._gate.lander.get(index)
             message = (
-                f"schedule='priority': parameter {m._names[index]!r} was read in this forward "
+                f"schedule='priority': parameter {m.names[index]!r} was read in this forward "
                 "before its update from the previous iteration was applied, so its gradient "
                 "would be wrong. Its update is applied in the forward pre-hook of the module "
                 f"that read it first in the first training forward ({type(lander).__name__}); "
                 "that module did not run first this time. Use schedule='wfbp' for models whose "
                 "order of parameter reads changes between iterations."
             )
-            m._reducer.abort(message)
+            m.reducer.abort(message)
             raise RuntimeError(message)
         super().mark(index, grad)
 
@@ -102,13 +104,13 @@ class Priority(TorchUpdate):
             self.refresh_buckets()
         pending = _Pending(iteration, hyper_parameters(self._optimizer),
                            self._unmarked.pop(iteration, None), self.take_clip(iteration),
-                           len(self.model._params), self.scaling)
+                           len(self.replica.params), self.scaling)
         self._pending = pending
         if not self._rebuilt:
             # The first iteration runs synchronously; then the buckets are
             # rebuilt in the observed order and the issue order is derived.
             self._apply_all()
-            reducer = self.model._reducer
+            reducer = self.replica.reducer
             reducer.rebuild_from_observed_order()
             self.refresh_buckets()
             reducer.set_issue_order(self._priority_order())
@@ -121,10 +123,10 @@ class Priority(TorchUpdate):
         """Plan order (backward order), except that the buckets holding the
         front layers' first `priority_front_fraction` of the bytes go last,
         front-most first."""
-        params = self.model._params
+        params = self.replica.params
         sizes = [sum(params[i].numel() * params[i].element_size() / len(self._buckets_of[i])
                      for i in members) for members in self._members]
-        budget = self.model.config.priority_front_fraction * sum(sizes)
+        budget = self.replica.config.priority_front_fraction * sum(sizes)
         tail: list[int] = []
         covered = 0.0
         for b in reversed(range(len(sizes))):  # the last buckets hold the front layers
@@ -148,7 +150,7 @@ class Priority(TorchUpdate):
         """Applies the update of the parameters in `wanted` (waiting for their
         buckets if `wait`, else only those already reduced), and of every other
         unread parameter whose buckets are reduced by then: one optimizer step."""
-        recorder = self.model.timeline_recorder
+        recorder = self.replica.timeline
         it = pending.iteration
         if wait:
             self.wait_for(pending, wanted)

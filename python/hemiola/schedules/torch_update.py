@@ -15,7 +15,7 @@ from hemiola.schedules.base import DeferredSchedule, hyper_parameters, set_hyper
 from hemiola.tensors import raise_if_not_finite
 
 if TYPE_CHECKING:
-    from hemiola.data_parallel import DataParallel
+    from hemiola.replica import Replica
 
 __all__ = ["PendingUpdate", "TorchUpdate", "hyper_parameters"]
 
@@ -51,10 +51,11 @@ class TorchUpdate(DeferredSchedule):
     """A deferred schedule whose updates are torch optimizer steps over the
     reduced gradients, read out of the engine one parameter at a time."""
 
-    def __init__(self, model: DataParallel) -> None:
-        super().__init__(model)
+    def __init__(self, replica: Replica, optimizer: Any = None,
+                 grad_scaler: torch.amp.GradScaler | None = None) -> None:
+        super().__init__(replica, optimizer, grad_scaler)
         # The first iteration runs synchronously, then the buckets are rebuilt.
-        self._rebuilt = not model.config.rebuild_buckets
+        self._rebuilt = not replica.config.rebuild_buckets
         self._members: list[list[int]] = []     # per bucket: its parameters
         self._buckets_of: list[list[int]] = []  # per parameter: its buckets (pieces)
         # Parameters a forward read since the last backward.
@@ -62,8 +63,8 @@ class TorchUpdate(DeferredSchedule):
 
     def refresh_buckets(self) -> None:
         """Reads the reducer's bucket plan (after it was built or rebuilt)."""
-        self._members = self.model._reducer.buckets()
-        self._buckets_of = [[] for _ in self.model._params]
+        self._members = self.replica.reducer.buckets()
+        self._buckets_of = [[] for _ in self.replica.params]
         for b, members in enumerate(self._members):
             for i in members:
                 self._buckets_of[i].append(b)
@@ -71,13 +72,13 @@ class TorchUpdate(DeferredSchedule):
     def wait_params(self, iteration: int, indices: list[int]) -> None:
         """Waits for the reduced gradients of parameters `indices` of
         `iteration` (their buckets, in issue order)."""
-        with self.model.timeline_recorder.span(
+        with self.replica.timeline.span(
                 "compute", f"wait {len(indices)} parameters ({iteration})", "wait"):
-            self.model._reducer.wait_for(iteration, indices, stream=self.model._stream())
+            self.replica.reducer.wait_for(iteration, indices, stream=self.replica.stream())
 
     def shadow_of(self, index: int) -> torch.Tensor:
         """The exact copy of parameter `index` a committed step starts from."""
-        return self.model._params[index]
+        return self.replica.params[index]
 
     def step_with(self, grads: list[torch.Tensor | None], hyper: list[dict[str, Any]]) -> None:
         """One committed step, with the hyper-parameters `hyper`, over the
@@ -86,7 +87,7 @@ class TorchUpdate(DeferredSchedule):
         parameter without a gradient). ``.grad`` is left as it was."""
         opt = self._optimizer
         assert opt is not None
-        params = self.model._params
+        params = self.replica.params
         saved = [p.grad for p in params]
         current = hyper_parameters(opt)
         try:
@@ -102,9 +103,9 @@ class TorchUpdate(DeferredSchedule):
 
     def arrived(self, iteration: int, indices: list[int]) -> list[int]:
         """Those of `indices` whose every bucket of `iteration` is reduced."""
-        if iteration in self.model._gathered_iterations:
+        if iteration in self.replica.gathered_iterations:
             return indices  # waited for before the buckets were rebuilt
-        return self.model._reducer.arrived(iteration, indices)
+        return self.replica.reducer.arrived(iteration, indices)
 
     def land(self, lander: int, indices: list[int]) -> None:
         self.land_before_forward(indices)
@@ -128,12 +129,12 @@ class TorchUpdate(DeferredSchedule):
     def wait_for(self, pending: PendingUpdate, indices: list[int]) -> None:
         """Waits until `pending`'s reduced gradients of parameters `indices`
         can be applied: their buckets, or the whole iteration if it needs it."""
-        if pending.iteration in self.model._gathered_iterations:
+        if pending.iteration in self.replica.gathered_iterations:
             return  # waited for before the buckets were rebuilt
         if pending.needs_whole:
-            with self.model.timeline_recorder.span(
+            with self.replica.timeline.span(
                     "compute", f"wait reduction {pending.iteration}", "wait"):
-                self.model._reducer.wait(pending.iteration, stream=self.model._stream())
+                self.replica.reducer.wait(pending.iteration, stream=self.replica.stream())
         else:
             self.wait_params(pending.iteration, indices)
 
@@ -142,18 +143,18 @@ class TorchUpdate(DeferredSchedule):
         gradients to the parameters `chosen` (all arrived): parameters no rank
         used are skipped, and a clipped iteration's gradients are scaled by
         torch's clip_grad_norm_ coefficient of the whole reduced gradient."""
-        m = self.model
+        m = self.replica
         it = pending.iteration
-        count = len(m._params)
+        count = len(m.params)
         usage = pending.usage
         if usage is None and pending.unmarked:
-            usage = m._reducer.usage(it)
+            usage = m.reducer.usage(it)
         used = [usage is None or usage[i] > 0 for i in range(count)]
         if (pending.check_finite or pending.clip) and pending.norm is None:
             # needs_whole: every bucket has arrived. One norm serves both.
             norm_type = pending.clip[1] if pending.clip else 2.0
             pending.norm = torch.nn.utils.get_total_norm(
-                [m._reduced(it, i) for i in range(count) if used[i]], norm_type)
+                [m.reduced(it, i) for i in range(count) if used[i]], norm_type)
             if pending.clip:
                 pending.coef = torch.clamp(pending.clip[0] / (pending.norm + 1e-6), max=1.0)
                 self._clip_norms[it] = float(pending.norm)
@@ -161,11 +162,11 @@ class TorchUpdate(DeferredSchedule):
         if pending.check_finite and not bool(torch.isfinite(pending.norm)):
             return  # non-finite iff some rank overflowed: GradScaler skips, on every rank
         if m.config.check_finite and not pending.check_finite:  # (a scaler skips instead)
-            raise_if_not_finite([(m._names[i], m._reduced(it, i)) for i in sorted(chosen)
+            raise_if_not_finite([(m.names[i], m.reduced(it, i)) for i in sorted(chosen)
                                  if used[i]], it)
         grads: list[torch.Tensor | None] = []
         for i in range(count):
-            g = m._reduced(it, i) if i in chosen and used[i] else None
+            g = m.reduced(it, i) if i in chosen and used[i] else None
             grads.append(g if g is None or pending.coef is None else g * pending.coef)
         self.step_with(grads, pending.hyper)
 
@@ -173,7 +174,7 @@ class TorchUpdate(DeferredSchedule):
         source = self.source(grad)
         # The engine copies the gradient in now; the result stays in the
         # reducer (or, if partitioned, goes to a tensor of the model's).
-        self.model._reducer.mark_ready_to(index, source.data_ptr(),
-                                          self.model._result_target(index),
-                                          stream=self.model._stream())
+        self.replica.reducer.mark_ready_to(index, source.data_ptr(),
+                                          self.replica.result_target(index),
+                                          stream=self.replica.stream())
 

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
+from hemiola.replica import Replica
 from hemiola.schedules.base import Schedule
 from hemiola.tensors import raise_if_not_finite
 
@@ -14,18 +17,19 @@ class Wfbp(Schedule):
 
     in_flight = 0
 
-    def __init__(self, model) -> None:  # type: ignore[no-untyped-def]
-        super().__init__(model)
+    def __init__(self, replica: Replica, optimizer: Any = None,
+                 grad_scaler: torch.amp.GradScaler | None = None) -> None:
+        super().__init__(replica, optimizer, grad_scaler)
         # Gradients handed to the engine stay referenced until it wrote back.
         self._inflight: list[torch.Tensor] = []
         # Non-contiguous gradients are reduced through a contiguous copy.
         self._staged: list[tuple[torch.Tensor, torch.Tensor]] = []
-        self._rebuilt = not model.config.rebuild_buckets
+        self._rebuilt = not replica.config.rebuild_buckets
 
     def before_forward(self) -> None:
-        m = self.model
-        if m.config.broadcast_buffers and m._require_forward_param_sync and m._buffers_to_sync:
-            m._sync_buffers()
+        m = self.replica
+        if m.config.broadcast_buffers and m.require_forward_param_sync and m.buffers:
+            m.sync_buffers()
 
     def mark(self, index: int, grad: torch.Tensor) -> None:
         if not grad.is_contiguous():
@@ -33,21 +37,21 @@ class Wfbp(Schedule):
             self._staged.append((grad, staged))
             grad = staged
         self._inflight.append(grad)
-        self.model._reducer.mark_ready(index, grad.data_ptr(), stream=self.model._stream())
+        self.replica.reducer.mark_ready(index, grad.data_ptr(), stream=self.replica.stream())
 
     def backward_done(self, iteration: int, unmarked: list[int]) -> None:
-        reducer = self.model._reducer
+        reducer = self.replica.reducer
         try:
-            with self.model.timeline_recorder.span("compute", f"wait reduction {iteration}",
+            with self.replica.timeline.span("compute", f"wait reduction {iteration}",
                                                    "wait"):
-                reducer.wait(iteration, stream=self.model._stream())
+                reducer.wait(iteration, stream=self.replica.stream())
             if unmarked:
                 self._write_back_unused(iteration, unmarked)
             for grad, staged in self._staged:
                 grad.copy_(staged)
-            m = self.model
+            m = self.replica
             if m.config.check_finite:
-                raise_if_not_finite([(n, p.grad) for n, p in zip(m._names, m._params)
+                raise_if_not_finite([(n, p.grad) for n, p in zip(m.names, m.params)
                                      if p.grad is not None], iteration)
         finally:
             self._inflight.clear()
@@ -59,12 +63,12 @@ class Wfbp(Schedule):
     def _write_back_unused(self, iteration: int, unmarked: list[int]) -> None:
         # A parameter this rank did not use but another did gets the average;
         # one no rank used keeps its .grad as it was (as in DDP).
-        usage = self.model._reducer.usage(iteration)
+        usage = self.replica.reducer.usage(iteration)
         for i in unmarked:
             if usage[i] == 0:
                 continue
-            p = self.model._params[i]
-            reduced = self.model._reduced(iteration, i)
+            p = self.replica.params[i]
+            reduced = self.replica.reduced(iteration, i)
             if p.grad is None:
                 p.grad = reduced.clone()
             else:

@@ -1,0 +1,138 @@
+"""This rank's replica of the data-parallel model, as the schedules see it.
+
+A :class:`Replica` owns what a schedule works with: the trainable parameters
+and their names, the buffers kept in sync with rank 0, the device and its
+current stream, the engine and the gradient reducer, the timeline recorder,
+and the views of the reduced gradients (with the copies that outlive a
+rebuild of the buckets). :class:`hemiola.data_parallel.DataParallel` builds
+one and hands it to its schedule; schedules never see the wrapper, so the
+dependency runs one way: data_parallel -> schedules -> replica.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from hemiola._native import C
+from hemiola.config import Config, compression_code
+from hemiola.tensors import broadcast_tensors, device_view, dtype_code, stream_of
+from hemiola.timeline import Recorder
+
+
+class Replica:
+    """See the module docstring. `in_flight` and `preview` are what the
+    schedule needs of the reducer (its ``reducer_needs``)."""
+
+    def __init__(self, module: nn.Module, engine: C.Engine, config: Config,
+                 device: torch.device, in_flight: int, preview: bool) -> None:
+        self.module = module
+        self.engine = engine
+        #: the wrap's configuration (register_comm_hook replaces it)
+        self.config = config
+        #: the CPU or one GPU
+        self.device = device
+        #: earlier iterations whose reduction may still run while one is
+        #: marked, and whether the reducer takes previews (the schedule's needs)
+        self.in_flight = in_flight
+        self.preview = preview
+        named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+        #: the trainable parameters, in the reducer's order, and their names
+        self.names = [n for n, _ in named]
+        self.params = [p for _, p in named]
+        #: the buffers kept equal to rank 0's
+        self.buffers = [b for b in module.buffers() if b.numel() > 0]
+        self.timeline = Recorder(engine)
+        #: while True, every reduced gradient of the iteration being marked is
+        #: written to a tensor of the model's (as partitioned ones are), so it
+        #: outlives a rebuild of the reducer's buckets
+        self.gather_all_results = False
+        #: iterations whose every result was gathered (gather_all_results)
+        self.gathered_iterations: set[int] = set()
+        #: the iteration whose gradients backward is marking
+        self.marking_iteration = 0
+        #: DDP's rule for buffers: broadcast them before a forward that
+        #: follows a synchronised training forward (and before the first one)
+        self.require_forward_param_sync = True
+        self.reducer: C.Reducer | None = None
+        if self.params:
+            specs = [(dtype_code(p.dtype), p.numel(), n, p.shape[0] if p.dim() > 1 else 0)
+                     for n, p in named]
+            self.reducer = engine.make_reducer(
+                specs,
+                fusion_bytes=config.fusion_bytes,
+                first_bucket_bytes=config.first_bucket_bytes,
+                track_usage=config.find_unused_parameters,
+                record_order=config.rebuild_buckets,
+                in_flight=in_flight,
+                preview=preview,
+                partition_bytes=config.partition_bytes,
+                device=device.index if device.type == "cuda" else -1,
+                compression=compression_code(config.compression),
+                powersgd_rank=config.powersgd_rank,
+                powersgd_start_iteration=config.powersgd_start_iter,
+            )
+        # Partitioned gradients are spread over several buckets; their results
+        # are gathered into tensors of their own.
+        self._partitioned = {
+            i for i, p in enumerate(self.params)
+            if 0 < config.partition_bytes < p.numel() * p.element_size()
+        }
+        self._gathered: dict[tuple[int, int], torch.Tensor] = {}
+
+    @property
+    def rank(self) -> int:
+        return self.engine.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.engine.world_size
+
+    def stream(self) -> int:
+        """The current stream's handle on the model's GPU (0 on the CPU): the
+        engine orders its copies after work there and makes it wait for
+        results on the device, never on the host."""
+        return stream_of(self.device)
+
+    def reduced(self, iteration: int, index: int) -> torch.Tensor:
+        """Parameter `index`'s reduced gradient of `iteration`: a view into the
+        engine's buffers, or, for a gathered one, its copy."""
+        assert self.reducer is not None
+        p = self.params[index]
+        if index in self._partitioned or iteration in self.gathered_iterations:
+            return self._gathered[(iteration % (self.in_flight + 1), index)]
+        if self.device.type == "cuda":
+            return device_view(self.reducer.result_ptr(iteration, index), p)
+        view = self.reducer.result_view(iteration, index)
+        return torch.frombuffer(view, dtype=p.dtype).view(p.shape)
+
+    def result_target(self, index: int) -> int:
+        """Where the engine should write parameter `index`'s reduced gradient
+        of the iteration being marked: 0 (keep it in the engine) unless it is
+        partitioned or gather_all_results is set."""
+        if not self.gather_all_results and index not in self._partitioned:
+            return 0
+        if self.gather_all_results:
+            self.gathered_iterations.add(self.marking_iteration)
+        key = (self.marking_iteration % (self.in_flight + 1), index)
+        target = self._gathered.get(key)
+        if target is None:
+            p = self.params[index]
+            target = torch.empty(p.shape, dtype=p.dtype, device=self.device)
+            self._gathered[key] = target
+        return target.data_ptr()
+
+    def release_gathered(self, iteration: int) -> None:
+        """`iteration`'s gathered results (gather_all_results) are applied:
+        free the copies of the tensors that are not partitioned."""
+        if iteration not in self.gathered_iterations:
+            return
+        self.gathered_iterations.discard(iteration)
+        slot = iteration % (self.in_flight + 1)
+        for i in range(len(self.params)):
+            if i not in self._partitioned:
+                self._gathered.pop((slot, i), None)
+
+    def sync_buffers(self) -> None:
+        """Broadcasts rank 0's buffers (blocking)."""
+        broadcast_tensors(self.engine, self.buffers)
