@@ -55,7 +55,8 @@ std::vector<ParameterSlot> slots_of(const std::vector<Slot>& slots, const Device
 }
 
 StepOptions step_options(const std::vector<Hyper>& hyper, bool has_unused, double clip_max_norm,
-                         double clip_norm_type, bool skip_if_not_finite, bool local_overflow) {
+                         double clip_norm_type, bool skip_if_not_finite, bool local_overflow,
+                         double preview_scale = 1.0) {
   StepOptions o;
   for (const auto& h : hyper) {
     GroupHyper g;
@@ -68,6 +69,7 @@ StepOptions step_options(const std::vector<Hyper>& hyper, bool has_unused, doubl
   o.clip_norm_type = clip_norm_type;
   o.skip_if_not_finite = skip_if_not_finite;
   o.local_overflow = local_overflow;
+  o.preview_scale = preview_scale;
   return o;
 }
 
@@ -126,16 +128,16 @@ void bind_updater(py::module_& m) {
           "step",
           [](Updater& u, uint64_t iteration, const std::vector<Hyper>& hyper, bool has_unused,
              double clip_max_norm, double clip_norm_type, bool skip_if_not_finite,
-             bool local_overflow, std::uintptr_t stream) {
+             bool local_overflow, std::uintptr_t stream, double preview_scale) {
             const StepOptions o = step_options(hyper, has_unused, clip_max_norm, clip_norm_type,
-                                               skip_if_not_finite, local_overflow);
+                                               skip_if_not_finite, local_overflow, preview_scale);
             py::gil_scoped_release release;
             u.step(iteration, o, StreamRef{pointer(stream)});
           },
           py::arg("iteration"), py::arg("hyper"), py::arg("has_unused") = false,
           py::arg("clip_max_norm") = -1.0, py::arg("clip_norm_type") = 2.0,
           py::arg("skip_if_not_finite") = false, py::arg("local_overflow") = false,
-          py::arg("stream") = 0)
+          py::arg("stream") = 0, py::arg("preview_scale") = 1.0)
       .def(
           "step_local",
           [](Updater& u, const std::vector<std::uintptr_t>& grads,

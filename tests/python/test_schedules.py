@@ -112,17 +112,20 @@ def test_decoupled_trains_and_differs_from_wfbp_only_by_the_approximation() -> N
     assert 0 < diff < 0.05
 
 
-@pytest.mark.parametrize("optimizer", ["adamw", "sgd"])
-def test_decoupled_forwards_read_the_preview_where_it_arrives_first(optimizer: str) -> None:
+@pytest.mark.parametrize("optimizer,clip", [("adamw", None), ("sgd", None), ("adamw", 0.05)])
+def test_decoupled_forwards_read_the_preview_where_it_arrives_first(optimizer: str,
+                                                                    clip: float | None) -> None:
     # Different data per rank: the preview lands before the next forward
     # reads a parameter whose exact step has not arrived (a forward waits for
     # it), so approximate reads are preview reads, except in the iteration
     # after the first (its scales would come from the first, whose buckets
     # were rebuilt after it). The run trains, stays within the approximation
-    # of wfbp's trajectory, and ranks agree bitwise.
-    wfbp = run_local(workers.schedule_run, 3, "wfbp", "transformer", optimizer, 10, False)
+    # of wfbp's trajectory, and ranks agree bitwise. Clipping (0.05 is below
+    # the gradient norm) keeps the preview: it is scaled by the local
+    # gradient's clipping coefficient, the exact step by the average's.
+    wfbp = run_local(workers.schedule_run, 3, "wfbp", "transformer", optimizer, 10, False, clip)
     dec = run_local(workers.schedule_run_with, 3, "decoupled", "transformer", optimizer, 10,
-                    False, {"preview": True}, timeout_s=120)
+                    False, {"preview": True, "clip": clip}, timeout_s=120)
     stats = dec[0]["stats"]
     assert 0.5 * stats["approximate_read_fraction"] < stats["preview_read_fraction"], stats
     assert stats["preview_read_fraction"] <= stats["approximate_read_fraction"], stats

@@ -145,6 +145,11 @@ struct StepOptions {
   bool skip_if_not_finite = false;
   // decoupled: this rank's own gradient overflowed; no approximate step.
   bool local_overflow = false;
+  // decoupled with a preview and clipping: the factor the preview step scales
+  // the estimated average by, the clipping coefficient of this rank's own
+  // gradient (the averaged gradient's needs the whole of it; the exact step
+  // applies that one).
+  double preview_scale = 1.0;
 };
 
 class UpdaterImpl;

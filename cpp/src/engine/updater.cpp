@@ -91,6 +91,10 @@ struct Pending {
   bool needs_whole() const {
     return options.has_unused || options.clip_max_norm >= 0.0 || options.skip_if_not_finite;
   }
+  // A preview can land: clipping scales it by StepOptions::preview_scale;
+  // unused parameters and a GradScaler's skip are known only once the whole
+  // iteration is reduced.
+  bool preview_allowed() const { return !options.has_unused && !options.skip_if_not_finite; }
 };
 
 // Scratch of re-taken local steps (decoupled, in_flight > 1): a parameter
@@ -213,7 +217,9 @@ class UpdaterImpl {
         update_priority(needed, /*wait=*/true);
       } else if (options_.correct_on_arrival) {
         Pending& newest = pending_.back();  // with a preview the only one (in_flight 1)
-        if (!newest.previewed.empty() && !newest.needs_whole()) wait_previews(newest, needed);
+        if (!newest.previewed.empty() && newest.preview_allowed()) {
+          wait_previews(newest, needed);
+        }
         land_arrived();
       }
     }
@@ -524,11 +530,11 @@ class UpdaterImpl {
   void land_arrived() {
     for (size_t k = 0; k < pending_.size(); ++k) {
       Pending& pending = pending_[k];
-      if (pending.needs_whole()) continue;
       if (!pending.previewed.empty()) {
-        land_previews(pending);
+        if (pending.preview_allowed()) land_previews(pending);
         continue;
       }
+      if (pending.needs_whole()) continue;
       std::vector<size_t> chosen;
       for (size_t i : pending.remaining) {
         if (!read_[i] && landed_before(k, i) && arrived(pending, i)) chosen.push_back(i);
@@ -555,8 +561,11 @@ class UpdaterImpl {
   // The approximate step again, from the preview's estimate of the average
   // instead of the rank's own gradient, for every parameter whose preview
   // has arrived, whose exact step has not, and that no forward read since
-  // step(). (Not with clipping, a GradScaler or unused parameters, whose
-  // updates need the whole averaged gradient; not for partitioned tensors.)
+  // step(). With clipping the preview is scaled by the local gradient's
+  // clipping coefficient (StepOptions::preview_scale): the averaged
+  // gradient's own needs all of it, and the exact step that follows uses that.
+  // (Not with a GradScaler or unused parameters, whose updates need the whole
+  // averaged gradient; not for partitioned tensors.)
   void land_previews(Pending& pending) {
     std::vector<size_t> chosen;
     for (size_t i : pending.remaining) {
@@ -565,8 +574,8 @@ class UpdaterImpl {
     if (chosen.empty()) return;
     const int64_t start = engine_.timeline_now_us();
     for (size_t i : chosen) {
-      optimizer_step(i, reducer_.preview(pending.iteration, i).data, pending.options.hyper, 1.0,
-                     /*commit=*/false);
+      optimizer_step(i, reducer_.preview(pending.iteration, i).data, pending.options.hyper,
+                     pending.options.preview_scale, /*commit=*/false);
       pending.previewed[i] = 1;
     }
     record("preview", start, "preview step (", chosen.size(), " parameters)");

@@ -15,10 +15,10 @@ import torch
 from torch import nn
 
 from hemiola._native import C
+from hemiola.forward_gate import ForwardGate
 from hemiola.ps.ahead import AheadPlan
 from hemiola.ps.config import PSConfig
 from hemiola.ps.roles import Role, job_token, rendezvous_store
-from hemiola.forward_gate import ForwardGate
 
 _OPTIMIZERS = {torch.optim.SGD: "sgd", torch.optim.Adam: "adam", torch.optim.AdamW: "adamw"}
 

@@ -230,6 +230,9 @@ class DeferredSchedule(Schedule):
         self._grads_seen: list[tuple[int, int]] | None = None
         #: per iteration: (max_norm, norm_type) of model.clip_grad_norm_
         self._clip: dict[int, tuple[float, float]] = {}
+        #: per clipped iteration: the clipping coefficient of this rank's own
+        #: gradient (decoupled's preview step scales its estimate by it)
+        self._local_coef: dict[int, float] = {}
         #: per clipped iteration, once its update computed it: the total norm
         #: of the averaged gradient (torch path; the engine keeps its own)
         self._clip_norms: dict[int, float] = {}
@@ -278,7 +281,10 @@ class DeferredSchedule(Schedule):
                                "optimizer.step()")
         iteration = self._finished
         self._clip[iteration] = (float(max_norm), float(norm_type))
-        super().clip_grad_norm_(max_norm, norm_type)
+        local_norm = super().clip_grad_norm_(max_norm, norm_type)
+        # torch's coefficient, computed as clip_grad_norm_ computes it
+        coef = torch.clamp(max_norm / (local_norm + 1e-6), max=1.0)
+        self._local_coef[iteration] = float(coef)
         self._grads_seen = self._grad_versions()
         # What clip_grad_norm_ returns under wfbp and DDP: the norm of the
         # averaged gradient, the same on every rank, read when it is known.
@@ -332,8 +338,15 @@ class DeferredSchedule(Schedule):
                 )
 
     def take_clip(self, iteration: int) -> tuple[float, float] | None:
-        """(max_norm, norm_type) if `iteration`'s gradients were clipped."""
+        """(max_norm, norm_type) if `iteration`'s gradients were clipped
+        (forgetting them, with local_coef's)."""
+        self._local_coef.pop(iteration, None)
         return self._clip.pop(iteration, None)
+
+    def local_coef(self, iteration: int) -> float:
+        """The clipping coefficient of this rank's own gradient of
+        `iteration` (1.0 when it was not clipped), until take_clip."""
+        return self._local_coef.get(iteration, 1.0)
 
     def source(self, grad: torch.Tensor) -> torch.Tensor:
         """What this rank contributes for local gradient `grad`."""
@@ -350,6 +363,7 @@ class DeferredSchedule(Schedule):
         if self._finished is not None:  # superseded (see before_forward)
             self._unmarked.pop(self._finished, None)
             self._clip.pop(self._finished, None)
+            self._local_coef.pop(self._finished, None)
         self._finished = iteration
         self._inv_scale = None
         self._grads_seen = self._grad_versions()
