@@ -300,3 +300,39 @@ def snapshot_job(rank: int, world: int, snapshot_dir: str) -> dict[str, Any] | N
     model.snapshot()
     model.close()
     return None
+
+
+def _store() -> Any:
+    store = dist.TCPStore("127.0.0.1", int(os.environ["MASTER_PORT"]), is_master=False,
+                          timeout=datetime.timedelta(seconds=30))
+    return dist.PrefixStore("hemiola/ps", store)
+
+
+def flood_job(rank: int, world: int, options: dict[str, Any], silent: int) -> dict[str, Any] | None:
+    """Rank 0 serves; a thread of its process opens `silent` connections to
+    the server as soon as its address is published and never says a word,
+    holding them until the job ends; only then do the workers join."""
+    if rank == 0:
+        import threading
+
+        held: list[socket.socket] = []
+
+        def flood() -> None:
+            store = _store()
+            store.wait(["ps/s0/address"])
+            host, port = store.get("ps/s0/address").decode().rsplit(" ", 1)
+            for _ in range(silent):
+                held.append(socket.create_connection((host, int(port)), timeout=20))
+            time.sleep(1.0)  # the server has accepted them: they wait to say hello
+            store.set("test/flooded", "1")
+
+        thread = threading.Thread(target=flood, daemon=True)
+        thread.start()
+        try:
+            served = _server(hemiola.ps.PSConfig.from_kwargs(**options))
+        finally:
+            for s in held:
+                s.close()
+        return served
+    _store().wait(["test/flooded"])
+    return ps_workers.train(rank, world, options, "mlp", "sgd", 4)

@@ -163,3 +163,15 @@ def test_corrupted_or_truncated_snapshot_is_refused(tmp_path: Path) -> None:
         bad.write_bytes(good[:keep])
         with pytest.raises(ValueError, match="truncated|not a hemiola"):
             _restore(bad, tmp_path / f"store-cut-{keep}")
+
+
+def test_silent_connections_do_not_lock_the_workers_out() -> None:
+    """80 connections that never say hello, opened before the workers join
+    (more than the 64 the server lets wait): each newcomer evicts the one
+    waiting longest, so the workers are admitted and train; before, the
+    server refused them while the silent ones held every slot for timeout_s."""
+    options = {"consistency": "bsp", "num_servers": 1, "timeout_s": 30.0}
+    outcome = run_local(ps_hostile.flood_job, 3, options, 80, timeout_s=120)
+    assert outcome[0]["pushes_applied"] == 2 * 4 * 6, outcome[0]  # workers x steps x tensors
+    assert outcome[0]["refused"] >= 80 - 64, outcome[0]  # evicted, or dropped after the deadline
+    torch.testing.assert_close(outcome[1]["params"], outcome[2]["params"], rtol=0, atol=0)

@@ -24,8 +24,10 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
-// More connections than this waiting to say hello are a flood: newcomers are
-// closed at once, so the server's descriptors stay bounded.
+// More connections than this waiting to say hello are a flood: the oldest of
+// them is closed to make room for each newcomer, so the server's descriptors
+// stay bounded and silent connections cannot lock real workers out (a worker
+// says hello as soon as it connects; a flood's connections wait to be evicted).
 constexpr size_t kMaxPending = 64;
 // Payloads are read in pieces of at most this size, so a header that merely
 // claims a huge payload costs no memory until the bytes actually arrive.
@@ -548,9 +550,12 @@ void Acceptor::poll_once(std::chrono::milliseconds wait, bool admitting,
       p->socket = std::move(s);
       p->since = Clock::now();
       if (pending_.size() >= kMaxPending) {
-        refuse(*p, detail::concat(kMaxPending, " connections are already waiting to say hello"),
+        // pending_ is in arrival order: the front waited longest.
+        refuse(*pending_.front(),
+               detail::concat(kMaxPending, " connections were waiting to say hello; the one "
+                              "waiting longest is closed to make room"),
                false);
-        continue;
+        pending_.erase(pending_.begin());
       }
       pending_.push_back(std::move(p));
     }
@@ -602,81 +607,108 @@ Socket connect_to_server(Store& store, int server_index, int worker, const std::
     return std::max(std::chrono::milliseconds(1),
                     std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now()));
   };
+  // One connection and its hello. Empty when the server closed the connection
+  // without an answer (it was full of connections waiting to say hello, or
+  // restarting its accept loop): then the worker tries again until `deadline`.
   std::string why = "no address";
-  Socket s;
-  while (!s) {
-    addrinfo hints{};
-    hints.ai_family = AF_UNSPEC;
-    hints.ai_socktype = SOCK_STREAM;
-    addrinfo* result = nullptr;
-    if (const int rc = ::getaddrinfo(host.c_str(), port.c_str(), &hints, &result); rc != 0) {
-      why = ::gai_strerror(rc);
-    } else {
-      for (addrinfo* ai = result; ai != nullptr && !s; ai = ai->ai_next) {
-        Socket c(::socket(ai->ai_family, ai->ai_socktype | SOCK_NONBLOCK | SOCK_CLOEXEC, 0));
-        if (!c) continue;
-        if (::connect(c.fd(), ai->ai_addr, ai->ai_addrlen) != 0 && errno != EINPROGRESS) {
-          why = errno_text();
-          continue;
-        }
-        pollfd pfd{c.fd(), POLLOUT, 0};
-        int error = 0;
-        socklen_t len = sizeof error;
-        if (::poll(&pfd, 1, static_cast<int>(remaining().count())) == 1 &&
-            ::getsockopt(c.fd(), SOL_SOCKET, SO_ERROR, &error, &len) == 0 && error == 0) {
-          s = std::move(c);
-        } else {
-          why = error ? std::strerror(error) : "timed out";
-        }
-      }
-      ::freeaddrinfo(result);
-    }
-    if (!s) {
-      if (Clock::now() >= deadline)
-        HEMIOLA_THROW(ErrorCode::kTimeout, "worker ", worker, ": cannot connect to ", server_name,
-                      " at ", host, " port ", port, " within ", timeout.count() / 1000.0, " s: ",
-                      why);
-      std::this_thread::sleep_for(std::chrono::milliseconds(100));
-    }
-  }
-  set_blocking(s.fd(), true);
-  set_timeouts(s.fd(), remaining(), remaining());
-  const Header hello = hello_header(worker, token);
-  std::string failed = send_all(s.fd(), reinterpret_cast<const char*>(&hello), sizeof hello);
-  if (failed.empty()) failed = send_all(s.fd(), token.data(), token.size());
-  if (!failed.empty())
-    HEMIOLA_THROW(ErrorCode::kCommFailure, "worker ", worker, ": sending its hello to ",
-                  server_name, " failed: ", failed);
-  // The answer: a welcome, or an error saying why not.
-  auto read_exact = [&](char* data, size_t n) {
-    size_t got = 0;
-    while (got < n) {
-      const ssize_t r = ::recv(s.fd(), data + got, n - got, 0);
-      if (r > 0) {
-        got += static_cast<size_t>(r);
-      } else if (r < 0 && errno == EINTR) {
-        continue;
+  auto attempt = [&]() -> Socket {
+    Socket s;
+    while (!s) {
+      addrinfo hints{};
+      hints.ai_family = AF_UNSPEC;
+      hints.ai_socktype = SOCK_STREAM;
+      addrinfo* result = nullptr;
+      if (const int rc = ::getaddrinfo(host.c_str(), port.c_str(), &hints, &result); rc != 0) {
+        why = ::gai_strerror(rc);
       } else {
-        HEMIOLA_THROW(r < 0 && errno == EAGAIN ? ErrorCode::kTimeout : ErrorCode::kCommFailure,
-                      "worker ", worker, ": ", server_name, " did not answer its hello: ",
-                      r == 0 ? "the connection closed" : errno_text());
+        for (addrinfo* ai = result; ai != nullptr && !s; ai = ai->ai_next) {
+          Socket c(::socket(ai->ai_family, ai->ai_socktype | SOCK_NONBLOCK | SOCK_CLOEXEC, 0));
+          if (!c) continue;
+          if (::connect(c.fd(), ai->ai_addr, ai->ai_addrlen) != 0 && errno != EINPROGRESS) {
+            why = errno_text();
+            continue;
+          }
+          pollfd pfd{c.fd(), POLLOUT, 0};
+          int error = 0;
+          socklen_t len = sizeof error;
+          if (::poll(&pfd, 1, static_cast<int>(remaining().count())) == 1 &&
+              ::getsockopt(c.fd(), SOL_SOCKET, SO_ERROR, &error, &len) == 0 && error == 0) {
+            s = std::move(c);
+          } else {
+            why = error ? std::strerror(error) : "timed out";
+          }
+        }
+        ::freeaddrinfo(result);
+      }
+      if (!s) {
+        if (Clock::now() >= deadline)
+          HEMIOLA_THROW(ErrorCode::kTimeout, "worker ", worker, ": cannot connect to ",
+                        server_name, " at ", host, " port ", port, " within ",
+                        timeout.count() / 1000.0, " s: ", why);
+        std::this_thread::sleep_for(std::chrono::milliseconds(100));
       }
     }
+    set_blocking(s.fd(), true);
+    set_timeouts(s.fd(), remaining(), remaining());
+    const Header hello = hello_header(worker, token);
+    std::string failed = send_all(s.fd(), reinterpret_cast<const char*>(&hello), sizeof hello);
+    if (failed.empty()) failed = send_all(s.fd(), token.data(), token.size());
+    if (!failed.empty()) {
+      why = "sending its hello failed: " + failed;
+      return Socket();
+    }
+    // The answer: a welcome, or an error saying why not. `answered`: some of
+    // it arrived (a closed connection after that is no eviction).
+    bool answered = false;
+    auto read_exact = [&](char* data, size_t n) {
+      size_t got = 0;
+      while (got < n) {
+        const ssize_t r = ::recv(s.fd(), data + got, n - got, 0);
+        if (r > 0) {
+          got += static_cast<size_t>(r);
+          answered = true;
+        } else if (r < 0 && errno == EINTR) {
+          continue;
+        } else if (r < 0 && errno == EAGAIN) {
+          HEMIOLA_THROW(ErrorCode::kTimeout, "worker ", worker, ": ", server_name,
+                        " did not answer its hello within ", timeout.count() / 1000.0, " s");
+        } else {
+          why = detail::concat("it did not answer the hello: ",
+                               r == 0 ? "the connection closed" : errno_text());
+          return false;
+        }
+      }
+      return true;
+    };
+    Header reply;
+    if (!read_exact(reinterpret_cast<char*>(&reply), sizeof reply)) {
+      HEMIOLA_CHECK(!answered, "worker ", worker, ": ", server_name, " ", why);
+      return Socket();
+    }
+    const std::string problem = header_problem(reply);
+    HEMIOLA_CHECK(problem.empty(), "worker ", worker, ": ", server_name,
+                  " answered its hello with a malformed message: ", problem);
+    if (reply.type == static_cast<uint16_t>(MessageType::kError)) {
+      std::string message(static_cast<size_t>(std::min<int64_t>(reply.payload_bytes, 1 << 16)),
+                          '\0');
+      HEMIOLA_CHECK(read_exact(message.data(), message.size()), "worker ", worker, ": ",
+                    server_name, " ", why);
+      HEMIOLA_THROW(ErrorCode::kAborted, "worker ", worker, ": ", message);
+    }
+    HEMIOLA_CHECK(reply.type == static_cast<uint16_t>(MessageType::kWelcome),
+                  "worker ", worker, ": ", server_name, " answered its hello with a ",
+                  message_type_name(reply.type));
+    return s;
   };
-  Header reply;
-  read_exact(reinterpret_cast<char*>(&reply), sizeof reply);
-  const std::string problem = header_problem(reply);
-  HEMIOLA_CHECK(problem.empty(), "worker ", worker, ": ", server_name, " answered its hello with "
-                "a malformed message: ", problem);
-  if (reply.type == static_cast<uint16_t>(MessageType::kError)) {
-    std::string message(static_cast<size_t>(std::min<int64_t>(reply.payload_bytes, 1 << 16)), '\0');
-    read_exact(message.data(), message.size());
-    HEMIOLA_THROW(ErrorCode::kAborted, "worker ", worker, ": ", message);
+  for (;;) {
+    Socket s = attempt();
+    if (s) return s;
+    if (Clock::now() >= deadline)
+      HEMIOLA_THROW(ErrorCode::kCommFailure, "worker ", worker, ": ", server_name, " at ", host,
+                    " port ", port, " admitted it in none of its tries within ",
+                    timeout.count() / 1000.0, " s; the last: ", why);
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
   }
-  HEMIOLA_CHECK(reply.type == static_cast<uint16_t>(MessageType::kWelcome),
-                "worker ", worker, ": ", server_name, " answered its hello with a ",
-                message_type_name(reply.type));
-  return s;
 }
 
 }  // namespace hemiola::ps

@@ -133,6 +133,10 @@ class Channel {
   std::thread sender_;
 };
 
+// How long a server waits for the hello of a connection (at most; less when
+// the job's timeout is shorter).
+constexpr std::chrono::milliseconds kHelloTimeout{10000};
+
 // Why a connection was refused, for the server's log and statistics.
 using RefusalHandler = std::function<void(const std::string& why)>;
 

@@ -604,8 +604,11 @@ void Server::start_up(Impl& im, const ServerOptions& options) {
   // Listen on the chosen address only, publish it, and admit every worker.
   BindSpec spec{options.iface, options.hostname, options.master_addr, false};
   const std::string name = detail::concat("parameter server ", options.server_index);
+  // A worker says hello as soon as it has connected: a connection silent for
+  // kHelloTimeout is not one, and must not hold its slot for timeout_s.
+  const auto hello_timeout = std::min(millis(options.timeout_s), kHelloTimeout);
   im.acceptor = std::make_unique<Acceptor>(
-      bind_address(spec), options.token, options.num_workers, millis(options.timeout_s), name,
+      bind_address(spec), options.token, options.num_workers, hello_timeout, name,
       [&im](const std::string& why) { im.refused(why); });
   im.store->set(address_key(options.server_index), im.acceptor->address());
   auto sockets = im.acceptor->admit_all(Clock::now() + millis(options.timeout_s));
