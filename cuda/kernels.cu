@@ -308,29 +308,6 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-// Float constants of one linear correction.
-struct SgdCorrectionArgs {
-  float param_factor;   // -lr * kp * sign
-  float buffer_factor;  // kb * sign; 0 without momentum
-};
-
-template <typename T>
-__global__ void __launch_bounds__(kThreads)
-    sgd_correct_kernel(T* __restrict__ param, T* __restrict__ momentum,
-                       const T* __restrict__ grad_local, const T* __restrict__ grad_global,
-                       std::int64_t numel, SgdCorrectionArgs args) {
-  using E = Elem<T>;
-  const std::int64_t stride = static_cast<std::int64_t>(blockDim.x) * gridDim.x;
-  for (std::int64_t i = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-       i < numel; i += stride) {
-    const float delta = E::to_math(grad_global[i]) - E::to_math(grad_local[i]);
-    if (args.buffer_factor != 0.0f) {
-      momentum[i] = E::from_math(E::to_math(momentum[i]) + args.buffer_factor * delta);
-    }
-    param[i] = E::from_math(E::to_math(param[i]) + args.param_factor * delta);
-  }
-}
-
 void check_sgd_hyper(const SgdHyper& hyper) {
   HEMIOLA_CHECK(hyper.lr >= 0.0, "sgd: invalid learning rate ", hyper.lr);
   HEMIOLA_CHECK(hyper.momentum >= 0.0, "sgd: invalid momentum ", hyper.momentum);
@@ -484,29 +461,6 @@ void sgd_step(const SgdTensors& tensors, std::int64_t numel, DType dtype, const 
         static_cast<T*>(tensors.momentum), static_cast<const T*>(tensors.grad), numel, args,
         commit);
     HEMIOLA_CHECK_LAUNCH("sgd_step");
-  });
-}
-
-void sgd_correct(void* param, void* momentum, const void* grad_local, const void* grad_global,
-                 std::int64_t numel, DType dtype, const SgdHyper& hyper, void* stream) {
-  check_sgd_hyper(hyper);
-  HEMIOLA_CHECK(numel >= 0, "sgd_correct: negative element count ", numel);
-  HEMIOLA_CHECK(numel == 0 || (param && grad_local && grad_global),
-                "sgd_correct: null parameter or gradient");
-  HEMIOLA_CHECK(numel == 0 || hyper.momentum == 0.0 || momentum,
-                "sgd_correct: momentum ", hyper.momentum, " needs a momentum buffer");
-  const double sign = hyper.maximize ? -1.0 : 1.0;
-  const double kb = hyper.first_step ? 1.0 : 1.0 - hyper.dampening;
-  const double kp = hyper.momentum == 0.0 ? 1.0 : hyper.nesterov ? 1.0 + hyper.momentum * kb : kb;
-  const SgdCorrectionArgs args{static_cast<float>(-hyper.lr * kp * sign),
-                               hyper.momentum == 0.0 ? 0.0f : static_cast<float>(kb * sign)};
-  dispatch_floating(dtype, /*with_double=*/false, "sgd_correct", [&](auto tag) {
-    using T = typename decltype(tag)::type;
-    if (numel == 0) return;
-    sgd_correct_kernel<T><<<elementwise_blocks(numel), kThreads, 0, as_stream(stream)>>>(
-        static_cast<T*>(param), static_cast<T*>(momentum), static_cast<const T*>(grad_local),
-        static_cast<const T*>(grad_global), numel, args);
-    HEMIOLA_CHECK_LAUNCH("sgd_correct");
   });
 }
 

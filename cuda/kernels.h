@@ -86,18 +86,6 @@ using AdamTensors = ::hemiola::AdamTensors;
 HEMIOLA_API void sgd_step(const SgdTensors& tensors, std::int64_t numel, DType dtype,
                           const SgdHyper& hyper, bool commit, void* stream);
 
-// The SGD family's linear correction, for a schedule that committed the
-// approximate step into param and the momentum buffer (no shadow copy): since
-// d and buf' are affine in the gradient with the same shadow parameters,
-//   buf += kb * (grad_global - grad_local)             kb = first_step ? 1 : 1 - dampening
-//   param -= lr * kp * (grad_global - grad_local)       kp = momentum == 0 ? 1
-//                                                          : nesterov ? 1 + momentum * kb : kb
-// (signs flipped under maximize) turns both into the exact step's results, up
-// to rounding. `hyper` must be the one the approximate step used.
-HEMIOLA_API void sgd_correct(void* param, void* momentum, const void* grad_local,
-                             const void* grad_global, std::int64_t numel, DType dtype,
-                             const SgdHyper& hyper, void* stream);
-
 // One torch.optim.Adam (or AdamW) step, in one launch, with torch's formulas:
 //   g = ±grad (+ weight_decay * shadow for Adam)
 //   w = shadow (* (1 - lr * weight_decay) for AdamW)

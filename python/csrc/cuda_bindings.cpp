@@ -111,24 +111,6 @@ void bind_cuda(py::module_& m) {
       "One torch.optim.SGD step from the shadow parameters into param (and, when committing, "
       "into the shadow and the momentum buffer).");
   cuda.def(
-      "sgd_correct",
-      [](std::uintptr_t param, std::uintptr_t momentum_buffer, std::uintptr_t grad_local,
-         std::uintptr_t grad_global, std::int64_t numel, int dtype, double lr, double momentum,
-         double dampening, double weight_decay, bool nesterov, bool maximize, bool first_step,
-         std::uintptr_t stream) {
-        cuda::sgd_correct(pointer<void>(param), pointer<void>(momentum_buffer),
-                          pointer<const void>(grad_local), pointer<const void>(grad_global),
-                          numel, dtype_of(dtype),
-                          sgd_hyper(lr, momentum, dampening, weight_decay, nesterov, maximize,
-                                    first_step),
-                          pointer<void>(stream));
-      },
-      py::arg("param"), py::arg("momentum_buffer"), py::arg("grad_local"),
-      py::arg("grad_global"), py::arg("numel"), py::arg("dtype"), py::kw_only(), py::arg("lr"),
-      py::arg("momentum"), py::arg("dampening"), py::arg("weight_decay"), py::arg("nesterov"),
-      py::arg("maximize"), py::arg("first_step"), py::arg("stream"), Release(),
-      "Turns a committed approximate SGD step into the exact one (linear correction).");
-  cuda.def(
       "adam_step",
       [](std::uintptr_t param, std::uintptr_t shadow, std::uintptr_t exp_avg,
          std::uintptr_t exp_avg_sq, std::uintptr_t grad, std::int64_t numel, int dtype,

@@ -266,7 +266,6 @@ class SgdData:
         gen = torch.Generator(device="cuda").manual_seed(seed)
         self.shadow = Poisoned(numel, dtype, 1).fill(random_values(numel, dtype, gen))
         self.grad = Poisoned(numel, dtype, 2).fill(random_values(numel, dtype, gen))
-        self.grad_global = Poisoned(numel, dtype, 3).fill(random_values(numel, dtype, gen))
         self.momentum = Poisoned(numel, dtype, 1)
         if not first_step:  # a first step must not read the (poisoned) buffer
             self.momentum.fill(random_values(numel, dtype, gen))
@@ -340,55 +339,6 @@ def test_sgd_commit_in_place(dtype):
     )
     torch.testing.assert_close(d.shadow.view.double(), expected_w, **TOLERANCE[dtype])
     torch.testing.assert_close(d.momentum.view.double(), expected_buf, **TOLERANCE[dtype])
-
-
-@gpu
-@pytest.mark.parametrize("first_step", [False, True])
-@pytest.mark.parametrize("case", SGD_CASES)
-@pytest.mark.parametrize("numel", [7, 300_001])
-@pytest.mark.parametrize("dtype", FLOATS)
-def test_sgd_correction_turns_the_approximate_step_exact(dtype, numel, case, first_step):
-    d = SgdData(numel, dtype, seed=numel + 1, first_step=first_step)
-    expected_w, expected_buf = sgd_reference(
-        d.shadow.view, d.momentum.view, d.grad_global.view, case, first_step
-    )
-    live = d.shadow  # no shadow copy: the approximate step is committed in place
-
-    def approximate_then_correct(s):
-        KERNELS.sgd_step(
-            live.ptr(),
-            live.ptr(),
-            d.momentum.ptr(),
-            d.grad.ptr(),
-            numel,
-            CODES[dtype],
-            lr=LR,
-            first_step=first_step,
-            commit=True,
-            stream=s,
-            **case,
-        )
-        KERNELS.sgd_correct(
-            live.ptr(),
-            d.momentum.ptr(),
-            d.grad.ptr(),
-            d.grad_global.ptr(),
-            numel,
-            CODES[dtype],
-            lr=LR,
-            first_step=first_step,
-            stream=s,
-            **case,
-        )
-
-    run_on_side_stream(approximate_then_correct)
-    # Two roundings of the parameters (approximate step, correction) instead of one.
-    tolerance = {k: 2 * v for k, v in TOLERANCE[dtype].items()}
-    torch.testing.assert_close(live.view.double(), expected_w, **tolerance)
-    if case["momentum"]:
-        torch.testing.assert_close(d.momentum.view.double(), expected_buf, **tolerance)
-    for t in (live, d.momentum, d.grad, d.grad_global):
-        assert t.guards_intact()
 
 
 # ---- Adam / AdamW -----------------------------------------------------------
