@@ -88,8 +88,10 @@ class Config:
             better. ``None`` (default): on
             for Adam and AdamW, off for SGD (where the rank's own gradient
             already trains as well as the exact step). Needs the engine's
-            updater (``native_optimizer``), ``in_flight=1`` and at most 127
-            ranks.
+            updater (``native_optimizer``), ``in_flight=1``, a CPU model and
+            at most 127 ranks. With ``clip_grad_norm_`` the estimate is
+            scaled by the local gradient's clipping coefficient; a GradScaler
+            or unused parameters turn it off for their iterations.
         timeline: Record engine events; read them with ``model.timeline()``.
         gpu_backend: How a model on a GPU is reduced: ``"nccl"`` (one GPU
             per rank), ``"gloo"`` (through pinned host memory; no NCCL needed,
