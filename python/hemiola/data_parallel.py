@@ -53,7 +53,6 @@ class DataParallel(nn.Module):
         self.device = check_module(module)
         self._refuse_compression_on_gpu(config.compression)
         self.module = module
-        self._engine = engine
         check_same_model(engine, store, module, config)
         broadcast_tensors(engine, [*module.parameters(), *module.buffers()])
         # The schedule's kind decides what its reducer must hold, so it is
@@ -107,7 +106,7 @@ class DataParallel(nn.Module):
                 module = getattr(module, "_orig_mod", module)
             out = module(*args, **kwargs)
         self._replica.require_forward_param_sync = (torch.is_grad_enabled()
-                                                     and self.require_backward_grad_sync)
+                                                    and self.require_backward_grad_sync)
         return out
 
     @torch.compiler.disable
@@ -157,8 +156,8 @@ class DataParallel(nn.Module):
         chosen = [code, config.powersgd_rank, config.powersgd_start_iter]
         mine = torch.tensor(chosen, dtype=torch.float64)
         every = torch.zeros(3 * self.world_size, dtype=torch.float64)
-        self._engine.all_gather(mine.data_ptr(), every.data_ptr(), dtype_code(torch.float64),
-                                3).wait()
+        self._replica.engine.all_gather(mine.data_ptr(), every.data_ptr(),
+                                        dtype_code(torch.float64), 3).wait()
         rows = every.view(self.world_size, 3).tolist()
         if any(row != rows[0] for row in rows):
             names = {v: k for k, v in COMPRESSIONS.items()}
@@ -257,11 +256,11 @@ class DataParallel(nn.Module):
 
     @property
     def rank(self) -> int:
-        return self._engine.rank
+        return self._replica.rank
 
     @property
     def world_size(self) -> int:
-        return self._engine.world_size
+        return self._replica.world_size
 
     def stats(self) -> dict[str, float]:
         """Counters of the schedule. ``decoupled``: ``approximate_read_fraction``,
@@ -283,7 +282,7 @@ class DataParallel(nn.Module):
 
     def timeline(self) -> str:
         """Chrome trace JSON of engine events (``timeline=True`` to record)."""
-        return self._engine.timeline_json()
+        return self._replica.engine.timeline_json()
 
     # ---- autograd plumbing -------------------------------------------------
 

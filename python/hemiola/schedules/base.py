@@ -6,7 +6,7 @@ from __future__ import annotations
 import contextlib
 import types
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
@@ -17,6 +17,17 @@ from hemiola.tensors import UINT8, pack_bytes, unpack_bytes
 if TYPE_CHECKING:
     from hemiola.config import Config
     from hemiola.replica import Replica
+
+
+class Clip(NamedTuple):
+    """``model.clip_grad_norm_(max_norm, norm_type)`` of one iteration, and
+    the coefficient it clipped this rank's own gradient with (torch's, as
+    ``clip_grad_norm_`` computes it; decoupled's preview step scales its
+    estimate by it)."""
+
+    max_norm: float
+    norm_type: float
+    local_coef: float
 
 
 class Schedule:
@@ -190,7 +201,7 @@ class BufferBroadcast:
         # Host memory: the engine's broadcast reads it from its own thread.
         self._stage, self._offsets = pack_bytes(self.replica.buffers)
         self._handle = self.replica.engine.broadcast(self._stage.data_ptr(), UINT8,
-                                                    self._stage.numel(), 0)
+                                                     self._stage.numel(), 0)
 
     def finish(self) -> None:
         if self._handle is None:
@@ -228,11 +239,8 @@ class DeferredSchedule(Schedule):
         # catch code that edits .grad before optimizer.step(): that edit would
         # not reach the reduced gradient the update uses.
         self._grads_seen: list[tuple[int, int]] | None = None
-        #: per iteration: (max_norm, norm_type) of model.clip_grad_norm_
-        self._clip: dict[int, tuple[float, float]] = {}
-        #: per clipped iteration: the clipping coefficient of this rank's own
-        #: gradient (decoupled's preview step scales its estimate by it)
-        self._local_coef: dict[int, float] = {}
+        #: per clipped iteration: its model.clip_grad_norm_
+        self._clip: dict[int, Clip] = {}
         #: per clipped iteration, once its update computed it: the total norm
         #: of the averaged gradient (torch path; the engine keeps its own)
         self._clip_norms: dict[int, float] = {}
@@ -280,11 +288,10 @@ class DeferredSchedule(Schedule):
             raise RuntimeError("model.clip_grad_norm_() goes between backward() and "
                                "optimizer.step()")
         iteration = self._finished
-        self._clip[iteration] = (float(max_norm), float(norm_type))
         local_norm = super().clip_grad_norm_(max_norm, norm_type)
         # torch's coefficient, computed as clip_grad_norm_ computes it
         coef = torch.clamp(max_norm / (local_norm + 1e-6), max=1.0)
-        self._local_coef[iteration] = float(coef)
+        self._clip[iteration] = Clip(float(max_norm), float(norm_type), float(coef))
         self._grads_seen = self._grad_versions()
         # What clip_grad_norm_ returns under wfbp and DDP: the norm of the
         # averaged gradient, the same on every rank, read when it is known.
@@ -337,16 +344,9 @@ class DeferredSchedule(Schedule):
                     "clip_grad_norm_; for other gradient edits use schedule='wfbp'."
                 )
 
-    def take_clip(self, iteration: int) -> tuple[float, float] | None:
-        """(max_norm, norm_type) if `iteration`'s gradients were clipped
-        (forgetting them, with local_coef's)."""
-        self._local_coef.pop(iteration, None)
+    def take_clip(self, iteration: int) -> Clip | None:
+        """How `iteration`'s gradients were clipped, if they were."""
         return self._clip.pop(iteration, None)
-
-    def local_coef(self, iteration: int) -> float:
-        """The clipping coefficient of this rank's own gradient of
-        `iteration` (1.0 when it was not clipped), until take_clip."""
-        return self._local_coef.get(iteration, 1.0)
 
     def source(self, grad: torch.Tensor) -> torch.Tensor:
         """What this rank contributes for local gradient `grad`."""
@@ -363,7 +363,6 @@ class DeferredSchedule(Schedule):
         if self._finished is not None:  # superseded (see before_forward)
             self._unmarked.pop(self._finished, None)
             self._clip.pop(self._finished, None)
-            self._local_coef.pop(self._finished, None)
         self._finished = iteration
         self._inv_scale = None
         self._grads_seen = self._grad_versions()

@@ -49,6 +49,7 @@ import torch
 
 from hemiola.config import Config
 from hemiola.replica import Replica
+from hemiola.schedules.base import Clip
 from hemiola.schedules.torch_update import PendingUpdate, TorchUpdate, hyper_parameters
 
 
@@ -73,7 +74,7 @@ class _Iteration(PendingUpdate):
     landed for every parameter yet."""
 
     def __init__(self, iteration: int, hyper: list[dict[str, Any]], unmarked: list[int] | None,
-                 clip: tuple[float, float] | None,
+                 clip: Clip | None,
                  local_grads: list[torch.Tensor | None] | None, check_finite: bool) -> None:
         super().__init__(iteration, hyper, unmarked, clip, check_finite)
         # Copies of the local gradients, to re-take the local step after an
@@ -146,7 +147,7 @@ class Decoupled(TorchUpdate):
         # (the exact step is then skipped too: the average is not finite).
         if not overflow:
             with self.replica.timeline.span("compute", f"local step {iteration}",
-                                                   "step"):
+                                            "step"):
                 self._inner_step()  # from the live values, which are the exact ones
         local = None
         if self.in_flight > 1:

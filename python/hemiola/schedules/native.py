@@ -212,14 +212,13 @@ class NativeUpdate(DeferredSchedule):
             self._updater.step_local([0 if p.grad is None else p.grad.data_ptr()
                                       for p in self.replica.params], hyper, self._stream())
             return
-        preview_scale = self.local_coef(iteration)
         clip = self.take_clip(iteration)
         self._updater.step(
             iteration, hyper, has_unused=bool(self._unmarked.pop(iteration, None)),
-            clip_max_norm=-1.0 if clip is None else clip[0],
-            clip_norm_type=2.0 if clip is None else clip[1],
+            clip_max_norm=-1.0 if clip is None else clip.max_norm,
+            clip_norm_type=2.0 if clip is None else clip.norm_type,
             skip_if_not_finite=self.scaling, local_overflow=overflow,
-            stream=self._stream(), preview_scale=preview_scale)
+            stream=self._stream(), preview_scale=1.0 if clip is None else clip.local_coef)
 
     def recorded_clip_norm(self, iteration: int) -> float | None:
         return None if self._updater is None else self._updater.clip_norm(iteration)

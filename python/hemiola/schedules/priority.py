@@ -39,6 +39,7 @@ from typing import Any
 import torch
 
 from hemiola.replica import Replica
+from hemiola.schedules.base import Clip
 from hemiola.schedules.torch_update import PendingUpdate, TorchUpdate, hyper_parameters
 
 
@@ -46,7 +47,7 @@ class _Pending(PendingUpdate):
     """An iteration whose update is partly applied."""
 
     def __init__(self, iteration: int, hyper: list[dict[str, Any]], unmarked: list[int] | None,
-                 clip: tuple[float, float] | None, params: int, check_finite: bool) -> None:
+                 clip: Clip | None, params: int, check_finite: bool) -> None:
         super().__init__(iteration, hyper, unmarked, clip, check_finite)
         self.remaining = set(range(params))  # parameters not updated yet
 

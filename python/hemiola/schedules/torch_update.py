@@ -11,7 +11,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from hemiola.schedules.base import DeferredSchedule, hyper_parameters, set_hyper_parameters
+from hemiola.schedules.base import (
+    Clip,
+    DeferredSchedule,
+    hyper_parameters,
+    set_hyper_parameters,
+)
 from hemiola.tensors import raise_if_not_finite
 
 if TYPE_CHECKING:
@@ -25,11 +30,11 @@ class PendingUpdate:
     parameter yet."""
 
     def __init__(self, iteration: int, hyper: list[dict[str, Any]], unmarked: list[int] | None,
-                 clip: tuple[float, float] | None, check_finite: bool = False) -> None:
+                 clip: Clip | None, check_finite: bool = False) -> None:
         self.iteration = iteration
         self.hyper = hyper  # the hyper-parameters the iteration ran with
         self.unmarked = unmarked  # parameters this rank contributed as zeros
-        self.clip = clip  # (max_norm, norm_type) of model.clip_grad_norm_
+        self.clip = clip  # model.clip_grad_norm_'s
         #: the norm of the whole reduced gradient (clip's norm type, else 2),
         #: once computed; and the clipping coefficient derived from it
         self.norm: torch.Tensor | None = None
@@ -152,11 +157,12 @@ class TorchUpdate(DeferredSchedule):
         used = [usage is None or usage[i] > 0 for i in range(count)]
         if (pending.check_finite or pending.clip) and pending.norm is None:
             # needs_whole: every bucket has arrived. One norm serves both.
-            norm_type = pending.clip[1] if pending.clip else 2.0
+            norm_type = pending.clip.norm_type if pending.clip else 2.0
             pending.norm = torch.nn.utils.get_total_norm(
                 [m.reduced(it, i) for i in range(count) if used[i]], norm_type)
             if pending.clip:
-                pending.coef = torch.clamp(pending.clip[0] / (pending.norm + 1e-6), max=1.0)
+                pending.coef = torch.clamp(pending.clip.max_norm / (pending.norm + 1e-6),
+                                           max=1.0)
                 self._clip_norms[it] = float(pending.norm)
                 self._clip_norms.pop(it - 16, None)
         if pending.check_finite and not bool(torch.isfinite(pending.norm)):
@@ -175,6 +181,6 @@ class TorchUpdate(DeferredSchedule):
         # The engine copies the gradient in now; the result stays in the
         # reducer (or, if partitioned, goes to a tensor of the model's).
         self.replica.reducer.mark_ready_to(index, source.data_ptr(),
-                                          self.replica.result_target(index),
-                                          stream=self.replica.stream())
+                                           self.replica.result_target(index),
+                                           stream=self.replica.stream())
 

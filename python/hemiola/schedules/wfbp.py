@@ -43,7 +43,7 @@ class Wfbp(Schedule):
         reducer = self.replica.reducer
         try:
             with self.replica.timeline.span("compute", f"wait reduction {iteration}",
-                                                   "wait"):
+                                            "wait"):
                 reducer.wait(iteration, stream=self.replica.stream())
             if unmarked:
                 self._write_back_unused(iteration, unmarked)
