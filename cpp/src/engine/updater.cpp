@@ -10,7 +10,6 @@
 #include "hemiola/updater.h"
 
 #include <algorithm>
-#include <cmath>
 #include <cstring>
 #include <deque>
 #include <string>
@@ -23,6 +22,7 @@
 #include "hemiola/optimizer.h"
 #include "hemiola/reducer.h"
 #include "hemiola/status.h"
+#include "optim/global_scale.h"
 #include "optim/grad_norm.h"
 
 namespace hemiola {
@@ -764,60 +764,29 @@ class UpdaterImpl {
   }
 
   // The GradScaler skip (any averaged gradient not finite) and the clipping
-  // coefficient of `pending`. The coefficient follows torch's
-  // clip_grad_norm_ rounding by rounding: per-tensor norms and the total norm
-  // are tensors of the gradients' dtype, and so is the coefficient
-  // clamp(max_norm / (total + 1e-6), max=1) (in bfloat16 that rounding is
-  // 0.4%, far above the tolerance a run is compared with DDP's at).
+  // coefficient of `pending` (optim/global_scale.h).
   template <typename Used>
   void scale_of(Pending& pending, const Used& used) {
     const StepOptions& o = pending.options;
-    const double p = o.clip_max_norm >= 0.0 ? o.clip_norm_type : 2.0;
-    const bool inf_norm = std::isinf(p);
-    double exact = 0.0;    // all elements, unrounded
-    double rounded = 0.0;  // over the per-tensor norms rounded to their dtype
-    DType total_dtype = DType::kBFloat16;
-    bool first = true;
     std::vector<size_t> counted;
     for (size_t i = 0; i < params_.size(); ++i) {
       if (used(i)) counted.push_back(i);
     }
     const std::vector<const void*> averages = readable(pending, counted);
+    std::vector<optim::HostGrad> grads(counted.size());
     for (size_t k = 0; k < counted.size(); ++k) {
       const TensorRef& t = params_[counted[k]].param;
-      double acc = 0.0;
-      optim::accumulate_norm(averages[k], t.numel, t.dtype, p, acc);
-      const double norm = optim::round_to(t.dtype, optim::finish_norm(acc, p));
-      if (inf_norm) {
-        if (std::isnan(acc) || acc > exact) exact = acc;
-        if (std::isnan(norm) || norm > rounded) rounded = norm;
-      } else {
-        exact += acc;
-        rounded += std::pow(norm, p);
-      }
-      total_dtype = first ? t.dtype : promote(total_dtype, t.dtype);
-      first = false;
+      grads[k] = {averages[k], static_cast<std::int64_t>(t.numel), t.dtype};
     }
-    pending.skip = o.skip_if_not_finite && !std::isfinite(optim::finish_norm(exact, p));
+    const optim::GlobalScale scale =
+        optim::global_scale(grads, o.clip_max_norm, o.clip_norm_type, o.skip_if_not_finite);
+    pending.skip = scale.skip;
     if (o.clip_max_norm >= 0.0) {
-      const DType d = total_dtype;
-      const double total = optim::round_to(d, inf_norm ? rounded : std::pow(rounded, 1.0 / p));
-      // max_norm / x is reciprocal(x) * max_norm for a tensor x.
-      const double inverse = optim::round_to(d, 1.0 / optim::round_to(d, total + 1e-6));
-      const float product = static_cast<float>(inverse) * static_cast<float>(o.clip_max_norm);
-      const double coef = optim::round_to(d, static_cast<double>(product));
-      pending.coef = std::min(1.0, d == DType::kFloat64 ? inverse * o.clip_max_norm : coef);
-      clip_norms_.emplace_back(pending.iteration, total);
+      pending.coef = scale.coef;
+      clip_norms_.emplace_back(pending.iteration, scale.total_norm);
       if (clip_norms_.size() > 16) clip_norms_.pop_front();
     }
     pending.scale_known = true;
-  }
-
-  // The dtype torch.stack gives norms of dtypes a and b.
-  static DType promote(DType a, DType b) {
-    if (a == b) return a;
-    if (a == DType::kFloat64 || b == DType::kFloat64) return DType::kFloat64;
-    return DType::kFloat32;  // float32 with a half type, or bfloat16 with float16
   }
 
   // decoupled: the live parameter <- the exact one.
