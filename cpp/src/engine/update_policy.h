@@ -1,0 +1,52 @@
+// What the two schedules of hemiola/updater.h do differently, behind one
+// small interface chosen once when the Updater is made: when an iteration's
+// updates land (step(), at a lander, all at once) and what the live
+// parameters hold in between. Both work on the shared LandingGraph
+// (engine/landing_graph.h), which must outlive them.
+//
+//   priority (priority_policy.cpp): one pending iteration; a parameter is
+//     written only if no forward read it since step(), or when a lander
+//     needs it.
+//   decoupled (decoupled_policy.cpp): up to in_flight pending iterations and
+//     a shadow of exact parameters; the live ones hold the shadow stepped with
+//     this rank's own gradients (or a preview's estimate,
+//     engine/preview_landing.h) until the exact steps land.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "engine/landing_graph.h"
+#include "hemiola/updater.h"
+
+namespace hemiola {
+
+class UpdatePolicy {
+ public:
+  virtual ~UpdatePolicy() = default;
+
+  // The graph adopted new parameters (nothing is pending): take what the
+  // schedule keeps per parameter from them.
+  virtual void adopt() = 0;
+  // mark(index) is about to hand the reducer gradient `index`: throws if the
+  // schedule cannot take it now.
+  virtual void check_mark(size_t index) = 0;
+  // optimizer.step() after the backward of `iteration` (reads cleared).
+  virtual void step(uint64_t iteration, const StepOptions& options) = 0;
+  // The forward reaches a lander that reads `needed` (marked read after).
+  virtual void land(const std::vector<size_t>& needed, bool training) = 0;
+  // Lands everything pending (waits), on the current stream.
+  virtual void land_all() = 0;
+  // See Updater::approximate_read_fraction / preview_read_fraction.
+  virtual double approximate_read_fraction() const = 0;
+  virtual double preview_read_fraction() const = 0;
+};
+
+std::unique_ptr<UpdatePolicy> make_priority_policy(LandingGraph& graph,
+                                                   const UpdaterOptions& options);
+std::unique_ptr<UpdatePolicy> make_decoupled_policy(LandingGraph& graph,
+                                                    const UpdaterOptions& options);
+
+}  // namespace hemiola
