@@ -5,6 +5,7 @@ it needs to reach ``wfbp``'s final held-out quality is compared with wfbp's.
 
     python bench/time_to_accuracy.py                       # lm and digits, 1 Gbit/s, 3 seeds
     python bench/time_to_accuracy.py --tasks lm --seeds 1 --rate 500mbit
+    python bench/time_to_accuracy.py --tasks lm --clip 1.0      # clipped, as nanoGPT
 
 Needs root. Each run is hemiola.bench.tasks's ``train_rank`` (the task of
 hemiola bench convergence, every rank on its own shard), one fresh interpreter per
@@ -45,12 +46,13 @@ BASELINE = "wfbp"
 def worker(config: dict[str, Any]) -> dict[str, Any]:
     """One rank inside its namespace (RANK, WORLD_SIZE, MASTER_*, GLOO_SOCKET_IFNAME set)."""
     import torch
-    from tasks import train_rank
+
+    from hemiola.bench.tasks import train_rank
 
     torch.set_num_threads(1)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     r = train_rank(rank, world, config["task"], config["schedule"], config["seed"],
-                   config["epochs"], config["steps"], config["evals"])
+                   config["epochs"], config["steps"], config["evals"], config["clip"])
     return {"evals": r.evals, "train_seconds": r.train_seconds, "steps": r.steps,
             "stats": r.stats}
 
@@ -141,6 +143,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, help="override every task's number of steps")
     parser.add_argument("--evals", type=int, default=20,
                         help="held-out evaluations spread over training (default 20)")
+    parser.add_argument("--clip", type=float,
+                        help="clip the gradients' global 2-norm to this (default: no clipping)")
     parser.add_argument("--timeout-s", type=float, default=1800.0, help="per run")
     parser.add_argument("--name", default="time_to_accuracy")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
@@ -169,7 +173,7 @@ def main() -> None:
         for k, (task, seed, schedule) in enumerate(bar):
             bar.set_postfix(task=task, schedule=schedule, seed=seed)
             config = {"task": task, "schedule": schedule, "seed": seed, "epochs": args.epochs,
-                      "steps": args.steps, "evals": args.evals}
+                      "steps": args.steps, "evals": args.evals, "clip": args.clip}
             out = net.run_ranks([sys.executable, __file__, "--worker", json.dumps(config)],
                                 port=29500 + k % 500, timeout_s=args.timeout_s)[0]
             result = parse_result(out)
@@ -177,7 +181,7 @@ def main() -> None:
                 target = result["evals"][-1][HEADLINE[task].metric]
             runs.append({"bench": "time_to_accuracy", "row": "run", "task": task,
                          "schedule": schedule, "seed": seed, "rate": args.rate,
-                         "world": args.world_size, "target": target,
+                         "world": args.world_size, "clip": args.clip, "target": target,
                          "time_to_target": time_to(task, result["evals"], target), **result})
         bar.close()
     rows = summarize(runs)

@@ -105,7 +105,7 @@ void bind_ps(py::module_& parent) {
                        const std::vector<std::string>& names, const std::vector<int64_t>& numels,
                        std::shared_ptr<Store> store, const std::string& iface,
                        const std::string& master_addr, const std::string& token,
-                       bool local_correction, bool momentum_compensation) {
+                       bool local_correction, const std::string& momentum_rule) {
              ClientOptions o;
              o.worker_index = worker_index;
              o.num_workers = num_workers;
@@ -119,7 +119,7 @@ void bind_ps(py::module_& parent) {
              o.master_addr = master_addr;
              o.token = token;
              o.local_correction = local_correction;
-             o.momentum_compensation = momentum_compensation;
+             o.momentum_rule = momentum_rule_from_name(momentum_rule);
              py::gil_scoped_release release;
              return std::make_unique<Client>(o, names, numels, std::move(store));
            }),
@@ -128,7 +128,7 @@ void bind_ps(py::module_& parent) {
            py::arg("partition_elems"), py::arg("timeout_s"), py::arg("names"), py::arg("numels"),
            py::arg("store"), py::arg("iface") = "", py::arg("master_addr") = "",
            py::arg("token") = "", py::arg("local_correction") = true,
-           py::arg("momentum_compensation") = true)
+           py::arg("momentum_rule") = "rescaled")
       .def("shards", [](const Client& c) {
         py::list out;
         for (const auto& s : c.shards())

@@ -46,10 +46,28 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     return parser
 
 
+#: The exit status of a command ended by Ctrl-C (128 + SIGINT), as a shell reports it.
+INTERRUPTED = 130
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    """Runs one ``hemiola`` command; returns its exit status.
+
+    A Ctrl-C that the command does not handle itself (while arguments are
+    parsed, modules imported, or an error message is written) ends with status
+    130 and one line, never a traceback: the command's own handlers say what
+    was interrupted where they can.
+    """
     argv = sys.argv[1:] if argv is None else list(argv)
-    args = build_parser(argv[0] if argv else None).parse_args(argv)
-    return int(args.run(args) or 0)
+    try:
+        args = build_parser(argv[0] if argv else None).parse_args(argv)
+        return int(args.run(args) or 0)
+    except KeyboardInterrupt:
+        try:
+            print("hemiola: interrupted (Ctrl-C)", file=sys.stderr)
+        except (KeyboardInterrupt, OSError):
+            pass  # a second Ctrl-C, or stderr gone: the status says it
+        return INTERRUPTED
 
 
 if __name__ == "__main__":

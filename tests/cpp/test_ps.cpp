@@ -145,24 +145,74 @@ TEST(ServerOptimizer, SgdMomentumFollowsTorch) {
 }
 
 TEST(ServerOptimizer, PushWeightFollowsStaleness) {
-  const auto w = push_weight(StalenessRule::kInverse, 2, true);
+  const auto w = push_weight(StalenessRule::kInverse, MomentumRule::kCompensated, 2, 4);
   EXPECT_DOUBLE_EQ(w.lr_scale, 1.0);
   EXPECT_DOUBLE_EQ(w.grad_scale, 1.0 / 3.0);
   EXPECT_DOUBLE_EQ(w.momentum_scale, 1.0 / 3.0);
-  const auto zhang = push_weight(StalenessRule::kZhang, 4, true);
+  EXPECT_DOUBLE_EQ(w.factor, 1.0 / 3.0);
+  const auto zhang = push_weight(StalenessRule::kZhang, MomentumRule::kCompensated, 4, 4);
   EXPECT_DOUBLE_EQ(zhang.grad_scale, 0.25);
   EXPECT_DOUBLE_EQ(zhang.momentum_scale, 0.2);
-  const auto classic = push_weight(StalenessRule::kZhang, 4, false);
+  const auto classic = push_weight(StalenessRule::kZhang, MomentumRule::kNone, 4, 4);
   EXPECT_DOUBLE_EQ(classic.lr_scale, 0.25);
   EXPECT_DOUBLE_EQ(classic.grad_scale, 1.0);
   EXPECT_DOUBLE_EQ(classic.momentum_scale, 1.0);
-  EXPECT_DOUBLE_EQ(classic.factor(), zhang.factor());
-  const auto fresh = push_weight(StalenessRule::kInverse, 0, true);
-  EXPECT_DOUBLE_EQ(fresh.factor(), 1.0);  // bsp and one worker: torch's step exactly
-  EXPECT_DOUBLE_EQ(fresh.momentum_scale, 1.0);
-  const auto bogus = push_weight(StalenessRule::kInverse, -5, true);  // a worker's claim
-  EXPECT_DOUBLE_EQ(bogus.factor(), 1.0);
-  EXPECT_DOUBLE_EQ(bogus.momentum_scale, 1.0);
+  EXPECT_DOUBLE_EQ(classic.factor, zhang.factor);
+  // Rescaled over 4 workers: the 3 other pushes of a round are bsp's own
+  // staleness; beyond them the factor counts N times over.
+  const auto round = push_weight(StalenessRule::kInverse, MomentumRule::kRescaled, 3, 4);
+  EXPECT_DOUBLE_EQ(round.grad_scale, 1.0);
+  EXPECT_EQ(round.rescale_workers, 4);
+  EXPECT_DOUBLE_EQ(round.factor, 0.25);  // Adam's learning rate scale
+  const auto straggler = push_weight(StalenessRule::kInverse, MomentumRule::kRescaled, 15, 4);
+  EXPECT_DOUBLE_EQ(straggler.grad_scale, 0.25);
+  for (const auto rule : {MomentumRule::kNone, MomentumRule::kCompensated,
+                          MomentumRule::kRescaled}) {
+    const auto fresh = push_weight(StalenessRule::kInverse, rule, 0, 1);
+    EXPECT_DOUBLE_EQ(fresh.factor, 1.0);  // bsp and one worker: torch's step exactly
+    const auto bogus = push_weight(StalenessRule::kInverse, rule, -5, 1);  // a worker's claim
+    EXPECT_DOUBLE_EQ(bogus.factor, 1.0);
+    Hyper h;
+    h.lr = 0.1;
+    h.momentum = 0.9;
+    for (const auto& weight : {fresh, bogus}) {
+      const SgdPush p = sgd_push(h, weight);
+      EXPECT_DOUBLE_EQ(p.lr, 0.1);
+      EXPECT_DOUBLE_EQ(p.momentum, 0.9);
+      EXPECT_DOUBLE_EQ(p.grad_scale, 1.0);
+    }
+  }
+}
+
+// Rescaled: N pushes decay the buffer as one bsp round does, and a gradient
+// moves the parameters as far as one of the N it is averaged with in a round:
+// with the same gradient every time, the parameters move as far per round.
+TEST(ServerOptimizer, RescaledPushesMoveAsFarAsBspRounds) {
+  for (const double momentum : {0.0, 0.5, 0.9}) {
+    for (const int n : {2, 4}) {
+      Hyper h;
+      h.lr = 0.01;
+      h.momentum = momentum;
+      const PushWeight weight =
+          push_weight(StalenessRule::kInverse, MomentumRule::kRescaled, n - 1, n);
+      const SgdPush p = sgd_push(h, weight);
+      EXPECT_NEAR(std::pow(p.momentum, n), momentum, 1e-12);
+      OptimizerState bsp, async;
+      std::vector<float> x_bsp = {0.0f}, x_async = {0.0f};
+      const std::vector<float> g = {1.0f};
+      double moved_bsp = 0.0, moved_async = 0.0;
+      for (int round = 0; round < 400; ++round) {
+        const float before_bsp = x_bsp[0], before_async = x_async[0];
+        optimizer_step(bsp, x_bsp.data(), g.data(), 1, h, PushWeight{});  // the average of n gs
+        for (int i = 0; i < n; ++i) optimizer_step(async, x_async.data(), g.data(), 1, h, weight);
+        moved_bsp = before_bsp - x_bsp[0];
+        moved_async = before_async - x_async[0];
+      }
+      // Per round, in the steady state: lr * g / (1 - momentum) both ways.
+      EXPECT_NEAR(moved_bsp, 0.01 / (1.0 - momentum), 1e-4) << momentum << " " << n;
+      EXPECT_NEAR(moved_async, moved_bsp, 1e-4 * moved_bsp) << momentum << " " << n;
+    }
+  }
 }
 
 // A stale SGD push with momentum compensation: its gradient and weight decay
@@ -179,7 +229,8 @@ TEST(ServerOptimizer, StaleSgdPushWeighsItsGradientAndMomentum) {
   optimizer_step(s, p.data(), g.data(), 2, h, PushWeight{});
   const double buf0 = 0.5 + 0.01 * 1.0;
   const double p0 = 1.0 - 0.1 * buf0;
-  optimizer_step(s, p.data(), g.data(), 2, h, push_weight(StalenessRule::kZhang, 2, true));
+  optimizer_step(s, p.data(), g.data(), 2, h,
+                 push_weight(StalenessRule::kZhang, MomentumRule::kCompensated, 2, 3));
   const double buf1 = 0.3 * buf0 + 0.5 * (0.5 + 0.01 * p0);
   EXPECT_NEAR(s.m[0], buf1, 1e-6);
   EXPECT_NEAR(p[0], p0 - 0.1 * buf1, 1e-6);
@@ -227,18 +278,22 @@ TEST(ServerOptimizer, MomentumShareIsAZeroGradientStep) {
       for (int step = 0; step < 3; ++step)
         optimizer_step(s, p.data(), g.data(), 3, h, PushWeight{});
       const OptimizerState before = s;
-      const PushWeight stale = push_weight(StalenessRule::kInverse, 1, true);
-      momentum_share_removed(s, p.data(), out.data(), 3, h, stale);
-      EXPECT_EQ(s.m, before.m);
-      EXPECT_EQ(s.v, before.v);
-      EXPECT_EQ(s.step, before.step);
-      OptimizerState zero_step = s;
-      std::vector<float> expected = p;
-      const std::vector<float> zeros(3, 0.0f);
-      optimizer_step(zero_step, expected.data(), zeros.data(), 3, h, stale);
-      for (int i = 0; i < 3; ++i) {
-        EXPECT_NEAR(out[i], expected[i], 1e-6) << static_cast<int>(kind) << nesterov << i;
-        EXPECT_GT(std::abs(out[i] - p[i]), 1e-4) << "the share is not zero: the check can fail";
+      for (const auto rule : {MomentumRule::kNone, MomentumRule::kCompensated,
+                              MomentumRule::kRescaled}) {
+        const PushWeight stale = push_weight(StalenessRule::kInverse, rule, 1, 2);
+        momentum_share_removed(s, p.data(), out.data(), 3, h, stale);
+        EXPECT_EQ(s.m, before.m);
+        EXPECT_EQ(s.v, before.v);
+        EXPECT_EQ(s.step, before.step);
+        OptimizerState zero_step = s;
+        std::vector<float> expected = p;
+        const std::vector<float> zeros(3, 0.0f);
+        optimizer_step(zero_step, expected.data(), zeros.data(), 3, h, stale);
+        for (int i = 0; i < 3; ++i) {
+          EXPECT_NEAR(out[i], expected[i], 1e-6)
+              << static_cast<int>(kind) << nesterov << static_cast<int>(rule) << i;
+          EXPECT_GT(std::abs(out[i] - p[i]), 1e-4) << "the share is not zero: the check can fail";
+        }
       }
     }
   }
@@ -549,12 +604,16 @@ TEST(ParameterServer, AsyncStalenessMatchesThePushSchedule) {
 }
 
 // The weight of a stale push travels with it: worker 1's push, 3 versions
-// stale, steps with factor 1/4 on its gradient and momentum 0.9/4 (0.9 with
-// compensation off), and an eager pull ahead is answered without the
-// momentum share its push will take at the staleness of its previous one.
+// stale, steps with its worker's momentum rule (compensated: factor 1/4 on
+// its gradient and momentum 0.9/4; none: momentum 0.9 and the factor on the
+// step; rescaled: momentum 0.9^(1/2) and bsp's per-gradient weight), and an
+// eager pull ahead is answered without the momentum share its push will take
+// at the staleness of its previous one.
 TEST(ParameterServer, StalePushesStepWithTheirWeight) {
   for (const auto c : {Consistency::kAsp, Consistency::kEager}) {
-    for (const bool compensate : {true, false}) {
+    for (const auto rule : {MomentumRule::kCompensated, MomentumRule::kNone,
+                            MomentumRule::kRescaled}) {
+      const bool compensate = rule == MomentumRule::kCompensated;
       auto store = std::make_shared<MemoryStore>();
       ServerFleet fleet(store, 1, 2, c);
       std::promise<void> w1_ready, w0_done, w1_done;
@@ -564,7 +623,7 @@ TEST(ParameterServer, StalePushesStepWithTheirWeight) {
       auto worker = [&](int w) {
         auto o = client_options(w, 1, 2, c);
         o.staleness_rule = StalenessRule::kInverse;
-        o.momentum_compensation = compensate;
+        o.momentum_rule = rule;
         Client client(o, {"x"}, {1}, store);
         std::vector<float> x(1, 1.0f), g(1, 1.0f);
         Hyper h = sgd(0.1);
@@ -611,21 +670,40 @@ TEST(ParameterServer, StalePushesStepWithTheirWeight) {
       auto r1 = std::async(std::launch::async, worker, 1);
       const auto seen0 = r0.get();
       const auto seen1 = r1.get();
-      // Three fresh pushes: buf 1, 1.9, 2.71; x 0.9, 0.71, 0.439. Worker 1's,
-      // factor 1/4, steps x by the same 0.1 * (0.9/4 * 2.71 + 1/4) either way,
-      // but with compensation the buffer keeps only that quarter.
+      ASSERT_EQ(seen1.size(), 2u);
+      ASSERT_EQ(seen0.size(), 1u);
+      fleet.join();
+      // The same pushes replayed through the server's optimizer with the
+      // weights push_weight gives 2 workers: the rule travelled with them.
+      OptimizerState replay;
+      std::vector<float> v(1, 1.0f), share(1);
+      const std::vector<float> one(1, 1.0f);
+      Hyper h = sgd(0.1);
+      h.momentum = 0.9;
+      auto weight = [&](int64_t tau) {
+        return push_weight(StalenessRule::kInverse, rule, tau, 2);
+      };
+      for (int i = 0; i < 3; ++i) optimizer_step(replay, v.data(), one.data(), 1, h, weight(0));
+      optimizer_step(replay, v.data(), one.data(), 1, h, weight(3));
+      EXPECT_NEAR(seen1[0], v[0], 1e-6) << static_cast<int>(rule);
+      momentum_share_removed(replay, v.data(), share.data(), 1, h, weight(3));
+      EXPECT_NEAR(seen1[1], c == Consistency::kEager ? share[0] : v[0], 1e-6)
+          << static_cast<int>(rule);
+      optimizer_step(replay, v.data(), one.data(), 1, h, weight(0));
+      EXPECT_NEAR(seen0[0], v[0], 1e-6) << static_cast<int>(rule);
+      if (rule == MomentumRule::kRescaled) continue;
+      // By hand: three fresh pushes: buf 1, 1.9, 2.71; x 0.9, 0.71, 0.439.
+      // Worker 1's, factor 1/4, steps x by the same 0.1 * (0.9/4 * 2.71 + 1/4)
+      // either way, but with compensation the buffer keeps only that quarter.
       const double x = 0.439 - 0.1 * (0.225 * 2.71 + 0.25);
       const double buf = compensate ? 0.225 * 2.71 + 0.25 : 0.9 * 2.71 + 1.0;
-      ASSERT_EQ(seen1.size(), 2u);
       EXPECT_NEAR(seen1[0], x, 1e-6) << "compensate " << compensate;
       // Its ahead pull expects its next push 3 stale as well: momentum's share
       // 0.1 * 0.9/4 * buf (compensated) or 0.1/4 * 0.9 * buf, the same again.
       const double ahead = c == Consistency::kEager ? x - 0.1 * 0.225 * buf : x;
       EXPECT_NEAR(seen1[1], ahead, 1e-6) << "compensate " << compensate;
       // Worker 0's next push is fresh, and the buffer differs.
-      ASSERT_EQ(seen0.size(), 1u);
       EXPECT_NEAR(seen0[0], x - 0.1 * (0.9 * buf + 1.0), 1e-6) << "compensate " << compensate;
-      fleet.join();
     }
   }
 }

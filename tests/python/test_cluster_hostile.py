@@ -297,3 +297,32 @@ def test_ctrl_c_stops_a_trace_while_it_loads(tmp_path: Path) -> None:
             proc.wait()
     assert out.startswith("interrupted"), out + err  # not "loaded": it stopped mid-file
     assert waited < 2, waited
+
+
+def test_ctrl_c_while_an_error_prints_exits_130(tmp_path: Path) -> None:
+    """Ctrl-C while a command writes its error (a terminal that does not keep up):
+    status 130 and one line, not a KeyboardInterrupt traceback and -2."""
+    # argparse echoes an unknown argument; at 100 KB its message overflows the
+    # pipe (64 KiB) this test does not read, so the write blocks until SIGINT.
+    script = (
+        "import signal, sys\n"
+        "signal.signal(signal.SIGINT, signal.default_int_handler)\n"
+        "from hemiola.cli import main\n"
+        "print('ready', flush=True)\n"
+        "sys.exit(main(['cluster', 'simulate', '--bogus=' + 'x' * 100_000]))\n"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, cwd=tmp_path)
+    try:
+        assert proc.stdout is not None and proc.stdout.readline() == "ready\n"
+        time.sleep(1.0)
+        assert proc.poll() is None, "the error was written without blocking"
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=10)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 130, err[-2000:]
+    assert "Traceback" not in err
+    assert err.rstrip().endswith("hemiola: interrupted (Ctrl-C)")

@@ -43,9 +43,30 @@ enum class StalenessRule : int32_t {
   kZhang = 2,    // 1 / max(1, tau): staleness-aware ASGD (Zhang et al., IJCAI'16)
 };
 
+// How SGD's momentum meets asynchronous pushes (asp, ssp, eager; bsp's pushes
+// are never stale, and Adam/AdamW scale the step's learning rate by the
+// staleness factor f in every rule). With N workers a bsp round averages N
+// gradients into one momentum step; an asynchronous server steps once per push.
+enum class MomentumRule : int32_t {
+  // torch's momentum on every push; f scales the push's step (staleness-aware
+  // ASGD). A gradient moves the parameters about as far as in bsp when f is
+  // about 1/N, but the buffer forgets N times faster than bsp's.
+  kNone = 0,
+  // momentum / (1 + tau), the gradient weighted by f as it enters the buffer.
+  // Stable at high learning rates, but with N workers a gradient moves the
+  // parameters about 1/8 as far as in bsp (N = 4, momentum 0.9).
+  kCompensated = 1,
+  // bsp's round spread over its N pushes: momentum^(1/N) per push, and each
+  // gradient weighted so that it moves the parameters as far as it would in
+  // bsp, (1 - momentum^(1/N)) / (N (1 - momentum)); staleness beyond the N - 1
+  // other pushes of a round is weighted by min(1, N f).
+  kRescaled = 2,
+};
+
 HEMIOLA_API const char* consistency_name(Consistency c);
 HEMIOLA_API Consistency consistency_from_name(const std::string& name);
 HEMIOLA_API StalenessRule staleness_rule_from_name(const std::string& name);
+HEMIOLA_API MomentumRule momentum_rule_from_name(const std::string& name);
 HEMIOLA_API double staleness_factor(StalenessRule rule, int64_t tau);
 
 // Optimizer hyper-parameters, following torch.optim's names and formulas.
@@ -162,11 +183,9 @@ struct ClientOptions {
   // staleness rule counts only other workers' updates. The servers' state
   // (parameters, momentum, moments) is untouched by it.
   bool local_correction = true;
-  // Asynchronous modes with SGD momentum: a push tau versions stale steps
-  // with momentum / (1 + tau) (see PushWeight in ps/optimizer.h). Asynchrony
-  // adds momentum of its own, and torch's 0.9 on top of it diverges at
-  // learning rates where bsp trains. No effect in bsp (tau is always 0).
-  bool momentum_compensation = true;
+  // Asynchronous modes with SGD momentum: how a push steps the servers'
+  // momentum (MomentumRule; PushWeight in ps/optimizer.h). No effect in bsp.
+  MomentumRule momentum_rule = MomentumRule::kRescaled;
 };
 
 // One applied push, as the server reported it.

@@ -116,7 +116,8 @@ struct Client::Impl {
   void send(const Shard& shard, MessageType type, int64_t version, std::vector<char> payload,
             int tensor, int32_t flags = 0, int64_t aux = 0) {
     Header h;
-    h.flags = flags | (opt.momentum_compensation ? kFlagCompensateMomentum : 0);
+    h.flags = flags;
+    h.momentum_rule = static_cast<int32_t>(opt.momentum_rule);
     h.aux = aux;
     h.type = static_cast<uint16_t>(type);
     h.key = shard.key;
@@ -316,21 +317,22 @@ struct Client::Impl {
   void correct_locally(const KeyState& k, int64_t version, float* dst) const {
     const Hyper& h = k.own_hyper;
     const PushWeight weight =
-        push_weight(opt.staleness_rule, k.last_staleness, opt.momentum_compensation);
+        push_weight(opt.staleness_rule, opt.momentum_rule, k.last_staleness, opt.num_workers);
     const auto wd = static_cast<float>(h.weight_decay);
     const auto n = k.own.size();
     if (opt.optimizer == OptimizerKind::kSgd) {
       // buf' = m * buf + (1 - dampening) * grad_scale * (g + wd * w), stepped
-      // by lr * lr_scale: the own share is that times the second term
-      // (Nesterov steps grad_scale * (g + wd * w) + m * buf', so 1 + m times).
-      const double m = h.momentum * weight.momentum_scale;
-      const auto own = static_cast<float>(h.lr * weight.factor() *
+      // by lr: the own share is that times the second term (Nesterov steps
+      // grad_scale * (g + wd * w) + m * buf', so 1 + m times).
+      const SgdPush push = sgd_push(h, weight);
+      const double m = push.momentum;
+      const auto own = static_cast<float>(push.lr * push.grad_scale *
                                           (h.nesterov ? 1.0 + m * (1.0 - h.dampening)
                                                       : 1.0 - h.dampening));
       for (size_t i = 0; i < n; ++i) dst[i] -= own * (k.own[i] + wd * dst[i]);
       return;
     }
-    const auto lr = static_cast<float>(h.lr * weight.factor());
+    const auto lr = static_cast<float>(h.lr * weight.factor);
     // Adam: the own share of m' is (1 - beta1) * g; the denominator comes
     // from this worker's own gradients, the servers' v being out of reach.
     const double step = static_cast<double>(version + 1);

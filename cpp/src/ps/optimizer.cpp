@@ -10,17 +10,43 @@
 
 namespace hemiola::ps {
 
-PushWeight push_weight(StalenessRule rule, int64_t tau, bool compensate_momentum) {
+PushWeight push_weight(StalenessRule rule, MomentumRule momentum_rule, int64_t tau,
+                       int num_workers) {
   tau = std::max<int64_t>(0, tau);
   const double f = staleness_factor(rule, tau);
   PushWeight w;
-  if (compensate_momentum) {
-    w.grad_scale = f;
-    w.momentum_scale = 1.0 / (1.0 + static_cast<double>(tau));
-  } else {
-    w.lr_scale = f;
+  w.factor = f;
+  switch (momentum_rule) {
+    case MomentumRule::kNone:
+      w.lr_scale = f;
+      break;
+    case MomentumRule::kCompensated:
+      w.grad_scale = f;
+      w.momentum_scale = 1.0 / (1.0 + static_cast<double>(tau));
+      break;
+    case MomentumRule::kRescaled:
+      // A round's other N - 1 pushes are the staleness bsp itself has.
+      w.grad_scale = std::min(1.0, static_cast<double>(std::max(1, num_workers)) * f);
+      w.rescale_workers = std::max(1, num_workers);
+      break;
   }
   return w;
+}
+
+SgdPush sgd_push(const Hyper& hyper, const PushWeight& weight) {
+  SgdPush p;
+  p.lr = hyper.lr * weight.lr_scale;
+  p.momentum = hyper.momentum * weight.momentum_scale;
+  p.grad_scale = weight.grad_scale;
+  if (weight.rescale_workers > 1) {
+    const double n = weight.rescale_workers;
+    const double m = hyper.momentum;
+    p.momentum = m > 0.0 ? std::pow(m, 1.0 / n) : 0.0;
+    // (1 - m^(1/n)) / (n (1 - m)): 1/n without momentum, 1/n^2 in the limit m -> 1.
+    p.grad_scale *= m <= 0.0 ? 1.0 / n : m >= 1.0 ? 1.0 / (n * n)
+                                                  : (1.0 - p.momentum) / (n * (1.0 - m));
+  }
+  return p;
 }
 
 void optimizer_step(OptimizerState& state, float* param, const float* grad, int64_t n,
@@ -28,12 +54,13 @@ void optimizer_step(OptimizerState& state, float* param, const float* grad, int6
   const Device cpu{};
   if (state.kind == OptimizerKind::kSgd) {
     // grad_scale * (grad + weight_decay * param) as it enters the buffer.
+    const SgdPush push = sgd_push(hyper, weight);
     SgdHyper h;
-    h.lr = hyper.lr * weight.lr_scale;
-    h.momentum = hyper.momentum * weight.momentum_scale;
+    h.lr = push.lr;
+    h.momentum = push.momentum;
     h.dampening = hyper.dampening;
-    h.grad_scale = weight.grad_scale;
-    h.weight_decay = hyper.weight_decay * weight.grad_scale;
+    h.grad_scale = push.grad_scale;
+    h.weight_decay = hyper.weight_decay * push.grad_scale;
     h.nesterov = hyper.nesterov;
     h.first_step = hyper.momentum != 0.0 && !state.has_momentum;
     if (h.first_step) state.m.assign(static_cast<size_t>(n), 0.0f);
@@ -48,7 +75,7 @@ void optimizer_step(OptimizerState& state, float* param, const float* grad, int6
     state.v.assign(static_cast<size_t>(n), 0.0f);
   }
   AdamHyper h;
-  h.lr = hyper.lr * weight.factor();
+  h.lr = hyper.lr * weight.factor;
   h.beta1 = hyper.beta1;
   h.beta2 = hyper.beta2;
   h.eps = hyper.eps;
@@ -67,9 +94,9 @@ void momentum_share_removed(const OptimizerState& state, const float* param, flo
       std::copy(param, param + n, out);
       return;
     }
-    const double mu = hyper.momentum * weight.momentum_scale;
-    const auto scale =
-        static_cast<float>(hyper.lr * weight.lr_scale * mu * (hyper.nesterov ? mu : 1.0));
+    const SgdPush push = sgd_push(hyper, weight);
+    const double mu = push.momentum;
+    const auto scale = static_cast<float>(push.lr * mu * (hyper.nesterov ? mu : 1.0));
     for (int64_t i = 0; i < n; ++i) out[i] = param[i] - scale * state.m[static_cast<size_t>(i)];
     return;
   }
@@ -78,7 +105,7 @@ void momentum_share_removed(const OptimizerState& state, const float* param, flo
     return;
   }
   const auto t = static_cast<double>(state.step + 1);
-  const double lr = hyper.lr * weight.factor();
+  const double lr = hyper.lr * weight.factor;
   const auto a = static_cast<float>(lr * hyper.beta1 / (1.0 - std::pow(hyper.beta1, t)));
   const auto b = static_cast<float>(hyper.beta2 / (1.0 - std::pow(hyper.beta2, t)));
   const auto eps = static_cast<float>(hyper.eps);

@@ -21,30 +21,47 @@ struct OptimizerState {
 
 // How the servers apply a push that is `tau` versions stale (the asynchronous
 // modes; bsp's pushes are never stale, and get the defaults: torch's step).
-// SGD: buf' = momentum * momentum_scale * buf + grad_scale * (g + wd * w),
-// step lr * lr_scale * buf'. Adam/AdamW: the step's learning rate is scaled
-// by factor() (their step is normalised by the second moment, which a
-// weighted gradient would skew).
+// Adam/AdamW: the step's learning rate is scaled by `factor` (their step is
+// normalised by the second moment, which a weighted gradient would skew).
+// SGD: see SgdPush, which every SGD step and share below goes through.
 struct PushWeight {
+  double factor = 1.0;  // the staleness rule's f
   double lr_scale = 1.0;
   double grad_scale = 1.0;
   double momentum_scale = 1.0;
-  // The staleness rule's factor, wherever it is applied.
-  double factor() const { return lr_scale * grad_scale; }
+  // MomentumRule::kRescaled: the N workers whose round the pushes spread
+  // bsp's momentum over (0: not rescaled).
+  int rescale_workers = 0;
 };
 
-// The weight of a push `tau` versions stale (a negative tau counts as 0), with
-// f the staleness rule's factor (staleness_factor):
-//   compensate_momentum: grad_scale f and momentum_scale 1 / (1 + tau). The
-//     stale gradient's whole influence shrinks by f, and so does what the
-//     momentum carries on. Asynchrony acts as momentum of its own (a stale
-//     gradient keeps pushing in an old direction; Mitliagkas et al.,
-//     "Asynchrony begets momentum", 2016), and torch's 0.9 on top of it
-//     diverges at learning rates where bsp is stable.
-//   otherwise: lr_scale f (staleness-aware ASGD, Zhang et al., IJCAI'16).
-//     Only the push's own step shrinks; the buffer keeps the stale gradient
-//     at full weight for the steps after it.
-PushWeight push_weight(StalenessRule rule, int64_t tau, bool compensate_momentum);
+// The weight of a push `tau` versions stale (a negative tau counts as 0) from
+// one of `num_workers` workers, with f the staleness rule's factor:
+//   kNone: lr_scale f (staleness-aware ASGD, Zhang et al., IJCAI'16). Only
+//     the push's own step shrinks; the buffer keeps the stale gradient at full
+//     weight for the steps after it.
+//   kCompensated: grad_scale f and momentum_scale 1 / (1 + tau). The stale
+//     gradient's whole influence shrinks by f, and so does what the momentum
+//     carries on (asynchrony acts as momentum of its own: Mitliagkas et al.,
+//     "Asynchrony begets momentum", 2016).
+//   kRescaled: grad_scale min(1, N f) and rescale_workers N (SgdPush).
+PushWeight push_weight(StalenessRule rule, MomentumRule momentum_rule, int64_t tau,
+                       int num_workers);
+
+// One SGD push as torch's step would take it: buf' = momentum * buf +
+// grad_scale * (1 - dampening) * (g + wd * w), step lr * buf' (Nesterov:
+// lr * (grad_scale * (g + wd * w) + momentum * buf')).
+struct SgdPush {
+  double lr = 0.0;
+  double momentum = 0.0;
+  double grad_scale = 1.0;
+};
+
+// `hyper` weighted by `weight`. Rescaled over N workers (m = hyper.momentum):
+// momentum m^(1/N), so N pushes decay the buffer as one bsp round does, and
+// grad_scale times (1 - m^(1/N)) / (N (1 - m)), so each gradient moves the
+// parameters as far in all (lr (1 - dampening) / (N (1 - m))) as in bsp,
+// where it is one of N averaged into a round (1/N without momentum).
+SgdPush sgd_push(const Hyper& hyper, const PushWeight& weight);
 
 // One step of `state.kind` on `param` (n elements) with gradient `grad`,
 // weighted by `weight`.
@@ -57,8 +74,8 @@ void optimizer_step(OptimizerState& state, float* param, const float* grad, int6
 // requester's own push arrives: the requester adds its gradient's share of
 // that push's step, the server sends this, the rest of it. With momentum 0.9
 // the momentum's share is several times the gradient's.
-// SGD: lr * lr_scale * m * buf (Nesterov: m^2), m = momentum * momentum_scale;
-// Adam/AdamW: the bias-corrected step at lr * factor() with m and v decayed
+// SGD: lr * m * buf (Nesterov: m^2), lr and m from sgd_push;
+// Adam/AdamW: the bias-corrected step at lr * factor with m and v decayed
 // once (beta1 * m, beta2 * v).
 void momentum_share_removed(const OptimizerState& state, const float* param, float* out,
                             int64_t n, const Hyper& hyper, const PushWeight& weight);

@@ -32,6 +32,15 @@ StalenessRule staleness_rule_from_name(const std::string& name) {
                 "'; choose one of none, inverse (lr/(1+tau)), zhang (lr/max(1,tau))");
 }
 
+MomentumRule momentum_rule_from_name(const std::string& name) {
+  if (name == "none") return MomentumRule::kNone;
+  if (name == "compensated") return MomentumRule::kCompensated;
+  if (name == "rescaled") return MomentumRule::kRescaled;
+  HEMIOLA_THROW(ErrorCode::kInvalidArgument, "unknown momentum rule '", name,
+                "'; choose one of rescaled (bsp's momentum spread over a round's pushes), "
+                "compensated (momentum/(1+tau)), none (torch's momentum on every push)");
+}
+
 double staleness_factor(StalenessRule rule, int64_t tau) {
   switch (rule) {
     case StalenessRule::kNone: return 1.0;

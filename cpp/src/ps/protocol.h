@@ -63,7 +63,7 @@ struct Header {
   int32_t flags = 0;     // kFlag* below
   int32_t optimizer = 0;
   int32_t rule = 0;      // the worker's StalenessRule
-  int32_t reserved = 0;
+  int32_t momentum_rule = 0;  // the worker's MomentumRule
   double factor = 1.0;
   uint64_t checksum = 0;  // set by the channel: FNV-1a of the header with this field zero
 };
@@ -71,9 +71,6 @@ static_assert(std::is_trivially_copyable_v<Header>);
 constexpr int32_t kFlagNesterov = 1;
 constexpr int32_t kFlagNoGradient = 2;
 constexpr int32_t kFlagAhead = 4;
-// Worker -> server, on every message: asynchronous pushes step with momentum
-// scaled for their staleness (ClientOptions::momentum_compensation).
-constexpr int32_t kFlagCompensateMomentum = 8;
 
 inline uint64_t header_checksum(Header h) {
   h.checksum = 0;

@@ -262,11 +262,11 @@ struct Server::Impl {
     answer_pulls(k);
   }
 
-  // A push `tau` versions stale, by the staleness rule and momentum
-  // compensation its worker declares.
-  static PushWeight weight_of(const Header& h, int64_t tau) {
-    return push_weight(static_cast<StalenessRule>(h.rule), tau,
-                       (h.flags & kFlagCompensateMomentum) != 0);
+  // A push `tau` versions stale, by the staleness and momentum rules its
+  // worker declares (checked to be known when the message arrived).
+  PushWeight weight_of(const Header& h, int64_t tau) const {
+    return push_weight(static_cast<StalenessRule>(h.rule),
+                       static_cast<MomentumRule>(h.momentum_rule), tau, opt.num_workers);
   }
 
   void apply_async(int w, Key& k, const Header& h, const float* grad) {
@@ -279,7 +279,7 @@ struct Server::Impl {
     }
     k.pushes[static_cast<size_t>(w)] += 1;
     stats.pushes_applied += 1;
-    send(w, MessageType::kPushAck, k.entry.shard.key, h.version, applied_at, {}, weight.factor(),
+    send(w, MessageType::kPushAck, k.entry.shard.key, h.version, applied_at, {}, weight.factor,
          grad ? 0 : kFlagNoGradient);
     answer_pulls(k);  // the ssp bound is per key: only this key's waiters can move
   }
@@ -315,6 +315,10 @@ struct Server::Impl {
       return reject(w, h, detail::concat("server ", opt.server_index, " holds no key ", h.key));
     Key& k = found->second;
     const auto bytes = static_cast<size_t>(k.entry.shard.count) * sizeof(float);
+    if (h.rule < 0 || h.rule > static_cast<int32_t>(StalenessRule::kZhang) ||
+        h.momentum_rule < 0 || h.momentum_rule > static_cast<int32_t>(MomentumRule::kRescaled))
+      return reject(w, h, detail::concat("unknown staleness rule ", h.rule, " or momentum rule ",
+                                         h.momentum_rule));
 
     switch (type) {
       case MessageType::kInit:

@@ -72,16 +72,16 @@ def steps_to_target(task: str, evals: list[dict[str, float]]) -> int | None:
 
 
 def run_one(task: str, schedule: str, seed: int, world: int, epochs: int | None,
-            steps: int | None, evals: int) -> dict[str, Any]:
+            steps: int | None, evals: int, clip: float | None = None) -> dict[str, Any]:
     """One training run on `world` ranks; a JSON-able row."""
     start = time.perf_counter()
-    results = run_local(train_rank, world, task, schedule, seed, epochs, steps, evals,
+    results = run_local(train_rank, world, task, schedule, seed, epochs, steps, evals, clip,
                         timeout_s=3600)
     wall = time.perf_counter() - start
     r0 = results[0]
     return {
         "bench": "convergence", "row": "run", "task": task, "schedule": schedule, "seed": seed,
-        "world": world, "steps": r0.steps, **r0.final,
+        "world": world, "steps": r0.steps, "clip": clip, **r0.final,
         "final_train_loss": final_train_loss(results),
         "steps_to_target": steps_to_target(task, r0.evals),
         "train_seconds": r0.train_seconds, "ms_per_step": 1e3 * r0.train_seconds / r0.steps,
@@ -113,7 +113,8 @@ def summarize(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
         base = [r for r in runs if r["task"] == task and r["schedule"] == BASELINE]
         row: dict[str, Any] = {"bench": "convergence", "row": "summary", "task": task,
                                "schedule": schedule, "seeds": [r["seed"] for r in mine],
-                               "world": mine[0]["world"], "steps": mine[0]["steps"]}
+                               "world": mine[0]["world"], "steps": mine[0]["steps"],
+                               "clip": mine[0].get("clip")}
         reached = [r["steps_to_target"] for r in mine if r["steps_to_target"] is not None]
         row["steps_to_target"] = spread(reached) if reached else None
         row["target_reached"] = f"{len(reached)}/{len(mine)}"
@@ -248,6 +249,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--world-size", type=int, default=4, help="local ranks (default 4)")
     parser.add_argument("--epochs", type=int, help="override every task's number of epochs")
     parser.add_argument("--steps", type=int, help="override every task's number of steps")
+    parser.add_argument("--clip", type=float,
+                        help="clip the gradients' global 2-norm to this (default: no clipping)")
     parser.add_argument("--evals", type=int, default=10,
                         help="evaluations spread over training (default 10)")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT,
@@ -282,7 +285,7 @@ def run(args: argparse.Namespace) -> int:
     for task, seed, schedule in bar:
         bar.set_postfix(task=task, schedule=schedule, seed=seed)
         runs.append(run_one(task, schedule, seed, args.world_size, args.epochs, args.steps,
-                            args.evals))
+                            args.evals, args.clip))
     bar.close()
 
     summaries = summarize(runs)
@@ -292,6 +295,7 @@ def run(args: argparse.Namespace) -> int:
         hyper = {f.name: getattr(TASKS[t], f.name) for f in fields if f.repr}
         setup.append({"bench": "convergence", "row": "task", "task": t, **hyper,
                       "epochs_override": args.epochs, "steps_override": args.steps,
+                      "clip": args.clip,
                       **(DATA_INFO[t]() if t in DATA_INFO else {})})
     print_table(summaries)
     for row in setup + runs + summaries:

@@ -116,8 +116,9 @@ def convergence_table(rows: Rows) -> str:
             lines.append(cells)
         first = mine[0]
         target = HEADLINE[task]
+        clipped = f", clipped at {first['clip']:g}" if first.get("clip") else ""
         title = (f"**{task}** ({len(first['seeds'])} seeds, {first['world']} ranks, "
-                 f"{first['steps']} steps; target: {target.metric} "
+                 f"{first['steps']} steps{clipped}; target: {target.metric} "
                  f"{'≥' if target.higher_is_better else '≤'} {target.target:g}):")
         parts.append(title + "\n\n" + _table(head, lines))
     return "\n\n".join(parts)

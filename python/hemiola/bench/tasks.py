@@ -333,6 +333,8 @@ class DigitsTask(ImageClassification):
     """``hemiola.demo.DigitsCNN`` on scikit-learn's digits, SGD with momentum.
 
     The 80/20 split is fixed (``load_digits(seed=0)``) whatever the run's seed.
+    ``architecture="mlp"`` trains a 64-96-48-10 MLP instead of the CNN (no
+    BatchNorm, so no buffer of a worker's own).
     """
 
     name: str = "digits"
@@ -341,10 +343,17 @@ class DigitsTask(ImageClassification):
     lr: float = 0.02
     momentum: float = 0.9
     weight_decay: float = 5e-4
+    architecture: str = "cnn"
     data: tuple[torch.Tensor, ...] = field(default_factory=lambda: load_digits(seed=0),
                                            repr=False)
 
     def model(self) -> nn.Module:
+        if self.architecture == "mlp":
+            return nn.Sequential(nn.Flatten(), nn.Linear(64, 96), nn.ReLU(), nn.Linear(96, 48),
+                                 nn.ReLU(), nn.Linear(48, 10))
+        if self.architecture != "cnn":
+            raise ValueError(f"digits: architecture must be 'cnn' or 'mlp', got "
+                             f"{self.architecture!r}")
         return DigitsCNN()
 
     def optimizer(self, model: nn.Module) -> torch.optim.Optimizer:
@@ -556,7 +565,7 @@ def ddp_with_hook(model: nn.Module, compression: str) -> nn.Module:
 
 def train_rank(rank: int, world: int, task_name: str, schedule: str, seed: int,
                epochs: int | None = None, max_steps: int | None = None,
-               evals: int = 10) -> RankResult:
+               evals: int = 10, clip: float | None = None) -> RankResult:
     """Trains `task_name` with `schedule` on this rank (run by ``run_local``).
 
     Args:
@@ -566,6 +575,9 @@ def train_rank(rank: int, world: int, task_name: str, schedule: str, seed: int,
         evals: Evaluations (on rank 0) spread evenly over training, plus one
             before the first step. ``model.synchronize()``, where the wrapped
             model has it, is called on every rank before each.
+        clip: Clips the gradients' global 2-norm to this after backward (as
+            nanoGPT does), with ``model.clip_grad_norm_`` on a hemiola model and
+            ``torch.nn.utils.clip_grad_norm_`` on DDP.
     """
     hemiola.init()
     task = TASKS[task_name]()
@@ -610,6 +622,11 @@ def train_rank(rank: int, world: int, task_name: str, schedule: str, seed: int,
             optimizer.zero_grad()
             loss = task.loss(model, x_all[idx], y_all[idx])
             loss.backward()
+            if clip is not None:
+                if hasattr(model, "clip_grad_norm_"):
+                    model.clip_grad_norm_(clip)
+                else:
+                    torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
             optimizer.step()
             if scheduler is not None:
                 scheduler.step()

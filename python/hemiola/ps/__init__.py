@@ -20,14 +20,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from hemiola.ps.config import CONSISTENCIES, STALENESS_RULES, PSConfig
+from hemiola.ps.config import CONSISTENCIES, MOMENTUM_RULES, STALENESS_RULES, PSConfig
 from hemiola.ps.roles import Role
 from hemiola.ps.roles import role as _role
 from hemiola.ps.server import serve
 from hemiola.ps.worker import ParameterServerModel
 
-__all__ = ["CONSISTENCIES", "STALENESS_RULES", "PSConfig", "ParameterServerModel", "Role",
-           "role", "serve", "wrap"]
+__all__ = ["CONSISTENCIES", "MOMENTUM_RULES", "STALENESS_RULES", "PSConfig",
+           "ParameterServerModel", "Role", "role", "serve", "wrap"]
 
 
 def role(num_servers: int = 1) -> Role:

@@ -8,6 +8,7 @@ from typing import Any
 
 CONSISTENCIES = ("bsp", "asp", "ssp", "eager")
 STALENESS_RULES = ("none", "inverse", "zhang")
+MOMENTUM_RULES = ("rescaled", "compensated", "none")
 
 
 @dataclass(frozen=True)
@@ -48,11 +49,18 @@ class PSConfig:
             contains the worker's own last gradient and the staleness rule
             counts only other workers' updates. The servers' parameters and
             optimizer state are untouched by it. On by default.
-        momentum_compensation: asynchronous modes with SGD momentum: a
-            push tau versions stale steps with momentum/(1+tau). Asynchrony
-            acts as momentum of its own (Mitliagkas et al., 2016), and a
-            momentum of 0.9 on top of it diverges at learning rates where
-            ``bsp`` trains. No effect in ``bsp`` or with Adam. On by default.
+        momentum_rule: asynchronous modes with SGD momentum: how a push
+            steps the servers' momentum. ``"rescaled"`` (the default) spreads
+            ``bsp``'s momentum over the N pushes of a round (momentum^(1/N)
+            per push) and weights each gradient so that it moves the
+            parameters as far as it would in ``bsp``; the staleness rule then
+            weighs only staleness beyond a round's N - 1 other pushes.
+            ``"compensated"`` steps a push tau versions stale with
+            momentum/(1+tau) and its gradient weighted by the staleness factor
+            (stable at high learning rates, but a gradient counts about 1/8 of
+            what it does in ``bsp`` with 4 workers). ``"none"``: torch's
+            momentum on every push, the factor on the step's learning rate. No
+            effect in ``bsp`` or with Adam.
         ahead_fraction: ``eager`` only: which pulls are requested ahead,
             when the forward ends, without waiting for this worker's push
             (and corrected locally), so that they stream in under backward.
@@ -87,7 +95,7 @@ class PSConfig:
     restore: bool = False
     check_finite: bool = True
     local_correction: bool = True
-    momentum_compensation: bool = True
+    momentum_rule: str = "rescaled"
     ahead_fraction: float | None = None
 
     def __post_init__(self) -> None:
@@ -96,6 +104,9 @@ class PSConfig:
         if self.staleness_rule is not None and self.staleness_rule not in STALENESS_RULES:
             raise ValueError(
                 f"staleness_rule={self.staleness_rule!r}: choose one of {STALENESS_RULES}")
+        if self.momentum_rule not in MOMENTUM_RULES:
+            raise ValueError(
+                f"momentum_rule={self.momentum_rule!r}: choose one of {MOMENTUM_RULES}")
         if self.num_servers < 1:
             raise ValueError(f"num_servers must be >= 1, got {self.num_servers}")
         if self.staleness_bound < 0:

@@ -88,7 +88,7 @@ class ParameterServerModel(nn.Module):
             names=self._names, numels=[p.numel() for p in self._params], store=store,
             iface=iface, master_addr=master, token=job_token(),
             local_correction=config.local_correction,
-            momentum_compensation=config.momentum_compensation)
+            momentum_rule=config.momentum_rule)
         self._hypers = [_hyper(g) for g in optimizer.param_groups]
         initial = [p.data_ptr() for p in self._params] if worker.worker_index == 0 else []
         self._client.initialize(
