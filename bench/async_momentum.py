@@ -13,7 +13,7 @@ stale. What differs is how the momentum is treated (``--rules``):
 
 - ``plain``: the momentum as given (hemiola.ps before momentum compensation).
 - ``compensated``: momentum / (1 + delay) (hemiola.ps's
-  ``PSConfig(momentum_compensation=True)``).
+  ``PSConfig(momentum_rule="compensated")``, the default until 2026-11-26).
 - ``mitliagkas``: momentum - delay / (1 + delay), subtracting the implicit
   momentum of asynchrony (Mitliagkas et al., 2016).
 - ``dana``: the gradient is computed at a look-ahead of the stale parameters

@@ -121,8 +121,8 @@ def test_decoupled_forwards_read_the_preview_where_it_arrives_first(optimizer: s
     # after the first (its scales would come from the first, whose buckets
     # were rebuilt after it). The run trains, stays within the approximation
     # of wfbp's trajectory, and ranks agree bitwise. Clipping (0.05 is below
-    # the gradient norm) keeps the preview: it is scaled by the local
-    # gradient's clipping coefficient, the exact step by the average's.
+    # the gradient norm) keeps the preview: it is scaled by the coefficient of
+    # the averaged gradient's estimated norm, the exact step by the average's.
     wfbp = run_local(workers.schedule_run, 3, "wfbp", "transformer", optimizer, 10, False, clip)
     dec = run_local(workers.schedule_run_with, 3, "decoupled", "transformer", optimizer, 10,
                     False, {"preview": True, "clip": clip}, timeout_s=120)

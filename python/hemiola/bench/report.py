@@ -103,6 +103,10 @@ def convergence_table(rows: Rows) -> str:
         for m in metrics:
             head += [m.replace("_", " "), "vs wfbp"]
         head += ["ms / step", "target reached"]
+        # decoupled's preview: the share of approximate reads that were previews
+        previews = any("rank0_preview_read_fraction" in r for r in mine)
+        if previews:
+            head.append("preview reads")
         lines = []
         for r in mine:
             cells = [r["schedule"]]
@@ -113,6 +117,9 @@ def convergence_table(rows: Rows) -> str:
                 unit = " pts" if m == "test_accuracy" else "%"
                 cells.append("–" if diff is None else f"{diff:+.2f}{unit}")
             cells += [_spread(r["ms_per_step"]), r["target_reached"]]
+            if previews:
+                fraction = r.get("rank0_preview_read_fraction")
+                cells.append("–" if fraction is None else _spread(fraction, ".2f"))
             lines.append(cells)
         first = mine[0]
         target = HEADLINE[task]

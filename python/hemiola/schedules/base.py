@@ -21,13 +21,13 @@ if TYPE_CHECKING:
 
 class Clip(NamedTuple):
     """``model.clip_grad_norm_(max_norm, norm_type)`` of one iteration, and
-    the coefficient it clipped this rank's own gradient with (torch's, as
-    ``clip_grad_norm_`` computes it; decoupled's preview step scales its
-    estimate by it)."""
+    the coefficient decoupled's preview step scales its estimate of the
+    averaged gradient by: torch's rule applied to an estimate of the averaged
+    gradient's norm (see ``Schedule.clip_grad_norm_``)."""
 
     max_norm: float
     norm_type: float
-    local_coef: float
+    preview_coef: float
 
 
 class Schedule:
@@ -241,6 +241,8 @@ class DeferredSchedule(Schedule):
         self._grads_seen: list[tuple[int, int]] | None = None
         #: per clipped iteration: its model.clip_grad_norm_
         self._clip: dict[int, Clip] = {}
+        #: this rank's gradient norm of the newest clipped iterations
+        self._local_norms: dict[int, float] = {}
         #: per clipped iteration, once its update computed it: the total norm
         #: of the averaged gradient (torch path; the engine keeps its own)
         self._clip_norms: dict[int, float] = {}
@@ -288,10 +290,23 @@ class DeferredSchedule(Schedule):
             raise RuntimeError("model.clip_grad_norm_() goes between backward() and "
                                "optimizer.step()")
         iteration = self._finished
-        local_norm = super().clip_grad_norm_(max_norm, norm_type)
-        # torch's coefficient, computed as clip_grad_norm_ computes it
-        coef = torch.clamp(max_norm / (local_norm + 1e-6), max=1.0)
-        self._clip[iteration] = Clip(float(max_norm), float(norm_type), float(coef))
+        local_norm = float(super().clip_grad_norm_(max_norm, norm_type))
+        # The averaged gradient's norm is not known until its reduction has
+        # arrived, and it is smaller than one rank's (averaging cancels noise):
+        # clipping the preview by this rank's norm would shorten its step. So
+        # its estimate is this rank's norm times the ratio the newest iteration
+        # with a known average had, and the coefficient torch's rule for it.
+        self._local_norms[iteration] = local_norm
+        ratio = 1.0
+        for before in sorted(self._local_norms, reverse=True):
+            averaged = self.recorded_clip_norm(before) if before < iteration else None
+            if averaged is not None and self._local_norms[before] > 0.0:
+                ratio = averaged / self._local_norms[before]
+                break
+        for stale in [it for it in self._local_norms if it < iteration - 4]:
+            del self._local_norms[stale]
+        coef = min(1.0, max_norm / (local_norm * ratio + 1e-6))
+        self._clip[iteration] = Clip(float(max_norm), float(norm_type), coef)
         self._grads_seen = self._grad_versions()
         # What clip_grad_norm_ returns under wfbp and DDP: the norm of the
         # averaged gradient, the same on every rank, read when it is known.

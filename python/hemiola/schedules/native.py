@@ -218,7 +218,7 @@ class NativeUpdate(DeferredSchedule):
             clip_max_norm=-1.0 if clip is None else clip.max_norm,
             clip_norm_type=2.0 if clip is None else clip.norm_type,
             skip_if_not_finite=self.scaling, local_overflow=overflow,
-            stream=self._stream(), preview_scale=1.0 if clip is None else clip.local_coef)
+            stream=self._stream(), preview_scale=1.0 if clip is None else clip.preview_coef)
 
     def recorded_clip_norm(self, iteration: int) -> float | None:
         return None if self._updater is None else self._updater.clip_norm(iteration)
