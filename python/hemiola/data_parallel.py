@@ -295,9 +295,6 @@ class DataParallel(nn.Module):
             if not self._in_backward:
                 self._in_backward = True
                 self._backward_start = self.timeline_recorder.now()
-                reducer = self._replica.reducer
-                if not reducer.marking:
-                    self._replica.marking_iteration = reducer.iterations_started
                 # Runs once, when the whole backward pass has finished.
                 torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
             if grad.is_sparse:
