@@ -4,6 +4,7 @@ iteration (forward, backward, optimizer.step) makes, divided by the number of
 parameters, and the time per iteration, on one CPU rank.
 
     python bench/python_overhead.py [--layers 64] [--width 64] [--iterations 20] [--blocks 7]
+                                    [--optimizer sgd|rmsprop]
 
 The model is a deep, narrow MLP (2 parameters per layer), so that the work per
 parameter, not the arithmetic, sets the time. torch DDP and a bare model (no
@@ -11,6 +12,11 @@ wrapper) run in the same invocation for reference. Calls are counted with
 ``sys.setprofile`` over one iteration (the "call" and "c_call" events of the
 thread that trains; the engine's own threads run no Python), minus the same
 count for the bare model, so that what remains is the wrapper's own work.
+
+``--optimizer rmsprop`` trains with torch's RMSprop, which the engine does not
+step itself: ``priority`` and ``decoupled`` land it through the updater's
+external stepper (torch's own step, called once per landing group), as
+``/torch-step`` (``native_optimizer=False``) lands SGD.
 """
 
 from __future__ import annotations
@@ -34,10 +40,12 @@ def _model(layers: int, width: int) -> nn.Module:
                            for _ in range(layers)))
 
 
-def _variant(name: str, layers: int, width: int) -> tuple[Callable[[], None], int]:
+def _variant(name: str, layers: int, width: int,
+             optimizer: str) -> tuple[Callable[[], None], int]:
     """A training iteration of `name` and the model's parameter count."""
     module = _model(layers, width)
-    opt: Any = torch.optim.SGD(module.parameters(), lr=1e-3, momentum=0.9)
+    opt: Any = (torch.optim.SGD(module.parameters(), lr=1e-3, momentum=0.9)
+                if optimizer == "sgd" else torch.optim.RMSprop(module.parameters(), lr=1e-3))
     model: nn.Module = module
     if name == "ddp":
         model = nn.parallel.DistributedDataParallel(module)
@@ -78,6 +86,7 @@ def main() -> None:
     parser.add_argument("--blocks", type=int, default=7,
                         help="blocks of iterations per variant, alternating between "
                              "variants; the median block is reported")
+    parser.add_argument("--optimizer", choices=("sgd", "rmsprop"), default="sgd")
     args = parser.parse_args()
     hemiola.init()  # a one-rank process group (DDP needs one too)
     names = ["bare", "ddp", "wfbp", "priority", "priority/torch-step", "decoupled",
@@ -86,7 +95,7 @@ def main() -> None:
     counts: dict[str, tuple[int, int]] = {}
     params = 0
     for name in names:
-        iteration, params = _variant(name, args.layers, args.width)
+        iteration, params = _variant(name, args.layers, args.width, args.optimizer)
         for _ in range(3):  # warm-up: first iterations rebuild buckets, learn landing points
             iteration()
         counts[name] = _count(iteration)
@@ -101,7 +110,8 @@ def main() -> None:
                 iteration()
             blocks[name].append((time.perf_counter() - start) / args.iterations * 1e3)
     bare_py, bare_c = counts["bare"]
-    print(f"{params} parameters ({args.layers} layers of {args.width}), one CPU rank; "
+    print(f"{params} parameters ({args.layers} layers of {args.width}), {args.optimizer}, "
+          "one CPU rank; "
           "calls per parameter per iteration beyond the bare model's; ms per iteration: "
           f"median of {args.blocks} alternating blocks of {args.iterations}")
     print(f"{'variant':<22} {'python calls':>12} {'native calls':>12} {'ms/iteration':>13}")

@@ -1,7 +1,10 @@
 // hemiola._C.Updater (hemiola/updater.h): parameters and optimizer state cross
 // as integers (data pointers), hyper-parameters as one tuple per group. The
-// calls that may wait for a reduction release the GIL; mark() keeps it, as
-// Reducer.mark_ready does (it only copies the gradient in).
+// calls that may wait for a reduction or land an update release the GIL: an
+// external stepper (a Python callable, PythonStepper below) takes it back on
+// the calling thread for each step, and no engine thread ever waits for it.
+// mark() keeps it, as Reducer.mark_ready does (it only copies the gradient
+// in and never lands).
 #include <pybind11/stl.h>
 
 #include <cstdint>
@@ -54,9 +57,44 @@ std::vector<ParameterSlot> slots_of(const std::vector<Slot>& slots, const Device
   return out;
 }
 
-StepOptions step_options(const std::vector<Hyper>& hyper, bool has_unused, double clip_max_norm,
-                         double clip_norm_type, bool skip_if_not_finite, bool local_overflow,
-                         double preview_scale = 1.0) {
+// The steps of an optimizer the engine does not implement, taken by a Python
+// callable: step(indices, grads, hyper_key, grad_scale, mode) with the
+// gradients as writable memoryviews on the CPU and as data pointers (ints) on
+// a GPU, and `mode` ExternalStepper's StepMode as an int. It runs inside an
+// Updater call that released the GIL, on the same thread: the GIL is taken
+// back for the call. A Python exception propagates out of that Updater call.
+class PythonStepper final : public ExternalStepper {
+ public:
+  explicit PythonStepper(py::object step) : step_(std::move(step)) {}
+  // The Updater (and with it this) goes away inside a Python dealloc or
+  // constructor, with the GIL held; take it anyway, it is reentrant.
+  ~PythonStepper() override {
+    py::gil_scoped_acquire gil;
+    step_ = py::object();
+  }
+
+  void step(const std::vector<size_t>& indices, const std::vector<TensorRef>& grads,
+            uint64_t hyper_key, double grad_scale, StepMode mode) override {
+    py::gil_scoped_acquire gil;
+    py::list views(grads.size());
+    for (size_t k = 0; k < grads.size(); ++k) {
+      const TensorRef& g = grads[k];
+      if (g.device.type == DeviceType::kCPU) {
+        views[k] = py::memoryview::from_memory(g.data, static_cast<ssize_t>(g.nbytes()));
+      } else {
+        views[k] = py::int_(reinterpret_cast<std::uintptr_t>(g.data));
+      }
+    }
+    step_(py::cast(indices), views, hyper_key, grad_scale, static_cast<int>(mode));
+  }
+
+ private:
+  py::object step_;
+};
+
+StepOptions step_options(const std::vector<Hyper>& hyper, uint64_t hyper_key, bool has_unused,
+                         double clip_max_norm, double clip_norm_type, bool skip_if_not_finite,
+                         bool local_overflow, double preview_scale = 1.0) {
   StepOptions o;
   for (const auto& h : hyper) {
     GroupHyper g;
@@ -64,6 +102,7 @@ StepOptions step_options(const std::vector<Hyper>& hyper, bool has_unused, doubl
              g.beta2, g.eps, g.amsgrad) = h;
     o.hyper.push_back(g);
   }
+  o.hyper_key = hyper_key;
   o.has_unused = has_unused;
   o.clip_max_norm = clip_max_norm;
   o.clip_norm_type = clip_norm_type;
@@ -84,7 +123,7 @@ void bind_updater(py::module_& m) {
                        const std::string& schedule, const std::string& optimizer,
                        bool correct_on_arrival, double priority_front_fraction,
                        bool rebuild_buckets, bool raise_if_not_finite, std::uintptr_t stream,
-                       std::uintptr_t sqrt_f32, std::uintptr_t sqrt_f64) {
+                       std::uintptr_t sqrt_f32, std::uintptr_t sqrt_f64, py::object external) {
              UpdaterOptions o;
              if (schedule == "priority") {
                o.schedule = UpdateSchedule::kPriority;
@@ -93,21 +132,27 @@ void bind_updater(py::module_& m) {
              } else {
                throw Error(ErrorCode::kInvalidArgument, "unknown schedule '" + schedule + "'");
              }
-             o.optimizer = optimizer_kind(optimizer);
+             if (external.is_none()) {
+               o.optimizer = optimizer_kind(optimizer);
+             } else {
+               o.external = std::make_shared<PythonStepper>(std::move(external));
+             }
              o.correct_on_arrival = correct_on_arrival;
              o.priority_front_fraction = priority_front_fraction;
              o.rebuild_buckets = rebuild_buckets;
              o.raise_if_not_finite = raise_if_not_finite;
              o.sqrt = vector_sqrt(sqrt_f32, sqrt_f64);
-             return std::make_unique<Updater>(engine, reducer,
-                                              slots_of(slots, reducer.options().device), o,
+             auto params = slots_of(slots, reducer.options().device);
+             // The constructor copies the decoupled shadow (waits on a GPU).
+             py::gil_scoped_release release;
+             return std::make_unique<Updater>(engine, reducer, std::move(params), o,
                                               StreamRef{pointer(stream)});
            }),
            py::arg("engine"), py::arg("reducer"), py::arg("slots"), py::arg("schedule"),
            py::arg("optimizer"), py::arg("correct_on_arrival") = true,
            py::arg("priority_front_fraction") = 0.25, py::arg("rebuild_buckets") = true,
            py::arg("raise_if_not_finite") = false, py::arg("stream") = 0,
-           py::arg("sqrt_f32") = 0, py::arg("sqrt_f64") = 0,
+           py::arg("sqrt_f32") = 0, py::arg("sqrt_f64") = 0, py::arg("external") = py::none(),
            py::keep_alive<1, 2>(),
            py::keep_alive<1, 3>())
       .def("set_landers", &Updater::set_landers, py::arg("landers"))
@@ -128,27 +173,29 @@ void bind_updater(py::module_& m) {
           "step",
           [](Updater& u, uint64_t iteration, const std::vector<Hyper>& hyper, bool has_unused,
              double clip_max_norm, double clip_norm_type, bool skip_if_not_finite,
-             bool local_overflow, std::uintptr_t stream, double preview_scale) {
-            const StepOptions o = step_options(hyper, has_unused, clip_max_norm, clip_norm_type,
-                                               skip_if_not_finite, local_overflow, preview_scale);
+             bool local_overflow, std::uintptr_t stream, double preview_scale,
+             uint64_t hyper_key) {
+            const StepOptions o =
+                step_options(hyper, hyper_key, has_unused, clip_max_norm, clip_norm_type,
+                             skip_if_not_finite, local_overflow, preview_scale);
             py::gil_scoped_release release;
             u.step(iteration, o, StreamRef{pointer(stream)});
           },
           py::arg("iteration"), py::arg("hyper"), py::arg("has_unused") = false,
           py::arg("clip_max_norm") = -1.0, py::arg("clip_norm_type") = 2.0,
           py::arg("skip_if_not_finite") = false, py::arg("local_overflow") = false,
-          py::arg("stream") = 0, py::arg("preview_scale") = 1.0)
+          py::arg("stream") = 0, py::arg("preview_scale") = 1.0, py::arg("hyper_key") = 0)
       .def(
           "step_local",
           [](Updater& u, const std::vector<std::uintptr_t>& grads,
-             const std::vector<Hyper>& hyper, std::uintptr_t stream) {
+             const std::vector<Hyper>& hyper, std::uintptr_t stream, uint64_t hyper_key) {
             std::vector<void*> pointers;
             for (auto g : grads) pointers.push_back(pointer(g));
-            const StepOptions o = step_options(hyper, false, -1.0, 2.0, false, false);
+            const StepOptions o = step_options(hyper, hyper_key, false, -1.0, 2.0, false, false);
             py::gil_scoped_release release;
             u.step_local(pointers, o, StreamRef{pointer(stream)});
           },
-          py::arg("grads"), py::arg("hyper"), py::arg("stream") = 0)
+          py::arg("grads"), py::arg("hyper"), py::arg("stream") = 0, py::arg("hyper_key") = 0)
       .def(
           "land",
           [](Updater& u, size_t lander, bool training, std::uintptr_t stream) {
@@ -164,7 +211,7 @@ void bind_updater(py::module_& m) {
           [](Updater& u, const std::vector<Slot>& slots, std::uintptr_t stream) {
             u.replace_parameters(slots_of(slots, u.device()), StreamRef{pointer(stream)});
           },
-          py::arg("slots"), py::arg("stream") = 0)
+          py::arg("slots"), py::arg("stream") = 0, Release())
       .def("momentum_initialised", &Updater::momentum_initialised)
       .def("approximate_read_fraction", &Updater::approximate_read_fraction)
       .def("clip_norm", &Updater::clip_norm, py::arg("iteration"),

@@ -87,8 +87,8 @@ class Config:
             back layers beside approximate front ones, which measured
             better. ``None`` (default): on
             for Adam and AdamW, off for SGD (where the rank's own gradient
-            already trains as well as the exact step). Needs the engine's
-            updater (``native_optimizer``), ``in_flight=1``, a CPU model and
+            already trains as well as the exact step); any optimizer on
+            request. Needs ``in_flight=1``, a CPU model and
             at most 127 ranks. With ``clip_grad_norm_`` the estimate is
             scaled by the local gradient's clipping coefficient; a GradScaler
             or unused parameters turn it off for their iterations.
@@ -127,13 +127,16 @@ class Config:
             gradient's approximation (torch's ``matrix_approximation_rank``).
         powersgd_start_iter: ``compression="powersgd"``: iterations before
             this one travel uncompressed (torch's ``start_powerSGD_iter``).
-        native_optimizer: ``priority`` and ``decoupled``: the engine lands
-            the updates and steps ``torch.optim.SGD``, ``Adam`` and ``AdamW``
-            itself (on the optimizer's own state tensors; no Python work per
-            parameter; on a GPU the fused kernels on the compute stream).
-            ``None`` (default) or ``True``: wherever it can; for other
-            optimizers updates land through torch's step, with a one-line
-            warning at wrap time. ``False``: always torch's step.
+        native_optimizer: ``priority`` and ``decoupled``: the engine's
+            updater lands the updates for every optimizer; this chooses who
+            steps. ``None`` (default) or ``True``: the engine steps
+            ``torch.optim.SGD``, ``Adam`` and ``AdamW`` itself wherever it can
+            (on the optimizer's own state tensors; no Python work per
+            parameter; on a GPU the fused kernels on the compute stream), and
+            any other per-parameter optimizer through torch's own step, which
+            it calls once per landing group (its external stepper).
+            ``False``: torch's step for every optimizer (torch's arithmetic
+            bit for bit, at the cost of a Python call per landing group).
     """
 
     schedule: str = "wfbp"

@@ -58,8 +58,7 @@ class DataParallel(nn.Module):
         # The schedule's kind decides what its reducer must hold, so it is
         # chosen first; the replica (parameters, reducer, results) is built
         # for it, and the schedule from the replica, each complete when made.
-        trainable = [p for p in module.parameters() if p.requires_grad]
-        kind = choose_schedule(config, optimizer, trainable)
+        kind = choose_schedule(config)
         in_flight, preview = kind.reducer_needs(config, optimizer, self.device)
         self._replica = Replica(module, engine, config, self.device, in_flight, preview)
         self._schedule: Schedule = kind(self._replica, optimizer, grad_scaler)
@@ -296,9 +295,6 @@ class DataParallel(nn.Module):
             if not self._in_backward:
                 self._in_backward = True
                 self._backward_start = self.timeline_recorder.now()
-                reducer = self._replica.reducer
-                if not reducer.marking:
-                    self._replica.marking_iteration = reducer.iterations_started
                 # Runs once, when the whole backward pass has finished.
                 torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
             if grad.is_sparse:

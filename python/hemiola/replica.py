@@ -3,8 +3,8 @@
 A :class:`Replica` owns what a schedule works with: the trainable parameters
 and their names, the buffers kept in sync with rank 0, the device and its
 current stream, the engine and the gradient reducer, the timeline recorder,
-and the views of the reduced gradients (with the copies that outlive a
-rebuild of the buckets). :class:`hemiola.data_parallel.DataParallel` builds
+and the views of the reduced gradients.
+:class:`hemiola.data_parallel.DataParallel` builds
 one and hands it to its schedule; schedules never see the wrapper, so the
 dependency runs one way: data_parallel -> schedules -> replica.
 """
@@ -43,14 +43,6 @@ class Replica:
         #: the buffers kept equal to rank 0's
         self.buffers = [b for b in module.buffers() if b.numel() > 0]
         self.timeline = Recorder(engine)
-        #: while True, every reduced gradient of the iteration being marked is
-        #: written to a tensor of the model's (as partitioned ones are), so it
-        #: outlives a rebuild of the reducer's buckets
-        self.gather_all_results = False
-        #: iterations whose every result was gathered (gather_all_results)
-        self.gathered_iterations: set[int] = set()
-        #: the iteration whose gradients backward is marking
-        self.marking_iteration = 0
         #: DDP's rule for buffers: broadcast them before a forward that
         #: follows a synchronised training forward (and before the first one)
         self.require_forward_param_sync = True
@@ -72,13 +64,13 @@ class Replica:
                 powersgd_rank=config.powersgd_rank,
                 powersgd_start_iteration=config.powersgd_start_iter,
             )
-        # Partitioned gradients are spread over several buckets; their results
-        # are gathered into tensors of their own.
+        # Partitioned gradients are spread over several buckets: the reducer
+        # holds no one view of their results (the engine's updater gathers
+        # them into buffers of its own).
         self._partitioned = {
             i for i, p in enumerate(self.params)
             if 0 < config.partition_bytes < p.numel() * p.element_size()
         }
-        self._gathered: dict[tuple[int, int], torch.Tensor] = {}
 
     @property
     def rank(self) -> int:
@@ -96,42 +88,17 @@ class Replica:
 
     def reduced(self, iteration: int, index: int) -> torch.Tensor:
         """Parameter `index`'s reduced gradient of `iteration`: a view into the
-        engine's buffers, or, for a gathered one, its copy."""
+        engine's buffers."""
         assert self.reducer is not None
         p = self.params[index]
-        if index in self._partitioned or iteration in self.gathered_iterations:
-            return self._gathered[(iteration % (self.in_flight + 1), index)]
+        if index in self._partitioned:
+            raise RuntimeError(
+                f"parameter {self.names[index]!r} is partitioned over several buckets "
+                "(partition_mb); its reduced gradient has no single view in the reducer")
         if self.device.type == "cuda":
             return device_view(self.reducer.result_ptr(iteration, index), p)
         view = self.reducer.result_view(iteration, index)
         return torch.frombuffer(view, dtype=p.dtype).view(p.shape)
-
-    def result_target(self, index: int) -> int:
-        """Where the engine should write parameter `index`'s reduced gradient
-        of the iteration being marked: 0 (keep it in the engine) unless it is
-        partitioned or gather_all_results is set."""
-        if not self.gather_all_results and index not in self._partitioned:
-            return 0
-        if self.gather_all_results:
-            self.gathered_iterations.add(self.marking_iteration)
-        key = (self.marking_iteration % (self.in_flight + 1), index)
-        target = self._gathered.get(key)
-        if target is None:
-            p = self.params[index]
-            target = torch.empty(p.shape, dtype=p.dtype, device=self.device)
-            self._gathered[key] = target
-        return target.data_ptr()
-
-    def release_gathered(self, iteration: int) -> None:
-        """`iteration`'s gathered results (gather_all_results) are applied:
-        free the copies of the tensors that are not partitioned."""
-        if iteration not in self.gathered_iterations:
-            return
-        self.gathered_iterations.discard(iteration)
-        slot = iteration % (self.in_flight + 1)
-        for i in range(len(self.params)):
-            if i not in self._partitioned:
-                self._gathered.pop((slot, i), None)
 
     def sync_buffers(self) -> None:
         """Broadcasts rank 0's buffers (blocking)."""

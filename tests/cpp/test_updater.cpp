@@ -9,6 +9,7 @@
 
 #include <cstring>
 #include <functional>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -133,18 +134,66 @@ std::vector<std::vector<float>> reference(Engine& e, OptimizerKind kind, int ste
   return m.w;
 }
 
+// SGD with momentum as an external stepper (hemiola's Python layer runs
+// torch's step there): in place on the model's live parameters, with momentum
+// buffers of its own and a scratch copy of them for local steps; the
+// hyper-parameters of step k are sgd_hyper(k) (the key is k).
+class ExternalSgd final : public ExternalStepper {
+ public:
+  explicit ExternalSgd(Model& m) : m_(m) {
+    for (const auto& w : m.w) momentum_.emplace_back(w.size(), 0.0f);
+    scratch_ = momentum_;
+    initialised_.assign(m.w.size(), 0);
+    scratch_initialised_ = initialised_;
+  }
+
+  void step(const std::vector<size_t>& indices, const std::vector<TensorRef>& grads,
+            uint64_t hyper_key, double grad_scale, StepMode mode) override {
+    for (size_t k = 0; k < indices.size(); ++k) {
+      const size_t i = indices[k];
+      EXPECT_EQ(grads[k].numel, m_.w[i].size());
+      if (mode == StepMode::kLocal) {
+        scratch_[i] = momentum_[i];
+        scratch_initialised_[i] = initialised_[i];
+      }
+      const bool scratch = mode != StepMode::kCommit;
+      std::vector<float>& state = scratch ? scratch_[i] : momentum_[i];
+      uint8_t& initialised = scratch ? scratch_initialised_[i] : initialised_[i];
+      const GroupHyper g = sgd_hyper(static_cast<int>(hyper_key));
+      SgdHyper h;
+      h.lr = g.lr;
+      h.momentum = g.momentum;
+      h.weight_decay = g.weight_decay;
+      h.first_step = initialised == 0;
+      h.grad_scale = grad_scale;
+      float* w = m_.w[i].data();
+      sgd_step({w, w, state.data(), grads[k].data}, static_cast<std::int64_t>(m_.w[i].size()),
+               DType::kFloat32, Device{}, h, true);
+      initialised = 1;
+    }
+  }
+
+ private:
+  Model& m_;
+  std::vector<std::vector<float>> momentum_, scratch_;
+  std::vector<uint8_t> initialised_, scratch_initialised_;
+};
+
 // The same training through an Updater: marks in backward order, step(),
 // then the next "forward" lands parameter 0, then 1, then 2 (three landers).
 std::vector<std::vector<float>> with_updater(Engine& e, UpdateSchedule schedule,
                                              OptimizerKind kind, int steps,
                                              bool correct_on_arrival, double* approx = nullptr,
-                                             size_t in_flight = 1, bool identical = false) {
-  Model m(e.rank());
+                                             size_t in_flight = 1, bool identical = false,
+                                             Model* external = nullptr) {
+  Model own(e.rank());
+  Model& m = external ? *external : own;
   auto reducer = e.make_reducer(m.specs(), reducer_options(in_flight));
   UpdaterOptions options;
   options.schedule = schedule;
   options.optimizer = kind;
   options.correct_on_arrival = correct_on_arrival;
+  if (external) options.external = std::make_shared<ExternalSgd>(m);
   Updater updater(e, *reducer, m.slots(), options);
   updater.set_landers({{0, 1, 2}, {0}, {1}, {2}});
   for (int k = 0; k < steps; ++k) {
@@ -156,6 +205,7 @@ std::vector<std::vector<float>> with_updater(Engine& e, UpdateSchedule schedule,
     const auto iteration = static_cast<uint64_t>(reducer->finish_marking());
     StepOptions step;
     step.hyper = {kind == OptimizerKind::kSgd ? sgd_hyper(k) : adam_hyper(k)};
+    step.hyper_key = static_cast<uint64_t>(k);
     updater.step(iteration, step);
   }
   updater.synchronize();
@@ -234,6 +284,32 @@ TEST(Updater, DecoupledWithTwoInFlightLagsFurtherButStaysIdenticalOnEveryRank) {
   });
   EXPECT_EQ(two[1], two[0]);
   EXPECT_NE(two[0], one[0]);
+}
+
+TEST(Updater, AnExternalStepperLandsWhatTheEnginesStepperLands) {
+  // The landing graph is the same whatever steps: the same SGD taken through
+  // an external stepper gives the engine's result bitwise, under priority
+  // and decoupled (re-taken local chains with in_flight 2 and 3), on
+  // identical and on different data.
+  struct Case {
+    UpdateSchedule schedule;
+    size_t in_flight;
+    bool identical;
+  };
+  for (const Case c : {Case{UpdateSchedule::kPriority, 1, false},
+                       Case{UpdateSchedule::kDecoupled, 1, false},
+                       Case{UpdateSchedule::kDecoupled, 2, true},
+                       Case{UpdateSchedule::kDecoupled, 3, false}}) {
+    run_ranks([&](Engine& e) {
+      const auto native = with_updater(e, c.schedule, OptimizerKind::kSgd, 8, false, nullptr,
+                                       c.in_flight, c.identical);
+      Model m(e.rank());
+      const auto external = with_updater(e, c.schedule, OptimizerKind::kSgd, 8, false, nullptr,
+                                         c.in_flight, c.identical, &m);
+      EXPECT_EQ(external, native) << "in_flight " << c.in_flight;
+      if (c.identical) EXPECT_EQ(external, reference(e, OptimizerKind::kSgd, 8, true));
+    });
+  }
 }
 
 TEST(Updater, RefusesAReducerItCannotServe) {

@@ -344,7 +344,7 @@ def schedule_run(rank: int, world: int, schedule: str, model_name: str, opt_name
 
 def preview_defaults(rank: int, world: int) -> dict[str, Any]:
     """Whether decoupled takes a preview, per optimizer and option; "warned"
-    where asking for one on torch's path warns."""
+    where asking for one warns."""
     hemiola.init()
     out: dict[str, Any] = {}
     for label, opt_name, options in [("adamw", "adamw", {}), ("sgd", "sgd", {}),

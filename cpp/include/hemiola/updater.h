@@ -46,8 +46,13 @@
 // last, front-most first, so the next forward's first modules get theirs
 // first).
 //
-// The optimizer state lives in caller memory (ParameterSlot), in torch's
-// layout, so a torch optimizer's state_dict() stays valid. Parameters, state
+// The optimizer step that lands an update is a stepper's: the engine's own
+// SGD or Adam/AdamW (hemiola/optimizer.h), or an ExternalStepper (below) that
+// the caller implements for any other per-parameter optimizer (hemiola's
+// Python layer runs torch's own step there). Either way the landing graph is
+// this one. The optimizer state lives in caller memory (ParameterSlot, or the
+// external stepper's own), in torch's layout, so a torch optimizer's
+// state_dict() stays valid. Parameters, state
 // and gradients live on the reducer's device (ReducerOptions::device). On a
 // GPU every call takes the caller's compute stream (StreamRef, as the
 // Reducer's calls do): the optimizer steps (the fused kernels of
@@ -109,9 +114,49 @@ struct ParameterSlot {
   float* step = nullptr;             // Adam: steps taken (torch's float32 "step")
 };
 
+// What an external step of a parameter starts from and what it leaves.
+enum class StepMode : int {
+  // The exact step: from the exact value and the optimizer state; the state
+  // advances (the updater then takes the new live value as the exact one).
+  kCommit = 0,
+  // A local (approximate) step: from the exact value and a scratch copy of
+  // the state; the state itself stays as it was.
+  kLocal = 1,
+  // Another local step after a kLocal (or kLocalAgain) one of the same
+  // parameters in the same chain: from the live value and that scratch.
+  kLocalAgain = 2,
+};
+
+// The optimizer step for optimizers the engine does not implement: the
+// caller's (hemiola's Python layer runs torch's own optimizer step here).
+// The updater calls it on the thread of the Updater call in progress (step,
+// land, synchronize, step_local), once per landing group, never from an
+// engine thread. Before a kCommit or kLocal call the updater has written
+// each parameter's exact value into its live one (ParameterSlot::param); the
+// step updates the live values in place, as torch's does. On a GPU the
+// step's work goes on the stream of the call in progress (after the
+// updater's waits there). What it throws propagates out of that call; the
+// pending update it was landing is then lost (the live parameters may hold a
+// part of it).
+class ExternalStepper {
+ public:
+  virtual ~ExternalStepper() = default;
+  // Parameters `indices` (the updater's order) take one step each with
+  // gradient grads[k] (numel and dtype of the parameter, on its device;
+  // valid during the call only) times `grad_scale` (clip_grad_norm_'s
+  // coefficient; 1 otherwise), and the hyper-parameters of the caller's
+  // step() that passed StepOptions::hyper_key == `hyper_key`.
+  virtual void step(const std::vector<size_t>& indices, const std::vector<TensorRef>& grads,
+                    uint64_t hyper_key, double grad_scale, StepMode mode) = 0;
+};
+
 struct UpdaterOptions {
   UpdateSchedule schedule = UpdateSchedule::kPriority;
+  // The engine's own optimizer step (unless `external` is set).
   OptimizerKind optimizer = OptimizerKind::kSgd;
+  // Non-null: every step is this one's (`optimizer`, the slots' state and
+  // group, and StepOptions::hyper are not read); the updater keeps it.
+  std::shared_ptr<ExternalStepper> external;
   // decoupled: land an exact step as soon as it has arrived (false: only in
   // step(), which makes training independent of network timing).
   bool correct_on_arrival = true;
@@ -131,7 +176,10 @@ struct UpdaterOptions {
 
 // What one step() applies, as the iteration ran.
 struct StepOptions {
-  std::vector<GroupHyper> hyper;   // per parameter group
+  std::vector<GroupHyper> hyper;   // per parameter group (the engine's steppers)
+  // UpdaterOptions::external: handed back to ExternalStepper::step with every
+  // step taken for this call (the caller's key to its hyper-parameters).
+  uint64_t hyper_key = 0;
   // Some parameters were contributed as zeros (Reducer::mark_unused, with
   // track_usage): a parameter no rank used is not stepped, as torch skips a
   // parameter without a gradient.

@@ -15,6 +15,7 @@
 // instead). After an older iteration lands, the later local steps are taken
 // again (re-steps), from copies of their gradients and through scratch
 // optimizer state.
+#include <algorithm>
 #include <cstdint>
 #include <memory>
 #include <utility>
@@ -27,15 +28,6 @@
 namespace hemiola {
 
 namespace {
-
-// Scratch of re-taken local steps (in_flight > 1): a parameter and its
-// optimizer state stepped through several pending iterations. One set, grown
-// to the largest tensor, serves every parameter in turn (on a GPU the steps
-// are ordered on one stream).
-struct Restep {
-  Buffer param, momentum, exp_avg, exp_avg_sq, max_exp_avg_sq;
-  float step = 0.0f;
-};
 
 class DecoupledPolicy final : public UpdatePolicy {
  public:
@@ -101,9 +93,11 @@ class DecoupledPolicy final : public UpdatePolicy {
       // gradient (after the local steps of older pending iterations), into
       // the live parameters only.
       const int64_t start = graph_.now_us();
+      std::vector<size_t> stepped;
       for (size_t i = 0; i < n; ++i) {
-        if (pending.stepped[i]) restep(i);
+        if (pending.stepped[i]) stepped.push_back(i);
       }
+      restep(stepped);
       graph_.record("step", start, "local step ", iteration);
     }
     previews_.start(pending);
@@ -200,9 +194,11 @@ class DecoupledPolicy final : public UpdatePolicy {
     const int64_t start = graph_.now_us();
     graph_.apply(pending, chosen);
     if (&pending != &graph_.pending().back()) {
+      std::vector<size_t> again;
       for (size_t i : chosen) {
-        if (steps_pending(i)) restep(i);
+        if (steps_pending(i)) again.push_back(i);
       }
+      restep(again);
     }
     graph_.record("correction", start, "exact step (", chosen.size(), " parameters)");
   }
@@ -216,47 +212,39 @@ class DecoupledPolicy final : public UpdatePolicy {
     return false;
   }
 
-  // Live parameter i <- the shadow stepped with the local gradient of every
-  // pending iteration that has not landed it (the invariant), in order. More
-  // than one such step goes through scratch copies of the shadow and the
-  // optimizer state, so that each step reads the state the previous one
-  // left, and none is committed.
-  void restep(size_t i) {
-    std::vector<const Pending*> steps;
-    for (const Pending& p : graph_.pending()) {
-      if (!p.applied[i] && p.stepped[i]) steps.push_back(&p);
+  // Live parameters `indices` <- the shadow stepped with the local gradient
+  // of every pending iteration that has not landed them (the invariant), in
+  // order, nothing committed. Parameters with the same pending steps go to
+  // the stepper as one chain (an external stepper's call per link).
+  void restep(const std::vector<size_t>& indices) {
+    const auto& pending_list = graph_.pending();
+    // (the positions in pending_list of the steps, the parameters taking them)
+    std::vector<std::pair<std::vector<size_t>, std::vector<size_t>>> chains;
+    std::vector<size_t> steps;
+    for (size_t i : indices) {
+      steps.clear();
+      for (size_t k = 0; k < pending_list.size(); ++k) {
+        const Pending& p = pending_list[k];
+        if (!p.applied[i] && p.stepped[i]) steps.push_back(k);
+      }
+      if (steps.empty()) {
+        graph_.restore(i);
+        continue;
+      }
+      auto same = std::find_if(chains.begin(), chains.end(),
+                               [&](const auto& chain) { return chain.first == steps; });
+      if (same == chains.end()) same = chains.insert(chains.end(), {steps, {}});
+      same->second.push_back(i);
     }
-    if (steps.empty()) return graph_.restore(i);
-    if (steps.size() == 1) {
-      return graph_.optimizer_step(i, local_grad(*steps[0], i), steps[0]->options.hyper, 1.0,
-                                   /*commit=*/false);
-    }
-    ParameterSlot slot = graph_.params()[i];
-    const size_t bytes = slot.param.nbytes();
-    void* live = slot.param.data;
-    void* value = restep_.param.reserve(graph_.device(), bytes);
-    graph_.copy(value, shadow_[i].data(), bytes);
-    auto scratch = [&](Buffer& buffer, void*& state) {
-      if (!state) return;
-      void* copied = buffer.reserve(graph_.device(), bytes);
-      graph_.copy(copied, state, bytes);
-      state = copied;
-    };
-    scratch(restep_.momentum, slot.momentum_buffer);
-    scratch(restep_.exp_avg, slot.exp_avg);
-    scratch(restep_.exp_avg_sq, slot.exp_avg_sq);
-    scratch(restep_.max_exp_avg_sq, slot.max_exp_avg_sq);
-    if (slot.step) {
-      restep_.step = *slot.step;
-      slot.step = &restep_.step;
-    }
-    for (size_t k = 0; k < steps.size(); ++k) {
-      const bool last = k + 1 == steps.size();
-      // Committing into the scratch (live and shadow the same memory), and
-      // the last step from it into the live parameter.
-      slot.param.data = last ? live : value;
-      graph_.step_slot(slot, value, local_grad(*steps[k], i), steps[k]->options.hyper, 1.0,
-                       /*commit=*/!last);
+    for (const auto& [links, members] : chains) {
+      std::vector<StepGroup> chain(links.size());
+      for (size_t l = 0; l < links.size(); ++l) {
+        const Pending& p = pending_list[links[l]];
+        chain[l].indices = members;
+        chain[l].options = &p.options;
+        for (size_t i : members) chain[l].grads.push_back(local_grad(p, i));
+      }
+      graph_.stepper().local(chain);
     }
   }
 
@@ -270,7 +258,6 @@ class DecoupledPolicy final : public UpdatePolicy {
   bool correct_on_arrival_;  // UpdaterOptions::correct_on_arrival
   PreviewLanding previews_;
   std::vector<Buffer> shadow_;  // the exact parameters (the graph's exact values)
-  Restep restep_;               // in_flight > 1: scratch of re-taken local steps
   uint64_t reads_ = 0;
   uint64_t approximate_reads_ = 0;
   uint64_t previewed_reads_ = 0;  // approximate reads of a preview step

@@ -42,7 +42,7 @@ LandingGraph::LandingGraph(Engine& engine, Reducer& reducer, const UpdaterOption
     : engine_(engine), reducer_(ReducerAccess::impl(reducer)), options_(options),
       device_(reducer.options().device), in_flight_(reducer.options().in_flight),
       stream_(stream), timeline_(engine.options().timeline), rebuilt_(!options.rebuild_buckets),
-      gathered_(in_flight_ + 1) {}
+      gathered_(in_flight_ + 1), stepper_(make_stepper(*this, options)) {}
 
 // ---- parameters and landers ---------------------------------------------------------
 
@@ -59,7 +59,7 @@ void LandingGraph::adopt(std::vector<ParameterSlot> params) {
                   "' has dtype ", dtype_name(p.param.dtype), ", not a floating dtype");
     HEMIOLA_CHECK(p.param.numel == 0 || p.param.data, "updater: parameter '", p.name,
                   "' has no data");
-    if (options_.optimizer != OptimizerKind::kSgd) {
+    if (!options_.external && options_.optimizer != OptimizerKind::kSgd) {
       HEMIOLA_CHECK(p.param.numel == 0 || (p.exp_avg && p.exp_avg_sq && p.step),
                     "updater: Adam parameter '", p.name, "' lacks exp_avg, exp_avg_sq or step");
     }
@@ -103,6 +103,7 @@ void LandingGraph::check_index(size_t index) const {
 }
 
 void LandingGraph::check_hyper(const StepOptions& options) const {
+  if (options_.external) return;  // its hyper-parameters are the caller's
   HEMIOLA_CHECK(groups_ <= options.hyper.size(), "updater: the parameters are in ", groups_,
                 " groups but the step has hyper-parameters for ", options.hyper.size());
 }
@@ -236,14 +237,20 @@ void LandingGraph::apply(Pending& pending, const std::vector<size_t>& chosen) {
       }
     }
   }
+  // One step of the whole group (an external stepper's is one call).
+  StepGroup group;
+  group.options = &pending.options;
+  group.grad_scale = pending.coef;
   for (size_t i : chosen) {
     if (pending.skip || !pending.used(i)) {
       restore(i);  // decoupled: drop the approximate step
     } else {
-      optimizer_step(i, reduced(pending, i), o.hyper, pending.coef, /*commit=*/true);
+      group.indices.push_back(i);
+      group.grads.push_back(reduced(pending, i));
     }
     pending.applied[i] = 1;
   }
+  stepper_->commit(group);
   auto& remaining = pending.remaining;
   remaining.erase(std::remove_if(remaining.begin(), remaining.end(),
                                  [&](size_t i) { return pending.applied[i] != 0; }),
@@ -281,6 +288,11 @@ void LandingGraph::restore(size_t i) {
   if (exact_[i] != p.data) copy(p.data, exact_[i], p.nbytes());
 }
 
+void LandingGraph::save_exact(size_t i) {
+  const auto& p = params_[i].param;
+  if (exact_[i] != p.data) copy(exact_[i], p.data, p.nbytes());
+}
+
 std::optional<double> LandingGraph::clip_norm(uint64_t iteration) const {
   for (const auto& [it, norm] : clip_norms_) {
     if (it == iteration) return norm;
@@ -308,54 +320,6 @@ std::vector<const void*> LandingGraph::readable(const Pending& pending,
   }
   cuda::synchronize(stream_.handle);
   return out;
-}
-
-// ---- optimizer steps --------------------------------------------------------------------
-
-void LandingGraph::optimizer_step(size_t i, const void* grad,
-                                  const std::vector<GroupHyper>& groups, double grad_scale,
-                                  bool commit) {
-  step_slot(params_[i], exact_[i], grad, groups, grad_scale, commit);
-}
-
-void LandingGraph::step_slot(ParameterSlot& p, void* exact, const void* grad,
-                             const std::vector<GroupHyper>& groups, double grad_scale,
-                             bool commit) {
-  const GroupHyper& h = groups[p.group];
-  const auto numel = static_cast<std::int64_t>(p.param.numel);
-  if (options_.optimizer == OptimizerKind::kSgd) {
-    SgdHyper s;
-    s.lr = h.lr;
-    s.momentum = h.momentum;
-    s.dampening = h.dampening;
-    s.weight_decay = h.weight_decay;
-    s.nesterov = h.nesterov;
-    s.maximize = h.maximize;
-    s.first_step = h.momentum != 0.0 && !p.momentum_initialised;
-    s.grad_scale = grad_scale;
-    HEMIOLA_CHECK(h.momentum == 0.0 || p.momentum_buffer || numel == 0,
-                  "updater: parameter '", p.name, "' has momentum ", h.momentum,
-                  " but no momentum buffer (set momentum before wrapping)");
-    sgd_step(SgdTensors{p.param.data, exact, p.momentum_buffer, grad}, numel,
-             p.param.dtype, device_, s, commit, stream_);
-    if (commit && h.momentum != 0.0) p.momentum_initialised = true;
-    return;
-  }
-  AdamHyper a;
-  a.lr = h.lr;
-  a.beta1 = h.beta1;
-  a.beta2 = h.beta2;
-  a.eps = h.eps;
-  a.weight_decay = h.weight_decay;
-  a.decoupled_weight_decay = options_.optimizer == OptimizerKind::kAdamW;
-  a.maximize = h.maximize;
-  a.amsgrad = h.amsgrad;
-  a.step = static_cast<std::int64_t>(*p.step) + 1;
-  a.grad_scale = grad_scale;
-  a.sqrt = options_.sqrt;
-  adam_step(AdamTensors{p.param.data, exact, p.exp_avg, p.exp_avg_sq, grad, p.max_exp_avg_sq},
-            numel, p.param.dtype, device_, a, commit, stream_);
-  if (commit) *p.step += 1.0f;
 }
 
 // ---- device and stream -------------------------------------------------------------------

@@ -23,6 +23,7 @@
 
 #include "device.h"
 #include "engine/reducer_impl.h"
+#include "engine/stepper.h"
 #include "hemiola/engine.h"
 #include "hemiola/status.h"
 #include "hemiola/updater.h"
@@ -154,14 +155,13 @@ class LandingGraph {
 
   // ---- optimizer steps -----------------------------------------------------------
 
-  // One optimizer step of parameter i from its exact value (the shadow, or
-  // the parameter itself under priority) into the live parameter; committing
-  // also advances the exact value and the state.
-  void optimizer_step(size_t i, const void* grad, const std::vector<GroupHyper>& groups,
-                      double grad_scale, bool commit);
-  // One optimizer step of `p` from `exact` into p.param (see above).
-  void step_slot(ParameterSlot& p, void* exact, const void* grad,
-                 const std::vector<GroupHyper>& groups, double grad_scale, bool commit);
+  // The step that lands updates (engine/stepper.h), chosen by the options.
+  Stepper& stepper() { return *stepper_; }
+  ParameterSlot& param(size_t i) { return params_[i]; }
+  // Parameter i's exact value (see set_exact).
+  void* exact(size_t i) const { return exact_[i]; }
+  // The exact value <- the live parameter (nothing where they are the same).
+  void save_exact(size_t i);
 
   // ---- device and stream -------------------------------------------------------
 
@@ -215,6 +215,7 @@ class LandingGraph {
   std::deque<Pending> pending_;  // oldest first
   // (iteration, total norm) of the last clipped iterations, oldest first.
   std::deque<std::pair<uint64_t, double>> clip_norms_;
+  std::unique_ptr<Stepper> stepper_;  // made last: it reads the graph
 };
 
 }  // namespace hemiola

@@ -30,12 +30,15 @@ void PreviewLanding::land(Pending& pending) {
   }
   if (chosen.empty()) return;
   const int64_t start = graph_.now_us();
+  StepGroup group;
+  group.options = &pending.options;
+  group.grad_scale = pending.options.preview_scale;
   for (size_t i : chosen) {
-    graph_.optimizer_step(i, graph_.reducer().preview(pending.iteration, i).data,
-                          pending.options.hyper, pending.options.preview_scale,
-                          /*commit=*/false);
+    group.indices.push_back(i);
+    group.grads.push_back(graph_.reducer().preview(pending.iteration, i).data);
     pending.previewed[i] = 1;
   }
+  graph_.stepper().local({group});
   graph_.record("preview", start, "preview step (", chosen.size(), " parameters)");
 }
 

@@ -86,9 +86,14 @@ class UpdaterImpl {
     graph_.check_hyper(options);
     synchronize(stream);
     const int64_t start = graph_.now_us();
+    StepGroup group;
+    group.options = &options;
     for (size_t i = 0; i < graph_.size(); ++i) {
-      if (grads[i]) graph_.optimizer_step(i, grads[i], options.hyper, 1.0, /*commit=*/true);
+      if (!grads[i]) continue;
+      group.indices.push_back(i);
+      group.grads.push_back(grads[i]);
     }
+    graph_.stepper().commit(group);
     graph_.record("step", start, "local step (no reduction)");
   }
 

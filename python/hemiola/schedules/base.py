@@ -220,8 +220,7 @@ class DeferredSchedule(Schedule):
     stay there (``.grad`` keeps the local gradient), buffers follow rank 0's
     asynchronously, and ``optimizer.step()`` is taken over so that updates
     are applied when the reductions arrive. Where they land is learnt by the
-    forward gate; what lands is the subclass's: the engine's updater
-    (``native``) or torch's optimizer (``torch_update``)."""
+    forward gate; the engine's updater lands them (``native``)."""
 
     in_flight = 1
 
@@ -371,7 +370,7 @@ class DeferredSchedule(Schedule):
             # whatever the ranks' scales, and not finite iff a rank overflowed.
             if self._inv_scale is None:
                 self._inv_scale = 1.0 / scaler.get_scale()
-            return grad * self._inv_scale
+            grad = grad * self._inv_scale  # (keeps grad's layout, e.g. channels_last)
         return grad if grad.is_contiguous() else grad.contiguous()
 
     def backward_done(self, iteration: int, unmarked: list[int]) -> None:

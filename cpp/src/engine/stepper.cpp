@@ -1,0 +1,183 @@
+// engine/stepper.h: the engine's SGD / Adam / AdamW steps of a landing group,
+// and the caller's external step.
+#include "engine/stepper.h"
+
+#include <cstdint>
+#include <memory>
+#include <utility>
+#include <vector>
+
+#include "engine/landing_graph.h"
+#include "hemiola/optimizer.h"
+#include "hemiola/status.h"
+
+namespace hemiola {
+
+namespace {
+
+// Scratch of a local chain longer than one step: a parameter and its
+// optimizer state stepped through several pending iterations. One set, grown
+// to the largest tensor, serves every parameter in turn (on a GPU the steps
+// are ordered on one stream).
+struct Scratch {
+  Buffer param, momentum, exp_avg, exp_avg_sq, max_exp_avg_sq;
+  float step = 0.0f;
+};
+
+class NativeStepper final : public Stepper {
+ public:
+  NativeStepper(LandingGraph& graph, const UpdaterOptions& options)
+      : graph_(graph), optimizer_(options.optimizer), sqrt_(options.sqrt) {}
+
+  void commit(const StepGroup& group) override {
+    for (size_t k = 0; k < group.indices.size(); ++k) {
+      const size_t i = group.indices[k];
+      step(graph_.param(i), graph_.exact(i), group.grads[k], *group.options, group.grad_scale,
+           /*commit=*/true);
+    }
+  }
+
+  void local(const std::vector<StepGroup>& chain) override {
+    if (chain.empty()) return;
+    if (chain.size() == 1) {
+      const StepGroup& only = chain[0];
+      for (size_t k = 0; k < only.indices.size(); ++k) {
+        const size_t i = only.indices[k];
+        step(graph_.param(i), graph_.exact(i), only.grads[k], *only.options, only.grad_scale,
+             /*commit=*/false);
+      }
+      return;
+    }
+    for (size_t k = 0; k < chain[0].indices.size(); ++k) local_chain(chain, k);
+  }
+
+ private:
+  // Parameter chain[*].indices[k] through the whole chain: copies of the
+  // exact value and the state take every step but the last committed, so
+  // that each step reads the state the previous one left; the last step goes
+  // from the copies into the live parameter.
+  void local_chain(const std::vector<StepGroup>& chain, size_t k) {
+    const size_t i = chain[0].indices[k];
+    ParameterSlot slot = graph_.param(i);
+    const size_t bytes = slot.param.nbytes();
+    void* live = slot.param.data;
+    void* value = scratch_.param.reserve(graph_.device(), bytes);
+    graph_.copy(value, graph_.exact(i), bytes);
+    auto copy_state = [&](Buffer& buffer, void*& state) {
+      if (!state) return;
+      void* copied = buffer.reserve(graph_.device(), bytes);
+      graph_.copy(copied, state, bytes);
+      state = copied;
+    };
+    copy_state(scratch_.momentum, slot.momentum_buffer);
+    copy_state(scratch_.exp_avg, slot.exp_avg);
+    copy_state(scratch_.exp_avg_sq, slot.exp_avg_sq);
+    copy_state(scratch_.max_exp_avg_sq, slot.max_exp_avg_sq);
+    if (slot.step) {
+      scratch_.step = *slot.step;
+      slot.step = &scratch_.step;
+    }
+    for (size_t link = 0; link < chain.size(); ++link) {
+      const bool last = link + 1 == chain.size();
+      // Committing into the scratch (live and exact the same memory), and
+      // the last step from it into the live parameter.
+      slot.param.data = last ? live : value;
+      step(slot, value, chain[link].grads[k], *chain[link].options, chain[link].grad_scale,
+           /*commit=*/!last);
+    }
+  }
+
+  // One step of `p` from `exact` into p.param; committing also advances
+  // `exact` and the state (hemiola/optimizer.h).
+  void step(ParameterSlot& p, void* exact, const void* grad, const StepOptions& options,
+            double grad_scale, bool commit) {
+    const GroupHyper& h = options.hyper[p.group];
+    const auto numel = static_cast<std::int64_t>(p.param.numel);
+    if (optimizer_ == OptimizerKind::kSgd) {
+      SgdHyper s;
+      s.lr = h.lr;
+      s.momentum = h.momentum;
+      s.dampening = h.dampening;
+      s.weight_decay = h.weight_decay;
+      s.nesterov = h.nesterov;
+      s.maximize = h.maximize;
+      s.first_step = h.momentum != 0.0 && !p.momentum_initialised;
+      s.grad_scale = grad_scale;
+      HEMIOLA_CHECK(h.momentum == 0.0 || p.momentum_buffer || numel == 0,
+                    "updater: parameter '", p.name, "' has momentum ", h.momentum,
+                    " but no momentum buffer (set momentum before wrapping)");
+      sgd_step(SgdTensors{p.param.data, exact, p.momentum_buffer, grad}, numel, p.param.dtype,
+               graph_.device(), s, commit, graph_.stream());
+      if (commit && h.momentum != 0.0) p.momentum_initialised = true;
+      return;
+    }
+    AdamHyper a;
+    a.lr = h.lr;
+    a.beta1 = h.beta1;
+    a.beta2 = h.beta2;
+    a.eps = h.eps;
+    a.weight_decay = h.weight_decay;
+    a.decoupled_weight_decay = optimizer_ == OptimizerKind::kAdamW;
+    a.maximize = h.maximize;
+    a.amsgrad = h.amsgrad;
+    a.step = static_cast<std::int64_t>(*p.step) + 1;
+    a.grad_scale = grad_scale;
+    a.sqrt = sqrt_;
+    adam_step(AdamTensors{p.param.data, exact, p.exp_avg, p.exp_avg_sq, grad, p.max_exp_avg_sq},
+              numel, p.param.dtype, graph_.device(), a, commit, graph_.stream());
+    if (commit) *p.step += 1.0f;
+  }
+
+  LandingGraph& graph_;
+  OptimizerKind optimizer_;
+  VectorSqrt sqrt_;  // UpdaterOptions::sqrt
+  Scratch scratch_;  // local chains longer than one step
+};
+
+// The caller's step (UpdaterOptions::external). It steps the live parameters
+// in place, so the live value is set to the exact one first, and a committed
+// step's result is copied back into the exact value (both copies are nothing
+// where live and exact are the same memory, as under priority).
+class ExternalSteps final : public Stepper {
+ public:
+  ExternalSteps(LandingGraph& graph, std::shared_ptr<ExternalStepper> external)
+      : graph_(graph), external_(std::move(external)) {}
+
+  void commit(const StepGroup& group) override {
+    if (group.indices.empty()) return;
+    for (size_t i : group.indices) graph_.restore(i);
+    call(group, StepMode::kCommit);
+    for (size_t i : group.indices) graph_.save_exact(i);
+  }
+
+  void local(const std::vector<StepGroup>& chain) override {
+    if (chain.empty() || chain[0].indices.empty()) return;
+    for (size_t i : chain[0].indices) graph_.restore(i);
+    for (size_t link = 0; link < chain.size(); ++link) {
+      call(chain[link], link == 0 ? StepMode::kLocal : StepMode::kLocalAgain);
+    }
+  }
+
+ private:
+  void call(const StepGroup& group, StepMode mode) {
+    refs_.resize(group.indices.size());
+    for (size_t k = 0; k < group.indices.size(); ++k) {
+      refs_[k] = graph_.params()[group.indices[k]].param;
+      refs_[k].data = const_cast<void*>(group.grads[k]);  // read-only to the stepper
+    }
+    external_->step(group.indices, refs_, group.options->hyper_key, group.grad_scale, mode);
+  }
+
+  LandingGraph& graph_;
+  std::shared_ptr<ExternalStepper> external_;
+  std::vector<TensorRef> refs_;  // scratch of call()
+};
+
+}  // namespace
+
+std::unique_ptr<Stepper> make_stepper(LandingGraph& graph, const UpdaterOptions& options) {
+  if (options.external) return std::make_unique<ExternalSteps>(graph, options.external);
+  return std::make_unique<NativeStepper>(graph, options);
+}
+
+}  // namespace hemiola
