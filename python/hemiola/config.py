@@ -135,8 +135,9 @@ class Config:
             parameter; on a GPU the fused kernels on the compute stream), and
             any other per-parameter optimizer through torch's own step, which
             it calls once per landing group (its external stepper).
-            ``False``: torch's step for every optimizer (torch's arithmetic
-            bit for bit, at the cost of a Python call per landing group).
+            ``False``: torch's step for every optimizer, at the cost of a
+            Python call per landing group (the engine's own CPU steps
+            already equal torch's bit for bit).
     """
 
     schedule: str = "wfbp"

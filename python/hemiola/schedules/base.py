@@ -242,9 +242,6 @@ class DeferredSchedule(Schedule):
         self._clip: dict[int, Clip] = {}
         #: this rank's gradient norm of the newest clipped iterations
         self._local_norms: dict[int, float] = {}
-        #: per clipped iteration, once its update computed it: the total norm
-        #: of the averaged gradient (torch path; the engine keeps its own)
-        self._clip_norms: dict[int, float] = {}
         # 1 / the GradScaler's scale in the backward being marked
         self._inv_scale: float | None = None
 
@@ -312,8 +309,9 @@ class DeferredSchedule(Schedule):
         return DeferredNorm(lambda: self._averaged_norm(iteration, float(norm_type)))
 
     def recorded_clip_norm(self, iteration: int) -> float | None:
-        """The total norm the update of `iteration` clipped with, once computed."""
-        return self._clip_norms.get(iteration)
+        """The total norm the update of `iteration` clipped with, once computed
+        (None before; never blocks)."""
+        raise NotImplementedError
 
     def _averaged_norm(self, iteration: int, norm_type: float) -> float:
         recorded = self.recorded_clip_norm(iteration)
