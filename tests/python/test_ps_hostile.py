@@ -33,7 +33,11 @@ def _local_sgd(steps: int, worker: int, workers: int) -> dict[str, torch.Tensor]
 
 
 def test_fuzzed_server_keeps_serving_and_applies_nothing_hostile() -> None:
-    options = {"consistency": "asp", "num_servers": 1, "timeout_s": 6.0}
+    # The fuzzer holds worker 1's place, so the real worker pushes alone and
+    # fresh: with torch's momentum on every push ("none") that is torch's own
+    # step ("rescaled" would spread a round over the job's 2 workers).
+    options = {"consistency": "asp", "num_servers": 1, "timeout_s": 6.0,
+               "momentum_rule": "none"}
     outcome = run_local(ps_hostile.fuzz_job, 3, options, STEPS, TOKEN, 1234,
                         env={"HEMIOLA_JOB_TOKEN": TOKEN}, timeout_s=120)
     server, worker, fuzz = outcome[0], outcome[1], outcome[2]

@@ -60,7 +60,8 @@ class PSConfig:
             (stable at high learning rates, but a gradient counts about 1/8 of
             what it does in ``bsp`` with 4 workers). ``"none"``: torch's
             momentum on every push, the factor on the step's learning rate. No
-            effect in ``bsp`` or with Adam.
+            effect in ``bsp`` or with Adam. N is the number of workers the
+            job started with, also after one has died.
         ahead_fraction: ``eager`` only: which pulls are requested ahead,
             when the forward ends, without waiting for this worker's push
             (and corrected locally), so that they stream in under backward.
