@@ -90,8 +90,10 @@ class Config:
             already trains as well as the exact step); any optimizer on
             request. Needs ``in_flight=1``, a CPU model and
             at most 127 ranks. With ``clip_grad_norm_`` the estimate is
-            scaled by the local gradient's clipping coefficient; a GradScaler
-            or unused parameters turn it off for their iterations.
+            scaled by torch's clipping coefficient for an estimate of the
+            averaged gradient's norm (this rank's norm times the newest known
+            average/own ratio); a GradScaler or unused parameters turn it off
+            for their iterations.
         timeline: Record engine events; read them with ``model.timeline()``.
         gpu_backend: How a model on a GPU is reduced: ``"nccl"`` (one GPU
             per rank), ``"gloo"`` (through pinned host memory; no NCCL needed,
