@@ -141,6 +141,25 @@ def test_decoupled_forwards_read_the_preview_where_it_arrives_first(optimizer: s
         assert torch.equal(a, b)
 
 
+def test_clipped_preview_steps_with_the_averaged_norms_coefficient_estimated() -> None:
+    # Averaging over ranks cancels noise, so the averaged gradient's norm is
+    # smaller than a rank's own, and clipping shortens a rank's own gradient
+    # more than the average. The preview estimates the average, so it is
+    # scaled by torch's coefficient for an estimate of the averaged norm
+    # (the rank's norm times the newest known average/own ratio): closer to
+    # the exact coefficient than the rank's own coefficient is.
+    rows = run_local(workers.preview_clip_coefficients, 3, 12, 0.05, timeout_s=120)[0]
+    assert all(r["exact"] < 1.0 for r in rows), rows  # clipping is active
+    assert rows[0]["preview"] == rows[0]["local"]  # no average known yet: the ratio is 1
+    later = rows[3:]
+    own = [r["local"] / r["exact"] for r in later]
+    estimated = [r["preview"] / r["exact"] for r in later]
+    own_bias = sum(own) / len(own) - 1
+    assert own_bias < -0.03, own  # a rank's own coefficient is too small: the checks can fail
+    assert abs(sum(estimated) / len(estimated) - 1) < 0.5 * abs(own_bias), (estimated, own)
+    assert sum(abs(e - 1) for e in estimated) < sum(abs(o - 1) for o in own), (estimated, own)
+
+
 def test_preview_is_on_for_adam_by_default_and_on_request_for_any_optimizer() -> None:
     # RMSprop steps through the updater's external stepper (torch's step),
     # which takes the preview's step as it takes the local one.

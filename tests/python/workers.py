@@ -342,6 +342,35 @@ def schedule_run(rank: int, world: int, schedule: str, model_name: str, opt_name
             "stats": model.stats()}
 
 
+def preview_clip_coefficients(rank: int, world: int, steps: int,
+                              clip: float) -> list[dict[str, float]]:
+    """decoupled with the preview, clipping at `clip`, different data per
+    rank: per iteration, the coefficient the preview step was scaled by,
+    this rank's own coefficient, and the exact one (torch's rule on the
+    averaged gradient's norm, read once the iteration has landed)."""
+    hemiola.init()
+    torch.manual_seed(0)
+    m = make_model("transformer")
+    model, opt = hemiola.wrap(m, _optimizer("adamw", m.parameters()), schedule="decoupled",
+                              preview=True, fusion_mb=1 / 64, timeout_s=60)
+    schedule = model._schedule
+    rows = []
+    for step in range(steps):
+        x, y = make_batch("transformer", step, rank, world)
+        opt.zero_grad()
+        loss_of("transformer", model(x), y).backward()
+        iteration = schedule._finished
+        norm = model.clip_grad_norm_(clip)
+        local = schedule._local_norms[iteration]
+        rows.append({"preview": schedule._clip[iteration].preview_coef,
+                     "local": min(1.0, clip / (local + 1e-6)), "norm": norm})
+        opt.step()
+    model.synchronize()
+    for row in rows:
+        row["exact"] = min(1.0, clip / (float(row.pop("norm")) + 1e-6))
+    return rows
+
+
 def preview_defaults(rank: int, world: int) -> dict[str, Any]:
     """Whether decoupled takes a preview, per optimizer and option; "warned"
     where asking for one warns."""
