@@ -150,12 +150,33 @@ def test_should_stop_cancels_a_run(tmp_path: Path) -> None:
     assert time.perf_counter() - start < 5
 
 
+def _sigint(tmp_path: Path, script: str, after_s: float, running: str,
+            timeout_s: float = 10) -> tuple[int, str, str, float]:
+    """Runs `script` (which prints "ready" first), sends it SIGINT `after_s`
+    later, checking it still runs (`running` says what, should it not); returns
+    (exit status, the rest of stdout, stderr, seconds from SIGINT to exit).
+    A terminal's Ctrl-C: Python keeps SIGINT ignored when its parent ignored it
+    (as a shell does for a background job, e.g. `bash tests/run.sh &`), so the
+    script installs the default handler itself."""
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, cwd=tmp_path)
+    try:
+        assert proc.stdout is not None and proc.stdout.readline() == "ready\n"
+        time.sleep(after_s)
+        assert proc.poll() is None, running
+        sent = time.perf_counter()
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=timeout_s)
+        return proc.returncode, out, err, time.perf_counter() - sent
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
 def _interrupt(tmp_path: Path, command: list[str]) -> tuple[int, str, float]:
     """Starts ``hemiola cluster COMMAND`` on the endless workload, sends SIGINT once it
     runs, returns (exit status, stderr, seconds from SIGINT to exit)."""
-    # A terminal's Ctrl-C: Python keeps SIGINT ignored when its parent ignored
-    # it (as a shell does for a background job, e.g. `bash tests/run.sh &`),
-    # so the child installs the default handler itself.
     script = (
         "import signal, sys\n"
         "signal.signal(signal.SIGINT, signal.default_int_handler)\n"
@@ -163,25 +184,9 @@ def _interrupt(tmp_path: Path, command: list[str]) -> tuple[int, str, float]:
         "print('ready', flush=True)\n"
         f"sys.exit(main({['cluster', *command, '--trace', _write(tmp_path, ENDLESS)]!r}))\n"
     )
-    proc = subprocess.Popen(
-        [sys.executable, "-c", script],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        cwd=tmp_path,
-    )
-    try:
-        assert proc.stdout is not None and proc.stdout.readline() == "ready\n"
-        time.sleep(1.5)  # well inside the native loop: loading one row takes microseconds
-        assert proc.poll() is None, "the simulation ended by itself"
-        sent = time.perf_counter()
-        proc.send_signal(signal.SIGINT)
-        _, err = proc.communicate(timeout=10)
-        return proc.returncode, err, time.perf_counter() - sent
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+    # 1.5 s: well inside the native loop (loading one row takes microseconds)
+    rc, _, err, seconds = _sigint(tmp_path, script, 1.5, "the simulation ended by itself")
+    return rc, err, seconds
 
 
 def test_ctrl_c_stops_simulate(tmp_path: Path) -> None:
@@ -282,19 +287,8 @@ def test_ctrl_c_stops_a_trace_while_it_loads(tmp_path: Path) -> None:
         "except KeyboardInterrupt:\n"
         "    print('interrupted', time.perf_counter() - start, flush=True)\n"
     )
-    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, cwd=tmp_path)
-    try:
-        assert proc.stdout is not None and proc.stdout.readline() == "ready\n"
-        time.sleep(0.3)
-        sent = time.perf_counter()
-        proc.send_signal(signal.SIGINT)
-        out, err = proc.communicate(timeout=60)
-        waited = time.perf_counter() - sent
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+    _, out, err, waited = _sigint(tmp_path, script, 0.3, "the load ended by itself",
+                                  timeout_s=60)
     assert out.startswith("interrupted"), out + err  # not "loaded": it stopped mid-file
     assert waited < 2, waited
 
@@ -311,18 +305,7 @@ def test_ctrl_c_while_an_error_prints_exits_130(tmp_path: Path) -> None:
         "print('ready', flush=True)\n"
         "sys.exit(main(['cluster', 'simulate', '--bogus=' + 'x' * 100_000]))\n"
     )
-    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, cwd=tmp_path)
-    try:
-        assert proc.stdout is not None and proc.stdout.readline() == "ready\n"
-        time.sleep(1.0)
-        assert proc.poll() is None, "the error was written without blocking"
-        proc.send_signal(signal.SIGINT)
-        _, err = proc.communicate(timeout=10)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-    assert proc.returncode == 130, err[-2000:]
+    rc, _, err, _ = _sigint(tmp_path, script, 1.0, "the error was written without blocking")
+    assert rc == 130, err[-2000:]
     assert "Traceback" not in err
     assert err.rstrip().endswith("hemiola: interrupted (Ctrl-C)")

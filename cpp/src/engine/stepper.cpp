@@ -29,29 +29,27 @@ class NativeStepper final : public Stepper {
   NativeStepper(LandingGraph& graph, const UpdaterOptions& options)
       : graph_(graph), optimizer_(options.optimizer), sqrt_(options.sqrt) {}
 
-  void commit(const StepGroup& group) override {
-    for (size_t k = 0; k < group.indices.size(); ++k) {
-      const size_t i = group.indices[k];
-      step(graph_.param(i), graph_.exact(i), group.grads[k], *group.options, group.grad_scale,
-           /*commit=*/true);
-    }
-  }
+  void commit(const StepGroup& group) override { step_group(group, /*commit=*/true); }
 
   void local(const std::vector<StepGroup>& chain) override {
     if (chain.empty()) return;
     if (chain.size() == 1) {
-      const StepGroup& only = chain[0];
-      for (size_t k = 0; k < only.indices.size(); ++k) {
-        const size_t i = only.indices[k];
-        step(graph_.param(i), graph_.exact(i), only.grads[k], *only.options, only.grad_scale,
-             /*commit=*/false);
-      }
+      step_group(chain[0], /*commit=*/false);
       return;
     }
     for (size_t k = 0; k < chain[0].indices.size(); ++k) local_chain(chain, k);
   }
 
  private:
+  // Each parameter of `group` one step from its exact value.
+  void step_group(const StepGroup& group, bool commit) {
+    for (size_t k = 0; k < group.indices.size(); ++k) {
+      const size_t i = group.indices[k];
+      step(graph_.param(i), graph_.exact(i), group.grads[k], *group.options, group.grad_scale,
+           commit);
+    }
+  }
+
   // Parameter chain[*].indices[k] through the whole chain: copies of the
   // exact value and the state take every step but the last committed, so
   // that each step reads the state the previous one left; the last step goes

@@ -607,55 +607,52 @@ Socket connect_to_server(Store& store, int server_index, int worker, const std::
     return std::max(std::chrono::milliseconds(1),
                     std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now()));
   };
-  // One connection and its hello. Empty when the server closed the connection
-  // without an answer (it was full of connections waiting to say hello, or
-  // restarting its accept loop): then the worker tries again until `deadline`.
+  // Why the last try failed, for the error after the deadline.
   std::string why = "no address";
-  auto attempt = [&]() -> Socket {
+  // One connection, or none (`why` says why not).
+  auto connect_once = [&]() -> Socket {
+    addrinfo hints{};
+    hints.ai_family = AF_UNSPEC;
+    hints.ai_socktype = SOCK_STREAM;
+    addrinfo* result = nullptr;
+    if (const int rc = ::getaddrinfo(host.c_str(), port.c_str(), &hints, &result); rc != 0) {
+      why = ::gai_strerror(rc);
+      return Socket();
+    }
     Socket s;
-    while (!s) {
-      addrinfo hints{};
-      hints.ai_family = AF_UNSPEC;
-      hints.ai_socktype = SOCK_STREAM;
-      addrinfo* result = nullptr;
-      if (const int rc = ::getaddrinfo(host.c_str(), port.c_str(), &hints, &result); rc != 0) {
-        why = ::gai_strerror(rc);
-      } else {
-        for (addrinfo* ai = result; ai != nullptr && !s; ai = ai->ai_next) {
-          Socket c(::socket(ai->ai_family, ai->ai_socktype | SOCK_NONBLOCK | SOCK_CLOEXEC, 0));
-          if (!c) continue;
-          if (::connect(c.fd(), ai->ai_addr, ai->ai_addrlen) != 0 && errno != EINPROGRESS) {
-            why = errno_text();
-            continue;
-          }
-          pollfd pfd{c.fd(), POLLOUT, 0};
-          int error = 0;
-          socklen_t len = sizeof error;
-          if (::poll(&pfd, 1, static_cast<int>(remaining().count())) == 1 &&
-              ::getsockopt(c.fd(), SOL_SOCKET, SO_ERROR, &error, &len) == 0 && error == 0) {
-            s = std::move(c);
-          } else {
-            why = error ? std::strerror(error) : "timed out";
-          }
-        }
-        ::freeaddrinfo(result);
+    for (addrinfo* ai = result; ai != nullptr && !s; ai = ai->ai_next) {
+      Socket c(::socket(ai->ai_family, ai->ai_socktype | SOCK_NONBLOCK | SOCK_CLOEXEC, 0));
+      if (!c) continue;
+      if (::connect(c.fd(), ai->ai_addr, ai->ai_addrlen) != 0 && errno != EINPROGRESS) {
+        why = errno_text();
+        continue;
       }
-      if (!s) {
-        if (Clock::now() >= deadline)
-          HEMIOLA_THROW(ErrorCode::kTimeout, "worker ", worker, ": cannot connect to ",
-                        server_name, " at ", host, " port ", port, " within ",
-                        timeout.count() / 1000.0, " s: ", why);
-        std::this_thread::sleep_for(std::chrono::milliseconds(100));
+      pollfd pfd{c.fd(), POLLOUT, 0};
+      int error = 0;
+      socklen_t len = sizeof error;
+      if (::poll(&pfd, 1, static_cast<int>(remaining().count())) == 1 &&
+          ::getsockopt(c.fd(), SOL_SOCKET, SO_ERROR, &error, &len) == 0 && error == 0) {
+        s = std::move(c);
+      } else {
+        why = error ? std::strerror(error) : "timed out";
       }
     }
+    ::freeaddrinfo(result);
+    return s;
+  };
+  // The hello on connection `s`: true when welcomed; false when the server
+  // closed the connection without an answer (it was full of connections
+  // waiting to say hello, or restarting its accept loop), which is worth
+  // another try; throws on an answer that refuses.
+  auto hello = [&](const Socket& s) -> bool {
     set_blocking(s.fd(), true);
     set_timeouts(s.fd(), remaining(), remaining());
-    const Header hello = hello_header(worker, token);
-    std::string failed = send_all(s.fd(), reinterpret_cast<const char*>(&hello), sizeof hello);
+    const Header header = hello_header(worker, token);
+    std::string failed = send_all(s.fd(), reinterpret_cast<const char*>(&header), sizeof header);
     if (failed.empty()) failed = send_all(s.fd(), token.data(), token.size());
     if (!failed.empty()) {
       why = "sending its hello failed: " + failed;
-      return Socket();
+      return false;
     }
     // The answer: a welcome, or an error saying why not. `answered`: some of
     // it arrived (a closed connection after that is no eviction).
@@ -683,7 +680,7 @@ Socket connect_to_server(Store& store, int server_index, int worker, const std::
     Header reply;
     if (!read_exact(reinterpret_cast<char*>(&reply), sizeof reply)) {
       HEMIOLA_CHECK(!answered, "worker ", worker, ": ", server_name, " ", why);
-      return Socket();
+      return false;
     }
     const std::string problem = header_problem(reply);
     HEMIOLA_CHECK(problem.empty(), "worker ", worker, ": ", server_name,
@@ -698,15 +695,22 @@ Socket connect_to_server(Store& store, int server_index, int worker, const std::
     HEMIOLA_CHECK(reply.type == static_cast<uint16_t>(MessageType::kWelcome),
                   "worker ", worker, ": ", server_name, " answered its hello with a ",
                   message_type_name(reply.type));
-    return s;
+    return true;
   };
+  // Until the deadline: connect, then say hello. A last try that could not
+  // connect is a timeout; one that connected but was not admitted says so.
   for (;;) {
-    Socket s = attempt();
-    if (s) return s;
-    if (Clock::now() >= deadline)
+    Socket s = connect_once();
+    if (s && hello(s)) return s;
+    if (Clock::now() >= deadline) {
+      if (!s)
+        HEMIOLA_THROW(ErrorCode::kTimeout, "worker ", worker, ": cannot connect to ",
+                      server_name, " at ", host, " port ", port, " within ",
+                      timeout.count() / 1000.0, " s: ", why);
       HEMIOLA_THROW(ErrorCode::kCommFailure, "worker ", worker, ": ", server_name, " at ", host,
                     " port ", port, " admitted it in none of its tries within ",
                     timeout.count() / 1000.0, " s; the last: ", why);
+    }
     std::this_thread::sleep_for(std::chrono::milliseconds(100));
   }
 }

@@ -94,11 +94,11 @@ def run_rank(rank: int, world: int, scheme: str, servers: int, workers: int, del
     consistency, rule, corrected, momentum_rule, ahead = parse_scheme(scheme)
     is_ps = consistency in PS_SCHEMES
     if is_ps:
+        named = {"momentum_rule": momentum_rule} if momentum_rule else {}  # else the default
         config = hemiola.ps.PSConfig(consistency=consistency, num_servers=servers,
                                      staleness_rule=rule or None, staleness_bound=2,
                                      timeout_s=120, local_correction=corrected,
-                                     momentum_rule=momentum_rule or "rescaled",
-                                     ahead_fraction=ahead)
+                                     ahead_fraction=ahead, **named)
         r = hemiola.ps.role(servers)
         if r.is_server:
             hemiola.ps.serve(config, r)
@@ -234,7 +234,7 @@ def summaries(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         row: dict[str, Any] = {
             "suite": "ps", "row": "summary", "workers": workers, "slowdown": slowdown,
             "scheme": scheme, "seeds": len(runs), "reached": len(hit),
-            "target": runs[0]["target"], "lr": runs[0]["lr"], "model": runs[0].get("model", "cnn"),
+            "target": runs[0]["target"], "lr": runs[0]["lr"], "model": runs[0]["model"],
             "ms_per_iteration": percentiles(r["ms_per_iteration"] for r in runs),
             "final_accuracy": percentiles(r["final_accuracy"] for r in runs)}
         if hit:

@@ -292,15 +292,15 @@ class DeferredSchedule(Schedule):
         # clipping the preview by this rank's norm would shorten its step. So
         # its estimate is this rank's norm times the ratio the newest iteration
         # with a known average had, and the coefficient torch's rule for it.
-        self._local_norms[iteration] = local_norm
         ratio = 1.0
-        for before in sorted(self._local_norms, reverse=True):
-            averaged = self.recorded_clip_norm(before) if before < iteration else None
-            if averaged is not None and self._local_norms[before] > 0.0:
-                ratio = averaged / self._local_norms[before]
+        for before, own in sorted(self._local_norms.items(), reverse=True):
+            averaged = self.recorded_clip_norm(before)
+            if averaged is not None and own > 0.0:
+                ratio = averaged / own
                 break
-        for stale in [it for it in self._local_norms if it < iteration - 4]:
-            del self._local_norms[stale]
+        self._local_norms = {it: own for it, own in self._local_norms.items()
+                             if it >= iteration - 4}
+        self._local_norms[iteration] = local_norm
         coef = min(1.0, max_norm / (local_norm * ratio + 1e-6))
         self._clip[iteration] = Clip(float(max_norm), float(norm_type), coef)
         self._grads_seen = self._grad_versions()
