@@ -13,6 +13,7 @@ from collections.abc import Callable
 import torch
 
 from hemiola._native import C
+from hemiola.hyper import group_hyper
 from hemiola.tensors import dtype_code
 from hemiola.torch_math import torch_sqrt
 
@@ -36,19 +37,19 @@ def _compare(name: str, n: int, steps: int) -> tuple[float, float]:
     opt = (torch.optim.SGD([ref], lr=0.01, momentum=0.9) if name == "sgd-momentum"
            else torch.optim.Adam([ref], lr=0.01))
 
+    hyper = group_hyper(opt.param_groups[0])
+
     def native(k: int) -> None:
         if name == "sgd-momentum":
             C.optim.sgd_step(
                 param=param.data_ptr(), shadow=param.data_ptr(), momentum_buffer=a.data_ptr(),
-                grad=grad.data_ptr(), numel=n, dtype=f32, device=-1, lr=0.01, momentum=0.9,
-                dampening=0.0, weight_decay=0.0, nesterov=False, maximize=False,
+                grad=grad.data_ptr(), numel=n, dtype=f32, device=-1, hyper=hyper,
                 first_step=k == 0, commit=True)
         else:
             C.optim.adam_step(
                 param=param.data_ptr(), shadow=param.data_ptr(), exp_avg=a.data_ptr(),
                 exp_avg_sq=b.data_ptr(), max_exp_avg_sq=0, grad=grad.data_ptr(), numel=n,
-                dtype=f32, device=-1, lr=0.01, beta1=0.9, beta2=0.999, eps=1e-8,
-                weight_decay=0.0, decoupled_weight_decay=False, maximize=False, amsgrad=False,
+                dtype=f32, device=-1, hyper=hyper, decoupled_weight_decay=False,
                 step=k + 1, commit=True, sqrt_f32=roots.f32)  # torch's root, as the updater
 
     return _time(lambda k: opt.step(), steps), _time(native, steps)

@@ -96,6 +96,10 @@ bool Event::query() const {
   return true;
 }
 
+void Event::synchronize() const {
+  HEMIOLA_CUDA(cudaEventSynchronize(static_cast<cudaEvent_t>(event_)));
+}
+
 bool Event::wait_for(std::chrono::milliseconds timeout) const {
   // Polled rather than cudaEventSynchronize: a device that never finishes
   // (a peer's NCCL kernel waiting forever) must not hang the engine thread.

@@ -55,6 +55,9 @@ class Event {
   // Waits on the host, polling, until the captured work is complete or
   // `timeout` passes; returns whether it completed.
   bool wait_for(std::chrono::milliseconds timeout) const;
+  // Blocks the host until the captured work is complete (as synchronize()
+  // does for a stream).
+  void synchronize() const;
   void* get() const { return event_; }
 
  private:

@@ -1,6 +1,6 @@
 // Kernels behind kernels.h. Design notes:
 //
-// Fusion (pack/unpack) splits the *buffer* into fixed chunks of kChunk
+// Unpacking a fusion buffer splits the *buffer* into fixed chunks of kChunk
 // elements, one block per chunk; a block finds the first slot overlapping its
 // chunk by one binary search over the slot offsets (by one thread, shared
 // through shared memory) and walks forward over the slots its chunk touches.
@@ -139,8 +139,8 @@ __device__ std::int64_t last_slot_at_or_before(const FusionSlot* slots, std::int
   return low - 1;
 }
 
-// Pack copies tensor -> buffer; unpack copies buffer -> tensor through
-// Transform (a raw copy, or a scaling). One block per kChunk of the buffer.
+// Unpack copies buffer -> tensor through Transform (a raw copy, or a
+// scaling). One block per kChunk of the buffer.
 struct RawCopy {
   template <typename T>
   __device__ T operator()(T x) const {
@@ -156,10 +156,10 @@ struct Scale {
   }
 };
 
-template <bool kPack, typename T, typename Transform>
+template <typename T, typename Transform>
 __global__ void __launch_bounds__(kThreads)
-    fusion_kernel(const FusionSlot* __restrict__ slots, std::int64_t count, T* buffer,
-                  Transform transform) {
+    unpack_kernel(const FusionSlot* __restrict__ slots, std::int64_t count,
+                  const T* __restrict__ buffer, Transform transform) {
   __shared__ std::int64_t first_slot;
   const std::int64_t chunk_begin = static_cast<std::int64_t>(blockIdx.x) * kChunk;
   const std::int64_t chunk_end = chunk_begin + kChunk;
@@ -179,29 +179,16 @@ __global__ void __launch_bounds__(kThreads)
       T values[kItems];
 #pragma unroll
       for (int k = 0; k < kItems; ++k) {
-        const std::int64_t i = begin + k * kThreads + threadIdx.x;
-        if constexpr (kPack) {
-          values[k] = tensor[i - shift];
-        } else {
-          values[k] = buffer[i];
-        }
+        values[k] = buffer[begin + k * kThreads + threadIdx.x];
       }
 #pragma unroll
       for (int k = 0; k < kItems; ++k) {
         const std::int64_t i = begin + k * kThreads + threadIdx.x;
-        if constexpr (kPack) {
-          buffer[i] = values[k];
-        } else {
-          tensor[i - shift] = transform(values[k]);
-        }
+        tensor[i - shift] = transform(values[k]);
       }
     } else {
       for (std::int64_t i = begin + threadIdx.x; i < end; i += kThreads) {
-        if constexpr (kPack) {
-          buffer[i] = tensor[i - shift];
-        } else {
-          tensor[i - shift] = transform(buffer[i]);
-        }
+        tensor[i - shift] = transform(buffer[i]);
       }
     }
   }
@@ -217,13 +204,13 @@ void check_fusion_args(const FusionSlot* slots, std::int64_t slot_count, std::in
                 " is too large for one launch");
 }
 
-template <bool kPack, typename T, typename Transform>
-void launch_fusion(const FusionSlot* slots, std::int64_t slot_count, std::int64_t extent,
-                   void* buffer, Transform transform, void* stream) {
+template <typename T, typename Transform>
+void launch_unpack(const FusionSlot* slots, std::int64_t slot_count, std::int64_t extent,
+                   const void* buffer, Transform transform, void* stream) {
   const auto blocks = static_cast<unsigned>((extent + kChunk - 1) / kChunk);
-  fusion_kernel<kPack, T><<<blocks, kThreads, 0, as_stream(stream)>>>(
-      slots, slot_count, static_cast<T*>(buffer), transform);
-  HEMIOLA_CHECK_LAUNCH(kPack ? "pack" : "unpack");
+  unpack_kernel<T><<<blocks, kThreads, 0, as_stream(stream)>>>(
+      slots, slot_count, static_cast<const T*>(buffer), transform);
+  HEMIOLA_CHECK_LAUNCH("unpack");
 }
 
 // ---- casts ----------------------------------------------------------------
@@ -280,15 +267,14 @@ struct SgdArgs {
 
 // param, shadow and momentum are not __restrict__: param and shadow may be the
 // same memory (a committing step without a shadow copy). Each element is read
-// before it is written by the same thread, so aliasing is harmless.
+// before it is written by the same thread, so aliasing is harmless. Elements
+// first, first + stride, ... < numel: one tensor's share of a block.
 template <typename T>
-__global__ void __launch_bounds__(kThreads)
-    sgd_step_kernel(T* param, T* shadow, T* momentum, const T* __restrict__ grad,
-                    std::int64_t numel, SgdArgs args, bool commit) {
+__device__ void sgd_elements(T* param, T* shadow, T* momentum, const T* __restrict__ grad,
+                             std::int64_t numel, const SgdArgs& args, bool commit,
+                             std::int64_t first, std::int64_t stride) {
   using E = Elem<T>;
-  const std::int64_t stride = static_cast<std::int64_t>(blockDim.x) * gridDim.x;
-  for (std::int64_t i = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-       i < numel; i += stride) {
+  for (std::int64_t i = first; i < numel; i += stride) {
     const float w = E::to_math(shadow[i]);
     float g = args.sign * E::to_math(grad[i]);
     if (args.weight_decay != 0.0f) g += args.weight_decay * w;
@@ -306,6 +292,15 @@ __global__ void __launch_bounds__(kThreads)
     param[i] = updated;
     if (commit) shadow[i] = updated;
   }
+}
+
+template <typename T>
+__global__ void __launch_bounds__(kThreads)
+    sgd_step_kernel(T* param, T* shadow, T* momentum, const T* __restrict__ grad,
+                    std::int64_t numel, SgdArgs args, bool commit) {
+  sgd_elements<T>(param, shadow, momentum, grad, numel, args, commit,
+                  static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x,
+                  static_cast<std::int64_t>(blockDim.x) * gridDim.x);
 }
 
 void check_sgd_hyper(const SgdHyper& hyper) {
@@ -337,13 +332,12 @@ __device__ float torch_lerp(float start, float end, float weight) {
 }
 
 template <typename T>
-__global__ void __launch_bounds__(kThreads)
-    adam_step_kernel(T* param, T* shadow, T* exp_avg, T* exp_avg_sq, const T* __restrict__ grad,
-                     std::int64_t numel, AdamArgs args, bool commit) {
+__device__ void adam_elements(T* param, T* shadow, T* exp_avg, T* exp_avg_sq,
+                              const T* __restrict__ grad, std::int64_t numel,
+                              const AdamArgs& args, bool commit, std::int64_t first,
+                              std::int64_t stride) {
   using E = Elem<T>;
-  const std::int64_t stride = static_cast<std::int64_t>(blockDim.x) * gridDim.x;
-  for (std::int64_t i = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-       i < numel; i += stride) {
+  for (std::int64_t i = first; i < numel; i += stride) {
     const float shadow_w = E::to_math(shadow[i]);
     float g = args.sign * E::to_math(grad[i]);
     // Tested rather than always added, as torch does: 0 * inf would be NaN.
@@ -364,6 +358,15 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
+template <typename T>
+__global__ void __launch_bounds__(kThreads)
+    adam_step_kernel(T* param, T* shadow, T* exp_avg, T* exp_avg_sq, const T* __restrict__ grad,
+                     std::int64_t numel, AdamArgs args, bool commit) {
+  adam_elements<T>(param, shadow, exp_avg, exp_avg_sq, grad, numel, args, commit,
+                   static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x,
+                   static_cast<std::int64_t>(blockDim.x) * gridDim.x);
+}
+
 void check_adam_hyper(const AdamHyper& hyper) {
   HEMIOLA_CHECK(!hyper.amsgrad, "adam: amsgrad is not supported by the fused step");
   HEMIOLA_CHECK(hyper.lr >= 0.0, "adam: invalid learning rate ", hyper.lr);
@@ -376,34 +379,22 @@ void check_adam_hyper(const AdamHyper& hyper) {
 
 }  // namespace
 
-void pack(const FusionSlot* slots, std::int64_t slot_count, std::int64_t extent, DType dtype,
-          void* buffer, void* stream) {
-  check_fusion_args(slots, slot_count, extent, buffer);
-  if (slot_count == 0 || extent == 0) return;
-  dispatch_raw(dtype, [&](auto tag) {
-    using T = typename decltype(tag)::type;
-    launch_fusion<true, T>(slots, slot_count, extent, buffer, RawCopy{}, stream);
-  });
-}
-
 void unpack(const FusionSlot* slots, std::int64_t slot_count, std::int64_t extent, DType dtype,
             const void* buffer, double scale, void* stream) {
   check_fusion_args(slots, slot_count, extent, buffer);
   HEMIOLA_CHECK(scale == 1.0 || is_floating(dtype), "unpack: cannot scale ", dtype_name(dtype));
   if (slot_count == 0 || extent == 0) return;
-  // The kernel reads the buffer only; it is typed T* to share the pack kernel.
-  void* source = const_cast<void*>(buffer);
   if (scale == 1.0) {
     dispatch_raw(dtype, [&](auto tag) {
       using T = typename decltype(tag)::type;
-      launch_fusion<false, T>(slots, slot_count, extent, source, RawCopy{}, stream);
+      launch_unpack<T>(slots, slot_count, extent, buffer, RawCopy{}, stream);
     });
     return;
   }
   dispatch_floating(dtype, /*with_double=*/true, "unpack with scale", [&](auto tag) {
     using T = typename decltype(tag)::type;
     const Scale<T> transform{static_cast<typename Elem<T>::Math>(scale)};
-    launch_fusion<false, T>(slots, slot_count, extent, source, transform, stream);
+    launch_unpack<T>(slots, slot_count, extent, buffer, transform, stream);
   });
 }
 
@@ -438,24 +429,122 @@ void cast_divide(const float* src, void* dst, DType half, std::int64_t numel, fl
   launch_cast_divide<__nv_bfloat16>(src, dst, numel, divisor, stream);
 }
 
-void sgd_step(const SgdTensors& tensors, std::int64_t numel, DType dtype, const SgdHyper& hyper,
-              bool commit, void* stream) {
+namespace {
+
+void check_sgd(const SgdTensors& tensors, std::int64_t numel, DType dtype,
+               const SgdHyper& hyper) {
   check_sgd_hyper(hyper);
   HEMIOLA_CHECK(numel >= 0, "sgd: negative element count ", numel);
   HEMIOLA_CHECK(numel == 0 || (tensors.param && tensors.shadow && tensors.grad),
                 "sgd: null parameter, shadow or gradient");
   HEMIOLA_CHECK(numel == 0 || hyper.momentum == 0.0 || tensors.momentum,
                 "sgd: momentum ", hyper.momentum, " needs a momentum buffer");
-  const SgdArgs args{static_cast<float>(hyper.lr),
-                     static_cast<float>(hyper.momentum),
-                     static_cast<float>(1.0 - hyper.dampening),
-                     static_cast<float>(hyper.weight_decay),
-                     static_cast<float>(hyper.maximize ? -hyper.grad_scale : hyper.grad_scale),
-                     hyper.nesterov,
-                     hyper.first_step};
+  dispatch_floating(dtype, /*with_double=*/false, "sgd", [](auto) {});
+}
+
+SgdArgs sgd_args(const SgdHyper& hyper) {
+  return SgdArgs{static_cast<float>(hyper.lr),
+                 static_cast<float>(hyper.momentum),
+                 static_cast<float>(1.0 - hyper.dampening),
+                 static_cast<float>(hyper.weight_decay),
+                 static_cast<float>(hyper.maximize ? -hyper.grad_scale : hyper.grad_scale),
+                 hyper.nesterov,
+                 hyper.first_step};
+}
+
+void check_adam(const AdamTensors& tensors, std::int64_t numel, DType dtype,
+                const AdamHyper& hyper) {
+  check_adam_hyper(hyper);
+  HEMIOLA_CHECK(numel >= 0, "adam: negative element count ", numel);
+  HEMIOLA_CHECK(numel == 0 || (tensors.param && tensors.shadow && tensors.exp_avg &&
+                               tensors.exp_avg_sq && tensors.grad),
+                "adam: null parameter, shadow, moment or gradient");
+  dispatch_floating(dtype, /*with_double=*/false, "adam", [](auto) {});
+}
+
+AdamArgs adam_args(const AdamHyper& hyper) {
+  const double step = static_cast<double>(hyper.step);
+  const bool decoupled = hyper.decoupled_weight_decay;
+  return AdamArgs{
+      static_cast<float>(hyper.lr / (1.0 - std::pow(hyper.beta1, step))),
+      static_cast<float>(std::sqrt(1.0 - std::pow(hyper.beta2, step))),
+      static_cast<float>(hyper.eps),
+      static_cast<float>(1.0 - hyper.beta1),
+      static_cast<float>(hyper.beta2),
+      static_cast<float>(1.0 - hyper.beta2),
+      decoupled ? 0.0f : static_cast<float>(hyper.weight_decay),
+      decoupled ? static_cast<float>(1.0 - hyper.lr * hyper.weight_decay) : 1.0f,
+      static_cast<float>(hyper.maximize ? -hyper.grad_scale : hyper.grad_scale)};
+}
+
+// ---- multi-tensor steps ----------------------------------------------------
+//
+// Up to kBatch tensors of one dtype in one launch, passed by value as the
+// kernel's argument (about 2 KB, under the 4 KB every CUDA version accepts),
+// so nothing is uploaded and nothing must outlive the launch. Block row y
+// steps tensor y with a grid-stride loop; rows of small tensors finish early.
+
+constexpr int kBatch = 24;
+
+template <typename Args>
+struct StepBatch {
+  void* param[kBatch];
+  void* shadow[kBatch];
+  void* state_a[kBatch];  // SGD: the momentum buffer; Adam: exp_avg
+  void* state_b[kBatch];  // Adam: exp_avg_sq
+  const void* grad[kBatch];
+  std::int64_t numel[kBatch];
+  Args args[kBatch];
+};
+
+template <typename T>
+__global__ void __launch_bounds__(kThreads) sgd_batch_kernel(StepBatch<SgdArgs> b, bool commit) {
+  const int t = blockIdx.y;
+  sgd_elements<T>(static_cast<T*>(b.param[t]), static_cast<T*>(b.shadow[t]),
+                  static_cast<T*>(b.state_a[t]), static_cast<const T*>(b.grad[t]), b.numel[t],
+                  b.args[t], commit,
+                  static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x,
+                  static_cast<std::int64_t>(blockDim.x) * gridDim.x);
+}
+
+template <typename T>
+__global__ void __launch_bounds__(kThreads) adam_batch_kernel(StepBatch<AdamArgs> b, bool commit) {
+  const int t = blockIdx.y;
+  adam_elements<T>(static_cast<T*>(b.param[t]), static_cast<T*>(b.shadow[t]),
+                   static_cast<T*>(b.state_a[t]), static_cast<T*>(b.state_b[t]),
+                   static_cast<const T*>(b.grad[t]), b.numel[t], b.args[t], commit,
+                   static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x,
+                   static_cast<std::int64_t>(blockDim.x) * gridDim.x);
+}
+
+// Launches `steps` (already checked) in batches of consecutive non-empty steps
+// of one dtype. fill(batch, row, step) writes one step's pointers and args.
+template <typename Args, typename Step, typename Fill, typename Launch>
+void launch_batches(const Step* steps, size_t count, Fill&& fill, Launch&& launch) {
+  size_t k = 0;
+  while (k < count) {
+    const DType dtype = steps[k].dtype;
+    StepBatch<Args> batch{};
+    int rows = 0;
+    std::int64_t largest = 0;
+    for (; k < count && rows < kBatch && steps[k].dtype == dtype; ++k) {
+      if (steps[k].numel == 0) continue;
+      fill(batch, rows++, steps[k]);
+      largest = std::max(largest, steps[k].numel);
+    }
+    if (rows > 0) launch(dtype, batch, dim3(elementwise_blocks(largest), rows));
+  }
+}
+
+}  // namespace
+
+void sgd_step(const SgdTensors& tensors, std::int64_t numel, DType dtype, const SgdHyper& hyper,
+              bool commit, void* stream) {
+  check_sgd(tensors, numel, dtype, hyper);
+  if (numel == 0) return;
+  const SgdArgs args = sgd_args(hyper);
   dispatch_floating(dtype, /*with_double=*/false, "sgd", [&](auto tag) {
     using T = typename decltype(tag)::type;
-    if (numel == 0) return;
     sgd_step_kernel<T><<<elementwise_blocks(numel), kThreads, 0, as_stream(stream)>>>(
         static_cast<T*>(tensors.param), static_cast<T*>(tensors.shadow),
         static_cast<T*>(tensors.momentum), static_cast<const T*>(tensors.grad), numel, args,
@@ -466,32 +555,66 @@ void sgd_step(const SgdTensors& tensors, std::int64_t numel, DType dtype, const 
 
 void adam_step(const AdamTensors& tensors, std::int64_t numel, DType dtype,
                const AdamHyper& hyper, bool commit, void* stream) {
-  check_adam_hyper(hyper);
-  HEMIOLA_CHECK(numel >= 0, "adam: negative element count ", numel);
-  HEMIOLA_CHECK(numel == 0 || (tensors.param && tensors.shadow && tensors.exp_avg &&
-                               tensors.exp_avg_sq && tensors.grad),
-                "adam: null parameter, shadow, moment or gradient");
-  const double step = static_cast<double>(hyper.step);
-  const bool decoupled = hyper.decoupled_weight_decay;
-  const AdamArgs args{
-      static_cast<float>(hyper.lr / (1.0 - std::pow(hyper.beta1, step))),
-      static_cast<float>(std::sqrt(1.0 - std::pow(hyper.beta2, step))),
-      static_cast<float>(hyper.eps),
-      static_cast<float>(1.0 - hyper.beta1),
-      static_cast<float>(hyper.beta2),
-      static_cast<float>(1.0 - hyper.beta2),
-      decoupled ? 0.0f : static_cast<float>(hyper.weight_decay),
-      decoupled ? static_cast<float>(1.0 - hyper.lr * hyper.weight_decay) : 1.0f,
-      static_cast<float>(hyper.maximize ? -hyper.grad_scale : hyper.grad_scale)};
+  check_adam(tensors, numel, dtype, hyper);
+  if (numel == 0) return;
+  const AdamArgs args = adam_args(hyper);
   dispatch_floating(dtype, /*with_double=*/false, "adam", [&](auto tag) {
     using T = typename decltype(tag)::type;
-    if (numel == 0) return;
     adam_step_kernel<T><<<elementwise_blocks(numel), kThreads, 0, as_stream(stream)>>>(
         static_cast<T*>(tensors.param), static_cast<T*>(tensors.shadow),
         static_cast<T*>(tensors.exp_avg), static_cast<T*>(tensors.exp_avg_sq),
         static_cast<const T*>(tensors.grad), numel, args, commit);
     HEMIOLA_CHECK_LAUNCH("adam_step");
   });
+}
+
+void sgd_steps(const SgdStep* steps, size_t count, bool commit, void* stream) {
+  // Every step is checked before any launch: a refusal applies nothing.
+  for (size_t k = 0; k < count; ++k) {
+    check_sgd(steps[k].tensors, steps[k].numel, steps[k].dtype, steps[k].hyper);
+  }
+  launch_batches<SgdArgs>(
+      steps, count,
+      [](StepBatch<SgdArgs>& b, int row, const SgdStep& step) {
+        b.param[row] = step.tensors.param;
+        b.shadow[row] = step.tensors.shadow;
+        b.state_a[row] = step.tensors.momentum;
+        b.state_b[row] = nullptr;
+        b.grad[row] = step.tensors.grad;
+        b.numel[row] = step.numel;
+        b.args[row] = sgd_args(step.hyper);
+      },
+      [&](DType dtype, const StepBatch<SgdArgs>& batch, dim3 grid) {
+        dispatch_floating(dtype, /*with_double=*/false, "sgd", [&](auto tag) {
+          using T = typename decltype(tag)::type;
+          sgd_batch_kernel<T><<<grid, kThreads, 0, as_stream(stream)>>>(batch, commit);
+          HEMIOLA_CHECK_LAUNCH("sgd_steps");
+        });
+      });
+}
+
+void adam_steps(const AdamStep* steps, size_t count, bool commit, void* stream) {
+  for (size_t k = 0; k < count; ++k) {
+    check_adam(steps[k].tensors, steps[k].numel, steps[k].dtype, steps[k].hyper);
+  }
+  launch_batches<AdamArgs>(
+      steps, count,
+      [](StepBatch<AdamArgs>& b, int row, const AdamStep& step) {
+        b.param[row] = step.tensors.param;
+        b.shadow[row] = step.tensors.shadow;
+        b.state_a[row] = step.tensors.exp_avg;
+        b.state_b[row] = step.tensors.exp_avg_sq;
+        b.grad[row] = step.tensors.grad;
+        b.numel[row] = step.numel;
+        b.args[row] = adam_args(step.hyper);
+      },
+      [&](DType dtype, const StepBatch<AdamArgs>& batch, dim3 grid) {
+        dispatch_floating(dtype, /*with_double=*/false, "adam", [&](auto tag) {
+          using T = typename decltype(tag)::type;
+          adam_batch_kernel<T><<<grid, kThreads, 0, as_stream(stream)>>>(batch, commit);
+          HEMIOLA_CHECK_LAUNCH("adam_steps");
+        });
+      });
 }
 
 }  // namespace hemiola::cuda

@@ -33,12 +33,6 @@ struct FusionSlot {
 };
 static_assert(sizeof(FusionSlot) == 24, "FusionSlot is uploaded as three 64-bit words");
 
-// Copies every slot's tensor into `buffer`, in one launch. Any dtype (a raw
-// copy of dtype_size(dtype)-byte elements). `extent` is the end of the last
-// slot (offset + numel), i.e. how much of the buffer the slots span.
-HEMIOLA_API void pack(const FusionSlot* slots, std::int64_t slot_count, std::int64_t extent,
-                      DType dtype, void* buffer, void* stream);
-
 // Copies `buffer` back into every slot's tensor, multiplied by `scale` (1/world
 // to turn a sum into an average), in one launch. scale == 1 is a raw copy of
 // any dtype; otherwise the dtype must be floating and the product is computed
@@ -76,6 +70,8 @@ using SgdHyper = ::hemiola::SgdHyper;
 using SgdTensors = ::hemiola::SgdTensors;
 using AdamHyper = ::hemiola::AdamHyper;
 using AdamTensors = ::hemiola::AdamTensors;
+using SgdStep = ::hemiola::SgdStep;
+using AdamStep = ::hemiola::AdamStep;
 
 // One torch.optim.SGD step (weight decay, momentum with dampening, Nesterov,
 // maximize), in one launch:
@@ -94,5 +90,11 @@ HEMIOLA_API void sgd_step(const SgdTensors& tensors, std::int64_t numel, DType d
 // When committing also shadow = param, exp_avg = m', exp_avg_sq = v'.
 HEMIOLA_API void adam_step(const AdamTensors& tensors, std::int64_t numel, DType dtype,
                            const AdamHyper& hyper, bool commit, void* stream);
+
+// The same steps as sgd_step / adam_step on each of `steps`, in one launch
+// per run of up to 24 consecutive steps of one dtype (each with its own
+// hyper-parameters). Every step is checked before anything is launched.
+HEMIOLA_API void sgd_steps(const SgdStep* steps, size_t count, bool commit, void* stream);
+HEMIOLA_API void adam_steps(const AdamStep* steps, size_t count, bool commit, void* stream);
 
 }  // namespace hemiola::cuda

@@ -211,7 +211,7 @@ void bind_engine(py::module_& m) {
       .def(py::init([](int rank, int world_size, std::shared_ptr<Store> store,
                        const std::string& iface, const std::string& hostname,
                        const std::string& master_addr, double timeout_s, bool timeline,
-                       const std::string& gpu_backend) {
+                       const std::string& gpu_backend, size_t staged_chunk_bytes) {
              EngineOptions options;
              options.rank = rank;
              options.world_size = world_size;
@@ -221,12 +221,14 @@ void bind_engine(py::module_& m) {
              options.timeout_s = timeout_s;
              options.timeline = timeline;
              options.gpu_backend = gpu_backend;
+             options.staged_chunk_bytes = staged_chunk_bytes;
              py::gil_scoped_release release;  // rendezvous blocks; the store re-acquires
              return std::make_unique<Engine>(options, std::move(store));
            }),
            py::arg("rank"), py::arg("world_size"), py::arg("store"), py::arg("iface") = "",
            py::arg("hostname") = "", py::arg("master_addr") = "", py::arg("timeout_s") = 300.0,
-           py::arg("timeline") = false, py::arg("gpu_backend") = "auto")
+           py::arg("timeline") = false, py::arg("gpu_backend") = "auto",
+           py::arg("staged_chunk_bytes") = 0)
       .def_property_readonly("rank", &Engine::rank)
       .def_property_readonly("world_size", &Engine::world_size)
       .def(

@@ -39,8 +39,8 @@ PYBIND11_MODULE(_C, m) {
   m.attr("__version__") = HEMIOLA_VERSION;
   hemiola::python::bind_engine(m);
   hemiola::python::bind_cluster(m);
+  hemiola::python::bind_optim(m);  // _C.optim.Hyper, which the ps and Updater calls take
   hemiola::python::bind_ps(m);
-  hemiola::python::bind_optim(m);
   hemiola::python::bind_updater(m);
 #if HEMIOLA_CUDA_ENABLED
   hemiola::python::bind_cuda(m);

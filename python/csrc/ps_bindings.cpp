@@ -36,16 +36,6 @@ void bind_ps(py::module_& parent) {
     return out;
   }, py::arg("numels"), py::arg("num_servers"), py::arg("partition_elems"));
 
-  py::class_<Hyper>(m, "Hyper")
-      .def(py::init([](double lr, double momentum, double dampening, double weight_decay,
-                       double beta1, double beta2, double eps, bool nesterov) {
-             return Hyper{lr, momentum, dampening, weight_decay, beta1, beta2, eps, nesterov};
-           }),
-           py::arg("lr"), py::arg("momentum") = 0.0, py::arg("dampening") = 0.0,
-           py::arg("weight_decay") = 0.0, py::arg("beta1") = 0.9, py::arg("beta2") = 0.999,
-           py::arg("eps") = 1e-8, py::arg("nesterov") = false)
-      .def_readonly("lr", &Hyper::lr);
-
   py::class_<ServerStats>(m, "ServerStats")
       .def_readonly("pushes_applied", &ServerStats::pushes_applied)
       .def_readonly("pulls_answered", &ServerStats::pulls_answered)
@@ -136,7 +126,7 @@ void bind_ps(py::module_& parent) {
         return out;
       })
       .def("initialize",
-           [](Client& c, const std::vector<uintptr_t>& initial, const std::vector<Hyper>& hyper) {
+           [](Client& c, const std::vector<uintptr_t>& initial, const std::vector<OptimizerHyper>& hyper) {
              std::vector<const float*> ptrs;
              for (auto p : initial) ptrs.push_back(as_floats(p));
              py::gil_scoped_release release;

@@ -1,5 +1,5 @@
 // hemiola._C.Updater (hemiola/updater.h): parameters and optimizer state cross
-// as integers (data pointers), hyper-parameters as one tuple per group. The
+// as integers (data pointers), hyper-parameters as one _C.optim.Hyper per group. The
 // calls that may wait for a reduction or land an update release the GIL: an
 // external stepper (a Python callable, PythonStepper below) takes it back on
 // the calling thread for each step, and no engine thread ever waits for it.
@@ -30,9 +30,6 @@ void* pointer(std::uintptr_t address) { return reinterpret_cast<void*>(address);
 //  exp_avg, exp_avg_sq, max_exp_avg_sq, step)
 using Slot = std::tuple<std::string, std::uintptr_t, int, size_t, size_t, std::uintptr_t, bool,
                         std::uintptr_t, std::uintptr_t, std::uintptr_t, std::uintptr_t>;
-// (lr, momentum, dampening, weight_decay, nesterov, maximize, beta1, beta2, eps, amsgrad)
-using Hyper = std::tuple<double, double, double, double, bool, bool, double, double, double,
-                         bool>;
 
 std::vector<ParameterSlot> slots_of(const std::vector<Slot>& slots, const Device& device) {
   std::vector<ParameterSlot> out;
@@ -92,16 +89,12 @@ class PythonStepper final : public ExternalStepper {
   py::object step_;
 };
 
-StepOptions step_options(const std::vector<Hyper>& hyper, uint64_t hyper_key, bool has_unused,
+StepOptions step_options(const std::vector<OptimizerHyper>& hyper, uint64_t hyper_key,
+                         bool has_unused,
                          double clip_max_norm, double clip_norm_type, bool skip_if_not_finite,
                          bool local_overflow, double preview_scale = 1.0) {
   StepOptions o;
-  for (const auto& h : hyper) {
-    GroupHyper g;
-    std::tie(g.lr, g.momentum, g.dampening, g.weight_decay, g.nesterov, g.maximize, g.beta1,
-             g.beta2, g.eps, g.amsgrad) = h;
-    o.hyper.push_back(g);
-  }
+  o.hyper = hyper;
   o.hyper_key = hyper_key;
   o.has_unused = has_unused;
   o.clip_max_norm = clip_max_norm;
@@ -123,7 +116,8 @@ void bind_updater(py::module_& m) {
                        const std::string& schedule, const std::string& optimizer,
                        bool correct_on_arrival, double priority_front_fraction,
                        bool rebuild_buckets, bool raise_if_not_finite, std::uintptr_t stream,
-                       std::uintptr_t sqrt_f32, std::uintptr_t sqrt_f64, py::object external) {
+                       std::uintptr_t sqrt_f32, std::uintptr_t sqrt_f64, py::object external,
+                       bool multi_tensor_steps) {
              UpdaterOptions o;
              if (schedule == "priority") {
                o.schedule = UpdateSchedule::kPriority;
@@ -142,6 +136,7 @@ void bind_updater(py::module_& m) {
              o.rebuild_buckets = rebuild_buckets;
              o.raise_if_not_finite = raise_if_not_finite;
              o.sqrt = vector_sqrt(sqrt_f32, sqrt_f64);
+             o.multi_tensor_steps = multi_tensor_steps;
              auto params = slots_of(slots, reducer.options().device);
              // The constructor copies the decoupled shadow (waits on a GPU).
              py::gil_scoped_release release;
@@ -153,7 +148,7 @@ void bind_updater(py::module_& m) {
            py::arg("priority_front_fraction") = 0.25, py::arg("rebuild_buckets") = true,
            py::arg("raise_if_not_finite") = false, py::arg("stream") = 0,
            py::arg("sqrt_f32") = 0, py::arg("sqrt_f64") = 0, py::arg("external") = py::none(),
-           py::keep_alive<1, 2>(),
+           py::arg("multi_tensor_steps") = false, py::keep_alive<1, 2>(),
            py::keep_alive<1, 3>())
       .def("set_landers", &Updater::set_landers, py::arg("landers"))
       .def(
@@ -171,7 +166,7 @@ void bind_updater(py::module_& m) {
           py::arg("index"), py::arg("local_grad"))
       .def(
           "step",
-          [](Updater& u, uint64_t iteration, const std::vector<Hyper>& hyper, bool has_unused,
+          [](Updater& u, uint64_t iteration, const std::vector<OptimizerHyper>& hyper, bool has_unused,
              double clip_max_norm, double clip_norm_type, bool skip_if_not_finite,
              bool local_overflow, std::uintptr_t stream, double preview_scale,
              uint64_t hyper_key) {
@@ -188,7 +183,7 @@ void bind_updater(py::module_& m) {
       .def(
           "step_local",
           [](Updater& u, const std::vector<std::uintptr_t>& grads,
-             const std::vector<Hyper>& hyper, std::uintptr_t stream, uint64_t hyper_key) {
+             const std::vector<OptimizerHyper>& hyper, std::uintptr_t stream, uint64_t hyper_key) {
             std::vector<void*> pointers;
             for (auto g : grads) pointers.push_back(pointer(g));
             const StepOptions o = step_options(hyper, hyper_key, false, -1.0, 2.0, false, false);

@@ -111,5 +111,24 @@ def new_engine(timeout_s: float, timeline: bool = False,
         timeout_s=timeout_s,
         timeline=timeline,
         gpu_backend=gpu_backend,
+        staged_chunk_bytes=staged_chunk_bytes(),
     )
     return engine, engine_store
+
+
+def staged_chunk_bytes() -> int:
+    """``HEMIOLA_STAGED_CHUNK_MB``: the Gloo backend with CUDA tensors
+    pipelines each reduction in chunks of this many MiB through three pinned
+    stages (EngineOptions::staged_chunk_bytes; unset or 0: staged whole).
+    Experimental until it has run on a GPU (docs/gpu.md); set it alike on
+    every rank, as a launcher's environment is."""
+    raw = os.environ.get("HEMIOLA_STAGED_CHUNK_MB", "").strip()
+    if not raw:
+        return 0
+    try:
+        mib = float(raw)
+    except ValueError:
+        raise ValueError(f"HEMIOLA_STAGED_CHUNK_MB={raw!r} is not a number of MiB") from None
+    if mib < 0:
+        raise ValueError(f"HEMIOLA_STAGED_CHUNK_MB={raw!r} is negative")
+    return int(mib * (1 << 20))

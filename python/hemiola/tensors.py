@@ -87,30 +87,54 @@ def device_view(pointer: int, like: torch.Tensor) -> torch.Tensor:
     return torch.as_tensor(memory, device=like.device).view(like.shape)
 
 
-def pack_bytes(tensors: list[torch.Tensor]) -> tuple[torch.Tensor, list[int]]:
+def _one_cuda_device(tensors: list[torch.Tensor]) -> torch.device | None:
+    """The CUDA device every one of `tensors` is on, or None."""
+    devices = {t.device for t in tensors}
+    if len(devices) == 1:
+        (device,) = devices
+        if device.type == "cuda":
+            return device
+    return None
+
+
+def pack_bytes(tensors: list[torch.Tensor],
+               fill: bool = True) -> tuple[torch.Tensor, list[int]]:
     """`tensors` (any dtypes and devices) copied into one host byte buffer,
     each starting at a multiple of 16 bytes so that its bytes can be viewed as
     its dtype again (an int64 after an odd number of float32s could not);
-    returns the buffer and each tensor's offset. See :func:`unpack_bytes`."""
+    returns the buffer and each tensor's offset. See :func:`unpack_bytes`.
+
+    Tensors on one GPU are packed there and copied to the host at once (one
+    synchronisation, not one per tensor). `fill=False`: only the layout (a
+    zeroed buffer), for a rank that receives a broadcast and reads nothing."""
     offsets, end = [], 0
     for t in tensors:
         offsets.append(end)
         end += -(-t.numel() * t.element_size() // 16) * 16
     flat = torch.zeros(end, dtype=torch.uint8)
+    if not fill:
+        return flat, offsets
+    device = _one_cuda_device(tensors)
+    stage = flat if device is None else torch.zeros(end, dtype=torch.uint8, device=device)
     with torch.no_grad():
         for t, offset in zip(tensors, offsets):
             nbytes = t.numel() * t.element_size()
-            flat[offset:offset + nbytes] = t.detach().contiguous().reshape(-1).view(
-                torch.uint8).cpu()
+            stage[offset:offset + nbytes] = t.detach().contiguous().reshape(-1).view(
+                torch.uint8).to(stage.device)
+        if stage is not flat:
+            flat.copy_(stage)
     return flat, offsets
 
 
 def unpack_bytes(flat: torch.Tensor, offsets: list[int], tensors: list[torch.Tensor]) -> None:
-    """Copies what :func:`pack_bytes` laid out in `flat` back into `tensors`."""
+    """Copies what :func:`pack_bytes` laid out in `flat` back into `tensors`
+    (onto one GPU in one copy when they are all there)."""
+    device = _one_cuda_device(tensors)
     with torch.no_grad():
+        source = flat if device is None else flat.to(device)
         for t, offset in zip(tensors, offsets):
             nbytes = t.numel() * t.element_size()
-            t.copy_(flat[offset:offset + nbytes].view(t.dtype).view(t.shape))
+            t.copy_(source[offset:offset + nbytes].view(t.dtype).view(t.shape))
 
 
 def broadcast_tensors(engine: C.Engine, tensors: list[torch.Tensor], root: int = 0) -> None:
@@ -120,7 +144,7 @@ def broadcast_tensors(engine: C.Engine, tensors: list[torch.Tensor], root: int =
     tensors = [t for t in tensors if t.numel() > 0]
     if not tensors or engine.world_size == 1:
         return
-    flat, offsets = pack_bytes(tensors)
+    flat, offsets = pack_bytes(tensors, fill=engine.rank == root)
     engine.broadcast(flat.data_ptr(), UINT8, flat.numel(), root).wait()
     if engine.rank != root:
         unpack_bytes(flat, offsets, tensors)

@@ -80,8 +80,8 @@ class ServerFleet {
   std::vector<std::future<ServerStats>> done_;
 };
 
-Hyper sgd(double lr) {
-  Hyper h;
+OptimizerHyper sgd(double lr) {
+  OptimizerHyper h;
   h.lr = lr;
   return h;
 }
@@ -129,7 +129,7 @@ TEST(ServerOptimizer, SgdMomentumFollowsTorch) {
   OptimizerState s;
   std::vector<float> p = {1.0f, -2.0f};
   const std::vector<float> g = {0.5f, 0.25f};
-  Hyper h;
+  OptimizerHyper h;
   h.lr = 0.1;
   h.momentum = 0.9;
   h.weight_decay = 0.01;
@@ -172,7 +172,7 @@ TEST(ServerOptimizer, PushWeightFollowsStaleness) {
     EXPECT_DOUBLE_EQ(fresh.factor, 1.0);  // bsp and one worker: torch's step exactly
     const auto bogus = push_weight(StalenessRule::kInverse, rule, -5, 1);  // a worker's claim
     EXPECT_DOUBLE_EQ(bogus.factor, 1.0);
-    Hyper h;
+    OptimizerHyper h;
     h.lr = 0.1;
     h.momentum = 0.9;
     for (const auto& weight : {fresh, bogus}) {
@@ -190,7 +190,7 @@ TEST(ServerOptimizer, PushWeightFollowsStaleness) {
 TEST(ServerOptimizer, RescaledPushesMoveAsFarAsBspRounds) {
   for (const double momentum : {0.0, 0.5, 0.9}) {
     for (const int n : {2, 4}) {
-      Hyper h;
+      OptimizerHyper h;
       h.lr = 0.01;
       h.momentum = momentum;
       const PushWeight weight =
@@ -222,7 +222,7 @@ TEST(ServerOptimizer, StaleSgdPushWeighsItsGradientAndMomentum) {
   OptimizerState s;
   std::vector<float> p = {1.0f, -2.0f};
   const std::vector<float> g = {0.5f, 0.25f};
-  Hyper h;
+  OptimizerHyper h;
   h.lr = 0.1;
   h.momentum = 0.9;
   h.weight_decay = 0.01;
@@ -241,7 +241,7 @@ TEST(ServerOptimizer, AdamWFollowsTorch) {
   s.kind = OptimizerKind::kAdamW;
   std::vector<float> p = {0.3f};
   const std::vector<float> g = {0.2f};
-  Hyper h;
+  OptimizerHyper h;
   h.lr = 0.01;
   h.weight_decay = 0.1;
   double pd = 0.3, m = 0, v = 0;
@@ -266,7 +266,7 @@ TEST(ServerOptimizer, MomentumShareIsAZeroGradientStep) {
       if (kind != OptimizerKind::kSgd && nesterov) continue;
       OptimizerState s;
       s.kind = kind;
-      Hyper h;
+      OptimizerHyper h;
       h.lr = kind == OptimizerKind::kSgd ? 0.1 : 0.01;
       h.momentum = 0.9;
       h.nesterov = nesterov;
@@ -626,7 +626,7 @@ TEST(ParameterServer, StalePushesStepWithTheirWeight) {
         o.momentum_rule = rule;
         Client client(o, {"x"}, {1}, store);
         std::vector<float> x(1, 1.0f), g(1, 1.0f);
-        Hyper h = sgd(0.1);
+        OptimizerHyper h = sgd(0.1);
         h.momentum = 0.9;
         client.initialize(w == 0 ? std::vector<const float*>{x.data()}
                                  : std::vector<const float*>{},
@@ -678,7 +678,7 @@ TEST(ParameterServer, StalePushesStepWithTheirWeight) {
       OptimizerState replay;
       std::vector<float> v(1, 1.0f), share(1);
       const std::vector<float> one(1, 1.0f);
-      Hyper h = sgd(0.1);
+      OptimizerHyper h = sgd(0.1);
       h.momentum = 0.9;
       auto weight = [&](int64_t tau) {
         return push_weight(StalenessRule::kInverse, rule, tau, 2);
@@ -972,7 +972,7 @@ void run_bsp_plan(const std::vector<int64_t>& numels, int servers, int64_t parti
     for (auto n : numels) params.emplace_back(static_cast<size_t>(n), 1.0f);
     if (w == 0)
       for (auto& p : params) init.push_back(p.data());
-    c.initialize(init, std::vector<Hyper>(numels.size(), sgd(0.25)));
+    c.initialize(init, std::vector<OptimizerHyper>(numels.size(), sgd(0.25)));
     for (int step = 0; step < 2; ++step) {
       for (size_t t = 0; t < numels.size(); ++t) {
         c.wait_pull(static_cast<int>(t), params[t].data());

@@ -74,16 +74,16 @@ struct Model {
   }
 };
 
-GroupHyper sgd_hyper(int k) {
-  GroupHyper h;
+OptimizerHyper sgd_hyper(int k) {
+  OptimizerHyper h;
   h.lr = 0.1 / (1 + k);  // changes every step, as an LR scheduler would
   h.momentum = 0.9;
   h.weight_decay = 0.01;
   return h;
 }
 
-GroupHyper adam_hyper(int k) {
-  GroupHyper h;
+OptimizerHyper adam_hyper(int k) {
+  OptimizerHyper h;
   h.lr = 0.01 / (1 + k);
   h.weight_decay = 0.1;
   return h;
@@ -110,19 +110,14 @@ std::vector<std::vector<float>> reference(Engine& e, OptimizerKind kind, int ste
     for (size_t p = 0; p < m.w.size(); ++p) {
       const auto n = static_cast<std::int64_t>(m.w[p].size());
       if (kind == OptimizerKind::kSgd) {
-        const GroupHyper g = sgd_hyper(k);
-        SgdHyper h;
-        h.lr = g.lr;
-        h.momentum = g.momentum;
-        h.weight_decay = g.weight_decay;
+        const OptimizerHyper g = sgd_hyper(k);
+        SgdHyper h{g};
         h.first_step = k == 0;
         sgd_step({m.w[p].data(), m.w[p].data(), m.momentum[p].data(), m.grad[p].data()}, n,
                  DType::kFloat32, Device{}, h, true);
       } else {
-        const GroupHyper g = adam_hyper(k);
-        AdamHyper h;
-        h.lr = g.lr;
-        h.weight_decay = g.weight_decay;
+        const OptimizerHyper g = adam_hyper(k);
+        AdamHyper h{g};
         h.decoupled_weight_decay = true;
         h.step = k + 1;
         adam_step({m.w[p].data(), m.w[p].data(), m.exp_avg[p].data(), m.exp_avg_sq[p].data(),
@@ -159,11 +154,8 @@ class ExternalSgd final : public ExternalStepper {
       const bool scratch = mode != StepMode::kCommit;
       std::vector<float>& state = scratch ? scratch_[i] : momentum_[i];
       uint8_t& initialised = scratch ? scratch_initialised_[i] : initialised_[i];
-      const GroupHyper g = sgd_hyper(static_cast<int>(hyper_key));
-      SgdHyper h;
-      h.lr = g.lr;
-      h.momentum = g.momentum;
-      h.weight_decay = g.weight_decay;
+      const OptimizerHyper g = sgd_hyper(static_cast<int>(hyper_key));
+      SgdHyper h{g};
       h.first_step = initialised == 0;
       h.grad_scale = grad_scale;
       float* w = m_.w[i].data();

@@ -8,6 +8,7 @@ import tempfile
 
 import numpy as np
 import pytest
+import torch
 
 from hemiola._native import C
 
@@ -67,3 +68,33 @@ def test_rendezvous_timeout_names_the_missing_key() -> None:
         C.Engine(0, 2, C.MemoryStore(), hostname="127.0.0.1", timeout_s=0.3)
     assert issubclass(C.HemiolaTimeoutError, TimeoutError)
     assert issubclass(C.HemiolaTimeoutError, C.HemiolaError)
+
+
+def test_the_staged_chunk_size_comes_from_the_environment(monkeypatch) -> None:
+    from hemiola.distributed import staged_chunk_bytes
+
+    monkeypatch.delenv("HEMIOLA_STAGED_CHUNK_MB", raising=False)
+    assert staged_chunk_bytes() == 0
+    monkeypatch.setenv("HEMIOLA_STAGED_CHUNK_MB", "4")
+    assert staged_chunk_bytes() == 4 << 20
+    monkeypatch.setenv("HEMIOLA_STAGED_CHUNK_MB", "0.5")
+    assert staged_chunk_bytes() == 1 << 19
+    for bad, why in (("four", "not a number"), ("-1", "negative")):
+        monkeypatch.setenv("HEMIOLA_STAGED_CHUNK_MB", bad)
+        with pytest.raises(ValueError, match=why):
+            staged_chunk_bytes()
+
+
+def test_packed_bytes_come_back_as_the_tensors() -> None:
+    from hemiola.tensors import pack_bytes, unpack_bytes
+
+    torch.manual_seed(0)
+    tensors = [torch.randn(3, 5), torch.arange(7), torch.randn(11).half(), torch.tensor(5),
+               torch.randn(2, 3, dtype=torch.float64)]
+    flat, offsets = pack_bytes(tensors)
+    assert all(o % 16 == 0 for o in offsets)
+    targets = [torch.zeros_like(t) for t in tensors]
+    unpack_bytes(flat, offsets, targets)
+    assert all(torch.equal(a, b) for a, b in zip(tensors, targets))
+    layout, same = pack_bytes(tensors, fill=False)  # a receiver: the layout only
+    assert same == offsets and layout.shape == flat.shape and not layout.any()

@@ -107,12 +107,22 @@ def test_wait_never_blocks_the_host_on_the_users_stream(backend: str) -> None:
         assert torch.equal(g, torch.full_like(g, i + 3)), i
 
 
+def staged_variants() -> list[object]:
+    """The backends, and Gloo pipelined in 4 KiB chunks (bucket sizes are no
+    multiple of it, a bucket spans more chunks than the ring has stages, and
+    the ring carries over from one bucket to the next)."""
+    nccl = pytest.param(
+        "nccl", 0, marks=pytest.mark.skipif(not HAS_NCCL, reason="no NCCL in this build")
+    )
+    return [nccl, ("gloo", 0), ("gloo", 4096)]
+
+
 @gpu
-@pytest.mark.parametrize("backend", backends())
-def test_bucket_results_in_place_and_kept(backend: str) -> None:
+@pytest.mark.parametrize("backend,chunk", staged_variants())
+def test_bucket_results_in_place_and_kept(backend: str, chunk: int) -> None:
     """mark_ready_to with and without an output: results unpacked into the
     outputs (one fused launch per bucket) and kept in the device buckets."""
-    engine = C.Engine(0, 1, C.MemoryStore(), gpu_backend=backend)
+    engine = C.Engine(0, 1, C.MemoryStore(), gpu_backend=backend, staged_chunk_bytes=chunk)
     sizes = [5, 2049, 7, 30001]
     reducer = engine.make_reducer(
         [(F32, n, f"g{i}") for i, n in enumerate(sizes)],
@@ -214,6 +224,41 @@ def test_three_ranks_sharing_the_gpu_through_gloo_match_the_cpu(
 
 
 @gpu
+@pytest.mark.parametrize("schedule", ["wfbp", "priority-native", "decoupled-native"])
+def test_pipelined_staging_matches_the_cpu(schedule: str, monkeypatch) -> None:
+    """HEMIOLA_STAGED_CHUNK_MB: three ranks share the GPU through Gloo with
+    every reduction pipelined in 10 KiB chunks, against the CPU run."""
+    monkeypatch.setenv("HEMIOLA_STAGED_CHUNK_MB", str(10 / 1024))
+    schedule, native = schedule.removesuffix("-native"), schedule.endswith("-native")
+    results = run_local(
+        workers.gpu_matches_cpu, 3, schedule, "cnn", "sgd", 6, "gloo", native, timeout_s=300
+    )
+    for rank, r in results.items():
+        assert r["moved"] > 1e-3, (rank, r)
+        assert r["max_param_diff"] < 1e-4, (rank, r)
+        assert r["max_loss_diff"] < 1e-4, (rank, r)
+
+
+@gpu
+@pytest.mark.parametrize("schedule", ["priority", "decoupled"])
+@pytest.mark.parametrize("model,optimizer", [("cnn", "sgd"), ("transformer", "adamw")])
+def test_multi_tensor_launches_equal_a_launch_per_parameter(
+    schedule: str, model: str, optimizer: str
+) -> None:
+    """HEMIOLA_MULTI_TENSOR_STEPS on the GPU: the batched kernels run the
+    single-tensor kernels' arithmetic per element, so the runs agree bit for
+    bit (one rank, NCCL if built, else Gloo)."""
+    backend = "nccl" if HAS_NCCL else "gloo"
+    results = run_local(
+        workers.multi_tensor_steps_agree, 1, schedule, model, optimizer, 5, "cuda", backend,
+        timeout_s=240
+    )
+    for rank, r in results.items():
+        assert r["max_param_diff"] == 0.0, (rank, r)
+        assert r["max_loss_diff"] == 0.0, (rank, r)
+
+
+@gpu
 @pytest.mark.parametrize("native", [False, True])
 @pytest.mark.parametrize("backend", backends())
 def test_decoupled_on_the_gpu_equals_wfbp_when_every_rank_sees_the_same_data(
@@ -229,6 +274,23 @@ def test_decoupled_on_the_gpu_equals_wfbp_when_every_rank_sees_the_same_data(
     for rank, r in results.items():
         assert r["max_param_diff"] < 1e-5, (rank, r)
         assert r["max_loss_diff"] < 1e-4, (rank, r)
+
+
+@gpu
+def test_buffers_are_packed_on_the_gpu_and_come_back() -> None:
+    """pack_bytes packs GPU tensors on the device and copies them off once;
+    unpack_bytes copies the bytes on once: the same bytes as the CPU path."""
+    from hemiola.tensors import pack_bytes, unpack_bytes
+
+    torch.manual_seed(0)
+    cpu = [torch.randn(3, 5), torch.arange(7), torch.randn(11).half(), torch.tensor(5),
+           torch.randn(2, 3, dtype=torch.float64)]
+    gpu = [t.cuda() for t in cpu]
+    flat, offsets = pack_bytes(gpu)
+    assert torch.equal(flat, pack_bytes(cpu)[0])
+    targets = [torch.zeros_like(t) for t in gpu]
+    unpack_bytes(flat, offsets, targets)
+    assert all(torch.equal(a, b) for a, b in zip(gpu, targets))
 
 
 @gpu

@@ -1,4 +1,5 @@
-"""The CUDA kernels (hemiola._C.cuda) against float64 torch references.
+"""The CUDA kernels (hemiola._C.cuda, and _C.optim's steps on a GPU) against
+float64 torch references.
 
 Every case builds fresh random data of odd sizes; every tensor the kernels see
 is a view at an odd element offset inside a larger NaN-filled (for integers:
@@ -130,33 +131,6 @@ def fusion_layout(dtype: torch.dtype, seed: int):
 
 
 @gpu
-@pytest.mark.parametrize("seed", [0, 1, 2])
-@pytest.mark.parametrize("dtype", [*FLOATS, torch.float64, torch.int32])
-def test_pack_copies_every_slot_and_nothing_else(dtype, seed):
-    gen = torch.Generator(device="cuda").manual_seed(seed)
-    tensors, offsets, extent, buffer, slots = fusion_layout(dtype, seed)
-    for t in tensors:
-        t.fill(random_values(t.view.numel(), dtype, gen))
-    assert KERNELS.FUSION_SLOT_BYTES == slots.shape[1] * slots.element_size()
-
-    run_on_side_stream(
-        lambda s: KERNELS.pack(
-            slots.data_ptr(), len(tensors), extent, CODES[dtype], buffer.ptr(), s
-        )
-    )
-
-    touched = torch.zeros(buffer.view.numel(), dtype=torch.bool, device="cuda")
-    for t, off in zip(tensors, offsets):
-        n = t.view.numel()
-        assert torch.equal(bits(buffer.view[off : off + n]), bits(t.view))
-        touched[off : off + n] = True
-    untouched = buffer.view[~touched]  # gaps and the tail: still poisoned
-    poison = torch.isnan(untouched) if dtype.is_floating_point else untouched == -1
-    assert bool(poison.all())
-    assert buffer.guards_intact()
-
-
-@gpu
 @pytest.mark.parametrize("scale", [1.0, 1.0 / 3.0])
 @pytest.mark.parametrize("seed", [0, 1, 2])
 @pytest.mark.parametrize("dtype", [*FLOATS, torch.float64, torch.int32])
@@ -166,6 +140,7 @@ def test_unpack_restores_every_slot_scaled(dtype, seed, scale):
     gen = torch.Generator(device="cuda").manual_seed(100 + seed)
     tensors, offsets, extent, buffer, slots = fusion_layout(dtype, seed)
     buffer.fill(random_values(buffer.view.numel(), dtype, gen))
+    assert KERNELS.FUSION_SLOT_BYTES == slots.shape[1] * slots.element_size()
 
     run_on_side_stream(
         lambda s: KERNELS.unpack(
@@ -248,6 +223,13 @@ SGD_CASES = [
 LR = 0.05
 
 
+def sgd_step(param, shadow, momentum, grad, numel, dtype, *, first_step, commit, stream, **case):
+    """_C.optim.sgd_step on the current CUDA device with lr LR and `case`."""
+    C.optim.sgd_step(param, shadow, momentum, grad, numel, dtype, torch.cuda.current_device(),
+                     C.optim.Hyper(lr=LR, **case), first_step=first_step, commit=commit,
+                     stream=stream)
+
+
 def sgd_reference(w, buf, grad, case, first_step):
     """torch.optim.SGD in float64: (new parameters, new momentum buffer or None)."""
     p = torch.nn.Parameter(w.double().clone())
@@ -286,14 +268,13 @@ def test_sgd_step_matches_torch(dtype, numel, case, first_step, commit):
     )
 
     run_on_side_stream(
-        lambda s: KERNELS.sgd_step(
+        lambda s: sgd_step(
             d.param.ptr(),
             d.shadow.ptr(),
             d.momentum.ptr(),
             d.grad.ptr(),
             numel,
             CODES[dtype],
-            lr=LR,
             first_step=first_step,
             commit=commit,
             stream=s,
@@ -323,14 +304,13 @@ def test_sgd_commit_in_place(dtype):
         d.shadow.view, d.momentum.view, d.grad.view, case, False
     )
     run_on_side_stream(
-        lambda s: KERNELS.sgd_step(
+        lambda s: sgd_step(
             d.shadow.ptr(),
             d.shadow.ptr(),
             d.momentum.ptr(),
             d.grad.ptr(),
             numel,
             CODES[dtype],
-            lr=LR,
             first_step=False,
             commit=True,
             stream=s,
@@ -350,6 +330,15 @@ ADAM_CASES = [
     {"weight_decay": 0.0, "decoupled_weight_decay": False, "maximize": True},
 ]
 ADAM = {"lr": 3e-3, "beta1": 0.9, "beta2": 0.99, "eps": 1e-8}
+
+
+def adam_step(param, shadow, exp_avg, exp_avg_sq, grad, numel, dtype, *,
+              decoupled_weight_decay, step, commit, stream, **group):
+    """_C.optim.adam_step on the current CUDA device (no amsgrad buffer)."""
+    C.optim.adam_step(param, shadow, exp_avg, exp_avg_sq, 0, grad, numel, dtype,
+                      torch.cuda.current_device(), C.optim.Hyper(**group),
+                      decoupled_weight_decay=decoupled_weight_decay, step=step, commit=commit,
+                      stream=stream)
 
 
 def adam_reference(w, m, v, grad, case, step):
@@ -415,7 +404,7 @@ def test_adam_step_matches_torch(dtype, numel, case, step, commit):
     expected_param = adam_param_from_moments(shadow.view, stored_m, stored_v, case, step)
 
     run_on_side_stream(
-        lambda s: KERNELS.adam_step(
+        lambda s: adam_step(
             param.ptr(),
             shadow.ptr(),
             exp_avg.ptr(),
@@ -462,25 +451,23 @@ def test_adam_formula_is_torchs(case, step):
 
 @needs_cuda_build
 def test_refusals_need_no_gpu():
-    f32, f16, bf16, i32 = (
-        CODES[t] for t in (torch.float32, torch.float16, torch.bfloat16, torch.int32)
+    """The GPU steps' and kernels' own checks, raised on the host before any
+    launch (one element at a bogus address on device 0: nothing reads it)."""
+    f32, f16, bf16, i32, f64 = (
+        CODES[t] for t in (torch.float32, torch.float16, torch.bfloat16, torch.int32,
+                           torch.float64)
     )
-    nowhere = (0, 0, 0, 0, 0, 0)  # pointers and numel: refused before any is used
-    adam = {**ADAM, **ADAM_CASES[0], "commit": False, "stream": 0}
-    sgd = {"lr": LR, "maximize": False, "first_step": False, "commit": False, "stream": 0}
+    bogus = (8, 8, 8, 8)  # param, shadow, state, grad
+    adam = {"decoupled_weight_decay": False, "commit": False, "stream": 0}
     with pytest.raises(ValueError, match="amsgrad"):
-        KERNELS.adam_step(*nowhere, f32, **adam, amsgrad=True, step=1)
-    with pytest.raises(ValueError, match="step counts from 1"):
-        KERNELS.adam_step(*nowhere, f32, **adam, amsgrad=False, step=0)
-    with pytest.raises(ValueError, match="Nesterov"):
-        KERNELS.sgd_step(
-            *nowhere[:5], f32, **sgd, momentum=0.9, dampening=0.1, weight_decay=0.0, nesterov=True
-        )
+        C.optim.adam_step(*bogus, 8, 8, 1, f32, 0, C.optim.Hyper(lr=0.1, amsgrad=True),
+                          step=1, **adam)
+    with pytest.raises(ValueError, match="float64|unsupported dtype"):
+        C.optim.adam_step(*bogus, 0, 8, 1, f64, 0, C.optim.Hyper(lr=0.1), step=1, **adam)
+    with pytest.raises(ValueError, match="not a floating dtype"):
+        C.optim.sgd_step(*bogus, 1, i32, 0, C.optim.Hyper(lr=0.1), first_step=False,
+                         commit=False)
     with pytest.raises(ValueError, match="unsupported conversion"):
         KERNELS.cast(0, f16, 0, bf16, 0, 0)
     with pytest.raises(ValueError, match="cannot scale"):
         KERNELS.unpack(0, 0, 0, i32, 0, 0.5, 0)
-    with pytest.raises(ValueError, match="unsupported dtype"):
-        KERNELS.sgd_step(
-            *nowhere[:5], i32, **sgd, momentum=0.0, dampening=0.0, weight_decay=0.0, nesterov=False
-        )

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from hemiola._native import C
+from hemiola.hyper import group_hyper
 from hemiola.tensors import dtype_code
 from hemiola.torch_math import torch_sqrt
 
@@ -73,11 +74,7 @@ def test_sgd_matches_torch(options: dict[str, Any], dtype: torch.dtype) -> None:
         C.optim.sgd_step(
             param=mine.data_ptr(), shadow=mine.data_ptr(), momentum_buffer=buf.data_ptr(),
             grad=grad.data_ptr(), numel=mine.numel(), dtype=dtype_code(dtype), device=-1,
-            lr=_lr(step), momentum=options.get("momentum", 0.0),
-            dampening=options.get("dampening", 0.0),
-            weight_decay=options.get("weight_decay", 0.0),
-            nesterov=options.get("nesterov", False), maximize=options.get("maximize", False),
-            first_step=step == 0, commit=True)
+            hyper=group_hyper(opt.param_groups[0]), first_step=step == 0, commit=True)
         _close(mine, ref.detach(), dtype)
     if options.get("momentum"):
         _close(buf, opt.state[ref]["momentum_buffer"], dtype)
@@ -96,7 +93,6 @@ def test_adam_and_adamw_match_torch(kind: str, options: dict[str, Any],
     opt = cls([ref], lr=_lr(0), **options)
     mine = start.clone()
     m, v, vmax = (torch.zeros_like(mine) for _ in range(3))
-    betas = options.get("betas", (0.9, 0.999))
     for step, grad in enumerate(grads):
         opt.param_groups[0]["lr"] = _lr(step)
         ref.grad = grad.clone()
@@ -104,12 +100,9 @@ def test_adam_and_adamw_match_torch(kind: str, options: dict[str, Any],
         C.optim.adam_step(
             param=mine.data_ptr(), shadow=mine.data_ptr(), exp_avg=m.data_ptr(),
             exp_avg_sq=v.data_ptr(), max_exp_avg_sq=vmax.data_ptr(), grad=grad.data_ptr(),
-            numel=mine.numel(), dtype=dtype_code(dtype), device=-1, lr=_lr(step),
-            beta1=betas[0], beta2=betas[1], eps=options.get("eps", 1e-8),
-            weight_decay=opt.param_groups[0]["weight_decay"],
-            decoupled_weight_decay=kind == "adamw", maximize=options.get("maximize", False),
-            amsgrad=options.get("amsgrad", False), step=step + 1, commit=True,
-            sqrt_f32=roots.f32, sqrt_f64=roots.f64)
+            numel=mine.numel(), dtype=dtype_code(dtype), device=-1,
+            hyper=group_hyper(opt.param_groups[0]), decoupled_weight_decay=kind == "adamw",
+            step=step + 1, commit=True, sqrt_f32=roots.f32, sqrt_f64=roots.f64)
         _equal(mine, ref.detach(), f"parameters after step {step + 1}")
     state = opt.state[ref]
     _equal(m, state["exp_avg"], "exp_avg")
@@ -124,21 +117,18 @@ def test_a_step_that_does_not_commit_writes_only_the_live_parameters() -> None:
     live = torch.full_like(shadow, 7.0)
     m, v = torch.full_like(shadow, 0.1), torch.full_like(shadow, 0.2)
     before = [t.clone() for t in (shadow, m, v)]
+    hyper = C.optim.Hyper(lr=0.1)
     C.optim.adam_step(param=live.data_ptr(), shadow=shadow.data_ptr(), exp_avg=m.data_ptr(),
                       exp_avg_sq=v.data_ptr(), max_exp_avg_sq=0, grad=grad.data_ptr(),
-                      numel=live.numel(), dtype=dtype_code(torch.float32), device=-1, lr=0.1,
-                      beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0,
-                      decoupled_weight_decay=False, maximize=False, amsgrad=False, step=3,
-                      commit=False)
+                      numel=live.numel(), dtype=dtype_code(torch.float32), device=-1,
+                      hyper=hyper, decoupled_weight_decay=False, step=3, commit=False)
     for now, then in zip((shadow, m, v), before):
         assert torch.equal(now, then)
     committed = shadow.clone()
     C.optim.adam_step(param=committed.data_ptr(), shadow=committed.data_ptr(),
                       exp_avg=m.data_ptr(), exp_avg_sq=v.data_ptr(), max_exp_avg_sq=0,
                       grad=grad.data_ptr(), numel=live.numel(), dtype=dtype_code(torch.float32),
-                      device=-1, lr=0.1, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0,
-                      decoupled_weight_decay=False, maximize=False, amsgrad=False, step=3,
-                      commit=True)
+                      device=-1, hyper=hyper, decoupled_weight_decay=False, step=3, commit=True)
     assert torch.equal(live, committed)  # the same values, without committing
 
 
@@ -147,11 +137,11 @@ def test_bad_hyper_parameters_are_refused_like_torch() -> None:
     with pytest.raises(ValueError, match="Nesterov momentum requires a momentum"):
         C.optim.sgd_step(param=t.data_ptr(), shadow=t.data_ptr(), momentum_buffer=0,
                          grad=t.data_ptr(), numel=4, dtype=dtype_code(torch.float32), device=-1,
-                         lr=0.1, momentum=0.0, dampening=0.0, weight_decay=0.0, nesterov=True,
-                         maximize=False, first_step=True, commit=True)
+                         hyper=C.optim.Hyper(lr=0.1, nesterov=True), first_step=True,
+                         commit=True)
     with pytest.raises(ValueError, match="invalid beta2"):
         C.optim.adam_step(param=t.data_ptr(), shadow=t.data_ptr(), exp_avg=t.data_ptr(),
                           exp_avg_sq=t.data_ptr(), max_exp_avg_sq=0, grad=t.data_ptr(), numel=4,
-                          dtype=dtype_code(torch.float32), device=-1, lr=0.1, beta1=0.9,
-                          beta2=1.0, eps=1e-8, weight_decay=0.0, decoupled_weight_decay=False,
-                          maximize=False, amsgrad=False, step=1, commit=True)
+                          dtype=dtype_code(torch.float32), device=-1,
+                          hyper=C.optim.Hyper(lr=0.1, beta2=1.0), decoupled_weight_decay=False,
+                          step=1, commit=True)

@@ -227,3 +227,17 @@ def test_priority_steps_parameters_of_every_float_dtype_like_wfbp(dtype: str,
     assert moved > 1e-3
     exact = dtype == "float64" or optimizer == "adamw"
     assert diff <= (0 if exact else 0.05 * moved), (diff, moved)
+
+
+@pytest.mark.parametrize("schedule", ["priority", "decoupled"])
+@pytest.mark.parametrize("model,optimizer", [("cnn", "sgd"), ("transformer", "adamw")])
+def test_multi_tensor_steps_equal_steps_one_at_a_time(schedule: str, model: str,
+                                                      optimizer: str) -> None:
+    """HEMIOLA_MULTI_TENSOR_STEPS: the updater hands a landing group to
+    sgd_steps / adam_steps (a launch per 24 parameters on a GPU; here the
+    CPU's loop), with each parameter's own hyper-parameters, step count and
+    first-step flag. Bit for bit the steps one at a time."""
+    results = run_local(workers.multi_tensor_steps_agree, 2, schedule, model, optimizer, 5, "cpu")
+    for rank, r in results.items():
+        assert r["max_param_diff"] == 0.0, (rank, r)
+        assert r["max_loss_diff"] == 0.0, (rank, r)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import warnings
 from typing import Any
 
@@ -454,6 +455,25 @@ def gpu_schedules_agree(rank: int, world: int, model_name: str, opt_name: str, s
     b = schedule_run(rank, world, "decoupled", model_name, opt_name, steps, True, **gpu,
                      native_optimizer=native)
     return _agreement(a, b)
+
+
+def multi_tensor_steps_agree(rank: int, world: int, schedule: str, model_name: str,
+                             opt_name: str, steps: int, device: str,
+                             gpu_backend: str = "auto") -> dict[str, float]:
+    """The engine's steps one parameter at a time against multi-tensor steps
+    (HEMIOLA_MULTI_TENSOR_STEPS), on the same data: the same arithmetic per
+    element, so the runs must agree bit for bit."""
+    torch.backends.cudnn.deterministic = True  # else backward alone may differ
+    # decoupled: corrections land in step(), independently of network timing
+    timing = {"correct_on_arrival": False} if schedule == "decoupled" else {}
+    runs = []
+    for flag in ("0", "1"):
+        os.environ["HEMIOLA_MULTI_TENSOR_STEPS"] = flag
+        runs.append(schedule_run(rank, world, schedule, model_name, opt_name, steps, False,
+                                 device=device, gpu_backend=gpu_backend,
+                                 native_optimizer=True, **timing))
+    os.environ.pop("HEMIOLA_MULTI_TENSOR_STEPS")
+    return _agreement(*runs)
 
 
 def _initial_params(model_name: str) -> list[torch.Tensor]:

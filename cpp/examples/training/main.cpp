@@ -84,8 +84,8 @@ void batch(int rank, int step, std::vector<float>& x, std::vector<float>& t) {
   }
 }
 
-hemiola::GroupHyper hyper(int step) {
-  hemiola::GroupHyper h;
+hemiola::OptimizerHyper hyper(int step) {
+  hemiola::OptimizerHyper h;
   h.lr = 0.05 * (step < 50 ? 1.0 : 0.5);  // a step schedule
   h.momentum = 0.9;
   h.weight_decay = 1e-4;
@@ -197,11 +197,8 @@ int main(int argc, char** argv) {
         updater->step(iteration, s);
       } else {
         reducer->wait(iteration);
-        const hemiola::GroupHyper h = hyper(step);
-        hemiola::SgdHyper sgd;
-        sgd.lr = h.lr;
-        sgd.momentum = h.momentum;
-        sgd.weight_decay = h.weight_decay;
+        const hemiola::OptimizerHyper h = hyper(step);
+        hemiola::SgdHyper sgd{h};
         sgd.first_step = step == 0;
         for (size_t p = 0; p < net.params.size(); ++p) {
           hemiola::sgd_step({net.params[p].data(), net.params[p].data(), net.momentum[p].data(),

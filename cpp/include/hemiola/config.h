@@ -33,6 +33,13 @@ struct EngineOptions {
   // through pinned host memory: no NCCL needed, and several ranks may share
   // a GPU) or "auto" (NCCL when libnccl.so.2 loads, else Gloo).
   std::string gpu_backend = "auto";
+  // The Gloo backend with CUDA tensors: 0 stages each reduction whole (down
+  // to pinned memory, reduce, up, one after the other); > 0 pipelines it in
+  // chunks of this many bytes through three pinned stages, so a chunk's
+  // copies overlap the wire time of its neighbours, across buckets too.
+  // Every rank must use the same value (it decides how many collectives a
+  // reduction is). Experimental: not yet run on a GPU (docs/gpu.md).
+  size_t staged_chunk_bytes = 0;
 };
 
 // How a bucket travels on the wire (engine/wire_codec.h). Applies to float32

@@ -20,6 +20,7 @@
 
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "hemiola/export.h"
 #include "hemiola/tensor.h"
@@ -34,15 +35,30 @@ enum class OptimizerKind : std::int32_t { kSgd = 0, kAdam = 1, kAdamW = 2 };
 // naming the three.
 HEMIOLA_API OptimizerKind optimizer_kind(const std::string& name);
 
-// torch.optim.SGD's hyper-parameters for one step. Doubles, as torch holds
-// them (Python floats).
-struct SgdHyper {
+// One parameter group's hyper-parameters, with torch.optim's names: the one
+// vocabulary of the schedules' Updater, the parameter server and the bindings
+// (hemiola._C.optim.Hyper). SGD reads lr, momentum, dampening, weight_decay,
+// nesterov and maximize; Adam/AdamW lr, beta1, beta2, eps, weight_decay,
+// maximize and amsgrad. Doubles, as torch holds them (Python floats).
+struct OptimizerHyper {
   double lr = 0.0;
   double momentum = 0.0;
   double dampening = 0.0;
-  double weight_decay = 0.0;
+  double weight_decay = 0.0;  // SGD and Adam: added to the gradient; AdamW: decoupled
   bool nesterov = false;
   bool maximize = false;
+  double beta1 = 0.9;
+  double beta2 = 0.999;
+  double eps = 1e-8;
+  bool amsgrad = false;
+};
+
+HEMIOLA_API bool operator==(const OptimizerHyper& a, const OptimizerHyper& b);
+inline bool operator!=(const OptimizerHyper& a, const OptimizerHyper& b) { return !(a == b); }
+
+// One torch.optim.SGD step of one tensor: the group's hyper-parameters and
+// what belongs to this step alone.
+struct SgdHyper : OptimizerHyper {
   // True on the step that creates the momentum buffer (torch: buf = d_p);
   // the buffer's old contents are then not read.
   bool first_step = false;
@@ -88,19 +104,14 @@ struct VectorSqrt {
   VectorSqrtF64 f64 = nullptr;
 };
 
-// torch.optim.Adam / AdamW's hyper-parameters for one step.
-struct AdamHyper {
-  double lr = 0.0;
-  double beta1 = 0.9;
-  double beta2 = 0.999;
-  double eps = 1e-8;
-  double weight_decay = 0.0;
+// One torch.optim.Adam / AdamW step of one tensor: the group's
+// hyper-parameters (amsgrad on the CPU only; the GPU refuses it) and what
+// belongs to this step alone.
+struct AdamHyper : OptimizerHyper {
   bool decoupled_weight_decay = false;  // AdamW
-  bool maximize = false;
-  bool amsgrad = false;                 // the CPU only; the GPU refuses it
   std::int64_t step = 1;  // the step being taken, counted from 1 (bias correction)
   double grad_scale = 1.0;  // as SgdHyper::grad_scale
-  VectorSqrt sqrt;          // the CPU step's square root (see VectorSqrt)
+  VectorSqrt sqrt = {};     // the CPU step's square root (see VectorSqrt)
 };
 
 struct AdamTensors {
@@ -122,5 +133,29 @@ struct AdamTensors {
 HEMIOLA_API void adam_step(const AdamTensors& tensors, std::int64_t numel, DType dtype,
                            const Device& device, const AdamHyper& hyper, bool commit,
                            StreamRef stream = {});
+
+// One tensor's step in a multi-tensor call.
+struct SgdStep {
+  SgdTensors tensors;
+  std::int64_t numel = 0;
+  DType dtype = DType::kFloat32;
+  SgdHyper hyper;
+};
+
+struct AdamStep {
+  AdamTensors tensors;
+  std::int64_t numel = 0;
+  DType dtype = DType::kFloat32;
+  AdamHyper hyper;
+};
+
+// sgd_step / adam_step on each of `steps`, all on `device`. On a GPU in one
+// kernel launch per run of up to 24 steps of one dtype (a landing group's
+// parameters at once, instead of a launch each); on the CPU one after the
+// other. Every step is checked before any is taken.
+HEMIOLA_API void sgd_steps(const std::vector<SgdStep>& steps, const Device& device, bool commit,
+                           StreamRef stream = {});
+HEMIOLA_API void adam_steps(const std::vector<AdamStep>& steps, const Device& device,
+                            bool commit, StreamRef stream = {});
 
 }  // namespace hemiola

@@ -69,18 +69,6 @@ HEMIOLA_API StalenessRule staleness_rule_from_name(const std::string& name);
 HEMIOLA_API MomentumRule momentum_rule_from_name(const std::string& name);
 HEMIOLA_API double staleness_factor(StalenessRule rule, int64_t tau);
 
-// Optimizer hyper-parameters, following torch.optim's names and formulas.
-struct Hyper {
-  double lr = 0.01;
-  double momentum = 0.0;      // SGD
-  double dampening = 0.0;     // SGD
-  double weight_decay = 0.0;  // SGD and Adam: added to the gradient; AdamW: decoupled
-  double beta1 = 0.9;         // Adam/AdamW
-  double beta2 = 0.999;       // Adam/AdamW
-  double eps = 1e-8;          // Adam/AdamW
-  bool nesterov = false;      // SGD
-};
-
 // One shard: elements [begin, begin + count) of tensor `tensor`, held by `server`.
 struct Shard {
   int32_t key = 0;
@@ -223,9 +211,9 @@ class HEMIOLA_API Client {
   // Registers with every server; worker 0 sends the initial values (one
   // pointer per tensor), the others pass an empty vector. Then pulls every
   // tensor: call wait_pull before using one.
-  void initialize(const std::vector<const float*>& initial, const std::vector<Hyper>& hyper);
+  void initialize(const std::vector<const float*>& initial, const std::vector<OptimizerHyper>& hyper);
   // Hyper-parameters for the following pushes of `tensor`.
-  void set_hyper(int tensor, const Hyper& hyper);
+  void set_hyper(int tensor, const OptimizerHyper& hyper);
   // Copies the gradient and sends it; returns at once.
   void push(int tensor, const float* grad);
   // This iteration has no gradient for `tensor` (unused): counts as a push

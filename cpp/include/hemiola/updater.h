@@ -85,21 +85,6 @@ class Reducer;
 
 enum class UpdateSchedule : int { kPriority = 0, kDecoupled = 1 };
 
-// One parameter group's hyper-parameters, with torch.optim's names. SGD reads
-// the first six, Adam/AdamW lr, weight_decay, maximize and the rest.
-struct GroupHyper {
-  double lr = 0.0;
-  double momentum = 0.0;
-  double dampening = 0.0;
-  double weight_decay = 0.0;
-  bool nesterov = false;
-  bool maximize = false;
-  double beta1 = 0.9;
-  double beta2 = 0.999;
-  double eps = 1e-8;
-  bool amsgrad = false;
-};
-
 // A trainable parameter and its optimizer state (non-owning; the state has
 // the parameter's dtype and size). Index i is the reducer's gradient i.
 struct ParameterSlot {
@@ -172,11 +157,16 @@ struct UpdaterOptions {
   // The CPU Adam step's square root (hemiola/optimizer.h): torch's, to step
   // as torch does bit for bit.
   VectorSqrt sqrt;
+  // The engine's own steps of a landing group go through sgd_steps /
+  // adam_steps (hemiola/optimizer.h): on a GPU one kernel launch per up to 24
+  // parameters instead of one each. Off: a step per parameter. Experimental
+  // until it has run on a GPU (docs/gpu.md); the CPU result is the same.
+  bool multi_tensor_steps = false;
 };
 
 // What one step() applies, as the iteration ran.
 struct StepOptions {
-  std::vector<GroupHyper> hyper;   // per parameter group (the engine's steppers)
+  std::vector<OptimizerHyper> hyper;  // per parameter group (the engine's steppers)
   // UpdaterOptions::external: handed back to ExternalStepper::step with every
   // step taken for this call (the caller's key to its hyper-parameters).
   uint64_t hyper_key = 0;

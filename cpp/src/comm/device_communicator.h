@@ -30,9 +30,12 @@ class DeviceCommunicator {
   virtual void abort() {}
 };
 
-// Gloo over `host` with device tensors staged through pinned host memory on a
-// copy stream of its own; the caller's stream waits for the result on the
-// device. `host` must outlive the communicator.
-std::unique_ptr<DeviceCommunicator> make_staged_gloo_communicator(Communicator& host, int device);
+// Gloo over `host` with device tensors staged through pinned host memory on
+// copy streams of its own; the caller's stream waits for the result on the
+// device. `chunk_bytes` 0: each reduction staged whole; > 0: pipelined in
+// chunks of that size (EngineOptions::staged_chunk_bytes). `host` must
+// outlive the communicator.
+std::unique_ptr<DeviceCommunicator> make_staged_gloo_communicator(Communicator& host, int device,
+                                                                  size_t chunk_bytes);
 
 }  // namespace hemiola

@@ -34,6 +34,7 @@ void Event::record(void*) { unavailable(); }
 void Event::block(void*) const { unavailable(); }
 bool Event::query() const { unavailable(); }
 bool Event::wait_for(std::chrono::milliseconds) const { unavailable(); }
+void Event::synchronize() const { unavailable(); }
 DeviceBuffer::DeviceBuffer(int, size_t) { unavailable(); }
 DeviceBuffer::~DeviceBuffer() = default;
 PinnedBuffer::PinnedBuffer(size_t) { unavailable(); }
@@ -53,5 +54,7 @@ void sgd_step(const SgdTensors&, std::int64_t, DType, const SgdHyper&, bool, voi
 void adam_step(const AdamTensors&, std::int64_t, DType, const AdamHyper&, bool, void*) {
   unavailable();
 }
+void sgd_steps(const SgdStep*, size_t, bool, void*) { unavailable(); }
+void adam_steps(const AdamStep*, size_t, bool, void*) { unavailable(); }
 
 }  // namespace hemiola::cuda

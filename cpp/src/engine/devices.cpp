@@ -37,7 +37,7 @@ Devices::Entry& Devices::get(int device) {
 
 std::unique_ptr<DeviceCommunicator> Devices::make_comm(int device) {
   const std::string& backend = options_.gpu_backend;
-  if (backend == "gloo") return make_staged_gloo_communicator(host_, device);
+  if (backend == "gloo") return make_staged_gloo_communicator(host_, device, options_.staged_chunk_bytes);
 #if HEMIOLA_NCCL_ENABLED
   if (!nccl_) nccl_ = std::make_unique<Nccl>();
   const comm::NcclLibrary& library = nccl_->library;
@@ -54,7 +54,7 @@ std::unique_ptr<DeviceCommunicator> Devices::make_comm(int device) {
                 HEMIOLA_NCCL_REASON, ")");
 #endif
   // auto without NCCL: the Gloo fallback.
-  return make_staged_gloo_communicator(host_, device);
+  return make_staged_gloo_communicator(host_, device, options_.staged_chunk_bytes);
 }
 
 }  // namespace hemiola

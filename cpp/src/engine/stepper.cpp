@@ -27,7 +27,10 @@ struct Scratch {
 class NativeStepper final : public Stepper {
  public:
   NativeStepper(LandingGraph& graph, const UpdaterOptions& options)
-      : graph_(graph), optimizer_(options.optimizer), sqrt_(options.sqrt) {}
+      : graph_(graph),
+        optimizer_(options.optimizer),
+        sqrt_(options.sqrt),
+        multi_tensor_(options.multi_tensor_steps) {}
 
   void commit(const StepGroup& group) override { step_group(group, /*commit=*/true); }
 
@@ -43,6 +46,10 @@ class NativeStepper final : public Stepper {
  private:
   // Each parameter of `group` one step from its exact value.
   void step_group(const StepGroup& group, bool commit) {
+    if (multi_tensor_) {
+      step_together(group, commit);
+      return;
+    }
     for (size_t k = 0; k < group.indices.size(); ++k) {
       const size_t i = group.indices[k];
       step(graph_.param(i), graph_.exact(i), group.grads[k], *group.options, group.grad_scale,
@@ -89,47 +96,88 @@ class NativeStepper final : public Stepper {
   // `exact` and the state (hemiola/optimizer.h).
   void step(ParameterSlot& p, void* exact, const void* grad, const StepOptions& options,
             double grad_scale, bool commit) {
-    const GroupHyper& h = options.hyper[p.group];
     const auto numel = static_cast<std::int64_t>(p.param.numel);
     if (optimizer_ == OptimizerKind::kSgd) {
-      SgdHyper s;
-      s.lr = h.lr;
-      s.momentum = h.momentum;
-      s.dampening = h.dampening;
-      s.weight_decay = h.weight_decay;
-      s.nesterov = h.nesterov;
-      s.maximize = h.maximize;
-      s.first_step = h.momentum != 0.0 && !p.momentum_initialised;
-      s.grad_scale = grad_scale;
-      HEMIOLA_CHECK(h.momentum == 0.0 || p.momentum_buffer || numel == 0,
-                    "updater: parameter '", p.name, "' has momentum ", h.momentum,
-                    " but no momentum buffer (set momentum before wrapping)");
       sgd_step(SgdTensors{p.param.data, exact, p.momentum_buffer, grad}, numel, p.param.dtype,
-               graph_.device(), s, commit, graph_.stream());
-      if (commit && h.momentum != 0.0) p.momentum_initialised = true;
-      return;
+               graph_.device(), sgd_hyper(p, options, grad_scale), commit, graph_.stream());
+    } else {
+      adam_step(AdamTensors{p.param.data, exact, p.exp_avg, p.exp_avg_sq, grad, p.max_exp_avg_sq},
+                numel, p.param.dtype, graph_.device(), adam_hyper(p, options, grad_scale),
+                commit, graph_.stream());
     }
-    AdamHyper a;
-    a.lr = h.lr;
-    a.beta1 = h.beta1;
-    a.beta2 = h.beta2;
-    a.eps = h.eps;
-    a.weight_decay = h.weight_decay;
+    if (commit) advance(p, options);
+  }
+
+  // step() for every parameter of `group`, in multi-tensor calls.
+  void step_together(const StepGroup& group, bool commit) {
+    const size_t n = group.indices.size();
+    if (optimizer_ == OptimizerKind::kSgd) {
+      sgd_batch_.resize(n);
+      for (size_t k = 0; k < n; ++k) {
+        ParameterSlot& p = graph_.param(group.indices[k]);
+        sgd_batch_[k] = SgdStep{
+            SgdTensors{p.param.data, graph_.exact(group.indices[k]), p.momentum_buffer,
+                       group.grads[k]},
+            static_cast<std::int64_t>(p.param.numel), p.param.dtype,
+            sgd_hyper(p, *group.options, group.grad_scale)};
+      }
+      sgd_steps(sgd_batch_, graph_.device(), commit, graph_.stream());
+    } else {
+      adam_batch_.resize(n);
+      for (size_t k = 0; k < n; ++k) {
+        ParameterSlot& p = graph_.param(group.indices[k]);
+        adam_batch_[k] = AdamStep{
+            AdamTensors{p.param.data, graph_.exact(group.indices[k]), p.exp_avg, p.exp_avg_sq,
+                        group.grads[k], p.max_exp_avg_sq},
+            static_cast<std::int64_t>(p.param.numel), p.param.dtype,
+            adam_hyper(p, *group.options, group.grad_scale)};
+      }
+      adam_steps(adam_batch_, graph_.device(), commit, graph_.stream());
+    }
+    if (commit) {
+      for (size_t i : group.indices) advance(graph_.param(i), *group.options);
+    }
+  }
+
+  SgdHyper sgd_hyper(const ParameterSlot& p, const StepOptions& options,
+                     double grad_scale) const {
+    const OptimizerHyper& h = options.hyper[p.group];
+    HEMIOLA_CHECK(h.momentum == 0.0 || p.momentum_buffer || p.param.numel == 0,
+                  "updater: parameter '", p.name, "' has momentum ", h.momentum,
+                  " but no momentum buffer (set momentum before wrapping)");
+    SgdHyper s{h};
+    s.first_step = h.momentum != 0.0 && !p.momentum_initialised;
+    s.grad_scale = grad_scale;
+    return s;
+  }
+
+  AdamHyper adam_hyper(const ParameterSlot& p, const StepOptions& options,
+                       double grad_scale) const {
+    AdamHyper a{options.hyper[p.group]};
     a.decoupled_weight_decay = optimizer_ == OptimizerKind::kAdamW;
-    a.maximize = h.maximize;
-    a.amsgrad = h.amsgrad;
     a.step = static_cast<std::int64_t>(*p.step) + 1;
     a.grad_scale = grad_scale;
     a.sqrt = sqrt_;
-    adam_step(AdamTensors{p.param.data, exact, p.exp_avg, p.exp_avg_sq, grad, p.max_exp_avg_sq},
-              numel, p.param.dtype, graph_.device(), a, commit, graph_.stream());
-    if (commit) *p.step += 1.0f;
+    return a;
+  }
+
+  // The state a committed step leaves: the momentum buffer exists, or one
+  // more Adam step was taken.
+  void advance(ParameterSlot& p, const StepOptions& options) const {
+    if (optimizer_ == OptimizerKind::kSgd) {
+      if (options.hyper[p.group].momentum != 0.0) p.momentum_initialised = true;
+    } else {
+      *p.step += 1.0f;
+    }
   }
 
   LandingGraph& graph_;
   OptimizerKind optimizer_;
-  VectorSqrt sqrt_;  // UpdaterOptions::sqrt
-  Scratch scratch_;  // local chains longer than one step
+  VectorSqrt sqrt_;    // UpdaterOptions::sqrt
+  bool multi_tensor_;  // UpdaterOptions::multi_tensor_steps
+  Scratch scratch_;    // local chains longer than one step
+  std::vector<SgdStep> sgd_batch_;    // scratch of step_together()
+  std::vector<AdamStep> adam_batch_;  // scratch of step_together()
 };
 
 // The caller's step (UpdaterOptions::external). It steps the live parameters

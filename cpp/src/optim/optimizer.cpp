@@ -21,6 +21,13 @@ void check_common(const void* param, const void* shadow, const void* grad, std::
 
 }  // namespace
 
+bool operator==(const OptimizerHyper& a, const OptimizerHyper& b) {
+  return a.lr == b.lr && a.momentum == b.momentum && a.dampening == b.dampening &&
+         a.weight_decay == b.weight_decay && a.nesterov == b.nesterov &&
+         a.maximize == b.maximize && a.beta1 == b.beta1 && a.beta2 == b.beta2 &&
+         a.eps == b.eps && a.amsgrad == b.amsgrad;
+}
+
 OptimizerKind optimizer_kind(const std::string& name) {
   if (name == "sgd") return OptimizerKind::kSgd;
   if (name == "adam") return OptimizerKind::kAdam;
@@ -29,8 +36,11 @@ OptimizerKind optimizer_kind(const std::string& name) {
                 "': the engine steps 'sgd', 'adam' and 'adamw'");
 }
 
-void sgd_step(const SgdTensors& tensors, std::int64_t numel, DType dtype, const Device& device,
-              const SgdHyper& hyper, bool commit, StreamRef stream) {
+namespace {
+
+// torch.optim.SGD's argument checks, and the buffer this step needs.
+void check_sgd(const SgdTensors& tensors, std::int64_t numel, DType dtype, const SgdHyper& hyper,
+               bool commit) {
   check_common(tensors.param, tensors.shadow, tensors.grad, numel, dtype);
   HEMIOLA_CHECK(hyper.lr >= 0.0, "sgd: invalid learning rate ", hyper.lr);
   HEMIOLA_CHECK(hyper.momentum >= 0.0, "sgd: invalid momentum ", hyper.momentum);
@@ -41,16 +51,11 @@ void sgd_step(const SgdTensors& tensors, std::int64_t numel, DType dtype, const 
   HEMIOLA_CHECK(numel == 0 || hyper.momentum == 0.0 || tensors.momentum ||
                     (hyper.first_step && !commit),
                 "sgd: momentum != 0 needs a momentum buffer");
-  if (numel == 0) return;
-  if (device.type == DeviceType::kCUDA) {
-    cuda::sgd_step(tensors, numel, dtype, hyper, commit, stream.handle);
-  } else {
-    optim::cpu_sgd_step(tensors, numel, dtype, hyper, commit);
-  }
 }
 
-void adam_step(const AdamTensors& tensors, std::int64_t numel, DType dtype, const Device& device,
-               const AdamHyper& hyper, bool commit, StreamRef stream) {
+// torch.optim.Adam's argument checks, and the buffers this step needs.
+void check_adam(const AdamTensors& tensors, std::int64_t numel, DType dtype,
+                const AdamHyper& hyper) {
   check_common(tensors.param, tensors.shadow, tensors.grad, numel, dtype);
   HEMIOLA_CHECK(hyper.lr >= 0.0, "adam: invalid learning rate ", hyper.lr);
   HEMIOLA_CHECK(hyper.eps >= 0.0, "adam: invalid epsilon ", hyper.eps);
@@ -62,11 +67,53 @@ void adam_step(const AdamTensors& tensors, std::int64_t numel, DType dtype, cons
                 "adam: null moment buffers");
   HEMIOLA_CHECK(numel == 0 || !hyper.amsgrad || tensors.max_exp_avg_sq,
                 "adam: amsgrad needs a max_exp_avg_sq buffer");
+}
+
+}  // namespace
+
+void sgd_step(const SgdTensors& tensors, std::int64_t numel, DType dtype, const Device& device,
+              const SgdHyper& hyper, bool commit, StreamRef stream) {
+  check_sgd(tensors, numel, dtype, hyper, commit);
+  if (numel == 0) return;
+  if (device.type == DeviceType::kCUDA) {
+    cuda::sgd_step(tensors, numel, dtype, hyper, commit, stream.handle);
+  } else {
+    optim::cpu_sgd_step(tensors, numel, dtype, hyper, commit);
+  }
+}
+
+void adam_step(const AdamTensors& tensors, std::int64_t numel, DType dtype, const Device& device,
+               const AdamHyper& hyper, bool commit, StreamRef stream) {
+  check_adam(tensors, numel, dtype, hyper);
   if (numel == 0) return;
   if (device.type == DeviceType::kCUDA) {
     cuda::adam_step(tensors, numel, dtype, hyper, commit, stream.handle);
   } else {
     optim::cpu_adam_step(tensors, numel, dtype, hyper, commit);
+  }
+}
+
+void sgd_steps(const std::vector<SgdStep>& steps, const Device& device, bool commit,
+               StreamRef stream) {
+  for (const SgdStep& s : steps) check_sgd(s.tensors, s.numel, s.dtype, s.hyper, commit);
+  if (device.type == DeviceType::kCUDA) {
+    cuda::sgd_steps(steps.data(), steps.size(), commit, stream.handle);
+    return;
+  }
+  for (const SgdStep& s : steps) {
+    if (s.numel > 0) optim::cpu_sgd_step(s.tensors, s.numel, s.dtype, s.hyper, commit);
+  }
+}
+
+void adam_steps(const std::vector<AdamStep>& steps, const Device& device, bool commit,
+                StreamRef stream) {
+  for (const AdamStep& s : steps) check_adam(s.tensors, s.numel, s.dtype, s.hyper);
+  if (device.type == DeviceType::kCUDA) {
+    cuda::adam_steps(steps.data(), steps.size(), commit, stream.handle);
+    return;
+  }
+  for (const AdamStep& s : steps) {
+    if (s.numel > 0) optim::cpu_adam_step(s.tensors, s.numel, s.dtype, s.hyper, commit);
   }
 }
 

@@ -40,7 +40,7 @@ struct KeyState {
   // answers a pull on receipt, so a reply contains exactly the pushes sent
   // before its request.
   std::vector<float> own;
-  Hyper own_hyper;  // the hyper-parameters the push carried (the server steps with them)
+  OptimizerHyper own_hyper;  // what the push carried (the server steps with it)
   bool own_is_gradient = false;
   int64_t pushes_since_request = 0;
   std::vector<float> own_sq;   // Adam: a running second moment of this worker's gradients
@@ -48,6 +48,13 @@ struct KeyState {
   int64_t last_staleness = 0;  // of the newest acknowledged gradient push
   bool corrected = false;      // the value taken last had the own push applied locally
 };
+
+// The header carries no maximize or amsgrad: the servers step without them.
+void check_server_steps(const OptimizerHyper& h) {
+  HEMIOLA_CHECK(!h.maximize && !h.amsgrad,
+                "the parameter server steps without maximize and amsgrad; got maximize=",
+                h.maximize, ", amsgrad=", h.amsgrad);
+}
 
 }  // namespace
 
@@ -64,7 +71,7 @@ struct Client::Impl {
   mutable std::mutex mutex;
   std::condition_variable changed;
   std::vector<KeyState> keys;
-  std::vector<Hyper> hyper;  // per tensor
+  std::vector<OptimizerHyper> hyper;  // per tensor
   int64_t outstanding = 0;   // pushes not yet acknowledged
   int registered = 0;
   int snapshots_done = 0;
@@ -315,7 +322,7 @@ struct Client::Impl {
   // servers' momentum or moments add is the other workers' (and the past's)
   // share.
   void correct_locally(const KeyState& k, int64_t version, float* dst) const {
-    const Hyper& h = k.own_hyper;
+    const OptimizerHyper& h = k.own_hyper;
     const PushWeight weight =
         push_weight(opt.staleness_rule, opt.momentum_rule, k.last_staleness, opt.num_workers);
     const auto wd = static_cast<float>(h.weight_decay);
@@ -394,10 +401,12 @@ Client::~Client() {
 
 const std::vector<Shard>& Client::shards() const { return impl_->shards; }
 
-void Client::initialize(const std::vector<const float*>& initial, const std::vector<Hyper>& hyper) {
+void Client::initialize(const std::vector<const float*>& initial,
+                        const std::vector<OptimizerHyper>& hyper) {
   auto& im = *impl_;
-  HEMIOLA_CHECK(hyper.size() == im.numels.size(), "one Hyper per tensor expected, got ",
-                hyper.size());
+  HEMIOLA_CHECK(hyper.size() == im.numels.size(),
+                "one set of hyper-parameters per tensor expected, got ", hyper.size());
+  for (const auto& h : hyper) check_server_steps(h);
   HEMIOLA_CHECK(im.opt.worker_index == 0 ? initial.size() == im.numels.size() : initial.empty(),
                 "worker 0 passes one initial pointer per tensor; other workers pass none");
   {
@@ -420,8 +429,9 @@ void Client::initialize(const std::vector<const float*>& initial, const std::vec
   for (size_t t = 0; t < im.numels.size(); ++t) pull(static_cast<int>(t));
 }
 
-void Client::set_hyper(int tensor, const Hyper& hyper) {
+void Client::set_hyper(int tensor, const OptimizerHyper& hyper) {
   impl_->keys_of(tensor);  // range check
+  check_server_steps(hyper);
   std::lock_guard<std::mutex> lock(impl_->mutex);
   impl_->hyper[static_cast<size_t>(tensor)] = hyper;
 }

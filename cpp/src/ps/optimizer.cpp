@@ -33,7 +33,7 @@ PushWeight push_weight(StalenessRule rule, MomentumRule momentum_rule, int64_t t
   return w;
 }
 
-SgdPush sgd_push(const Hyper& hyper, const PushWeight& weight) {
+SgdPush sgd_push(const OptimizerHyper& hyper, const PushWeight& weight) {
   SgdPush p;
   p.lr = hyper.lr * weight.lr_scale;
   p.momentum = hyper.momentum * weight.momentum_scale;
@@ -50,18 +50,16 @@ SgdPush sgd_push(const Hyper& hyper, const PushWeight& weight) {
 }
 
 void optimizer_step(OptimizerState& state, float* param, const float* grad, int64_t n,
-                    const Hyper& hyper, const PushWeight& weight) {
+                    const OptimizerHyper& hyper, const PushWeight& weight) {
   const Device cpu{};
   if (state.kind == OptimizerKind::kSgd) {
     // grad_scale * (grad + weight_decay * param) as it enters the buffer.
     const SgdPush push = sgd_push(hyper, weight);
-    SgdHyper h;
+    SgdHyper h{hyper};
     h.lr = push.lr;
     h.momentum = push.momentum;
-    h.dampening = hyper.dampening;
     h.grad_scale = push.grad_scale;
     h.weight_decay = hyper.weight_decay * push.grad_scale;
-    h.nesterov = hyper.nesterov;
     h.first_step = hyper.momentum != 0.0 && !state.has_momentum;
     if (h.first_step) state.m.assign(static_cast<size_t>(n), 0.0f);
     sgd_step(SgdTensors{param, param, state.m.data(), grad}, n, DType::kFloat32, cpu, h, true);
@@ -74,12 +72,8 @@ void optimizer_step(OptimizerState& state, float* param, const float* grad, int6
     state.m.assign(static_cast<size_t>(n), 0.0f);
     state.v.assign(static_cast<size_t>(n), 0.0f);
   }
-  AdamHyper h;
+  AdamHyper h{hyper};
   h.lr = hyper.lr * weight.factor;
-  h.beta1 = hyper.beta1;
-  h.beta2 = hyper.beta2;
-  h.eps = hyper.eps;
-  h.weight_decay = hyper.weight_decay;
   h.decoupled_weight_decay = state.kind == OptimizerKind::kAdamW;
   h.step = ++state.step;
   adam_step(AdamTensors{param, param, state.m.data(), state.v.data(), grad}, n, DType::kFloat32,
@@ -87,7 +81,7 @@ void optimizer_step(OptimizerState& state, float* param, const float* grad, int6
 }
 
 void momentum_share_removed(const OptimizerState& state, const float* param, float* out,
-                            int64_t n, const Hyper& hyper, const PushWeight& weight) {
+                            int64_t n, const OptimizerHyper& hyper, const PushWeight& weight) {
   // One pass over the shard either way: this runs for every eager pull.
   if (state.kind == OptimizerKind::kSgd) {
     if (!state.has_momentum || hyper.momentum == 0.0) {

@@ -61,12 +61,12 @@ struct SgdPush {
 // grad_scale times (1 - m^(1/N)) / (N (1 - m)), so each gradient moves the
 // parameters as far in all (lr (1 - dampening) / (N (1 - m))) as in bsp,
 // where it is one of N averaged into a round (1/N without momentum).
-SgdPush sgd_push(const Hyper& hyper, const PushWeight& weight);
+SgdPush sgd_push(const OptimizerHyper& hyper, const PushWeight& weight);
 
 // One step of `state.kind` on `param` (n elements) with gradient `grad`,
 // weighted by `weight`.
 void optimizer_step(OptimizerState& state, float* param, const float* grad, int64_t n,
-                    const Hyper& hyper, const PushWeight& weight);
+                    const OptimizerHyper& hyper, const PushWeight& weight);
 
 // The parameters after the next step if its gradient were zero (and without
 // weight decay): `out` = `param` minus the step that momentum alone takes with
@@ -78,6 +78,6 @@ void optimizer_step(OptimizerState& state, float* param, const float* grad, int6
 // Adam/AdamW: the bias-corrected step at lr * factor with m and v decayed
 // once (beta1 * m, beta2 * v).
 void momentum_share_removed(const OptimizerState& state, const float* param, float* out,
-                            int64_t n, const Hyper& hyper, const PushWeight& weight);
+                            int64_t n, const OptimizerHyper& hyper, const PushWeight& weight);
 
 }  // namespace hemiola::ps

@@ -83,15 +83,15 @@ inline uint64_t header_checksum(Header h) {
   return hash;
 }
 
-inline void put_hyper(Header& h, const Hyper& hp) {
+inline void put_hyper(Header& h, const OptimizerHyper& hp) {
   const double values[7] = {hp.lr, hp.momentum, hp.dampening, hp.weight_decay,
                             hp.beta1, hp.beta2, hp.eps};
   std::memcpy(h.hyper, values, sizeof values);
   h.flags = hp.nesterov ? (h.flags | kFlagNesterov) : (h.flags & ~kFlagNesterov);
 }
 
-inline Hyper get_hyper(const Header& h) {
-  Hyper hp;
+inline OptimizerHyper get_hyper(const Header& h) {
+  OptimizerHyper hp;
   hp.lr = h.hyper[0];
   hp.momentum = h.hyper[1];
   hp.dampening = h.hyper[2];

@@ -47,13 +47,13 @@ struct Key {
   int64_t version = 0;
   std::vector<float> param;
   OptimizerState optimizer;
-  std::optional<Hyper> hyper;  // of the newest applied push (an ahead reply steps with it)
+  std::optional<OptimizerHyper> hyper;  // of the newest applied push (an ahead reply steps with it)
   // bsp: the round being aggregated.
   std::vector<float> sum;
   std::vector<uint8_t> contributed;
   int contributions = 0;
   bool any_gradient = false;
-  Hyper round_hyper;
+  OptimizerHyper round_hyper;
   Clock::time_point round_started;
   // ssp/asp/eager: pushes received from each worker.
   std::vector<int64_t> pushes;

@@ -16,6 +16,7 @@ from torch import nn
 
 from hemiola._native import C
 from hemiola.forward_gate import ForwardGate
+from hemiola.hyper import group_hyper
 from hemiola.ps.ahead import AheadPlan
 from hemiola.ps.config import PSConfig
 from hemiola.ps.roles import Role, job_token, rendezvous_store
@@ -36,14 +37,6 @@ def _optimizer_kind(optimizer: Any) -> str:
             raise ValueError("hemiola.ps does not support maximize, amsgrad or differentiable "
                              "optimizers")
     return kind
-
-
-def _hyper(group: dict[str, Any]) -> tuple[float, ...]:
-    betas = group.get("betas", (0.9, 0.999))
-    return (float(group["lr"]), float(group.get("momentum", 0.0)),
-            float(group.get("dampening", 0.0)), float(group.get("weight_decay", 0.0)),
-            float(betas[0]), float(betas[1]), float(group.get("eps", 1e-8)),
-            bool(group.get("nesterov", False)))
 
 
 class ParameterServerModel(nn.Module):
@@ -89,10 +82,10 @@ class ParameterServerModel(nn.Module):
             iface=iface, master_addr=master, token=job_token(),
             local_correction=config.local_correction,
             momentum_rule=config.momentum_rule)
-        self._hypers = [_hyper(g) for g in optimizer.param_groups]
+        self._hypers = [group_hyper(g) for g in optimizer.param_groups]
         initial = [p.data_ptr() for p in self._params] if worker.worker_index == 0 else []
         self._client.initialize(
-            initial, [C.ps.Hyper(*self._hypers[g]) for g in self._group_of])
+            initial, [self._hypers[g] for g in self._group_of])
         n = len(self._params)
         self._pending = [True] * n  # a pull is outstanding; the next forward takes it
         # eager: pulls for the next iteration, requested when this forward ended;
@@ -147,12 +140,12 @@ class ParameterServerModel(nn.Module):
         # Learning-rate schedules change param_groups between iterations: the
         # pushes of this iteration carry the values in effect now.
         for g, group in enumerate(self._optimizer.param_groups):
-            h = _hyper(group)
+            h = group_hyper(group)
             if h != self._hypers[g]:
                 self._hypers[g] = h
                 for i, gi in enumerate(self._group_of):
                     if gi == g:
-                        self._client.set_hyper(i, C.ps.Hyper(*h))
+                        self._client.set_hyper(i, h)
         if torch.is_grad_enabled():
             self._grad_forward = True
 

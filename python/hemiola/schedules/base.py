@@ -199,7 +199,9 @@ class BufferBroadcast:
     def start(self) -> None:
         self.finish()
         # Host memory: the engine's broadcast reads it from its own thread.
-        self._stage, self._offsets = pack_bytes(self.replica.buffers)
+        # Only rank 0's bytes are read: the others copy nothing off the GPU.
+        self._stage, self._offsets = pack_bytes(self.replica.buffers,
+                                                fill=self.replica.rank == 0)
         self._handle = self.replica.engine.broadcast(self._stage.data_ptr(), UINT8,
                                                      self._stage.numel(), 0)
 

@@ -23,6 +23,7 @@ them as blocks.
 
 from __future__ import annotations
 
+import os
 import warnings
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -30,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from hemiola._native import C
+from hemiola.hyper import group_hyper
 from hemiola.schedules.base import DeferredSchedule
 from hemiola.schedules.torch_step import TorchStep, dense
 from hemiola.tensors import dtype_code
@@ -42,9 +44,6 @@ if TYPE_CHECKING:
 _KINDS = {torch.optim.SGD: "sgd", torch.optim.Adam: "adam", torch.optim.AdamW: "adamw"}
 #: the optimizers ``decoupled`` takes a preview for when ``Config.preview`` is None
 PREVIEW_BY_DEFAULT = ("adam", "adamw")
-
-#: (lr, momentum, dampening, weight_decay, nesterov, maximize, beta1, beta2, eps, amsgrad)
-Hyper = tuple[float, float, float, float, bool, bool, float, float, float, bool]
 
 
 def unsupported(optimizer: Any, params: list[torch.Tensor]) -> str | None:
@@ -76,13 +75,15 @@ def native_kind(config: Config, optimizer: Any, params: list[torch.Tensor]) -> s
     return _KINDS[type(optimizer)]
 
 
-def _hyper(group: dict[str, Any]) -> Hyper:
-    beta1, beta2 = group.get("betas", (0.9, 0.999))
-    return (float(group["lr"]), float(group.get("momentum", 0.0)),
-            float(group.get("dampening", 0.0)), float(group.get("weight_decay", 0.0)),
-            bool(group.get("nesterov", False)), bool(group.get("maximize", False)),
-            float(beta1), float(beta2), float(group.get("eps", 1e-8)),
-            bool(group.get("amsgrad", False)))
+def multi_tensor_steps() -> bool:
+    """``HEMIOLA_MULTI_TENSOR_STEPS=1``: the engine steps a landing group's
+    parameters in multi-tensor calls (on a GPU one launch per up to 24
+    parameters; UpdaterOptions::multi_tensor_steps). Experimental until it
+    has run on a GPU (docs/gpu.md); on the CPU the result is the same."""
+    raw = os.environ.get("HEMIOLA_MULTI_TENSOR_STEPS", "").strip()
+    if raw not in ("", "0", "1"):
+        raise ValueError(f"HEMIOLA_MULTI_TENSOR_STEPS={raw!r}: use 1 (on) or 0 (off)")
+    return raw == "1"
 
 
 class NativeUpdate(DeferredSchedule):
@@ -145,7 +146,8 @@ class NativeUpdate(DeferredSchedule):
             optimizer=self._kind or "sgd", correct_on_arrival=m.config.correct_on_arrival,
             priority_front_fraction=m.config.priority_front_fraction,
             rebuild_buckets=m.config.rebuild_buckets, raise_if_not_finite=m.config.check_finite,
-            stream=m.stream(), sqrt_f32=roots.f32, sqrt_f64=roots.f64, external=external)
+            stream=m.stream(), sqrt_f32=roots.f32, sqrt_f64=roots.f64, external=external,
+            multi_tensor_steps=multi_tensor_steps())
         self._updater.set_landers(self._gate.landers)
         return optimizer
 
@@ -262,7 +264,7 @@ class NativeUpdate(DeferredSchedule):
             self._inner_step()
             return
         if self._torch_step is None:
-            hyper, key = [_hyper(group) for group in opt.param_groups], 0
+            hyper, key = [group_hyper(group) for group in opt.param_groups], 0
         else:  # torch's step reads the optimizer's own param groups
             hyper, key = [], self._torch_step.remember()
         iteration, self._finished = self._finished, None
