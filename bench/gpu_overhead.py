@@ -6,7 +6,9 @@ Trains torchvision's ResNet-50 (161 parameter tensors, 25.6M parameters) with
 SGD on random data and times an iteration (forward, backward, step) for: the
 bare model (no data parallelism at all), torch DDP (NCCL), and hemiola's
 schedules over NCCL (``SCHEDULE:torch`` steps with torch's optimizer,
-``native_optimizer=False``, instead of the engine's updater). With one rank
+``native_optimizer=False``, instead of the engine's updater;
+``SCHEDULE:multi`` with the engine's multi-tensor steps,
+``HEMIOLA_MULTI_TENSOR_STEPS=1``). With one rank
 every all-reduce is a copy, so the difference to the bare model is what the
 engine itself costs: hooks, copies into the fusion buffers, the reduction, the
 unpack, and stream waits. The target is <= 1% of the iteration. Variants
@@ -49,8 +51,13 @@ def make_step(variant: str, batch: int) -> tuple[Step, torch.nn.Module]:
         run = torch.nn.parallel.DistributedDataParallel(model, process_group=group)
     elif variant != "bare":
         schedule, _, path = variant.partition(":")
-        run, opt = hemiola.wrap(model, opt, schedule=schedule, gpu_backend="nccl",
-                                native_optimizer=False if path == "torch" else None)
+        if path == "multi":  # read when the updater is made, inside wrap
+            os.environ["HEMIOLA_MULTI_TENSOR_STEPS"] = "1"
+        try:
+            run, opt = hemiola.wrap(model, opt, schedule=schedule, gpu_backend="nccl",
+                                    native_optimizer=False if path == "torch" else None)
+        finally:
+            os.environ.pop("HEMIOLA_MULTI_TENSOR_STEPS", None)
 
     def step() -> None:
         opt.zero_grad(set_to_none=True)

@@ -97,4 +97,25 @@ HEMIOLA_API void adam_step(const AdamTensors& tensors, std::int64_t numel, DType
 HEMIOLA_API void sgd_steps(const SgdStep* steps, size_t count, bool commit, void* stream);
 HEMIOLA_API void adam_steps(const AdamStep* steps, size_t count, bool commit, void* stream);
 
+// ---- clipping on the device ----------------------------------------------
+
+// One gradient of clip_grad_norm_'s total norm.
+struct NormInput {
+  const void* data;
+  std::int64_t numel;
+  DType dtype;  // float32, float64, float16 or bfloat16
+};
+
+// torch.nn.utils.clip_grad_norm_'s coefficient over `inputs`, computed on
+// the device so that the host never waits: out[0] = the coefficient
+// min(1, max_norm / (total + 1e-6)) and out[1] = the total norm, rounded
+// step by step as optim/global_scale.h does on the host (per-tensor norms and
+// the total in the gradients' dtypes). `norm_type` > 0, finite or infinity.
+// `sums` is device scratch of `count` doubles, `dtypes` a device array of
+// `count` DType codes (inputs[i].dtype, uploaded by the caller and kept);
+// `out` is device memory of two doubles, read by what is enqueued after.
+HEMIOLA_API void clip_coefficient(const NormInput* inputs, size_t count,
+                                  const std::int32_t* dtypes, double* sums, double norm_type,
+                                  double max_norm, double* out, void* stream);
+
 }  // namespace hemiola::cuda

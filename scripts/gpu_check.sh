@@ -17,6 +17,8 @@
 #   2. one rank, ResNet-50: bare, DDP, each schedule (+ the engine's updater) -> gpu_overhead.jsonl
 #   3. two ranks sharing the GPU under CUDA MPS (half the SMs each), in network
 #      namespaces at 5 and 20 Gbit/s: bound, DDP (+ hooks), each schedule    -> gpu_speed.jsonl
+#      3b. at 20 Gbit/s again with HEMIOLA_STAGED_CHUNK_MB=4 (pipelined staging,
+#      off by default until measured)                            -> gpu_speed_pipelined.jsonl
 #   4. gpu_check.json: the environment, the test counts and every result row.
 # Step 3 needs root, ip and tc (the device kit brings them); without them it is skipped.
 set -uo pipefail
@@ -48,7 +50,7 @@ tests_rc=${PIPESTATUS[0]}
 
 echo "== 2. one-rank overhead (ResNet-50)"
 timeout "${GPU_CHECK_OVERHEAD_S:-100}" $py bench/gpu_overhead.py --out "$out" \
-  --variants bare,ddp,wfbp,priority,decoupled,priority:torch,decoupled:torch \
+  --variants bare,ddp,wfbp,priority,decoupled,priority:torch,decoupled:torch,priority:multi,decoupled:multi \
   --iterations 20 --rounds 3 2>&1 | tail -15
 overhead_rc=${PIPESTATUS[0]}
 
@@ -68,6 +70,11 @@ if [ "$(id -u)" = 0 ] && command -v tc >/dev/null && command -v nvidia-cuda-mps-
     --schedules wfbp,priority,decoupled,wfbp+fp16,decoupled+fp16 \
     --out "$out" --name gpu_speed 2>&1 | tail -40
   speed_rc=${PIPESTATUS[0]}
+  echo "== 3b. the same at 20 Gbit/s with staged Gloo pipelined in 4 MiB chunks"
+  HEMIOLA_STAGED_CHUNK_MB=4 CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=$mps \
+    timeout "${GPU_CHECK_PIPELINE_S:-120}" $py -m hemiola bench speed --device cuda \
+    --models resnet50 --rates 20gbit --world-size 2 --iterations 12 --blocks 3 \
+    --schedules wfbp,priority,decoupled --out "$out" --name gpu_speed_pipelined 2>&1 | tail -20
   [ $mps = 50 ] && echo quit | nvidia-cuda-mps-control
 fi
 
@@ -93,7 +100,7 @@ if xml.exists():
         f"{case.get('classname')}::{case.get('name')}" for case in suite.iter("testcase")
         if case.find("failure") is not None or case.find("error") is not None)
     report["tests"] = counts
-for name in ("gpu_overhead", "gpu_speed"):
+for name in ("gpu_overhead", "gpu_speed", "gpu_speed_pipelined"):
     path = out / f"{name}.jsonl"
     report[name] = read_lines(path) if path.exists() else None
 (out / "gpu_check.json").write_text(json.dumps(report, indent=1))

@@ -117,7 +117,7 @@ void bind_updater(py::module_& m) {
                        bool correct_on_arrival, double priority_front_fraction,
                        bool rebuild_buckets, bool raise_if_not_finite, std::uintptr_t stream,
                        std::uintptr_t sqrt_f32, std::uintptr_t sqrt_f64, py::object external,
-                       bool multi_tensor_steps) {
+                       bool multi_tensor_steps, bool device_clip_norms) {
              UpdaterOptions o;
              if (schedule == "priority") {
                o.schedule = UpdateSchedule::kPriority;
@@ -137,6 +137,7 @@ void bind_updater(py::module_& m) {
              o.raise_if_not_finite = raise_if_not_finite;
              o.sqrt = vector_sqrt(sqrt_f32, sqrt_f64);
              o.multi_tensor_steps = multi_tensor_steps;
+             o.device_clip_norms = device_clip_norms;
              auto params = slots_of(slots, reducer.options().device);
              // The constructor copies the decoupled shadow (waits on a GPU).
              py::gil_scoped_release release;
@@ -148,7 +149,8 @@ void bind_updater(py::module_& m) {
            py::arg("priority_front_fraction") = 0.25, py::arg("rebuild_buckets") = true,
            py::arg("raise_if_not_finite") = false, py::arg("stream") = 0,
            py::arg("sqrt_f32") = 0, py::arg("sqrt_f64") = 0, py::arg("external") = py::none(),
-           py::arg("multi_tensor_steps") = false, py::keep_alive<1, 2>(),
+           py::arg("multi_tensor_steps") = false, py::arg("device_clip_norms") = false,
+           py::keep_alive<1, 2>(),
            py::keep_alive<1, 3>())
       .def("set_landers", &Updater::set_landers, py::arg("landers"))
       .def(

@@ -259,6 +259,26 @@ def test_multi_tensor_launches_equal_a_launch_per_parameter(
 
 
 @gpu
+@pytest.mark.parametrize("schedule", ["priority", "decoupled"])
+@pytest.mark.parametrize("model,optimizer", [("cnn", "sgd"), ("transformer", "adamw")])
+def test_clipping_on_the_device_matches_the_cpu(
+    schedule: str, model: str, optimizer: str, monkeypatch
+) -> None:
+    """HEMIOLA_DEVICE_CLIP: clip_grad_norm_'s coefficient computed on the
+    GPU and read there by the steps, against the CPU's (computed on the
+    host); three ranks on different data, clipped hard enough to bite."""
+    monkeypatch.setenv("HEMIOLA_DEVICE_CLIP", "1")
+    results = run_local(
+        workers.gpu_clipped_matches_cpu, 3, schedule, model, optimizer, 6, "gloo", 0.05,
+        timeout_s=300
+    )
+    for rank, r in results.items():
+        assert r["moved"] > 1e-3, (rank, r)
+        assert r["max_param_diff"] < 1e-4, (rank, r)
+        assert r["max_loss_diff"] < 1e-4, (rank, r)
+
+
+@gpu
 @pytest.mark.parametrize("native", [False, True])
 @pytest.mark.parametrize("backend", backends())
 def test_decoupled_on_the_gpu_equals_wfbp_when_every_rank_sees_the_same_data(

@@ -445,6 +445,26 @@ def gpu_matches_cpu(rank: int, world: int, schedule: str, model_name: str, opt_n
     }
 
 
+def gpu_clipped_matches_cpu(rank: int, world: int, schedule: str, model_name: str,
+                            opt_name: str, steps: int, gpu_backend: str,
+                            clip: float) -> dict[str, float]:
+    """gpu_matches_cpu with model.clip_grad_norm_(clip) before every step and
+    the engine's steps on the GPU (HEMIOLA_DEVICE_CLIP, set by the caller,
+    decides where the coefficient is computed)."""
+    torch.backends.cudnn.allow_tf32 = False
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.deterministic = True
+    timing = {"correct_on_arrival": False} if schedule == "decoupled" else {}
+    cpu = schedule_run(rank, world, schedule, model_name, opt_name, steps, False, clip, **timing)
+    gpu = schedule_run(rank, world, schedule, model_name, opt_name, steps, False, clip,
+                       device="cuda", gpu_backend=gpu_backend, native_optimizer=True, **timing)
+    return {
+        **_agreement(cpu, gpu),
+        "moved": max((a - b).abs().max().item()
+                     for a, b in zip(cpu["params"], _initial_params(model_name))),
+    }
+
+
 def gpu_schedules_agree(rank: int, world: int, model_name: str, opt_name: str, steps: int,
                         gpu_backend: str, native: bool = False) -> dict[str, float]:
     """schedules_agree on the GPU: decoupled (corrections on arrival) against

@@ -65,6 +65,10 @@ struct SgdHyper : OptimizerHyper {
   // The gradient is scaled by this first (clip_grad_norm_'s coefficient),
   // rounded to the dtype as torch's `grad * coef` is.
   double grad_scale = 1.0;
+  // A GPU only: the gradient is scaled by the double here as well, read by
+  // the kernel when it runs (a coefficient computed on the device; null:
+  // none). The CPU refuses it.
+  const double* grad_scale_device = nullptr;
 };
 
 struct SgdTensors {
@@ -111,6 +115,7 @@ struct AdamHyper : OptimizerHyper {
   bool decoupled_weight_decay = false;  // AdamW
   std::int64_t step = 1;  // the step being taken, counted from 1 (bias correction)
   double grad_scale = 1.0;  // as SgdHyper::grad_scale
+  const double* grad_scale_device = nullptr;  // as SgdHyper::grad_scale_device
   VectorSqrt sqrt = {};     // the CPU step's square root (see VectorSqrt)
 };
 

@@ -162,6 +162,13 @@ struct UpdaterOptions {
   // parameters instead of one each. Off: a step per parameter. Experimental
   // until it has run on a GPU (docs/gpu.md); the CPU result is the same.
   bool multi_tensor_steps = false;
+  // A GPU with the engine's own steps: clipping's coefficient is computed on
+  // the device and read there by the steps (engine/device_clip.h), so the
+  // host never waits for a reduction to clip (without it, the averaged
+  // gradients are copied to the host: one synchronisation per step). Not
+  // with a GradScaler, whose skip the host decides. Experimental until it has
+  // run on a GPU (docs/gpu.md).
+  bool device_clip_norms = false;
 };
 
 // What one step() applies, as the iteration ran.

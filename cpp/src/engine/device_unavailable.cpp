@@ -56,5 +56,9 @@ void adam_step(const AdamTensors&, std::int64_t, DType, const AdamHyper&, bool, 
 }
 void sgd_steps(const SgdStep*, size_t, bool, void*) { unavailable(); }
 void adam_steps(const AdamStep*, size_t, bool, void*) { unavailable(); }
+void clip_coefficient(const NormInput*, size_t, const std::int32_t*, double*, double, double,
+                      double*, void*) {
+  unavailable();
+}
 
 }  // namespace hemiola::cuda

@@ -79,6 +79,12 @@ void LandingGraph::adopt(std::vector<ParameterSlot> params) {
   }
   local_grads_.assign(n, nullptr);
   read_.assign(n, 0);
+  device_clip_.reset();
+  if (options_.device_clip_norms && device_.type == DeviceType::kCUDA && !options_.external) {
+    std::vector<DType> dtypes(n);
+    for (size_t i = 0; i < n; ++i) dtypes[i] = params_[i].param.dtype;
+    device_clip_ = std::make_unique<DeviceClip>(device_.index, dtypes);
+  }
 }
 
 void LandingGraph::set_landers(std::vector<std::vector<size_t>> landers) {
@@ -212,7 +218,11 @@ void LandingGraph::apply(Pending& pending, const std::vector<size_t>& chosen) {
   if (o.has_unused && pending.usage.empty()) pending.usage = reducer_.usage(pending.iteration);
   if ((o.clip_max_norm >= 0.0 || o.skip_if_not_finite) && !pending.scale_known) {
     // needs_whole: every bucket has arrived.
-    scale_of(pending);
+    if (device_clip_ && !o.skip_if_not_finite) {
+      clip_on_device(pending);
+    } else {
+      scale_of(pending);
+    }
   }
   if (options_.raise_if_not_finite && !o.skip_if_not_finite) {
     const std::vector<const void*> averages = readable(pending, chosen);
@@ -241,6 +251,7 @@ void LandingGraph::apply(Pending& pending, const std::vector<size_t>& chosen) {
   StepGroup group;
   group.options = &pending.options;
   group.grad_scale = pending.coef;
+  group.grad_scale_device = pending.coef_device;
   for (size_t i : chosen) {
     if (pending.skip || !pending.used(i)) {
       restore(i);  // decoupled: drop the approximate step
@@ -283,6 +294,21 @@ void LandingGraph::scale_of(Pending& pending) {
   pending.scale_known = true;
 }
 
+// scale_of's clipping coefficient computed on the GPU: the host does not
+// wait for the reduction, and the steps read the coefficient where it is. A
+// parameter no rank used has a zero average, which adds nothing to the norm.
+void LandingGraph::clip_on_device(Pending& pending) {
+  const StepOptions& o = pending.options;
+  std::vector<cuda::NormInput> inputs(params_.size());
+  for (size_t i = 0; i < params_.size(); ++i) {
+    const TensorRef& t = params_[i].param;
+    inputs[i] = {reduced(pending, i), static_cast<std::int64_t>(t.numel), t.dtype};
+  }
+  pending.coef_device = device_clip_->compute(pending.iteration, inputs, o.clip_norm_type,
+                                              o.clip_max_norm, stream_.handle);
+  pending.scale_known = true;
+}
+
 void LandingGraph::restore(size_t i) {
   const auto& p = params_[i].param;
   if (exact_[i] != p.data) copy(p.data, exact_[i], p.nbytes());
@@ -297,6 +323,7 @@ std::optional<double> LandingGraph::clip_norm(uint64_t iteration) const {
   for (const auto& [it, norm] : clip_norms_) {
     if (it == iteration) return norm;
   }
+  if (device_clip_) return device_clip_->total_norm(iteration);
   return std::nullopt;
 }
 

@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "device.h"
+#include "engine/device_clip.h"
 #include "engine/reducer_impl.h"
 #include "engine/stepper.h"
 #include "hemiola/engine.h"
@@ -60,6 +61,7 @@ struct Pending {
   std::vector<int> usage;      // how many ranks used each parameter (has_unused)
   bool scale_known = false;    // coef / skip below are computed
   double coef = 1.0;           // clip_grad_norm_'s coefficient
+  const double* coef_device = nullptr;  // or, clipped on the device, where it is (DeviceClip)
   bool skip = false;           // some averaged gradient is not finite (GradScaler)
   std::vector<uint8_t> applied;    // per parameter
   std::vector<size_t> remaining;   // the parameters not applied yet, ascending
@@ -189,6 +191,7 @@ class LandingGraph {
   const void* reduced(const Pending& pending, size_t index) const;
   std::vector<const void*> readable(const Pending& pending, const std::vector<size_t>& indices);
   void scale_of(Pending& pending);
+  void clip_on_device(Pending& pending);
 
   Engine& engine_;
   ReducerImpl& reducer_;  // its per-bucket interface: the landing graph is in buckets
@@ -215,6 +218,8 @@ class LandingGraph {
   std::deque<Pending> pending_;  // oldest first
   // (iteration, total norm) of the last clipped iterations, oldest first.
   std::deque<std::pair<uint64_t, double>> clip_norms_;
+  // UpdaterOptions::device_clip_norms on a GPU with the engine's own steps.
+  std::unique_ptr<DeviceClip> device_clip_;
   std::unique_ptr<Stepper> stepper_;  // made last: it reads the graph
 };
 

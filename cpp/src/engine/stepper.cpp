@@ -53,7 +53,7 @@ class NativeStepper final : public Stepper {
     for (size_t k = 0; k < group.indices.size(); ++k) {
       const size_t i = group.indices[k];
       step(graph_.param(i), graph_.exact(i), group.grads[k], *group.options, group.grad_scale,
-           commit);
+           commit, group.grad_scale_device);
     }
   }
 
@@ -95,15 +95,18 @@ class NativeStepper final : public Stepper {
   // One step of `p` from `exact` into p.param; committing also advances
   // `exact` and the state (hemiola/optimizer.h).
   void step(ParameterSlot& p, void* exact, const void* grad, const StepOptions& options,
-            double grad_scale, bool commit) {
+            double grad_scale, bool commit, const double* grad_scale_device = nullptr) {
     const auto numel = static_cast<std::int64_t>(p.param.numel);
     if (optimizer_ == OptimizerKind::kSgd) {
+      SgdHyper h = sgd_hyper(p, options, grad_scale);
+      h.grad_scale_device = grad_scale_device;
       sgd_step(SgdTensors{p.param.data, exact, p.momentum_buffer, grad}, numel, p.param.dtype,
-               graph_.device(), sgd_hyper(p, options, grad_scale), commit, graph_.stream());
+               graph_.device(), h, commit, graph_.stream());
     } else {
+      AdamHyper h = adam_hyper(p, options, grad_scale);
+      h.grad_scale_device = grad_scale_device;
       adam_step(AdamTensors{p.param.data, exact, p.exp_avg, p.exp_avg_sq, grad, p.max_exp_avg_sq},
-                numel, p.param.dtype, graph_.device(), adam_hyper(p, options, grad_scale),
-                commit, graph_.stream());
+                numel, p.param.dtype, graph_.device(), h, commit, graph_.stream());
     }
     if (commit) advance(p, options);
   }
@@ -120,6 +123,7 @@ class NativeStepper final : public Stepper {
                        group.grads[k]},
             static_cast<std::int64_t>(p.param.numel), p.param.dtype,
             sgd_hyper(p, *group.options, group.grad_scale)};
+        sgd_batch_[k].hyper.grad_scale_device = group.grad_scale_device;
       }
       sgd_steps(sgd_batch_, graph_.device(), commit, graph_.stream());
     } else {
@@ -131,6 +135,7 @@ class NativeStepper final : public Stepper {
                         group.grads[k], p.max_exp_avg_sq},
             static_cast<std::int64_t>(p.param.numel), p.param.dtype,
             adam_hyper(p, *group.options, group.grad_scale)};
+        adam_batch_[k].hyper.grad_scale_device = group.grad_scale_device;
       }
       adam_steps(adam_batch_, graph_.device(), commit, graph_.stream());
     }
@@ -206,6 +211,8 @@ class ExternalSteps final : public Stepper {
 
  private:
   void call(const StepGroup& group, StepMode mode) {
+    HEMIOLA_CHECK(!group.grad_scale_device, "updater: a device-side clipping coefficient "
+                  "reached the external stepper (device_clip_norms is the engine's steps')");
     refs_.resize(group.indices.size());
     for (size_t k = 0; k < group.indices.size(); ++k) {
       refs_[k] = graph_.params()[group.indices[k]].param;

@@ -27,6 +27,9 @@ struct StepGroup {
   std::vector<const void*> grads;   // per index: its gradient (the parameter's numel and dtype)
   const StepOptions* options = nullptr;  // the iteration's hyper-parameters
   double grad_scale = 1.0;          // clip_grad_norm_'s coefficient
+  // Or that coefficient in device memory, computed on the GPU (DeviceClip;
+  // the engine's own steppers only).
+  const double* grad_scale_device = nullptr;
 };
 
 class Stepper {

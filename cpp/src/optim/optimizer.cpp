@@ -69,6 +69,12 @@ void check_adam(const AdamTensors& tensors, std::int64_t numel, DType dtype,
                 "adam: amsgrad needs a max_exp_avg_sq buffer");
 }
 
+// A coefficient in device memory is a GPU step's (the CPU cannot read it).
+void check_host_scale(const double* grad_scale_device) {
+  HEMIOLA_CHECK(grad_scale_device == nullptr,
+                "optimizer step: a device-side gradient scale on a CPU tensor");
+}
+
 }  // namespace
 
 void sgd_step(const SgdTensors& tensors, std::int64_t numel, DType dtype, const Device& device,
@@ -78,6 +84,7 @@ void sgd_step(const SgdTensors& tensors, std::int64_t numel, DType dtype, const 
   if (device.type == DeviceType::kCUDA) {
     cuda::sgd_step(tensors, numel, dtype, hyper, commit, stream.handle);
   } else {
+    check_host_scale(hyper.grad_scale_device);
     optim::cpu_sgd_step(tensors, numel, dtype, hyper, commit);
   }
 }
@@ -89,6 +96,7 @@ void adam_step(const AdamTensors& tensors, std::int64_t numel, DType dtype, cons
   if (device.type == DeviceType::kCUDA) {
     cuda::adam_step(tensors, numel, dtype, hyper, commit, stream.handle);
   } else {
+    check_host_scale(hyper.grad_scale_device);
     optim::cpu_adam_step(tensors, numel, dtype, hyper, commit);
   }
 }
@@ -100,6 +108,7 @@ void sgd_steps(const std::vector<SgdStep>& steps, const Device& device, bool com
     cuda::sgd_steps(steps.data(), steps.size(), commit, stream.handle);
     return;
   }
+  for (const SgdStep& s : steps) check_host_scale(s.hyper.grad_scale_device);
   for (const SgdStep& s : steps) {
     if (s.numel > 0) optim::cpu_sgd_step(s.tensors, s.numel, s.dtype, s.hyper, commit);
   }
@@ -112,6 +121,7 @@ void adam_steps(const std::vector<AdamStep>& steps, const Device& device, bool c
     cuda::adam_steps(steps.data(), steps.size(), commit, stream.handle);
     return;
   }
+  for (const AdamStep& s : steps) check_host_scale(s.hyper.grad_scale_device);
   for (const AdamStep& s : steps) {
     if (s.numel > 0) optim::cpu_adam_step(s.tensors, s.numel, s.dtype, s.hyper, commit);
   }

@@ -288,7 +288,19 @@ class DeferredSchedule(Schedule):
             raise RuntimeError("model.clip_grad_norm_() goes between backward() and "
                                "optimizer.step()")
         iteration = self._finished
-        local_norm = float(super().clip_grad_norm_(max_norm, norm_type))
+        local = super().clip_grad_norm_(max_norm, norm_type)
+        # The preview's coefficient. Without a preview nothing reads the local
+        # norm here (on a GPU, reading it would wait for the device each step).
+        coef = (self._preview_clip(iteration, float(local), float(max_norm)) if self.preview
+                else 1.0)
+        self._clip[iteration] = Clip(float(max_norm), float(norm_type), coef)
+        self._grads_seen = self._grad_versions()
+        # What clip_grad_norm_ returns under wfbp and DDP: the norm of the
+        # averaged gradient, the same on every rank, read when it is known.
+        return DeferredNorm(lambda: self._averaged_norm(iteration, float(norm_type)))
+
+    def _preview_clip(self, iteration: int, local_norm: float, max_norm: float) -> float:
+        """The clipping coefficient the preview of `iteration` steps with."""
         # The averaged gradient's norm is not known until its reduction has
         # arrived, and it is smaller than one rank's (averaging cancels noise):
         # clipping the preview by this rank's norm would shorten its step. So
@@ -303,12 +315,7 @@ class DeferredSchedule(Schedule):
         self._local_norms = {it: own for it, own in self._local_norms.items()
                              if it >= iteration - 4}
         self._local_norms[iteration] = local_norm
-        coef = min(1.0, max_norm / (local_norm * ratio + 1e-6))
-        self._clip[iteration] = Clip(float(max_norm), float(norm_type), coef)
-        self._grads_seen = self._grad_versions()
-        # What clip_grad_norm_ returns under wfbp and DDP: the norm of the
-        # averaged gradient, the same on every rank, read when it is known.
-        return DeferredNorm(lambda: self._averaged_norm(iteration, float(norm_type)))
+        return min(1.0, max_norm / (local_norm * ratio + 1e-6))
 
     def recorded_clip_norm(self, iteration: int) -> float | None:
         """The total norm the update of `iteration` clipped with, once computed

@@ -75,14 +75,21 @@ def native_kind(config: Config, optimizer: Any, params: list[torch.Tensor]) -> s
     return _KINDS[type(optimizer)]
 
 
-def multi_tensor_steps() -> bool:
-    """``HEMIOLA_MULTI_TENSOR_STEPS=1``: the engine steps a landing group's
-    parameters in multi-tensor calls (on a GPU one launch per up to 24
-    parameters; UpdaterOptions::multi_tensor_steps). Experimental until it
-    has run on a GPU (docs/gpu.md); on the CPU the result is the same."""
-    raw = os.environ.get("HEMIOLA_MULTI_TENSOR_STEPS", "").strip()
+def _flag(name: str) -> bool:
+    """An on/off switch of the GPU path that waits for a GPU run before it
+    becomes the default (docs/gpu.md):
+
+    - ``HEMIOLA_MULTI_TENSOR_STEPS=1``: the engine steps a landing group's
+      parameters in multi-tensor calls (on a GPU one launch per up to 24
+      parameters; UpdaterOptions::multi_tensor_steps; on the CPU the same
+      result);
+    - ``HEMIOLA_DEVICE_CLIP=1``: on a GPU, clipping's coefficient is
+      computed on the device and read there by the steps, so the host never
+      waits for a reduction to clip (UpdaterOptions::device_clip_norms).
+    """
+    raw = os.environ.get(name, "").strip()
     if raw not in ("", "0", "1"):
-        raise ValueError(f"HEMIOLA_MULTI_TENSOR_STEPS={raw!r}: use 1 (on) or 0 (off)")
+        raise ValueError(f"{name}={raw!r}: use 1 (on) or 0 (off)")
     return raw == "1"
 
 
@@ -147,7 +154,8 @@ class NativeUpdate(DeferredSchedule):
             priority_front_fraction=m.config.priority_front_fraction,
             rebuild_buckets=m.config.rebuild_buckets, raise_if_not_finite=m.config.check_finite,
             stream=m.stream(), sqrt_f32=roots.f32, sqrt_f64=roots.f64, external=external,
-            multi_tensor_steps=multi_tensor_steps())
+            multi_tensor_steps=_flag("HEMIOLA_MULTI_TENSOR_STEPS"),
+            device_clip_norms=_flag("HEMIOLA_DEVICE_CLIP"))
         self._updater.set_landers(self._gate.landers)
         return optimizer
 
