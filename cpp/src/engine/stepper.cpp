@@ -98,15 +98,13 @@ class NativeStepper final : public Stepper {
             double grad_scale, bool commit, const double* grad_scale_device = nullptr) {
     const auto numel = static_cast<std::int64_t>(p.param.numel);
     if (optimizer_ == OptimizerKind::kSgd) {
-      SgdHyper h = sgd_hyper(p, options, grad_scale);
-      h.grad_scale_device = grad_scale_device;
       sgd_step(SgdTensors{p.param.data, exact, p.momentum_buffer, grad}, numel, p.param.dtype,
-               graph_.device(), h, commit, graph_.stream());
+               graph_.device(), sgd_hyper(p, options, grad_scale, grad_scale_device), commit,
+               graph_.stream());
     } else {
-      AdamHyper h = adam_hyper(p, options, grad_scale);
-      h.grad_scale_device = grad_scale_device;
       adam_step(AdamTensors{p.param.data, exact, p.exp_avg, p.exp_avg_sq, grad, p.max_exp_avg_sq},
-                numel, p.param.dtype, graph_.device(), h, commit, graph_.stream());
+                numel, p.param.dtype, graph_.device(),
+                adam_hyper(p, options, grad_scale, grad_scale_device), commit, graph_.stream());
     }
     if (commit) advance(p, options);
   }
@@ -122,8 +120,7 @@ class NativeStepper final : public Stepper {
             SgdTensors{p.param.data, graph_.exact(group.indices[k]), p.momentum_buffer,
                        group.grads[k]},
             static_cast<std::int64_t>(p.param.numel), p.param.dtype,
-            sgd_hyper(p, *group.options, group.grad_scale)};
-        sgd_batch_[k].hyper.grad_scale_device = group.grad_scale_device;
+            sgd_hyper(p, *group.options, group.grad_scale, group.grad_scale_device)};
       }
       sgd_steps(sgd_batch_, graph_.device(), commit, graph_.stream());
     } else {
@@ -134,8 +131,7 @@ class NativeStepper final : public Stepper {
             AdamTensors{p.param.data, graph_.exact(group.indices[k]), p.exp_avg, p.exp_avg_sq,
                         group.grads[k], p.max_exp_avg_sq},
             static_cast<std::int64_t>(p.param.numel), p.param.dtype,
-            adam_hyper(p, *group.options, group.grad_scale)};
-        adam_batch_[k].hyper.grad_scale_device = group.grad_scale_device;
+            adam_hyper(p, *group.options, group.grad_scale, group.grad_scale_device)};
       }
       adam_steps(adam_batch_, graph_.device(), commit, graph_.stream());
     }
@@ -144,8 +140,10 @@ class NativeStepper final : public Stepper {
     }
   }
 
-  SgdHyper sgd_hyper(const ParameterSlot& p, const StepOptions& options,
-                     double grad_scale) const {
+  // p's hyper-parameters for this step (hemiola/optimizer.h): its group's,
+  // the first-step flag or step count from its state, and the gradient scale.
+  SgdHyper sgd_hyper(const ParameterSlot& p, const StepOptions& options, double grad_scale,
+                     const double* grad_scale_device) const {
     const OptimizerHyper& h = options.hyper[p.group];
     HEMIOLA_CHECK(h.momentum == 0.0 || p.momentum_buffer || p.param.numel == 0,
                   "updater: parameter '", p.name, "' has momentum ", h.momentum,
@@ -153,15 +151,17 @@ class NativeStepper final : public Stepper {
     SgdHyper s{h};
     s.first_step = h.momentum != 0.0 && !p.momentum_initialised;
     s.grad_scale = grad_scale;
+    s.grad_scale_device = grad_scale_device;
     return s;
   }
 
-  AdamHyper adam_hyper(const ParameterSlot& p, const StepOptions& options,
-                       double grad_scale) const {
+  AdamHyper adam_hyper(const ParameterSlot& p, const StepOptions& options, double grad_scale,
+                       const double* grad_scale_device) const {
     AdamHyper a{options.hyper[p.group]};
     a.decoupled_weight_decay = optimizer_ == OptimizerKind::kAdamW;
     a.step = static_cast<std::int64_t>(*p.step) + 1;
     a.grad_scale = grad_scale;
+    a.grad_scale_device = grad_scale_device;
     a.sqrt = sqrt_;
     return a;
   }
