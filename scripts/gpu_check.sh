@@ -12,7 +12,8 @@
 #   source .device-kit/enter.sh && bash scripts/gpu_check.sh "$OUT"
 #
 # Steps (each under its own time limit, so one that hangs still leaves the others'
-# results; GPU_CHECK_TESTS_S, GPU_CHECK_OVERHEAD_S, GPU_CHECK_SPEED_S override them):
+# results; GPU_CHECK_TESTS_S, GPU_CHECK_OVERHEAD_S, GPU_CHECK_SPEED_S and
+# GPU_CHECK_PIPELINE_S override them):
 #   1. pytest -m gpu tests/python   -> gpu-tests.log
 #   2. one rank, ResNet-50: bare, DDP, each schedule (+ the engine's updater) -> gpu_overhead.jsonl
 #   3. two ranks sharing the GPU under CUDA MPS (half the SMs each), in network
@@ -43,7 +44,7 @@ $py -c "import hemiola, torch; print('torch', torch.__version__); print(hemiola.
 echo "== 1. GPU tests"
 xdist=()
 $py -c "import xdist" 2>/dev/null && xdist=(-n 4)
-timeout "${GPU_CHECK_TESTS_S:-210}" \
+timeout "${GPU_CHECK_TESTS_S:-300}" \
   $py -m pytest -m gpu tests/python -q -rfEs "${xdist[@]}" -p no:cacheprovider \
   --junitxml "$out/gpu-tests.xml" 2>&1 | tee "$out/gpu-tests.log" | tail -40
 tests_rc=${PIPESTATUS[0]}
