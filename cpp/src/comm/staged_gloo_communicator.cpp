@@ -23,6 +23,15 @@ namespace hemiola {
 
 namespace {
 
+// The host part of a staged reduction: `staged` summed over every rank by
+// Gloo, then (with `average`) divided by the rank count.
+void reduce_on_host(Communicator& host, const TensorRef& staged, bool average) {
+  host.all_reduce_sum(staged);
+  if (average && host.size() > 1) {
+    scale_in_place(staged.dtype, staged.data, staged.numel, 1.0 / host.size());
+  }
+}
+
 class StagedGlooCommunicator final : public DeviceCommunicator {
  public:
   StagedGlooCommunicator(Communicator& host, int device)
@@ -43,11 +52,7 @@ class StagedGlooCommunicator final : public DeviceCommunicator {
     inputs_ready_.block(copy_.get());
     cuda::copy_async(stage, tensor.data, bytes, copy_.get());
     cuda::synchronize(copy_.get());
-    const TensorRef host{stage, tensor.dtype, tensor.numel, Device{}};
-    host_.all_reduce_sum(host);
-    if (average && host_.size() > 1) {
-      scale_in_place(tensor.dtype, stage, tensor.numel, 1.0 / host_.size());
-    }
+    reduce_on_host(host_, TensorRef{stage, tensor.dtype, tensor.numel, Device{}}, average);
     cuda::copy_async(tensor.data, stage, bytes, copy_.get());
     result_ready_.record(copy_.get());
     result_ready_.block(stream);
@@ -109,11 +114,8 @@ class PipelinedStagedGlooCommunicator final : public DeviceCommunicator {
     for (size_t k = 0; k < chunks; ++k) {
       const size_t s = stage_of(k);
       downloaded_[s].synchronize();
-      const TensorRef host{stages_[s]->data(), tensor.dtype, count_of(k), Device{}};
-      host_.all_reduce_sum(host);
-      if (average && host_.size() > 1) {
-        scale_in_place(tensor.dtype, host.data, host.numel, 1.0 / host_.size());
-      }
+      reduce_on_host(host_, TensorRef{stages_[s]->data(), tensor.dtype, count_of(k), Device{}},
+                     average);
       cuda::copy_async(device + k * chunk_elems * elem, stages_[s]->data(), count_of(k) * elem,
                        up_.get());
       uploaded_[s].record(up_.get());
