@@ -64,3 +64,32 @@ def test_cleanup_when_the_block_raises() -> None:
             raise KeyboardInterrupt
     assert sleeper.returncode is not None
     _assert_gone(tag)
+
+
+def test_bench_ps_runs_every_rank_behind_the_rate(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """`hemiola bench ps --rate`: the parameter server's ranks and the all-reduce
+    ones train in namespaces behind the limit, which sets their pace, and leave
+    none behind."""
+    before = set(netlab.leftovers())
+    out = subprocess.run(
+        [sys.executable, "-m", "hemiola", "bench", "ps", "--rate", "100mbit", "--model",
+         "wide-mlp", "--workers", "2", "--schemes", "bsp", "eager", "wfbp", "--slowdowns", "3",
+         "--iterations", "10", "--out", str(tmp_path), "--name", "ps"],
+        capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = [json.loads(line) for line in (tmp_path / "ps.jsonl").read_text().splitlines()]
+    runs = {r["scheme"]: r for r in rows if r["row"] == "run"}
+    assert set(runs) == {"bsp", "eager", "wfbp"}
+    # 300k float32 parameters: each bsp round moves 2 x 1.2 MB through the
+    # server's 100 Mbit/s link each way, at least 0.19 s; on loopback it takes ~10 ms.
+    params = 64 * 512 + 512 + 512 * 512 + 512 + 512 * 10 + 10
+    link_s = 2 * 4 * params * 8 / 100e6
+    for scheme, run in runs.items():
+        assert run["rate"] == "100mbit" and run["model"] == "wide-mlp"
+        assert run["iterations"] >= 5 and 0 <= run["final_accuracy"] <= 1
+        if scheme == "bsp":
+            assert run["ms_per_iteration"] >= 1000 * link_s
+    # eager's fast worker does not wait for the straggler: it makes more iterations.
+    fast, straggler = runs["eager"]["own_iterations"]
+    assert fast > straggler
+    assert set(netlab.leftovers()) == before

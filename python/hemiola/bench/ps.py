@@ -5,7 +5,8 @@ all-reduce, on a real task, per iteration and to a target accuracy.
     hemiola bench ps --slowdowns 4 --schemes bsp eager --iterations 100
     hemiola bench ps --workers 2 4 --lr 0.05 --seeds 3   # the stability check
 
-Task: ``hemiola.demo.DigitsCNN`` (or a 64-96-48-10 MLP: ``--model mlp``) on
+Task: ``hemiola.demo.DigitsCNN`` (or a 64-96-48-10 MLP: ``--model mlp``; a
+64-512-512-10 one: ``--model wide-mlp``) on
 scikit-learn's digits (:mod:`hemiola.bench.tasks`' ``digits``: SGD, lr 0.02
 (``--lr``), momentum 0.9 (``--momentum``), weight decay 5e-4, 16 samples per
 worker and iteration). `--workers` workers (4 by
@@ -35,6 +36,12 @@ momentum: ``asp:none/none``) and in the fewest seconds of all schemes, with
 final accuracy within 0.5 points of ``bsp``; at lr 0.05 with 2 and 4 workers,
 ``eager``'s final accuracy >= ``bsp``'s - 1 point.
 
+With ``--rate`` (e.g. ``1gbit``; needs root) every rank runs in its own
+network namespace behind a ``tc tbf`` link of that rate
+(:mod:`hemiola.bench.netlab`), a fresh interpreter each: with ``--model
+wide-mlp`` (1.2 MB of gradients) the link, not the computation, sets the pace.
+Without it the ranks run on loopback (:func:`hemiola.launch.run_local`).
+
 Writes OUT/<--name>.jsonl (one row per run, then one per workers, slowdown and
 scheme with the median and p10-p90 over seeds) and OUT/<--name>[_<workers>w].png
 (when matplotlib is installed).
@@ -44,7 +51,11 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import json
+import os
+import secrets
 import statistics
+import sys
 import time
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -54,9 +65,11 @@ from tqdm import tqdm
 
 import hemiola
 import hemiola.ps
+from hemiola.bench.netlab import Network, parse_result, print_result
 from hemiola.bench.record import DEFAULT_OUT, percentiles, split_ahead, write_lines
-from hemiola.bench.tasks import DigitsTask
+from hemiola.bench.tasks import DIGITS_ARCHITECTURES, DigitsTask
 from hemiola.launch import run_local
+from hemiola.ps.roles import JOB_TOKEN_ENV
 
 PS_SCHEMES = ("bsp", "asp", "ssp", "eager")
 #: eager without the local correction of the worker's own push (PSConfig.local_correction)
@@ -159,6 +172,25 @@ def run_rank(rank: int, world: int, scheme: str, servers: int, workers: int, del
     return result
 
 
+def run_in_network(rate: str, world: int, args: list[Any], port: int) -> dict[int, Any]:
+    """The ranks of one run, each in its own namespace behind a `rate` link:
+    ``{rank: run_rank's result}``, as :func:`run_local` returns them."""
+    config = {"args": args, "token": secrets.token_hex(16)}
+    with Network(world, rate) as net:
+        outputs = net.run_ranks([sys.executable, "-m", "hemiola.bench.ps", "--rank",
+                                 json.dumps(config)], port, timeout_s=900)
+    return {rank: parse_result(output) for rank, output in enumerate(outputs)}
+
+
+def network_rank(config: dict[str, Any]) -> dict[str, Any] | None:
+    """One rank of :func:`run_in_network`, in its namespace (RANK, WORLD_SIZE,
+    MASTER_ADDR/PORT and GLOO_SOCKET_IFNAME set by netlab)."""
+    os.environ[JOB_TOKEN_ENV] = config["token"]  # the job's, as run_local gives one
+    os.environ.pop("TORCHELASTIC_USE_AGENT_STORE", None)  # rank 0 hosts the store
+    torch.set_num_threads(1)
+    return run_rank(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), *config["args"])
+
+
 def summarize(scheme: str, slowdown: float, seed: int, results: dict[int, Any], target: float,
               lr: float, momentum: float, architecture: str) -> dict[str, Any]:
     workers = sorted((v for v in results.values() if v), key=lambda v: v["worker"])
@@ -235,6 +267,7 @@ def summaries(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
             "suite": "ps", "row": "summary", "workers": workers, "slowdown": slowdown,
             "scheme": scheme, "seeds": len(runs), "reached": len(hit),
             "target": runs[0]["target"], "lr": runs[0]["lr"], "model": runs[0]["model"],
+            "rate": runs[0].get("rate", "none"),
             "ms_per_iteration": percentiles(r["ms_per_iteration"] for r in runs),
             "final_accuracy": percentiles(r["final_accuracy"] for r in runs)}
         if hit:
@@ -255,7 +288,8 @@ def spread(values: list[float], fmt: str) -> str:
 def print_table(rows: list[dict[str, Any]], args: argparse.Namespace) -> None:
     for workers in args.workers:
         t_ref = next(r["t_ref_ms"] for r in rows if r["workers"] == workers)
-        print(f"\n{workers} workers + {args.servers} server(s), digits {args.model}, "
+        link = "loopback" if args.rate == "none" else f"{args.rate} links"
+        print(f"\n{workers} workers + {args.servers} server(s) on {link}, digits {args.model}, "
               f"lr {args.lr:g}, "
               f"momentum {args.momentum:g}, target {100 * args.target:.0f}% test accuracy, "
               f"{args.iterations} iterations, {args.seeds} seed(s): mean [min, max]; "
@@ -291,8 +325,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seeds", type=int, default=1)
     parser.add_argument("--lr", type=float, default=DigitsTask.lr)
     parser.add_argument("--momentum", type=float, default=DigitsTask.momentum)
-    parser.add_argument("--model", choices=("cnn", "mlp"), default="cnn",
-                        help="the digits CNN (default) or a 64-96-48-10 MLP")
+    parser.add_argument("--model", choices=DIGITS_ARCHITECTURES, default="cnn",
+                        help="the digits CNN (default), a 64-96-48-10 MLP or a 64-512-512-10 "
+                             "one (wide-mlp)")
+    parser.add_argument("--rate", default="none",
+                        help="tc rate of every rank's link, e.g. 1gbit (needs root; default "
+                             "none: loopback, no limit)")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT,
                         help=f"results directory (default {DEFAULT_OUT})")
     parser.add_argument("--name", default="ps_straggler", help="name of the result files")
@@ -303,11 +341,14 @@ def run(args: argparse.Namespace) -> int:
             ) -> dict[str, Any]:
         is_ps = parse_scheme(scheme).consistency in PS_SCHEMES
         world = workers + (args.servers if is_ps else 0)
-        results = run_local(run_rank, world, scheme, args.servers, workers, delay_s,
-                            args.iterations, seed, args.lr, args.momentum, args.model,
-                            timeout_s=900)
-        return summarize(scheme, slowdown, seed, results, args.target, args.lr, args.momentum,
-                         args.model)
+        rank_args = [scheme, args.servers, workers, delay_s, args.iterations, seed, args.lr,
+                     args.momentum, args.model]
+        if args.rate == "none":
+            results = run_local(run_rank, world, *rank_args, timeout_s=900)
+        else:
+            results = run_in_network(args.rate, world, rank_args, port=29500)
+        return {**summarize(scheme, slowdown, seed, results, args.target, args.lr,
+                            args.momentum, args.model), "rate": args.rate}
 
     rows = []
     for workers in args.workers:
@@ -329,3 +370,14 @@ def run(args: argparse.Namespace) -> int:
         if image is not None:
             print(f"wrote {image}")
     return 0
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 3 and sys.argv[1] == "--rank":
+        print_result(network_rank(json.loads(sys.argv[2])))
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()  # torch's Gloo thread must not outlive the interpreter
+    else:
+        sys.exit("run `hemiola bench ps` (this module's entry point is for its ranks)")
