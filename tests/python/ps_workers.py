@@ -3,6 +3,7 @@ hemiola.launch.run_local). Ranks 0..S-1 are servers, the rest workers."""
 
 from __future__ import annotations
 
+import math
 import os
 import time
 from typing import Any
@@ -65,13 +66,27 @@ def train(rank: int, world: int, options: dict[str, Any], model_name: str, opt_n
     return out
 
 
-def train_learning_every_pull_ahead(rank: int, world: int, *args: Any) -> dict[str, Any]:
-    """``train`` with eager's learned plan moving every tensor ahead as soon as
-    its warm-up is over (any wait counts as a stall): the tensors switch from
-    pulls after the push to corrected pulls ahead in the middle of the run."""
+def train_keeping_every_pull_ahead(rank: int, world: int, *args: Any) -> dict[str, Any]:
+    """``train`` with eager's learned plan moving every tensor ahead on trial
+    after its warm-up and two timed iterations (any wait counts as a stall),
+    and keeping them there two iterations later: the tensors switch from pulls
+    after the push to corrected pulls ahead in the middle of the run."""
     import hemiola.ps.ahead
 
     hemiola.ps.ahead.STALL_SHARE = -1.0
+    hemiola.ps.ahead.TRIAL_ITERATIONS = 2
+    hemiola.ps.ahead.KEEP_GAIN = -math.inf
+    return train(rank, world, *args)
+
+
+def train_moving_every_pull_ahead_and_back(rank: int, world: int, *args: Any) -> dict[str, Any]:
+    """As ``train_keeping_every_pull_ahead``, but the trial never pays: after
+    two iterations ahead every tensor goes back to its pull after the push."""
+    import hemiola.ps.ahead
+
+    hemiola.ps.ahead.STALL_SHARE = -1.0
+    hemiola.ps.ahead.TRIAL_ITERATIONS = 2
+    hemiola.ps.ahead.KEEP_GAIN = math.inf
     return train(rank, world, *args)
 
 

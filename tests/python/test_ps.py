@@ -126,31 +126,40 @@ def test_eager_pulls_ahead_only_the_front_fraction(ahead: float, front: set[str]
     assert all(r["staleness"] == 0 for r in mixed["records"])
 
 
-def test_learned_ahead_plan_moves_only_pulls_that_keep_the_forward_waiting() -> None:
+def test_learned_ahead_plan_keeps_only_moves_that_shorten_the_iteration() -> None:
     from hemiola.ps import ahead
     from hemiola.ps.ahead import AheadPlan
 
     plan = AheadPlan([10, 10, 10], None)
     order = [2, 0, 1]
-    for _ in range(ahead.WARMUP_ITERATIONS):  # not learnt from
-        plan.waited(0, 9.0)
-        plan.iteration_ended(10.0)
+
+    def iterate(n: int, seconds: float, waits: dict[int, float]) -> None:
+        for _ in range(n):
+            for i, wait in waits.items():
+                plan.waited(i, wait)
+            plan.iteration_ended(seconds)
+
+    iterate(ahead.WARMUP_ITERATIONS, 10.0, {0: 9.0})  # not learnt from
     assert plan.choose(order) == []  # every pull starts after the push
-    plan.waited(2, 0.6)  # 6% of a 10 s iteration: moved at once
-    plan.waited(0, 0.05)  # 0.5%: never enough
-    plan.iteration_ended(10.0)
+    # 6% of a 10 s iteration stalls tensor 2 at once, 0.5% never stalls tensor 0;
+    # the move waits until the plan as it is has been timed.
+    iterate(ahead.TRIAL_ITERATIONS - 1, 10.0, {2: 0.6, 0: 0.05})
+    assert plan.choose(order) == []
+    iterate(1, 10.0, {2: 0.6, 0: 0.05})
+    assert plan.choose(order) == [2]  # on trial
+    iterate(ahead.TRIAL_ITERATIONS, 8.0, {0: 0.05})  # 20% shorter: kept
     assert plan.choose(order) == [2]
-    for _ in range(50):
-        plan.waited(0, 0.05)
-        plan.iteration_ended(10.0)
+    # 1.5% of every iteration stalls tensor 1 after five; it is moved once ten
+    # iterations of the plan with 2 ahead are timed, and moved back when the
+    # iterations stay as long.
+    iterate(ahead.TRIAL_ITERATIONS - 1, 8.0, {1: 0.12})
     assert plan.choose(order) == [2]
-    for _ in range(4):  # 1.5% of every iteration: the mean passes 1% in the fifth
-        plan.waited(1, 0.15)
-        plan.iteration_ended(10.0)
-        assert plan.choose(order) == [2]
-    plan.waited(1, 0.15)
-    plan.iteration_ended(10.0)
+    iterate(1, 8.0, {1: 0.12})
     assert plan.choose(order) == [2, 1]
+    iterate(ahead.TRIAL_ITERATIONS, 7.9, {})
+    assert plan.choose(order) == [2]
+    iterate(5 * ahead.TRIAL_ITERATIONS, 8.0, {1: 0.8})  # not tried again
+    assert plan.choose(order) == [2]
 
 
 def test_fixed_ahead_plan_takes_the_front_share_of_the_bytes() -> None:
@@ -163,17 +172,20 @@ def test_fixed_ahead_plan_takes_the_front_share_of_the_bytes() -> None:
     assert AheadPlan([1, 2], 1.0).choose([1, 0]) == [1, 0]
 
 
-def test_eager_switching_pulls_ahead_mid_run_trains_as_bsp_with_one_worker() -> None:
-    """The learned plan moves every tensor ahead after its warm-up, in the
-    middle of the run: from then on the replies lack the own push and are
-    corrected, and the pushes declare the version that includes it. With one
+@pytest.mark.parametrize("kept", [True, False], ids=["kept-ahead", "moved-back"])
+def test_eager_switching_pulls_ahead_mid_run_trains_as_bsp_with_one_worker(kept: bool) -> None:
+    """The learned plan moves every tensor ahead on trial after its warm-up,
+    in the middle of the run: from then on the replies lack the own push and
+    are corrected, and the pushes declare the version that includes it; then
+    it keeps them there or moves them back to pulls after the push. With one
     worker and Nesterov that is still exactly bsp."""
-    steps = 10
+    steps = 12
+    train = (ps_workers.train_keeping_every_pull_ahead if kept
+             else ps_workers.train_moving_every_pull_ahead_and_back)
     bsp = _one_worker("bsp", True, "nesterov", steps=steps)
     options = {"consistency": "eager", "num_servers": 1, "timeout_s": 60}
-    [learned] = _workers(run_local(ps_workers.train_learning_every_pull_ahead, 2, options,
-                                   "mlp", "nesterov", steps))
-    assert sorted(learned["pulled_ahead"]) == sorted(bsp["params"])
+    [learned] = _workers(run_local(train, 2, options, "mlp", "nesterov", steps))
+    assert sorted(learned["pulled_ahead"]) == (sorted(bsp["params"]) if kept else [])
     torch.testing.assert_close(learned["losses"], bsp["losses"], rtol=1e-5, atol=1e-6)
     for name, p in bsp["params"].items():
         torch.testing.assert_close(learned["params"][name], p, rtol=1e-5, atol=1e-6)

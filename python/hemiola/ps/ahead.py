@@ -8,14 +8,20 @@ will be staler. A pull requested after the push (at ``optimizer.step()``, as
 it. The front layers are read first, so they are the ones that would wait.
 
 The plan is either a fixed share of the bytes, front layers first, or
-learned: every pull starts after the push, and a tensor whose pull keeps the
-forward waiting is pulled ahead from then on. On a fast network that is the
+learned: every pull starts after the push, and the tensors whose pulls keep
+the forward waiting are moved ahead on trial. On a fast network that is the
 first tensor or two; on a slow one, as many front layers as the next
-forward needs before the rest can arrive.
+forward needs before the rest can arrive. The trial keeps them ahead only
+if the iterations get shorter by a real margin: a wait can also be the CPU
+busy with other processes (the server, other workers on the same cores),
+which pulling ahead does not remove, and then the staler gradients would be
+bought for nothing.
 """
 
 from __future__ import annotations
 
+import statistics
+from collections import deque
 from collections.abc import Sequence
 
 #: A learned plan pulls a tensor ahead once its forward's wait for the pull
@@ -24,12 +30,22 @@ STALL_SHARE = 0.01
 #: Weight of the newest iteration in that average: a short late reply (the
 #: machine busy for a moment) does not move a tensor ahead; a wait of over 5%
 #: of an iteration does at once, and a shorter one that recurs within a few
-#: iterations. A tensor moved ahead stays ahead: its pull no longer waits, so
-#: nothing would tell when to move it back.
+#: iterations.
 NEWEST_WEIGHT = 0.2
 #: The first iterations, while the other workers may still be starting, are
 #: not learnt from.
 WARMUP_ITERATIONS = 3
+#: Iterations timed before a move (the pulls as they were) and after it (the
+#: trial); their medians are compared.
+TRIAL_ITERATIONS = 10
+#: A move is kept when the trial's median iteration is at least this share
+#: shorter than before it. A pull ahead lacks the pushes the other workers
+#: make during backward, so the gradients it leads to are staler and the run
+#: needs more iterations (46% more on the loopback straggler benchmark, where
+#: pulling everything ahead saved no time): a wait removed must buy real time.
+#: A tensor kept ahead stays ahead (its pull no longer waits, so nothing
+#: would tell when to move it back); one moved back is not tried again.
+KEEP_GAIN = 0.1
 
 
 class AheadPlan:
@@ -44,6 +60,11 @@ class AheadPlan:
         self._stall = [0.0] * len(numels)  # moving mean of wait / iteration time
         self._waits: dict[int, float] = {}  # this iteration's waits for pulls sent after the push
         self._iterations = 0
+        self._refused = [False] * len(numels)  # moved ahead on trial and back: stays after
+        self._recent: deque[float] = deque(maxlen=TRIAL_ITERATIONS)  # iteration times, this plan
+        self._trial: list[int] = []  # the tensors moved ahead on trial, now
+        self._trial_times: list[float] = []
+        self._baseline = 0.0  # median iteration before the trial
 
     def choose(self, order: Sequence[int]) -> list[int]:
         """The tensors to pull ahead, in `order` (the last forward's reads). A
@@ -66,13 +87,34 @@ class AheadPlan:
         self._waits[i] = seconds
 
     def iteration_ended(self, seconds: float) -> None:
-        """Learns from the waits of an iteration that took `seconds`."""
+        """Learns from the waits of an iteration that took `seconds`: a tensor
+        whose pull kept the forward waiting goes ahead on trial, once the plan
+        as it is has been timed; a trial ends with the tensors kept ahead or
+        moved back."""
         self._iterations += 1
+        waits, self._waits = self._waits, {}
         if self._fraction is not None or seconds <= 0 or self._iterations <= WARMUP_ITERATIONS:
-            self._waits.clear()
             return
-        for i, wait in self._waits.items():
+        for i, wait in waits.items():
             self._stall[i] = (1 - NEWEST_WEIGHT) * self._stall[i] + NEWEST_WEIGHT * wait / seconds
-            if self._stall[i] > STALL_SHARE:
+        if self._trial:
+            self._trial_times.append(seconds)
+            if len(self._trial_times) >= TRIAL_ITERATIONS:
+                self._end_trial()
+            return
+        self._recent.append(seconds)
+        stalled = [i for i, share in enumerate(self._stall)
+                   if share > STALL_SHARE and not self._learned[i] and not self._refused[i]]
+        if stalled and len(self._recent) >= TRIAL_ITERATIONS:
+            self._baseline = statistics.median(self._recent)
+            self._trial, self._trial_times = stalled, []
+            for i in stalled:
                 self._learned[i] = True
-        self._waits.clear()
+
+    def _end_trial(self) -> None:
+        if statistics.median(self._trial_times) > (1 - KEEP_GAIN) * self._baseline:
+            for i in self._trial:
+                self._learned[i] = False
+                self._refused[i] = True
+        self._trial, self._trial_times = [], []
+        self._recent.clear()  # the next move is timed against the plan as it is now
