@@ -144,7 +144,8 @@ def scheduled_staleness(rank: int, world: int, consistency: str, local_correctio
     0, 0, 0)."""
 
     config = hemiola.ps.PSConfig(consistency=consistency, num_servers=1, timeout_s=30,
-                                 local_correction=local_correction, ahead_fraction=1.0)
+                                 local_correction=local_correction, ahead_fraction=1.0,
+                                 staleness_rule="inverse")  # SGD's default here is "none"
     served = server_or_none(config)
     if served is not None:
         return served

@@ -70,8 +70,22 @@ def test_staleness_matches_the_push_schedule(consistency: str, correction: bool,
         assert taus == w0_taus
         [late] = [r for r in w1["records"] if r["key"] == key]
         assert (late["computed_on"], late["applied_at"], late["staleness"]) == (0, 3, 3)
-        assert late["lr_factor"] == pytest.approx(0.25)  # the default rule: lr/(1+tau)
+        assert late["lr_factor"] == pytest.approx(0.25)  # "inverse": 1/(1+tau)
     assert w1["staleness"]["max"] == 3
+
+
+def test_default_staleness_rule_is_none_where_the_momentum_rule_averages() -> None:
+    from hemiola.ps import PSConfig
+
+    assert PSConfig(consistency="bsp").rule("adam") == "none"
+    for consistency in ("asp", "ssp", "eager"):
+        assert PSConfig(consistency=consistency).rule("sgd") == "none"  # "rescaled"
+        for optimizer in ("adam", "adamw"):
+            assert PSConfig(consistency=consistency).rule(optimizer) == "inverse"
+        for momentum_rule in ("compensated", "none"):
+            config = PSConfig(consistency=consistency, momentum_rule=momentum_rule)
+            assert config.rule("sgd") == "inverse"
+    assert PSConfig(consistency="eager", staleness_rule="zhang").rule("sgd") == "zhang"
 
 
 def test_staleness_rules() -> None:

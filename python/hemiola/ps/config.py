@@ -31,11 +31,13 @@ class PSConfig:
             et al., IJCAI'16) or ``"none"`` 1. SGD weights the gradient by it
             as it enters the momentum buffer (so its whole influence shrinks,
             not only its first step); Adam and AdamW scale the step's
-            learning rate by it. Default:
-            ``"inverse"`` for the asynchronous models (``asp``, ``ssp``,
-            ``eager``: measured faster to a target and stable at learning
-            rates where ``"none"`` diverges), ``"none"`` for ``bsp`` (whose
-            tau is always 0).
+            learning rate by it. Default (:meth:`rule`): ``"none"`` for
+            ``bsp`` (whose tau is always 0) and for SGD under the
+            ``"rescaled"`` momentum rule (which weighs a push as ``bsp``
+            weighs one of a round's gradients, so that a straggler's shard
+            still counts fully); ``"inverse"`` otherwise (Adam, AdamW, the
+            other momentum rules: stable at learning rates where ``"none"``
+            diverges there).
         partition_mb: tensors larger than this are split into parts, and
             parts are balanced across servers by bytes.
         timeout_s: connection set-up; how long a pull may wait; how long a
@@ -119,12 +121,22 @@ class PSConfig:
         if self.restore and not self.snapshot_dir:
             raise ValueError("restore=True needs snapshot_dir")
 
-    @property
-    def rule(self) -> str:
-        """The staleness rule in effect."""
+    def rule(self, optimizer: str) -> str:
+        """The staleness rule in effect for `optimizer` (``"sgd"``, ``"adam"``
+        or ``"adamw"``).
+
+        By default ``"none"`` where nothing else is needed: in ``bsp`` (tau is
+        always 0), and with SGD under ``"rescaled"`` momentum, which weighs
+        each push as one of a round's N gradients itself and would leave the
+        rule only the straggler, whose shard ``"inverse"`` made count about
+        1/17 as much as the others' (a 4x straggler with 4 workers). Else
+        ``"inverse"``: there the rule's 1/(1+tau) is also the averaging over
+        the N workers, without which asynchrony takes N times bsp's step."""
         if self.staleness_rule is not None:
             return self.staleness_rule
-        return "none" if self.consistency == "bsp" else "inverse"
+        if self.consistency == "bsp":
+            return "none"
+        return "none" if optimizer == "sgd" and self.momentum_rule == "rescaled" else "inverse"
 
     @property
     def partition_elems(self) -> int:

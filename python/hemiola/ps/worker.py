@@ -76,7 +76,7 @@ class ParameterServerModel(nn.Module):
         self._client = C.ps.Client(
             worker_index=worker.worker_index, num_workers=worker.num_workers,
             num_servers=worker.num_servers, consistency=config.consistency,
-            staleness_rule=config.rule, optimizer=self._kind,
+            staleness_rule=config.rule(self._kind), optimizer=self._kind,
             partition_elems=config.partition_elems, timeout_s=config.timeout_s,
             names=self._names, numels=[p.numel() for p in self._params], store=store,
             iface=iface, master_addr=master, token=job_token(),
