@@ -42,6 +42,7 @@ def train(rank: int, world: int, options: dict[str, Any], model_name: str, opt_n
     m = make_model(model_name)
     model, opt = hemiola.ps.wrap(m, make_optimizer(opt_name, m.parameters()), config)
     losses = []
+    ahead_after_step = []  # the tensors pulled ahead, as each optimizer.step() left the plan
     for step in range(steps):
         x, y = make_batch(model_name, 0 if same_batch else step, r.worker_index, r.num_workers)
         opt.zero_grad()
@@ -49,13 +50,14 @@ def train(rank: int, world: int, options: dict[str, Any], model_name: str, opt_n
         loss.backward()
         opt.step()
         losses.append(loss.item())
+        ahead_after_step.append(sorted(model.pulled_ahead()))
         if delays and r.worker_index in delays:
             time.sleep(delays[r.worker_index])
     model.synchronize()
     params = {n: p.detach().clone() for n, p in m.named_parameters()}
     out = {"worker": r.worker_index, "params": params, "losses": losses,
            "records": model.push_records(), "staleness": model.staleness(),
-           "pulled_ahead": model.pulled_ahead()}
+           "pulled_ahead": model.pulled_ahead(), "ahead_after_step": ahead_after_step}
     model.close()
     model(x)  # after close the hooks are gone: a plain local forward
     try:
@@ -68,9 +70,10 @@ def train(rank: int, world: int, options: dict[str, Any], model_name: str, opt_n
 
 def train_keeping_every_pull_ahead(rank: int, world: int, *args: Any) -> dict[str, Any]:
     """``train`` with eager's learned plan moving every tensor ahead on trial
-    after its warm-up and two timed iterations (any wait counts as a stall),
-    and keeping them there two iterations later: the tensors switch from pulls
-    after the push to corrected pulls ahead in the middle of the run."""
+    after its warm-up (3 iterations) and two timed ones (any wait counts as a
+    stall), at step 5, and keeping them there after an untimed iteration and
+    two timed ones, at step 8: the tensors switch from pulls after the push
+    to corrected pulls ahead in the middle of the run."""
     import hemiola.ps.ahead
 
     hemiola.ps.ahead.STALL_SHARE = -1.0
@@ -80,8 +83,8 @@ def train_keeping_every_pull_ahead(rank: int, world: int, *args: Any) -> dict[st
 
 
 def train_moving_every_pull_ahead_and_back(rank: int, world: int, *args: Any) -> dict[str, Any]:
-    """As ``train_keeping_every_pull_ahead``, but the trial never pays: after
-    two iterations ahead every tensor goes back to its pull after the push."""
+    """As ``train_keeping_every_pull_ahead``, but the trial never pays: at
+    step 8 every tensor goes back to its pull after the push."""
     import hemiola.ps.ahead
 
     hemiola.ps.ahead.STALL_SHARE = -1.0

@@ -164,3 +164,15 @@ def test_committed_doc_matches_its_rows(name: str) -> None:
     for spec in specs:
         path = doc.parent / spec.split()[0]
         assert all(k in json.loads(path.read_text().splitlines()[0]) for k in STAMP), path
+
+
+def test_ps_table_names_the_model_and_the_link_when_not_the_defaults() -> None:
+    spread = {"median": 0.5, "p10": 0.4, "p90": 0.6}
+    row = {"suite": "ps", "row": "summary", "workers": 4, "slowdown": 4.0, "scheme": "eager",
+           "seeds": 3, "reached": 3, "target": 0.95, "lr": 0.02, "ms_per_iteration": spread,
+           "final_accuracy": spread}
+    assert report.ps_table([row]).startswith("Target 95% test accuracy, lr 0.02; median")
+    wide = report.ps_table([{**row, "model": "wide-mlp", "rate": "1gbit"}])
+    assert wide.startswith("digits wide-mlp, 1 Gbit/s links. Target 95%")
+    assert report.ps_table([{**row, "rate": "1gbit"}]).startswith("1 Gbit/s links. Target")
+    assert "| 4 | 4× | eager | 0.5 (0.4–0.6) | – | – | 3/3 | 50.0 (40.0–60.0) |" in wide

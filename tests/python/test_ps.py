@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import ps_workers
 import pytest
 import torch
@@ -140,40 +142,69 @@ def test_eager_pulls_ahead_only_the_front_fraction(ahead: float, front: set[str]
     assert all(r["staleness"] == 0 for r in mixed["records"])
 
 
-def test_learned_ahead_plan_keeps_only_moves_that_shorten_the_iteration() -> None:
-    from hemiola.ps import ahead
+def _timed_plan(n: int) -> tuple[Any, Any]:
+    """An AheadPlan over `n` tensors of 10 elements, and `iterate(count,
+    seconds, waits)` feeding it iterations that wait `waits[i]` for tensor i."""
     from hemiola.ps.ahead import AheadPlan
 
-    plan = AheadPlan([10, 10, 10], None)
-    order = [2, 0, 1]
+    plan = AheadPlan([10] * n, None)
 
-    def iterate(n: int, seconds: float, waits: dict[int, float]) -> None:
-        for _ in range(n):
+    def iterate(count: int, seconds: float, waits: dict[int, float]) -> None:
+        for _ in range(count):
             for i, wait in waits.items():
                 plan.waited(i, wait)
             plan.iteration_ended(seconds)
 
+    return plan, iterate
+
+
+def test_learned_ahead_plan_keeps_only_moves_that_shorten_the_iteration() -> None:
+    from hemiola.ps import ahead
+
+    plan, iterate = _timed_plan(3)
+    order = [2, 0, 1]
+    trial = ahead.TRIAL_ITERATIONS
     iterate(ahead.WARMUP_ITERATIONS, 10.0, {0: 9.0})  # not learnt from
     assert plan.choose(order) == []  # every pull starts after the push
     # 6% of a 10 s iteration stalls tensor 2 at once, 0.5% never stalls tensor 0;
-    # the move waits until the plan as it is has been timed.
-    iterate(ahead.TRIAL_ITERATIONS - 1, 10.0, {2: 0.6, 0: 0.05})
+    # the move waits until the plan as it is has been timed with the stall.
+    iterate(trial - 1, 10.0, {2: 0.6, 0: 0.05})
     assert plan.choose(order) == []
     iterate(1, 10.0, {2: 0.6, 0: 0.05})
     assert plan.choose(order) == [2]  # on trial
-    iterate(ahead.TRIAL_ITERATIONS, 8.0, {0: 0.05})  # 20% shorter: kept
+    # One iteration untimed (its forward took the pulls of the plan before),
+    # then the trial's: 20% shorter, kept.
+    iterate(trial, 8.0, {0: 0.05})
     assert plan.choose(order) == [2]
-    # 1.5% of every iteration stalls tensor 1 after five; it is moved once ten
-    # iterations of the plan with 2 ahead are timed, and moved back when the
+    iterate(1, 8.0, {0: 0.05})
+    assert plan.choose(order) == [2]
+    # 1.5% of every iteration stalls tensor 1 from the fifth; it is moved once
+    # ten iterations with that stall are timed, and moved back when the
     # iterations stay as long.
-    iterate(ahead.TRIAL_ITERATIONS - 1, 8.0, {1: 0.12})
+    iterate(4 + trial - 1, 8.0, {1: 0.12})
     assert plan.choose(order) == [2]
     iterate(1, 8.0, {1: 0.12})
     assert plan.choose(order) == [2, 1]
-    iterate(ahead.TRIAL_ITERATIONS, 7.9, {})
+    iterate(1 + trial, 7.9, {})
     assert plan.choose(order) == [2]
-    iterate(5 * ahead.TRIAL_ITERATIONS, 8.0, {1: 0.8})  # not tried again
+    iterate(5 * trial, 8.0, {1: 0.8})  # not tried again
     assert plan.choose(order) == [2]
+
+
+def test_learned_ahead_plan_times_the_plan_with_the_stall_it_would_remove() -> None:
+    """A wait that appears late is weighed against iterations that had it,
+    not against the quiet ones before it."""
+    from hemiola.ps import ahead
+
+    plan, iterate = _timed_plan(2)
+    trial = ahead.TRIAL_ITERATIONS
+    iterate(ahead.WARMUP_ITERATIONS + 3 * trial, 8.0, {})  # quiet: nothing stalls
+    iterate(trial, 12.0, {0: 4.0})  # a 4 s wait appears
+    assert plan.choose([0, 1]) == [0]  # on trial
+    iterate(1 + trial, 8.5, {})  # the wait gone: 29% shorter than with it
+    assert plan.choose([0, 1]) == [0]
+    iterate(3 * trial, 8.5, {})
+    assert plan.choose([0, 1]) == [0]
 
 
 def test_fixed_ahead_plan_takes_the_front_share_of_the_bytes() -> None:
@@ -199,7 +230,9 @@ def test_eager_switching_pulls_ahead_mid_run_trains_as_bsp_with_one_worker(kept:
     bsp = _one_worker("bsp", True, "nesterov", steps=steps)
     options = {"consistency": "eager", "num_servers": 1, "timeout_s": 60}
     [learned] = _workers(run_local(train, 2, options, "mlp", "nesterov", steps))
-    assert sorted(learned["pulled_ahead"]) == (sorted(bsp["params"]) if kept else [])
+    every = sorted(bsp["params"])
+    after_trial = every if kept else []
+    assert learned["ahead_after_step"] == [[]] * 4 + [every] * 3 + [after_trial] * (steps - 7)
     torch.testing.assert_close(learned["losses"], bsp["losses"], rtol=1e-5, atol=1e-6)
     for name, p in bsp["params"].items():
         torch.testing.assert_close(learned["params"][name], p, rtol=1e-5, atol=1e-6)

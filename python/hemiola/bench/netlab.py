@@ -150,12 +150,15 @@ class Network:
             raise
         return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
-    def run_ranks(self, command: Sequence[str], port: int, timeout_s: float) -> list[str]:
+    def run_ranks(self, command: Sequence[str], port: int, timeout_s: float,
+                  env: Mapping[str, str] | None = None) -> list[str]:
         """Runs `command` once per namespace as the ranks of one job (rank i in
-        namespace i, MASTER_ADDR rank 0's address, GLOO_SOCKET_IFNAME its veth);
-        see :func:`run_ranks`."""
-        return run_ranks(lambda rank, env, **kw: self.popen(rank, command, env=env, **kw),
-                         self.n, self.addrs[0], self.ifaces, port, timeout_s)
+        namespace i, MASTER_ADDR rank 0's address, GLOO_SOCKET_IFNAME its veth,
+        and `env` added to every rank's environment); see :func:`run_ranks`."""
+        return run_ranks(
+            lambda rank, rank_env, **kw: self.popen(rank, command, env={**(env or {}), **rank_env},
+                                                    **kw),
+            self.n, self.addrs[0], self.ifaces, port, timeout_s)
 
     def close(self) -> None:
         """Kills the processes started here and deletes every namespace (idempotent)."""
@@ -236,6 +239,8 @@ def run_ranks(start: Callable[..., subprocess.Popen[str]], n: int, master: str,
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
+        for log in logs:
+            log.close()
 
 
 def leftovers() -> list[str]:

@@ -54,6 +54,7 @@ import itertools
 import json
 import os
 import secrets
+import signal
 import statistics
 import sys
 import time
@@ -175,20 +176,20 @@ def run_rank(rank: int, world: int, scheme: str, servers: int, workers: int, del
 def run_in_network(rate: str, world: int, args: list[Any], port: int) -> dict[int, Any]:
     """The ranks of one run, each in its own namespace behind a `rate` link:
     ``{rank: run_rank's result}``, as :func:`run_local` returns them."""
-    config = {"args": args, "token": secrets.token_hex(16)}
     with Network(world, rate) as net:
+        # The job's token, as run_local gives one (in the environment: argv is public).
         outputs = net.run_ranks([sys.executable, "-m", "hemiola.bench.ps", "--rank",
-                                 json.dumps(config)], port, timeout_s=900)
+                                 json.dumps(args)], port, timeout_s=900,
+                                env={JOB_TOKEN_ENV: secrets.token_hex(16)})
     return {rank: parse_result(output) for rank, output in enumerate(outputs)}
 
 
-def network_rank(config: dict[str, Any]) -> dict[str, Any] | None:
+def network_rank(args: list[Any]) -> dict[str, Any] | None:
     """One rank of :func:`run_in_network`, in its namespace (RANK, WORLD_SIZE,
-    MASTER_ADDR/PORT and GLOO_SOCKET_IFNAME set by netlab)."""
-    os.environ[JOB_TOKEN_ENV] = config["token"]  # the job's, as run_local gives one
+    MASTER_ADDR/PORT, GLOO_SOCKET_IFNAME and the job token set by netlab)."""
     os.environ.pop("TORCHELASTIC_USE_AGENT_STORE", None)  # rank 0 hosts the store
     torch.set_num_threads(1)
-    return run_rank(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), *config["args"])
+    return run_rank(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), *args)
 
 
 def summarize(scheme: str, slowdown: float, seed: int, results: dict[int, Any], target: float,
@@ -350,6 +351,10 @@ def run(args: argparse.Namespace) -> int:
         return {**summarize(scheme, slowdown, seed, results, args.target, args.lr,
                             args.momentum, args.model), "rate": args.rate}
 
+    if args.rate != "none":
+        # A terminated run must still leave through Network's cleanup, which
+        # deletes the namespaces.
+        signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     rows = []
     for workers in args.workers:
         # T: bsp's time per iteration without a straggler, the unit of the slowdowns.

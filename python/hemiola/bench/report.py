@@ -146,8 +146,13 @@ def ps_table(rows: Rows) -> str:
                       f"{r['reached']}/{r['seeds']}",
                       _spread(r["final_accuracy"], ".1f", 100.0)])
     first = summaries[0]
-    return (f"Target {100 * first['target']:.0f}% test accuracy, lr {first['lr']:g}; "
-            f"median (p10–p90) over {first['seeds']} seed(s):\n\n" + _table(head, lines))
+    model = first.get("model", "cnn")
+    rate = first.get("rate", "none")
+    setting = (f"digits {model}" if model != "cnn" else "") + (
+        f"{', ' if model != 'cnn' else ''}{rate_label(rate)} links" if rate != "none" else "")
+    return (f"{setting + '. ' if setting else ''}Target {100 * first['target']:.0f}% test "
+            f"accuracy, lr {first['lr']:g}; median (p10–p90) over {first['seeds']} seed(s):"
+            "\n\n" + _table(head, lines))
 
 
 def cluster_table(rows: Rows) -> str:

@@ -28,15 +28,17 @@ from collections.abc import Sequence
 #: averages more than this share of an iteration.
 STALL_SHARE = 0.01
 #: Weight of the newest iteration in that average: a short late reply (the
-#: machine busy for a moment) does not move a tensor ahead; a wait of over 5%
-#: of an iteration does at once, and a shorter one that recurs within a few
+#: machine busy for a moment) does not stall a tensor; a wait of over 5% of an
+#: iteration does at once, and a shorter one that recurs within a few
 #: iterations.
 NEWEST_WEIGHT = 0.2
 #: The first iterations, while the other workers may still be starting, are
 #: not learnt from.
 WARMUP_ITERATIONS = 3
-#: Iterations timed before a move (the pulls as they were) and after it (the
-#: trial); their medians are compared.
+#: Iterations timed before a move (the pulls as they were, with the stall
+#: present) and after it (the trial); their medians are compared. The
+#: iteration right after a change is not timed: its forward took pulls sent
+#: under the plan before it.
 TRIAL_ITERATIONS = 10
 #: A move is kept when the trial's median iteration is at least this share
 #: shorter than before it. A pull ahead lacks the pushes the other workers
@@ -61,10 +63,14 @@ class AheadPlan:
         self._waits: dict[int, float] = {}  # this iteration's waits for pulls sent after the push
         self._iterations = 0
         self._refused = [False] * len(numels)  # moved ahead on trial and back: stays after
-        self._recent: deque[float] = deque(maxlen=TRIAL_ITERATIONS)  # iteration times, this plan
+        self._trial_iterations = TRIAL_ITERATIONS
+        self._keep_gain = KEEP_GAIN
+        # Iteration times of this plan while some tensor stalls (the baseline).
+        self._recent: deque[float] = deque(maxlen=self._trial_iterations)
         self._trial: list[int] = []  # the tensors moved ahead on trial, now
         self._trial_times: list[float] = []
         self._baseline = 0.0  # median iteration before the trial
+        self._untimed = 0  # iterations still to skip after a change of plan
 
     def choose(self, order: Sequence[int]) -> list[int]:
         """The tensors to pull ahead, in `order` (the last forward's reads). A
@@ -87,34 +93,42 @@ class AheadPlan:
         self._waits[i] = seconds
 
     def iteration_ended(self, seconds: float) -> None:
-        """Learns from the waits of an iteration that took `seconds`: a tensor
-        whose pull kept the forward waiting goes ahead on trial, once the plan
-        as it is has been timed; a trial ends with the tensors kept ahead or
-        moved back."""
+        """Learns from the waits of an iteration that took `seconds`: once
+        some tensor's pull keeps the forward waiting and the plan as it is has
+        been timed with that wait, the stalled tensors go ahead on trial; a
+        trial ends with them kept ahead or moved back."""
         self._iterations += 1
         waits, self._waits = self._waits, {}
         if self._fraction is not None or seconds <= 0 or self._iterations <= WARMUP_ITERATIONS:
             return
         for i, wait in waits.items():
             self._stall[i] = (1 - NEWEST_WEIGHT) * self._stall[i] + NEWEST_WEIGHT * wait / seconds
+        if self._untimed:
+            self._untimed -= 1
+            return
         if self._trial:
             self._trial_times.append(seconds)
-            if len(self._trial_times) >= TRIAL_ITERATIONS:
+            if len(self._trial_times) >= self._trial_iterations:
                 self._end_trial()
             return
-        self._recent.append(seconds)
         stalled = [i for i, share in enumerate(self._stall)
                    if share > STALL_SHARE and not self._learned[i] and not self._refused[i]]
-        if stalled and len(self._recent) >= TRIAL_ITERATIONS:
+        if not stalled:
+            self._recent.clear()  # the baseline must hold the waits a move would remove
+            return
+        self._recent.append(seconds)
+        if len(self._recent) >= self._trial_iterations:
             self._baseline = statistics.median(self._recent)
             self._trial, self._trial_times = stalled, []
             for i in stalled:
                 self._learned[i] = True
+            self._untimed = 1
 
     def _end_trial(self) -> None:
-        if statistics.median(self._trial_times) > (1 - KEEP_GAIN) * self._baseline:
+        if statistics.median(self._trial_times) > (1 - self._keep_gain) * self._baseline:
             for i in self._trial:
                 self._learned[i] = False
                 self._refused[i] = True
         self._trial, self._trial_times = [], []
         self._recent.clear()  # the next move is timed against the plan as it is now
+        self._untimed = 1
