@@ -146,13 +146,15 @@ def ps_table(rows: Rows) -> str:
                       f"{r['reached']}/{r['seeds']}",
                       _spread(r["final_accuracy"], ".1f", 100.0)])
     first = summaries[0]
-    model = first.get("model", "cnn")
-    rate = first.get("rate", "none")
-    setting = (f"digits {model}" if model != "cnn" else "") + (
-        f"{', ' if model != 'cnn' else ''}{rate_label(rate)} links" if rate != "none" else "")
-    return (f"{setting + '. ' if setting else ''}Target {100 * first['target']:.0f}% test "
-            f"accuracy, lr {first['lr']:g}; median (p10–p90) over {first['seeds']} seed(s):"
-            "\n\n" + _table(head, lines))
+    # The model and the link, where they are not the defaults (the CNN, loopback).
+    setting = []
+    if first.get("model", "cnn") != "cnn":
+        setting.append(f"digits {first['model']}")
+    if first.get("rate", "none") != "none":
+        setting.append(f"{rate_label(first['rate'])} links")
+    prefix = ", ".join(setting) + ". " if setting else ""
+    return (f"{prefix}Target {100 * first['target']:.0f}% test accuracy, lr {first['lr']:g}; "
+            f"median (p10–p90) over {first['seeds']} seed(s):\n\n" + _table(head, lines))
 
 
 def cluster_table(rows: Rows) -> str:

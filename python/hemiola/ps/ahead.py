@@ -65,11 +65,11 @@ class AheadPlan:
         self._refused = [False] * len(numels)  # moved ahead on trial and back: stays after
         self._trial_iterations = TRIAL_ITERATIONS
         self._keep_gain = KEEP_GAIN
-        # Iteration times of this plan while some tensor stalls (the baseline).
+        # Iteration times of this plan while some tensor stalls: the baseline,
+        # left as it is while a trial runs.
         self._recent: deque[float] = deque(maxlen=self._trial_iterations)
         self._trial: list[int] = []  # the tensors moved ahead on trial, now
         self._trial_times: list[float] = []
-        self._baseline = 0.0  # median iteration before the trial
         self._untimed = 0  # iterations still to skip after a change of plan
 
     def choose(self, order: Sequence[int]) -> list[int]:
@@ -118,14 +118,14 @@ class AheadPlan:
             return
         self._recent.append(seconds)
         if len(self._recent) >= self._trial_iterations:
-            self._baseline = statistics.median(self._recent)
             self._trial, self._trial_times = stalled, []
             for i in stalled:
                 self._learned[i] = True
             self._untimed = 1
 
     def _end_trial(self) -> None:
-        if statistics.median(self._trial_times) > (1 - self._keep_gain) * self._baseline:
+        baseline = statistics.median(self._recent)
+        if statistics.median(self._trial_times) > (1 - self._keep_gain) * baseline:
             for i in self._trial:
                 self._learned[i] = False
                 self._refused[i] = True
