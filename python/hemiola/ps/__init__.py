@@ -18,21 +18,32 @@ import sys
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from hemiola.ps.config import CONSISTENCIES, MOMENTUM_RULES, STALENESS_RULES, PSConfig
 from hemiola.ps.roles import Role
 from hemiola.ps.roles import role as _role
+from hemiola.ps.roles import worker_group as _worker_group
 from hemiola.ps.server import serve
 from hemiola.ps.worker import ParameterServerModel
 
 __all__ = ["CONSISTENCIES", "MOMENTUM_RULES", "STALENESS_RULES", "PSConfig",
-           "ParameterServerModel", "Role", "role", "serve", "wrap"]
+           "ParameterServerModel", "Role", "role", "serve", "worker_group", "wrap"]
 
 
 def role(num_servers: int = 1) -> Role:
     """This process's role in a job whose first `num_servers` ranks are servers."""
     return _role(num_servers)
+
+
+def worker_group(num_servers: int = 1, timeout_s: float = 300.0) -> dist.ProcessGroup:
+    """The workers' own Gloo process group (rank = worker index; the servers
+    are not in it), for what all-reduce scripts do beside training: average a
+    metric (``dist.all_reduce(t, group=group)``, as BytePS's ``push_pull`` or
+    Horovod's ``allreduce``), a barrier. Every worker calls it, the same number
+    of times; a server rank gets a RuntimeError."""
+    return _worker_group(_role(num_servers), timeout_s)
 
 
 def wrap(module: nn.Module, optimizer: torch.optim.Optimizer, config: PSConfig | None = None,

@@ -65,15 +65,43 @@ def job_token() -> str:
     return os.environ.get(JOB_TOKEN_ENV, "")
 
 
+def _torch_store(timeout_s: float) -> dist.Store:
+    """The job's rendezvous store: the default process group's, else a client
+    of torchrun's (rank 0, always a server, hosts it without an agent)."""
+    import datetime
+
+    if dist.is_initialized():
+        return dist.distributed_c10d._get_default_store()
+    store, _, _ = next(dist.rendezvous("env://", timeout=datetime.timedelta(seconds=timeout_s)))
+    return store
+
+
 def rendezvous_store(timeout_s: float) -> tuple[C.Store, str, str]:
     """The job's store (prefixed for hemiola.ps), the interface to bind and the
     master address. Binds the interface that routes to ``MASTER_ADDR`` unless
     ``GLOO_SOCKET_IFNAME`` says otherwise."""
+    master = os.environ.get("MASTER_ADDR", "")
+    store = _torch_store(timeout_s)
+    return TorchStore(dist.PrefixStore("hemiola/ps", store)), bind_interface(master), master
+
+
+def worker_group(r: Role, timeout_s: float) -> dist.ProcessGroup:
+    """A Gloo process group of the job's workers alone (rank = worker index),
+    for what all-reduce users do beside training: averaging a metric, a
+    barrier. The servers are not in it, so it never waits for them.
+
+    Every worker must call it, the same number of times: the n-th call on each
+    worker joins the n-th group."""
     import datetime
 
-    if dist.is_initialized():
-        store = dist.distributed_c10d._get_default_store()
-    else:
-        store, _, _ = next(dist.rendezvous("env://", timeout=datetime.timedelta(seconds=timeout_s)))
-    master = os.environ.get("MASTER_ADDR", "")
-    return TorchStore(dist.PrefixStore("hemiola/ps", store)), bind_interface(master), master
+    if r.is_server:
+        raise RuntimeError(f"rank {r.rank} is a server: only workers join the workers' group")
+    store = _torch_store(timeout_s)
+    calls = store.add(f"hemiola/ps/worker_group_calls/{r.worker_index}", 1)
+    iface = bind_interface(os.environ.get("MASTER_ADDR", ""))
+    options = dist.ProcessGroupGloo._Options()
+    options._timeout = datetime.timedelta(seconds=timeout_s)
+    options._devices = [dist.ProcessGroupGloo.create_device(interface=iface) if iface
+                        else dist.ProcessGroupGloo.create_default_device()]
+    prefixed = dist.PrefixStore(f"hemiola/ps/workers/{calls}", store)
+    return dist.ProcessGroupGloo(prefixed, r.worker_index, r.num_workers, options)

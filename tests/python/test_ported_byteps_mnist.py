@@ -1,0 +1,67 @@
+"""BytePS's MNIST example (ported_byteps_mnist.py) on hemiola.ps: under
+``bsp`` it trains exactly as the same script under torch DDP; under every
+asynchronous consistency, with a straggler, it trains as well, and the
+workers' metric averaging through hemiola.ps.worker_group agrees on every
+worker."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import ported_byteps_mnist
+import pytest
+import torch
+
+import hemiola.ps
+from hemiola.launch import run_local
+from hemiola.ps.roles import Role, worker_group
+
+EPOCHS = 20  # the example's 100 at digits' size: 240 iterations per worker
+SLOW_S = 0.01  # the last worker sleeps this after each batch: about 2x a batch
+
+
+def _workers(kind: str, epochs: int, slow_s: float = 0.0) -> list[dict[str, Any]]:
+    world = 2 if kind == "ddp" else 3
+    out = run_local(ported_byteps_mnist.byteps_mnist, world, kind, epochs, slow_s,
+                    timeout_s=300)
+    return [out[r] for r in range(world) if out[r] is not None]
+
+
+def _max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    assert a.keys() == b.keys()
+    return max((a[k] - b[k]).abs().max().item() for k in a)
+
+
+def test_bsp_trains_the_example_as_ddp_does() -> None:
+    ddp, bsp = _workers("ddp", 3), _workers("bsp", 3)
+    assert len(bsp) == 2  # the server returned nothing
+    for d, b in zip(ddp, bsp):
+        assert d["worker"] == b["worker"]
+        assert _max_diff(d["state"], b["state"]) < 1e-5
+        assert d["tests"] == pytest.approx(b["tests"], abs=1e-6)
+        assert d["losses"] == pytest.approx(b["losses"], abs=1e-5)
+
+
+@pytest.fixture(scope="module")
+def bsp_reference() -> dict[str, Any]:
+    return _workers("bsp", EPOCHS)[0]
+
+
+@pytest.mark.parametrize("kind", ["asp", "ssp", "eager"])
+def test_every_asynchronous_consistency_trains_the_example_with_a_straggler(
+        kind: str, bsp_reference: dict[str, Any]) -> None:
+    bsp = bsp_reference
+    fast, slow = _workers(kind, EPOCHS, SLOW_S)
+    # metric_average went through the workers' group: both read the same means
+    assert fast["tests"] == slow["tests"]
+    assert slow["staleness"]["mean"] > 0  # the pushes really were asynchronous
+    final, reference = fast["tests"][-1]["accuracy"], bsp["tests"][-1]["accuracy"]
+    assert reference > 0.85
+    assert final > reference - 0.05, (kind, final, reference)
+    assert fast["losses"][-1] < fast["losses"][0]
+
+
+def test_a_server_rank_is_refused_the_workers_group() -> None:
+    with pytest.raises(RuntimeError, match="only workers join"):
+        worker_group(Role(rank=0, world_size=3, num_servers=1), timeout_s=1)
+    assert "worker_group" in hemiola.ps.__all__
