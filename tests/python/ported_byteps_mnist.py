@@ -82,13 +82,15 @@ def _datasets() -> tuple[TensorDataset, TensorDataset]:
     return TensorDataset(mnist_like(x_train), y_train), TensorDataset(mnist_like(x_test), y_test)
 
 
-def byteps_mnist(rank: int, world: int, kind: str, epochs: int = 3, slow_s: float = 0.0
-                 ) -> dict[str, Any] | None:
+def byteps_mnist(rank: int, world: int, kind: str, epochs: int = 3, slow_s: float = 0.0,
+                 shared: bool = False) -> dict[str, Any] | None:
     """Runs the example: ``kind`` is ``"ddp"`` (every rank a worker) or a
     hemiola.ps consistency (rank 0 a server, the others workers). The last
     worker sleeps `slow_s` after each batch (a straggler). Returns, per
     worker, the log's losses, the averaged test loss and accuracy per epoch,
-    the final parameters and, for the parameter server, the staleness."""
+    the final parameters and, for the parameter server, the staleness. With
+    `shared`, the training batches come from :class:`hemiola.ps.SharedBatchSampler`
+    (whichever worker asks first) instead of ``DistributedSampler``."""
     if kind == "ddp":
         hemiola.init()
         worker, workers, group = rank, world, None
@@ -102,8 +104,14 @@ def byteps_mnist(rank: int, world: int, kind: str, epochs: int = 3, slow_s: floa
     torch.manual_seed(SEED)
 
     train_dataset, test_dataset = _datasets()
-    train_sampler = DistributedSampler(train_dataset, num_replicas=workers, rank=worker)
-    train_loader = DataLoader(train_dataset, batch_size=BATCH_SIZE, sampler=train_sampler)
+    train_sampler: DistributedSampler | hemiola.ps.SharedBatchSampler
+    if shared:
+        train_sampler = hemiola.ps.SharedBatchSampler(len(train_dataset), BATCH_SIZE,
+                                                      consistency=kind, seed=SEED)
+        train_loader = DataLoader(train_dataset, batch_sampler=train_sampler)
+    else:
+        train_sampler = DistributedSampler(train_dataset, num_replicas=workers, rank=worker)
+        train_loader = DataLoader(train_dataset, batch_size=BATCH_SIZE, sampler=train_sampler)
     test_sampler = DistributedSampler(test_dataset, num_replicas=workers, rank=worker)
     test_loader = DataLoader(test_dataset, batch_size=TEST_BATCH_SIZE, sampler=test_sampler)
 
@@ -115,6 +123,7 @@ def byteps_mnist(rank: int, world: int, kind: str, epochs: int = 3, slow_s: floa
         model, optimizer = hemiola.ps.wrap(model, optimizer, consistency=kind, timeout_s=120)
 
     losses: list[float] = []
+    batches: list[int] = []  # trained per epoch
     tests: list[dict[str, float]] = []
     straggler = slow_s > 0 and worker == workers - 1
 
@@ -131,6 +140,7 @@ def byteps_mnist(rank: int, world: int, kind: str, epochs: int = 3, slow_s: floa
                 time.sleep(slow_s)
             if batch_idx % LOG_INTERVAL == 0:
                 losses.append(loss.item())
+        batches.append(batch_idx + 1)
 
     def metric_average(val: float) -> float:
         tensor = torch.tensor(val)
@@ -157,7 +167,7 @@ def byteps_mnist(rank: int, world: int, kind: str, epochs: int = 3, slow_s: floa
         test()
     seconds = time.perf_counter() - start
     result: dict[str, Any] = {
-        "worker": worker, "losses": losses, "tests": tests, "seconds": seconds,
+        "worker": worker, "losses": losses, "batches": batches, "tests": tests, "seconds": seconds,
         "state": {k: v.detach().clone() for k, v in model.module.state_dict().items()}}
     if kind != "ddp":
         result["staleness"] = model.staleness()

@@ -294,3 +294,28 @@ def through_cli(rank: int, world: int) -> dict[str, Any] | None:
         return None
     return train(rank, world, {"consistency": "asp", "num_servers": 1, "timeout_s": 30}, "mlp",
                  "sgd", 3)
+
+
+def shared_batches(rank: int, world: int, dataset_size: int, batch_size: int, epochs: int,
+                   drop_last: bool, slow_s: float) -> dict[str, Any] | None:
+    """Workers pass over `epochs` epochs of a SharedBatchSampler (the last
+    worker sleeping `slow_s` per batch), then over epoch 0 once more; rank 0
+    (the server's place) takes no part. Returns each pass's batches."""
+    r = hemiola.ps.role(1)
+    if r.is_server:
+        return None
+    sampler = hemiola.ps.SharedBatchSampler(dataset_size, batch_size, consistency="eager",
+                                            seed=5, drop_last=drop_last, timeout_s=30)
+    group = hemiola.ps.worker_group(1, timeout_s=30)
+    slow = r.worker_index == r.num_workers - 1
+    passes = []
+    for epoch in [*range(epochs), 0]:
+        torch.distributed.barrier(group=group)  # both start each pass together
+        sampler.set_epoch(epoch)
+        taken = []
+        for batch in sampler:
+            taken.append(batch)
+            if slow:
+                time.sleep(slow_s)
+        passes.append(taken)
+    return {"worker": r.worker_index, "passes": passes, "len": len(sampler)}

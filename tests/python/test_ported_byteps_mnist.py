@@ -2,7 +2,8 @@
 ``bsp`` it trains exactly as the same script under torch DDP; under every
 asynchronous consistency, with a straggler, it trains as well, and the
 workers' metric averaging through hemiola.ps.worker_group agrees on every
-worker."""
+worker; with hemiola.ps.SharedBatchSampler in place of DistributedSampler the
+fast worker trains more of each epoch, and each epoch is still whole."""
 
 from __future__ import annotations
 
@@ -20,9 +21,10 @@ EPOCHS = 20  # the example's 100 at digits' size: 240 iterations per worker
 SLOW_S = 0.01  # the last worker sleeps this after each batch: about 2x a batch
 
 
-def _workers(kind: str, epochs: int, slow_s: float = 0.0) -> list[dict[str, Any]]:
+def _workers(kind: str, epochs: int, slow_s: float = 0.0, shared: bool = False
+             ) -> list[dict[str, Any]]:
     world = 2 if kind == "ddp" else 3
-    out = run_local(ported_byteps_mnist.byteps_mnist, world, kind, epochs, slow_s,
+    out = run_local(ported_byteps_mnist.byteps_mnist, world, kind, epochs, slow_s, shared,
                     timeout_s=300)
     return [out[r] for r in range(world) if out[r] is not None]
 
@@ -59,6 +61,18 @@ def test_every_asynchronous_consistency_trains_the_example_with_a_straggler(
     assert reference > 0.85
     assert final > reference - 0.05, (kind, final, reference)
     assert fast["losses"][-1] < fast["losses"][0]
+
+
+@pytest.mark.parametrize("kind", ["asp", "eager"])
+def test_shared_batches_let_the_fast_worker_train_more_of_each_epoch(
+        kind: str, bsp_reference: dict[str, Any]) -> None:
+    fast, slow = _workers(kind, EPOCHS, SLOW_S, shared=True)
+    train_size = len(ported_byteps_mnist._datasets()[0])
+    per_epoch = -(-train_size // ported_byteps_mnist.BATCH_SIZE)  # the last batch short
+    assert [a + b for a, b in zip(fast["batches"], slow["batches"])] == [per_epoch] * EPOCHS
+    assert sum(fast["batches"]) > 1.5 * sum(slow["batches"])
+    assert fast["tests"] == slow["tests"]
+    assert fast["tests"][-1]["accuracy"] > bsp_reference["tests"][-1]["accuracy"] - 0.05
 
 
 def test_a_server_rank_is_refused_the_workers_group() -> None:

@@ -25,11 +25,13 @@ from hemiola.ps.config import CONSISTENCIES, MOMENTUM_RULES, STALENESS_RULES, PS
 from hemiola.ps.roles import Role
 from hemiola.ps.roles import role as _role
 from hemiola.ps.roles import worker_group as _worker_group
+from hemiola.ps.sampler import SharedBatchSampler
 from hemiola.ps.server import serve
 from hemiola.ps.worker import ParameterServerModel
 
 __all__ = ["CONSISTENCIES", "MOMENTUM_RULES", "STALENESS_RULES", "PSConfig",
-           "ParameterServerModel", "Role", "role", "serve", "worker_group", "wrap"]
+           "ParameterServerModel", "Role", "SharedBatchSampler", "role", "serve", "worker_group",
+           "wrap"]
 
 
 def role(num_servers: int = 1) -> Role:

@@ -1,0 +1,102 @@
+"""Batches handed out from one queue per epoch, to whichever worker asks
+first: what lets an asynchronous parameter-server job go at its fast workers'
+pace in an epoch-based script.
+
+With ``DistributedSampler`` every worker owns a fixed 1/N of an epoch, so a
+straggler's share sets the epoch's length whatever the consistency model: the
+fast workers finish theirs and wait (at the epoch's metric all-reduce, or at
+the next epoch's end). Here a worker claims the epoch's next batch with one
+atomic counter in the job's rendezvous store, so a worker twice as fast
+trains about twice as many batches, and every sample is still trained exactly
+once per epoch.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+
+import torch
+from torch.utils.data import Sampler
+
+from hemiola.ps.roles import _torch_store
+from hemiola.ps.roles import role as _role
+
+
+class SharedBatchSampler(Sampler[list[int]]):
+    """A batch sampler (``DataLoader(dataset, batch_sampler=...)``) whose
+    epoch's batches go to whichever worker asks first.
+
+    Each epoch is one permutation of ``range(dataset_size)`` (seeded by `seed`
+    and the epoch of :meth:`set_epoch`, the same on every worker), cut into
+    batches of `batch_size` (the last one shorter unless `drop_last`); a
+    worker's iterator claims the next unclaimed batch each time it is asked,
+    and ends when none is left. Every worker must create its samplers in the
+    same order and pass over each epoch the same number of times.
+
+    ``len()`` is a worker's even share of the batches: a fast worker trains
+    more of them, a straggler fewer. ``asp`` and ``eager`` only: a ``bsp``
+    round needs every worker's gradient and ``ssp`` holds a worker at most
+    `staleness_bound` pushes ahead of the slowest, so there every worker must
+    train the same number of batches (``DistributedSampler``).
+    """
+
+    def __init__(self, dataset_size: int, batch_size: int, *, consistency: str,
+                 shuffle: bool = True, seed: int = 0, drop_last: bool = False,
+                 num_servers: int = 1, timeout_s: float = 300.0) -> None:
+        if consistency not in ("asp", "eager"):
+            raise ValueError(
+                f"SharedBatchSampler with consistency={consistency!r}: it hands a straggler "
+                "fewer batches than the others, but a bsp round needs every worker's gradient "
+                "and ssp holds a worker at most staleness_bound pushes ahead of the slowest, "
+                "so a fast worker would wait for pushes the straggler, out of batches, never "
+                "makes. Use it with 'asp' or 'eager'; with bsp and ssp every worker trains the "
+                "same number of batches (DistributedSampler)")
+        if dataset_size < 1 or batch_size < 1:
+            raise ValueError(f"dataset_size ({dataset_size}) and batch_size ({batch_size}) "
+                             "must be positive")
+        role = _role(num_servers)
+        if role.is_server:
+            raise RuntimeError(f"rank {role.rank} is a server: only workers sample batches")
+        self.dataset_size = dataset_size
+        self.batch_size = batch_size
+        self.shuffle = shuffle
+        self.seed = seed
+        self.drop_last = drop_last
+        self.num_workers = role.num_workers
+        self.epoch = 0
+        self._store = _torch_store(timeout_s)
+        # The n-th sampler on every worker shares the n-th queue.
+        sampler_id = self._store.add(f"hemiola/ps/batch_samplers/{role.worker_index}", 1)
+        self._prefix = f"hemiola/ps/batches/{sampler_id}"
+        self._passes: dict[int, int] = {}  # epoch -> passes this worker began over it
+
+    @property
+    def batches_per_epoch(self) -> int:
+        whole, rest = divmod(self.dataset_size, self.batch_size)
+        return whole if self.drop_last or rest == 0 else whole + 1
+
+    def set_epoch(self, epoch: int) -> None:
+        """The epoch whose permutation the next pass hands out (as
+        ``DistributedSampler.set_epoch``)."""
+        self.epoch = epoch
+
+    def __len__(self) -> int:
+        return math.ceil(self.batches_per_epoch / self.num_workers)
+
+    def __iter__(self) -> Iterator[list[int]]:
+        epoch = self.epoch
+        passes = self._passes.get(epoch, 0)
+        self._passes[epoch] = passes + 1
+        key = f"{self._prefix}/{epoch}/{passes}"
+        if self.shuffle:
+            order = torch.randperm(self.dataset_size,
+                                   generator=torch.Generator().manual_seed(self.seed + epoch))
+        else:
+            order = torch.arange(self.dataset_size)
+        total = self.batches_per_epoch
+        while True:
+            batch = self._store.add(key, 1) - 1  # claimed by this worker alone
+            if batch >= total:
+                return
+            yield order[batch * self.batch_size:(batch + 1) * self.batch_size].tolist()
