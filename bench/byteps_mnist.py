@@ -7,8 +7,9 @@ straggler: what an epoch-based script gains from asynchrony, and what
     python bench/byteps_mnist.py --variants bsp eager eager+shared --runs 5
 
 2 workers (plus 1 server for the parameter-server variants) on loopback;
-with ``--slow-s`` the last worker sleeps that long after each batch (about
-2x a batch at the default). ``+shared`` replaces ``DistributedSampler`` with
+run r uses the example's ``--seed`` 42 + r (the initial model and dropout);
+with ``--slow-s`` the last worker sleeps that long after each batch (about 2x
+a batch at the default). ``+shared`` replaces ``DistributedSampler`` with
 ``SharedBatchSampler``. Reported per variant over `--runs` runs: worker 0's
 training time (test passes included, as the script runs them), the final
 test accuracy the workers averaged, and the batches each worker trained.
@@ -35,13 +36,13 @@ from hemiola.launch import run_local  # noqa: E402
 VARIANTS = ("ddp", "bsp", "asp", "eager", "asp+shared", "eager+shared")
 
 
-def run(variant: str, epochs: int, slow_s: float) -> dict[str, Any]:
+def run(variant: str, epochs: int, slow_s: float, seed: int) -> dict[str, Any]:
     kind, _, shared = variant.partition("+")
     world = 2 if kind == "ddp" else 3
     out = run_local(ported_byteps_mnist.byteps_mnist, world, kind, epochs, slow_s,
-                    shared == "shared", timeout_s=600)
+                    shared == "shared", seed, timeout_s=600)
     workers = [out[r] for r in range(world) if out[r] is not None]
-    return {"variant": variant, "epochs": epochs, "slow_s": slow_s,
+    return {"variant": variant, "epochs": epochs, "slow_s": slow_s, "seed": seed,
             "seconds": workers[0]["seconds"],
             "final_accuracy": workers[0]["tests"][-1]["accuracy"],
             "batches": [sum(w["batches"]) for w in workers]}
@@ -56,7 +57,8 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
     args = parser.parse_args()
     plan = [(s, v, r) for s in args.slow_s for v in args.variants for r in range(args.runs)]
-    rows = [run(v, args.epochs, s) for s, v, _ in tqdm(plan, desc="byteps mnist", unit="run")]
+    rows = [run(v, args.epochs, s, ported_byteps_mnist.SEED + r)
+            for s, v, r in tqdm(plan, desc="byteps mnist", unit="run")]
     path = write_lines(args.out / "byteps_mnist.jsonl", rows)
     print(f"\nBytePS's MNIST example (digits), 2 workers, {args.epochs} epochs, "
           f"{args.runs} runs: mean [min, max]")

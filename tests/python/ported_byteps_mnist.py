@@ -47,7 +47,7 @@ MOMENTUM = 0.5
 BATCH_SIZE = 64
 TEST_BATCH_SIZE = 1000
 LOG_INTERVAL = 10
-SEED = 42
+SEED = 42  # the example's --seed
 
 
 class Net(nn.Module):
@@ -83,7 +83,7 @@ def _datasets() -> tuple[TensorDataset, TensorDataset]:
 
 
 def byteps_mnist(rank: int, world: int, kind: str, epochs: int = 3, slow_s: float = 0.0,
-                 shared: bool = False) -> dict[str, Any] | None:
+                 shared: bool = False, seed: int = SEED) -> dict[str, Any] | None:
     """Runs the example: ``kind`` is ``"ddp"`` (every rank a worker) or a
     hemiola.ps consistency (rank 0 a server, the others workers). The last
     worker sleeps `slow_s` after each batch (a straggler). Returns, per
@@ -101,13 +101,13 @@ def byteps_mnist(rank: int, world: int, kind: str, epochs: int = 3, slow_s: floa
             return None
         worker, workers = role.worker_index, role.num_workers
         group = hemiola.ps.worker_group(num_servers=1, timeout_s=120)
-    torch.manual_seed(SEED)
+    torch.manual_seed(seed)
 
     train_dataset, test_dataset = _datasets()
     train_sampler: DistributedSampler | hemiola.ps.SharedBatchSampler
     if shared:
         train_sampler = hemiola.ps.SharedBatchSampler(len(train_dataset), BATCH_SIZE,
-                                                      consistency=kind, seed=SEED)
+                                                      consistency=kind, seed=seed)
         train_loader = DataLoader(train_dataset, batch_sampler=train_sampler)
     else:
         train_sampler = DistributedSampler(train_dataset, num_replicas=workers, rank=worker)
