@@ -1,12 +1,12 @@
 """BytePS's MNIST example, ported (tests/python/ported_byteps_mnist.py), under
-torch DDP and every parameter-server consistency, with and without a
-straggler: what an epoch-based script gains from asynchrony, and what
+torch DDP, every hemiola schedule and every parameter-server consistency,
+with and without a straggler: what an epoch-based script gains from asynchrony, and what
 ``hemiola.ps.SharedBatchSampler`` adds.
 
     python bench/byteps_mnist.py                       # 3 runs, 20 epochs, 2 workers
     python bench/byteps_mnist.py --variants bsp eager eager+shared --runs 5
 
-2 workers (plus 1 server for the parameter-server variants) on loopback;
+2 workers (plus 1 server for the parameter-server ones) on loopback;
 run r uses the example's ``--seed`` 42 + r (the initial model and dropout);
 with ``--slow-s`` the last worker sleeps that long after each batch (about 2x
 a batch at the default). ``+shared`` replaces ``DistributedSampler`` with
@@ -33,12 +33,13 @@ import ported_byteps_mnist  # noqa: E402  (the port lives beside its test)
 from hemiola.bench.record import DEFAULT_OUT, write_lines  # noqa: E402
 from hemiola.launch import run_local  # noqa: E402
 
-VARIANTS = ("ddp", "bsp", "asp", "eager", "asp+shared", "eager+shared")
+VARIANTS = ("ddp", "wfbp", "priority", "decoupled", "bsp", "asp", "eager", "asp+shared",
+            "eager+shared")
 
 
 def run(variant: str, epochs: int, slow_s: float, seed: int) -> dict[str, Any]:
     kind, _, shared = variant.partition("+")
-    world = 2 if kind == "ddp" else 3
+    world = 2 if kind in ported_byteps_mnist.ALL_REDUCE else 3
     out = run_local(ported_byteps_mnist.byteps_mnist, world, kind, epochs, slow_s,
                     shared == "shared", seed, timeout_s=600)
     workers = [out[r] for r in range(world) if out[r] is not None]

@@ -23,8 +23,10 @@ The port is what docs/migrating.md says for BytePS and Horovod users:
 
 MNIST needs a download; scikit-learn's digits, resized to MNIST's 28x28 and
 normalised as the example normalises MNIST, take its place. ``kind="ddp"``
-runs the same script with torch DDP: what BytePS's all-reduce semantics
-(gradients averaged over the workers each step) compute.
+runs the same script with torch DDP: what BytePS's synchronous semantics
+(gradients averaged over the workers each step) compute; ``"wfbp"``,
+``"priority"`` and ``"decoupled"`` run it as a Horovod user would port it,
+through ``hemiola.wrap`` (Horovod's example has this script's shape).
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ BATCH_SIZE = 64
 TEST_BATCH_SIZE = 1000
 LOG_INTERVAL = 10
 SEED = 42  # the example's --seed
+ALL_REDUCE = ("ddp", "wfbp", "priority", "decoupled")  # every rank a worker
 
 
 class Net(nn.Module):
@@ -84,14 +87,15 @@ def _datasets() -> tuple[TensorDataset, TensorDataset]:
 
 def byteps_mnist(rank: int, world: int, kind: str, epochs: int = 3, slow_s: float = 0.0,
                  shared: bool = False, seed: int = SEED) -> dict[str, Any] | None:
-    """Runs the example: ``kind`` is ``"ddp"`` (every rank a worker) or a
-    hemiola.ps consistency (rank 0 a server, the others workers). The last
+    """Runs the example: ``kind`` is ``"ddp"`` or a hemiola schedule (every
+    rank a worker, as under Horovod) or a hemiola.ps consistency (rank 0 a
+    server, the others workers). The last
     worker sleeps `slow_s` after each batch (a straggler). Returns, per
     worker, the log's losses, the averaged test loss and accuracy per epoch,
     the final parameters and, for the parameter server, the staleness. With
     `shared`, the training batches come from :class:`hemiola.ps.SharedBatchSampler`
     (whichever worker asks first) instead of ``DistributedSampler``."""
-    if kind == "ddp":
+    if kind in ALL_REDUCE:
         hemiola.init()
         worker, workers, group = rank, world, None
     else:
@@ -119,6 +123,8 @@ def byteps_mnist(rank: int, world: int, kind: str, epochs: int = 3, slow_s: floa
     optimizer = torch.optim.SGD(model.parameters(), lr=LR * workers, momentum=MOMENTUM)
     if kind == "ddp":
         model = nn.parallel.DistributedDataParallel(model)
+    elif kind in ALL_REDUCE:  # Horovod's DistributedOptimizer, with a hemiola schedule
+        model, optimizer = hemiola.wrap(model, optimizer, schedule=kind, timeout_s=120)
     else:
         model, optimizer = hemiola.ps.wrap(model, optimizer, consistency=kind, timeout_s=120)
 
@@ -169,7 +175,7 @@ def byteps_mnist(rank: int, world: int, kind: str, epochs: int = 3, slow_s: floa
     result: dict[str, Any] = {
         "worker": worker, "losses": losses, "batches": batches, "tests": tests, "seconds": seconds,
         "state": {k: v.detach().clone() for k, v in model.module.state_dict().items()}}
-    if kind != "ddp":
+    if kind not in ALL_REDUCE:
         result["staleness"] = model.staleness()
         model.close()
     return result

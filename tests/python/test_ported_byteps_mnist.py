@@ -1,5 +1,7 @@
-"""BytePS's MNIST example (ported_byteps_mnist.py) on hemiola.ps: under
-``bsp`` it trains exactly as the same script under torch DDP; under every
+"""BytePS's MNIST example (ported_byteps_mnist.py) on hemiola.ps and, as a
+Horovod user would port it, on hemiola.wrap: under ``bsp``, ``wfbp`` and
+``priority`` it trains exactly as the same script under torch DDP, under
+``decoupled`` as well; under every
 asynchronous consistency, with a straggler, it trains as well, and the
 workers' metric averaging through hemiola.ps.worker_group agrees on every
 worker; with hemiola.ps.SharedBatchSampler in place of DistributedSampler the
@@ -23,7 +25,7 @@ SLOW_S = 0.01  # the last worker sleeps this after each batch: about 2x a batch
 
 def _workers(kind: str, epochs: int, slow_s: float = 0.0, shared: bool = False
              ) -> list[dict[str, Any]]:
-    world = 2 if kind == "ddp" else 3
+    world = 2 if kind in ported_byteps_mnist.ALL_REDUCE else 3
     out = run_local(ported_byteps_mnist.byteps_mnist, world, kind, epochs, slow_s, shared,
                     timeout_s=300)
     return [out[r] for r in range(world) if out[r] is not None]
@@ -34,14 +36,29 @@ def _max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     return max((a[k] - b[k]).abs().max().item() for k in a)
 
 
-def test_bsp_trains_the_example_as_ddp_does() -> None:
-    ddp, bsp = _workers("ddp", 3), _workers("bsp", 3)
-    assert len(bsp) == 2  # the server returned nothing
-    for d, b in zip(ddp, bsp):
+@pytest.fixture(scope="module")
+def ddp_reference() -> list[dict[str, Any]]:
+    return _workers("ddp", 3)
+
+
+@pytest.mark.parametrize("kind", ["bsp", "wfbp", "priority"])
+def test_bsp_and_the_exact_schedules_train_the_example_as_ddp_does(
+        kind: str, ddp_reference: list[dict[str, Any]]) -> None:
+    ours = _workers(kind, 3)
+    assert len(ours) == 2  # a server returns nothing
+    for d, b in zip(ddp_reference, ours):
         assert d["worker"] == b["worker"]
         assert _max_diff(d["state"], b["state"]) < 1e-5
         assert d["tests"] == pytest.approx(b["tests"], abs=1e-6)
         assert d["losses"] == pytest.approx(b["losses"], abs=1e-5)
+
+
+def test_decoupled_trains_the_example_as_well(bsp_reference: dict[str, Any]) -> None:
+    """The test pass runs forwards without no_grad between training steps;
+    decoupled reads approximations in training, exact parameters in them."""
+    first, second = _workers("decoupled", EPOCHS)
+    assert first["tests"] == second["tests"]
+    assert first["tests"][-1]["accuracy"] > bsp_reference["tests"][-1]["accuracy"] - 0.05
 
 
 @pytest.fixture(scope="module")
