@@ -65,7 +65,7 @@ def job_token() -> str:
     return os.environ.get(JOB_TOKEN_ENV, "")
 
 
-def _torch_store(timeout_s: float) -> dist.Store:
+def job_store(timeout_s: float) -> dist.Store:
     """The job's rendezvous store: the default process group's, else a client
     of torchrun's (rank 0, always a server, hosts it without an agent)."""
     import datetime
@@ -81,7 +81,7 @@ def rendezvous_store(timeout_s: float) -> tuple[C.Store, str, str]:
     master address. Binds the interface that routes to ``MASTER_ADDR`` unless
     ``GLOO_SOCKET_IFNAME`` says otherwise."""
     master = os.environ.get("MASTER_ADDR", "")
-    store = _torch_store(timeout_s)
+    store = job_store(timeout_s)
     return TorchStore(dist.PrefixStore("hemiola/ps", store)), bind_interface(master), master
 
 
@@ -96,7 +96,7 @@ def worker_group(r: Role, timeout_s: float) -> dist.ProcessGroup:
 
     if r.is_server:
         raise RuntimeError(f"rank {r.rank} is a server: only workers join the workers' group")
-    store = _torch_store(timeout_s)
+    store = job_store(timeout_s)
     calls = store.add(f"hemiola/ps/worker_group_calls/{r.worker_index}", 1)
     iface = bind_interface(os.environ.get("MASTER_ADDR", ""))
     options = dist.ProcessGroupGloo._Options()

@@ -19,7 +19,7 @@ from collections.abc import Iterator
 import torch
 from torch.utils.data import Sampler
 
-from hemiola.ps.roles import _torch_store
+from hemiola.ps.roles import job_store
 from hemiola.ps.roles import role as _role
 
 
@@ -65,7 +65,7 @@ class SharedBatchSampler(Sampler[list[int]]):
         self.drop_last = drop_last
         self.num_workers = role.num_workers
         self.epoch = 0
-        self._store = _torch_store(timeout_s)
+        self._store = job_store(timeout_s)
         # The n-th sampler on every worker shares the n-th queue.
         sampler_id = self._store.add(f"hemiola/ps/batch_samplers/{role.worker_index}", 1)
         self._prefix = f"hemiola/ps/batches/{sampler_id}"
