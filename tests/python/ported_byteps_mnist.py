@@ -136,6 +136,7 @@ def byteps_mnist(rank: int, world: int, kind: str, epochs: int = 3, slow_s: floa
     def train(epoch: int) -> None:
         model.train()
         train_sampler.set_epoch(epoch)
+        trained = 0  # a shared sampler may leave a worker no batch at all
         for batch_idx, (data, target) in enumerate(train_loader):
             optimizer.zero_grad()
             output = model(data)
@@ -146,7 +147,8 @@ def byteps_mnist(rank: int, world: int, kind: str, epochs: int = 3, slow_s: floa
                 time.sleep(slow_s)
             if batch_idx % LOG_INTERVAL == 0:
                 losses.append(loss.item())
-        batches.append(batch_idx + 1)
+            trained += 1
+        batches.append(trained)
 
     def metric_average(val: float) -> float:
         tensor = torch.tensor(val)

@@ -39,12 +39,14 @@ def role(num_servers: int = 1) -> Role:
     return _role(num_servers)
 
 
-def worker_group(num_servers: int = 1, timeout_s: float = 300.0) -> dist.ProcessGroup:
+def worker_group(num_servers: int = 1, timeout_s: float = 300.0) -> dist.ProcessGroupGloo:
     """The workers' own Gloo process group (rank = worker index; the servers
     are not in it), for what all-reduce scripts do beside training: average a
     metric (``dist.all_reduce(t, group=group)``, as BytePS's ``push_pull`` or
-    Horovod's ``allreduce``), a barrier. Every worker calls it, the same number
-    of times; a server rank gets a RuntimeError."""
+    Horovod's ``allreduce``), ``dist.all_gather``, ``dist.barrier``; broadcast
+    with ``group.broadcast(t, root).wait()`` (torch's ``dist.broadcast`` refuses
+    a group it did not create). Every worker calls it, the same number of
+    times; a server rank gets a RuntimeError."""
     return _worker_group(_role(num_servers), timeout_s)
 
 

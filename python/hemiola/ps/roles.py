@@ -85,13 +85,18 @@ def rendezvous_store(timeout_s: float) -> tuple[C.Store, str, str]:
     return TorchStore(dist.PrefixStore("hemiola/ps", store)), bind_interface(master), master
 
 
-def worker_group(r: Role, timeout_s: float) -> dist.ProcessGroup:
+def worker_group(r: Role, timeout_s: float) -> dist.ProcessGroupGloo:
     """A Gloo process group of the job's workers alone (rank = worker index),
     for what all-reduce users do beside training: averaging a metric, a
     barrier. The servers are not in it, so it never waits for them.
 
     Every worker must call it, the same number of times: the n-th call on each
-    worker joins the n-th group."""
+    worker joins the n-th group. torch's ``new_group`` cannot make it (every
+    rank of the default group, servers included, would have to call that), so
+    it is not registered with torch: ``dist.all_reduce``, ``dist.all_gather``
+    and ``dist.barrier`` take it as ``group=``; calls that translate a global
+    rank (``dist.broadcast(t, src, group=...)``, ``dist.get_rank(group)``)
+    refuse it: use ``group.broadcast(t, root).wait()`` and the worker index."""
     import datetime
 
     if r.is_server:

@@ -7,8 +7,8 @@ straggler's share sets the epoch's length whatever the consistency model: the
 fast workers finish theirs and wait (at the epoch's metric all-reduce, or at
 the next epoch's end). Here a worker claims the epoch's next batch with one
 atomic counter in the job's rendezvous store, so a worker twice as fast
-trains about twice as many batches, and every sample is still trained exactly
-once per epoch.
+trains about twice as many batches, and every sample is still trained once
+per epoch (if every claimed batch is used: see SharedBatchSampler).
 """
 
 from __future__ import annotations
@@ -32,13 +32,23 @@ class SharedBatchSampler(Sampler[list[int]]):
     batches of `batch_size` (the last one shorter unless `drop_last`); a
     worker's iterator claims the next unclaimed batch each time it is asked,
     and ends when none is left. Every worker must create its samplers in the
-    same order and pass over each epoch the same number of times.
+    same order and iterate each epoch the same number of times: every
+    iteration begins a pass (a peek with ``next(iter(loader))`` is one), and
+    the n-th pass of a worker shares the n-th pass's batches of the others.
 
-    ``len()`` is a worker's even share of the batches: a fast worker trains
-    more of them, a straggler fewer. ``asp`` and ``eager`` only: a ``bsp``
-    round needs every worker's gradient and ``ssp`` holds a worker at most
-    `staleness_bound` pushes ahead of the slowest, so there every worker must
-    train the same number of batches (``DistributedSampler``).
+    A batch is trained once per pass if every claimed batch is used: a loop
+    left with ``break`` drops the batches it claimed and did not reach, and a
+    ``DataLoader`` with ``num_workers > 0`` claims ``prefetch_factor x
+    num_workers`` batches ahead (a straggler then holds a few at an epoch's
+    end). ``len()`` is a worker's even share of the batches: a fast worker
+    trains more of them, a straggler fewer, so a schedule sized by
+    ``len(loader)`` (``OneCycleLR(total_steps=...)``) must be sized by
+    :attr:`batches_per_epoch` / workers with a margin, or by the epoch.
+
+    ``asp`` and ``eager`` only: a ``bsp`` round needs every worker's
+    gradient and ``ssp`` holds a worker at most `staleness_bound` pushes
+    ahead of the slowest, so there every worker must train the same number
+    of batches (``DistributedSampler``).
     """
 
     def __init__(self, dataset_size: int, batch_size: int, *, consistency: str,
@@ -73,6 +83,7 @@ class SharedBatchSampler(Sampler[list[int]]):
 
     @property
     def batches_per_epoch(self) -> int:
+        """The batches of one pass, over all workers together."""
         whole, rest = divmod(self.dataset_size, self.batch_size)
         return whole if self.drop_last or rest == 0 else whole + 1
 
