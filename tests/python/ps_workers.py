@@ -319,3 +319,23 @@ def shared_batches(rank: int, world: int, dataset_size: int, batch_size: int, ep
                 time.sleep(slow_s)
         passes.append(taken)
     return {"worker": r.worker_index, "passes": passes, "len": len(sampler)}
+
+
+def shared_batches_against_servers(rank: int, world: int, served: str
+                                   ) -> dict[str, Any] | None:
+    """The servers run `served`; each worker wraps the test MLP, then builds a
+    SharedBatchSampler told 'asp' and takes its first batch. Returns the error
+    that raised, if any."""
+    config = hemiola.ps.PSConfig(consistency=served, num_servers=1, timeout_s=30)
+    served_stats = server_or_none(config)
+    if served_stats is not None:
+        return served_stats
+    r, _, model, _ = _wrapped_mlp(config)
+    sampler = hemiola.ps.SharedBatchSampler(40, 10, consistency="asp", timeout_s=30)
+    error = None
+    try:
+        next(iter(sampler))
+    except ValueError as e:
+        error = str(e)
+    model.close()
+    return {"worker": r.worker_index, "error": error}

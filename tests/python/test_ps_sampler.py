@@ -40,3 +40,16 @@ def test_each_epoch_is_shared_out_exactly_once_and_the_fast_worker_takes_more(
 def test_refused_where_every_worker_must_train_as_many_batches(consistency: str) -> None:
     with pytest.raises(ValueError, match="DistributedSampler"):
         hemiola.ps.SharedBatchSampler(100, 10, consistency=consistency)
+
+
+@pytest.mark.parametrize("served", ["bsp", "asp"])
+def test_checked_against_the_servers_consistency(served: str) -> None:
+    """Told 'asp' while the servers run bsp, the first pass refuses, before a
+    fast worker could wait on a straggler out of batches."""
+    out = run_local(ps_workers.shared_batches_against_servers, 3, served, timeout_s=120)
+    for worker in (out[1], out[2]):
+        if served == "bsp":
+            assert "servers run 'bsp'" in worker["error"]
+            assert "consistency='asp'" in worker["error"]
+        else:
+            assert worker["error"] is None

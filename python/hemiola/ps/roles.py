@@ -76,6 +76,11 @@ def job_store(timeout_s: float) -> dist.Store:
     return store
 
 
+#: Where servers publish their consistency model in the job store (for
+#: what workers build before they wrap, such as SharedBatchSampler).
+CONSISTENCY_KEY = "hemiola/ps/consistency"
+
+
 def rendezvous_store(timeout_s: float) -> tuple[C.Store, str, str]:
     """The job's store (prefixed for hemiola.ps), the interface to bind and the
     master address. Binds the interface that routes to ``MASTER_ADDR`` unless

@@ -19,7 +19,7 @@ from collections.abc import Iterator
 import torch
 from torch.utils.data import Sampler
 
-from hemiola.ps.roles import job_store
+from hemiola.ps.roles import CONSISTENCY_KEY, job_store
 from hemiola.ps.roles import role as _role
 
 
@@ -54,14 +54,7 @@ class SharedBatchSampler(Sampler[list[int]]):
     def __init__(self, dataset_size: int, batch_size: int, *, consistency: str,
                  shuffle: bool = True, seed: int = 0, drop_last: bool = False,
                  num_servers: int = 1, timeout_s: float = 300.0) -> None:
-        if consistency not in ("asp", "eager"):
-            raise ValueError(
-                f"SharedBatchSampler with consistency={consistency!r}: it hands a straggler "
-                "fewer batches than the others, but a bsp round needs every worker's gradient "
-                "and ssp holds a worker at most staleness_bound pushes ahead of the slowest, "
-                "so a fast worker would wait for pushes the straggler, out of batches, never "
-                "makes. Use it with 'asp' or 'eager'; with bsp and ssp every worker trains the "
-                "same number of batches (DistributedSampler)")
+        _refuse_unless_asynchronous(consistency, "")
         if dataset_size < 1 or batch_size < 1:
             raise ValueError(f"dataset_size ({dataset_size}) and batch_size ({batch_size}) "
                              "must be positive")
@@ -74,6 +67,8 @@ class SharedBatchSampler(Sampler[list[int]]):
         self.seed = seed
         self.drop_last = drop_last
         self.num_workers = role.num_workers
+        self.consistency = consistency
+        self._checked = False  # against the servers' consistency, at the first pass
         self.epoch = 0
         self._store = job_store(timeout_s)
         # The n-th sampler on every worker shares the n-th queue.
@@ -95,7 +90,22 @@ class SharedBatchSampler(Sampler[list[int]]):
     def __len__(self) -> int:
         return math.ceil(self.batches_per_epoch / self.num_workers)
 
+    def _check_servers(self) -> None:
+        """Refuses a job whose servers run another consistency than this
+        sampler was told (by the first pass the model is wrapped, so the
+        servers have published theirs; a sampler iterated before that, with
+        no server up yet, is not checked)."""
+        if self._checked or not self._store.check([CONSISTENCY_KEY]):
+            return
+        served = self._store.get(CONSISTENCY_KEY).decode()
+        if served != self.consistency:
+            _refuse_unless_asynchronous(
+                served, f" (it was built with consistency={self.consistency!r}, but the "
+                        f"servers run {served!r})")
+        self._checked = True
+
     def __iter__(self) -> Iterator[list[int]]:
+        self._check_servers()
         epoch = self.epoch
         passes = self._passes.get(epoch, 0)
         self._passes[epoch] = passes + 1
@@ -111,3 +121,14 @@ class SharedBatchSampler(Sampler[list[int]]):
             if batch >= total:
                 return
             yield order[batch * self.batch_size:(batch + 1) * self.batch_size].tolist()
+
+
+def _refuse_unless_asynchronous(consistency: str, mismatch: str) -> None:
+    if consistency not in ("asp", "eager"):
+        raise ValueError(
+            f"SharedBatchSampler with consistency={consistency!r}{mismatch}: it hands a "
+            "straggler fewer batches than the others, but a bsp round needs every worker's "
+            "gradient and ssp holds a worker at most staleness_bound pushes ahead of the "
+            "slowest, so a fast worker would wait for pushes the straggler, out of batches, "
+            "never makes. Use it with 'asp' or 'eager'; with bsp and ssp every worker trains "
+            "the same number of batches (DistributedSampler)")
