@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 import hemiola.ps
 from hemiola._native import C
+from hemiola.ps.roles import PS_PREFIX
 
 # The wire header (cpp/src/ps/protocol.h), little-endian, 136 bytes.
 HEADER = struct.Struct("<IHHQiiqqq7diiiidQ")
@@ -99,9 +100,7 @@ def _fuzz(options: dict[str, Any], token: str, seed: int) -> dict[str, Any]:
     """Worker slot 1, played by a fuzzer: attacks first as a stranger, then as
     an admitted member sending hostile messages; never a valid gradient."""
     rng = random.Random(seed)
-    store = dist.TCPStore("127.0.0.1", int(os.environ["MASTER_PORT"]), is_master=False,
-                          timeout=datetime.timedelta(seconds=30))
-    store = dist.PrefixStore("hemiola/ps", store)
+    store = _store()
     store.wait(["ps/s0/address"])
     host, port = store.get("ps/s0/address").decode().rsplit(" ", 1)
     out: dict[str, Any] = {"address": host, "listening_on": _listening_address(int(port))}
@@ -303,9 +302,10 @@ def snapshot_job(rank: int, world: int, snapshot_dir: str) -> dict[str, Any] | N
 
 
 def _store() -> Any:
+    """The job store under hemiola.ps's prefix, as a stranger on the machine reaches it."""
     store = dist.TCPStore("127.0.0.1", int(os.environ["MASTER_PORT"]), is_master=False,
                           timeout=datetime.timedelta(seconds=30))
-    return dist.PrefixStore("hemiola/ps", store)
+    return dist.PrefixStore(PS_PREFIX, store)
 
 
 def flood_job(rank: int, world: int, options: dict[str, Any], silent: int) -> dict[str, Any] | None:

@@ -65,20 +65,24 @@ def job_token() -> str:
     return os.environ.get(JOB_TOKEN_ENV, "")
 
 
-def job_store(timeout_s: float) -> dist.Store:
-    """The job's rendezvous store: the default process group's, else a client
-    of torchrun's (rank 0, always a server, hosts it without an agent)."""
+#: Where hemiola.ps keeps what it shares in the job's rendezvous store.
+PS_PREFIX = "hemiola/ps"
+#: The key (under PS_PREFIX) where servers publish their consistency model,
+#: for what workers build before they wrap (SharedBatchSampler).
+CONSISTENCY_KEY = "consistency"
+
+
+def ps_store(timeout_s: float) -> dist.Store:
+    """The job's rendezvous store under :data:`PS_PREFIX`: the default process
+    group's store, else a client of torchrun's (rank 0, always a server, hosts
+    it without an agent)."""
     import datetime
 
     if dist.is_initialized():
-        return dist.distributed_c10d._get_default_store()
-    store, _, _ = next(dist.rendezvous("env://", timeout=datetime.timedelta(seconds=timeout_s)))
-    return store
-
-
-#: Where servers publish their consistency model in the job store (for
-#: what workers build before they wrap, such as SharedBatchSampler).
-CONSISTENCY_KEY = "hemiola/ps/consistency"
+        store = dist.distributed_c10d._get_default_store()
+    else:
+        store, _, _ = next(dist.rendezvous("env://", timeout=datetime.timedelta(seconds=timeout_s)))
+    return dist.PrefixStore(PS_PREFIX, store)
 
 
 def rendezvous_store(timeout_s: float) -> tuple[C.Store, str, str]:
@@ -86,8 +90,7 @@ def rendezvous_store(timeout_s: float) -> tuple[C.Store, str, str]:
     master address. Binds the interface that routes to ``MASTER_ADDR`` unless
     ``GLOO_SOCKET_IFNAME`` says otherwise."""
     master = os.environ.get("MASTER_ADDR", "")
-    store = job_store(timeout_s)
-    return TorchStore(dist.PrefixStore("hemiola/ps", store)), bind_interface(master), master
+    return TorchStore(ps_store(timeout_s)), bind_interface(master), master
 
 
 def worker_group(r: Role, timeout_s: float) -> dist.ProcessGroupGloo:
@@ -106,12 +109,12 @@ def worker_group(r: Role, timeout_s: float) -> dist.ProcessGroupGloo:
 
     if r.is_server:
         raise RuntimeError(f"rank {r.rank} is a server: only workers join the workers' group")
-    store = job_store(timeout_s)
-    calls = store.add(f"hemiola/ps/worker_group_calls/{r.worker_index}", 1)
+    store = ps_store(timeout_s)
+    calls = store.add(f"worker_group_calls/{r.worker_index}", 1)
     iface = bind_interface(os.environ.get("MASTER_ADDR", ""))
     options = dist.ProcessGroupGloo._Options()
     options._timeout = datetime.timedelta(seconds=timeout_s)
     options._devices = [dist.ProcessGroupGloo.create_device(interface=iface) if iface
                         else dist.ProcessGroupGloo.create_default_device()]
-    prefixed = dist.PrefixStore(f"hemiola/ps/workers/{calls}", store)
+    prefixed = dist.PrefixStore(f"workers/{calls}", store)
     return dist.ProcessGroupGloo(prefixed, r.worker_index, r.num_workers, options)

@@ -19,7 +19,7 @@ from collections.abc import Iterator
 import torch
 from torch.utils.data import Sampler
 
-from hemiola.ps.roles import CONSISTENCY_KEY, job_store
+from hemiola.ps.roles import CONSISTENCY_KEY, ps_store
 from hemiola.ps.roles import role as _role
 
 
@@ -70,10 +70,10 @@ class SharedBatchSampler(Sampler[list[int]]):
         self.consistency = consistency
         self._checked = False  # against the servers' consistency, at the first pass
         self.epoch = 0
-        self._store = job_store(timeout_s)
+        self._store = ps_store(timeout_s)
         # The n-th sampler on every worker shares the n-th queue.
-        sampler_id = self._store.add(f"hemiola/ps/batch_samplers/{role.worker_index}", 1)
-        self._prefix = f"hemiola/ps/batches/{sampler_id}"
+        sampler_id = self._store.add(f"batch_samplers/{role.worker_index}", 1)
+        self._prefix = f"batches/{sampler_id}"
         self._passes: dict[int, int] = {}  # epoch -> passes this worker began over it
 
     @property

@@ -8,7 +8,7 @@ import time
 
 from hemiola._native import C
 from hemiola.ps.config import PSConfig
-from hemiola.ps.roles import CONSISTENCY_KEY, Role, job_store, job_token, rendezvous_store, role
+from hemiola.ps.roles import CONSISTENCY_KEY, Role, job_token, rendezvous_store, role
 
 log = logging.getLogger("hemiola.ps")
 
@@ -48,7 +48,7 @@ def serve(config: PSConfig, server_role: Role | None = None) -> C.ps.ServerStats
         master_addr=master, token=job_token(), check_finite=config.check_finite)
     log.info("server %d/%d: %s, %d workers", r.server_index, r.num_servers, config.consistency,
              r.num_workers)
-    job_store(config.timeout_s).set(CONSISTENCY_KEY, config.consistency)
+    store.set(CONSISTENCY_KEY, config.consistency.encode())
     server.serve()
     stats = server.stats()
     log.info("server %d done in %.1f s: %d pushes applied, %d pulls answered, %d rejected, "
