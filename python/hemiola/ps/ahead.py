@@ -63,11 +63,9 @@ class AheadPlan:
         self._waits: dict[int, float] = {}  # this iteration's waits for pulls sent after the push
         self._iterations = 0
         self._refused = [False] * len(numels)  # moved ahead on trial and back: stays after
-        self._trial_iterations = TRIAL_ITERATIONS
-        self._keep_gain = KEEP_GAIN
         # Iteration times of this plan while some tensor stalls: the baseline,
         # left as it is while a trial runs.
-        self._recent: deque[float] = deque(maxlen=self._trial_iterations)
+        self._recent: deque[float] = deque(maxlen=TRIAL_ITERATIONS)
         self._trial: list[int] = []  # the tensors moved ahead on trial, now
         self._trial_times: list[float] = []
         self._untimed = 0  # iterations still to skip after a change of plan
@@ -108,7 +106,7 @@ class AheadPlan:
             return
         if self._trial:
             self._trial_times.append(seconds)
-            if len(self._trial_times) >= self._trial_iterations:
+            if len(self._trial_times) >= TRIAL_ITERATIONS:
                 self._end_trial()
             return
         stalled = [i for i, share in enumerate(self._stall)
@@ -117,7 +115,7 @@ class AheadPlan:
             self._recent.clear()  # the baseline must hold the waits a move would remove
             return
         self._recent.append(seconds)
-        if len(self._recent) >= self._trial_iterations:
+        if len(self._recent) >= TRIAL_ITERATIONS:
             self._trial, self._trial_times = stalled, []
             for i in stalled:
                 self._learned[i] = True
@@ -125,7 +123,7 @@ class AheadPlan:
 
     def _end_trial(self) -> None:
         baseline = statistics.median(self._recent)
-        if statistics.median(self._trial_times) > (1 - self._keep_gain) * baseline:
+        if statistics.median(self._trial_times) > (1 - KEEP_GAIN) * baseline:
             for i in self._trial:
                 self._learned[i] = False
                 self._refused[i] = True
