@@ -31,7 +31,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "pytho
 import ported_byteps_mnist  # noqa: E402  (the port lives beside its test)
 
 from hemiola.bench.record import DEFAULT_OUT, write_lines  # noqa: E402
-from hemiola.launch import run_local  # noqa: E402
 
 VARIANTS = ("ddp", "wfbp", "priority", "decoupled", "bsp", "asp", "eager", "asp+shared",
             "eager+shared")
@@ -39,10 +38,8 @@ VARIANTS = ("ddp", "wfbp", "priority", "decoupled", "bsp", "asp", "eager", "asp+
 
 def run(variant: str, epochs: int, slow_s: float, seed: int) -> dict[str, Any]:
     kind, _, shared = variant.partition("+")
-    world = 2 if kind in ported_byteps_mnist.ALL_REDUCE else 3
-    out = run_local(ported_byteps_mnist.byteps_mnist, world, kind, epochs, slow_s,
-                    shared == "shared", seed, timeout_s=600)
-    workers = [out[r] for r in range(world) if out[r] is not None]
+    workers = ported_byteps_mnist.run_workers(kind, epochs, slow_s, shared == "shared", seed,
+                                            timeout_s=600)
     return {"variant": variant, "epochs": epochs, "slow_s": slow_s, "seed": seed,
             "seconds": workers[0]["seconds"],
             "final_accuracy": workers[0]["tests"][-1]["accuracy"],

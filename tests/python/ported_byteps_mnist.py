@@ -43,6 +43,7 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 import hemiola
 import hemiola.ps
 from hemiola.demo import load_digits
+from hemiola.launch import run_local
 
 LR = 0.01  # the example's defaults
 MOMENTUM = 0.5
@@ -181,3 +182,12 @@ def byteps_mnist(rank: int, world: int, kind: str, epochs: int = 3, slow_s: floa
         result["staleness"] = model.staleness()
         model.close()
     return result
+
+
+def run_workers(kind: str, epochs: int, slow_s: float = 0.0, shared: bool = False,
+                seed: int = SEED, timeout_s: float = 300) -> list[dict[str, Any]]:
+    """One job of :func:`byteps_mnist` on 2 workers (and 1 server for
+    hemiola.ps): the workers' results, worker 0 first."""
+    world = 2 if kind in ALL_REDUCE else 3
+    out = run_local(byteps_mnist, world, kind, epochs, slow_s, shared, seed, timeout_s=timeout_s)
+    return [out[r] for r in range(world) if out[r] is not None]

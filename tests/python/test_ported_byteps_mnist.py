@@ -16,19 +16,10 @@ import pytest
 import torch
 
 import hemiola.ps
-from hemiola.launch import run_local
 from hemiola.ps.roles import Role, worker_group
 
 EPOCHS = 20  # the example's 100 at digits' size: 240 iterations per worker
 SLOW_S = 0.01  # the last worker sleeps this after each batch: about 2x a batch
-
-
-def _workers(kind: str, epochs: int, slow_s: float = 0.0, shared: bool = False
-             ) -> list[dict[str, Any]]:
-    world = 2 if kind in ported_byteps_mnist.ALL_REDUCE else 3
-    out = run_local(ported_byteps_mnist.byteps_mnist, world, kind, epochs, slow_s, shared,
-                    timeout_s=300)
-    return [out[r] for r in range(world) if out[r] is not None]
 
 
 def _max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
@@ -38,13 +29,13 @@ def _max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
 
 @pytest.fixture(scope="module")
 def ddp_reference() -> list[dict[str, Any]]:
-    return _workers("ddp", 3)
+    return ported_byteps_mnist.run_workers("ddp", 3)
 
 
 @pytest.mark.parametrize("kind", ["bsp", "wfbp", "priority"])
 def test_bsp_and_the_exact_schedules_train_the_example_as_ddp_does(
         kind: str, ddp_reference: list[dict[str, Any]]) -> None:
-    ours = _workers(kind, 3)
+    ours = ported_byteps_mnist.run_workers(kind, 3)
     assert len(ours) == 2  # a server returns nothing
     for d, b in zip(ddp_reference, ours):
         assert d["worker"] == b["worker"]
@@ -56,21 +47,21 @@ def test_bsp_and_the_exact_schedules_train_the_example_as_ddp_does(
 def test_decoupled_trains_the_example_as_well(bsp_reference: dict[str, Any]) -> None:
     """The test pass runs forwards without no_grad between training steps;
     decoupled reads approximations in training, exact parameters in them."""
-    first, second = _workers("decoupled", EPOCHS)
+    first, second = ported_byteps_mnist.run_workers("decoupled", EPOCHS)
     assert first["tests"] == second["tests"]
     assert first["tests"][-1]["accuracy"] > bsp_reference["tests"][-1]["accuracy"] - 0.05
 
 
 @pytest.fixture(scope="module")
 def bsp_reference() -> dict[str, Any]:
-    return _workers("bsp", EPOCHS)[0]
+    return ported_byteps_mnist.run_workers("bsp", EPOCHS)[0]
 
 
 @pytest.mark.parametrize("kind", ["asp", "ssp", "eager"])
 def test_every_asynchronous_consistency_trains_the_example_with_a_straggler(
         kind: str, bsp_reference: dict[str, Any]) -> None:
     bsp = bsp_reference
-    fast, slow = _workers(kind, EPOCHS, SLOW_S)
+    fast, slow = ported_byteps_mnist.run_workers(kind, EPOCHS, SLOW_S)
     # metric_average went through the workers' group: both read the same means
     assert fast["tests"] == slow["tests"]
     assert slow["staleness"]["mean"] > 0  # the pushes really were asynchronous
@@ -83,7 +74,7 @@ def test_every_asynchronous_consistency_trains_the_example_with_a_straggler(
 @pytest.mark.parametrize("kind", ["asp", "eager"])
 def test_shared_batches_let_the_fast_worker_train_more_of_each_epoch(
         kind: str, bsp_reference: dict[str, Any]) -> None:
-    fast, slow = _workers(kind, EPOCHS, SLOW_S, shared=True)
+    fast, slow = ported_byteps_mnist.run_workers(kind, EPOCHS, SLOW_S, shared=True)
     train_size = len(ported_byteps_mnist._datasets()[0])
     per_epoch = -(-train_size // ported_byteps_mnist.BATCH_SIZE)  # the last batch short
     assert [a + b for a, b in zip(fast["batches"], slow["batches"])] == [per_epoch] * EPOCHS
