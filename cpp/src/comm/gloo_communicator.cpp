@@ -8,7 +8,7 @@
 #include <gloo/context.h>
 
 #include "comm/gloo_setup.h"
-#include "engine/dtype_math.h"
+#include "core/dtype_math.h"
 #include "hemiola/status.h"
 
 namespace hemiola {

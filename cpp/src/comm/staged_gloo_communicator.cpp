@@ -16,7 +16,7 @@
 
 #include "comm/device_communicator.h"
 #include "device.h"
-#include "engine/dtype_math.h"
+#include "core/dtype_math.h"
 #include "hemiola/status.h"
 
 namespace hemiola {

@@ -6,8 +6,8 @@
 
 #include "comm/gloo_communicator.h"
 #include "engine/engine_impl.h"
-#include "engine/reducer_impl.h"
-#include "engine/dtype_math.h"
+#include "engine/reducer/reducer_impl.h"
+#include "core/dtype_math.h"
 #include "hemiola/status.h"
 
 namespace hemiola {

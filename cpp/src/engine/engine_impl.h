@@ -6,9 +6,9 @@
 #include <string>
 
 #include "comm/communicator.h"
-#include "engine/devices.h"
-#include "engine/scheduler.h"
-#include "engine/timeline.h"
+#include "comm/devices.h"
+#include "engine/reducer/scheduler.h"
+#include "core/timeline.h"
 #include "hemiola/config.h"
 #include "hemiola/engine.h"
 #include "hemiola/handle.h"

@@ -5,7 +5,7 @@
 #include <cstdint>
 #include <type_traits>
 
-#include "engine/dtype_math.h"
+#include "core/dtype_math.h"
 #include "hemiola/status.h"
 
 // The loops are inlined into functions compiled twice, for x86-64-v3 (AVX2 and

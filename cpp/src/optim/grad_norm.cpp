@@ -4,7 +4,7 @@
 #include <cstdint>
 #include <limits>
 
-#include "engine/dtype_math.h"
+#include "core/dtype_math.h"
 #include "hemiola/status.h"
 
 namespace hemiola::optim {

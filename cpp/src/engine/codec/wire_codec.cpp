@@ -1,10 +1,10 @@
-#include "engine/wire_codec.h"
+#include "engine/codec/wire_codec.h"
 
 #include <algorithm>
 #include <cmath>
 #include <limits>
 
-#include "engine/half_cast.h"
+#include "core/half_cast.h"
 #include "hemiola/status.h"
 
 namespace hemiola {

@@ -1,4 +1,4 @@
-#include "engine/scheduler.h"
+#include "engine/reducer/scheduler.h"
 
 #include "hemiola/status.h"
 

@@ -1,7 +1,7 @@
 // engine/landing_graph.h: the bookkeeping of pending iterations and the
 // exact step that lands one on a parameter (skipping unused parameters,
 // scaled by the global scale, optim/global_scale.h).
-#include "engine/landing_graph.h"
+#include "engine/updater/landing_graph.h"
 
 #include <algorithm>
 #include <cstring>

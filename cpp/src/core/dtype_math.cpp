@@ -1,6 +1,6 @@
-#include "engine/dtype_math.h"
+#include "core/dtype_math.h"
 
-#include "engine/half_cast.h"
+#include "core/half_cast.h"
 
 #include "hemiola/status.h"
 

@@ -10,9 +10,9 @@
 #include <mutex>
 #include <sstream>
 
-#include "engine/dtype_math.h"
-#include "engine/preview.h"
-#include "engine/reducer_impl.h"
+#include "core/dtype_math.h"
+#include "engine/codec/preview.h"
+#include "engine/reducer/reducer_impl.h"
 #include "hemiola/status.h"
 
 namespace hemiola {

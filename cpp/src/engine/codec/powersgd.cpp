@@ -1,4 +1,4 @@
-#include "engine/powersgd.h"
+#include "engine/codec/powersgd.h"
 
 #include <algorithm>
 #include <cmath>

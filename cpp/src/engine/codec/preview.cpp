@@ -1,10 +1,10 @@
-#include "engine/preview.h"
+#include "engine/codec/preview.h"
 
 #include <algorithm>
 #include <cmath>
 #include <type_traits>
 
-#include "engine/dtype_math.h"
+#include "core/dtype_math.h"
 #include "hemiola/status.h"
 
 namespace hemiola {

@@ -18,7 +18,7 @@
 #include <vector>
 
 #include "comm/communicator.h"
-#include "engine/bucket_plan.h"
+#include "engine/buckets/bucket_plan.h"
 #include "hemiola/reducer.h"
 
 namespace hemiola {

@@ -21,9 +21,9 @@
 #include <utility>
 #include <vector>
 
-#include "engine/landing_graph.h"
-#include "engine/preview_landing.h"
-#include "engine/update_policy.h"
+#include "engine/updater/landing_graph.h"
+#include "engine/updater/preview_landing.h"
+#include "engine/updater/update_policy.h"
 
 namespace hemiola {
 

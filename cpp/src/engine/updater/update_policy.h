@@ -18,7 +18,7 @@
 #include <memory>
 #include <vector>
 
-#include "engine/landing_graph.h"
+#include "engine/updater/landing_graph.h"
 #include "hemiola/updater.h"
 
 namespace hemiola {

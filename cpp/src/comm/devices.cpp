@@ -1,4 +1,4 @@
-#include "engine/devices.h"
+#include "comm/devices.h"
 
 #include <chrono>
 

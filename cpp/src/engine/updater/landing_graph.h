@@ -22,9 +22,9 @@
 #include <vector>
 
 #include "device.h"
-#include "engine/device_clip.h"
-#include "engine/reducer_impl.h"
-#include "engine/stepper.h"
+#include "engine/updater/device_clip.h"
+#include "engine/reducer/reducer_impl.h"
+#include "engine/updater/stepper.h"
 #include "hemiola/engine.h"
 #include "hemiola/status.h"
 #include "hemiola/updater.h"

@@ -27,7 +27,7 @@
 #include <vector>
 
 #include "comm/communicator.h"
-#include "engine/bucket_plan.h"
+#include "engine/buckets/bucket_plan.h"
 
 namespace hemiola {
 

@@ -35,8 +35,8 @@
 #include <memory>
 
 #include "comm/communicator.h"
-#include "engine/bucket_plan.h"
-#include "engine/powersgd.h"
+#include "engine/buckets/bucket_plan.h"
+#include "engine/codec/powersgd.h"
 #include "hemiola/config.h"
 
 namespace hemiola {

@@ -1,6 +1,6 @@
-#include "engine/half_cast.h"
+#include "core/half_cast.h"
 
-#include "engine/dtype_math.h"
+#include "core/dtype_math.h"
 #include "hemiola/status.h"
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))

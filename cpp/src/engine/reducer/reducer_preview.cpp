@@ -6,8 +6,8 @@
 #include <mutex>
 #include <string>
 
-#include "engine/preview.h"
-#include "engine/reducer_impl.h"
+#include "engine/codec/preview.h"
+#include "engine/reducer/reducer_impl.h"
 #include "hemiola/status.h"
 
 namespace hemiola {

@@ -1,5 +1,5 @@
 // engine/preview_landing.h.
-#include "engine/preview_landing.h"
+#include "engine/updater/preview_landing.h"
 
 #include <cstdint>
 

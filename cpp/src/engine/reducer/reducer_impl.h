@@ -29,11 +29,11 @@
 #include <string>
 #include <vector>
 
-#include "engine/bucket_plan.h"
-#include "engine/bucket_storage.h"
+#include "engine/buckets/bucket_plan.h"
+#include "engine/reducer/bucket_storage.h"
 #include "engine/engine_impl.h"
-#include "engine/ready_queue.h"
-#include "engine/wire_codec.h"
+#include "core/ready_queue.h"
+#include "engine/codec/wire_codec.h"
 #include "hemiola/config.h"
 #include "hemiola/reducer.h"
 

@@ -1,4 +1,4 @@
-#include "engine/bucket_plan.h"
+#include "engine/buckets/bucket_plan.h"
 
 #include <algorithm>
 #include <map>

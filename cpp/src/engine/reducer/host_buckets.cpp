@@ -3,9 +3,9 @@
 #include <algorithm>
 #include <cstring>
 
-#include "engine/bucket_storage.h"
-#include "engine/dtype_math.h"
-#include "engine/wire_codec.h"
+#include "engine/reducer/bucket_storage.h"
+#include "core/dtype_math.h"
+#include "engine/codec/wire_codec.h"
 
 namespace hemiola {
 

@@ -12,7 +12,7 @@
 
 #include <vector>
 
-#include "engine/landing_graph.h"
+#include "engine/updater/landing_graph.h"
 #include "hemiola/updater.h"
 
 namespace hemiola {

@@ -12,9 +12,9 @@
 #include <string>
 
 #include "device.h"
-#include "engine/bucket_storage.h"
-#include "engine/devices.h"
-#include "engine/dtype_math.h"
+#include "engine/reducer/bucket_storage.h"
+#include "comm/devices.h"
+#include "core/dtype_math.h"
 #include "engine/engine_impl.h"
 #include "hemiola/status.h"
 #include "kernels.h"

@@ -15,7 +15,7 @@
 #include <thread>
 
 #include "comm/communicator.h"
-#include "engine/timeline.h"
+#include "core/timeline.h"
 #include "hemiola/handle.h"
 #include "hemiola/status.h"
 

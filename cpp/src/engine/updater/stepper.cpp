@@ -1,13 +1,13 @@
 // engine/stepper.h: the engine's SGD / Adam / AdamW steps of a landing group,
 // and the caller's external step.
-#include "engine/stepper.h"
+#include "engine/updater/stepper.h"
 
 #include <cstdint>
 #include <memory>
 #include <utility>
 #include <vector>
 
-#include "engine/landing_graph.h"
+#include "engine/updater/landing_graph.h"
 #include "hemiola/optimizer.h"
 #include "hemiola/status.h"
 

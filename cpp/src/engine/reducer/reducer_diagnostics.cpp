@@ -3,7 +3,7 @@
 // points at the layer whose gradient never came.
 #include <sstream>
 
-#include "engine/reducer_impl.h"
+#include "engine/reducer/reducer_impl.h"
 
 namespace hemiola {
 

@@ -10,8 +10,8 @@
 #include <string>
 #include <vector>
 
-#include "engine/landing_graph.h"
-#include "engine/update_policy.h"
+#include "engine/updater/landing_graph.h"
+#include "engine/updater/update_policy.h"
 #include "hemiola/status.h"
 
 namespace hemiola {

@@ -1,4 +1,4 @@
-#include "engine/timeline.h"
+#include "core/timeline.h"
 
 #include <map>
 #include <sstream>

@@ -1,5 +1,5 @@
 // engine/device_clip.h.
-#include "engine/device_clip.h"
+#include "engine/updater/device_clip.h"
 
 #include <algorithm>
 

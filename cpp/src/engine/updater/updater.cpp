@@ -6,9 +6,9 @@
 #include <memory>
 #include <utility>
 
-#include "engine/landing_graph.h"
-#include "engine/reducer_impl.h"
-#include "engine/update_policy.h"
+#include "engine/updater/landing_graph.h"
+#include "engine/reducer/reducer_impl.h"
+#include "engine/updater/update_policy.h"
 #include "hemiola/reducer.h"
 #include "hemiola/status.h"
 
