@@ -9,8 +9,8 @@
 #include <random>
 #include <vector>
 
-#include "engine/preview.h"
-#include "engine/reducer_impl.h"
+#include "engine/codec/preview.h"
+#include "engine/reducer/lane.h"
 #include "hemiola/hemiola.h"
 #include "run_ranks.h"
 
@@ -123,7 +123,7 @@ TEST(Reducer, PreviewArrivesOnItsLaneAndCentresOnTheOwnGradient) {
     options.track_usage = true;
     options.fusion_bytes = options.first_bucket_bytes = 4096;
     auto reducer = e.make_reducer(specs, options);
-    ReducerImpl& lanes = ReducerAccess::impl(*reducer);  // per-bucket previews are internal
+    LaneResults& previews = *reducer->preview_results();  // per bucket: engine-internal
     std::vector<float> w(n), w_all(n);
     std::vector<uint16_t> b(64, 0x3f80);  // bfloat16 1.0 on every rank
     double total_error = 0.0, total_norm = 0.0;  // over the previews, as preview_error() sums
@@ -144,12 +144,12 @@ TEST(Reducer, PreviewArrivesOnItsLaneAndCentresOnTheOwnGradient) {
       ASSERT_EQ(it, static_cast<int64_t>(k));
       const auto buckets = reducer->buckets();
       for (size_t bucket = 0; bucket < buckets.size(); ++bucket) {
-        lanes.wait_preview(k, bucket);
+        previews.wait(k, bucket, nullptr);
         // From the second iteration on (the scales come from the previous one).
-        EXPECT_EQ(lanes.preview_done(k, bucket), k >= 1) << "iteration " << k;
+        EXPECT_EQ(previews.done(k, bucket), k >= 1) << "iteration " << k;
       }
       if (k >= 1) {
-        const float* estimate = static_cast<const float*>(lanes.preview(k, 0).data);
+        const float* estimate = static_cast<const float*>(previews.value(k, 0).data);
         double error = 0.0, own = 0.0;
         for (size_t i = 0; i < n; ++i) {
           error += std::pow(estimate[i] - w_all[i], 2);
@@ -165,7 +165,7 @@ TEST(Reducer, PreviewArrivesOnItsLaneAndCentresOnTheOwnGradient) {
         total_error += error;  // "b" adds nothing (its estimate is exact), "unused" zeros
         for (size_t i = 0; i < n; ++i) total_norm += std::pow(w_all[i], 2);
         total_norm += 64.0;
-        const uint16_t* eb = static_cast<const uint16_t*>(lanes.preview(k, 1).data);
+        const uint16_t* eb = static_cast<const uint16_t*>(previews.value(k, 1).data);
         EXPECT_EQ(eb[5], 0x3f80);  // equal on every rank: the estimate is the value
       }
       reducer->wait(k);

@@ -38,16 +38,8 @@
 
 namespace hemiola {
 
-struct GradSpec {
-  DType dtype = DType::kFloat32;
-  size_t numel = 0;
-  std::string name;  // for error messages, e.g. "layer1.0.conv1.weight"
-  // The tensor's first dimension (0: not a matrix). PowerSGD compression
-  // views the gradient as rows x (numel / rows), as torch's hook does.
-  size_t rows = 0;
-};
-
 class ReducerImpl;
+class LaneResults;  // engine-internal (engine/reducer/lane.h)
 
 class HEMIOLA_API Reducer {
  public:
@@ -142,8 +134,22 @@ class HEMIOLA_API Reducer {
   // Iterations started so far (the next iteration's number).
   uint64_t iterations_started() const;
 
+  // Waits until no work of this reducer writes to the outputs given to
+  // mark_ready any more, successfully or not (never throws), on the host and
+  // on the device. With `abort_marking`, an iteration still being marked is
+  // aborted first (its buckets would never all become ready), and the
+  // reducer with it. Device work that does not end within the engine's
+  // timeout is cut off by aborting the device communicator.
+  void drain(bool abort_marking) noexcept;
+
+  // The engine's own view, per bucket, of what each lane delivered (the
+  // Updater and tests read it; buckets are an internal unit, and
+  // LaneResults is declared in the engine's sources): the full reduction,
+  // and decoupled's preview (null without ReducerOptions::preview).
+  LaneResults& reduction_results();
+  LaneResults* preview_results();
+
  private:
-  friend struct ReducerAccess;  // the engine's own per-bucket interface (the Updater)
   std::unique_ptr<ReducerImpl> impl_;
 };
 

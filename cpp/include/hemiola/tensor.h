@@ -6,6 +6,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <string>
 
 #include "hemiola/export.h"
 
@@ -48,6 +49,17 @@ struct TensorRef {
   Device device{};
 
   size_t nbytes() const { return numel * dtype_size(dtype); }
+};
+
+// A gradient tensor as a reducer is made for it: what every rank must agree
+// on before the first iteration.
+struct GradSpec {
+  DType dtype = DType::kFloat32;
+  size_t numel = 0;
+  std::string name;  // for error messages, e.g. "layer1.0.conv1.weight"
+  // The tensor's first dimension (0: not a matrix). PowerSGD compression
+  // views the gradient as rows x (numel / rows), as torch's hook does.
+  size_t rows = 0;
 };
 
 }  // namespace hemiola

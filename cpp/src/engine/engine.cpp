@@ -117,7 +117,7 @@ EngineImpl::EngineImpl(const EngineOptions& options, std::shared_ptr<Store> stor
   if (!rendezvous_) rendezvous_ = std::make_shared<MemoryStore>();
   comm_ = std::make_unique<GlooCommunicator>(options_, *rendezvous_);
   devices_ = std::make_unique<Devices>(options_, *rendezvous_, *comm_);
-  scheduler_ = make_scheduler(*comm_, "");
+  wires_.push_back(Wire{"", nullptr, make_scheduler(*comm_, "")});
 }
 
 std::unique_ptr<Scheduler> EngineImpl::make_scheduler(Communicator& comm,
@@ -135,23 +135,32 @@ std::unique_ptr<Scheduler> EngineImpl::make_scheduler(Communicator& comm,
 
 EngineImpl::~EngineImpl() {
   // Join the threads: nothing uses the devices or communicators after this.
-  preview_scheduler_.reset();
-  scheduler_.reset();
+  for (auto it = wires_.rbegin(); it != wires_.rend(); ++it) it->scheduler.reset();
   devices_.reset();
 }
 
-void EngineImpl::connect_preview_lane() {
-  std::lock_guard<std::mutex> lock(preview_mutex_);
-  if (preview_scheduler_) return;
-  preview_comm_ = std::make_unique<GlooCommunicator>(
-      options_, *std::make_shared<PrefixStore>("hemiola_preview", rendezvous_));
-  preview_scheduler_ = make_scheduler(*preview_comm_, "preview/");
+size_t EngineImpl::connect_wire(const std::string& name) {
+  HEMIOLA_CHECK(!name.empty(), "a wire needs a name");
+  std::lock_guard<std::mutex> lock(wires_mutex_);
+  for (size_t w = 0; w < wires_.size(); ++w) {
+    if (wires_[w].name == name) return w;
+  }
+  Wire wire{name, std::make_unique<GlooCommunicator>(
+                      options_, *std::make_shared<PrefixStore>("hemiola_" + name, rendezvous_)),
+            nullptr};
+  wire.scheduler = make_scheduler(*wire.comm, name + "/");
+  wires_.push_back(std::move(wire));
+  return wires_.size() - 1;
 }
 
-Handle EngineImpl::submit_preview(std::shared_ptr<Work> work) {
-  std::lock_guard<std::mutex> lock(preview_mutex_);
-  HEMIOLA_CHECK(preview_scheduler_ != nullptr, "the preview lane is not connected");
-  return preview_scheduler_->submit(std::move(work));
+Handle EngineImpl::submit(size_t wire, std::shared_ptr<Work> work) {
+  Scheduler* scheduler;
+  {
+    std::lock_guard<std::mutex> lock(wires_mutex_);
+    HEMIOLA_CHECK(wire < wires_.size(), "wire ", wire, " is not connected");
+    scheduler = wires_[wire].scheduler.get();
+  }
+  return scheduler->submit(std::move(work));
 }
 
 Engine::Engine(const EngineOptions& options, std::shared_ptr<Store> store)

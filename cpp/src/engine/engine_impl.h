@@ -5,10 +5,13 @@
 #include <mutex>
 #include <string>
 
+#include <vector>
+
 #include "comm/communicator.h"
 #include "comm/devices.h"
-#include "engine/reducer/scheduler.h"
 #include "core/timeline.h"
+#include "engine/reducer/lane_host.h"
+#include "engine/reducer/scheduler.h"
 #include "hemiola/config.h"
 #include "hemiola/engine.h"
 #include "hemiola/handle.h"
@@ -16,29 +19,27 @@
 
 namespace hemiola {
 
-class EngineImpl {
+// The composition root: the engine's wires (its main communicator and
+// scheduler thread, and one more pair per wire a lane connects), devices and
+// timeline; the reducers it makes see it only as their LaneHost.
+class EngineImpl final : public LaneHost {
  public:
   EngineImpl(const EngineOptions& options, std::shared_ptr<Store> store);
-  ~EngineImpl();
+  ~EngineImpl() override;
 
-  const EngineOptions& options() const { return options_; }
+  const EngineOptions& options() const override { return options_; }
   Communicator& comm() { return *comm_; }
-  // CUDA devices' streams and communicators (scheduler thread only).
-  Devices& devices() { return *devices_; }
+  Devices& devices() override { return *devices_; }
   Timeline& timeline() { return timeline_; }
-  Handle submit(std::shared_ptr<Work> work) { return scheduler_->submit(std::move(work)); }
-  // The preview lane (ReducerOptions::preview): a communicator and scheduler
-  // thread of their own, so that an iteration's previews are not queued
-  // behind the previous iteration's full reductions. Connecting is a
-  // rendezvous, made once, at the same point on every rank (the first
-  // construction of a reducer with a preview); later calls return at once.
-  // Its own submission order is the same on every rank.
-  void connect_preview_lane();
-  Handle submit_preview(std::shared_ptr<Work> work);
+  Handle submit(std::shared_ptr<Work> work) { return submit(kMainWire, std::move(work)); }
+  // A wire's communicator rendezvouses under the store prefix "hemiola_<name>",
+  // and its failures are diagnosed under "hemiola_failure/<name>/".
+  size_t connect_wire(const std::string& name) override;
+  Handle submit(size_t wire, std::shared_ptr<Work> work) override;
 
   // Single collectives on caller-owned memory, through the scheduler.
   Handle all_reduce(const TensorRef& tensor, ReduceOp op);
-  Handle broadcast(const TensorRef& tensor, int root);
+  Handle broadcast(const TensorRef& tensor, int root) override;
   Handle all_gather(const TensorRef& input, const TensorRef& output);
   Handle barrier();
 
@@ -49,10 +50,14 @@ class EngineImpl {
   Timeline timeline_;
   std::unique_ptr<Communicator> comm_;
   std::unique_ptr<Devices> devices_;
-  std::unique_ptr<Scheduler> scheduler_;  // destroyed first: joins before comm_ goes
-  std::unique_ptr<Communicator> preview_comm_;    // the preview lane, once used
-  std::unique_ptr<Scheduler> preview_scheduler_;
-  std::mutex preview_mutex_;  // guards making the preview lane
+  // Wire 0 is the main one (comm_); the others own their communicator.
+  struct Wire {
+    std::string name;
+    std::unique_ptr<Communicator> comm;  // null for the main wire
+    std::unique_ptr<Scheduler> scheduler;
+  };
+  std::vector<Wire> wires_;  // guarded by wires_mutex_; schedulers joined first
+  mutable std::mutex wires_mutex_;
 
   // A scheduler over `comm`; its failures name missing ranks through the
   // store under "hemiola_failure/<lane><sequence>".

@@ -6,7 +6,6 @@
 #include <cstddef>
 #include <vector>
 
-#include "hemiola/reducer.h"
 #include "hemiola/tensor.h"
 
 namespace hemiola {

@@ -23,7 +23,7 @@
 
 namespace hemiola {
 
-class EngineImpl;
+class LaneHost;
 
 // The plan a storage is laid out for. Owned by the reducer; a rebuild of the
 // plan replaces every storage along with it, so the references stay valid for
@@ -94,13 +94,13 @@ struct DeviceWire {
 // Device memory on CUDA device `device`, reduced on the engine's stream of
 // that device by its device communicator. `timeout`: how long the host waits
 // for earlier device work before declaring a rank dead.
-std::unique_ptr<BucketStorage> make_device_buckets(const BucketLayout& layout, EngineImpl& engine,
+std::unique_ptr<BucketStorage> make_device_buckets(const BucketLayout& layout, LaneHost& engine,
                                                    int device, bool average,
                                                    const DeviceWire& wire,
                                                    std::chrono::milliseconds timeout);
 
 // Creates the engine's stream and communicator for CUDA device `device`, on
 // the scheduler thread (a collective, in submission order); returns once done.
-void set_up_device(EngineImpl& engine, int device);
+void set_up_device(LaneHost& engine, int device);
 
 }  // namespace hemiola

@@ -15,7 +15,7 @@
 #include "engine/reducer/bucket_storage.h"
 #include "comm/devices.h"
 #include "core/dtype_math.h"
-#include "engine/engine_impl.h"
+#include "engine/reducer/lane_host.h"
 #include "hemiola/status.h"
 #include "kernels.h"
 
@@ -26,7 +26,7 @@ namespace {
 // Creates the engine's stream and communicator for a CUDA device.
 class DeviceSetup final : public Work {
  public:
-  DeviceSetup(EngineImpl& engine, int device) : engine_(engine), device_(device) {}
+  DeviceSetup(LaneHost& engine, int device) : engine_(engine), device_(device) {}
   void run(Communicator&, Timeline&) override {
     cuda::set_device(device_);
     engine_.devices().get(device_);
@@ -36,13 +36,13 @@ class DeviceSetup final : public Work {
   }
 
  private:
-  EngineImpl& engine_;
+  LaneHost& engine_;
   int device_;
 };
 
 class DeviceBuckets final : public BucketStorage {
  public:
-  DeviceBuckets(const BucketLayout& layout, EngineImpl& engine, int device, bool average,
+  DeviceBuckets(const BucketLayout& layout, LaneHost& engine, int device, bool average,
                 const DeviceWire& wire, std::chrono::milliseconds timeout)
       : layout_(layout), engine_(engine), device_(device), average_(average), wire_(wire),
         timeout_(timeout) {
@@ -203,7 +203,7 @@ class DeviceBuckets final : public BucketStorage {
   double seconds() const { return static_cast<double>(timeout_.count()) / 1000.0; }
 
   const BucketLayout layout_;
-  EngineImpl& engine_;
+  LaneHost& engine_;
   const int device_;
   const bool average_;
   const DeviceWire wire_;
@@ -234,7 +234,7 @@ class DeviceBuckets final : public BucketStorage {
 
 }  // namespace
 
-std::unique_ptr<BucketStorage> make_device_buckets(const BucketLayout& layout, EngineImpl& engine,
+std::unique_ptr<BucketStorage> make_device_buckets(const BucketLayout& layout, LaneHost& engine,
                                                    int device, bool average,
                                                    const DeviceWire& wire,
                                                    std::chrono::milliseconds timeout) {
@@ -247,8 +247,8 @@ std::unique_ptr<BucketStorage> make_device_buckets(const BucketLayout& layout, E
   return std::make_unique<DeviceBuckets>(layout, engine, device, average, wire, timeout);
 }
 
-void set_up_device(EngineImpl& engine, int device) {
-  engine.submit(std::make_shared<DeviceSetup>(engine, device)).wait();
+void set_up_device(LaneHost& engine, int device) {
+  engine.submit(LaneHost::kMainWire, std::make_shared<DeviceSetup>(engine, device)).wait();
 }
 
 }  // namespace hemiola

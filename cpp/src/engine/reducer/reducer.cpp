@@ -1,14 +1,10 @@
-// The reducer's iteration lifecycle: flights taken and released, gradients
-// marked into their buckets, each iteration's buckets walked in issue order
-// on the scheduler thread, and the waits on the user's side. Where the bucket
-// memory lives is the BucketStorage's business (bucket_storage.h).
+// The reducer: its plan, ring and lanes composed (reducer_impl.h), the waits
+// on the user's side, rebuilds, and the public facade.
 #include "hemiola/reducer.h"
 
 #include <algorithm>
 #include <chrono>
-#include <condition_variable>
 #include <mutex>
-#include <sstream>
 
 #include "core/dtype_math.h"
 #include "engine/codec/preview.h"
@@ -24,91 +20,67 @@ std::string describe_device(const Device& device) {
                                          : "CUDA device " + std::to_string(device.index);
 }
 
-}  // namespace
-
-bool wait_for_flag(std::mutex& mutex, std::condition_variable& cv, const std::atomic<bool>& done,
-                   const Handle& handle) {
-  std::unique_lock<std::mutex> lock(mutex);
-  while (!done.load(std::memory_order_acquire)) {
-    if (handle.done()) break;
-    cv.wait_for(lock, std::chrono::milliseconds(50));
-  }
-  return done.load(std::memory_order_acquire);
-}
-
-void set_flag(std::mutex& mutex, std::condition_variable& cv, std::atomic<bool>& done) {
-  {
-    std::lock_guard<std::mutex> lock(mutex);
-    done.store(true, std::memory_order_release);
-  }
-  cv.notify_all();
-}
-
-// The scheduler's view of one iteration: reduce its buckets in plan order.
-class ReducerImpl::Work final : public hemiola::Work {
- public:
-  Work(ReducerImpl& reducer, Flight& flight) : reducer_(reducer), flight_(flight) {}
-  void run(Communicator& comm, Timeline& timeline) override {
-    reducer_.run(flight_, comm, timeline, &current_bucket_);
-  }
-  std::string describe() const override {
-    std::ostringstream out;
-    out << "gradient reduction of iteration " << flight_.iteration;
-    if (current_bucket_ != kNotStarted) out << reducer_.describe(current_bucket_);
-    return out.str();
-  }
-
- private:
-  static constexpr size_t kNotStarted = static_cast<size_t>(-1);
-  ReducerImpl& reducer_;
-  Flight& flight_;
-  size_t current_bucket_ = kNotStarted;  // written and read on the scheduler thread
-};
-
-ReducerImpl::ReducerImpl(EngineImpl& engine, std::vector<GradSpec> specs,
-                         const ReducerOptions& options)
-    : engine_(engine),
-      specs_(std::move(specs)),
-      options_(options),
-      scale_(options.average ? 1.0 / engine.options().world_size : 1.0),
-      recording_(options.record_order) {
-  HEMIOLA_CHECK(!specs_.empty(), "a reducer needs at least one gradient tensor");
-  HEMIOLA_CHECK(options_.fusion_bytes > 0 && options_.first_bucket_bytes > 0,
-                "fusion_bytes and first_bucket_bytes must be positive");
-  for (size_t i = 0; i < specs_.size(); ++i) {
-    HEMIOLA_CHECK(is_floating(specs_[i].dtype), "gradient '", specs_[i].name, "' has dtype ",
-                  dtype_name(specs_[i].dtype),
+std::vector<GradSpec> checked(std::vector<GradSpec> specs) {
+  HEMIOLA_CHECK(!specs.empty(), "a reducer needs at least one gradient tensor");
+  for (const GradSpec& spec : specs) {
+    HEMIOLA_CHECK(is_floating(spec.dtype), "gradient '", spec.name, "' has dtype ",
+                  dtype_name(spec.dtype),
                   "; supported gradient dtypes are float32, float64, float16 and bfloat16");
   }
-  if (options_.preview) {
-    HEMIOLA_CHECK(!on_device(), "ReducerOptions::preview is implemented for CPU reducers only");
-    HEMIOLA_CHECK(preview_levels(engine.options().world_size) >= 1,
-                  "ReducerOptions::preview codes the sum of all ranks in one byte, which needs "
-                  "at most 127 ranks (world_size is ", engine.options().world_size, ")");
-    // Now, at wrap time, not in a backward hook of the first iteration that
-    // takes a preview.
-    engine_.connect_preview_lane();
-  }
+  return specs;
+}
+
+}  // namespace
+
+ReducerImpl::ReducerImpl(LaneHost& host, std::vector<GradSpec> specs,
+                         const ReducerOptions& options)
+    : host_(host),
+      options_(options),
+      scale_(options.average ? 1.0 / host.options().world_size : 1.0),
+      plan_{checked(std::move(specs)), {}, {}, {}, 0},
+      ring_(plan_, options.in_flight, options.record_order) {
+  HEMIOLA_CHECK(options_.fusion_bytes > 0 && options_.first_bucket_bytes > 0,
+                "fusion_bytes and first_bucket_bytes must be positive");
   if (on_device()) {
     HEMIOLA_CHECK(options_.device.index >= 0, "a CUDA reducer needs a device index, got ",
                   options_.device.index);
   }
+  reduction_ = std::make_unique<ReductionLane>(ring_, plan_, host_, options_.device,
+                                               options_.track_usage);
+  if (options_.preview) {
+    HEMIOLA_CHECK(!on_device(), "ReducerOptions::preview is implemented for CPU reducers only");
+    HEMIOLA_CHECK(preview_levels(host_.options().world_size) >= 1,
+                  "ReducerOptions::preview codes the sum of all ranks in one byte, which needs "
+                  "at most 127 ranks (world_size is ", host_.options().world_size, ")");
+    // Its wire is connected now, at wrap time, not in a backward hook of
+    // the first iteration that takes a preview.
+    preview_ = std::make_unique<PreviewLane>(ring_, plan_, host_, *reduction_);
+    ring_.add_lane(*preview_);
+    reduction_->gate_on(*preview_);
+  }
+  ring_.add_lane(*reduction_);
   codec_ = make_codec(options_.compression);
-  observed_.assign(specs_.size(), 0);
-  build(reverse_order(specs_.size()));
+  build(reverse_order(plan_.specs.size()));
   if (on_device()) {
     // The device's stream and communicator are made now, on the scheduler
     // thread (a collective, in submission order), rather than inside the
     // first iteration: NCCL's initialisation synchronises the device, and
     // its errors belong to wrap time.
-    set_up_device(engine_, options_.device.index);
+    set_up_device(host_, options_.device.index);
   }
 }
 
 ReducerImpl::~ReducerImpl() {
-  // Iteration work refers to our flights: never let it outlive us.
+  // Lane work refers to our flights: never let it outlive us.
   abort("reducer destroyed");
   drain(/*abort_marking=*/false);
+}
+
+std::vector<const Lane*> ReducerImpl::lanes() const {
+  std::vector<const Lane*> out;
+  if (preview_) out.push_back(preview_.get());
+  out.push_back(reduction_.get());
+  return out;
 }
 
 void ReducerImpl::drain(bool abort_marking) noexcept {
@@ -117,16 +89,16 @@ void ReducerImpl::drain(bool abort_marking) noexcept {
       abort("the outputs of the iteration being marked were released (its updater was "
             "destroyed) before it finished");
     } catch (...) {
-      aborted_.store(true, std::memory_order_release);  // without a reason (no memory for it)
+      ring_.abort("");  // without a reason (no memory for it)
     }
   }
   // An aborted iteration's work ends at its next look at the ready queue; a
   // running reduction ends within the engine's timeout; then the device's
   // share of it (unpacks into the outputs).
-  for (auto& flight : flights_) {
-    if (flight->handle.valid()) flight->handle.wait_for(std::chrono::hours(1));
-    if (flight->preview && flight->preview->handle.valid()) {
-      flight->preview->handle.wait_for(std::chrono::hours(1));
+  for (const auto& flight : ring_.flights()) {
+    for (const Lane* lane : lanes()) {
+      const Handle& handle = lane->handle(flight->slot);
+      if (handle.valid()) handle.wait_for(std::chrono::hours(1));
     }
     try {
       flight->storage->drain_device(timeout());
@@ -137,33 +109,13 @@ void ReducerImpl::drain(bool abort_marking) noexcept {
 }
 
 void ReducerImpl::build(const std::vector<size_t>& order) {
-  plan_ = plan_buckets(specs_, order, options_.first_bucket_bytes, options_.fusion_bytes,
-                       options_.partition_bytes);
-  placement_ = place_pieces(plan_, specs_.size());
-  issue_order_.resize(plan_.size());
-  for (size_t b = 0; b < plan_.size(); ++b) issue_order_[b] = b;
-  flights_.clear();
-  for (size_t f = 0; f < options_.in_flight + 1; ++f) {
-    auto flight = std::make_unique<Flight>();
-    flight->storage = make_storage();
-    // No iteration yet: the waits and queries treat it as long completed.
-    flight->iteration = kNoIteration;
-    flight->pending.reset(new std::atomic<int64_t>[plan_.size()]());
-    flight->bucket_done.reset(new std::atomic<bool>[plan_.size()]());
-    flight->state.reset(new std::atomic<uint8_t>[specs_.size()]);
-    flight->out.assign(specs_.size(), nullptr);
-    flight->usage.assign(specs_.size(), 0.0f);
-    flight->queue = std::make_unique<ReadyQueue<uint32_t>>(plan_.size());
-    if (options_.preview) flight->preview = make_preview();
-    flights_.push_back(std::move(flight));
-  }
-  preview_scales_.clear();
-  if (options_.preview) {
-    for (const auto& bucket : plan_) {
-      preview_scales_.emplace_back((bucket.numel + kPreviewBlock - 1) / kPreviewBlock, 0.0f);
-    }
-  }
-  plan_start_ = started_.load();
+  plan_.buckets = plan_buckets(plan_.specs, order, options_.first_bucket_bytes,
+                               options_.fusion_bytes, options_.partition_bytes);
+  plan_.placement = place_pieces(plan_.buckets, plan_.specs.size());
+  plan_.issue_order.resize(plan_.buckets.size());
+  for (size_t b = 0; b < plan_.buckets.size(); ++b) plan_.issue_order[b] = b;
+  plan_.first_iteration = ring_.started();
+  ring_.build([this] { return make_storage(); });
 }
 
 std::unique_ptr<WireCodec> ReducerImpl::make_codec(Compression compression) const {
@@ -181,230 +133,50 @@ std::unique_ptr<WireCodec> ReducerImpl::make_codec(Compression compression) cons
                 "rank divides by the world size before its coding): it needs average = true");
   ReducerOptions options = options_;
   options.compression = compression;
-  return std::make_unique<WireCodec>(options, specs_, engine_.options().world_size);
+  return std::make_unique<WireCodec>(options, plan_.specs, host_.options().world_size);
 }
 
 void ReducerImpl::set_compression(Compression compression, size_t powersgd_rank,
                                   uint64_t powersgd_start_iteration) {
-  std::lock_guard<std::mutex> lock(mutex_);
-  HEMIOLA_CHECK(started_.load() == 0 && !marking(),
+  std::lock_guard<std::mutex> lock(ring_.mutex());
+  HEMIOLA_CHECK(ring_.started() == 0 && !marking(),
                 "set_compression after the first iteration started; set it before");
   options_.powersgd_rank = powersgd_rank;
   options_.powersgd_start_iteration = powersgd_start_iteration;
   codec_ = make_codec(compression);
   options_.compression = compression;
   // The storages hold the codec: make them anew (no iteration has used them).
-  for (auto& flight : flights_) flight->storage = make_storage();
+  ring_.replace_storage([this] { return make_storage(); });
 }
 
 std::unique_ptr<BucketStorage> ReducerImpl::make_storage() {
-  const BucketLayout layout{plan_, placement_, specs_};
+  const BucketLayout layout{plan_.buckets, plan_.placement, plan_.specs};
   if (on_device()) {
     DeviceWire wire;
-    wire.world_size = engine_.options().world_size;
+    wire.world_size = host_.options().world_size;
     if (options_.compression == Compression::kFp16) wire.half = DType::kFloat16;
     if (options_.compression == Compression::kBf16) wire.half = DType::kBFloat16;
-    return make_device_buckets(layout, engine_, options_.device.index, options_.average, wire,
+    return make_device_buckets(layout, host_, options_.device.index, options_.average, wire,
                                timeout());
   }
   return make_host_buckets(layout, scale_, codec_.get());
 }
 
 std::chrono::milliseconds ReducerImpl::timeout() const {
-  return std::chrono::milliseconds(static_cast<int64_t>(engine_.options().timeout_s * 1000.0));
-}
-
-void ReducerImpl::check_usable() const {
-  if (aborted_.load(std::memory_order_acquire)) {
-    std::lock_guard<std::mutex> lock(abort_mutex_);
-    HEMIOLA_THROW(ErrorCode::kAborted, "this reducer was aborted earlier (", abort_reason_,
-                  "); re-create the wrapped model to continue");
-  }
-}
-
-ReducerImpl::Flight& ReducerImpl::begin_iteration() {
-  std::lock_guard<std::mutex> lock(mutex_);
-  if (Flight* current = marking_.load(std::memory_order_acquire)) return *current;
-  const uint64_t iteration = started_.load();
-  Flight& flight = *flights_[iteration % flights_.size()];
-  // The in-flight bound: the iteration that used this flight last must be
-  // done before its buffers are reused.
-  if (flight.handle.valid()) flight.handle.wait();
-  if (flight.preview && flight.preview->handle.valid()) flight.preview->handle.wait();
-  if (options_.preview && iteration > 0) {
-    // The previous iteration's preview reads the flight reused now (its
-    // scales' iteration's bucket states): it must be done first. It needs
-    // nothing more than what has happened already, so this is short.
-    Flight& last = *flights_[(iteration - 1) % flights_.size()];
-    if (last.preview->handle.valid()) last.preview->handle.wait();
-  }
-  for (size_t b = 0; b < plan_.size(); ++b) {
-    flight.pending[b].store(static_cast<int64_t>(plan_[b].tensors.size()),
-                            std::memory_order_relaxed);
-    flight.bucket_done[b].store(false, std::memory_order_relaxed);
-  }
-  for (size_t i = 0; i < specs_.size(); ++i) {
-    flight.state[i].store(kPending, std::memory_order_relaxed);
-    flight.out[i] = nullptr;
-  }
-  flight.storage->begin_iteration();
-  Preview* preview = flight.preview.get();
-  if (preview) {
-    // The scales come from the previous iteration, reduced under this plan.
-    preview->active = iteration > plan_start_;
-    for (size_t b = 0; b < plan_.size(); ++b) {
-      preview->done[b].store(false, std::memory_order_relaxed);
-    }
-  }
-  flight.iteration = iteration;
-  // The preview first: the main lane's work waits on its handle.
-  if (preview && preview->active) {
-    preview->handle = submit_preview(flight);
-  }
-  flight.handle = engine_.submit(std::make_shared<Work>(*this, flight));
-  started_.store(iteration + 1, std::memory_order_release);
-  marking_.store(&flight, std::memory_order_release);
-  return flight;
-}
-
-void ReducerImpl::mark(size_t index, const void* source, void* out, bool used, void* stream) {
-  HEMIOLA_CHECK(index < specs_.size(), "gradient index ", index, " is out of range (",
-                specs_.size(), " gradients)");
-  const GradSpec& spec = specs_[index];
-  HEMIOLA_CHECK(!used || source != nullptr || spec.numel == 0, "gradient '", spec.name,
-                "' has a null data pointer");
-  check_usable();
-  Flight* current = marking_.load(std::memory_order_acquire);
-  Flight& flight = current ? *current : begin_iteration();
-  uint8_t expected = kPending;
-  if (!flight.state[index].compare_exchange_strong(expected, used ? kReady : kUnused,
-                                                    std::memory_order_acq_rel)) {
-    HEMIOLA_THROW(ErrorCode::kInvalidArgument, "gradient '", spec.name,
-                  "' was marked ready twice in one iteration. Each parameter must produce one "
-                  "gradient per backward pass (reentrant checkpointing, or a second backward "
-                  "without finishing the first, can cause this)");
-  }
-  if (used) flight.out[index] = out;
-  flight.usage[index] = used ? 1.0f : 0.0f;
-  if (recording_.load(std::memory_order_relaxed)) {
-    observed_[observed_count_.fetch_add(1, std::memory_order_relaxed)] = index;
-  }
-  flight.storage->copy_in(index, source, used, stream);
-  for (const Placement& piece : placement_[index]) {
-    // The last piece of a bucket enqueues it. acq_rel: the scheduler, which
-    // reads the buffer after popping, must see every producer's memcpy.
-    if (flight.pending[piece.bucket].fetch_sub(1, std::memory_order_acq_rel) == 1) {
-      const auto bucket = static_cast<uint32_t>(piece.bucket);
-      const bool previewing = flight.preview && flight.preview->active;
-      if (!flight.queue->push(bucket) || (previewing && !flight.preview->queue->push(bucket))) {
-        HEMIOLA_THROW(ErrorCode::kInternal, "ready queue overflow");
-      }
-    }
-  }
-}
-
-std::vector<size_t> ReducerImpl::unmarked() const {
-  const Flight* flight = marking_.load(std::memory_order_acquire);
-  std::vector<size_t> out;
-  for (size_t i = 0; i < specs_.size(); ++i) {
-    if (!flight || flight->state[i].load(std::memory_order_acquire) == kPending) out.push_back(i);
-  }
-  return out;
-}
-
-int64_t ReducerImpl::finish_marking() {
-  check_usable();
-  std::lock_guard<std::mutex> lock(mutex_);
-  Flight* flight = marking_.load(std::memory_order_acquire);
-  if (!flight) return -1;
-  std::vector<size_t> missing;
-  for (size_t i = 0; i < specs_.size(); ++i) {
-    if (flight->state[i].load(std::memory_order_acquire) == kPending) missing.push_back(i);
-  }
-  HEMIOLA_CHECK(missing.empty(), "iteration ", flight->iteration, " finished without gradients ",
-                "for ", missing.size(), " tensor(s): ", names(missing),
-                " (mark them ready or unused first)");
-  if (recording_.load()) recording_.store(false);  // the first iteration is recorded
-  marking_.store(nullptr, std::memory_order_release);
-  return static_cast<int64_t>(flight->iteration);
-}
-
-void ReducerImpl::run(Flight& flight, Communicator& comm, Timeline& timeline,
-                      size_t* current_bucket) {
-  const size_t count = plan_.size();
-  std::vector<bool> ready(count, false);
-  const BucketStorage* previous =
-      flight.iteration == 0 ? nullptr
-                            : flights_[(flight.iteration - 1) % flights_.size()]->storage.get();
-  flight.storage->begin_reductions(flight.iteration, previous);
-  // With a preview, the full reductions wait for all of it: it is what the
-  // next forward needs first, and the full reductions have the whole next
-  // iteration to run, so they do not compete with it for the network.
-  if (flight.preview && flight.preview->active) wait_previews(flight, timeline);
-  // Fixed issue order: bucket b goes only after the buckets before it in
-  // issue_order_, whatever order buckets became ready in on this rank.
-  for (size_t position = 0; position < count; ++position) {
-    const size_t b = issue_order_[position];
-    *current_bucket = position;
-    wait_ready(*flight.queue, b, ready, timeline, "comm");
-    reduce(flight, b, comm, timeline);
-  }
-  *current_bucket = count;
-  if (options_.track_usage) {
-    comm.all_reduce_sum(TensorRef{flight.usage.data(), DType::kFloat32, flight.usage.size(), {}});
-  }
-  flight.storage->end_reductions();
-}
-
-void ReducerImpl::wait_ready(ReadyQueue<uint32_t>& queue, size_t b, std::vector<bool>& ready,
-                             Timeline& timeline, const char* lane) {
-  const auto timeout = this->timeout();
-  const auto wait_start = std::chrono::steady_clock::now();
-  const int64_t wait_us = timeline.now_us();
-  while (!ready[b]) {
-    uint32_t id;
-    if (queue.pop_wait(id, std::chrono::milliseconds(100))) {
-      ready[id] = true;
-      continue;
-    }
-    if (aborted_.load(std::memory_order_acquire)) {
-      std::lock_guard<std::mutex> lock(abort_mutex_);
-      HEMIOLA_THROW(ErrorCode::kAborted, "aborted: ", abort_reason_);
-    }
-    if (std::chrono::steady_clock::now() - wait_start > timeout) {
-      HEMIOLA_THROW(ErrorCode::kTimeout, "on this rank, bucket ", b, " never became ready within ",
-                    engine_.options().timeout_s, " s: its gradients were never produced");
-    }
-  }
-  if (timeline.enabled() && timeline.now_us() - wait_us > 1) {
-    timeline.record(lane, "wait bucket " + std::to_string(b), "wait", wait_us, timeline.now_us());
-  }
-}
-
-void ReducerImpl::reduce(Flight& flight, size_t b, Communicator& comm, Timeline& timeline) {
-  const int64_t start_us = timeline.now_us();
-  flight.storage->reduce(b, flight.out, comm);
-  if (options_.preview) after_reduced(flight, b);
-  set_flag(flight.bucket_mutex, flight.bucket_cv, flight.bucket_done[b]);
-  if (timeline.enabled()) {
-    timeline.record("comm",
-                    "allreduce bucket " + std::to_string(b) + " (iteration " +
-                        std::to_string(flight.iteration) + ")",
-                    "allreduce", start_us, timeline.now_us());
-  }
+  return std::chrono::milliseconds(static_cast<int64_t>(host_.options().timeout_s * 1000.0));
 }
 
 void ReducerImpl::wait(uint64_t iteration, void* stream) {
   Handle handle;
   const BucketStorage* storage = nullptr;
   {
-    std::lock_guard<std::mutex> lock(mutex_);
-    HEMIOLA_CHECK(iteration < started_.load(), "iteration ", iteration, " has not started");
-    const Flight& flight = *flights_[iteration % flights_.size()];
+    std::lock_guard<std::mutex> lock(ring_.mutex());
+    HEMIOLA_CHECK(iteration < ring_.started(), "iteration ", iteration, " has not started");
+    const Flight& flight = ring_.flight_for(iteration);
     if (flight.iteration != iteration) return;  // reused: it completed long ago
-    HEMIOLA_CHECK(marking_.load() != &flight, "wait(", iteration,
+    HEMIOLA_CHECK(ring_.marking_flight() != &flight, "wait(", iteration,
                   ") while its gradients are still being marked; call finish_marking() first");
-    handle = flight.handle;
+    handle = reduction_->handle(flight.slot);
     storage = flight.storage.get();
   }
   handle.wait();
@@ -414,35 +186,35 @@ void ReducerImpl::wait(uint64_t iteration, void* stream) {
 void ReducerImpl::wait_for(uint64_t iteration, const std::vector<size_t>& indices,
                            void* stream) {
   {
-    std::lock_guard<std::mutex> lock(mutex_);
-    HEMIOLA_CHECK(iteration < started_.load(), "iteration ", iteration, " has not started");
-    const Flight& flight = *flights_[iteration % flights_.size()];
-    HEMIOLA_CHECK(flight.iteration != iteration || marking_.load() != &flight, "wait_for(",
-                  iteration, ", ...) while its gradients are still being marked; call "
-                  "finish_marking() first");
+    std::lock_guard<std::mutex> lock(ring_.mutex());
+    HEMIOLA_CHECK(iteration < ring_.started(), "iteration ", iteration, " has not started");
+    const Flight& flight = ring_.flight_for(iteration);
+    HEMIOLA_CHECK(flight.iteration != iteration || ring_.marking_flight() != &flight,
+                  "wait_for(", iteration, ", ...) while its gradients are still being marked; "
+                  "call finish_marking() first");
   }
-  std::vector<bool> needed(plan_.size(), false);
+  std::vector<bool> needed(plan_.buckets.size(), false);
   for (size_t i : indices) {
-    HEMIOLA_CHECK(i < specs_.size(), "gradient index ", i, " is out of range (", specs_.size(),
-                  " gradients)");
-    for (const Placement& piece : placement_[i]) needed[piece.bucket] = true;
+    HEMIOLA_CHECK(i < plan_.specs.size(), "gradient index ", i, " is out of range (",
+                  plan_.specs.size(), " gradients)");
+    for (const Placement& piece : plan_.placement[i]) needed[piece.bucket] = true;
   }
   for (size_t b : issue_order()) {
-    if (needed[b]) wait_bucket(iteration, b, stream);
+    if (needed[b]) reduction_->wait(iteration, b, stream);
   }
 }
 
 std::vector<size_t> ReducerImpl::arrived(uint64_t iteration,
                                          const std::vector<size_t>& indices) const {
-  std::vector<int8_t> known(plan_.size(), -1);  // per bucket: unknown, not done, done
+  std::vector<int8_t> known(plan_.buckets.size(), -1);  // per bucket: unknown, not done, done
   std::vector<size_t> out;
   for (size_t i : indices) {
-    HEMIOLA_CHECK(i < specs_.size(), "gradient index ", i, " is out of range (", specs_.size(),
-                  " gradients)");
+    HEMIOLA_CHECK(i < plan_.specs.size(), "gradient index ", i, " is out of range (",
+                  plan_.specs.size(), " gradients)");
     bool all = true;
-    for (const Placement& piece : placement_[i]) {
+    for (const Placement& piece : plan_.placement[i]) {
       int8_t& done = known[piece.bucket];
-      if (done < 0) done = bucket_done(iteration, piece.bucket) ? 1 : 0;
+      if (done < 0) done = reduction_->done(iteration, piece.bucket) ? 1 : 0;
       all = all && done == 1;
     }
     if (all) out.push_back(i);
@@ -450,107 +222,49 @@ std::vector<size_t> ReducerImpl::arrived(uint64_t iteration,
   return out;
 }
 
-void ReducerImpl::wait_bucket(uint64_t iteration, size_t bucket, void* stream) {
-  HEMIOLA_CHECK(bucket < plan_.size(), "bucket ", bucket, " is out of range (", plan_.size(),
-                " buckets)");
-  Flight* flight;
-  Handle handle;
-  {
-    std::lock_guard<std::mutex> lock(mutex_);
-    HEMIOLA_CHECK(iteration < started_.load(), "iteration ", iteration, " has not started");
-    flight = flights_[iteration % flights_.size()].get();
-    if (flight->iteration != iteration) return;  // reused: it completed long ago
-    handle = flight->handle;
-  }
-  // Wake up for the bucket, or for the end of the whole iteration (which is
-  // also how a failure arrives); the handle then rethrows it.
-  if (!wait_for_flag(flight->bucket_mutex, flight->bucket_cv, flight->bucket_done[bucket], handle)) {
-    handle.wait();
-  }
-  flight->storage->block_until_reduced(bucket, stream);
-}
-
-bool ReducerImpl::bucket_done(uint64_t iteration, size_t bucket) const {
-  HEMIOLA_CHECK(bucket < plan_.size(), "bucket ", bucket, " is out of range");
-  if (iteration >= started_.load()) return false;
-  const Flight& flight = *flights_[iteration % flights_.size()];
-  if (flight.iteration != iteration) return true;  // reused: it completed long ago
-  // On CUDA: enqueued, and complete on the device.
-  return flight.bucket_done[bucket].load(std::memory_order_acquire) &&
-         flight.storage->reduced(bucket);
-}
-
 void ReducerImpl::set_issue_order(const std::vector<size_t>& order) {
-  check_permutation(order, plan_.size());
+  check_permutation(order, plan_.buckets.size());
   HEMIOLA_CHECK(!marking(), "set_issue_order while gradients are being marked");
   wait_all();
-  std::lock_guard<std::mutex> lock(mutex_);
-  issue_order_ = order;
+  std::lock_guard<std::mutex> lock(ring_.mutex());
+  plan_.issue_order = order;
 }
 
 std::vector<size_t> ReducerImpl::issue_order() const {
-  std::lock_guard<std::mutex> lock(mutex_);
-  return issue_order_;
+  std::lock_guard<std::mutex> lock(ring_.mutex());
+  return plan_.issue_order;
 }
 
 void ReducerImpl::wait_all() {
   std::vector<Handle> handles;
   {
-    std::lock_guard<std::mutex> lock(mutex_);
-    for (const auto& flight : flights_) {
-      if (flight->handle.valid()) handles.push_back(flight->handle);
-      if (flight->preview && flight->preview->handle.valid()) {
-        handles.push_back(flight->preview->handle);
+    std::lock_guard<std::mutex> lock(ring_.mutex());
+    for (const auto& flight : ring_.flights()) {
+      for (const Lane* lane : lanes()) {
+        const Handle& handle = lane->handle(flight->slot);
+        if (handle.valid()) handles.push_back(handle);
       }
     }
   }
-  // In iteration order, so the first failure reported is the earliest.
+  // In issue order, so the first failure reported is the earliest.
   std::sort(handles.begin(), handles.end(), [](const Handle& a, const Handle& b) {
     return a.sequence() < b.sequence();
   });
   for (const auto& handle : handles) handle.wait();
 }
 
-void ReducerImpl::abort(const std::string& reason) {
-  {
-    std::lock_guard<std::mutex> lock(abort_mutex_);
-    if (!aborted_.load()) abort_reason_ = reason;
-    aborted_.store(true, std::memory_order_release);
-  }
-  for (auto& flight : flights_) {
-    flight->queue->wake();
-    if (flight->preview) flight->preview->queue->wake();
-  }
-}
-
-const ReducerImpl::Flight& ReducerImpl::completed_flight(uint64_t iteration) const {
-  const Flight& flight = *flights_[iteration % flights_.size()];
-  HEMIOLA_CHECK(iteration < started_.load() && flight.iteration == iteration, "iteration ",
+const Flight& ReducerImpl::completed_flight(uint64_t iteration) const {
+  const Flight& flight = ring_.flight_for(iteration);
+  HEMIOLA_CHECK(iteration < ring_.started() && flight.iteration == iteration, "iteration ",
                 iteration, "'s results are gone (its buffers were reused by a later iteration)");
-  HEMIOLA_CHECK(marking_.load() != &flight && flight.handle.done(), "iteration ", iteration,
-                " is not reduced yet; call wait(", iteration, ") first");
+  HEMIOLA_CHECK(ring_.marking_flight() != &flight && reduction_->handle(flight.slot).done(),
+                "iteration ", iteration, " is not reduced yet; call wait(", iteration,
+                ") first");
   return flight;
 }
 
-TensorRef ReducerImpl::result(uint64_t iteration, size_t index) const {
-  HEMIOLA_CHECK(index < specs_.size(), "gradient index ", index, " is out of range");
-  HEMIOLA_CHECK(placement_[index].size() == 1, "gradient '", specs_[index].name,
-                "' is partitioned across ", placement_[index].size(),
-                " buckets, so its result is not contiguous here: pass an output to mark_ready");
-  const Placement& where = placement_[index].front();
-  const Flight& flight = *flights_[iteration % flights_.size()];
-  HEMIOLA_CHECK(iteration < started_.load() && flight.iteration == iteration, "iteration ",
-                iteration, "'s results are gone (its buffers were reused by a later iteration)");
-  HEMIOLA_CHECK(flight.bucket_done[where.bucket].load(std::memory_order_acquire), "iteration ",
-                iteration, "'s bucket ", where.bucket, " ('", specs_[index].name,
-                "') is not reduced yet; wait for it first");
-  const GradSpec& spec = specs_[index];
-  return TensorRef{flight.storage->buffer(where.bucket) + where.offset * dtype_size(spec.dtype),
-                   spec.dtype, spec.numel, options_.device};
-}
-
 TensorRef ReducerImpl::residual(size_t index) {
-  HEMIOLA_CHECK(index < specs_.size(), "gradient index ", index, " is out of range");
+  HEMIOLA_CHECK(index < plan_.specs.size(), "gradient index ", index, " is out of range");
   HEMIOLA_CHECK(codec_ && (codec_->compression() == Compression::kInt8 ||
                             codec_->compression() == Compression::kPowerSgd),
                 "residual() needs ReducerOptions::compression int8 or powersgd (error feedback)");
@@ -569,13 +283,13 @@ std::vector<int> ReducerImpl::usage(uint64_t iteration) const {
 }
 
 size_t ReducerImpl::pieces(size_t index) const {
-  HEMIOLA_CHECK(index < specs_.size(), "gradient index ", index, " is out of range");
-  return placement_[index].size();
+  HEMIOLA_CHECK(index < plan_.specs.size(), "gradient index ", index, " is out of range");
+  return plan_.placement[index].size();
 }
 
 std::vector<std::vector<size_t>> ReducerImpl::buckets() const {
   std::vector<std::vector<size_t>> out;
-  for (const auto& bucket : plan_) {
+  for (const auto& bucket : plan_.buckets) {
     // Pieces of one tensor are adjacent within a bucket: list it once.
     std::vector<size_t> tensors;
     for (size_t t : bucket.tensors) {
@@ -586,36 +300,32 @@ std::vector<std::vector<size_t>> ReducerImpl::buckets() const {
   return out;
 }
 
-std::vector<size_t> ReducerImpl::observed_order() const {
-  const size_t count = std::min(observed_count_.load(), specs_.size());
-  return std::vector<size_t>(observed_.begin(), observed_.begin() + static_cast<long>(count));
-}
-
 void ReducerImpl::rebuild_from_observed_order() {
   // Rank 0's order wins, so every rank builds the same plan. Tensors rank 0
   // never saw go last, in reverse registration order.
-  std::vector<int64_t> order(specs_.size());
-  if (engine_.options().rank == 0) {
-    std::vector<bool> seen(specs_.size(), false);
+  const size_t n = plan_.specs.size();
+  std::vector<int64_t> order(n);
+  if (host_.options().rank == 0) {
+    std::vector<bool> seen(n, false);
     size_t k = 0;
     for (size_t index : observed_order()) {
       order[k++] = static_cast<int64_t>(index);
       seen[index] = true;
     }
-    for (size_t index : reverse_order(specs_.size())) {
+    for (size_t index : reverse_order(n)) {
       if (!seen[index]) order[k++] = static_cast<int64_t>(index);
     }
   }
-  engine_.broadcast(TensorRef{order.data(), DType::kInt64, order.size(), Device{}}, 0).wait();
+  host_.broadcast(TensorRef{order.data(), DType::kInt64, order.size(), Device{}}, 0).wait();
   rebuild(std::vector<size_t>(order.begin(), order.end()));
 }
 
 void ReducerImpl::rebuild(const std::vector<size_t>& order) {
   HEMIOLA_CHECK(!marking(), "rebuild while gradients are being marked; finish the iteration first");
   wait_all();
-  std::lock_guard<std::mutex> lock(mutex_);
+  std::lock_guard<std::mutex> lock(ring_.mutex());
   build(order);
-  recording_.store(false);
+  ring_.stop_recording();
 }
 
 // ---- public facade ---------------------------------------------------------
@@ -673,6 +383,9 @@ TensorRef Reducer::result(uint64_t iteration, size_t index) const {
 }
 std::vector<int> Reducer::usage(uint64_t iteration) const { return impl_->usage(iteration); }
 double Reducer::preview_error() const { return impl_->preview_error(); }
+LaneResults& Reducer::reduction_results() { return impl_->reduction(); }
+LaneResults* Reducer::preview_results() { return impl_->preview(); }
+void Reducer::drain(bool abort_marking) noexcept { impl_->drain(abort_marking); }
 TensorRef Reducer::residual(size_t index) { return impl_->residual(index); }
 void Reducer::set_compression(Compression compression, size_t powersgd_rank,
                               uint64_t powersgd_start_iteration) {

@@ -39,7 +39,7 @@ void* Buffer::reserve(const Device& device, size_t bytes) {
 
 LandingGraph::LandingGraph(Engine& engine, Reducer& reducer, const UpdaterOptions& options,
                            StreamRef stream)
-    : engine_(engine), reducer_(ReducerAccess::impl(reducer)), options_(options),
+    : engine_(engine), reducer_(reducer), options_(options),
       device_(reducer.options().device), in_flight_(reducer.options().in_flight),
       stream_(stream), timeline_(engine.options().timeline), rebuilt_(!options.rebuild_buckets),
       gathered_(in_flight_ + 1), stepper_(make_stepper(*this, options)) {}
@@ -191,7 +191,7 @@ bool LandingGraph::arrived(Pending& pending, size_t index) const {
   if (pending.gathered) return true;
   for (size_t b : buckets_of_[index]) {
     if (!pending.bucket_arrived[b]) {
-      if (!reducer_.bucket_done(pending.iteration, b)) return false;
+      if (!reducer_.reduction_results().done(pending.iteration, b)) return false;
       pending.bucket_arrived[b] = 1;
     }
   }
@@ -202,11 +202,11 @@ void LandingGraph::wait_for(const Pending& pending, const std::vector<size_t>& i
   if (pending.gathered) return;
   const int64_t start = now_us();
   if (pending.needs_whole()) {
-    reducer_.wait(pending.iteration, stream_.handle);
+    reducer_.wait(pending.iteration, stream_);
     record("wait", start, "wait reduction ", pending.iteration);
     return;
   }
-  reducer_.wait_for(pending.iteration, indices, stream_.handle);
+  reducer_.wait_for(pending.iteration, indices, stream_);
   record("wait", start, "wait buckets (", pending.iteration, ")");
 }
 

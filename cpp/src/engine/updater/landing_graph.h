@@ -23,7 +23,8 @@
 
 #include "device.h"
 #include "engine/updater/device_clip.h"
-#include "engine/reducer/reducer_impl.h"
+#include "engine/reducer/lane.h"
+#include "hemiola/reducer.h"
 #include "engine/updater/stepper.h"
 #include "hemiola/engine.h"
 #include "hemiola/status.h"
@@ -115,7 +116,7 @@ class LandingGraph {
 
   // ---- the reducer's plan ------------------------------------------------------
 
-  ReducerImpl& reducer() { return reducer_; }
+  Reducer& reducer() { return reducer_; }
   size_t in_flight() const { return in_flight_; }
   size_t bucket_count() const { return bucket_bytes_.size(); }
   const std::vector<double>& bucket_bytes() const { return bucket_bytes_; }
@@ -194,7 +195,7 @@ class LandingGraph {
   void clip_on_device(Pending& pending);
 
   Engine& engine_;
-  ReducerImpl& reducer_;  // its per-bucket interface: the landing graph is in buckets
+  Reducer& reducer_;  // read per bucket (Reducer::reduction_results): the graph is in buckets
   UpdaterOptions options_;
   Device device_;      // the reducer's: every parameter, state and gradient lives there
   size_t in_flight_;   // the reducer's: at most this many iterations are pending

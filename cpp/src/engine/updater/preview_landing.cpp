@@ -35,7 +35,7 @@ void PreviewLanding::land(Pending& pending) {
   group.grad_scale = pending.options.preview_scale;
   for (size_t i : chosen) {
     group.indices.push_back(i);
-    group.grads.push_back(graph_.reducer().preview(pending.iteration, i).data);
+    group.grads.push_back(graph_.reducer().preview_results()->value(pending.iteration, i).data);
     pending.previewed[i] = 1;
   }
   graph_.stepper().local({group});
@@ -52,7 +52,7 @@ void PreviewLanding::wait(Pending& pending, const std::vector<size_t>& needed) {
     if (!awaits_preview(pending, i)) continue;
     for (size_t b : graph_.buckets_of(i)) {
       if (pending.bucket_previewed[b]) continue;
-      graph_.reducer().wait_preview(pending.iteration, b);
+      graph_.reducer().preview_results()->wait(pending.iteration, b, nullptr);
       waited = true;
     }
   }
@@ -70,7 +70,7 @@ bool PreviewLanding::awaits_preview(const Pending& pending, size_t i) const {
 bool PreviewLanding::previewed(Pending& pending, size_t index) const {
   for (size_t b : graph_.buckets_of(index)) {
     if (!pending.bucket_previewed[b]) {
-      if (!graph_.reducer().preview_done(pending.iteration, b)) return false;
+      if (!graph_.reducer().preview_results()->done(pending.iteration, b)) return false;
       pending.bucket_previewed[b] = 1;
     }
   }

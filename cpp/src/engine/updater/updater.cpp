@@ -7,7 +7,6 @@
 #include <utility>
 
 #include "engine/updater/landing_graph.h"
-#include "engine/reducer/reducer_impl.h"
 #include "engine/updater/update_policy.h"
 #include "hemiola/reducer.h"
 #include "hemiola/status.h"
@@ -62,8 +61,7 @@ class UpdaterImpl {
     graph_.use_stream(stream);
     policy_->check_mark(index);
     graph_.set_local_grad(index, local_grad);
-    graph_.reducer().mark(index, source, graph_.result_target(index), /*used=*/true,
-                          graph_.stream().handle);
+    graph_.reducer().mark_ready(index, source, graph_.result_target(index), graph_.stream());
   }
 
   void set_local_grad(size_t index, void* local_grad) {
