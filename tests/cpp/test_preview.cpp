@@ -1,4 +1,4 @@
-// The preview (engine/preview.h, ReducerOptions::preview): its codes are
+// The preview (engine/codec/preview.h, ReducerOptions::preview): its codes are
 // summed exactly, the estimates' mean over the ranks is the average, each
 // estimate is within the coding error of the average, and a rank's own
 // gradient survives where the codes cannot carry it.

@@ -42,7 +42,7 @@ struct EngineOptions {
   size_t staged_chunk_bytes = 0;
 };
 
-// How a bucket travels on the wire (engine/wire_codec.h). Applies to float32
+// How a bucket travels on the wire (engine/codec/). Applies to float32
 // buckets; buckets of other dtypes travel as they are.
 enum class Compression : uint8_t {
   kNone = 0,
@@ -54,7 +54,7 @@ enum class Compression : uint8_t {
 
 struct ReducerOptions {
   // Gradients are fused into buckets in plan order; a bucket closes once it
-  // holds at least this many bytes (engine/bucket_plan.h).
+  // holds at least this many bytes (engine/buckets/bucket_plan.h).
   size_t fusion_bytes = 25u << 20;
   // The first bucket (the last layers, whose gradients are ready first) is
   // capped smaller, so communication starts early in backward.
@@ -77,7 +77,7 @@ struct ReducerOptions {
   // costs one more set of bucket buffers.
   size_t in_flight = 0;
   // Before each bucket's full-precision reduction, all-reduce a one-byte
-  // coding of it (engine/preview.h) and keep this rank's estimate of the
+  // coding of it (engine/codec/preview.h) and keep this rank's estimate of the
   // average: its own gradient plus the coded average minus its own coding.
   // The previews go on a lane of their own (a second communicator and
   // engine thread), and an iteration's full reductions start once all its

@@ -5,7 +5,7 @@
 // step lands, from the shadow with the averaged gradient, as soon as it has
 // arrived and no forward still reads the approximate value
 // (correct_on_arrival), at the latest in the next step(). With a preview,
-// engine/preview_landing.h.
+// engine/updater/preview_landing.h.
 //
 // The reducer's in_flight bounds the pending iterations: step() of iteration
 // t lands t - in_flight (waiting) before taking t's approximate step; each

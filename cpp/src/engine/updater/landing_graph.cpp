@@ -1,4 +1,4 @@
-// engine/landing_graph.h: the bookkeeping of pending iterations and the
+// engine/updater/landing_graph.h: the bookkeeping of pending iterations and the
 // exact step that lands one on a parameter (skipping unused parameters,
 // scaled by the global scale, optim/global_scale.h).
 #include "engine/updater/landing_graph.h"

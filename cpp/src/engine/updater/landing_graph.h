@@ -158,7 +158,7 @@ class LandingGraph {
 
   // ---- optimizer steps -----------------------------------------------------------
 
-  // The step that lands updates (engine/stepper.h), chosen by the options.
+  // The step that lands updates (engine/updater/stepper.h), chosen by the options.
   Stepper& stepper() { return *stepper_; }
   ParameterSlot& param(size_t i) { return params_[i]; }
   // Parameter i's exact value (see set_exact).

@@ -1,4 +1,4 @@
-// engine/preview_landing.h.
+// engine/updater/preview_landing.h.
 #include "engine/updater/preview_landing.h"
 
 #include <cstdint>

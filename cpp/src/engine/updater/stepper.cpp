@@ -1,4 +1,4 @@
-// engine/stepper.h: the engine's SGD / Adam / AdamW steps of a landing group,
+// engine/updater/stepper.h: the engine's SGD / Adam / AdamW steps of a landing group,
 // and the caller's external step.
 #include "engine/updater/stepper.h"
 

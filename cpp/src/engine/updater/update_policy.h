@@ -2,7 +2,7 @@
 // small interface chosen once when the Updater is made: when an iteration's
 // updates land (step(), at a lander, all at once) and what the live
 // parameters hold in between. Both work on the shared LandingGraph
-// (engine/landing_graph.h), which must outlive them.
+// (engine/updater/landing_graph.h), which must outlive them.
 //
 //   priority (priority_policy.cpp): one pending iteration; a parameter is
 //     written only if no forward read it since step(), or when a lander
@@ -10,7 +10,7 @@
 //   decoupled (decoupled_policy.cpp): up to in_flight pending iterations and
 //     a shadow of exact parameters; the live ones hold the shadow stepped with
 //     this rank's own gradients (or a preview's estimate,
-//     engine/preview_landing.h) until the exact steps land.
+//     engine/updater/preview_landing.h) until the exact steps land.
 #pragma once
 
 #include <cstddef>

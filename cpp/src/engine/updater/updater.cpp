@@ -1,6 +1,6 @@
 // hemiola/updater.h: the Updater's calls, checked and handed to the landing
-// graph (engine/landing_graph.h) and the schedule's policy
-// (engine/update_policy.h), chosen once here.
+// graph (engine/updater/landing_graph.h) and the schedule's policy
+// (engine/updater/update_policy.h), chosen once here.
 #include "hemiola/updater.h"
 
 #include <memory>
