@@ -12,7 +12,7 @@
 #include <cstdint>
 
 #include "hemiola/export.h"
-#include "hemiola/optimizer.h"
+#include "hemiola/step_types.h"
 #include "hemiola/tensor.h"
 
 namespace hemiola::cuda {
@@ -64,8 +64,8 @@ HEMIOLA_API void cast_divide(const float* src, void* dst, DType half, std::int64
 // this rank's own gradient: only param is written, from the shadow). Live and
 // shadow may be the same memory when committing.
 
-// The hyper-parameters and tensors of one step are hemiola/optimizer.h's
-// (that header's sgd_step/adam_step dispatch here for CUDA tensors).
+// The hyper-parameters and tensors of one step are hemiola/step_types.h's
+// (hemiola/optimizer.h's sgd_step/adam_step dispatch here for CUDA tensors).
 using SgdHyper = ::hemiola::SgdHyper;
 using SgdTensors = ::hemiola::SgdTensors;
 using AdamHyper = ::hemiola::AdamHyper;
