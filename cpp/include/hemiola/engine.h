@@ -17,6 +17,7 @@
 #include "hemiola/handle.h"
 #include "hemiola/reducer.h"
 #include "hemiola/store.h"
+#include "hemiola/streamer.h"
 #include "hemiola/tensor.h"
 
 namespace hemiola {
@@ -49,6 +50,11 @@ class HEMIOLA_API Engine {
   // order). See reducer.h.
   std::unique_ptr<Reducer> make_reducer(const std::vector<GradSpec>& specs,
                                         const ReducerOptions& options);
+
+  // The `streaming` schedule over `params` (see streamer.h). Connects its
+  // wire: every rank makes it at the same point.
+  std::unique_ptr<Streamer> make_streamer(std::vector<StreamedParameter> params,
+                                          const StreamerOptions& options);
 
   // Chrome trace-event JSON ("traceEvents") of what the engine recorded since
   // construction, when EngineOptions::timeline is on.

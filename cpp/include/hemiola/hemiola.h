@@ -10,6 +10,7 @@
 #include "hemiola/reducer.h"
 #include "hemiola/status.h"
 #include "hemiola/store.h"
+#include "hemiola/streamer.h"
 #include "hemiola/tensor.h"
 #include "hemiola/updater.h"
 

@@ -7,6 +7,7 @@
 #include "comm/gloo_communicator.h"
 #include "engine/engine_impl.h"
 #include "engine/reducer/reducer_impl.h"
+#include "engine/updater/streamer_impl.h"
 #include "core/dtype_math.h"
 #include "hemiola/status.h"
 
@@ -215,6 +216,12 @@ Handle Engine::barrier() { return impl_->barrier(); }
 std::unique_ptr<Reducer> Engine::make_reducer(const std::vector<GradSpec>& specs,
                                               const ReducerOptions& options) {
   return std::make_unique<Reducer>(std::make_unique<ReducerImpl>(*impl_, specs, options));
+}
+
+std::unique_ptr<Streamer> Engine::make_streamer(std::vector<StreamedParameter> params,
+                                                const StreamerOptions& options) {
+  return std::make_unique<Streamer>(
+      std::make_unique<StreamerImpl>(*impl_, std::move(params), options));
 }
 
 std::string Engine::timeline_json() const { return impl_->timeline().json(rank()); }

@@ -1,0 +1,130 @@
+// The `streaming` schedule: low-communication training (DiLoCo, and
+// Streaming DiLoCo's staggered fragments) for links far slower than the
+// computation.
+//
+// Each rank steps its own (inner) optimizer on its own data; the Streamer
+// never touches gradients. Every `sync_every` (H) inner steps each fragment
+// of the model is synchronised:
+//   pseudo-gradient   d_r = shared - live_r        (the last synchronised copy
+//                                                    minus this rank's progress)
+//   average           d   = mean over ranks of d_r (through the wire's coding)
+//   outer step        shared' = outer SGD step of `shared` with gradient d
+//                     (default lr 0.7, momentum 0.9, Nesterov, as DiLoCo)
+//   merge             live_r  = shared' + (live_r(now) - live_r(sent))
+// The fragments are the buckets of a plan over the parameters capped at
+// 1/fragments of the model; fragment p syncs after inner steps s with
+// s % H == ((p + 1) * H / fragments) % H, so they are spread evenly over the
+// H steps and at most one is on the wire at a time. Its average is reduced on
+// a wire of its own under the next `overlap` (tau) inner steps and lands after
+// inner step s + tau; until then the rank's own progress stands in for it,
+// and it is kept on top of the new shared copy when it lands (the merge
+// above). With tau = 0 the merge is live_r = shared': every rank holds the
+// same parameters after each sync (blocking). The shared copy, the outer
+// momentum and the wire's averages are bitwise the same on every rank.
+//
+// Memory, per parameter element: the shared copy and the outer momentum
+// (2x the model, in the parameters' dtype, host memory), plus the in-flight
+// fragment's pseudo-gradient and the live values it was sent from (2x one
+// fragment), plus, with int8, one float32 residual per element.
+//
+// Host (CPU) parameters only, for now. Not thread-safe: one training loop
+// calls it.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "hemiola/config.h"
+#include "hemiola/export.h"
+#include "hemiola/optimizer.h"
+#include "hemiola/tensor.h"
+
+namespace hemiola {
+
+struct StreamerOptions {
+  size_t sync_every = 100;  // H: inner steps between two syncs of a fragment
+  size_t fragments = 1;     // how many pieces the model is synchronised in
+  // tau: inner steps a fragment's average may take to arrive before it is
+  // waited for. Less than sync_every / fragments (one fragment on the wire
+  // at a time).
+  size_t overlap = 0;
+  // The outer optimizer: SGD (lr, momentum, dampening, nesterov,
+  // weight_decay of OptimizerHyper).
+  OptimizerHyper outer = default_outer();
+  // How the pseudo-gradients travel (float32 parameters; others as they are):
+  // kNone, kFp16, kBf16 or kInt8 (with error feedback).
+  Compression compression = Compression::kNone;
+
+  static OptimizerHyper default_outer() {
+    OptimizerHyper hyper;
+    hyper.lr = 0.7;
+    hyper.momentum = 0.9;
+    hyper.nesterov = true;
+    return hyper;
+  }
+};
+
+struct StreamedParameter {
+  std::string name;  // for error messages
+  TensorRef param;   // the live values the inner optimizer steps
+};
+
+class StreamerImpl;
+
+class HEMIOLA_API Streamer {
+ public:
+  explicit Streamer(std::unique_ptr<StreamerImpl> impl);
+  ~Streamer();
+
+  // After each inner optimizer step: counts it (s = 1, 2, ...), lands the
+  // fragment whose overlap ends now (waiting for its average if it has not
+  // arrived), and sends the fragments due after step s.
+  void after_inner_step();
+  // Inner steps counted so far.
+  uint64_t inner_steps() const;
+  // Waits until the fragment on the wire (if any) has its average; it still
+  // lands after its step (a checkpoint then holds it: pending_*).
+  void wait_in_flight();
+  // How long after_inner_step() waited for averages so far (ms), and how
+  // many fragments were synchronised.
+  double waited_ms() const;
+  uint64_t syncs() const;
+
+  // ---- state (for checkpoints), per fragment in its plan layout (the
+  // parameters' pieces as fragments() lists them, each parameter's elements
+  // in order; large parameters may be cut across fragments)
+  // The shared copy as of the last sync (the parameters' dtype).
+  TensorRef shared(size_t fragment);
+  // The outer optimizer's momentum buffer (zeros before its first sync).
+  TensorRef outer_momentum(size_t fragment);
+  // Compression::kInt8, per parameter: what this rank's coding dropped and
+  // will add to its next pseudo-gradient (float32, one per element).
+  TensorRef residual(size_t index);
+  // The fragment in flight (-1: none) and the inner step it was sent after;
+  // its average (waits for it) and the live values it was sent from, in its
+  // layout (empty when none is in flight).
+  int64_t in_flight_fragment() const;
+  uint64_t in_flight_step() const;
+  TensorRef in_flight_average();
+  TensorRef in_flight_base();
+  // Restores a checkpoint: the step count, the outer momentum's first-step
+  // flag per fragment, and the fragment in flight (its average and base
+  // already written through the references above). Call on every rank, with
+  // every shared/outer_momentum/residual written back first.
+  void restore(uint64_t inner_steps, const std::vector<uint8_t>& momentum_started,
+               int64_t in_flight_fragment, uint64_t in_flight_step);
+  std::vector<uint8_t> momentum_started() const;
+
+  // The plan: fragment f holds (pieces of) parameters fragments()[f], in
+  // order; the buffers above hold them back to back.
+  std::vector<std::vector<size_t>> fragments() const;
+  const StreamerOptions& options() const;
+
+ private:
+  std::unique_ptr<StreamerImpl> impl_;
+};
+
+}  // namespace hemiola

@@ -1,0 +1,299 @@
+// The streaming schedule (hemiola/streamer.h): fragments sent by step count,
+// averaged on the outer lane, and landed with the outer optimizer's step and
+// the merge.
+#include "engine/updater/streamer_impl.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cstring>
+
+#include "core/dtype_math.h"
+#include "hemiola/optimizer.h"
+#include "hemiola/status.h"
+
+namespace hemiola {
+
+namespace {
+
+// Element-wise arithmetic in a floating dtype: computed in float (double for
+// float64) and rounded to the dtype once per result, as torch's ops on
+// tensors of that dtype round.
+template <typename T>
+struct Elem {
+  static double load(const void* p, size_t i) { return static_cast<const T*>(p)[i]; }
+  static void store(void* p, size_t i, double v) { static_cast<T*>(p)[i] = static_cast<T>(v); }
+};
+struct Fp16 {
+  static double load(const void* p, size_t i) {
+    return fp16_to_float(static_cast<const uint16_t*>(p)[i]);
+  }
+  static void store(void* p, size_t i, double v) {
+    static_cast<uint16_t*>(p)[i] = float_to_fp16(static_cast<float>(v));
+  }
+};
+struct Bf16 {
+  static double load(const void* p, size_t i) {
+    return bf16_to_float(static_cast<const uint16_t*>(p)[i]);
+  }
+  static void store(void* p, size_t i, double v) {
+    static_cast<uint16_t*>(p)[i] = float_to_bf16(static_cast<float>(v));
+  }
+};
+
+template <typename F>
+void for_dtype(DType dtype, F&& body) {
+  switch (dtype) {
+    case DType::kFloat32: body(Elem<float>{}); return;
+    case DType::kFloat64: body(Elem<double>{}); return;
+    case DType::kFloat16: body(Fp16{}); return;
+    case DType::kBFloat16: body(Bf16{}); return;
+    default: HEMIOLA_THROW(ErrorCode::kInvalidArgument, "streaming: not a floating dtype");
+  }
+}
+
+// out = a - b. float32 in float arithmetic (a float difference is exact
+// in double and rounds once either way).
+void subtract(DType dtype, void* out, const void* a, const void* b, size_t n) {
+  for_dtype(dtype, [&](auto e) {
+    using E = decltype(e);
+    for (size_t i = 0; i < n; ++i) E::store(out, i, E::load(a, i) - E::load(b, i));
+  });
+}
+
+// live = shared + (live - base), with the difference rounded first, as
+// torch's `shared + (live - base)` does.
+void merge(DType dtype, void* live, const void* shared, const void* base, size_t n) {
+  for_dtype(dtype, [&](auto e) {
+    using E = decltype(e);
+    for (size_t i = 0; i < n; ++i) {
+      E::store(live, i, E::load(live, i) - E::load(base, i));
+      E::store(live, i, E::load(shared, i) + E::load(live, i));
+    }
+  });
+}
+
+}  // namespace
+
+StreamerImpl::StreamerImpl(LaneHost& host, std::vector<StreamedParameter> params,
+                           const StreamerOptions& options)
+    : host_(host), params_(std::move(params)), options_(options) {
+  HEMIOLA_CHECK(!params_.empty(), "streaming needs at least one parameter");
+  HEMIOLA_CHECK(options_.sync_every >= 1, "streaming: sync_every must be at least 1");
+  HEMIOLA_CHECK(options_.fragments >= 1 && options_.fragments <= options_.sync_every,
+                "streaming: fragments must be between 1 and sync_every (", options_.sync_every,
+                "), got ", options_.fragments);
+  HEMIOLA_CHECK(options_.overlap * options_.fragments < options_.sync_every,
+                "streaming: overlap (", options_.overlap, ") must be less than sync_every / "
+                "fragments (", options_.sync_every, " / ", options_.fragments,
+                ") so that one fragment is on the wire at a time; lower overlap or fragments");
+  size_t total = 0;
+  for (const auto& p : params_) {
+    HEMIOLA_CHECK(p.param.device.type == DeviceType::kCPU, "streaming: parameter '", p.name,
+                  "' is on a GPU; streaming runs on CPU parameters only for now");
+    HEMIOLA_CHECK(is_floating(p.param.dtype), "streaming: parameter '", p.name, "' has dtype ",
+                  dtype_name(p.param.dtype), ", not a floating dtype");
+    HEMIOLA_CHECK(p.param.numel == 0 || p.param.data != nullptr, "streaming: parameter '",
+                  p.name, "' has a null data pointer");
+    specs_.push_back(GradSpec{p.param.dtype, p.param.numel, p.name, 0});
+    total += p.param.nbytes();
+  }
+  // Fragments are buckets of about 1/fragments of the model each, large
+  // tensors cut so that they balance; registration order, so fragment 0
+  // holds the first layers.
+  const size_t cap = std::max<size_t>(1, (total + options_.fragments - 1) / options_.fragments);
+  std::vector<size_t> order(specs_.size());
+  for (size_t i = 0; i < order.size(); ++i) order[i] = i;
+  plan_ = plan_buckets(specs_, order, cap, cap, options_.fragments > 1 ? cap : 0);
+  placement_ = place_pieces(plan_, specs_.size());
+  size_t largest = 1;
+  for (const auto& bucket : plan_) {
+    Fragment fragment;
+    fragment.shared.reset(new unsigned char[std::max<size_t>(bucket.nbytes(), 1)]());
+    fragment.momentum.reset(new unsigned char[std::max<size_t>(bucket.nbytes(), 1)]());
+    fragments_.push_back(std::move(fragment));
+    largest = std::max(largest, bucket.nbytes());
+  }
+  for (size_t f = 0; f < plan_.size(); ++f) pack(f, fragments_[f].shared.get());
+  wire_.reset(new unsigned char[largest]());
+  base_.reset(new unsigned char[largest]());
+  lane_ = std::make_unique<OuterLane>(host_, specs_, plan_, options_.compression);
+}
+
+StreamerImpl::~StreamerImpl() {
+  // The outer lane's work writes wire_: never let it outlive it.
+  if (handle_.valid()) handle_.wait_for(std::chrono::hours(1));
+}
+
+bool StreamerImpl::due(size_t f, uint64_t step) const {
+  const uint64_t every = options_.sync_every;
+  const uint64_t offset = ((f + 1) * every / plan_.size()) % every;
+  return step % every == offset;
+}
+
+void StreamerImpl::pack(size_t f, unsigned char* out) const {
+  const PlannedBucket& bucket = plan_[f];
+  const size_t elem = dtype_size(bucket.dtype);
+  for (size_t k = 0; k < bucket.tensors.size(); ++k) {
+    const auto* live = static_cast<const unsigned char*>(params_[bucket.tensors[k]].param.data);
+    std::memcpy(out + bucket.offsets[k] * elem, live + bucket.begins[k] * elem,
+                bucket.counts[k] * elem);
+  }
+}
+
+void StreamerImpl::after_inner_step() {
+  const uint64_t step = ++steps_;
+  if (in_flight_ && step >= sent_step_ + options_.overlap) land();
+  for (size_t f = 0; f < plan_.size(); ++f) {
+    if (!due(f, step)) continue;
+    HEMIOLA_CHECK(!in_flight_, "internal: a fragment was sent while another is in flight");
+    send(f);
+    if (options_.overlap == 0) land();
+  }
+}
+
+void StreamerImpl::send(size_t f) {
+  const PlannedBucket& bucket = plan_[f];
+  pack(f, base_.get());
+  subtract(bucket.dtype, wire_.get(), fragments_[f].shared.get(), base_.get(), bucket.numel);
+  in_flight_ = true;
+  averaged_ = false;
+  sent_ = f;
+  sent_step_ = steps_;
+  handle_ = lane_->average(f, wire_.get(), syncs_);
+}
+
+void StreamerImpl::wait_in_flight() {
+  if (!in_flight_ || averaged_) return;
+  const auto start = std::chrono::steady_clock::now();
+  handle_.wait();
+  waited_ms_ += std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() -
+                                                          start).count();
+  averaged_ = true;
+}
+
+void StreamerImpl::land() {
+  wait_in_flight();
+  const size_t f = sent_;
+  const PlannedBucket& bucket = plan_[f];
+  Fragment& fragment = fragments_[f];
+  // The outer step: shared -= lr * (Nesterov) momentum of the average, the
+  // same on every rank since the averages and the state are.
+  SgdHyper hyper;
+  static_cast<OptimizerHyper&>(hyper) = options_.outer;
+  hyper.first_step = !fragment.momentum_started;
+  SgdTensors tensors{fragment.shared.get(), fragment.shared.get(), fragment.momentum.get(),
+                     wire_.get()};
+  sgd_step(tensors, static_cast<int64_t>(bucket.numel), bucket.dtype, Device{}, hyper,
+           /*commit=*/true);
+  fragment.momentum_started = fragment.momentum_started || options_.outer.momentum != 0.0;
+  // The merge: the progress made since the send stays on top of the new
+  // shared copy (nothing was made with overlap 0: live becomes shared).
+  const size_t elem = dtype_size(bucket.dtype);
+  for (size_t k = 0; k < bucket.tensors.size(); ++k) {
+    auto* live = static_cast<unsigned char*>(params_[bucket.tensors[k]].param.data) +
+                 bucket.begins[k] * elem;
+    const size_t at = bucket.offsets[k] * elem;
+    if (options_.overlap == 0) {
+      std::memcpy(live, fragment.shared.get() + at, bucket.counts[k] * elem);
+    } else {
+      merge(bucket.dtype, live, fragment.shared.get() + at, base_.get() + at, bucket.counts[k]);
+    }
+  }
+  in_flight_ = false;
+  averaged_ = false;
+  ++syncs_;
+}
+
+TensorRef StreamerImpl::buffer(size_t f, unsigned char* data) const {
+  return TensorRef{data, plan_[f].dtype, plan_[f].numel, Device{}};
+}
+
+TensorRef StreamerImpl::shared(size_t f) {
+  HEMIOLA_CHECK(f < plan_.size(), "fragment ", f, " is out of range");
+  return buffer(f, fragments_[f].shared.get());
+}
+
+TensorRef StreamerImpl::outer_momentum(size_t f) {
+  HEMIOLA_CHECK(f < plan_.size(), "fragment ", f, " is out of range");
+  return buffer(f, fragments_[f].momentum.get());
+}
+
+TensorRef StreamerImpl::residual(size_t index) {
+  HEMIOLA_CHECK(index < specs_.size(), "parameter index ", index, " is out of range");
+  wait_in_flight();
+  std::vector<float>& r = lane_->residual(index);
+  return TensorRef{r.data(), DType::kFloat32, r.size(), Device{}};
+}
+
+TensorRef StreamerImpl::in_flight_average() {
+  if (!in_flight_) return TensorRef{};
+  wait_in_flight();
+  return buffer(sent_, wire_.get());
+}
+
+TensorRef StreamerImpl::in_flight_base() {
+  return in_flight_ ? buffer(sent_, base_.get()) : TensorRef{};
+}
+
+void StreamerImpl::restore(uint64_t inner_steps, const std::vector<uint8_t>& momentum_started,
+                           int64_t in_flight_fragment, uint64_t in_flight_step) {
+  HEMIOLA_CHECK(momentum_started.size() == fragments_.size(), "streaming: the checkpoint has ",
+                momentum_started.size(), " fragments, this model ", fragments_.size(),
+                " (was it saved with the same fragments?)");
+  HEMIOLA_CHECK(in_flight_fragment < static_cast<int64_t>(fragments_.size()),
+                "streaming: the checkpoint's fragment in flight is out of range");
+  wait_in_flight();
+  steps_ = inner_steps;
+  for (size_t f = 0; f < fragments_.size(); ++f) {
+    fragments_[f].momentum_started = momentum_started[f] != 0;
+  }
+  in_flight_ = in_flight_fragment >= 0;
+  // Its average and base were written through in_flight_average/base.
+  averaged_ = in_flight_;
+  sent_ = in_flight_ ? static_cast<size_t>(in_flight_fragment) : 0;
+  sent_step_ = in_flight_step;
+}
+
+std::vector<uint8_t> StreamerImpl::momentum_started() const {
+  std::vector<uint8_t> out;
+  for (const auto& fragment : fragments_) out.push_back(fragment.momentum_started ? 1 : 0);
+  return out;
+}
+
+std::vector<std::vector<size_t>> StreamerImpl::fragments() const {
+  std::vector<std::vector<size_t>> out;
+  for (const auto& bucket : plan_) {
+    std::vector<size_t> tensors;
+    for (size_t t : bucket.tensors) {
+      if (tensors.empty() || tensors.back() != t) tensors.push_back(t);
+    }
+    out.push_back(std::move(tensors));
+  }
+  return out;
+}
+
+// ---- public facade ---------------------------------------------------------
+
+Streamer::Streamer(std::unique_ptr<StreamerImpl> impl) : impl_(std::move(impl)) {}
+Streamer::~Streamer() = default;
+void Streamer::after_inner_step() { impl_->after_inner_step(); }
+uint64_t Streamer::inner_steps() const { return impl_->inner_steps(); }
+void Streamer::wait_in_flight() { impl_->wait_in_flight(); }
+double Streamer::waited_ms() const { return impl_->waited_ms(); }
+uint64_t Streamer::syncs() const { return impl_->syncs(); }
+TensorRef Streamer::shared(size_t fragment) { return impl_->shared(fragment); }
+TensorRef Streamer::outer_momentum(size_t fragment) { return impl_->outer_momentum(fragment); }
+TensorRef Streamer::residual(size_t index) { return impl_->residual(index); }
+int64_t Streamer::in_flight_fragment() const { return impl_->in_flight_fragment(); }
+uint64_t Streamer::in_flight_step() const { return impl_->in_flight_step(); }
+TensorRef Streamer::in_flight_average() { return impl_->in_flight_average(); }
+TensorRef Streamer::in_flight_base() { return impl_->in_flight_base(); }
+void Streamer::restore(uint64_t inner_steps, const std::vector<uint8_t>& momentum_started,
+                       int64_t in_flight_fragment, uint64_t in_flight_step) {
+  impl_->restore(inner_steps, momentum_started, in_flight_fragment, in_flight_step);
+}
+std::vector<uint8_t> Streamer::momentum_started() const { return impl_->momentum_started(); }
+std::vector<std::vector<size_t>> Streamer::fragments() const { return impl_->fragments(); }
+const StreamerOptions& Streamer::options() const { return impl_->options(); }
+
+}  // namespace hemiola

@@ -1,0 +1,87 @@
+// The streaming schedule's internals (hemiola/streamer.h has the contract):
+// the fragments, the shared copy and the outer optimizer's state in fragment
+// layout, and the one fragment on the outer lane.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "engine/buckets/bucket_plan.h"
+#include "engine/reducer/lane_host.h"
+#include "engine/reducer/outer_lane.h"
+#include "hemiola/handle.h"
+#include "hemiola/streamer.h"
+
+namespace hemiola {
+
+class StreamerImpl {
+ public:
+  StreamerImpl(LaneHost& host, std::vector<StreamedParameter> params,
+               const StreamerOptions& options);
+  ~StreamerImpl();
+
+  void after_inner_step();
+  uint64_t inner_steps() const { return steps_; }
+  void wait_in_flight();
+  double waited_ms() const { return waited_ms_; }
+  uint64_t syncs() const { return syncs_; }
+  TensorRef shared(size_t fragment);
+  TensorRef outer_momentum(size_t fragment);
+  TensorRef residual(size_t index);
+  int64_t in_flight_fragment() const { return in_flight_ ? static_cast<int64_t>(sent_) : -1; }
+  uint64_t in_flight_step() const { return sent_step_; }
+  TensorRef in_flight_average();
+  TensorRef in_flight_base();
+  void restore(uint64_t inner_steps, const std::vector<uint8_t>& momentum_started,
+               int64_t in_flight_fragment, uint64_t in_flight_step);
+  std::vector<uint8_t> momentum_started() const;
+  std::vector<std::vector<size_t>> fragments() const;
+  const StreamerOptions& options() const { return options_; }
+
+ private:
+  // Per fragment, in its plan layout: the shared copy and the outer
+  // momentum (the parameters' dtype).
+  struct Fragment {
+    std::unique_ptr<unsigned char[]> shared;
+    std::unique_ptr<unsigned char[]> momentum;
+    bool momentum_started = false;  // false: the next outer step creates it
+  };
+
+  // Whether fragment `f` is sent after inner step `step`.
+  bool due(size_t f, uint64_t step) const;
+  // Packs the live values of fragment `f` into `out` (its plan layout).
+  void pack(size_t f, unsigned char* out) const;
+  // Sends fragment `f`'s pseudo-gradient (shared - live) to be averaged.
+  void send(size_t f);
+  // Waits for the fragment in flight; its outer step and merge.
+  void land();
+  // Fragment `f`'s values in `data` (laid out as its plan).
+  TensorRef buffer(size_t f, unsigned char* data) const;
+
+  LaneHost& host_;
+  const std::vector<StreamedParameter> params_;
+  const StreamerOptions options_;
+  std::vector<GradSpec> specs_;
+  std::vector<PlannedBucket> plan_;
+  std::vector<std::vector<Placement>> placement_;
+  std::vector<Fragment> fragments_;
+  std::unique_ptr<OuterLane> lane_;
+
+  uint64_t steps_ = 0;
+  uint64_t syncs_ = 0;
+  double waited_ms_ = 0.0;
+  // The fragment in flight (one at a time): its number, the step it was sent
+  // after, its pseudo-gradient (averaged in place on the outer wire) and the
+  // live values it was sent from, in the largest fragment's size.
+  bool in_flight_ = false;
+  bool averaged_ = false;  // the handle is done: wire_ holds the average
+  size_t sent_ = 0;
+  uint64_t sent_step_ = 0;
+  Handle handle_;
+  std::unique_ptr<unsigned char[]> wire_;
+  std::unique_ptr<unsigned char[]> base_;
+};
+
+}  // namespace hemiola

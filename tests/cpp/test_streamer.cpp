@@ -1,0 +1,191 @@
+// The streaming schedule (hemiola/streamer.h) against DiLoCo's math written
+// out here: ranks as threads over real Gloo, each with its own "inner
+// optimizer" (a deterministic per-rank drift of the parameters).
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+#include "hemiola/hemiola.h"
+#include "run_ranks.h"
+
+namespace hemiola {
+namespace {
+
+using test::run_ranks;
+
+// What rank r's inner step s does to element i: a drift that differs by rank.
+float drift(int rank, uint64_t step, size_t i) {
+  return 0.01f * static_cast<float>((rank + 1) * (1 + (step + i) % 5)) - 0.02f;
+}
+
+// Torch's SGD with momentum and Nesterov on one element (the outer step).
+struct OuterRef {
+  float shared, momentum;
+  bool started = false;
+  void step(float g, float lr, float mu) {
+    momentum = started ? mu * momentum + g : g;
+    started = true;
+    const float d = g + mu * momentum;
+    shared = shared - lr * d;
+  }
+};
+
+// Runs `steps` inner steps on `world` ranks with the options; returns each
+// rank's final parameters (two tensors, concatenated) and its shared copies.
+struct Result {
+  std::vector<std::vector<float>> live, shared;
+  uint64_t syncs = 0;
+};
+
+Result run(int world, const StreamerOptions& options, uint64_t steps) {
+  Result result;
+  result.live.resize(world);
+  result.shared.resize(world);
+  std::vector<uint64_t> syncs(world);
+  run_ranks(world, [&](Engine& engine) {
+    const int r = engine.rank();
+    std::vector<float> a(40, 1.0f), b(24, -0.5f);
+    auto streamer = engine.make_streamer(
+        {{"a", TensorRef{a.data(), DType::kFloat32, a.size(), {}}},
+         {"b", TensorRef{b.data(), DType::kFloat32, b.size(), {}}}},
+        options);
+    for (uint64_t s = 1; s <= steps; ++s) {
+      for (size_t i = 0; i < a.size(); ++i) a[i] += drift(r, s, i);
+      for (size_t i = 0; i < b.size(); ++i) b[i] += drift(r, s, 100 + i);
+      streamer->after_inner_step();
+    }
+    streamer->wait_in_flight();
+    result.live[r] = a;
+    result.live[r].insert(result.live[r].end(), b.begin(), b.end());
+    for (size_t f = 0; f < streamer->fragments().size(); ++f) {
+      const TensorRef shared = streamer->shared(f);
+      const float* data = static_cast<const float*>(shared.data);
+      result.shared[r].insert(result.shared[r].end(), data, data + shared.numel);
+    }
+    syncs[r] = streamer->syncs();
+  });
+  result.syncs = syncs[0];
+  return result;
+}
+
+TEST(Streamer, OneFragmentBlockingIsDiLoCo) {
+  const int world = 3;
+  StreamerOptions options;
+  options.sync_every = 4;
+  const uint64_t steps = 10;  // syncs after steps 4 and 8; 2 inner steps after
+  const Result got = run(world, options, steps);
+  EXPECT_EQ(got.syncs, 2u);
+  // Reference: every element alone (the math is element-wise).
+  const size_t n = 64;
+  for (size_t i = 0; i < n; ++i) {
+    const size_t key = i < 40 ? i : 100 + (i - 40);
+    const float start = i < 40 ? 1.0f : -0.5f;
+    OuterRef outer{start, 0.0f};
+    std::vector<float> live(world, start);
+    for (uint64_t s = 1; s <= steps; ++s) {
+      for (int r = 0; r < world; ++r) live[r] += drift(r, s, key);
+      if (s % options.sync_every == 0) {
+        float sum = 0.0f;
+        for (int r = 0; r < world; ++r) sum += outer.shared - live[r];
+        outer.step(sum / world, 0.7f, 0.9f);
+        for (int r = 0; r < world; ++r) live[r] = outer.shared;
+      }
+    }
+    for (int r = 0; r < world; ++r) {
+      EXPECT_NEAR(got.live[r][i], live[r], 1e-5f) << "rank " << r << " element " << i;
+      EXPECT_EQ(got.shared[r][i], got.shared[0][i]) << "the shared copy differs across ranks";
+    }
+    EXPECT_NEAR(got.shared[0][i], outer.shared, 1e-5f) << "element " << i;
+  }
+}
+
+TEST(Streamer, FragmentsAreStaggeredAndOverlapKeepsTheLocalProgress) {
+  const int world = 2;
+  StreamerOptions options;
+  options.sync_every = 6;
+  options.fragments = 2;
+  options.overlap = 2;
+  const uint64_t steps = 14;
+  const Result got = run(world, options, steps);
+  // 64 floats in two fragments of 32: the second tensor is cut. Fragment 0
+  // (elements 0..31) syncs after steps 3, 9; fragment 1 after 6, 12, each
+  // landing two steps later (the last at 14).
+  EXPECT_EQ(got.syncs, 4u);
+  for (size_t i = 0; i < 64; ++i) {
+    const size_t key = i < 40 ? i : 100 + (i - 40);
+    const float start = i < 40 ? 1.0f : -0.5f;
+    const uint64_t offset = i < 32 ? 3 : 0;
+    OuterRef outer{start, 0.0f};
+    std::vector<float> live(world, start), base(world, start);
+    float average = 0.0f;
+    bool in_flight = false;
+    uint64_t sent = 0;
+    for (uint64_t s = 1; s <= steps; ++s) {
+      for (int r = 0; r < world; ++r) live[r] += drift(r, s, key);
+      if (in_flight && s >= sent + options.overlap) {
+        outer.step(average, 0.7f, 0.9f);
+        for (int r = 0; r < world; ++r) live[r] = outer.shared + (live[r] - base[r]);
+        in_flight = false;
+      }
+      if (s % options.sync_every == offset) {
+        float sum = 0.0f;
+        for (int r = 0; r < world; ++r) {
+          base[r] = live[r];
+          sum += outer.shared - live[r];
+        }
+        average = sum / world;
+        in_flight = true;
+        sent = s;
+      }
+    }
+    for (int r = 0; r < world; ++r) {
+      EXPECT_NEAR(got.live[r][i], live[r], 1e-5f) << "rank " << r << " element " << i;
+    }
+    EXPECT_EQ(got.shared[1][i], got.shared[0][i]);
+    EXPECT_NEAR(got.shared[0][i], outer.shared, 1e-5f) << "element " << i;
+  }
+}
+
+TEST(Streamer, Int8KeepsTheSharedCopyBitIdenticalAcrossRanks) {
+  const int world = 3;
+  StreamerOptions options;
+  options.sync_every = 3;
+  options.compression = Compression::kInt8;
+  const Result got = run(world, options, 9);
+  EXPECT_EQ(got.syncs, 3u);
+  const Result exact = run(world, StreamerOptions{3, 1, 0, StreamerOptions::default_outer(),
+                                                  Compression::kNone},
+                           9);
+  double distance = 0.0;
+  for (size_t i = 0; i < got.shared[0].size(); ++i) {
+    for (int r = 1; r < world; ++r) ASSERT_EQ(got.shared[r][i], got.shared[0][i]);
+    for (int r = 0; r < world; ++r) ASSERT_EQ(got.live[r][i], got.shared[0][i]);
+    distance = std::max(distance, std::fabs(double(got.shared[0][i]) - exact.shared[0][i]));
+  }
+  EXPECT_GT(distance, 0.0) << "int8 changed nothing: was it applied?";
+  EXPECT_LT(distance, 0.01) << "int8 with error feedback strays from the exact average";
+}
+
+TEST(Streamer, RefusesWhatItCannotDo) {
+  run_ranks(1, [](Engine& engine) {
+    std::vector<float> a(8, 0.0f);
+    std::vector<StreamedParameter> params{{"a", TensorRef{a.data(), DType::kFloat32, 8, {}}}};
+    StreamerOptions options;
+    options.sync_every = 4;
+    options.fragments = 2;
+    options.overlap = 2;  // 2 * 2 >= 4: two fragments could be on the wire
+    EXPECT_THROW(engine.make_streamer(params, options), Error);
+    options.overlap = 1;
+    options.compression = Compression::kPowerSgd;
+    EXPECT_THROW(engine.make_streamer(params, options), Error);
+    std::vector<int64_t> ints(4);
+    EXPECT_THROW(engine.make_streamer({{"i", TensorRef{ints.data(), DType::kInt64, 4, {}}}},
+                                      StreamerOptions{}),
+                 Error);
+  });
+}
+
+}  // namespace
+}  // namespace hemiola
