@@ -23,6 +23,7 @@ void bind_cluster(pybind11::module_& m);
 void bind_ps(pybind11::module_& m);
 void bind_optim(pybind11::module_& m);
 void bind_updater(pybind11::module_& m);
+void bind_streamer(pybind11::module_& m);
 // Only in builds with CUDA (HEMIOLA_CUDA_ENABLED).
 void bind_cuda(pybind11::module_& m);
 }  // namespace hemiola::python

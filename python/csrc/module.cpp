@@ -42,6 +42,7 @@ PYBIND11_MODULE(_C, m) {
   hemiola::python::bind_optim(m);  // _C.optim.Hyper, which the ps and Updater calls take
   hemiola::python::bind_ps(m);
   hemiola::python::bind_updater(m);
+  hemiola::python::bind_streamer(m);
 #if HEMIOLA_CUDA_ENABLED
   hemiola::python::bind_cuda(m);
 #endif

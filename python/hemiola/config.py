@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-SCHEDULES = ("wfbp", "priority", "decoupled")
+SCHEDULES = ("wfbp", "priority", "decoupled", "streaming")
 #: Values of ``Config.compression`` besides None, with the engine's code of each.
 COMPRESSIONS = {"fp16": 1, "bf16": 2, "int8": 3, "powersgd": 4}
 
@@ -140,6 +140,18 @@ class Config:
             ``False``: torch's step for every optimizer, at the cost of a
             Python call per landing group (the engine's own CPU steps
             already equal torch's bit for bit).
+        sync_every: ``streaming`` only: inner optimizer steps between two
+            synchronisations of each fragment of the model (DiLoCo's H).
+        fragments: ``streaming`` only: how many pieces the model is
+            synchronised in, staggered evenly over ``sync_every`` steps
+            (Streaming DiLoCo); one is on the wire at a time.
+        overlap: ``streaming`` only: inner steps a fragment's average may take
+            to arrive (tau; less than ``sync_every / fragments``); meanwhile
+            the rank's own progress stands in, and is kept on top of the new
+            shared copy when it lands. 0: each sync waits for its average and
+            every rank then holds the same parameters.
+        outer_lr, outer_momentum, outer_nesterov: ``streaming`` only: the
+            outer optimizer (SGD; DiLoCo's 0.7, 0.9, Nesterov).
     """
 
     schedule: str = "wfbp"
@@ -161,6 +173,12 @@ class Config:
     compression: str | None = None
     powersgd_rank: int = 2
     powersgd_start_iter: int = 10
+    sync_every: int = 100
+    fragments: int = 1
+    overlap: int = 0
+    outer_lr: float = 0.7
+    outer_momentum: float = 0.9
+    outer_nesterov: bool = True
 
     def __post_init__(self) -> None:
         if self.schedule not in SCHEDULES:
@@ -188,6 +206,15 @@ class Config:
         if self.compression is not None and self.compression not in COMPRESSIONS:
             raise ValueError(f"unknown compression {self.compression!r}; available: None, "
                              f"{', '.join(repr(c) for c in COMPRESSIONS)}")
+        for name in ("sync_every", "fragments"):
+            value = getattr(self, name)
+            if not (isinstance(value, int) and value >= 1):
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if not (isinstance(self.overlap, int) and self.overlap >= 0):
+            raise ValueError(f"overlap must be an integer >= 0, got {self.overlap!r}")
+        if self.schedule == "streaming" and self.compression == "powersgd":
+            raise ValueError("schedule='streaming' sends its pseudo-gradients with compression "
+                             "None, 'fp16', 'bf16' or 'int8'")
         if not 0.0 <= self.priority_front_fraction <= 1.0:
             raise ValueError("priority_front_fraction must be in [0, 1], got "
                              f"{self.priority_front_fraction!r}")

@@ -10,6 +10,7 @@ from torch import nn
 from hemiola.config import Config
 from hemiola.data_parallel import WRAPPED_MARK, DataParallel
 from hemiola.distributed import new_engine
+from hemiola.streaming import StreamingParallel
 
 OptimizerT = TypeVar("OptimizerT")
 
@@ -81,8 +82,16 @@ def wrap(
     _refuse_double_wrapping(model, optimizer)
     engine, store = new_engine(config.timeout_s, timeline=config.timeline,
                                gpu_backend=config.gpu_backend)
-    wrapped = DataParallel(model, config, engine, store, grad_scaler, optimizer)
-    optimizer = wrapped._schedule.wrap_optimizer(optimizer)
+    wrapped: DataParallel | StreamingParallel
+    if config.schedule == "streaming":
+        if grad_scaler is not None:
+            raise ValueError("schedule='streaming' leaves the inner step to your optimizer: use "
+                             "your GradScaler as without hemiola (scaler.step(optimizer)) and "
+                             "do not pass it to hemiola.wrap")
+        wrapped = StreamingParallel(model, config, engine, store, optimizer)
+    else:
+        wrapped = DataParallel(model, config, engine, store, grad_scaler, optimizer)
+        optimizer = wrapped._schedule.wrap_optimizer(optimizer)
     # Plain attributes, outside nn.Module's registries (no state_dict entry).
     object.__setattr__(model, WRAPPED_MARK, True)
     if optimizer is not None:
@@ -93,7 +102,7 @@ def wrap(
 def _refuse_double_wrapping(model: nn.Module, optimizer: object) -> None:
     """Wrapping twice would reduce every gradient twice (or take the
     optimizer's step over twice): refuse it, naming what to pass instead."""
-    if isinstance(model, DataParallel):
+    if isinstance(model, (DataParallel, StreamingParallel)):
         raise ValueError(
             "this model is already wrapped by hemiola.wrap; use it as it is (wrap once; "
             "to change options, wrap the original module, model.module, in a new process)"

@@ -1,0 +1,191 @@
+"""``schedule="streaming"``: low-communication training (DiLoCo, Streaming
+DiLoCo) on the engine's :class:`~hemiola._C.Streamer`.
+
+Each rank steps its own optimizer (the inner one: any ``torch.optim``
+optimizer, untouched) on its own data; gradients never travel. After every
+inner step the engine counts it and, every ``sync_every`` steps per fragment,
+averages the fragment's pseudo-gradient (the shared copy minus this rank's
+parameters) on a wire of its own and steps the shared copy with the outer
+optimizer (SGD, DiLoCo's lr 0.7, momentum 0.9, Nesterov); see
+``cpp/include/hemiola/streamer.h`` for the math and docs/streaming.md for
+when to use it.
+
+The optimizer's ``state_dict()`` carries the streaming state (the shared
+copy, the outer momentum, the coding's residuals, the step count and the
+fragment in flight) under ``"hemiola_streaming"``, so a checkpoint of the
+model and the optimizer resumes the run exactly.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from hemiola._native import C
+from hemiola.config import Config, compression_code
+from hemiola.tensors import broadcast_tensors, dtype_code
+from hemiola.validate import check_module, check_same_model
+
+#: the optimizer state_dict key that holds the streaming state
+STATE_KEY = "hemiola_streaming"
+
+
+class StreamingParallel(nn.Module):
+    """The wrapped model of ``schedule="streaming"`` (made by
+    :func:`hemiola.wrap`). Forward and backward are the module's own; the
+    parameters are broadcast from rank 0 when wrapped and synchronised by the
+    engine after the optimizer's steps. ``state_dict()`` is the module's own."""
+
+    def __init__(self, module: nn.Module, config: Config, engine: C.Engine, store: C.Store,
+                 optimizer: torch.optim.Optimizer) -> None:
+        super().__init__()
+        device = check_module(module)
+        if device.type != "cpu":
+            raise ValueError("schedule='streaming' runs on CPU models for now (its GPU path is "
+                             "not written yet); use schedule='decoupled' on a GPU")
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError("schedule='streaming' needs a torch.optim.Optimizer (the inner "
+                            f"optimizer), got {type(optimizer).__name__}")
+        self.module = module
+        self._config = config
+        self._engine = engine
+        check_same_model(engine, store, module, config)
+        broadcast_tensors(engine, [*module.parameters(), *module.buffers()])
+        named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+        covered = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        missing = [n for n, p in named if id(p) not in covered]
+        if missing:
+            raise ValueError(f"the optimizer does not step parameter(s) {missing[:4]}: under "
+                             "schedule='streaming' it must cover every trainable parameter of "
+                             "the model (build it over model.parameters())")
+        for n, p in named:
+            if not p.is_contiguous():
+                raise ValueError(f"parameter {n!r} is not contiguous; the engine reads "
+                                 "parameters in place (make it contiguous before wrapping)")
+        self._params = [p for _, p in named]
+        self._streamer = C.make_streamer(
+            engine, [(n, p.data_ptr(), dtype_code(p.dtype), p.numel()) for n, p in named],
+            sync_every=config.sync_every, fragments=config.fragments, overlap=config.overlap,
+            outer_lr=config.outer_lr, outer_momentum=config.outer_momentum,
+            outer_nesterov=config.outer_nesterov,
+            compression=compression_code(config.compression))
+        self._hooks = [
+            optimizer.register_step_post_hook(lambda *_: self._after_inner_step()),
+            optimizer.register_state_dict_post_hook(self._save_into),
+            optimizer.register_load_state_dict_pre_hook(self._take_from),
+        ]
+        self._hooks.append(
+            optimizer.register_load_state_dict_post_hook(lambda *_: self._restore()))
+        self._pending_load: dict[str, Any] | None = None
+
+    @property
+    def config(self) -> Config:
+        """The configuration the model was wrapped with."""
+        return self._config
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.module(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """DDP's accumulation idiom: nothing travels per step here anyway."""
+        yield
+
+    def synchronize(self) -> None:
+        """Waits for the fragment on the wire (it still lands after its step)."""
+        self._streamer.wait_in_flight()
+
+    def stats(self) -> dict[str, float]:
+        """Inner steps, syncs so far, and how long steps waited for averages."""
+        s = self._streamer
+        return {"inner_steps": float(s.inner_steps), "syncs": float(s.syncs),
+                "waited_ms": float(s.waited_ms)}
+
+    def fragments(self) -> list[list[str]]:
+        """The parameters of each fragment, by name (a large one may be cut
+        across two)."""
+        names = [n for n, p in self.module.named_parameters() if p.requires_grad]
+        return [[names[i] for i in f] for f in self._streamer.fragments()]
+
+    @torch.no_grad()
+    def _after_inner_step(self) -> None:
+        self._streamer.after_inner_step()
+
+    # ---- checkpoints, through the optimizer's state_dict -------------------
+
+    def _views(self, f: int) -> tuple[torch.Tensor, torch.Tensor]:
+        s = self._streamer
+        dtype = self._fragment_dtype(f)
+        return (torch.frombuffer(s.shared_view(f), dtype=dtype),
+                torch.frombuffer(s.outer_momentum_view(f), dtype=dtype))
+
+    def _fragment_dtype(self, f: int) -> torch.dtype:
+        return self._params[self._streamer.fragments()[f][0]].dtype
+
+    def _residuals(self) -> list[torch.Tensor] | None:
+        if self._config.compression != "int8":
+            return None
+        out = []
+        for i, p in enumerate(self._params):
+            view = self._streamer.residual_view(i)
+            out.append(torch.empty(0) if view is None or p.dtype != torch.float32
+                       else torch.frombuffer(view, dtype=torch.float32))
+        return out
+
+    def _save_into(self, _optimizer: Any, state: dict[str, Any]) -> dict[str, Any]:
+        s = self._streamer
+        fragment = s.in_flight_fragment
+        in_flight = None
+        if fragment >= 0:
+            dtype = self._fragment_dtype(fragment)
+            in_flight = {
+                "fragment": fragment, "step": s.in_flight_step,
+                "average": torch.frombuffer(s.in_flight_average_view(), dtype=dtype).clone(),
+                "base": torch.frombuffer(s.in_flight_base_view(), dtype=dtype).clone(),
+            }
+        residuals = self._residuals()
+        state[STATE_KEY] = {
+            "inner_steps": s.inner_steps,
+            "momentum_started": list(s.momentum_started()),
+            "shared": [self._views(f)[0].clone() for f in range(len(s.fragments()))],
+            "outer_momentum": [self._views(f)[1].clone() for f in range(len(s.fragments()))],
+            "residuals": None if residuals is None else [r.clone() for r in residuals],
+            "in_flight": in_flight,
+        }
+        return state
+
+    def _take_from(self, _optimizer: Any, state: dict[str, Any]) -> None:
+        # torch's own load would choke on the extra key: take it out first.
+        self._pending_load = state.pop(STATE_KEY, None)
+
+    def _restore(self) -> None:
+        saved, self._pending_load = self._pending_load, None
+        if saved is None:
+            return
+        s = self._streamer
+        count = len(s.fragments())
+        if len(saved["shared"]) != count:
+            raise ValueError(f"the checkpoint's streaming state has {len(saved['shared'])} "
+                             f"fragments, this model {count}: resume with the same model, "
+                             "fragments and world size")
+        s.wait_in_flight()
+        for f in range(count):
+            shared, momentum = self._views(f)
+            shared.copy_(saved["shared"][f])
+            momentum.copy_(saved["outer_momentum"][f])
+        mine = self._residuals()
+        if mine is not None and saved["residuals"] is not None:
+            for ours, theirs in zip(mine, saved["residuals"]):
+                ours.copy_(theirs)
+        in_flight = saved["in_flight"]
+        fragment, step = (-1, 0) if in_flight is None else (in_flight["fragment"],
+                                                              in_flight["step"])
+        s.restore(saved["inner_steps"], saved["momentum_started"], fragment, step)
+        if in_flight is not None:
+            dtype = self._fragment_dtype(fragment)
+            torch.frombuffer(s.in_flight_average_view(), dtype=dtype).copy_(in_flight["average"])
+            torch.frombuffer(s.in_flight_base_view(), dtype=dtype).copy_(in_flight["base"])

@@ -1,0 +1,138 @@
+"""Rank functions for tests/python/test_streaming.py: the streaming schedule
+against DiLoCo written out in plain torch (torchft's algorithm: the outer
+gradient is the last synchronised parameters minus the local ones, averaged
+with torch.distributed, stepped by torch's SGD with Nesterov momentum)."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+import hemiola
+from models import loss_of, make_batch, make_model, make_optimizer
+
+
+def _inner_step(model: torch.nn.Module, opt: torch.optim.Optimizer, name: str, step: int,
+                rank: int, world: int) -> float:
+    x, y = make_batch(name, step, rank, world)
+    opt.zero_grad()
+    loss = loss_of(name, model(x), y)
+    loss.backward()
+    opt.step()
+    return float(loss)
+
+
+def _diloco_reference(rank: int, world: int, name: str, opt_name: str, steps: int,
+                      sync_every: int) -> list[torch.Tensor]:
+    torch.manual_seed(0)
+    model = make_model(name)
+    opt = make_optimizer(opt_name, model.parameters())
+    shared = copy.deepcopy(model)
+    outer = torch.optim.SGD(shared.parameters(), lr=0.7, momentum=0.9, nesterov=True)
+    for step in range(1, steps + 1):
+        _inner_step(model, opt, name, step, rank, world)
+        if step % sync_every == 0:
+            with torch.no_grad():
+                for s, p in zip(shared.parameters(), model.parameters()):
+                    s.grad = s - p
+                    dist.all_reduce(s.grad)
+                    s.grad /= world
+                outer.step()
+                for s, p in zip(shared.parameters(), model.parameters()):
+                    p.copy_(s)
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def equals_diloco(rank: int, world: int, name: str, opt_name: str, steps: int,
+                  sync_every: int) -> dict[str, Any]:
+    hemiola.init()
+    reference = _diloco_reference(rank, world, name, opt_name, steps, sync_every)
+    torch.manual_seed(0)
+    model = make_model(name)
+    opt = make_optimizer(opt_name, model.parameters())
+    model, opt = hemiola.wrap(model, opt, schedule="streaming", sync_every=sync_every)
+    for step in range(1, steps + 1):
+        _inner_step(model, opt, name, step, rank, world)
+    ours = [p.detach().clone() for p in model.parameters()]
+    gathered = [torch.cat([p.flatten() for p in ours]) for _ in range(world)]
+    dist.all_gather(gathered, torch.cat([p.flatten() for p in ours]))
+    return {
+        "max_diff": max(float((a - b).abs().max()) for a, b in zip(ours, reference)),
+        "rank_spread": max(float((g - gathered[0]).abs().max()) for g in gathered),
+        "stats": model.stats(),
+    }
+
+
+def _run(name: str, rank: int, world: int, options: dict[str, Any], steps: range,
+         model: torch.nn.Module | None = None, opt: torch.optim.Optimizer | None = None,
+         ) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    if model is None:
+        torch.manual_seed(0)
+        base = make_model(name)
+        model, opt = hemiola.wrap(base, make_optimizer("adamw", base.parameters()),
+                                  schedule="streaming", **options)
+    assert opt is not None
+    for step in steps:
+        _inner_step(model, opt, name, step, rank, world)
+    return model, opt
+
+
+def resume_repeats_the_run(rank: int, world: int, options: dict[str, Any], stop: int,
+                           steps: int, tmp: str) -> dict[str, Any]:
+    hemiola.init()
+    name = "mlp"
+    whole, _ = _run(name, rank, world, options, range(1, steps + 1))
+    expected = [p.detach().clone() for p in whole.parameters()]
+    first, opt = _run(name, rank, world, options, range(1, stop + 1))
+    in_flight = first._streamer.in_flight_fragment
+    path = f"{tmp}/rank{rank}.pt"
+    torch.save({"model": first.state_dict(), "opt": opt.state_dict()}, path)
+    torch.manual_seed(1)  # a different start: the checkpoint must replace it all
+    base = make_model(name)
+    resumed, opt2 = hemiola.wrap(base, make_optimizer("adamw", base.parameters()),
+                                 schedule="streaming", **options)
+    checkpoint = torch.load(path, weights_only=False)
+    resumed.load_state_dict(checkpoint["model"])
+    opt2.load_state_dict(checkpoint["opt"])
+    _run(name, rank, world, options, range(stop + 1, steps + 1), resumed, opt2)
+    got = [p.detach().clone() for p in resumed.parameters()]
+    return {"max_diff": max(float((a - b).abs().max()) for a, b in zip(got, expected)),
+            "in_flight_at_stop": in_flight}
+
+
+def overlap_keeps_shared_identical(rank: int, world: int, options: dict[str, Any],
+                                   steps: int) -> dict[str, Any]:
+    hemiola.init()
+    model, _ = _run("transformer", rank, world, options, range(1, steps + 1))
+    model.synchronize()
+    s = model._streamer
+    shared = torch.cat([torch.frombuffer(s.shared_view(f), dtype=torch.float32)
+                        for f in range(len(s.fragments()))])
+    gathered = [torch.empty_like(shared) for _ in range(world)]
+    dist.all_gather(gathered, shared)
+    return {"shared_spread": max(float((g - gathered[0]).abs().max()) for g in gathered),
+            "stats": model.stats(), "fragments": len(s.fragments())}
+
+
+def refusals(rank: int, world: int) -> list[str]:
+    hemiola.init()
+    out = []
+    model = make_model("mlp")
+    for call in (
+        lambda: hemiola.wrap(model, schedule="streaming"),
+        lambda: hemiola.wrap(model, torch.optim.SGD(list(model.parameters())[:1], lr=0.1),
+                             schedule="streaming"),
+        lambda: hemiola.wrap(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                             schedule="streaming", sync_every=4, fragments=2, overlap=2),
+        lambda: hemiola.wrap(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                             schedule="streaming", compression="powersgd"),
+    ):
+        try:
+            call()
+            out.append("accepted")
+        except (TypeError, ValueError) as e:
+            out.append(str(e))
+    return out

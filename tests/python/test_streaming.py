@@ -1,0 +1,60 @@
+"""schedule="streaming" (DiLoCo / Streaming DiLoCo): the math against DiLoCo
+written in plain torch, ranks in agreement, exact resume, clear refusals."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from hemiola.launch import run_local
+
+import streaming_workers
+
+
+@pytest.mark.parametrize("name,opt_name", [("mlp", "adamw"), ("transformer", "nesterov")])
+def test_blocking_sync_is_diloco(name: str, opt_name: str) -> None:
+    results = run_local(streaming_workers.equals_diloco, 2, name, opt_name, 12, 4,
+                        timeout_s=240)
+    for r in results.values():
+        # The engine's outer step is torch's SGD and Gloo's sum is torch's:
+        # only the order of the pseudo-gradient's rounding may differ.
+        assert r["max_diff"] <= 1e-6, r
+        assert r["rank_spread"] == 0.0, r  # every rank holds the shared copy
+        assert r["stats"]["syncs"] == 3, r
+
+
+@pytest.mark.parametrize("options", [
+    {"sync_every": 6, "fragments": 3, "overlap": 1},
+    {"sync_every": 4, "fragments": 2, "overlap": 1, "compression": "int8"},
+])
+def test_overlapped_fragments_keep_the_shared_copy_identical(options: dict[str, object]) -> None:
+    results = run_local(streaming_workers.overlap_keeps_shared_identical, 3, options, 13,
+                        timeout_s=240)
+    for r in results.values():
+        assert r["shared_spread"] == 0.0, r
+        assert r["fragments"] == options["fragments"], r
+        assert r["stats"]["syncs"] >= 2 * int(options["fragments"]) - 1, r
+
+
+@pytest.mark.parametrize("options,stop", [
+    ({"sync_every": 4}, 6),
+    ({"sync_every": 6, "fragments": 2, "overlap": 2, "compression": "int8"}, 4),
+])
+def test_resume_repeats_the_uninterrupted_run(tmp_path: Path, options: dict[str, object],
+                                              stop: int) -> None:
+    results = run_local(streaming_workers.resume_repeats_the_run, 2, options, stop, 13,
+                        str(tmp_path), timeout_s=240)
+    for r in results.values():
+        assert r["max_diff"] == 0.0, r
+    if options.get("overlap"):
+        # Stopped while fragment 0 (sent after step 3) was still on the wire.
+        assert all(r["in_flight_at_stop"] == 0 for r in results.values()), results
+
+
+def test_refuses_with_a_message_that_says_what_to_do() -> None:
+    messages = run_local(streaming_workers.refusals, 1)[0]
+    assert "needs a torch.optim.Optimizer" in messages[0] or "needs your optimizer" in messages[0]
+    assert "must cover every trainable parameter" in messages[1]
+    assert "overlap" in messages[2] and "one fragment is on the wire" in messages[2]
+    assert "'int8'" in messages[3]
