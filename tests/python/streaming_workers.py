@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 import hemiola
+
 from models import loss_of, make_batch, make_model, make_optimizer
 
 

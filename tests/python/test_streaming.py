@@ -6,10 +6,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import streaming_workers
 
 from hemiola.launch import run_local
-
-import streaming_workers
 
 
 @pytest.mark.parametrize("name,opt_name", [("mlp", "adamw"), ("transformer", "nesterov")])
