@@ -42,6 +42,7 @@ from torch import nn
 from hemiola.config import Config
 from hemiola.data_parallel import DataParallel
 from hemiola.distributed import destroy_process_group_if_initialized
+from hemiola.streaming import StreamingParallel
 from hemiola.wrapping import wrap
 
 __all__ = ["Trainer"]
@@ -67,7 +68,7 @@ class Trainer(transformers.Trainer):
         self.hemiola_schedule = schedule
         self.hemiola_options = options
         #: the wrapped model, once train() has wrapped it
-        self.hemiola_model: DataParallel | None = None
+        self.hemiola_model: DataParallel | StreamingParallel | None = None
         super().__init__(*args, **kwargs)
         if self.is_deepspeed_enabled or self.is_fsdp_enabled:
             raise ValueError("hemiola.hf.Trainer replaces DDP; it cannot be combined with "
@@ -75,7 +76,7 @@ class Trainer(transformers.Trainer):
 
     def _wrap_model(self, model: nn.Module, training: bool = True,
                     dataloader: Any = None) -> nn.Module:
-        if isinstance(model, DataParallel):  # a later train() call
+        if isinstance(model, (DataParallel, StreamingParallel)):  # a later train() call
             return model
         if not training:
             # evaluate() and predict() run the module itself: exact parameters first.
@@ -96,8 +97,11 @@ class Trainer(transformers.Trainer):
                                    "does not know?)")
             # The raw torch optimizer: the Trainer wraps it in accelerate's only
             # after this returns, and accelerate's step calls the one taken over.
+            # streaming only watches the optimizer's step: the scaler stays
+            # accelerate's, as without hemiola.
+            scaler = None if self.hemiola_schedule == "streaming" else self.accelerator.scaler
             wrapped, _ = wrap(model, self.optimizer, schedule=self.hemiola_schedule,
-                              grad_scaler=self.accelerator.scaler, **self.hemiola_options)
+                              grad_scaler=scaler, **self.hemiola_options)
         self.hemiola_model = wrapped
         # accelerate made the process group and leaves it to interpreter exit,
         # where torch's Gloo thread can abort the process: take it down first.

@@ -38,6 +38,7 @@ from pytorch_lightning.trainer.states import TrainerFn
 from hemiola.config import SCHEDULES, Config
 from hemiola.data_parallel import DataParallel
 from hemiola.distributed import destroy_process_group_if_initialized
+from hemiola.streaming import StreamingParallel
 from hemiola.wrapping import wrap
 
 __all__ = ["HemiolaStrategy"]
@@ -47,7 +48,7 @@ class HemiolaStrategy(DDPStrategy):
     """Data-parallel training under Lightning with a hemiola schedule.
 
     Args:
-        schedule: ``"wfbp"`` (DDP's math), ``"priority"`` or ``"decoupled"``
+        schedule: ``"wfbp"`` (DDP's math), ``"priority"``, ``"decoupled"`` or ``"streaming"``
             (see :class:`hemiola.Config`).
         **options: Any other field of :class:`hemiola.Config` (``fusion_mb``,
             ``compression``, ``timeout_s``, ...), checked here, at
@@ -100,18 +101,22 @@ class HemiolaStrategy(DDPStrategy):
     def _wrap_for_fitting(self) -> None:
         module = self.lightning_module
         assert module is not None
-        deferred = self._schedule != "wfbp"
+        # priority and decoupled take over optimizer.step(); streaming only
+        # watches it (the inner step is the optimizer's own, and Lightning's
+        # clipping and loss scaling stay right as they are).
+        deferred = self._schedule in ("priority", "decoupled")
+        needs_optimizer = self._schedule != "wfbp"
         if deferred and not module.automatic_optimization:
             raise ValueError(
                 f"HemiolaStrategy(schedule={self._schedule!r}) runs optimizer.step() itself, "
                 "which manual optimization cannot hand over; use schedule='wfbp' (DDP's math) "
                 "or automatic optimization")
-        if deferred and len(self.optimizers) != 1:
+        if needs_optimizer and len(self.optimizers) != 1:
             raise ValueError(
                 f"HemiolaStrategy(schedule={self._schedule!r}) steps one optimizer (it got "
                 f"{len(self.optimizers)}); with several, use schedule='wfbp'")
-        scaler = getattr(self.precision_plugin, "scaler", None)
-        optimizer = self.optimizers[0] if deferred else None
+        scaler = getattr(self.precision_plugin, "scaler", None) if deferred else None
+        optimizer = self.optimizers[0] if needs_optimizer else None
         wrapped, _ = wrap(module, optimizer, self._schedule, grad_scaler=scaler,
                           **self._options)
         self.model = wrapped
@@ -147,7 +152,7 @@ class HemiolaStrategy(DDPStrategy):
     @contextmanager
     def block_backward_sync(self) -> Generator[None, None, None]:
         """Gradient accumulation: the wrapped model's ``no_sync``."""
-        if isinstance(self.model, DataParallel):
+        if isinstance(self.model, (DataParallel, StreamingParallel)):
             with self.model.no_sync():
                 yield None
         else:
@@ -155,12 +160,12 @@ class HemiolaStrategy(DDPStrategy):
 
     def lightning_module_state_dict(self) -> dict[str, Any]:
         """The module's state with every pending update landed (exact)."""
-        if isinstance(self.model, DataParallel):
+        if isinstance(self.model, (DataParallel, StreamingParallel)):
             self.model.synchronize()
         return super().lightning_module_state_dict()
 
     def teardown(self) -> None:
-        if isinstance(self.model, DataParallel):
+        if isinstance(self.model, (DataParallel, StreamingParallel)):
             self.model.synchronize()
             self.model = self.lightning_module
         super().teardown()

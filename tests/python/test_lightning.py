@@ -67,6 +67,8 @@ def test_decoupled_with_accumulation_clipping_and_bf16(tmp_path: Path) -> None:
 @pytest.mark.parametrize(("schedule", "options"), [
     ("hemiola_priority", None),
     ("decoupled", {"correct_on_arrival": False}),
+    # stopped at step 8 with fragment 1 (sent after step 8) still on the wire
+    ("streaming", {"sync_every": 4, "fragments": 2, "overlap": 1}),
 ])
 def test_resume_from_a_checkpoint_equals_the_uninterrupted_fit(
         tmp_path: Path, schedule: str, options: dict[str, Any] | None) -> None:
