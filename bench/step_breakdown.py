@@ -35,7 +35,7 @@ from hemiola.bench.record import DEFAULT_OUT, write_lines
 
 
 def _task(name: str) -> Any:
-    from tasks import TASKS
+    from hemiola.bench.tasks import TASKS
 
     return TASKS[name]()
 
@@ -64,9 +64,9 @@ def compute_alone(task_name: str, steps: int) -> dict[str, Any]:
 def rank_main(config: dict[str, Any]) -> dict[str, Any]:
     """One rank (RANK, WORLD_SIZE, MASTER_*, GLOO_SOCKET_IFNAME set by netlab)."""
     import torch
-    from tasks import VARIANTS
 
     import hemiola
+    from hemiola.bench.contender import Contender
 
     torch.set_num_threads(1)
     hemiola.init()
@@ -74,7 +74,7 @@ def rank_main(config: dict[str, Any]) -> dict[str, Any]:
     task = _task(config["task"])
     torch.manual_seed(0)
     model = task.model()
-    name, options = VARIANTS.get(config["schedule"], (config["schedule"], {}))
+    name, options = Contender.parse(config["schedule"]).wrap_arguments()
     model, optimizer = hemiola.wrap(model, task.optimizer(model), schedule=name, timeline=True,
                                     **options)
     x_all, y_all = task.epoch_samples(0, 0)

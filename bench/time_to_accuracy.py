@@ -33,9 +33,10 @@ from typing import Any
 import matplotlib
 from tqdm import tqdm
 
+from hemiola.bench.contender import Contender
 from hemiola.bench.netlab import Network, parse_result, print_result
 from hemiola.bench.record import DEFAULT_OUT, write_lines
-from hemiola.bench.tasks import HEADLINE, TASKS, VARIANTS
+from hemiola.bench.tasks import HEADLINE, TASKS
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402 - after choosing the backend
@@ -129,13 +130,12 @@ def plot(runs: list[dict[str, Any]], task: str, path: str) -> None:
 
 
 def main() -> None:
-    from hemiola.config import SCHEDULES
-
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tasks", default="lm,digits", help="comma-separated: lm,digits")
     parser.add_argument("--schedules", default="wfbp,decoupled",
-                        help=f"comma-separated, {BASELINE} first (any of "
-                             f"{', '.join([*SCHEDULES, *VARIANTS])})")
+                        help=f"comma-separated, {BASELINE} first (any contender: "
+                             "SCHEDULE[+COMPRESSION], a variant such as decoupled-late, "
+                             "or ddp[+COMPRESSION])")
     parser.add_argument("--rate", default="1gbit", help="tc rate of every link")
     parser.add_argument("--seeds", type=int, default=3, help="seeds 0..N-1 (default 3)")
     parser.add_argument("--world-size", type=int, default=2)
@@ -157,8 +157,12 @@ def main() -> None:
     schedules = [s for s in args.schedules.split(",") if s]
     if schedules[0] != BASELINE:
         parser.error(f"--schedules must start with {BASELINE}, the baseline")
-    unknown = [s for s in schedules if s not in SCHEDULES and s not in VARIANTS]
-    unknown += [t for t in args.tasks.split(",") if t not in TASKS]
+    unknown = [t for t in args.tasks.split(",") if t not in TASKS]
+    for schedule in schedules:
+        try:
+            Contender.parse(schedule)
+        except ValueError:
+            unknown.append(schedule)
     if unknown:
         parser.error(f"unknown task(s) or schedule(s): {', '.join(unknown)}")
     # SIGTERM (e.g. from `timeout`) unwinds like Ctrl-C, so the namespaces are removed.

@@ -7,7 +7,8 @@ trained to the end with each schedule, compared with ``wfbp``.
 
 For every task x seed x schedule it runs `--world-size` local CPU ranks
 (``hemiola.launch.run_local``), each training on its own shard of every
-epoch's shuffled data (:mod:`hemiola.bench.tasks`). It records rank 0's per-step loss,
+epoch's shuffled data (:mod:`hemiola.bench.tasks`; the schedules are
+:class:`~hemiola.bench.contender.Contender` names). It records rank 0's per-step loss,
 evaluations spread over training, the final metrics and the time, then reports
 the mean, std, min/max, median and p10-p90 over seeds per schedule and each schedule's
 difference from ``wfbp``. Targets: mean final test accuracy within 0.5 points
@@ -24,31 +25,20 @@ import dataclasses
 import itertools
 import statistics
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from tqdm import tqdm
 
+from hemiola.bench.contender import VARIANTS, Contender
 from hemiola.bench.record import DEFAULT_OUT, percentiles, write_lines
-from hemiola.bench.tasks import (
-    HEADLINE,
-    TASKS,
-    VARIANTS,
-    RankResult,
-    corpus_info,
-    shapes_info,
-    train_rank,
-)
-from hemiola.config import COMPRESSIONS, SCHEDULES
+from hemiola.bench.tasks import DATA_INFO, HEADLINE, TASKS, RankResult, metrics_of, train_rank
+from hemiola.config import SCHEDULES
 from hemiola.launch import run_local
 
 BASELINE = "wfbp"
 ACCURACY_POINTS = 0.5  # a schedule may lose at most this many accuracy points
 LOSS_RELATIVE = 0.05  # and its losses may be at most this much higher
-#: where a task's data came from, for the results file
-DATA_INFO: dict[str, Callable[[], dict[str, Any]]] = {
-    "lm": corpus_info, "shapes": shapes_info, "shapes-adamw": shapes_info}
 
 
 def final_train_loss(results: dict[int, RankResult]) -> float:
@@ -88,13 +78,6 @@ def run_one(task: str, schedule: str, seed: int, world: int, epochs: int | None,
         "wall_seconds": wall, "losses": r0.losses, "evals": r0.evals,
         **{f"rank0_{k}": v for k, v in r0.stats.items()},
     }
-
-
-def metrics_of(task: str) -> list[str]:
-    """The final metrics summarised for `task`, headline first."""
-    image = ["test_accuracy", "test_loss", "final_train_loss"]
-    return {"digits": image, "shapes": image, "shapes-adamw": image,
-            "lm": ["heldout_loss", "heldout_perplexity", "final_train_loss"]}[task]
 
 
 def spread(values: list[float]) -> dict[str, float | None]:
@@ -266,13 +249,10 @@ def run(args: argparse.Namespace) -> int:
         if t not in TASKS:
             raise SystemExit(f"unknown task {t!r}; available: {', '.join(TASKS)}")
     for s in schedules:
-        base, _, compression = s.partition("+")
-        if base not in SCHEDULES and base not in VARIANTS and base != "ddp":
-            raise SystemExit(f"unknown schedule {s!r}; available: "
-                         f"{', '.join([*SCHEDULES, *VARIANTS])}, ddp, each optionally "
-                         f"+{'|+'.join(COMPRESSIONS)}")
-        if compression and compression not in COMPRESSIONS:
-            raise SystemExit(f"unknown compression in {s!r}; available: {', '.join(COMPRESSIONS)}")
+        try:
+            Contender.parse(s)
+        except ValueError as e:
+            raise SystemExit(str(e)) from None
     if BASELINE not in schedules:
         print(f"note: {BASELINE} is not in --schedules, so there is no comparison with it")
 

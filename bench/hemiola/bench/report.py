@@ -90,8 +90,7 @@ def speed_table(rows: Rows) -> str:
 def convergence_table(rows: Rows) -> str:
     """Per task: one line per schedule, each metric's median (p10–p90) over
     seeds and its difference from wfbp's mean."""
-    from hemiola.bench.convergence import metrics_of
-    from hemiola.bench.tasks import HEADLINE
+    from hemiola.bench.tasks import HEADLINE, metrics_of
 
     summaries = [r for r in rows if r.get("row") == "summary"]
     parts = []

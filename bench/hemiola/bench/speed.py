@@ -15,10 +15,10 @@ load touches every variant alike:
 - baselines: ``compute`` (the bare model, no communication), ``ddp`` (torch
   DistributedDataParallel over Gloo) and the communication hooks DDP users run
   on slow links, ``ddp_fp16`` (``fp16_compress_hook``) and ``ddp_powersgd``
-  (``powerSGD_hook``, rank 2; one bucket, see :func:`worker`);
-- ``hemiola_<schedule>`` for each of ``--schedules``, ``<schedule>+<compression>``
-  with that ``compression``; PowerSGD starts after ``--powersgd-start``
-  iterations in DDP and hemiola alike;
+  (``powerSGD_hook``, rank 2; one bucket): :func:`hemiola.bench.ddp.ddp_with_hook`;
+- ``hemiola_<contender>`` for each :class:`~hemiola.bench.contender.Contender`
+  of ``--schedules`` (``<schedule>+<compression>`` with that ``compression``);
+  PowerSGD starts after ``--powersgd-start`` iterations in DDP and hemiola alike;
 - ``comm``: one all-reduce (average) through a hemiola engine of a flat float32
   buffer as large as all the gradients, no computation; ``comm_torch``: the same
   through torch's Gloo.
@@ -44,6 +44,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from hemiola.bench.contender import DDP, VARIANTS, Contender
+from hemiola.bench.ddp import ddp_with_hook
 from hemiola.bench.netlab import Loopback, Network, parse_result, print_result
 from hemiola.bench.record import DEFAULT_OUT, percentiles, write_lines
 
@@ -60,15 +62,21 @@ MODELS = {
                 "of 224x224 images: for a GPU (--device cuda)",
 }
 
-#: The configurations a user compares against, in the order of the tables.
-BASELINES = {
-    "compute": "bare model (no communication)",
-    "ddp": "torch DDP",
-    "ddp_fp16": "torch DDP + fp16_compress_hook",
-    "ddp_bf16": "torch DDP + bf16_compress_hook",
-    "ddp_powersgd": "torch DDP + PowerSGD (rank 2)",
+#: The configurations a user compares against, in the order of the tables, by
+#: their names in --baselines and in the rows: the bare model (None), then torch
+#: DDP with each hook.
+BASELINES: dict[str, Contender | None] = {
+    "compute": None,
+    "ddp": Contender(DDP),
+    "ddp_fp16": Contender(DDP, "fp16"),
+    "ddp_bf16": Contender(DDP, "bf16"),
+    "ddp_powersgd": Contender(DDP, "powersgd"),
 }
 DEFAULT_BASELINES = "compute,ddp,ddp_fp16,ddp_powersgd"
+#: How the variants that are not contenders read in a table.
+LABELS = {"compute": "bare model (no communication)",
+          "comm": "all-reduce alone (hemiola engine)",
+          "comm_torch": "all-reduce alone (torch Gloo)"}
 
 
 def make_model(name: str, mlp_batch: int = MLP_BATCH,
@@ -138,45 +146,32 @@ def timed_iterations(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tens
     return times
 
 
-def register_ddp_hook(model: nn.Module, variant: str, powersgd_start: int) -> None:
-    """Registers the communication hook of a BASELINES entry on a DDP model."""
-    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
-
-    if variant == "ddp_fp16":
-        model.register_comm_hook(None, default_hooks.fp16_compress_hook)
-    elif variant == "ddp_bf16":
-        model.register_comm_hook(None, default_hooks.bf16_compress_hook)
-    elif variant == "ddp_powersgd":
-        state = powersgd.PowerSGDState(process_group=None, matrix_approximation_rank=2,
-                                       start_powerSGD_iter=powersgd_start)
-        model.register_comm_hook(state, powersgd.powerSGD_hook)
-    elif variant != "ddp":
-        raise ValueError(f"unknown baseline {variant!r}; known: {', '.join(BASELINES)}")
+def contenders(config: dict[str, Any]) -> dict[str, Contender | None]:
+    """The variants of a run by their row names: the baselines, then
+    ``hemiola_<contender>`` for each of the schedules."""
+    return {**{b: BASELINES[b] for b in config["baselines"]},
+            **{f"hemiola_{s}": Contender.parse(s) for s in config["schedules"]}}
 
 
-def _build(variant: str, config: dict[str, Any]) -> tuple[nn.Module, torch.optim.Optimizer,
-                                                          torch.Tensor, torch.Tensor]:
+def _build(contender: Contender | None,
+           config: dict[str, Any]) -> tuple[nn.Module, torch.optim.Optimizer, torch.Tensor,
+                                            torch.Tensor]:
+    """The model of `contender` (None: the bare model), its optimizer and batch."""
     import hemiola
 
     model, x, y = make_model(config["model"], config["mlp_batch"], config["mlp_width"])
     device = torch.device(config["device"])
     model, x, y = model.to(device), x.to(device), y.to(device)
-    if variant.startswith("ddp"):
-        # PowerSGD's hook issues its later all-reduces from Gloo's completion
-        # threads, so with two buckets the ranks can issue them in different
-        # orders (a collective mismatch): one bucket keeps it correct on CPU.
-        cap = 1e6 if variant == "ddp_powersgd" else config["fusion_mb"]
-        model = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=cap)
-        register_ddp_hook(model, variant, config["powersgd_start"])
+    if contender is not None and contender.is_ddp:
+        model = ddp_with_hook(model, contender.compression,
+                              powersgd_start=config["powersgd_start"],
+                              bucket_cap_mb=config["fusion_mb"])
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-    if variant.startswith("hemiola_"):
-        schedule, _, compression = variant[len("hemiola_"):].partition("+")
-        options = dict(config["hemiola_options"])
-        if compression:
-            options["compression"] = compression
-            if compression == "powersgd":
-                options.setdefault("powersgd_start_iter", config["powersgd_start"])
+    if contender is not None and not contender.is_ddp:
+        schedule, wrap_options = contender.wrap_arguments()
+        options = {**config["hemiola_options"], **wrap_options}
+        if contender.compression == "powersgd":
+            options.setdefault("powersgd_start_iter", config["powersgd_start"])
         if config["fusion_mb"] is not None:
             options["fusion_mb"] = config["fusion_mb"]
         if device.type == "cuda":
@@ -201,9 +196,9 @@ def worker(config: dict[str, Any]) -> dict[str, Any]:
 
     torch.set_num_threads(1)
     hemiola.init()
-    names = [*config["baselines"], *[f"hemiola_{s}" for s in config["schedules"]]]
-    variants = {v: _build(v, config) for v in names}
-    bare = variants.get("compute") or _build("compute", config)
+    runs = contenders(config)
+    variants = {v: _build(c, config) for v, c in runs.items()}
+    bare = variants.get("compute") or _build(None, config)
     params = sum(p.numel() for p in bare[0].parameters() if p.requires_grad)
     engine, _store = new_engine(timeout_s=300.0)
     flat = torch.zeros(params, dtype=torch.float32)
@@ -239,9 +234,9 @@ def worker(config: dict[str, Any]) -> dict[str, Any]:
     dist.barrier()
     if config["timeline"] is not None and dist.get_rank() == 0:
         for variant, (model, *_) in variants.items():
-            if variant.startswith("hemiola_"):
-                Path(f"{config['timeline']}-{variant[len('hemiola_'):]}.json").write_text(
-                    model.timeline())
+            contender = runs[variant]
+            if contender is not None and not contender.is_ddp:
+                Path(f"{config['timeline']}-{contender.name}.json").write_text(model.timeline())
     return {"params": params, "batch": int(bare[2].shape[0]),
             "ms": {v: [1e3 * t for t in s] for v, s in samples.items()}}
 
@@ -254,11 +249,13 @@ def rows_of(result: dict[str, Any], rate: str, model: str, world: int,
     ddp = stats["ddp"]["median"] if "ddp" in stats else None
     compute = stats["compute"]["median"] if "compute" in stats else None
     bound = max(compute, stats["comm"]["median"]) if compute is not None else None
+    runs = contenders(config)
     rows = []
     for variant, s in stats.items():
         rows.append({
             "suite": "speed", "rate": rate, "model": model, "world": world,
-            "variant": variant, "label": label(variant),
+            "variant": variant,
+            "label": LABELS[variant] if variant in LABELS else runs[variant].label,
             "median_ms": s["median"], "p10_ms": s["p10"], "p90_ms": s["p90"],
             "samples": len(result["ms"][variant]),
             "vs_ddp": s["median"] / ddp if ddp and not variant.startswith("comm") else None,
@@ -269,18 +266,6 @@ def rows_of(result: dict[str, Any], rate: str, model: str, world: int,
             "powersgd_start": config["powersgd_start"],
             "hemiola_options": config["hemiola_options"]})
     return rows
-
-
-def label(variant: str) -> str:
-    """How a variant reads in a table."""
-    if variant in BASELINES:
-        return BASELINES[variant]
-    if variant == "comm":
-        return "all-reduce alone (hemiola engine)"
-    if variant == "comm_torch":
-        return "all-reduce alone (torch Gloo)"
-    schedule, _, compression = variant.removeprefix("hemiola_").partition("+")
-    return f"hemiola {schedule}" + (f" + {compression}" if compression else "")
 
 
 def plot(rows: list[dict[str, Any]], path: Path) -> Path | None:
@@ -307,7 +292,7 @@ def plot(rows: list[dict[str, Any]], path: Path) -> Path | None:
             errors = [[r["median_ms"] - r["p10_ms"] for r in vrows],
                       [r["p90_ms"] - r["median_ms"] for r in vrows]]
             ax.bar([i + k * width for i in range(len(rates))], heights, width, yerr=errors,
-                   label=label(variant), capsize=2)
+                   label=vrows[0]["label"], capsize=2)
         ax.set_xticks([i + width * (len(variants) - 1) / 2 for i in range(len(rates))], rates)
         ax.set_title(f"{model} ({mine[0]['world']} ranks)")
         ax.set_ylabel("iteration time (ms), median and p10-p90")
@@ -338,9 +323,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "'none' runs on loopback without a limit")
     parser.add_argument("--models", default="mlp", help=f"comma-separated, of {', '.join(MODELS)}")
     parser.add_argument("--schedules", default=",".join(SCHEDULES),
-                        help=f"hemiola schedules (default: {','.join(SCHEDULES)}); "
-                             "SCHEDULE+COMPRESSION wraps with that compression, e.g. "
-                             "decoupled+int8")
+                        help=f"hemiola schedules (default: {','.join(SCHEDULES)}) or "
+                             f"variants ({','.join(VARIANTS)}); SCHEDULE+COMPRESSION wraps "
+                             "with that compression, e.g. decoupled+int8")
     parser.add_argument("--baselines", default=DEFAULT_BASELINES,
                         help=f"comma-separated, of {', '.join(BASELINES)} (default "
                              f"{DEFAULT_BASELINES}; torch allows ddp_bf16 only with NCCL)")
@@ -371,12 +356,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from hemiola.config import SCHEDULES
 
     schedules = [s for s in args.schedules.split(",") if s]
-    unknown = sorted({s.partition("+")[0] for s in schedules} - set(SCHEDULES))
-    if unknown:
-        raise SystemExit(f"unknown schedule(s) {', '.join(unknown)}; known: {', '.join(SCHEDULES)}")
+    for schedule in schedules:
+        try:
+            contender = Contender.parse(schedule)
+        except ValueError as e:
+            raise SystemExit(f"--schedules: {e}") from None
+        if contender.is_ddp:
+            raise SystemExit("--schedules: torch DDP is a baseline (--baselines)")
     baselines = [b for b in args.baselines.split(",") if b]
     if set(baselines) - set(BASELINES):
         raise SystemExit(f"--baselines: any of {', '.join(BASELINES)}")

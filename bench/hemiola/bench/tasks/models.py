@@ -1,0 +1,90 @@
+"""The models of the convergence tasks that are not ``hemiola.demo``'s: a
+byte-level decoder-only transformer (``ByteLM``) and a CIFAR-style ResNet
+(``SmallResNet``)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+
+class Block(nn.Module):
+    """A pre-norm transformer block: causal self-attention, then a GELU MLP."""
+
+    def __init__(self, dim: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.norm1 = nn.LayerNorm(dim)
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.proj = nn.Linear(dim, dim)
+        self.norm2 = nn.LayerNorm(dim)
+        self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = (self.qkv(self.norm1(x)).view(b, t, 3, self.heads, d // self.heads)
+                   .permute(2, 0, 3, 1, 4))
+        attended = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(attended.transpose(1, 2).reshape(b, t, d))
+        return x + self.mlp(self.norm2(x))
+
+
+class ByteLM(nn.Module):
+    """A decoder-only transformer over bytes; the output layer is the embedding."""
+
+    def __init__(self, dim: int, layers: int, heads: int, context: int) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(256, dim)
+        self.position = nn.Parameter(torch.zeros(context, dim))
+        self.blocks = nn.Sequential(*[Block(dim, heads) for _ in range(layers)])
+        self.norm = nn.LayerNorm(dim)
+        nn.init.normal_(self.embed.weight, std=0.02)
+        nn.init.normal_(self.position, std=0.02)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Logits of the next byte at every position: (batch, length, 256)."""
+        h = self.embed(tokens) + self.position[: tokens.shape[1]]
+        return F.linear(self.norm(self.blocks(h)), self.embed.weight)
+
+
+class BasicBlock(nn.Module):
+    """A ResNet basic block: two 3x3 convolutions with BatchNorm, plus the input
+    (through a strided 1x1 convolution with BatchNorm where the shape changes)."""
+
+    def __init__(self, channels_in: int, channels: int, stride: int) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(channels_in, channels, 3, stride, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(channels)
+        self.conv2 = nn.Conv2d(channels, channels, 3, 1, 1, bias=False)
+        self.bn2 = nn.BatchNorm2d(channels)
+        self.shortcut: nn.Module = nn.Identity()
+        if stride != 1 or channels_in != channels:
+            self.shortcut = nn.Sequential(nn.Conv2d(channels_in, channels, 1, stride, bias=False),
+                                          nn.BatchNorm2d(channels))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = F.relu(self.bn1(self.conv1(x)))
+        return F.relu(self.bn2(self.conv2(h)) + self.shortcut(x))
+
+
+class SmallResNet(nn.Module):
+    """A CIFAR-style ResNet: a 3x3 stem, stages of ``BasicBlock``s (the first
+    block of every stage but the first halves the resolution), global average
+    pooling, a linear classifier."""
+
+    def __init__(self, widths: tuple[int, ...], blocks: int, classes: int) -> None:
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(3, widths[0], 3, 1, 1, bias=False),
+                                  nn.BatchNorm2d(widths[0]), nn.ReLU())
+        layers, channels = [], widths[0]
+        for stage, width in enumerate(widths):
+            for block in range(blocks):
+                stride = 2 if stage > 0 and block == 0 else 1
+                layers.append(BasicBlock(channels, width, stride))
+                channels = width
+        self.stages = nn.Sequential(*layers)
+        self.head = nn.Linear(channels, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.stages(self.stem(x)).mean((2, 3)))
