@@ -67,8 +67,6 @@ def test_decoupled_with_accumulation_clipping_and_bf16(tmp_path: Path) -> None:
 @pytest.mark.parametrize(("schedule", "options"), [
     ("hemiola_priority", None),
     ("decoupled", {"correct_on_arrival": False}),
-    # stopped at step 8 with fragment 1 (sent after step 8) still on the wire
-    ("streaming", {"sync_every": 4, "fragments": 2, "overlap": 1}),
 ])
 def test_resume_from_a_checkpoint_equals_the_uninterrupted_fit(
         tmp_path: Path, schedule: str, options: dict[str, Any] | None) -> None:
@@ -78,6 +76,22 @@ def test_resume_from_a_checkpoint_equals_the_uninterrupted_fit(
     resumed = fit(tmp_path, "resumed", schedule, "--resume", str(ckpt), options=options)
     assert resumed["steps"] == straight["steps"] == 16
     assert max_difference(resumed, straight) == 0.0
+
+
+def test_streaming_fits_and_resumes_from_rank_0s_checkpoint(tmp_path: Path) -> None:
+    """Lightning saves rank 0's state only. Under streaming the ranks' live
+    parameters and inner optimizer states differ between syncs, so a resume
+    gives every rank rank 0's (the shared copy and the outer state are
+    everyone's): it continues training, but is not the uninterrupted run bit
+    for bit (docs/streaming.md; plain scripts that save per rank are)."""
+    options = {"sync_every": 4, "fragments": 2, "overlap": 1}
+    straight = fit(tmp_path, "straight", "streaming", "--ckpt-every", "8", options=options)
+    ckpt = tmp_path / "straight" / "step=8.ckpt"
+    assert ckpt.is_file()
+    resumed = fit(tmp_path, "resumed", "streaming", "--resume", str(ckpt), options=options)
+    assert resumed["steps"] == straight["steps"] == 16
+    assert resumed["metrics"]["val_loss"] == pytest.approx(straight["metrics"]["val_loss"],
+                                                           rel=0.1)
 
 
 def test_names_are_registered_and_options_checked_at_construction() -> None:
