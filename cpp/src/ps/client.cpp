@@ -15,6 +15,7 @@
 #include "hemiola/ps.h"
 #include "hemiola/status.h"
 #include "ps/channel.h"
+#include "ps/connect.h"
 #include "ps/optimizer.h"
 #include "ps/protocol.h"
 #include "ps/table.h"
@@ -229,24 +230,21 @@ struct Client::Impl {
     changed.notify_all();
   }
 
-  void receive_loop(int s) {
-    Header h;
-    std::vector<char> payload;
-    for (;;) {
-      try {
-        if (!channels[static_cast<size_t>(s)]->receive(&h, &payload)) return;
-      } catch (const std::exception& e) {
-        std::lock_guard<std::mutex> lock(mutex);
-        if (!closed)
-          set_failure(detail::concat(server_name(s), " is unreachable: ", e.what(),
-                                     ". The server died; restart the job, with its snapshot "
-                                     "if it wrote one."),
-                      ErrorCode::kCommFailure);
-        return;
-      }
-      std::lock_guard<std::mutex> lock(mutex);
-      on_message(s, h, payload);
-    }
+  // Server s's receive thread: hands its replies to on_message() until close().
+  void receive_from(int s) {
+    receive_loop(
+        *channels[static_cast<size_t>(s)], mutex,
+        [this, s](const Header& h, const std::vector<char>& payload) {
+          on_message(s, h, payload);
+          return true;
+        },
+        [this, s](const std::string& why) {
+          if (!closed)
+            set_failure(detail::concat(server_name(s), " is unreachable: ", why,
+                                       ". The server died; restart the job, with its snapshot "
+                                       "if it wrote one."),
+                        ErrorCode::kCommFailure);
+        });
   }
 
   const std::vector<int32_t>& keys_of(int tensor) const {
@@ -389,7 +387,7 @@ Client::Client(const ClientOptions& options, const std::vector<std::string>& nam
                                                     heartbeat_for(options.timeout_s)));
   }
   for (int s = 0; s < options.num_servers; ++s)
-    im.receivers.emplace_back([&im, s] { im.receive_loop(s); });
+    im.receivers.emplace_back([&im, s] { im.receive_from(s); });
 }
 
 Client::~Client() {

@@ -17,6 +17,8 @@
 #include "comm/gloo_setup.h"
 #include "hemiola/ps.h"
 #include "hemiola/status.h"
+#include "ps/address.h"
+#include "ps/admission.h"
 #include "ps/channel.h"
 #include "ps/log_limit.h"
 #include "ps/optimizer.h"
@@ -63,17 +65,6 @@ struct Key {
 std::chrono::milliseconds millis(double seconds) {
   return std::chrono::milliseconds(static_cast<int64_t>(seconds * 1000.0));
 }
-
-}  // namespace
-
-// How often an idle channel pings: often enough that a peer silent for
-// timeout_s is surely gone, rarely enough to cost nothing.
-std::chrono::milliseconds heartbeat_for(double timeout_s) {
-  return std::clamp(millis(timeout_s / 5), std::chrono::milliseconds(100),
-                    std::chrono::milliseconds(5000));
-}
-
-namespace {
 
 }  // namespace
 
@@ -522,25 +513,19 @@ struct Server::Impl {
 
   // ---- threads -------------------------------------------------------------------
 
-  void receive_loop(int w) {
-    Header h;
-    std::vector<char> payload;
-    for (;;) {
-      try {
-        if (!channels[static_cast<size_t>(w)]->receive(&h, &payload)) return;
-      } catch (const std::exception& e) {
-        std::lock_guard<std::mutex> lock(mutex);
-        on_disconnect(w, e.what());
-        return;
-      }
-      std::lock_guard<std::mutex> lock(mutex);
-      try {
-        handle(w, h, payload);
-      } catch (const std::exception& e) {  // e.g. a snapshot that cannot be written
-        send_error(w, e.what());
-      }
-      if (workers[static_cast<size_t>(w)] == WorkerState::kGone) return;
-    }
+  // Worker w's receive thread: hands its messages to handle() until it leaves.
+  void receive_from(int w) {
+    receive_loop(
+        *channels[static_cast<size_t>(w)], mutex,
+        [this, w](const Header& h, const std::vector<char>& payload) {
+          try {
+            handle(w, h, payload);
+          } catch (const std::exception& e) {  // e.g. a snapshot that cannot be written
+            send_error(w, e.what());
+          }
+          return workers[static_cast<size_t>(w)] != WorkerState::kGone;  // after its goodbye
+        },
+        [this, w](const std::string& why) { on_disconnect(w, why); });
   }
 
   bool everyone_left() const {
@@ -634,7 +619,7 @@ Server::~Server() {
 void Server::serve() {
   auto& im = *impl_;
   for (int w = 0; w < im.opt.num_workers; ++w)
-    im.receivers.emplace_back([&im, w] { im.receive_loop(w); });
+    im.receivers.emplace_back([&im, w] { im.receive_from(w); });
   im.refuser = std::thread([&im] { im.acceptor->refuse_until_stopped(); });
   auto last_snapshot = Clock::now();
   {
