@@ -140,27 +140,32 @@ void Client::Impl::on_message(int s, const Header& h, const std::vector<char>& p
     k.arrived += 1;
     k.arrived_version = h.version;
   } else if (type == MessageType::kPushAck) {
-    outstanding -= 1;
-    keys[static_cast<size_t>(h.key)].unacked -= 1;
-    if (!(h.flags & kFlagNoGradient)) {  // a push without gradient has no staleness
-      keys[static_cast<size_t>(h.key)].last_staleness = h.aux - h.version;
-      const auto& shard = shards[static_cast<size_t>(h.key)];
-      const PushRecord r{shard.tensor, shard.key, h.version, h.aux, h.aux - h.version,
-                         h.factor};
-      records.push_back(r);
-      if (records.size() > kMaxRecords) records.pop_front();
-      summary.pushes += 1;
-      summary.staleness_sum += r.staleness;
-      summary.max_staleness = std::max(summary.max_staleness, r.staleness);
-      summary.lr_factor_sum += r.lr_factor;
-      summary.histogram[r.staleness] += 1;
-    }
+    on_push_ack(h);
   } else {
     return set_failure(detail::concat("unexpected ", message_type_name(h.type), " from ",
                                       server_name(s)),
                        ErrorCode::kInternal);
   }
   changed.notify_all();
+}
+
+// A push was applied: its staleness goes into the records and the summary.
+void Client::Impl::on_push_ack(const Header& h) {
+  outstanding -= 1;
+  keys[static_cast<size_t>(h.key)].unacked -= 1;
+  if (!(h.flags & kFlagNoGradient)) {  // a push without gradient has no staleness
+    keys[static_cast<size_t>(h.key)].last_staleness = h.aux - h.version;
+    const auto& shard = shards[static_cast<size_t>(h.key)];
+    const PushRecord r{shard.tensor, shard.key, h.version, h.aux, h.aux - h.version,
+                       h.factor};
+    records.push_back(r);
+    if (records.size() > kMaxRecords) records.pop_front();
+    summary.pushes += 1;
+    summary.staleness_sum += r.staleness;
+    summary.max_staleness = std::max(summary.max_staleness, r.staleness);
+    summary.lr_factor_sum += r.lr_factor;
+    summary.histogram[r.staleness] += 1;
+  }
 }
 
 void Client::Impl::receive_from(int s) {

@@ -96,6 +96,7 @@ struct Client::Impl {
   void send_control(int server, MessageType type, std::vector<char> payload = {});
   void set_failure(const std::string& message, ErrorCode code);
   void on_message(int s, const Header& h, const std::vector<char>& payload);
+  void on_push_ack(const Header& h);
   // Server s's receive thread: hands its replies to on_message() until close().
   void receive_from(int s);
 
