@@ -5,12 +5,43 @@
 #include <arpa/inet.h>
 #include <ifaddrs.h>
 #include <netdb.h>
+#include <netinet/in.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
-#include <cstring>
+#include <functional>
 
 namespace hemiola {
+
+namespace {
+
+// The numeric text of an IPv4 or IPv6 socket address; empty for other families.
+std::string numeric_address(const sockaddr* addr) {
+  const void* src = nullptr;
+  if (addr->sa_family == AF_INET)
+    src = &reinterpret_cast<const sockaddr_in*>(addr)->sin_addr;
+  else if (addr->sa_family == AF_INET6)
+    src = &reinterpret_cast<const sockaddr_in6*>(addr)->sin6_addr;
+  char buf[INET6_ADDRSTRLEN] = {};
+  if (src == nullptr || ::inet_ntop(addr->sa_family, src, buf, sizeof buf) == nullptr) return {};
+  return buf;
+}
+
+// Calls `visit` with every IPv4 and IPv6 address of every local interface, in
+// the order getifaddrs lists them, until it returns false.
+void for_each_interface_address(const std::function<bool(const ifaddrs&)>& visit) {
+  ifaddrs* list = nullptr;
+  if (::getifaddrs(&list) != 0) return;
+  for (ifaddrs* ifa = list; ifa != nullptr; ifa = ifa->ifa_next) {
+    if (ifa->ifa_addr == nullptr) continue;
+    const int family = ifa->ifa_addr->sa_family;
+    if (family != AF_INET && family != AF_INET6) continue;
+    if (!visit(*ifa)) break;
+  }
+  ::freeifaddrs(list);
+}
+
+}  // namespace
 
 std::string local_address_reaching(const std::string& host) {
   if (host.empty()) return {};
@@ -27,13 +58,8 @@ std::string local_address_reaching(const std::string& host) {
     if (::connect(fd, ai->ai_addr, ai->ai_addrlen) == 0) {
       sockaddr_storage local{};
       socklen_t len = sizeof local;
-      if (::getsockname(fd, reinterpret_cast<sockaddr*>(&local), &len) == 0) {
-        char buf[INET6_ADDRSTRLEN] = {};
-        const void* src = local.ss_family == AF_INET
-                              ? static_cast<const void*>(&reinterpret_cast<sockaddr_in*>(&local)->sin_addr)
-                              : static_cast<const void*>(&reinterpret_cast<sockaddr_in6*>(&local)->sin6_addr);
-        if (::inet_ntop(local.ss_family, src, buf, sizeof buf) != nullptr) address = buf;
-      }
+      if (::getsockname(fd, reinterpret_cast<sockaddr*>(&local), &len) == 0)
+        address = numeric_address(reinterpret_cast<const sockaddr*>(&local));
     }
     ::close(fd);
   }
@@ -43,21 +69,27 @@ std::string local_address_reaching(const std::string& host) {
 
 std::string interface_with_address(const std::string& address) {
   if (address.empty()) return {};
-  ifaddrs* list = nullptr;
-  if (::getifaddrs(&list) != 0) return {};
   std::string name;
-  for (ifaddrs* ifa = list; ifa != nullptr && name.empty(); ifa = ifa->ifa_next) {
-    if (ifa->ifa_addr == nullptr) continue;
-    const int family = ifa->ifa_addr->sa_family;
-    if (family != AF_INET && family != AF_INET6) continue;
-    char buf[INET6_ADDRSTRLEN] = {};
-    const void* src = family == AF_INET
-                          ? static_cast<const void*>(&reinterpret_cast<sockaddr_in*>(ifa->ifa_addr)->sin_addr)
-                          : static_cast<const void*>(&reinterpret_cast<sockaddr_in6*>(ifa->ifa_addr)->sin6_addr);
-    if (::inet_ntop(family, src, buf, sizeof buf) != nullptr && address == buf) name = ifa->ifa_name;
-  }
-  ::freeifaddrs(list);
+  for_each_interface_address([&](const ifaddrs& ifa) {
+    if (numeric_address(ifa.ifa_addr) == address) name = ifa.ifa_name;
+    return name.empty();
+  });
   return name;
+}
+
+std::string address_of_interface(const std::string& iface) {
+  std::string v4, v6;
+  for_each_interface_address([&](const ifaddrs& ifa) {
+    if (iface != ifa.ifa_name) return true;
+    if (ifa.ifa_addr->sa_family == AF_INET) {
+      if (v4.empty()) v4 = numeric_address(ifa.ifa_addr);
+    } else if (v6.empty() &&
+               !IN6_IS_ADDR_LINKLOCAL(&reinterpret_cast<const sockaddr_in6*>(ifa.ifa_addr)->sin6_addr)) {
+      v6 = numeric_address(ifa.ifa_addr);
+    }
+    return v4.empty();  // an IPv4 address ends the search: it is preferred
+  });
+  return v4.empty() ? v6 : v4;
 }
 
 std::string interface_reaching(const std::string& host) {

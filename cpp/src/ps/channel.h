@@ -1,5 +1,8 @@
 // The parameter server's connections: plain TCP, one connection per
-// (server, worker) pair, carrying Header + payload messages.
+// (server, worker) pair, carrying Header + payload messages, and the one
+// receive loop that both a server and a client run on each of them.
+// Admission is in ps/admission.h (the server's side of the handshake) and
+// ps/connect.h (the worker's).
 //
 // Why not Gloo pairs (as the engine's collectives use): a Gloo pair accepts
 // the first TCP connection to its port, whoever makes it, and enforces its
@@ -26,50 +29,18 @@
 #include <condition_variable>
 #include <deque>
 #include <functional>
-#include <memory>
 #include <mutex>
 #include <string>
 #include <thread>
 #include <vector>
 
-#include "comm/gloo_setup.h"
-#include "hemiola/store.h"
 #include "ps/protocol.h"
+#include "ps/socket.h"
 
 namespace hemiola::ps {
 
 // The ping interval for a connection whose peer counts as gone after timeout_s.
 std::chrono::milliseconds heartbeat_for(double timeout_s);
-
-// The address a server binds, from the same choice the engine makes for Gloo:
-// the interface `spec.iface`'s address, else `spec.hostname`, else the local
-// address that routes to master_addr, else the host name's address. Never the
-// wildcard address unless the caller named it.
-std::string bind_address(const BindSpec& spec);
-
-// The store key under which server `server_index` publishes its address
-// ("HOST PORT"), or, if it failed to start, startup_failure(why).
-std::string address_key(int server_index);
-std::string startup_failure(const std::string& why);
-
-// An owned socket descriptor (closed on destruction).
-class Socket {
- public:
-  Socket() = default;
-  explicit Socket(int fd) : fd_(fd) {}
-  ~Socket() { reset(); }
-  Socket(Socket&& other) noexcept : fd_(other.release()) {}
-  Socket& operator=(Socket&& other) noexcept;
-  Socket(const Socket&) = delete;
-  Socket& operator=(const Socket&) = delete;
-  int fd() const { return fd_; }
-  int release();
-  void reset();
-  explicit operator bool() const { return fd_ >= 0; }
-
- private:
-  int fd_ = -1;
-};
 
 class Channel {
  public:
@@ -133,65 +104,19 @@ class Channel {
   std::thread sender_;
 };
 
-// How long a server waits for the hello of a connection (at most; less when
-// the job's timeout is shorter).
-constexpr std::chrono::milliseconds kHelloTimeout{10000};
+// What the owner of a channel does with each message; false ends the loop
+// (the peer said goodbye).
+using MessageHandler = std::function<bool(const Header& header, const std::vector<char>& payload)>;
+// What the owner does when the peer is gone or broke the framing (`why`).
+using LossHandler = std::function<void(const std::string& why)>;
 
-// Why a connection was refused, for the server's log and statistics.
-using RefusalHandler = std::function<void(const std::string& why)>;
-
-// A server's listening socket and its admission rule. A connection is admitted
-// as worker w only when, within `hello_timeout` of connecting, it sends a
-// well-formed hello for a free worker index in [0, num_workers) carrying the
-// job token; anything else (silence, random bytes, a truncated or oversized
-// hello, a wrong or missing token, a taken index) is answered with an error
-// where possible and closed, and the server's state never sees it. Polls, so
-// one slow or silent connection never delays another.
-class Acceptor {
- public:
-  Acceptor(const std::string& address, std::string token, int num_workers,
-           std::chrono::milliseconds hello_timeout, std::string server_name,
-           RefusalHandler on_refused);
-  ~Acceptor();
-  Acceptor(const Acceptor&) = delete;
-  Acceptor& operator=(const Acceptor&) = delete;
-
-  // "host port": what workers connect to (published in the store).
-  std::string address() const { return address_; }
-  // Admits until every worker index is taken; returns the sockets by worker.
-  // Throws Error(kTimeout) naming the missing workers at `deadline`.
-  std::vector<Socket> admit_all(std::chrono::steady_clock::time_point deadline);
-  // Refuses every newcomer (the job is complete) until stop() is called.
-  void refuse_until_stopped();
-  void stop();
-
- private:
-  struct Pending;
-  // One poll round; `admitting`: hellos may take free slots.
-  void poll_once(std::chrono::milliseconds wait, bool admitting, std::vector<Socket>& admitted,
-                 int& count);
-  void refuse(Pending& p, const std::string& why, bool tell);
-
-  Socket listener_;
-  int wake_[2] = {-1, -1};  // a pipe: stop() writes to interrupt poll()
-  std::string address_;
-  std::string token_;
-  int num_workers_;
-  std::chrono::milliseconds hello_timeout_;
-  std::string server_name_;
-  RefusalHandler on_refused_;
-  std::vector<std::unique_ptr<Pending>> pending_;
-  std::atomic<bool> stopped_{false};
-};
-
-// The worker side of the handshake: connects to the server published under
-// address_key(server_index), says hello as `worker` with `token`, and returns
-// the socket once welcomed. Throws Error(kAborted) with the server's reason
-// when refused, Error(kTimeout) when the server cannot be reached in time.
-Socket connect_to_server(Store& store, int server_index, int worker, const std::string& token,
-                         std::chrono::milliseconds timeout, const std::string& server_name);
-
-// Both sides' view of a hello header (tests use it to craft hostile ones).
-Header hello_header(int worker, const std::string& token);
+// The receive loop of both sides: a server runs one per worker, a client one
+// per server, each on its own thread. Every message goes to `on_message` with
+// `mutex` (the owner's state lock) held, so handlers never race each other or
+// the owner's other threads. Returns after close(), when `on_message` returns
+// false, or after `on_lost` (also called with `mutex` held) when the
+// connection failed.
+void receive_loop(Channel& channel, std::mutex& mutex, const MessageHandler& on_message,
+                  const LossHandler& on_lost);
 
 }  // namespace hemiola::ps

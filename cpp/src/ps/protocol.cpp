@@ -37,4 +37,20 @@ std::string header_problem(const Header& h) {
   return {};
 }
 
+std::vector<char> frame(const Header& h, const std::vector<char>& payload) {
+  std::vector<char> bytes(sizeof(Header) + payload.size());
+  std::memcpy(bytes.data(), &h, sizeof(Header));
+  if (!payload.empty()) std::memcpy(bytes.data() + sizeof(Header), payload.data(), payload.size());
+  return bytes;
+}
+
+Header hello_header(int worker, const std::string& token) {
+  Header h;
+  h.type = static_cast<uint16_t>(MessageType::kHello);
+  h.worker = worker;
+  h.payload_bytes = static_cast<int64_t>(token.size());
+  h.checksum = header_checksum(h);
+  return h;
+}
+
 }  // namespace hemiola::ps

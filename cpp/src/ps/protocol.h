@@ -13,6 +13,7 @@
 #include <cstring>
 #include <string>
 #include <type_traits>
+#include <vector>
 
 #include "hemiola/ps.h"
 
@@ -106,5 +107,11 @@ inline OptimizerHyper get_hyper(const Header& h) {
 // Empty when the header is well formed (magic, protocol, checksum, type,
 // payload size within limits); otherwise why not.
 std::string header_problem(const Header& h);
+
+// A message as it goes on the wire: the header's bytes, then the payload's.
+std::vector<char> frame(const Header& h, const std::vector<char>& payload);
+
+// Both sides' view of a hello header (tests use it to craft hostile ones).
+Header hello_header(int worker, const std::string& token);
 
 }  // namespace hemiola::ps

@@ -1,0 +1,136 @@
+// The parameter server's state, shared by its two halves: ps/server.cpp (the
+// lifecycle: admission, the receive threads, the watchdog, replies, snapshots)
+// and ps/server_requests.cpp (what each worker message does to the keys).
+//
+// Invariant: every member below `mutex` is read and written with `mutex`
+// held; the receive threads (ps/channel.h's receive_loop) hold it while a
+// message is handled, and serve()'s watchdog while it checks.
+#pragma once
+
+#include <chrono>
+#include <condition_variable>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "hemiola/ps.h"
+#include "hemiola/status.h"
+#include "ps/admission.h"
+#include "ps/channel.h"
+#include "ps/log_limit.h"
+#include "ps/optimizer.h"
+#include "ps/protocol.h"
+#include "ps/table.h"
+
+namespace hemiola::ps {
+
+enum class WorkerState { kConnected, kRegistered, kGone, kDead };
+
+struct Waiting {
+  int worker;
+  int64_t min_version;
+  // eager: the requester's own push follows; answer without that push's
+  // momentum share, at the weight it is expected to get (momentum_share_removed).
+  bool ahead = false;
+  PushWeight weight;
+};
+
+struct Key {
+  TableEntry entry;
+  bool initialized = false;
+  int64_t version = 0;
+  std::vector<float> param;
+  OptimizerState optimizer;
+  std::optional<OptimizerHyper> hyper;  // of the newest applied push (an ahead reply steps with it)
+  // bsp: the round being aggregated.
+  std::vector<float> sum;
+  std::vector<uint8_t> contributed;
+  int contributions = 0;
+  bool any_gradient = false;
+  OptimizerHyper round_hyper;
+  std::chrono::steady_clock::time_point round_started;
+  // ssp/asp/eager: pushes received from each worker.
+  std::vector<int64_t> pushes;
+  std::vector<Waiting> waiting;
+};
+
+inline std::chrono::milliseconds millis(double seconds) {
+  return std::chrono::milliseconds(static_cast<int64_t>(seconds * 1000.0));
+}
+
+struct Server::Impl {
+  ServerOptions opt;
+  std::shared_ptr<Store> store;
+  std::unique_ptr<Acceptor> acceptor;
+  std::vector<std::unique_ptr<Channel>> channels;  // index = worker
+  std::vector<std::thread> receivers;
+  std::thread refuser;  // while serving: refuses latecomers, drops silent ones
+
+  mutable std::mutex mutex;
+  // Refused connections: 10 lines per 10 s at most (guarded by mutex).
+  LogLimit refusal_log{10, std::chrono::seconds(10)};
+  std::condition_variable changed;
+  std::map<int32_t, Key> keys;
+  std::string table;  // what every worker must register (empty until the first does)
+  OptimizerKind optimizer = OptimizerKind::kSgd;
+  bool restored = false;
+  std::vector<WorkerState> workers;
+  std::vector<uint64_t> expected_seq;
+  std::string fatal;
+  ErrorCode fatal_code = ErrorCode::kCommFailure;
+  ServerStats stats;
+
+  std::string who(int w) const {
+    return detail::concat("worker ", w, " (rank ", opt.num_servers + w, ")");
+  }
+  std::string tag() const { return detail::concat("[hemiola ps server ", opt.server_index, "] "); }
+  bool live(int w) const {
+    const auto s = workers[static_cast<size_t>(w)];
+    return s == WorkerState::kConnected || s == WorkerState::kRegistered;
+  }
+
+  // ---- replies and failures (server.cpp) ------------------------------------------
+  void send(int w, MessageType type, int32_t key, int64_t version = 0, int64_t aux = 0,
+            std::vector<char> payload = {}, double factor = 1.0, int32_t flags = 0);
+  void send_error(int w, const std::string& message, ErrorCode code = ErrorCode::kInvalidArgument);
+  void keep(const std::string& message);
+  void remember(const std::string& message);
+  void reject(int w, const Header& h, const std::string& why);
+  void refused(const std::string& why);
+  void fail(const std::string& message, ErrorCode code);
+  void on_disconnect(int w, const std::string& what);
+
+  // ---- snapshots (server.cpp) -----------------------------------------------------
+  void take_snapshot_locked();
+  void restore();
+
+  // Worker w's receive thread: hands its messages to handle() until it leaves.
+  void receive_from(int w);
+
+  // ---- the watchdog (server.cpp) --------------------------------------------------
+  bool everyone_left() const;
+  void check_silent_workers();
+  void check_stalled_rounds();
+
+  // ---- requests (server_requests.cpp) -----------------------------------------------
+  void handle(int w, const Header& h, const std::vector<char>& payload);
+  void add_keys(const std::vector<TableEntry>& entries);
+  void on_register(int w, const Header& h, const std::vector<char>& payload);
+  void on_bye(int w);
+  void on_init(int w, Key& k, const Header& h, const std::vector<char>& payload);
+  void on_pull(int w, Key& k, const Header& h);
+  void on_push(int w, Key& k, const Header& h, const std::vector<char>& payload);
+  std::string gone_workers() const;
+  bool may_read(const Key& k, const Waiting& p) const;
+  void answer_pulls(Key& k);
+  void answer_all_pulls();
+  void apply_bsp(int w, Key& k, const Header& h, const float* grad);
+  PushWeight weight_of(const Header& h, int64_t tau) const;
+  void apply_async(int w, Key& k, const Header& h, const float* grad);
+};
+
+}  // namespace hemiola::ps
