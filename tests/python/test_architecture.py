@@ -1,17 +1,50 @@
-"""The shape of the Python package: its modules import each other without a
-cycle (data_parallel -> schedules -> replica, never back), and the schedules
-touch no private member of the wrapper."""
+"""The shape of the Python package: its modules stand on floors and import
+only from their own floor or below, without a cycle (data_parallel ->
+schedules -> replica, never back), and the schedules touch no private member
+of the wrapper. The benchmark package (bench/hemiola/bench, installed as
+hemiola.bench) is part of the walk."""
 
 from __future__ import annotations
 
 import ast
 from pathlib import Path
 
-PACKAGE = Path(__file__).resolve().parents[2] / "python" / "hemiola"
+ROOT = Path(__file__).resolve().parents[2]
+PACKAGE = ROOT / "python" / "hemiola"
+BENCH = ROOT / "bench" / "hemiola" / "bench"
+
+#: The floors of the package, bottom up: a module may import modules of its
+#: own floor and the floors below (matched by name or package prefix, but
+#: the facade, ``hemiola`` itself, by name only; the first match wins, so a
+#: specific name goes before its package's prefix).
+FLOORS: list[tuple[str, tuple[str, ...]]] = [
+    ("leaves", ("hemiola._C", "hemiola._native", "hemiola.config", "hemiola.comm_hooks",
+                "hemiola.torch_math", "hemiola.deferred_norm", "hemiola.forward_gate",
+                "hemiola.cluster.config", "hemiola.ps.config", "hemiola.ps.ahead")),
+    ("services", ("hemiola.tensors", "hemiola.timeline", "hemiola.hyper",
+                  "hemiola.distributed", "hemiola.validate")),
+    ("replica", ("hemiola.replica",)),
+    ("schedules", ("hemiola.schedules",)),
+    ("wrappers", ("hemiola.data_parallel", "hemiola.streaming")),
+    ("wrap", ("hemiola.wrapping", "hemiola.clipping")),
+    ("peers and frameworks", ("hemiola.ps", "hemiola.cluster", "hemiola.lightning",
+                              "hemiola.hf", "hemiola.launch")),
+    ("facade", ("hemiola",)),
+    ("applications", ("hemiola.advise", "hemiola.demo", "hemiola.bench", "hemiola.cli",
+                      "hemiola.__main__")),
+]
+
+
+def _floor(module: str) -> int:
+    for level, (_, names) in enumerate(FLOORS):
+        if any(module == n or (n != "hemiola" and module.startswith(n + ".")) for n in names):
+            return level
+    raise AssertionError(f"{module} stands on no floor: add it to FLOORS")
 
 
 def _module_name(path: Path) -> str:
-    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    anchor = BENCH.parent.parent if path.is_relative_to(BENCH) else PACKAGE.parent
+    parts = path.relative_to(anchor).with_suffix("").parts
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
@@ -20,7 +53,8 @@ EXTENSIONS = {"hemiola._C"}
 
 
 def _modules() -> dict[str, Path]:
-    return {_module_name(p): p for p in PACKAGE.rglob("*.py")}
+    paths = [*PACKAGE.rglob("*.py"), *BENCH.rglob("*.py")]
+    return {_module_name(p): p for p in paths if not p.is_symlink()}
 
 
 def _imports(path: Path, name: str, known: set[str]) -> set[str]:
@@ -85,6 +119,25 @@ def test_the_package_has_no_import_cycle() -> None:
     assert graph["hemiola.data_parallel"], "the import graph found nothing: is the parser wrong?"
     assert "hemiola.schedules" in graph["hemiola.data_parallel"]
     assert _cycles(graph) == [], "modules that import each other (directly or through others)"
+
+
+def test_no_module_imports_a_floor_above_its_own() -> None:
+    modules = _modules()
+    assert "hemiola.bench.speed" in modules, "the benchmark package is not walked"
+    known = set(modules) | EXTENSIONS
+    upward = []
+    for name, path in sorted(modules.items()):
+        for imported in sorted(_imports(path, name, known)):
+            if _floor(imported) > _floor(name):
+                upward.append(f"{name} ({FLOORS[_floor(name)][0]}) imports {imported} "
+                              f"({FLOORS[_floor(imported)][0]})")
+    assert upward == []
+
+
+def test_the_floor_rule_catches_an_upward_import() -> None:
+    assert _floor("hemiola.schedules.wfbp") < _floor("hemiola.data_parallel")
+    assert _floor("hemiola.tensors") < _floor("hemiola.replica")
+    assert _floor("hemiola.bench.tasks.runner") == len(FLOORS) - 1
 
 
 def test_the_cycle_finder_finds_a_cycle() -> None:
