@@ -44,8 +44,8 @@ def difference(a: dict[str, Any], b: dict[str, Any]) -> float:
 def test_equals_the_trainers_own_ddp_with_accumulation_and_clipping(tmp_path: Path) -> None:
     """Accumulation 2 and clipping at 0.5, which clips here: wfbp is the stock
     Trainer's DDP bit for bit; priority clips the averaged gradient with the
-    engine's norm (accumulated in double, torch's in float: the coefficient's
-    last bit may differ, and AdamW carries it forward; measured 1.06e-6);
+    engine's norm (accumulated in double, torch's in its own order: the
+    coefficient's last bit may differ, and AdamW carries it forward; measured 1.06e-6);
     decoupled trains to within its approximation."""
     common = ("--accumulate", "2", "--clip", "0.5")
     stock = train(tmp_path, "stock", *common)
