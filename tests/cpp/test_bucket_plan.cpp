@@ -3,7 +3,7 @@
 #include <numeric>
 #include <set>
 
-#include "engine/bucket_plan.h"
+#include "engine/buckets/bucket_plan.h"
 #include "hemiola/status.h"
 
 namespace hemiola {

@@ -6,8 +6,8 @@
 #include <random>
 #include <vector>
 
-#include "engine/dtype_math.h"
-#include "engine/half_cast.h"
+#include "core/dtype_math.h"
+#include "core/half_cast.h"
 
 namespace hemiola {
 namespace {

@@ -9,7 +9,7 @@
 #include <random>
 #include <thread>
 
-#include "engine/dtype_math.h"
+#include "core/dtype_math.h"
 #include "hemiola/hemiola.h"
 #include "run_ranks.h"
 

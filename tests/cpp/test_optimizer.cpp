@@ -6,7 +6,7 @@
 #include <cmath>
 #include <vector>
 
-#include "engine/dtype_math.h"
+#include "core/dtype_math.h"
 #include "hemiola/optimizer.h"
 #include "hemiola/status.h"
 

@@ -9,8 +9,8 @@
 #include <random>
 #include <vector>
 
-#include "engine/preview.h"
-#include "engine/reducer_impl.h"
+#include "engine/codec/preview.h"
+#include "engine/reducer/reducer_impl.h"
 #include "hemiola/hemiola.h"
 #include "run_ranks.h"
 

@@ -4,7 +4,7 @@
 #include <thread>
 #include <vector>
 
-#include "engine/ready_queue.h"
+#include "core/ready_queue.h"
 
 namespace hemiola {
 namespace {

@@ -9,8 +9,8 @@
 #include <mutex>
 #include <random>
 
-#include "engine/dtype_math.h"
-#include "engine/wire_codec.h"
+#include "core/dtype_math.h"
+#include "engine/codec/wire_codec.h"
 #include "hemiola/hemiola.h"
 #include "run_ranks.h"
 
