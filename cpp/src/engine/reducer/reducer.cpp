@@ -166,22 +166,10 @@ void ReducerImpl::build(const std::vector<size_t>& order) {
   plan_start_ = started_.load();
 }
 
-std::unique_ptr<WireCodec> ReducerImpl::make_codec(Compression compression) const {
-  if (compression == Compression::kNone) return nullptr;
-  if (on_device()) {
-    // The device buckets cast on the engine's stream themselves (DeviceWire).
-    HEMIOLA_CHECK(compression == Compression::kFp16 || compression == Compression::kBf16,
-                  "a CUDA reducer compresses with fp16 or bf16; int8 and powersgd are "
-                  "implemented for CPU reducers only");
-    HEMIOLA_CHECK(options_.average, "ReducerOptions::compression averages on the wire: it needs "
-                  "average = true");
-    return nullptr;
-  }
-  HEMIOLA_CHECK(options_.average, "ReducerOptions::compression averages on the wire (each "
-                "rank divides by the world size before its coding): it needs average = true");
-  ReducerOptions options = options_;
-  options.compression = compression;
-  return std::make_unique<WireCodec>(options, specs_, engine_.options().world_size);
+std::unique_ptr<Codec> ReducerImpl::make_codec(Compression compression) const {
+  return hemiola::make_codec(CodecSpec{specs_, options_.device, compression, options_.average,
+                                       engine_.options().world_size, options_.powersgd_rank,
+                                       options_.powersgd_start_iteration});
 }
 
 void ReducerImpl::set_compression(Compression compression, size_t powersgd_rank,
@@ -193,21 +181,18 @@ void ReducerImpl::set_compression(Compression compression, size_t powersgd_rank,
   options_.powersgd_start_iteration = powersgd_start_iteration;
   codec_ = make_codec(compression);
   options_.compression = compression;
-  // The storages hold the codec: make them anew (no iteration has used them).
+  // The storages keep the codec's wire memory: make them anew (no iteration
+  // has used them).
   for (auto& flight : flights_) flight->storage = make_storage();
 }
 
 std::unique_ptr<BucketStorage> ReducerImpl::make_storage() {
   const BucketLayout layout{plan_, placement_, specs_};
   if (on_device()) {
-    DeviceWire wire;
-    wire.world_size = engine_.options().world_size;
-    if (options_.compression == Compression::kFp16) wire.half = DType::kFloat16;
-    if (options_.compression == Compression::kBf16) wire.half = DType::kBFloat16;
-    return make_device_buckets(layout, engine_, options_.device.index, options_.average, wire,
-                               timeout());
+    return make_device_buckets(layout, engine_.devices(), options_.device.index,
+                               codec_->wire_bytes(plan_), timeout());
   }
-  return make_host_buckets(layout, scale_, codec_.get());
+  return make_host_buckets(layout);
 }
 
 std::chrono::milliseconds ReducerImpl::timeout() const {
@@ -383,7 +368,7 @@ void ReducerImpl::wait_ready(ReadyQueue<uint32_t>& queue, size_t b, std::vector<
 
 void ReducerImpl::reduce(Flight& flight, size_t b, Communicator& comm, Timeline& timeline) {
   const int64_t start_us = timeline.now_us();
-  flight.storage->reduce(b, flight.out, comm);
+  codec_->reduce(*flight.storage, b, flight.iteration, flight.out, comm);
   if (options_.preview) after_reduced(flight, b);
   set_flag(flight.bucket_mutex, flight.bucket_cv, flight.bucket_done[b]);
   if (timeline.enabled()) {
@@ -551,13 +536,12 @@ TensorRef ReducerImpl::result(uint64_t iteration, size_t index) const {
 
 TensorRef ReducerImpl::residual(size_t index) {
   HEMIOLA_CHECK(index < specs_.size(), "gradient index ", index, " is out of range");
-  HEMIOLA_CHECK(codec_ && (codec_->compression() == Compression::kInt8 ||
-                            codec_->compression() == Compression::kPowerSgd),
+  std::vector<float>* r = codec_->residual(index);  // null: no error feedback
+  HEMIOLA_CHECK(r != nullptr,
                 "residual() needs ReducerOptions::compression int8 or powersgd (error feedback)");
   HEMIOLA_CHECK(!marking(), "residual() while gradients are being marked");
   wait_all();  // every reduction submitted so far has written its residual
-  std::vector<float>& r = codec_->residual(index);
-  return TensorRef{r.data(), DType::kFloat32, r.size(), Device{}};
+  return TensorRef{r->data(), DType::kFloat32, r->size(), Device{}};
 }
 
 std::vector<int> ReducerImpl::usage(uint64_t iteration) const {

@@ -30,10 +30,11 @@
 #include <vector>
 
 #include "engine/buckets/bucket_plan.h"
-#include "engine/reducer/bucket_storage.h"
+#include "engine/buckets/bucket_storage.h"
 #include "engine/engine_impl.h"
 #include "core/ready_queue.h"
-#include "engine/codec/wire_codec.h"
+#include "engine/codec/codec.h"
+#include "engine/reducer/device_setup.h"
 #include "hemiola/config.h"
 #include "hemiola/reducer.h"
 
@@ -150,7 +151,7 @@ class ReducerImpl {
   // ---- lifecycle (reducer.cpp)
   void build(const std::vector<size_t>& order);
   std::unique_ptr<BucketStorage> make_storage();
-  std::unique_ptr<WireCodec> make_codec(Compression compression) const;
+  std::unique_ptr<Codec> make_codec(Compression compression) const;
   Flight& begin_iteration();
   const Flight& completed_flight(uint64_t iteration) const;
   void check_usable() const;
@@ -191,9 +192,9 @@ class ReducerImpl {
   const std::vector<GradSpec> specs_;
   ReducerOptions options_;  // fixed, but for compression before the first iteration
   const double scale_;  // 1/world when averaging
-  // ReducerOptions::compression (null: none). Shared by every flight's
-  // storage and used on the scheduler thread only.
-  std::unique_ptr<WireCodec> codec_;
+  // How every bucket travels (ReducerOptions::compression; never null).
+  // Shared by every flight and used on the scheduler thread only.
+  std::unique_ptr<Codec> codec_;
 
   // The plan. Replaced only by rebuild(), with no iteration in flight.
   std::vector<PlannedBucket> plan_;
