@@ -57,9 +57,45 @@ TensorRef make_ref(uintptr_t data, int dtype, size_t numel) {
   return ref;
 }
 
+// The Compression of a Python code: one the engine's table lists.
+Compression compression_of(int code) {
+  for (const Coding& coding : codings()) {
+    if (static_cast<int>(coding.compression) == code) return coding.compression;
+  }
+  HEMIOLA_CHECK(false, "unknown compression code ", code);
+  return Compression::kNone;
+}
+
 }  // namespace
 
 void bind_engine(py::module_& m) {
+  // The codings' names and codes, and where each runs, from the engine's one
+  // table (hemiola/config.h: codings()): hemiola.config and the wrap's
+  // refusals ask these rather than keep lists of their own.
+  m.def(
+      "compressions",
+      [] {
+        py::dict out;
+        for (const Coding& coding : codings()) {
+          out[coding.name] = static_cast<int>(coding.compression);
+        }
+        return out;
+      },
+      "Every coding's engine code by its Config.compression name ('none': 0).");
+  m.def(
+      "codings",
+      [](const std::string& device_type) {
+        HEMIOLA_CHECK(device_type == "cpu" || device_type == "cuda",
+                      "codings() takes 'cpu' or 'cuda', got '", device_type, "'");
+        std::vector<std::string> names;
+        for (const Coding& coding : codings()) {
+          if (device_type == "cuda" ? coding.cuda : coding.host) names.push_back(coding.name);
+        }
+        return names;
+      },
+      py::arg("device_type"),
+      "The Config.compression names a model on that device type ('cpu' or 'cuda') can use, "
+      "'none' included, in code order.");
   py::enum_<DType>(m, "DType")
       .value("float32", DType::kFloat32)
       .value("float64", DType::kFloat64)
@@ -122,12 +158,11 @@ void bind_engine(py::module_& m) {
       .def(
           "set_compression",
           [](Reducer& r, int code, size_t powersgd_rank, uint64_t powersgd_start_iteration) {
-            HEMIOLA_CHECK(code >= 0 && code <= 4, "unknown compression code ", code);
-            r.set_compression(static_cast<Compression>(code), powersgd_rank,
+            r.set_compression(compression_of(code), powersgd_rank,
                               powersgd_start_iteration);
           },
           py::arg("code"), py::arg("powersgd_rank") = 2, py::arg("powersgd_start_iteration") = 10,
-          "Before the first iteration: 0 none, 1 fp16, 2 bf16, 3 int8, 4 powersgd.")
+          "Before the first iteration: a code of compressions().")
       .def("preview_error", &Reducer::preview_error,
            "sqrt(sum |estimate - average|^2 / sum |average|^2) over every preview so far.")
       .def(
@@ -276,9 +311,7 @@ void bind_engine(py::module_& m) {
             options.in_flight = in_flight;
             options.partition_bytes = partition_bytes;
             options.preview = preview;
-            HEMIOLA_CHECK(compression >= 0 && compression <= 4, "unknown compression code ",
-                          compression);
-            options.compression = static_cast<Compression>(compression);
+            options.compression = compression_of(compression);
             options.powersgd_rank = powersgd_rank;
             options.powersgd_start_iteration = powersgd_start_iteration;
             if (device >= 0) options.device = Device{DeviceType::kCUDA, device};

@@ -5,14 +5,18 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from hemiola._native import C
+
 SCHEDULES = ("wfbp", "priority", "decoupled", "streaming")
-#: Values of ``Config.compression`` besides None, with the engine's code of each.
-COMPRESSIONS = {"fp16": 1, "bf16": 2, "int8": 3, "powersgd": 4}
+#: Values of ``Config.compression`` besides None, with the engine's code of
+#: each: the engine's own table (``hemiola/config.h``), so neither is spelled here.
+_CODES = C.compressions()
+COMPRESSIONS = {name: code for name, code in _CODES.items() if name != "none"}
 
 
 def compression_code(compression: str | None) -> int:
-    """The engine's code of a ``Config.compression`` value (0: None)."""
-    return 0 if compression is None else COMPRESSIONS[compression]
+    """The engine's code of a ``Config.compression`` value (None: "none")."""
+    return _CODES["none"] if compression is None else COMPRESSIONS[compression]
 
 
 @dataclass(frozen=True)

@@ -171,13 +171,16 @@ class DataParallel(nn.Module):
         self._replica.config = config
 
     def _refuse_compression_on_gpu(self, compression: str | None) -> None:
-        """Compression on a CUDA model: fp16 and bf16 (the engine casts on its
-        stream); int8 and powersgd are CPU only."""
+        """Compression on a CUDA model: what the engine's table says runs on
+        a GPU (today fp16 and bf16, which it casts on its stream); the others
+        are CPU only."""
         if compression is None or self.device.type != "cuda":
             return
-        if compression not in ("fp16", "bf16"):
+        on_gpu = [c for c in C.codings("cuda") if c != "none"]
+        if compression not in on_gpu:
             raise ValueError(f"compression={compression!r} is implemented for CPU models only; "
-                             "on a GPU use compression='fp16' or 'bf16', or None")
+                             f"on a GPU use compression={' or '.join(repr(c) for c in on_gpu)}, "
+                             "or None")
 
     def comm_state_dict(self) -> dict[str, torch.Tensor]:
         """The communication state a checkpoint must carry to resume exactly:

@@ -10,7 +10,7 @@
 #include <random>
 
 #include "core/dtype_math.h"
-#include "engine/codec/wire_codec.h"
+#include "engine/codec/codings.h"
 #include "hemiola/hemiola.h"
 #include "run_ranks.h"
 
@@ -240,6 +240,28 @@ TEST(Compression, RefusedWhereItCannotWork) {
     ReducerOptions plain;
     auto reducer = e.make_reducer(specs, plain);
     EXPECT_THROW(reducer->residual(0), Error);  // no error feedback without int8
+  });
+}
+
+// The factory's table decides, before anything touches a device, and its
+// refusal names what does work on a GPU.
+TEST(Compression, ACudaReducerRefusesTheHostOnlyCodings) {
+  const auto specs = specs_of({10});
+  run_ranks(1, [&](Engine& e) {
+    for (Compression c : {Compression::kInt8, Compression::kPowerSgd}) {
+      ReducerOptions options = compressed(c);
+      options.device = Device{DeviceType::kCUDA, 0};
+      try {
+        e.make_reducer(specs, options);
+        ADD_FAILURE() << "a CUDA reducer accepted a host-only coding";
+      } catch (const Error& error) {
+        EXPECT_NE(std::string(error.what()).find("a CUDA reducer compresses with fp16 or bf16; "
+                                                 "int8 and powersgd are implemented for CPU "
+                                                 "reducers only"),
+                  std::string::npos)
+            << error.what();
+      }
+    }
   });
 }
 

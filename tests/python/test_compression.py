@@ -14,6 +14,20 @@ from hemiola.launch import run_local
 import compression_workers as cw
 
 
+def test_the_codings_and_where_they_run_come_from_the_engine() -> None:
+    from hemiola._native import C
+    from hemiola.config import COMPRESSIONS, compression_code
+
+    # hemiola/config.h's Compression, as the binding reports it.
+    assert C.compressions() == {"none": 0, "fp16": 1, "bf16": 2, "int8": 3, "powersgd": 4}
+    assert COMPRESSIONS == {n: c for n, c in C.compressions().items() if n != "none"}
+    assert compression_code(None) == 0 and compression_code("powersgd") == 4
+    assert C.codings("cpu") == ["none", "fp16", "bf16", "int8", "powersgd"]
+    assert C.codings("cuda") == ["none", "fp16", "bf16"]
+    with pytest.raises(Exception, match="'cpu' or 'cuda'"):
+        C.codings("tpu")
+
+
 @pytest.mark.parametrize("via_hook", [False, True])
 def test_fp16_equals_ddp_with_fp16_compress_hook(via_hook: bool) -> None:
     results = run_local(cw.fp16_vs_ddp_hook, 2, "mlp", via_hook, timeout_s=120)

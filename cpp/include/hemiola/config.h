@@ -5,7 +5,9 @@
 #include <cstddef>
 #include <cstdint>
 #include <string>
+#include <vector>
 
+#include "hemiola/export.h"
 #include "hemiola/tensor.h"
 
 namespace hemiola {
@@ -42,8 +44,9 @@ struct EngineOptions {
   size_t staged_chunk_bytes = 0;
 };
 
-// How a bucket travels on the wire (engine/codec/). Applies to float32
-// buckets; buckets of other dtypes travel as they are.
+// How a bucket travels on the wire (engine/codec/codec.h). Applies to float32
+// buckets; buckets of other dtypes travel as they are. These are the codes;
+// the Python layer takes them, and the names, from codings().
 enum class Compression : uint8_t {
   kNone = 0,
   kFp16 = 1,  // two bytes, pre-divided by the world size (DDP's fp16 hook)
@@ -51,6 +54,18 @@ enum class Compression : uint8_t {
   kInt8 = 3,  // one byte per element, a scale per block, error feedback
   kPowerSgd = 4,  // low rank (PowerSGD) with error feedback; small tensors as they are
 };
+
+// One coding: the name hemiola.Config.compression gives it and the buckets
+// it runs on. The table is the codec factory's (engine/codec/factory.cpp); a
+// reducer refuses any pairing it does not list, naming what works there.
+struct Coding {
+  Compression compression;
+  const char* name;  // as Config.compression spells it ("none": kNone)
+  bool host;         // runs on host (CPU) buckets
+  bool cuda;         // runs on CUDA device buckets
+};
+// Every coding, in code order.
+HEMIOLA_API const std::vector<Coding>& codings();
 
 struct ReducerOptions {
   // Gradients are fused into buckets in plan order; a bucket closes once it

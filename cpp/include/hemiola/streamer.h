@@ -22,10 +22,10 @@
 // same parameters after each sync (blocking). The shared copy, the outer
 // momentum and the wire's averages are bitwise the same on every rank.
 //
-// Memory, per parameter element: the shared copy and the outer momentum
-// (2x the model, in the parameters' dtype, host memory), plus the in-flight
-// fragment's pseudo-gradient and the live values it was sent from (2x one
-// fragment), plus, with int8, one float32 residual per element.
+// Memory, per parameter element, host memory in the parameters' dtype: the
+// shared copy, the outer momentum and the pseudo-gradient buffers (3x the
+// model), plus the live values the fragment in flight was sent from (the
+// largest fragment), plus, with int8, one float32 residual per element.
 //
 // Host (CPU) parameters only, for now. Not thread-safe: one training loop
 // calls it.

@@ -5,6 +5,7 @@
 #include <limits>
 #include <random>
 
+#include "engine/codec/codings.h"
 #include "hemiola/status.h"
 #include "optim/grad_norm.h"
 
@@ -229,6 +230,41 @@ void PowerSgd::reduce_average(const PlannedBucket& plan, float* data, Communicat
     at += mx.rows * mx.rank;
     qat += mx.cols * mx.rank;
   }
+}
+
+namespace {
+
+// kPowerSgd as a coding: from iteration `powersgd_start_iteration` on; before
+// that (the warm-up), a bucket travels uncompressed, as none sends it.
+class PowerSgdHost final : public Codec {
+ public:
+  explicit PowerSgdHost(const CodecSpec& spec)
+      : Codec(Compression::kPowerSgd), start_(spec.powersgd_start_iteration),
+        scale_(plain_scale(spec)), powersgd_(spec.specs, spec.powersgd_rank, spec.world_size) {}
+
+  std::vector<float>* residual(size_t index) override { return &powersgd_.residual(index); }
+
+ protected:
+  double send(BucketStorage& storage, size_t b, uint64_t iteration, Communicator& comm) override {
+    const PlannedBucket& plan = storage.layout().plan[b];
+    if (iteration < start_ || !compressible(plan)) {
+      return send_plain_host(storage, b, comm, scale_);
+    }
+    powersgd_.reduce_average(plan, reinterpret_cast<float*>(storage.buffer(b)), comm,
+                             storage.used());
+    return 1.0;  // averaged on the wire
+  }
+
+ private:
+  const uint64_t start_;
+  const double scale_;  // an uncompressed bucket's: 1/world when averaging
+  PowerSgd powersgd_;
+};
+
+}  // namespace
+
+std::unique_ptr<Codec> make_powersgd_codec(const CodecSpec& spec) {
+  return std::make_unique<PowerSgdHost>(spec);
 }
 
 }  // namespace hemiola

@@ -24,7 +24,7 @@
 #include <vector>
 
 #include "engine/buckets/bucket_plan.h"
-#include "engine/reducer/bucket_storage.h"
+#include "engine/buckets/bucket_storage.h"
 #include "hemiola/tensor.h"
 
 namespace hemiola {

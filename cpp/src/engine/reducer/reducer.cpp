@@ -8,6 +8,7 @@
 
 #include "core/dtype_math.h"
 #include "engine/codec/preview.h"
+#include "engine/reducer/device_setup.h"
 #include "engine/reducer/reducer_impl.h"
 #include "hemiola/status.h"
 
@@ -36,7 +37,6 @@ ReducerImpl::ReducerImpl(LaneHost& host, std::vector<GradSpec> specs,
                          const ReducerOptions& options)
     : host_(host),
       options_(options),
-      scale_(options.average ? 1.0 / host.options().world_size : 1.0),
       plan_{checked(std::move(specs)), {}, {}, {}, 0},
       ring_(plan_, options.in_flight, options.record_order) {
   HEMIOLA_CHECK(options_.fusion_bytes > 0 && options_.first_bucket_bytes > 0,
@@ -59,7 +59,7 @@ ReducerImpl::ReducerImpl(LaneHost& host, std::vector<GradSpec> specs,
     reduction_->gate_on(*preview_);
   }
   ring_.add_lane(*reduction_);
-  codec_ = make_codec(options_.compression);
+  reduction_->set_codec(make_codec(options_.compression));
   build(reverse_order(plan_.specs.size()));
   if (on_device()) {
     // The device's stream and communicator are made now, on the scheduler
@@ -118,22 +118,11 @@ void ReducerImpl::build(const std::vector<size_t>& order) {
   ring_.build([this] { return make_storage(); });
 }
 
-std::unique_ptr<WireCodec> ReducerImpl::make_codec(Compression compression) const {
-  if (compression == Compression::kNone) return nullptr;
-  if (on_device()) {
-    // The device buckets cast on the engine's stream themselves (DeviceWire).
-    HEMIOLA_CHECK(compression == Compression::kFp16 || compression == Compression::kBf16,
-                  "a CUDA reducer compresses with fp16 or bf16; int8 and powersgd are "
-                  "implemented for CPU reducers only");
-    HEMIOLA_CHECK(options_.average, "ReducerOptions::compression averages on the wire: it needs "
-                  "average = true");
-    return nullptr;
-  }
-  HEMIOLA_CHECK(options_.average, "ReducerOptions::compression averages on the wire (each "
-                "rank divides by the world size before its coding): it needs average = true");
-  ReducerOptions options = options_;
-  options.compression = compression;
-  return std::make_unique<WireCodec>(options, plan_.specs, host_.options().world_size);
+std::unique_ptr<Codec> ReducerImpl::make_codec(Compression compression) const {
+  return hemiola::make_codec(CodecSpec{plan_.specs, options_.device, compression,
+                                       options_.average, host_.options().world_size,
+                                       options_.powersgd_rank,
+                                       options_.powersgd_start_iteration});
 }
 
 void ReducerImpl::set_compression(Compression compression, size_t powersgd_rank,
@@ -143,23 +132,20 @@ void ReducerImpl::set_compression(Compression compression, size_t powersgd_rank,
                 "set_compression after the first iteration started; set it before");
   options_.powersgd_rank = powersgd_rank;
   options_.powersgd_start_iteration = powersgd_start_iteration;
-  codec_ = make_codec(compression);
+  reduction_->set_codec(make_codec(compression));
   options_.compression = compression;
-  // The storages hold the codec: make them anew (no iteration has used them).
+  // The storages keep the codec's wire memory: make them anew (no iteration
+  // has used them).
   ring_.replace_storage([this] { return make_storage(); });
 }
 
 std::unique_ptr<BucketStorage> ReducerImpl::make_storage() {
   const BucketLayout layout{plan_.buckets, plan_.placement, plan_.specs};
   if (on_device()) {
-    DeviceWire wire;
-    wire.world_size = host_.options().world_size;
-    if (options_.compression == Compression::kFp16) wire.half = DType::kFloat16;
-    if (options_.compression == Compression::kBf16) wire.half = DType::kBFloat16;
-    return make_device_buckets(layout, host_, options_.device.index, options_.average, wire,
-                               timeout());
+    return make_device_buckets(layout, host_.devices(), options_.device.index,
+                               reduction_->codec().wire_bytes(plan_.buckets), timeout());
   }
-  return make_host_buckets(layout, scale_, codec_.get());
+  return make_host_buckets(layout);
 }
 
 std::chrono::milliseconds ReducerImpl::timeout() const {
@@ -265,13 +251,12 @@ const Flight& ReducerImpl::completed_flight(uint64_t iteration) const {
 
 TensorRef ReducerImpl::residual(size_t index) {
   HEMIOLA_CHECK(index < plan_.specs.size(), "gradient index ", index, " is out of range");
-  HEMIOLA_CHECK(codec_ && (codec_->compression() == Compression::kInt8 ||
-                            codec_->compression() == Compression::kPowerSgd),
+  std::vector<float>* r = reduction_->codec().residual(index);  // null: no error feedback
+  HEMIOLA_CHECK(r != nullptr,
                 "residual() needs ReducerOptions::compression int8 or powersgd (error feedback)");
   HEMIOLA_CHECK(!marking(), "residual() while gradients are being marked");
   wait_all();  // every reduction submitted so far has written its residual
-  std::vector<float>& r = codec_->residual(index);
-  return TensorRef{r.data(), DType::kFloat32, r.size(), Device{}};
+  return TensorRef{r->data(), DType::kFloat32, r->size(), Device{}};
 }
 
 std::vector<int> ReducerImpl::usage(uint64_t iteration) const {

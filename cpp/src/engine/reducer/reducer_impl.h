@@ -9,8 +9,9 @@
 //     (preview_lane.h) with ReducerOptions::preview. Lanes do not know each
 //     other's kind; the reducer wires them (who gates on whom, who observes
 //     whom) once, here.
-// The bucket memory is the BucketStorage's (bucket_storage.h); how a bucket
-// travels, the codec's (engine/codec/).
+// The bucket memory is the BucketStorage's (engine/buckets/bucket_storage.h);
+// how a bucket travels, the codec's (engine/codec/codec.h), which the full
+// reduction's step calls.
 //
 // Concurrency: mark() runs on autograd threads (many at once); the lanes'
 // work on their scheduler threads; everything else on the user's thread.
@@ -23,8 +24,8 @@
 #include <vector>
 
 #include "engine/buckets/bucket_plan.h"
-#include "engine/codec/wire_codec.h"
-#include "engine/reducer/bucket_storage.h"
+#include "engine/buckets/bucket_storage.h"
+#include "engine/codec/codec.h"
 #include "engine/reducer/iteration_ring.h"
 #include "engine/reducer/lane_host.h"
 #include "engine/reducer/preview_lane.h"
@@ -87,7 +88,7 @@ class ReducerImpl {
  private:
   void build(const std::vector<size_t>& order);
   std::unique_ptr<BucketStorage> make_storage();
-  std::unique_ptr<WireCodec> make_codec(Compression compression) const;
+  std::unique_ptr<Codec> make_codec(Compression compression) const;
   // Every lane, in the order the ring tells them of an iteration.
   std::vector<const Lane*> lanes() const;
   const Flight& completed_flight(uint64_t iteration) const;
@@ -97,11 +98,7 @@ class ReducerImpl {
 
   LaneHost& host_;
   ReducerOptions options_;  // fixed, but for compression before the first iteration
-  const double scale_;      // 1/world when averaging
   ReducerPlan plan_;
-  // ReducerOptions::compression (null: none). Shared by every flight's
-  // storage and used on the full reduction's thread only.
-  std::unique_ptr<WireCodec> codec_;
   IterationRing ring_;
   std::unique_ptr<ReductionLane> reduction_;
   std::unique_ptr<PreviewLane> preview_;  // ReducerOptions::preview only

@@ -22,7 +22,7 @@ void ReductionLane::before(Flight& flight, Communicator&, Timeline&) {
 
 void ReductionLane::step(Flight& flight, size_t b, Communicator& comm, Timeline& timeline) {
   const int64_t start_us = timeline.now_us();
-  flight.storage->reduce(b, flight.out, comm);
+  codec_->reduce(*flight.storage, b, flight.iteration, flight.out, comm);
   if (timeline.enabled()) {
     timeline.record(timeline_lane(),
                     "allreduce bucket " + std::to_string(b) + " (iteration " +

@@ -6,6 +6,9 @@
 
 #include <string>
 
+#include <memory>
+
+#include "engine/codec/codec.h"
 #include "engine/reducer/lane.h"
 
 namespace hemiola {
@@ -18,6 +21,12 @@ class ReductionLane final : public Lane {
                 const Device& device, bool track_usage);
 
   TensorRef value(uint64_t iteration, size_t index) const override;
+  // How its buckets travel (ReducerOptions::compression): set before the
+  // first iteration; used on the lane's thread only, one bucket at a time in
+  // iteration order (so iteration t's residuals are written before t+1
+  // reads them).
+  void set_codec(std::unique_ptr<Codec> codec) { codec_ = std::move(codec); }
+  Codec& codec() { return *codec_; }
 
  protected:
   void before(Flight& flight, Communicator& comm, Timeline& timeline) override;
@@ -30,6 +39,7 @@ class ReductionLane final : public Lane {
  private:
   const Device device_;
   const bool track_usage_;
+  std::unique_ptr<Codec> codec_;
 };
 
 }  // namespace hemiola

@@ -114,13 +114,14 @@ StreamerImpl::StreamerImpl(LaneHost& host, std::vector<StreamedParameter> params
     largest = std::max(largest, bucket.nbytes());
   }
   for (size_t f = 0; f < plan_.size(); ++f) pack(f, fragments_[f].shared.get());
-  wire_.reset(new unsigned char[largest]());
   base_.reset(new unsigned char[largest]());
-  lane_ = std::make_unique<OuterLane>(host_, specs_, plan_, options_.compression);
+  lane_ = std::make_unique<OuterLane>(host_, BucketLayout{plan_, placement_, specs_},
+                                      options_.compression);
 }
 
 StreamerImpl::~StreamerImpl() {
-  // The outer lane's work writes wire_: never let it outlive it.
+  // The outer lane's work reads base_'s neighbours and the lane: never let
+  // it outlive them.
   if (handle_.valid()) handle_.wait_for(std::chrono::hours(1));
 }
 
@@ -154,12 +155,12 @@ void StreamerImpl::after_inner_step() {
 void StreamerImpl::send(size_t f) {
   const PlannedBucket& bucket = plan_[f];
   pack(f, base_.get());
-  subtract(bucket.dtype, wire_.get(), fragments_[f].shared.get(), base_.get(), bucket.numel);
+  subtract(bucket.dtype, lane_->buffer(f), fragments_[f].shared.get(), base_.get(), bucket.numel);
   in_flight_ = true;
   averaged_ = false;
   sent_ = f;
   sent_step_ = steps_;
-  handle_ = lane_->average(f, wire_.get(), syncs_);
+  handle_ = lane_->average(f, syncs_);
 }
 
 void StreamerImpl::wait_in_flight() {
@@ -182,7 +183,7 @@ void StreamerImpl::land() {
   static_cast<OptimizerHyper&>(hyper) = options_.outer;
   hyper.first_step = !fragment.momentum_started;
   SgdTensors tensors{fragment.shared.get(), fragment.shared.get(), fragment.momentum.get(),
-                     wire_.get()};
+                     lane_->buffer(f)};
   sgd_step(tensors, static_cast<int64_t>(bucket.numel), bucket.dtype, Device{}, hyper,
            /*commit=*/true);
   fragment.momentum_started = fragment.momentum_started || options_.outer.momentum != 0.0;
@@ -228,7 +229,7 @@ TensorRef StreamerImpl::residual(size_t index) {
 TensorRef StreamerImpl::in_flight_average() {
   if (!in_flight_) return TensorRef{};
   wait_in_flight();
-  return buffer(sent_, wire_.get());
+  return buffer(sent_, lane_->buffer(sent_));
 }
 
 TensorRef StreamerImpl::in_flight_base() {

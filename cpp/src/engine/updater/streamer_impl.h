@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "engine/buckets/bucket_plan.h"
+#include "engine/buckets/bucket_storage.h"
 #include "engine/reducer/lane_host.h"
 #include "engine/reducer/outer_lane.h"
 #include "hemiola/handle.h"
@@ -73,14 +74,14 @@ class StreamerImpl {
   uint64_t syncs_ = 0;
   double waited_ms_ = 0.0;
   // The fragment in flight (one at a time): its number, the step it was sent
-  // after, its pseudo-gradient (averaged in place on the outer wire) and the
-  // live values it was sent from, in the largest fragment's size.
+  // after, and the live values it was sent from (the largest fragment's
+  // size); its pseudo-gradient is averaged in place in the outer lane's
+  // buffer of the fragment.
   bool in_flight_ = false;
   bool averaged_ = false;  // the handle is done: wire_ holds the average
   size_t sent_ = 0;
   uint64_t sent_step_ = 0;
   Handle handle_;
-  std::unique_ptr<unsigned char[]> wire_;
   std::unique_ptr<unsigned char[]> base_;
 };
 

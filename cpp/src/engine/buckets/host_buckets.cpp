@@ -3,9 +3,8 @@
 #include <algorithm>
 #include <cstring>
 
-#include "engine/reducer/bucket_storage.h"
 #include "core/dtype_math.h"
-#include "engine/codec/wire_codec.h"
+#include "engine/buckets/bucket_storage.h"
 
 namespace hemiola {
 
@@ -13,8 +12,8 @@ namespace {
 
 class HostBuckets final : public BucketStorage {
  public:
-  HostBuckets(const BucketLayout& layout, double scale, WireCodec* codec)
-      : layout_(layout), scale_(scale), codec_(codec), used_(layout.specs.size(), 1) {
+  explicit HostBuckets(const BucketLayout& layout) : BucketStorage(layout) {
+    used_.assign(layout_.specs.size(), 1);
     for (const auto& bucket : layout_.plan) {
       // Zero-filled: zero-element buckets and never-written slots read as zeros.
       storage_.emplace_back(new unsigned char[std::max<size_t>(bucket.nbytes(), 1)]());
@@ -38,20 +37,10 @@ class HostBuckets final : public BucketStorage {
     }
   }
 
-  void begin_reductions(uint64_t iteration, const BucketStorage*) override {
-    iteration_ = iteration;
-  }
-
-  void reduce(size_t b, const std::vector<void*>& outs, Communicator& host) override {
+  void copy_out(size_t b, const std::vector<void*>& outs, double scale_by) override {
     const PlannedBucket& plan = layout_.plan[b];
     unsigned char* buffer = buffers_[b];
-    const bool averaged_on_wire = codec_ != nullptr && codec_->applies(plan, iteration_);
-    if (averaged_on_wire) {
-      codec_->reduce_average(plan, buffer, host, iteration_, used_);
-    } else {
-      host.all_reduce_sum(TensorRef{buffer, plan.dtype, plan.numel, Device{}});
-    }
-    const bool scale = !averaged_on_wire && scale_ != 1.0;
+    const bool scale = scale_by != 1.0;
     const size_t elem = dtype_size(plan.dtype);
     // Average and copy out a cache-sized chunk at a time: the copy reads
     // what the scaling just wrote while it is still in cache, instead of a
@@ -64,26 +53,20 @@ class HostBuckets final : public BucketStorage {
       if (out != nullptr) out += plan.begins[k] * elem;
       for (size_t done = 0; done < plan.counts[k]; done += chunk) {
         const size_t n = std::min(chunk, plan.counts[k] - done);
-        if (scale) scale_in_place(plan.dtype, in + done * elem, n, scale_);
+        if (scale) scale_in_place(plan.dtype, in + done * elem, n, scale_by);
         if (out != nullptr) std::memcpy(out + done * elem, in + done * elem, n * elem);
       }
     }
   }
 
  private:
-  const BucketLayout layout_;
-  const double scale_;
-  WireCodec* const codec_;  // the reducer's, shared by its flights; null: none
-  uint64_t iteration_ = 0;  // the iteration being reduced (scheduler thread)
-  std::vector<uint8_t> used_;  // per tensor, this iteration: produced on this rank
   std::vector<std::unique_ptr<unsigned char[]>> storage_;
 };
 
 }  // namespace
 
-std::unique_ptr<BucketStorage> make_host_buckets(const BucketLayout& layout, double scale,
-                                                 WireCodec* codec) {
-  return std::make_unique<HostBuckets>(layout, scale, codec);
+std::unique_ptr<BucketStorage> make_host_buckets(const BucketLayout& layout) {
+  return std::make_unique<HostBuckets>(layout);
 }
 
 }  // namespace hemiola

@@ -1,67 +1,71 @@
-#include "engine/codec/wire_codec.h"
-
+// kInt8: one byte per float32 element of a host bucket, with error feedback.
+// Each rank adds to its gradient what its coding dropped last time (its
+// residual), and codes the sum v as q = rint(v / s) with one scale s per
+// block of kInt8Block elements: s = max over ranks of the block's max |v|,
+// divided by L = floor(127 / world), so the codes of all ranks sum within an
+// int8 and a uint8 all-reduce (wrap-around, exact modulo 256) adds them
+// exactly. The scales are agreed by an all-gather of each rank's block
+// maxima (4 bytes per block, 1.6% of float32's bytes). The average is
+// s * sum(q) / world; the residual becomes v - s * q.
+//
+// Every rank decodes the same sums with the same scales, so the averages are
+// bitwise identical across ranks. A non-finite value makes its block's scale
+// non-finite: the whole block's average is NaN on every rank (as an
+// uncompressed all-reduce would carry it), and that block's residual is reset.
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <limits>
+#include <vector>
 
-#include "core/half_cast.h"
+#include "engine/codec/codings.h"
 #include "hemiola/status.h"
 
 namespace hemiola {
 
-WireCodec::WireCodec(const ReducerOptions& options, const std::vector<GradSpec>& specs,
-                     int world)
-    : compression_(options.compression),
-      world_(world),
-      powersgd_start_(options.powersgd_start_iteration) {
-  HEMIOLA_CHECK(world >= 1, "world size must be positive, got ", world);
-  if (compression_ == Compression::kInt8) {
-    HEMIOLA_CHECK(world <= 127, "compression int8 sums every rank's one-byte codes in one byte, "
-                  "which needs at most 127 ranks (world_size is ", world, ")");
-    residuals_.resize(specs.size());
-    for (size_t i = 0; i < specs.size(); ++i) {
-      if (specs[i].dtype == DType::kFloat32) residuals_[i].assign(specs[i].numel, 0.0f);
+namespace {
+
+class Int8Host final : public Codec {
+ public:
+  explicit Int8Host(const CodecSpec& spec)
+      : Codec(Compression::kInt8), world_(spec.world_size), scale_(plain_scale(spec)) {
+    HEMIOLA_CHECK(world_ <= 127, "compression int8 sums every rank's one-byte codes in one "
+                  "byte, which needs at most 127 ranks (world_size is ", world_, ")");
+    residuals_.resize(spec.specs.size());
+    for (size_t i = 0; i < spec.specs.size(); ++i) {
+      if (spec.specs[i].dtype == DType::kFloat32) residuals_[i].assign(spec.specs[i].numel, 0.0f);
     }
   }
-  if (compression_ == Compression::kPowerSgd) {
-    powersgd_ = std::make_unique<PowerSgd>(specs, options.powersgd_rank, world);
+
+  std::vector<float>* residual(size_t index) override { return &residuals_[index]; }
+
+ protected:
+  double send(BucketStorage& storage, size_t b, uint64_t, Communicator& comm) override {
+    const PlannedBucket& plan = storage.layout().plan[b];
+    if (!compressible(plan)) return send_plain_host(storage, b, comm, scale_);
+    reduce(plan, reinterpret_cast<float*>(storage.buffer(b)), comm, storage.used());
+    return 1.0;  // averaged on the wire
   }
-}
 
-bool WireCodec::applies(const PlannedBucket& plan, uint64_t iteration) const {
-  // PowerSGD's warm-up iterations travel as an uncompressed bucket does.
-  const bool warming_up = compression_ == Compression::kPowerSgd && iteration < powersgd_start_;
-  return compression_ != Compression::kNone && !warming_up && plan.dtype == DType::kFloat32 &&
-         plan.numel > 0;
-}
+ private:
+  // All-reduces the float32 bucket at `data` (laid out as `plan`) in place and
+  // leaves the average there. `used[t]`: whether this rank produced tensor
+  // t's gradient this iteration (an unused one contributes zeros and keeps
+  // its residual).
+  void reduce(const PlannedBucket& plan, float* data, Communicator& comm,
+              const std::vector<uint8_t>& used);
 
-void WireCodec::reduce_average(const PlannedBucket& plan, unsigned char* buffer,
-                               Communicator& comm, uint64_t iteration,
-                               const std::vector<uint8_t>& used) {
-  HEMIOLA_CHECK(applies(plan, iteration), "internal: bucket does not travel compressed");
-  float* data = reinterpret_cast<float*>(buffer);
-  if (compression_ == Compression::kPowerSgd) {
-    powersgd_->reduce_average(plan, data, comm, used);
-  } else if (compression_ == Compression::kInt8) {
-    reduce_int8(plan, data, comm, used);
-  } else {
-    reduce_half(plan, data, comm);
-  }
-}
+  const int world_;
+  const double scale_;  // an uncompressed bucket's: 1/world when averaging
+  std::vector<std::vector<float>> residuals_;  // per tensor
+  // Scratch, reused by every bucket: the wire buffer and the block maxima.
+  std::vector<uint8_t> codes_;
+  std::vector<float> maxima_;
+  std::vector<float> gathered_;
+};
 
-void WireCodec::reduce_half(const PlannedBucket& plan, float* data, Communicator& comm) {
-  const DType half = compression_ == Compression::kFp16 ? DType::kFloat16 : DType::kBFloat16;
-  const size_t n = plan.numel;
-  halves_.resize(n);
-  // Cast, then divide in the half type (the division rounds to it again),
-  // as torch's hooks do: buffer.to(half).div_(world_size).
-  floats_to_halves(half, data, halves_.data(), n, static_cast<float>(world_));
-  comm.all_reduce_sum(TensorRef{halves_.data(), half, n, Device{}});
-  halves_to_floats(half, halves_.data(), data, n);
-}
-
-void WireCodec::reduce_int8(const PlannedBucket& plan, float* data, Communicator& comm,
-                            const std::vector<uint8_t>& used) {
+void Int8Host::reduce(const PlannedBucket& plan, float* data, Communicator& comm,
+                      const std::vector<uint8_t>& used) {
   const size_t n = plan.numel;
   const size_t blocks = (n + kInt8Block - 1) / kInt8Block;
   const int levels = 127 / world_;
@@ -147,6 +151,12 @@ void WireCodec::reduce_int8(const PlannedBucket& plan, float* data, Communicator
     const int8_t* sums = reinterpret_cast<const int8_t*>(codes_.data());
     for (size_t i = first; i < end; ++i) data[i] = step * static_cast<float>(sums[i]);
   }
+}
+
+}  // namespace
+
+std::unique_ptr<Codec> make_int8_codec(const CodecSpec& spec) {
+  return std::make_unique<Int8Host>(spec);
 }
 
 }  // namespace hemiola

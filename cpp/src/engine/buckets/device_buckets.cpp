@@ -1,21 +1,21 @@
 // Buckets in CUDA device memory. Nothing here makes the host wait for the
 // device in the steady state: a gradient's copy is enqueued on the stream
 // that produced it and recorded as an event; the engine's stream waits for
-// those events, reduces the bucket and unpacks it; a caller's stream waits
-// for the bucket's (or the iteration's) event. The host waits only where
-// host memory would otherwise be overwritten under the device, and as the
-// watchdog of work it never waits for (begin_reductions).
+// those events, the bucket is reduced there (by its codec, engine/codec) and
+// unpacked; a caller's stream waits for the bucket's (or the iteration's)
+// event. The host waits only where host memory would otherwise be
+// overwritten under the device, and as the watchdog of work it never waits
+// for (begin_reductions).
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
 #include <cstring>
 #include <string>
 
-#include "device.h"
-#include "engine/reducer/bucket_storage.h"
 #include "comm/devices.h"
 #include "core/dtype_math.h"
-#include "engine/reducer/lane_host.h"
+#include "device.h"
+#include "engine/buckets/bucket_storage.h"
 #include "hemiola/status.h"
 #include "kernels.h"
 
@@ -23,39 +23,22 @@ namespace hemiola {
 
 namespace {
 
-// Creates the engine's stream and communicator for a CUDA device.
-class DeviceSetup final : public Work {
- public:
-  DeviceSetup(LaneHost& engine, int device) : engine_(engine), device_(device) {}
-  void run(Communicator&, Timeline&) override {
-    cuda::set_device(device_);
-    engine_.devices().get(device_);
-  }
-  std::string describe() const override {
-    return "communicator setup for CUDA device " + std::to_string(device_);
-  }
-
- private:
-  LaneHost& engine_;
-  int device_;
-};
-
 class DeviceBuckets final : public BucketStorage {
  public:
-  DeviceBuckets(const BucketLayout& layout, LaneHost& engine, int device, bool average,
-                const DeviceWire& wire, std::chrono::milliseconds timeout)
-      : layout_(layout), engine_(engine), device_(device), average_(average), wire_(wire),
-        timeout_(timeout) {
-    for (const auto& bucket : layout_.plan) {
+  DeviceBuckets(const BucketLayout& layout, Devices& devices, int device,
+                const std::vector<size_t>& wire_bytes, std::chrono::milliseconds timeout)
+      : BucketStorage(layout), devices_(devices), device_(device), timeout_(timeout) {
+    for (size_t b = 0; b < layout_.plan.size(); ++b) {
+      const PlannedBucket& bucket = layout_.plan[b];
       // Zero-filled, as on the host.
       storage_.push_back(
           std::make_unique<cuda::DeviceBuffer>(device, std::max<size_t>(bucket.nbytes(), 1)));
-      // float32 buckets travel in the wire's half type; others as they are.
-      const bool compressed = wire_.half != DType::kFloat32 &&
-                              bucket.dtype == DType::kFloat32 && bucket.numel > 0;
-      halves_.push_back(compressed ? std::make_unique<cuda::DeviceBuffer>(device, 2 * bucket.numel)
-                                   : nullptr);
       buffers_.push_back(static_cast<unsigned char*>(storage_.back()->data()));
+      const size_t wire = b < wire_bytes.size() ? wire_bytes[b] : 0;
+      wire_storage_.push_back(wire > 0 ? std::make_unique<cuda::DeviceBuffer>(device, wire)
+                                       : nullptr);
+      wires_.push_back(wire > 0 ? static_cast<unsigned char*>(wire_storage_.back()->data())
+                                : nullptr);
       reduced_.push_back(std::make_unique<cuda::Event>(device));
       const size_t slot_bytes =
           std::max<size_t>(bucket.tensors.size(), 1) * sizeof(cuda::FusionSlot);
@@ -104,23 +87,23 @@ class DeviceBuckets final : public BucketStorage {
 
   void begin_reductions(uint64_t iteration, const BucketStorage* previous) override {
     cuda::set_device(device_);
-    Devices::Entry& entry = engine_.devices().get(device_);
-    comm_ = entry.comm.get();
+    Devices::Entry& entry = devices_.get(device_);
+    device_comm_ = entry.comm.get();
     stream_ = entry.stream.get();
-    comm_->check();
+    device_comm_->check();
     if (previous == nullptr) return;
     // Every storage of a reducer is of the same kind.
     const auto& before = static_cast<const DeviceBuckets&>(*previous);
     if (!before.done_->wait_for(timeout_)) {
-      comm_->check();  // an NCCL error, if there is one, says more than the timeout
-      comm_->abort();
+      device_comm_->check();  // an NCCL error, if there is one, says more than the timeout
+      device_comm_->abort();
       HEMIOLA_THROW(ErrorCode::kTimeout, "the reductions of iteration ", iteration - 1,
                     " did not complete on CUDA device ", device_, " within ", seconds(), " s (",
-                    comm_->name(), "): a rank died or stalled, or the device hangs");
+                    device_comm_->name(), "): a rank died or stalled, or the device hangs");
     }
   }
 
-  void reduce(size_t b, const std::vector<void*>& outs, Communicator&) override {
+  void await_copies(size_t b) override {
     const PlannedBucket& plan = layout_.plan[b];
     // The engine's stream waits, on the device, for every copy into the bucket.
     for (size_t k = 0; k < plan.tensors.size(); ++k) {
@@ -128,21 +111,11 @@ class DeviceBuckets final : public BucketStorage {
         marked_[plan.tensors[k]]->block(stream_);
       }
     }
-    const Device here{DeviceType::kCUDA, device_};
-    if (halves_[b]) {
-      // As the host's WireCodec::reduce_half: each rank's share in half
-      // precision, summed on the wire, widened back into the bucket.
-      void* wire = halves_[b]->data();
-      cuda::cast_divide(reinterpret_cast<const float*>(buffers_[b]), wire, wire_.half,
-                        static_cast<std::int64_t>(plan.numel),
-                        static_cast<float>(wire_.world_size), stream_);
-      comm_->all_reduce(TensorRef{wire, wire_.half, plan.numel, here}, /*average=*/false,
-                        stream_);
-      cuda::cast(wire, wire_.half, buffers_[b], DType::kFloat32,
-                 static_cast<std::int64_t>(plan.numel), stream_);
-    } else {
-      comm_->all_reduce(TensorRef{buffers_[b], plan.dtype, plan.numel, here}, average_, stream_);
-    }
+  }
+
+  void copy_out(size_t b, const std::vector<void*>& outs, double scale) override {
+    HEMIOLA_CHECK(scale == 1.0, "internal: a device bucket is averaged by its collective");
+    const PlannedBucket& plan = layout_.plan[b];
     // Averaged in the reduction itself (or by the wire's division); results
     // with an output go there in one unpack launch.
     const size_t elem = dtype_size(plan.dtype);
@@ -178,15 +151,15 @@ class DeviceBuckets final : public BucketStorage {
   void end_reductions() override {
     done_->record(stream_);
     checked_.store(true, std::memory_order_relaxed);
-    comm_->check();
+    device_comm_->check();
   }
 
   bool reduced(size_t b) const override { return reduced_[b]->query(); }
   void block_until_reduced(size_t b, void* stream) const override { reduced_[b]->block(stream); }
   void block_until_done(void* stream) const override { done_->block(stream); }
   void drain_device(std::chrono::milliseconds timeout) override {
-    if (complete(timeout) || comm_ == nullptr) return;
-    comm_->abort();  // NCCL's kernels of an unfinished collective end with it
+    if (complete(timeout) || device_comm_ == nullptr) return;
+    device_comm_->abort();  // NCCL's kernels of an unfinished collective end with it
     complete(timeout);
   }
 
@@ -202,16 +175,14 @@ class DeviceBuckets final : public BucketStorage {
   }
   double seconds() const { return static_cast<double>(timeout_.count()) / 1000.0; }
 
-  const BucketLayout layout_;
-  LaneHost& engine_;
+  Devices& devices_;
   const int device_;
-  const bool average_;
-  const DeviceWire wire_;
   const std::chrono::milliseconds timeout_;
 
   std::vector<std::unique_ptr<cuda::DeviceBuffer>> storage_;  // per bucket
-  // Per bucket: its half-precision wire copy, or null when it travels as is.
-  std::vector<std::unique_ptr<cuda::DeviceBuffer>> halves_;
+  // Per bucket: its coding's wire memory (half precision: its float32
+  // bucket's cast), or null when it travels as it is.
+  std::vector<std::unique_ptr<cuda::DeviceBuffer>> wire_storage_;
   // Per tensor: recorded on the producer's stream after its copy in; the
   // engine's stream waits on it before reducing the tensor's buckets.
   std::vector<std::unique_ptr<cuda::Event>> marked_;
@@ -227,28 +198,15 @@ class DeviceBuckets final : public BucketStorage {
   std::vector<std::unique_ptr<cuda::PinnedBuffer>> slots_host_;
   std::vector<std::unique_ptr<cuda::DeviceBuffer>> slots_device_;
   std::vector<std::vector<void*>> uploaded_;  // per bucket: the outputs in slots_device_
-  // Set by begin_reductions, on the scheduler thread, for this iteration.
-  DeviceCommunicator* comm_ = nullptr;
-  void* stream_ = nullptr;
 };
 
 }  // namespace
 
-std::unique_ptr<BucketStorage> make_device_buckets(const BucketLayout& layout, LaneHost& engine,
-                                                   int device, bool average,
-                                                   const DeviceWire& wire,
+std::unique_ptr<BucketStorage> make_device_buckets(const BucketLayout& layout, Devices& devices,
+                                                   int device,
+                                                   const std::vector<size_t>& wire_bytes,
                                                    std::chrono::milliseconds timeout) {
-  HEMIOLA_CHECK(wire.half == DType::kFloat32 || wire.half == DType::kFloat16 ||
-                    wire.half == DType::kBFloat16,
-                "internal: a device wire is float16 or bfloat16 (float32: uncompressed)");
-  HEMIOLA_CHECK(wire.half == DType::kFloat32 || average,
-                "a compressed wire averages (each rank divides by the world size first): it "
-                "needs average = true");
-  return std::make_unique<DeviceBuckets>(layout, engine, device, average, wire, timeout);
-}
-
-void set_up_device(LaneHost& engine, int device) {
-  engine.submit(LaneHost::kMainWire, std::make_shared<DeviceSetup>(engine, device)).wait();
+  return std::make_unique<DeviceBuckets>(layout, devices, device, wire_bytes, timeout);
 }
 
 }  // namespace hemiola

@@ -1,0 +1,82 @@
+// The one factory of codecs, and the one table of which coding runs on which
+// device. The Python layer asks this table (through the binding) rather than
+// keeping a list of its own.
+#include <string>
+
+#include "engine/codec/codings.h"
+#include "hemiola/status.h"
+
+namespace hemiola {
+
+const std::vector<Coding>& codings() {
+  // The CUDA path casts to fp16/bf16 on the engine's stream; int8 and
+  // PowerSGD are written for host memory only.
+  static const std::vector<Coding> table = {
+      {Compression::kNone, "none", true, true},
+      {Compression::kFp16, "fp16", true, true},
+      {Compression::kBf16, "bf16", true, true},
+      {Compression::kInt8, "int8", true, false},
+      {Compression::kPowerSgd, "powersgd", true, false},
+  };
+  return table;
+}
+
+namespace {
+
+bool runs_on(const Coding& coding, bool cuda) { return cuda ? coding.cuda : coding.host; }
+
+// "a and b" / "a or b", for the refusal.
+std::string listed(const std::vector<const char*>& names, const char* conjunction) {
+  std::string out;
+  for (size_t i = 0; i < names.size(); ++i) {
+    if (i > 0) out += i + 1 == names.size() ? std::string(" ") + conjunction + " " : ", ";
+    out += names[i];
+  }
+  return out;
+}
+
+// What a reducer on that kind of device compresses with, and what it does
+// not: "a CUDA reducer compresses with fp16 or bf16; int8 and powersgd are
+// implemented for CPU reducers only".
+std::string refusal(bool cuda) {
+  std::vector<const char*> here, elsewhere;
+  for (const Coding& coding : codings()) {
+    if (coding.compression == Compression::kNone) continue;
+    (runs_on(coding, cuda) ? here : elsewhere).push_back(coding.name);
+  }
+  return std::string("a ") + (cuda ? "CUDA" : "CPU") + " reducer compresses with " +
+         listed(here, "or") + "; " + listed(elsewhere, "and") +
+         (elsewhere.size() == 1 ? " is" : " are") + " implemented for " +
+         (cuda ? "CPU" : "CUDA") + " reducers only";
+}
+
+}  // namespace
+
+std::unique_ptr<Codec> make_codec(const CodecSpec& spec) {
+  HEMIOLA_CHECK(spec.world_size >= 1, "world size must be positive, got ", spec.world_size);
+  const bool cuda = spec.device.type == DeviceType::kCUDA;
+  const Coding* coding = nullptr;
+  for (const Coding& c : codings()) {
+    if (c.compression == spec.compression) coding = &c;
+  }
+  HEMIOLA_CHECK(coding != nullptr, "unknown compression code ",
+                static_cast<int>(spec.compression));
+  HEMIOLA_CHECK(runs_on(*coding, cuda), refusal(cuda));
+  if (spec.compression == Compression::kNone) return make_none_codec(spec);
+  HEMIOLA_CHECK(spec.average, "ReducerOptions::compression averages on the wire (each rank "
+                "divides by the world size before its coding): it needs average = true");
+  switch (spec.compression) {
+    case Compression::kFp16:
+    case Compression::kBf16:
+      return make_half_codec(spec);
+    case Compression::kInt8:
+      return make_int8_codec(spec);
+    case Compression::kPowerSgd:
+      return make_powersgd_codec(spec);
+    case Compression::kNone:
+      break;
+  }
+  return make_none_codec(spec);
+}
+
+}  // namespace hemiola

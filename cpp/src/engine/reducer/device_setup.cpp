@@ -1,0 +1,37 @@
+#include "engine/reducer/device_setup.h"
+
+#include <memory>
+#include <string>
+
+#include "comm/devices.h"
+#include "device.h"
+#include "engine/reducer/lane_host.h"
+
+namespace hemiola {
+
+namespace {
+
+// Creates the engine's stream and communicator for a CUDA device.
+class DeviceSetup final : public Work {
+ public:
+  DeviceSetup(LaneHost& engine, int device) : engine_(engine), device_(device) {}
+  void run(Communicator&, Timeline&) override {
+    cuda::set_device(device_);
+    engine_.devices().get(device_);
+  }
+  std::string describe() const override {
+    return "communicator setup for CUDA device " + std::to_string(device_);
+  }
+
+ private:
+  LaneHost& engine_;
+  int device_;
+};
+
+}  // namespace
+
+void set_up_device(LaneHost& engine, int device) {
+  engine.submit(LaneHost::kMainWire, std::make_shared<DeviceSetup>(engine, device)).wait();
+}
+
+}  // namespace hemiola

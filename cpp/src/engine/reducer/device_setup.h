@@ -1,0 +1,13 @@
+// Making a CUDA device's stream and communicator ready before its first
+// reduction (the device buckets then find them in the engine's Devices).
+#pragma once
+
+namespace hemiola {
+
+class LaneHost;
+
+// Creates the engine's stream and communicator for CUDA device `device`, on
+// the scheduler thread (a collective, in submission order); returns once done.
+void set_up_device(LaneHost& engine, int device);
+
+}  // namespace hemiola
