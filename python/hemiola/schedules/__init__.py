@@ -13,25 +13,31 @@
 
 Schedules work on a ``hemiola.replica.Replica`` (parameters, reducer,
 stream, results), never on the wrapper; ``hemiola.forward_gate`` learns where
-in the forward each parameter must be up to date. ``native`` runs
-``priority`` and ``decoupled`` in the engine: its updater lands the updates
-and steps SGD / Adam / AdamW itself, and any other optimizer through torch's
-own step (``torch_step``, the updater's external stepper).
+in the forward each parameter must be up to date. ``priority`` and
+``decoupled`` run in the engine: what they share is ``engine_update`` (its
+updater lands the updates and steps SGD / Adam / AdamW itself,
+``engine_optimizer``, and any other optimizer through torch's own step,
+``torch_step``, the updater's external stepper), with the optimizer's
+take-over (``takeover``) and the buffers' broadcast (``buffers``).
 """
 
 from __future__ import annotations
 
 from hemiola.config import Config
 from hemiola.schedules.base import Schedule
-from hemiola.schedules.native import NativeUpdate
+from hemiola.schedules.decoupled import Decoupled
+from hemiola.schedules.priority import Priority
 from hemiola.schedules.wfbp import Wfbp
+
+#: the class of each ``Config.schedule``
+SCHEDULE_CLASSES: dict[str, type[Schedule]] = {
+    "wfbp": Wfbp, "priority": Priority, "decoupled": Decoupled}
 
 
 def choose_schedule(config: Config) -> type[Schedule]:
-    """The schedule class for `config.schedule`: ``wfbp`` or the engine's
-    updater (``priority``, ``decoupled``). Build it with its
+    """The schedule class for `config.schedule`. Build it with its
     ``reducer_needs`` first, then ``cls(replica, optimizer, grad_scaler)``."""
-    return Wfbp if config.schedule == "wfbp" else NativeUpdate
+    return SCHEDULE_CLASSES[config.schedule]
 
 
-__all__ = ["NativeUpdate", "Schedule", "Wfbp", "choose_schedule"]
+__all__ = ["Decoupled", "Priority", "Schedule", "Wfbp", "choose_schedule"]

@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from hemiola.schedules.base import hyper_parameters
+from hemiola.schedules.takeover import hyper_parameters
 from hemiola.tensors import device_view
 
 #: ExternalStepper's StepMode

@@ -1,0 +1,48 @@
+"""Buffers of the schedules whose ``backward()`` does not wait: rank 0's,
+broadcast asynchronously (DDP's ``broadcast_buffers``)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from hemiola.tensors import UINT8, pack_bytes, unpack_bytes
+
+if TYPE_CHECKING:
+    from hemiola.replica import Replica
+
+
+class BufferBroadcast:
+    """Rank 0's buffers, broadcast asynchronously after backward and applied
+    later, so that a forward never waits behind an in-flight reduction."""
+
+    def __init__(self, replica: Replica) -> None:
+        self.replica = replica
+        self._stage: torch.Tensor | None = None
+        self._offsets: list[int] = []
+        self._handle: Any = None
+
+    @property
+    def wanted(self) -> bool:
+        m = self.replica
+        return bool(m.config.broadcast_buffers and m.buffers and m.world_size > 1)
+
+    def start(self) -> None:
+        self.finish()
+        # Host memory: the engine's broadcast reads it from its own thread.
+        # Only rank 0's bytes are read: the others copy nothing off the GPU.
+        self._stage, self._offsets = pack_bytes(self.replica.buffers,
+                                                fill=self.replica.rank == 0)
+        self._handle = self.replica.engine.broadcast(self._stage.data_ptr(), UINT8,
+                                                     self._stage.numel(), 0)
+
+    def finish(self) -> None:
+        if self._handle is None:
+            return
+        handle, stage = self._handle, self._stage
+        self._handle = self._stage = None
+        handle.wait()
+        if self.replica.rank == 0:
+            return
+        unpack_bytes(stage, self._offsets, self.replica.buffers)

@@ -1,0 +1,430 @@
+"""What ``priority`` and ``decoupled`` share: ``EngineUpdate``, the schedule
+whose updates the engine's updater lands (``hemiola._C.Updater``,
+cpp/include/hemiola/updater.h): which parameter waits for which reduction,
+where in the next forward it lands, and the optimizer step that lands it.
+``backward()`` does not wait: gradients are copied into the engine and their
+results stay there (``.grad`` keeps the local gradient), buffers follow rank
+0's asynchronously (``buffers``), and ``optimizer.step()`` is taken over
+(``takeover``) so that updates are applied when the reductions arrive. See
+docs/schedules.md for what each schedule does; ``priority`` and
+``decoupled`` hold only what differs.
+
+Python's part per iteration is one native call per gradient (the autograd
+hook), one per lander (a module's forward pre-hook) and one per
+``optimizer.step()`` with the hyper-parameters of each param group, read
+every step so LR schedulers keep working. The optimizer's state lives in the
+optimizer's own tensors, in torch's format, so ``optimizer.state_dict()`` and
+``load_state_dict()`` are torch's.
+
+The engine steps ``torch.optim.SGD``, ``Adam`` and ``AdamW`` itself, on CPU
+and CUDA parameters (on a GPU every kernel, copy and wait is on the current
+stream; ``engine_optimizer``). Every other per-parameter optimizer, and these
+where the engine's steps cannot take them or with ``native_optimizer=False``,
+steps through the updater's external stepper: torch's own step, called by the
+engine once per landing group (``torch_step``). Parameters must be dense in
+memory (contiguous, channels_last, ...): the updater copies them as blocks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+import torch
+
+from hemiola._native import C
+from hemiola.deferred_norm import DeferredNorm
+from hemiola.forward_gate import ForwardGate
+from hemiola.hyper import group_hyper
+from hemiola.schedules.base import Schedule
+from hemiola.schedules.buffers import BufferBroadcast
+from hemiola.schedules.engine_optimizer import native_kind, slots
+from hemiola.schedules.takeover import take_over_optimizer
+from hemiola.schedules.torch_step import TorchStep, dense
+from hemiola.torch_math import torch_sqrt
+
+if TYPE_CHECKING:
+    from hemiola.replica import Replica
+
+
+class Clip(NamedTuple):
+    """``model.clip_grad_norm_(max_norm, norm_type)`` of one iteration, and
+    the coefficient decoupled's preview step scales its estimate of the
+    averaged gradient by (1.0 without a preview; see
+    ``Decoupled._preview_clip``)."""
+
+    max_norm: float
+    norm_type: float
+    preview_coef: float
+
+
+def _flag(name: str) -> bool:
+    """An on/off switch of the GPU path that waits for a GPU run before it
+    becomes the default (docs/gpu.md):
+
+    - ``HEMIOLA_MULTI_TENSOR_STEPS=1``: the engine steps a landing group's
+      parameters in multi-tensor calls (on a GPU one launch per up to 24
+      parameters; UpdaterOptions::multi_tensor_steps; on the CPU the same
+      result);
+    - ``HEMIOLA_DEVICE_CLIP=1``: on a GPU, clipping's coefficient is
+      computed on the device and read there by the steps, so the host never
+      waits for a reduction to clip (UpdaterOptions::device_clip_norms).
+    """
+    raw = os.environ.get(name, "").strip()
+    if raw not in ("", "0", "1"):
+        raise ValueError(f"{name}={raw!r}: use 1 (on) or 0 (off)")
+    return raw == "1"
+
+
+class EngineUpdate(Schedule):
+    """The part of ``priority`` and ``decoupled`` that is the same: the
+    engine's updater lands each update where the forward gate learnt it is
+    first read, and steps the optimizer (see the module docstring). A
+    subclass says what its reducer needs and overrides the hooks marked as
+    such (``_before_update``, ``_preview_clip``, ``_local_pointer``)."""
+
+    in_flight = 1
+
+    def __init__(self, replica: Replica, optimizer: Any = None,
+                 grad_scaler: torch.amp.GradScaler | None = None) -> None:
+        super().__init__(replica, optimizer, grad_scaler)
+        self._optimizer: torch.optim.Optimizer | None = None
+        self._inner_step: Any = None
+        # The iteration whose marking closed and whose step is not taken yet.
+        self._finished: int | None = None
+        self._unmarked: dict[int, list[int]] = {}
+        self._buffers = BufferBroadcast(replica)
+        self._gate = ForwardGate(replica.module, replica.params, self.land, self.landers_learnt)
+        # The local gradients as backward left them (object, version), to
+        # catch code that edits .grad before optimizer.step(): that edit would
+        # not reach the reduced gradient the update uses.
+        self._grads_seen: list[tuple[int, int]] | None = None
+        #: per clipped iteration: its model.clip_grad_norm_
+        self._clip: dict[int, Clip] = {}
+        # 1 / the GradScaler's scale in the backward being marked
+        self._inv_scale: float | None = None
+        for name, p in zip(replica.names, replica.params):
+            if not dense(p):
+                raise ValueError(
+                    f"schedule={replica.config.schedule!r}: parameter {name!r} is not dense in "
+                    f"memory (shape {tuple(p.shape)}, strides {p.stride()}: a view into a larger "
+                    "tensor, or with gaps), and the engine's updater copies parameters as "
+                    "blocks. Make it a tensor of its own before wrapping (e.g. "
+                    "module.weight = nn.Parameter(module.weight.detach().clone())), or use "
+                    "schedule='wfbp'.")
+        #: the engine's own step ("sgd", "adam", "adamw"), or None: torch's
+        #: step through the external stepper
+        self._kind = native_kind(replica.config, optimizer, replica.params)
+        self._torch_step: TorchStep | None = None  # the external stepper, if any
+        self._updater: Any = None  # C.Updater, made by wrap_optimizer (none without parameters)
+        # contiguous copies of non-contiguous local gradients (the engine
+        # reads gradients in logical order), refreshed in step()
+        self._local: dict[int, torch.Tensor] = {}
+        self._cuda = replica.device.type == "cuda"
+
+    def wrap_optimizer(self, optimizer: Any) -> Any:
+        self._inner_step = take_over_optimizer(self, optimizer, self.step)
+        self._optimizer = optimizer
+        m = self.replica
+        if not m.params:
+            return optimizer  # nothing to reduce: step() is the optimizer's
+        external = None
+        if self._kind is None:
+            # The hyper-parameters of at most in_flight pending iterations
+            # and of the one being stepped are read.
+            self._torch_step = TorchStep(optimizer, self._inner_step, m.params,
+                                         keep=self.in_flight + 2)
+            external = self._torch_step.callback()
+        roots = torch_sqrt()  # the engine's Adam takes torch's square root
+        self._updater = C.Updater(
+            m.engine, m.reducer, self._slots(), schedule=m.config.schedule,
+            optimizer=self._kind or "sgd", correct_on_arrival=m.config.correct_on_arrival,
+            priority_front_fraction=m.config.priority_front_fraction,
+            rebuild_buckets=m.config.rebuild_buckets, raise_if_not_finite=m.config.check_finite,
+            stream=m.stream(), sqrt_f32=roots.f32, sqrt_f64=roots.f64, external=external,
+            multi_tensor_steps=_flag("HEMIOLA_MULTI_TENSOR_STEPS"),
+            device_clip_norms=_flag("HEMIOLA_DEVICE_CLIP"))
+        self._updater.set_landers(self._gate.landers)
+        return optimizer
+
+    def _slots(self) -> list[tuple[Any, ...]]:
+        """Each parameter with its optimizer state, for the updater."""
+        assert self._optimizer is not None
+        return slots(self._kind, self._optimizer, self.replica.names, self.replica.params)
+
+    # ---- the forward -------------------------------------------------------
+
+    def forward_scope(self) -> contextlib.AbstractContextManager[None]:
+        return self._gate.scope()
+
+    @property
+    def observing(self) -> bool:
+        return self._gate.learning
+
+    def forward_is_compiled(self) -> None:
+        self._gate.land_at_start_only()
+
+    def before_forward(self) -> None:
+        if not torch.is_grad_enabled():
+            # Evaluation sees the exact parameters and rank 0's buffers, as
+            # under DDP.
+            self.synchronize()
+        elif self._finished is not None:
+            # A second training forward before optimizer.step(): gradient
+            # accumulation without no_sync (or a step GradScaler skipped).
+            # The next backward's reduction contains this one's (.grad keeps
+            # accumulating the local gradients), so this one is superseded;
+            # land what is pending so the reducer has room for the next.
+            self.synchronize()
+        else:
+            self._gate.land_now()
+
+    def land(self, lander: int, indices: list[int]) -> None:
+        """A forward reaches lander `lander` (see ForwardGate), before which
+        parameters `indices` are first read."""
+        if self._updater is None:
+            return
+        stream = self.replica.stream() if self._cuda else 0  # self._stream(), inlined
+        self._updater.land(lander, torch.is_grad_enabled(), stream)
+
+    def landers_learnt(self, landers: list[list[int]]) -> None:
+        """The gate learnt (or reset) its landers; lander 0 is everything."""
+        if self._updater is not None:
+            self._updater.set_landers(landers)
+
+    # ---- backward ----------------------------------------------------------
+
+    def _stream(self) -> int:
+        """The stream the engine's work of this call goes on (0 on the CPU,
+        without asking torch). The per-gradient and per-lander calls inline
+        it: a Python call there is paid per parameter."""
+        return self.replica.stream() if self._cuda else 0
+
+    def mark(self, index: int, grad: torch.Tensor) -> None:
+        stream = self.replica.stream() if self._cuda else 0  # self._stream(), inlined
+        if grad.is_contiguous() and self.grad_scaler is None:  # the common case
+            self._updater.mark(index, grad.data_ptr(), grad.data_ptr(), stream)
+            return
+        source = self.source(grad)  # (kept alive until the engine has copied it)
+        self._updater.mark(index, source.data_ptr(), self._local_pointer(index, grad), stream)
+
+    def source(self, grad: torch.Tensor) -> torch.Tensor:
+        """What this rank contributes for local gradient `grad`."""
+        scaler = self.grad_scaler
+        if scaler is not None and scaler.is_enabled():
+            # Each rank reduces its gradient unscaled, so the average is right
+            # whatever the ranks' scales, and not finite iff a rank overflowed.
+            if self._inv_scale is None:
+                self._inv_scale = 1.0 / scaler.get_scale()
+            grad = grad * self._inv_scale  # (keeps grad's layout, e.g. channels_last)
+        return grad if grad.is_contiguous() else grad.contiguous()
+
+    def _local_pointer(self, index: int, grad: torch.Tensor) -> int:
+        """Where the engine reads parameter `index`'s own gradient `grad`
+        (decoupled's local step): `grad` itself, or a contiguous copy of it
+        (kept until step(), which refreshes it: clipping edits .grad in
+        place). A subclass may refuse a non-contiguous one."""
+        if grad.is_contiguous():
+            return grad.data_ptr()
+        copy = self._local[index] = grad.contiguous()
+        return copy.data_ptr()
+
+    def backward_done(self, iteration: int, unmarked: list[int]) -> None:
+        if self._finished is not None:  # superseded (see before_forward)
+            self._unmarked.pop(self._finished, None)
+            self._clip.pop(self._finished, None)
+        self._finished = iteration
+        self._inv_scale = None
+        self._grads_seen = self._grad_versions()
+        if unmarked:
+            self._unmarked[iteration] = unmarked
+        if self._buffers.wanted:
+            self._buffers.start()
+        params = self.replica.params
+        for i in unmarked:  # contributed as zeros; torch steps them if .grad exists
+            grad = params[i].grad
+            self._updater.set_local_grad(i, 0 if grad is None else self._local_pointer(i, grad))
+
+    # ---- clipping, and edits of .grad --------------------------------------
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float) -> torch.Tensor:
+        # The local gradients are clipped now (decoupled's local step uses
+        # them); the reduced gradient is clipped by the same rule, with its
+        # own global norm, when the update is applied.
+        if self._finished is None:
+            raise RuntimeError("model.clip_grad_norm_() goes between backward() and "
+                               "optimizer.step()")
+        iteration = self._finished
+        local = super().clip_grad_norm_(max_norm, norm_type)
+        coef = self._preview_clip(iteration, local, float(max_norm))
+        self._clip[iteration] = Clip(float(max_norm), float(norm_type), coef)
+        self._grads_seen = self._grad_versions()
+        # What clip_grad_norm_ returns under wfbp and DDP: the norm of the
+        # averaged gradient, the same on every rank, read when it is known.
+        return DeferredNorm(lambda: self._averaged_norm(iteration, float(norm_type)))
+
+    def _preview_clip(self, iteration: int, local_norm: torch.Tensor, max_norm: float) -> float:
+        """The clipping coefficient the preview of `iteration` steps with,
+        given this rank's gradient norm: 1.0 here, where no preview is taken.
+        (Nothing reads `local_norm` then: on a GPU, reading it would wait
+        for the device each step.)"""
+        return 1.0
+
+    def recorded_clip_norm(self, iteration: int) -> float | None:
+        """The total norm the update of `iteration` clipped with, once computed
+        (None before; never blocks)."""
+        return None if self._updater is None else self._updater.clip_norm(iteration)
+
+    def _averaged_norm(self, iteration: int, norm_type: float) -> float:
+        recorded = self.recorded_clip_norm(iteration)
+        if recorded is not None:
+            return recorded
+        m = self.replica
+        if iteration == self._finished:
+            # Read before optimizer.step(): wait for the reduction and take
+            # the norm of what it delivered, as the update will.
+            assert m.reducer is not None
+            m.reducer.wait(iteration, stream=m.stream())
+            return float(torch.nn.utils.get_total_norm(
+                [m.reduced(iteration, i) for i in range(len(m.params))], norm_type))
+        self.synchronize()  # the update computes it when it lands
+        recorded = self.recorded_clip_norm(iteration)
+        if recorded is None:
+            raise RuntimeError(
+                f"the gradient norm of iteration {iteration} was never computed: a second "
+                "backward before optimizer.step() superseded that iteration (accumulate "
+                "inside model.no_sync(), or read the norm before the next backward)")
+        return recorded
+
+    def _grad_versions(self) -> list[tuple[int, int]]:
+        return [(id(p.grad), p.grad._version) if p.grad is not None else (0, 0)
+                for p in self.replica.params]
+
+    def check_grads_untouched(self) -> None:
+        """Raises if .grad was modified in place since backward (clipping,
+        unscaling): under this schedule the update applies the reduced
+        gradient, which such an edit never reaches."""
+        seen, self._grads_seen = self._grads_seen, None
+        if seen is None:
+            return
+        m = self.replica
+        for (grad_id, version), p, name in zip(seen, m.params, m.names):
+            if grad_id and id(p.grad) == grad_id and p.grad._version != version:
+                raise RuntimeError(
+                    f"parameter {name!r}: its .grad was modified in place between backward() "
+                    f"and optimizer.step(). schedule={m.config.schedule!r} updates with the "
+                    "reduced gradient, which such an edit does not reach. To clip, call "
+                    "model.clip_grad_norm_(max_norm) instead of torch.nn.utils."
+                    "clip_grad_norm_; for other gradient edits use schedule='wfbp'."
+                )
+
+    def take_clip(self, iteration: int) -> Clip | None:
+        """How `iteration`'s gradients were clipped, if they were."""
+        return self._clip.pop(iteration, None)
+
+    # ---- GradScaler --------------------------------------------------------
+
+    @property
+    def scaling(self) -> bool:
+        """A GradScaler scales this model's gradients."""
+        scaler = self.grad_scaler
+        return scaler is not None and scaler.is_enabled()
+
+    def take_scaler_state(self) -> bool:
+        """Under ``scaler.step(optimizer)``: what GradScaler handed the
+        optimizer (it calls our step always, with ``grad_scale`` and
+        ``found_inf`` set, since take_over_optimizer declares
+        ``_step_supports_amp_scaling``). Unscales the local ``.grad`` if
+        ``unscale_`` was not called, hides both attributes from the inner
+        optimizer (a fused Adam would apply them to the reduced gradient,
+        which is unscaled already), and returns whether this rank's own
+        gradient overflowed."""
+        opt = self._optimizer
+        found_inf = getattr(opt, "found_inf", None)
+        if found_inf is None:
+            return False
+        name = self.replica.config.schedule
+        if not self.scaling:
+            message = (
+                f"schedule={name!r}: optimizer.step() is driven by a torch.amp.GradScaler that "
+                "hemiola does not know, so the reduced gradients would be applied still scaled. "
+                "Pass it when wrapping: hemiola.wrap(model, optimizer, schedule=..., "
+                "grad_scaler=scaler)."
+            )
+            self.replica.reducer.abort(message)
+            raise RuntimeError(message)
+        grad_scale = getattr(opt, "grad_scale", None)
+        opt.grad_scale = opt.found_inf = None  # GradScaler deletes them after the step
+        if grad_scale is not None:  # unscale_() was not called: .grad is still scaled
+            grads = [p.grad for p in self.replica.params if p.grad is not None]
+            if grads:
+                torch._foreach_mul_(grads, grad_scale.double().reciprocal().float())
+        return bool(found_inf.item())
+
+    # ---- optimizer.step() --------------------------------------------------
+
+    def step(self) -> None:
+        """``optimizer.step()``: the engine lands and steps (see updater.h)."""
+        self.check_grads_untouched()
+        overflow = self.take_scaler_state()
+        opt = self._optimizer
+        assert opt is not None
+        if self._updater is None:  # no trainable parameters
+            self._inner_step()
+            return
+        if self._torch_step is None:
+            hyper, key = [group_hyper(group) for group in opt.param_groups], 0
+        else:  # torch's step reads the optimizer's own param groups
+            hyper, key = [], self._torch_step.remember()
+        iteration, self._finished = self._finished, None
+        self._before_update()
+        params = self.replica.params
+        if iteration is None:  # no synchronised backward since the last step
+            grads = [p.grad if p.grad is None or p.grad.is_contiguous() else
+                     p.grad.contiguous() for p in params]  # (alive during the call)
+            self._updater.step_local([0 if g is None else g.data_ptr() for g in grads], hyper,
+                                     self._stream(), hyper_key=key)
+            return
+        for i, copy in self._local.items():  # after clipping and unscaling
+            if params[i].grad is not None:
+                copy.copy_(params[i].grad)
+        clip = self.take_clip(iteration)
+        self._updater.step(
+            iteration, hyper, has_unused=bool(self._unmarked.pop(iteration, None)),
+            clip_max_norm=-1.0 if clip is None else clip.max_norm,
+            clip_norm_type=2.0 if clip is None else clip.norm_type,
+            skip_if_not_finite=self.scaling, local_overflow=overflow,
+            stream=self._stream(), preview_scale=1.0 if clip is None else clip.preview_coef,
+            hyper_key=key)
+        self._local.clear()
+
+    def _before_update(self) -> None:
+        """In ``optimizer.step()``, before the engine is handed the update."""
+
+    def synchronize(self) -> None:
+        if self._updater is not None:
+            self._updater.synchronize(self._stream())
+        self._buffers.finish()
+
+    def parameters_replaced(self) -> None:
+        if self._torch_step is not None:
+            self._torch_step.forget_scratch()
+        if self._updater is not None:
+            self._updater.replace_parameters(self._slots(), self._stream())
+
+    def optimizer_state_dict(self, inner: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+        opt = self._optimizer
+        if self._kind != "sgd" or opt is None or self._updater is None:
+            return inner()
+        # A momentum buffer the first step has not filled is not torch's state.
+        hidden = {}
+        for p, initialised in zip(self.replica.params, self._updater.momentum_initialised()):
+            if not initialised and "momentum_buffer" in opt.state.get(p, {}):
+                hidden[p] = opt.state[p].pop("momentum_buffer")
+        try:
+            return inner()
+        finally:
+            for p, buf in hidden.items():
+                opt.state[p]["momentum_buffer"] = buf

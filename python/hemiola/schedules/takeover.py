@@ -1,0 +1,85 @@
+"""The optimizer take-over of the schedules whose update is applied when the
+reductions arrive (``priority``, ``decoupled``): ``optimizer.step()`` calls
+the schedule, and the optimizer's state is read and written only once
+everything pending has landed."""
+
+from __future__ import annotations
+
+import types
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    from hemiola.schedules.base import Schedule
+
+
+def hyper_parameters(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
+    """A snapshot of every param group's hyper-parameters (lr, momentum, ...)."""
+
+    def copy_value(v: Any) -> Any:
+        return v.clone() if isinstance(v, torch.Tensor) else v
+
+    return [{k: copy_value(v) for k, v in g.items() if k != "params"}
+            for g in optimizer.param_groups]
+
+
+def take_over_optimizer(schedule: Schedule, optimizer: Any, step: Callable[[], None]) -> Any:
+    """Makes ``optimizer.step()`` call `step` (the schedule decides when and
+    with which gradients the real step runs), and ``state_dict`` /
+    ``load_state_dict`` synchronize first. Returns the original bound step."""
+    name = schedule.replica.config.schedule
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        got = "None" if optimizer is None else type(optimizer).__name__
+        raise ValueError(
+            f"schedule={name!r} needs the torch.optim.Optimizer that trains the model (got "
+            f"{got}): it takes over the optimizer's step to apply updates when reductions "
+            "arrive. Build the optimizer before wrapping and pass it: model, optimizer = "
+            "hemiola.wrap(model, optimizer, ...). (Only schedule='wfbp' accepts None and an "
+            "optimizer built after wrapping.)"
+        )
+    ours = {id(p) for p in schedule.replica.params}
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if p.requires_grad and id(p) not in ours:
+                raise ValueError(
+                    f"schedule={name!r}: the optimizer holds a trainable parameter that is not "
+                    "a parameter of the wrapped model; wrap the model that owns every parameter "
+                    "the optimizer steps"
+                )
+    inner_step = optimizer.step
+    inner_state_dict = optimizer.state_dict
+    inner_load = optimizer.load_state_dict
+
+    def wrapped_step(opt: torch.optim.Optimizer, closure: Any = None) -> Any:
+        # As torch's per-parameter optimizers do: the closure (forward and
+        # backward) runs once, first. (L-BFGS, which needs it called many
+        # times, is refused by its own step.)
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        step()
+        opt._opt_called = True  # what an LR scheduler's wrapper of step records
+        return loss
+
+    def state_dict(opt: torch.optim.Optimizer) -> dict[str, Any]:
+        schedule.synchronize()  # the exact state
+        return schedule.optimizer_state_dict(inner_state_dict)
+
+    def load_state_dict(opt: torch.optim.Optimizer, state: dict[str, Any]) -> None:
+        schedule.synchronize()
+        inner_load(state)
+        schedule.parameters_replaced()
+
+    if hasattr(inner_step, "_wrapped_by_lr_sched"):
+        # An LR scheduler built before wrapping checks that step is still its
+        # wrapper; this one records the call as that wrapper does.
+        wrapped_step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
+    optimizer.step = types.MethodType(wrapped_step, optimizer)
+    # GradScaler then always calls step (see EngineUpdate.take_scaler_state).
+    optimizer._step_supports_amp_scaling = True
+    optimizer.state_dict = types.MethodType(state_dict, optimizer)
+    optimizer.load_state_dict = types.MethodType(load_state_dict, optimizer)
+    return inner_step
