@@ -111,9 +111,10 @@ class HEMIOLA_API Streamer {
   TensorRef in_flight_average();
   TensorRef in_flight_base();
   // Restores a checkpoint: the step count, the outer momentum's first-step
-  // flag per fragment, and the fragment in flight (its average and base
-  // already written through the references above). Call on every rank, with
-  // every shared/outer_momentum/residual written back first.
+  // flag per fragment, and which fragment is in flight. Call on every rank,
+  // with every shared/outer_momentum/residual written back first; then
+  // write the fragment in flight's average and base through
+  // in_flight_average()/in_flight_base() (which no longer wait).
   void restore(uint64_t inner_steps, const std::vector<uint8_t>& momentum_started,
                int64_t in_flight_fragment, uint64_t in_flight_step);
   std::vector<uint8_t> momentum_started() const;

@@ -167,6 +167,13 @@ bool Lane::await(uint64_t iteration, size_t bucket) const {
   return wait_for_flag(s.mutex, s.cv, s.done[bucket], s.handle);
 }
 
+const Placement& Lane::whole(size_t index, const char* remedy) const {
+  HEMIOLA_CHECK(index < plan_.specs.size(), "gradient index ", index, " is out of range");
+  HEMIOLA_CHECK(plan_.placement[index].size() == 1, "gradient '", plan_.specs[index].name,
+                "' is partitioned across ", plan_.placement[index].size(), " buckets", remedy);
+  return plan_.placement[index].front();
+}
+
 bool Lane::done(uint64_t iteration, size_t bucket) const {
   HEMIOLA_CHECK(bucket < plan_.buckets.size(), "bucket ", bucket, " is out of range (",
                 plan_.buckets.size(), " buckets)");

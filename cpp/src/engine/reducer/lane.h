@@ -126,6 +126,9 @@ class Lane : public LaneResults {
   bool flagged(const Flight& flight, size_t bucket) const {
     return state(flight.slot).done[bucket].load(std::memory_order_acquire);
   }
+  // Where tensor `index` lies whole (throws, saying `remedy`, if the plan
+  // cut it across buckets: then no one lane buffer holds it).
+  const Placement& whole(size_t index, const char* remedy) const;
   const std::string& timeline_lane() const { return timeline_lane_; }
   std::chrono::milliseconds timeout() const;
 

@@ -104,12 +104,8 @@ bool PreviewLane::done(uint64_t iteration, size_t bucket) const {
 }
 
 TensorRef PreviewLane::value(uint64_t iteration, size_t index) const {
-  HEMIOLA_CHECK(index < plan_.specs.size(), "gradient index ", index, " is out of range");
+  const Placement& where = whole(index, "; it has no contiguous preview");
   const GradSpec& spec = plan_.specs[index];
-  HEMIOLA_CHECK(plan_.placement[index].size() == 1, "gradient '", spec.name,
-                "' is partitioned across ", plan_.placement[index].size(),
-                " buckets; it has no contiguous preview");
-  const Placement& where = plan_.placement[index].front();
   HEMIOLA_CHECK(done(iteration, where.bucket), "iteration ", iteration, "'s bucket ",
                 where.bucket, " ('", spec.name, "') has no preview (yet)");
   const Flight& flight = ring_.flight_for(iteration);

@@ -47,12 +47,9 @@ void ReductionLane::wait_on_device(const Flight& flight, size_t bucket, void* st
 }
 
 TensorRef ReductionLane::value(uint64_t iteration, size_t index) const {
-  HEMIOLA_CHECK(index < plan_.specs.size(), "gradient index ", index, " is out of range");
+  const Placement& where =
+      whole(index, ", so its result is not contiguous here: pass an output to mark_ready");
   const GradSpec& spec = plan_.specs[index];
-  HEMIOLA_CHECK(plan_.placement[index].size() == 1, "gradient '", spec.name,
-                "' is partitioned across ", plan_.placement[index].size(),
-                " buckets, so its result is not contiguous here: pass an output to mark_ready");
-  const Placement& where = plan_.placement[index].front();
   const Flight& flight = ring_.flight_for(iteration);
   HEMIOLA_CHECK(iteration < ring_.started() && flight.iteration == iteration, "iteration ",
                 iteration, "'s results are gone (its buffers were reused by a later iteration)");
