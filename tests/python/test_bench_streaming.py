@@ -45,6 +45,12 @@ def test_bytes_per_token() -> None:
     assert bytes_per_token(parse("streaming-h20"), p, 2, tokens) == 4 * p / (20 * tokens)
     int8 = bytes_per_token(parse("streaming-h20-f2t1+int8"), p, 2, tokens)
     assert int8 == pytest.approx(CODING_BYTES["int8"] * p / (20 * tokens))
+    # decoupled under AdamW sends its one-byte preview codes as well
+    per_step = bytes_per_token(parse("decoupled+int8"), p, 2, tokens, "AdamW")
+    assert per_step == pytest.approx((CODING_BYTES["int8"] + 1) * p / tokens)
+    assert bytes_per_token(parse("decoupled+int8"), p, 2, tokens, "SGD") == pytest.approx(
+        CODING_BYTES["int8"] * p / tokens)
+    assert bytes_per_token(parse("decoupled-own"), p, 2, tokens, "AdamW") == 4 * p / tokens
     # four ranks: 2 (N-1)/N = 1.5 of the payload
     assert bytes_per_token(parse("ddp"), p, 4, tokens) == 1.5 * 4 * p / tokens
 

@@ -18,7 +18,8 @@ evaluates each after every block. Per contender and seed it records:
 - ``compute_utilisation``: the bare model's ms per step / this one's;
 - ``bytes_per_token``: what one rank sends per token it trains, by the formula
   2 (N-1)/N * P * b / (H * tokens per rank per step) (P parameters, b bytes
-  per element of the coding: 4, 2, or 1 + 4/256 for int8; H = 1 per step),
+  per element of the coding: 4, 2, or 1 + 4/256 for int8, plus 1 for
+  decoupled's preview codes under Adam(W); H = 1 per step),
   and ``bytes_per_token_measured``: the bytes the rank's veth sent during the
   contender's blocks (netlab only), per token;
 - ``heldout_loss`` after each block (equal tokens across contenders at equal
@@ -133,7 +134,8 @@ def rows_of(result: dict[str, Any], config: dict[str, Any], rate: str, world: in
             "tokens_per_model": steps * tps * (1 if spec.kind == "compute" else world),
             "ms_per_step": ms, "step_ms": percentiles(r["step_ms"]),
             "compute_utilisation": bare_ms / ms if bare_ms else None,
-            "bytes_per_token": bytes_per_token(spec, params, world, tps),
+            "bytes_per_token": bytes_per_token(spec, params, world, tps, result["optimizer"]),
+            "inner_optimizer": result["optimizer"],
             "bytes_per_token_measured": tx / (steps * tps) if tx is not None else None,
             "heldout_loss": finals[name], "evals": r["evals"],
             "final_train_loss": statistics.fmean(r["losses"][-max(1, steps // 10):]),

@@ -97,18 +97,32 @@ def parse(name: str) -> Spec:
     return Spec(name, "hemiola", coding=contender.compression)
 
 
-def bytes_per_token(spec: Spec, params: int, world: int, tokens_per_step: int) -> float:
+def previews(spec: Spec, optimizer: str) -> bool:
+    """Whether `spec` sends decoupled's preview codes too: ``decoupled`` (not
+    ``decoupled-own``) with an Adam-family inner optimizer (named `optimizer`)."""
+    if spec.kind != "hemiola" or optimizer not in ("Adam", "AdamW"):
+        return False
+    from hemiola.bench.contender import Contender
+
+    schedule, options = Contender.parse(spec.name).wrap_arguments()
+    return schedule == "decoupled" and options.get("preview") is not False
+
+
+def bytes_per_token(spec: Spec, params: int, world: int, tokens_per_step: int,
+                    optimizer: str = "") -> float:
     """Bytes one rank sends per token it trains, by the formula
     2 (N-1)/N * P * b / (H * tokens per rank per step): an all-reduce (ring)
     of P elements of b bytes sends 2 (N-1)/N of them per rank; per-step
     methods do that every step (H = 1), DiLoCo once per H steps (its F
-    fragments add up to the model). 0 for the bare model. PowerSGD is not
-    counted by this formula (None)."""
+    fragments add up to the model). b is the coding's (``CODING_BYTES``),
+    plus 1 where decoupled's preview sends its one-byte codes too
+    (``previews``). 0 for the bare model."""
     if spec.kind == "compute":
         return 0.0
     if spec.coding not in CODING_BYTES:
         return math.nan
-    return 2 * (world - 1) / world * params * CODING_BYTES[spec.coding] / (spec.h * tokens_per_step)
+    b = CODING_BYTES[spec.coding] + (1.0 if previews(spec, optimizer) else 0.0)
+    return 2 * (world - 1) / world * params * b / (spec.h * tokens_per_step)
 
 
 def tx_bytes(iface: str) -> int | None:
@@ -324,6 +338,7 @@ def worker(config: dict[str, Any]) -> dict[str, Any]:
     params = sum(p.numel() for p in getattr(runs[0].model, "module", runs[0].model).parameters()
                  if p.requires_grad)
     out = {"params": params, "tokens_per_step": task.batch_size * task.context,
+           "optimizer": type(task.optimizer(task.model())).__name__,
            "iface": iface, "runs": {}}
     for run in runs:
         stats = run.model.stats() if hasattr(run.model, "stats") else {}
