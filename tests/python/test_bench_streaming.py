@@ -58,7 +58,8 @@ def test_bytes_per_token() -> None:
 def test_streaming_suite_on_loopback(tmp_path: Path) -> None:
     """A few steps of every kind of contender on two ranks over loopback;
     torchft's DiLoCo runs when torchft is installed and is a skipped row otherwise."""
-    contenders = "compute,ddp,decoupled+int8,streaming-h3,streaming-h4-f2t1+int8,torchft-h3"
+    contenders = ("compute,ddp,decoupled+int8,streaming-h3,streaming-h4-f2t1+int8,torchft-h3,"
+                  "torchft-h2")
     out = subprocess.run(
         [sys.executable, "-m", "hemiola", "bench", "streaming", "--rates", "none", "--steps", "6",
          "--eval-every", "3", "--eval-windows", "4", "--contenders", contenders,
@@ -69,9 +70,9 @@ def test_streaming_suite_on_loopback(tmp_path: Path) -> None:
     runs = [r for r in rows if r["row"] == "run"]
     expected = contenders.split(",")
     if not HAVE_TORCHFT:
-        expected.remove("torchft-h3")
+        expected = expected[:-2]
         skipped = [r for r in rows if r["row"] == "skipped"]
-        assert [r["contender"] for r in skipped] == ["torchft-h3"]
+        assert [r["contender"] for r in skipped] == ["torchft-h3", "torchft-h2"]
         assert "not installed" in skipped[0]["reason"]
     assert [r["contender"] for r in runs] == expected
     target = runs[0]["target_loss"]
@@ -93,6 +94,9 @@ def test_streaming_suite_on_loopback(tmp_path: Path) -> None:
         by["ddp"]["bytes_per_token"] / 3)
     assert by["streaming-h3"]["rank0_syncs"] == 2  # after steps 3 and 6
     assert by["streaming-h4-f2t1+int8"]["rank0_inner_steps"] == 6
+    if HAVE_TORCHFT:  # two DiLoCo contenders side by side (a lighthouse each)
+        assert by["torchft-h2"]["bytes_per_token"] == pytest.approx(
+            by["ddp"]["bytes_per_token"] / 2)
     # the worst final loss among the communicating contenders is the default target
     assert max(r["heldout_loss"] for r in runs if r["contender"] != "compute") == target
     table = report.render(rows, "streaming.jsonl")

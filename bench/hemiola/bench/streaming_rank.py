@@ -155,21 +155,23 @@ class Run:
 
 
 class TorchFT:
-    """What torchft's DiLoCo needs on this rank: its own TCPStore, the
-    lighthouse (rank 0 hosts it) and a Manager per contender (a replica group
-    of one rank: replica ``bench<rank>``, group rank 0)."""
+    """What torchft's DiLoCo needs on this rank: its own TCPStore, and per
+    torchft contender a lighthouse (rank 0 hosts them all: one per contender,
+    since a lighthouse forms its quorums from every replica that heartbeats to
+    it) and a Manager (a replica group of one rank: replica ``bench<rank>``,
+    group rank 0)."""
 
-    def __init__(self, rank: int, world: int, port: int) -> None:
+    def __init__(self, rank: int, world: int, port: int, contenders: int) -> None:
         from torchft.coordination import LighthouseServer
 
         self.rank, self.world, self.port = rank, world, port
         self.addr = _own_address()
-        master = os.environ["MASTER_ADDR"]
-        self.lighthouse = None
+        self.master = os.environ["MASTER_ADDR"]
+        self.lighthouses = []
         if rank == 0:
-            self.lighthouse = LighthouseServer(bind=f"{self.addr}:{port + 20}",
-                                               min_replicas=world)
-        self.lighthouse_addr = f"http://{master}:{port + 20}"
+            self.lighthouses = [LighthouseServer(bind=f"{self.addr}:{port + 20 + k}",
+                                                 min_replicas=world)
+                                for k in range(contenders)]
         self.store = dist.TCPStore(self.addr, port + 10 + rank, is_master=True,
                                    wait_for_workers=False)
         self.managers = 0
@@ -187,8 +189,9 @@ class TorchFT:
             pg=ProcessGroupGloo(timeout=timedelta(seconds=300)), load_state_dict=None,
             state_dict=None, min_replica_size=self.world, use_async_quorum=False,
             replica_id=f"bench{self.rank}", store_addr=self.addr,
-            store_port=self.port + 10 + self.rank, rank=0, world_size=1,
-            lighthouse_addr=self.lighthouse_addr, port=self.port + 40 + 2 * k + self.rank,
+            store_port=self.port + 10 + self.rank,
+            lighthouse_addr=f"http://{self.master}:{self.port + 20 + k}",
+            rank=0, world_size=1, port=self.port + 40 + 2 * k + self.rank,
             hostname=self.addr, init_sync=False, timeout=timedelta(seconds=300),
             quorum_timeout=timedelta(seconds=300))
         outer = torch.optim.SGD(model.parameters(), **OUTER)  # type: ignore[arg-type]
@@ -197,9 +200,9 @@ class TorchFT:
         return [lambda: diloco.__exit__(None, None, None), lambda: manager.shutdown(wait=False)]
 
     def close(self) -> None:
-        """Shuts the lighthouse down (rank 0)."""
-        if self.lighthouse is not None:
-            self.lighthouse.shutdown()
+        """Shuts the lighthouses down (rank 0)."""
+        for lighthouse in self.lighthouses:
+            lighthouse.shutdown()
 
 
 def _own_address() -> str:
@@ -298,7 +301,8 @@ def worker(config: dict[str, Any]) -> dict[str, Any]:
     specs = [parse(c) for c in config["contenders"]]
     ft = None
     if any(s.kind == "torchft" for s in specs):
-        ft = TorchFT(rank, world, int(os.environ["MASTER_PORT"]))
+        ft = TorchFT(rank, world, int(os.environ["MASTER_PORT"]),
+                     sum(s.kind == "torchft" for s in specs))
         dist.barrier()  # the lighthouse is up before any Manager dials it
     runs = [build(s, task, total, seed, ft) for s in specs]
 
