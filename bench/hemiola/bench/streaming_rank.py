@@ -85,7 +85,9 @@ def parse(name: str) -> Spec:
             raise ValueError(f"{name}: unknown coding {coding!r}; known: fp16, bf16, int8")
         if m["kind"] == "torchft" and (f > 1 or t or coding):
             raise ValueError(f"{name}: the torchft contender is its blocking one-fragment "
-                             "DiLoCo (torchft-hH)")
+                             "DiLoCo (torchft-hH): its should_quantize needs triton (GPU "
+                             "kernels) and sends float32 without it, and its fragments "
+                             "need the model cut by hand")
         if h < 1 or f < 1 or (t and t * f >= h):
             raise ValueError(f"{name}: needs H >= 1, F >= 1 and tau < H/F")
         return Spec(name, m["kind"], h, f, t, coding)
