@@ -157,15 +157,21 @@ class Run:
 
 
 class TorchFT:
-    """What torchft's DiLoCo needs on this rank: its own TCPStore, and per
-    torchft contender a lighthouse (rank 0 hosts them all: one per contender,
-    since a lighthouse forms its quorums from every replica that heartbeats to
-    it) and a Manager (a replica group of one rank: replica ``bench<rank>``,
-    group rank 0)."""
+    """What torchft's DiLoCo needs on this rank, per torchft contender k: a
+    lighthouse (rank 0 hosts them all, at port + 20 + k: a lighthouse forms
+    its quorums from every replica that heartbeats to it), a TCPStore of this
+    rank's own (port + 30 + 2k + rank: every lighthouse numbers its quorums
+    from 1, and a quorum's process group meets under that number in the
+    store) and a Manager (port + 50 + 2k + rank; a replica group of one rank:
+    replica ``bench<rank>``, group rank 0). At most ``MAX`` contenders."""
+
+    MAX = 10
 
     def __init__(self, rank: int, world: int, port: int, contenders: int) -> None:
         from torchft.coordination import LighthouseServer
 
+        if contenders > self.MAX:
+            raise ValueError(f"at most {self.MAX} torchft contenders, got {contenders}")
         self.rank, self.world, self.port = rank, world, port
         self.addr = _own_address()
         self.master = os.environ["MASTER_ADDR"]
@@ -174,8 +180,8 @@ class TorchFT:
             self.lighthouses = [LighthouseServer(bind=f"{self.addr}:{port + 20 + k}",
                                                  min_replicas=world)
                                 for k in range(contenders)]
-        self.store = dist.TCPStore(self.addr, port + 10 + rank, is_master=True,
-                                   wait_for_workers=False)
+        self.stores = [dist.TCPStore(self.addr, port + 30 + 2 * k + rank, is_master=True,
+                                     wait_for_workers=False) for k in range(contenders)]
         self.managers = 0
 
     def wrap(self, model: nn.Module, inner: torch.optim.Optimizer, h: int) -> list[Any]:
@@ -191,9 +197,9 @@ class TorchFT:
             pg=ProcessGroupGloo(timeout=timedelta(seconds=300)), load_state_dict=None,
             state_dict=None, min_replica_size=self.world, use_async_quorum=False,
             replica_id=f"bench{self.rank}", store_addr=self.addr,
-            store_port=self.port + 10 + self.rank,
+            store_port=self.port + 30 + 2 * k + self.rank,
             lighthouse_addr=f"http://{self.master}:{self.port + 20 + k}",
-            rank=0, world_size=1, port=self.port + 40 + 2 * k + self.rank,
+            rank=0, world_size=1, port=self.port + 50 + 2 * k + self.rank,
             hostname=self.addr, init_sync=False, timeout=timedelta(seconds=300),
             quorum_timeout=timedelta(seconds=300))
         outer = torch.optim.SGD(model.parameters(), **OUTER)  # type: ignore[arg-type]
