@@ -177,9 +177,59 @@ def advise_table(rows: Rows) -> str:
     return f"{rows[0]['world']} ranks:\n\n" + _table(head, lines)
 
 
+def streaming_table(rows: Rows) -> str:
+    """Per task and rate: one line per contender, each metric's mean over seeds
+    (``hemiola bench streaming``); skipped contenders are named below."""
+    import statistics
+
+    def mean(values: list[Any]) -> float | None:
+        known = [v for v in values if v is not None]
+        return statistics.fmean(known) if len(known) == len(values) and known else None
+
+    def cell(value: float | None, fmt: str) -> str:
+        return "–" if value is None else f"{value:{fmt}}"
+
+    runs = [r for r in rows if r.get("row") == "run"]
+    parts = []
+    for task, rate in dict.fromkeys((r["task"], r["rate"]) for r in runs):
+        mine = [r for r in runs if (r["task"], r["rate"]) == (task, rate)]
+        head = ["contender", "ms / step", "compute utilisation", "bytes / token (formula)",
+                "bytes / token (measured)", "held-out loss", "s to target"]
+        lines = []
+        for name in dict.fromkeys(r["contender"] for r in mine):
+            rs = [r for r in mine if r["contender"] == name]
+            reached = [r["seconds_to_target"] for r in rs]
+            label = rs[0]["label"] + (" ¹" if rs[0]["kind"] == "compute" else "")
+            lines.append([
+                label, cell(mean([r["ms_per_step"] for r in rs]), ".1f"),
+                cell(mean([r["compute_utilisation"] for r in rs]), ".2f"),
+                cell(mean([r["bytes_per_token"] for r in rs]), ".0f"),
+                cell(mean([r["bytes_per_token_measured"] for r in rs]), ".0f"),
+                cell(mean([r["heldout_loss"] for r in rs]), ".4f"),
+                cell(mean(reached), ".1f") + ("" if None not in reached else
+                                               f" ({sum(v is not None for v in reached)}"
+                                               f"/{len(reached)} reached)")])
+        first = mine[0]
+        seeds = sorted({r["seed"] for r in mine})
+        targets = sorted({round(r["target_loss"], 4) for r in mine if r["target_loss"]})
+        title = (f"**{task}** at {rate_label(rate)} ({first['params'] / 1e6:.2f}M parameters, "
+                 f"{first['world']} ranks, {first['steps']} steps of "
+                 f"{first['tokens_per_rank_step']} tokens per rank, {len(seeds)} seed(s); "
+                 f"held-out loss on {first['eval_windows']} windows after each block of "
+                 f"{first['eval_every']} steps; target loss "
+                 f"{', '.join(f'{t:g}' for t in targets)}):")
+        note = ("\n\n¹ each rank trains alone: its loss is at 1/"
+                f"{first['world']} of the tokens per model.")
+        parts.append(title + "\n\n" + _table(head, lines) + note)
+    for r in rows:
+        if r.get("row") == "skipped":
+            parts.append(f"{r['label']}: skipped ({r['reason']}).")
+    return "\n\n".join(parts)
+
+
 RENDERERS: dict[str, Callable[[Rows], str]] = {
     "speed": speed_table, "convergence": convergence_table, "ps": ps_table,
-    "cluster": cluster_table, "advise": advise_table}
+    "cluster": cluster_table, "advise": advise_table, "streaming": streaming_table}
 
 
 def provenance(rows: Rows, source: str) -> str:

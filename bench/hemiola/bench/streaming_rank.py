@@ -1,0 +1,367 @@
+"""One rank of ``hemiola bench streaming`` (:mod:`hemiola.bench.streaming`):
+every contender of a run trained side by side in this process, in alternating
+blocks of steps, on the same batches from the same initial parameters.
+
+A contender is named (``parse``):
+
+- ``compute``: the bare model, no communication (each rank alone on its shard);
+- ``ddp``: torch DistributedDataParallel over Gloo;
+- a :class:`~hemiola.bench.contender.Contender` with a per-step schedule, e.g.
+  ``decoupled+int8``;
+- ``streaming-hH[-fFtT][+CODING]``: ``hemiola.wrap(schedule="streaming",
+  sync_every=H, fragments=F, overlap=T, compression=CODING)``;
+- ``torchft-hH``: torchft's ``torchft.local_sgd.DiLoCo`` (one fragment,
+  blocking), each rank a replica group of one with its own TCPStore, a
+  ``torchft.Manager`` and rank 0 hosting the ``LighthouseServer``.
+
+Every inner optimizer is the task's (AdamW, warmup + cosine); every outer one
+is DiLoCo's (SGD, lr 0.7, momentum 0.9, Nesterov).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+import time
+from dataclasses import dataclass, field
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+#: ``streaming-h20-f2t1+int8`` / ``torchft-h20``
+LOW_COMM = re.compile(r"(?P<kind>streaming|torchft)-h(?P<h>\d+)"
+                      r"(?:-f(?P<f>\d+)t(?P<t>\d+))?(?:\+(?P<coding>\w+))?")
+#: bytes per element on the wire of each coding (int8: one scale per 256)
+CODING_BYTES = {"": 4.0, "fp16": 2.0, "bf16": 2.0, "int8": 1.0 + 4.0 / 256}
+#: DiLoCo's outer optimizer, torchft's and hemiola's default alike
+OUTER = {"lr": 0.7, "momentum": 0.9, "nesterov": True}
+
+
+@dataclass(frozen=True)
+class Spec:
+    """What a contender name means: its kind (compute, ddp, hemiola, streaming,
+    torchft), the hemiola contender name for per-step ones, H (1 for per-step,
+    0 for compute), fragments, overlap (tau) and the wire's coding."""
+
+    name: str
+    kind: str
+    h: int = 1
+    fragments: int = 1
+    overlap: int = 0
+    coding: str = ""
+
+    @property
+    def label(self) -> str:
+        """How the contender reads in a table."""
+        if self.kind == "compute":
+            return "bare model (1 rank's computation, no communication)"
+        if self.kind == "ddp":
+            return "torch DDP (per step)"
+        if self.kind == "hemiola":
+            from hemiola.bench.contender import Contender
+
+            return Contender.parse(self.name).label + " (per step)"
+        lib = "torchft DiLoCo" if self.kind == "torchft" else "hemiola streaming"
+        shape = ""
+        if self.fragments > 1 or self.overlap:
+            shape = f", F={self.fragments} τ={self.overlap}"
+        return f"{lib} H={self.h}{shape}" + (f" + {self.coding}" if self.coding else "")
+
+
+def parse(name: str) -> Spec:
+    """The :class:`Spec` of contender `name`; ValueError when unknown."""
+    if name in ("compute", "ddp"):
+        return Spec(name, name, h=0 if name == "compute" else 1)
+    m = LOW_COMM.fullmatch(name)
+    if m:
+        h, f, t = int(m["h"]), int(m["f"] or 1), int(m["t"] or 0)
+        coding = m["coding"] or ""
+        if coding not in CODING_BYTES:
+            raise ValueError(f"{name}: unknown coding {coding!r}; known: fp16, bf16, int8")
+        if m["kind"] == "torchft" and (f > 1 or t or coding):
+            raise ValueError(f"{name}: the torchft contender is its blocking one-fragment "
+                             "DiLoCo (torchft-hH): its should_quantize needs triton (GPU "
+                             "kernels) and sends float32 without it, and its fragments "
+                             "need the model cut by hand")
+        if h < 1 or f < 1 or (t and t * f >= h):
+            raise ValueError(f"{name}: needs H >= 1, F >= 1 and tau < H/F")
+        return Spec(name, m["kind"], h, f, t, coding)
+    from hemiola.bench.contender import Contender
+
+    contender = Contender.parse(name)  # raises ValueError on unknown names
+    if contender.is_ddp or contender.schedule == "streaming":
+        raise ValueError(f"{name}: write ddp, or streaming-hH[-fFtT][+CODING]")
+    return Spec(name, "hemiola", coding=contender.compression)
+
+
+def previews(spec: Spec, optimizer: str) -> bool:
+    """Whether `spec` sends decoupled's preview codes too: ``decoupled`` (not
+    ``decoupled-own``) with an Adam-family inner optimizer (named `optimizer`)."""
+    if spec.kind != "hemiola" or optimizer not in ("Adam", "AdamW"):
+        return False
+    from hemiola.bench.contender import Contender
+
+    schedule, options = Contender.parse(spec.name).wrap_arguments()
+    return schedule == "decoupled" and options.get("preview") is not False
+
+
+def bytes_per_token(spec: Spec, params: int, world: int, tokens_per_step: int,
+                    optimizer: str = "") -> float:
+    """Bytes one rank sends per token it trains, by the formula
+    2 (N-1)/N * P * b / (H * tokens per rank per step): an all-reduce (ring)
+    of P elements of b bytes sends 2 (N-1)/N of them per rank; per-step
+    methods do that every step (H = 1), DiLoCo once per H steps (its F
+    fragments add up to the model). b is the coding's (``CODING_BYTES``),
+    plus 1 where decoupled's preview sends its one-byte codes too
+    (``previews``). 0 for the bare model."""
+    if spec.kind == "compute":
+        return 0.0
+    if spec.coding not in CODING_BYTES:
+        return math.nan
+    b = CODING_BYTES[spec.coding] + (1.0 if previews(spec, optimizer) else 0.0)
+    return 2 * (world - 1) / world * params * b / (spec.h * tokens_per_step)
+
+
+def tx_bytes(iface: str) -> int | None:
+    """Bytes this network namespace has sent through `iface` (/proc/self/net/dev)."""
+    try:
+        for line in Path("/proc/self/net/dev").read_text().splitlines():
+            name, sep, counters = line.partition(":")
+            if sep and name.strip() == iface:
+                return int(counters.split()[8])
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+@dataclass
+class Run:
+    """One contender's training state and what is measured of it."""
+
+    spec: Spec
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: Any
+    step: int = 0
+    seconds: float = 0.0  # training wall time, evaluations excluded
+    step_ms: list[float] = field(default_factory=list)
+    losses: list[float] = field(default_factory=list)
+    evals: list[dict[str, float]] = field(default_factory=list)
+    tx: int = 0  # bytes sent through the rank's link during its blocks
+    closers: list[Any] = field(default_factory=list)
+
+
+class TorchFT:
+    """What torchft's DiLoCo needs on this rank, per torchft contender k: a
+    lighthouse (rank 0 hosts them all, at port + 20 + k: a lighthouse forms
+    its quorums from every replica that heartbeats to it), a TCPStore of this
+    rank's own (port + 30 + 2k + rank: every lighthouse numbers its quorums
+    from 1, and a quorum's process group meets under that number in the
+    store) and a Manager (port + 50 + 2k + rank; a replica group of one rank:
+    replica ``bench<rank>``, group rank 0). At most ``MAX`` contenders."""
+
+    MAX = 10
+
+    def __init__(self, rank: int, world: int, port: int, contenders: int) -> None:
+        from torchft.coordination import LighthouseServer
+
+        if contenders > self.MAX:
+            raise ValueError(f"at most {self.MAX} torchft contenders, got {contenders}")
+        self.rank, self.world, self.port = rank, world, port
+        self.addr = _own_address()
+        self.master = os.environ["MASTER_ADDR"]
+        self.lighthouses = []
+        if rank == 0:
+            self.lighthouses = [LighthouseServer(bind=f"{self.addr}:{port + 20 + k}",
+                                                 min_replicas=world)
+                                for k in range(contenders)]
+        self.stores = [dist.TCPStore(self.addr, port + 30 + 2 * k + rank, is_master=True,
+                                     wait_for_workers=False) for k in range(contenders)]
+        self.managers = 0
+
+    def wrap(self, model: nn.Module, inner: torch.optim.Optimizer, h: int) -> list[Any]:
+        """A Manager and an entered ``DiLoCo`` around `model` and `inner`;
+        returns what closes them, in order."""
+        from torchft import Manager
+        from torchft.local_sgd import DiLoCo
+        from torchft.process_group import ProcessGroupGloo
+
+        k = self.managers
+        self.managers += 1
+        manager = Manager(
+            pg=ProcessGroupGloo(timeout=timedelta(seconds=300)), load_state_dict=None,
+            state_dict=None, min_replica_size=self.world, use_async_quorum=False,
+            replica_id=f"bench{self.rank}", store_addr=self.addr,
+            store_port=self.port + 30 + 2 * k + self.rank,
+            lighthouse_addr=f"http://{self.master}:{self.port + 20 + k}",
+            rank=0, world_size=1, port=self.port + 50 + 2 * k + self.rank,
+            hostname=self.addr, init_sync=False, timeout=timedelta(seconds=300),
+            quorum_timeout=timedelta(seconds=300))
+        outer = torch.optim.SGD(model.parameters(), **OUTER)  # type: ignore[arg-type]
+        diloco = DiLoCo(manager, [model], inner, outer, sync_every=h, pin_memory=False)
+        diloco.__enter__()
+        return [lambda: diloco.__exit__(None, None, None), lambda: manager.shutdown(wait=False)]
+
+    def close(self) -> None:
+        """Shuts the lighthouses down (rank 0)."""
+        for lighthouse in self.lighthouses:
+            lighthouse.shutdown()
+
+
+def _own_address() -> str:
+    """This rank's address on its link: rank 0's is MASTER_ADDR; under netlab
+    rank r has 10.233.0.(r + 1); on loopback every rank has 127.0.0.1."""
+    master = os.environ["MASTER_ADDR"]
+    if master.startswith("127."):
+        return master
+    head, _, _ = master.rpartition(".")
+    return f"{head}.{int(os.environ['RANK']) + 1}"
+
+
+def build(spec: Spec, task: Any, total: int, seed: int, ft: TorchFT | None) -> Run:
+    """`spec`'s model (seeded: the same initial parameters for every
+    contender), optimizer and learning-rate schedule."""
+    import hemiola
+    from hemiola.bench.contender import Contender
+    from hemiola.bench.ddp import ddp_with_hook
+
+    torch.manual_seed(seed)
+    model = task.model()
+    closers: list[Any] = []
+    if spec.kind == "ddp":
+        model = ddp_with_hook(model)
+    optimizer = task.optimizer(model)
+    if spec.kind == "hemiola":
+        schedule, options = Contender.parse(spec.name).wrap_arguments()
+        model, optimizer = hemiola.wrap(model, optimizer, schedule=schedule, **options)
+    elif spec.kind == "streaming":
+        model, optimizer = hemiola.wrap(
+            model, optimizer, schedule="streaming", sync_every=spec.h,
+            fragments=spec.fragments, overlap=spec.overlap, compression=spec.coding or None)
+    elif spec.kind == "torchft":
+        if ft is None:
+            raise RuntimeError("torchft is not set up on this rank")
+        closers = ft.wrap(model, optimizer, spec.h)
+    return Run(spec, model, optimizer, task.lr_scheduler(optimizer, total), closers=closers)
+
+
+def evaluate(run: Run, task: Any, windows: int) -> float:
+    """Held-out loss of rank 0's parameters on the first `windows` held-out windows."""
+    import torch.nn.functional as F
+
+    module = getattr(run.model, "module", run.model)
+    w = task.windows(task.tokens[task.split:], 0)[:windows]
+    total, count = 0.0, 0
+    module.eval()
+    with torch.no_grad():
+        for chunk in w.split(128):
+            logits = module(chunk[:, :-1])
+            total += F.cross_entropy(logits.flatten(0, 1), chunk[:, 1:].flatten(),
+                                     reduction="sum").item()
+            count += chunk[:, 1:].numel()
+    module.train()
+    return total / count
+
+
+def block(run: Run, task: Any, batches: Any, n: int, iface: str) -> None:
+    """`n` steps of `run`, each timed; the block ends by landing what is still
+    on the wire (``synchronize()``), timed into its last step."""
+    drain = getattr(run.model, "synchronize", None)
+    sent = tx_bytes(iface)
+    for i in range(n):
+        x, y = batches(run.step)
+        start = time.perf_counter()
+        run.optimizer.zero_grad()
+        loss = task.loss(run.model, x, y)
+        loss.backward()
+        run.optimizer.step()
+        run.scheduler.step()
+        if i == n - 1 and drain is not None:
+            drain()
+        elapsed = time.perf_counter() - start
+        run.seconds += elapsed
+        run.step_ms.append(1e3 * elapsed)
+        run.losses.append(loss.item())
+        run.step += 1
+    after = tx_bytes(iface)
+    if sent is not None and after is not None:
+        run.tx += after - sent
+
+
+def worker(config: dict[str, Any]) -> dict[str, Any]:
+    """One rank (RANK, WORLD_SIZE, MASTER_*, GLOO_SOCKET_IFNAME set): every
+    contender of ``config["contenders"]`` for ``config["steps"]`` steps in
+    alternating blocks of ``config["eval_every"]``, rank 0 evaluating each at
+    every block's end. Returns rank 0's measurements per contender."""
+    import hemiola
+    from hemiola.bench.tasks import TASKS
+
+    torch.set_num_threads(1)
+    hemiola.init()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    task = TASKS[config["task"]]()
+    seed, total, every = config["seed"], config["steps"], config["eval_every"]
+    specs = [parse(c) for c in config["contenders"]]
+    ft = None
+    if any(s.kind == "torchft" for s in specs):
+        ft = TorchFT(rank, world, int(os.environ["MASTER_PORT"]),
+                     sum(s.kind == "torchft" for s in specs))
+        dist.barrier()  # the lighthouse is up before any Manager dials it
+    runs = [build(s, task, total, seed, ft) for s in specs]
+
+    cache: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    per_epoch = max(1, len(task.epoch_samples(seed, 0)[0]) // (task.batch_size * world))
+
+    def batches(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if step not in cache:
+            epoch, i = divmod(step, per_epoch)
+            x_all, y_all = task.epoch_samples(seed, epoch)
+            g = torch.Generator().manual_seed(1_000_003 * seed + epoch)
+            mine = torch.randperm(len(x_all), generator=g)[rank::world]
+            idx = mine[i * task.batch_size:(i + 1) * task.batch_size]
+            cache[step] = (x_all[idx], y_all[idx])
+        return cache[step]
+
+    iface = os.environ.get("GLOO_SOCKET_IFNAME", "lo")
+    progress = config.get("progress")
+    if rank == 0:
+        for run in runs:
+            run.evals.append({"step": 0, "seconds": 0.0,
+                              "heldout_loss": evaluate(run, task, config["eval_windows"])})
+    done = 0
+    while done < total:
+        n = min(every, total - done)
+        order = runs if (done // every) % 2 == 0 else runs[::-1]
+        for run in order:
+            dist.barrier()
+            block(run, task, batches, n, iface)
+            if rank == 0:
+                run.evals.append({"step": run.step, "seconds": run.seconds,
+                                  "heldout_loss": evaluate(run, task, config["eval_windows"])})
+        done += n
+        if progress and rank == 0:
+            Path(progress).write_text(str(done))
+    dist.barrier()
+    params = sum(p.numel() for p in getattr(runs[0].model, "module", runs[0].model).parameters()
+                 if p.requires_grad)
+    out = {"params": params, "tokens_per_step": task.batch_size * task.context,
+           "optimizer": type(task.optimizer(task.model())).__name__,
+           "iface": iface, "runs": {}}
+    for run in runs:
+        stats = run.model.stats() if hasattr(run.model, "stats") else {}
+        out["runs"][run.spec.name] = {
+            "seconds": run.seconds, "step_ms": run.step_ms, "losses": run.losses,
+            "evals": run.evals, "tx_bytes": run.tx if iface != "lo" else None,
+            "stats": {k: float(v) for k, v in stats.items()}}
+    for run in runs:
+        for close in run.closers:
+            close()
+    if ft is not None:
+        dist.barrier()
+        ft.close()
+    return out

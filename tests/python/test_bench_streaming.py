@@ -1,0 +1,104 @@
+"""``hemiola bench streaming``: contender names, the bytes-per-token formula,
+and a short run of the whole suite on loopback (two real ranks) whose result
+lines carry every field the table reads (no wall-clock assertions)."""
+
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from hemiola.bench import report
+from hemiola.bench.record import read_lines
+from hemiola.bench.streaming import default_contenders
+from hemiola.bench.streaming_rank import CODING_BYTES, Spec, bytes_per_token, parse
+
+ROOT = Path(__file__).resolve().parents[2]
+HAVE_TORCHFT = importlib.util.find_spec("torchft") is not None
+
+
+def test_contender_names() -> None:
+    assert parse("compute") == Spec("compute", "compute", h=0)
+    assert parse("ddp") == Spec("ddp", "ddp")
+    assert parse("decoupled+int8") == Spec("decoupled+int8", "hemiola", coding="int8")
+    assert parse("streaming-h20-f2t1+int8") == Spec("streaming-h20-f2t1+int8", "streaming",
+                                                    20, 2, 1, "int8")
+    assert parse("torchft-h50") == Spec("torchft-h50", "torchft", 50)
+    assert "F=2 τ=1" in parse("streaming-h20-f2t1").label
+    for bad in ("streaming-h4-f2t2", "torchft-h20+int8", "streaming-h10+zip", "nope"):
+        with pytest.raises(ValueError):
+            parse(bad)
+    names = default_contenders([10, 20])
+    assert names[:3] == ["compute", "ddp", "decoupled+int8"] and len(names) == 13
+    for name in names:
+        parse(name)
+
+
+def test_bytes_per_token() -> None:
+    p, tokens = 1000, 100
+    # two ranks: a ring all-reduce sends the payload once per rank
+    assert bytes_per_token(parse("ddp"), p, 2, tokens) == 4 * p / tokens
+    assert bytes_per_token(parse("compute"), p, 2, tokens) == 0.0
+    assert bytes_per_token(parse("streaming-h20"), p, 2, tokens) == 4 * p / (20 * tokens)
+    int8 = bytes_per_token(parse("streaming-h20-f2t1+int8"), p, 2, tokens)
+    assert int8 == pytest.approx(CODING_BYTES["int8"] * p / (20 * tokens))
+    # decoupled under AdamW sends its one-byte preview codes as well
+    per_step = bytes_per_token(parse("decoupled+int8"), p, 2, tokens, "AdamW")
+    assert per_step == pytest.approx((CODING_BYTES["int8"] + 1) * p / tokens)
+    assert bytes_per_token(parse("decoupled+int8"), p, 2, tokens, "SGD") == pytest.approx(
+        CODING_BYTES["int8"] * p / tokens)
+    assert bytes_per_token(parse("decoupled-own"), p, 2, tokens, "AdamW") == 4 * p / tokens
+    # four ranks: 2 (N-1)/N = 1.5 of the payload
+    assert bytes_per_token(parse("ddp"), p, 4, tokens) == 1.5 * 4 * p / tokens
+
+
+def test_streaming_suite_on_loopback(tmp_path: Path) -> None:
+    """A few steps of every kind of contender on two ranks over loopback;
+    torchft's DiLoCo runs when torchft is installed and is a skipped row otherwise."""
+    contenders = ("compute,ddp,decoupled+int8,streaming-h3,streaming-h4-f2t1+int8,torchft-h3,"
+                  "torchft-h2")
+    out = subprocess.run(
+        [sys.executable, "-m", "hemiola", "bench", "streaming", "--rates", "none", "--steps", "6",
+         "--eval-every", "3", "--eval-windows", "4", "--contenders", contenders,
+         "--port", "29850", "--out", str(tmp_path)],
+        capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert out.returncode == 0, out.stdout + out.stderr
+    rows = read_lines(tmp_path / "streaming.jsonl")
+    runs = [r for r in rows if r["row"] == "run"]
+    expected = contenders.split(",")
+    if not HAVE_TORCHFT:
+        expected = expected[:-2]
+        skipped = [r for r in rows if r["row"] == "skipped"]
+        assert [r["contender"] for r in skipped] == ["torchft-h3", "torchft-h2"]
+        assert "not installed" in skipped[0]["reason"]
+    assert [r["contender"] for r in runs] == expected
+    target = runs[0]["target_loss"]
+    for r in runs:
+        assert (r["suite"], r["rate"], r["world"], r["steps"], r["seed"]) == (
+            "streaming", "none", 2, 6, 0)
+        assert r["ms_per_step"] > 0 and r["compute_utilisation"] > 0
+        assert [e["step"] for e in r["evals"]] == [0, 3, 6]
+        assert r["heldout_loss"] == r["evals"][-1]["heldout_loss"] > 0
+        assert r["target_loss"] == target
+        assert r["bytes_per_token_measured"] is None  # loopback: not measured
+        for key in ("date", "commit", "torch", "cpu", "params", "label", "final_train_loss"):
+            assert key in r
+    by = {r["contender"]: r for r in runs}
+    assert by["compute"]["bytes_per_token"] == 0.0 and by["compute"]["compute_utilisation"] == 1
+    assert by["ddp"]["bytes_per_token"] == pytest.approx(
+        4 * by["ddp"]["params"] / by["ddp"]["tokens_per_rank_step"])
+    assert by["streaming-h3"]["bytes_per_token"] == pytest.approx(
+        by["ddp"]["bytes_per_token"] / 3)
+    assert by["streaming-h3"]["rank0_syncs"] == 2  # after steps 3 and 6
+    assert by["streaming-h4-f2t1+int8"]["rank0_inner_steps"] == 6
+    if HAVE_TORCHFT:  # two DiLoCo contenders side by side (a lighthouse each)
+        assert by["torchft-h2"]["bytes_per_token"] == pytest.approx(
+            by["ddp"]["bytes_per_token"] / 2)
+    # the worst final loss among the communicating contenders is the default target
+    assert max(r["heldout_loss"] for r in runs if r["contender"] != "compute") == target
+    table = report.render(rows, "streaming.jsonl")
+    assert "hemiola streaming H=3" in table and "torch DDP" in table
+    assert ("torchft DiLoCo H=3" in table) if HAVE_TORCHFT else ("skipped" in table)
