@@ -120,8 +120,8 @@ StreamerImpl::StreamerImpl(LaneHost& host, std::vector<StreamedParameter> params
 }
 
 StreamerImpl::~StreamerImpl() {
-  // The outer lane's work reads base_'s neighbours and the lane: never let
-  // it outlive them.
+  // The outer lane's work averages in the lane's buffer with its codec:
+  // never let it outlive the lane.
   if (handle_.valid()) handle_.wait_for(std::chrono::hours(1));
 }
 
