@@ -29,6 +29,8 @@ void bind_streamer(py::module_& m) {
            py::call_guard<py::gil_scoped_release>(),
            "After each inner optimizer step: lands the fragment whose overlap ends and sends "
            "the fragments due.")
+      .def("next_step_fragments", &Streamer::next_step_fragments,
+           "The fragments the next after_inner_step() reads or writes the live values of.")
       .def_property_readonly("inner_steps", &Streamer::inner_steps)
       .def("wait_in_flight", &Streamer::wait_in_flight, py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("waited_ms", &Streamer::waited_ms)
