@@ -179,7 +179,9 @@ def advise_table(rows: Rows) -> str:
 
 def streaming_table(rows: Rows) -> str:
     """Per task and rate: one line per contender, each metric's mean over seeds
-    (``hemiola bench streaming``); skipped contenders are named below."""
+    (± the standard deviation over seeds of time, utilisation and loss when
+    there are several; ``hemiola bench streaming``); skipped contenders are
+    named below."""
     import statistics
 
     def mean(values: list[Any]) -> float | None:
@@ -188,6 +190,13 @@ def streaming_table(rows: Rows) -> str:
 
     def cell(value: float | None, fmt: str) -> str:
         return "–" if value is None else f"{value:{fmt}}"
+
+    def spread(values: list[Any], fmt: str) -> str:
+        """The mean, and ± the standard deviation over seeds when several."""
+        m = mean(values)
+        if m is None or len(values) < 2:
+            return cell(m, fmt)
+        return f"{m:{fmt}} ± {statistics.stdev(values):{fmt}}"
 
     runs = [r for r in rows if r.get("row") == "run"]
     parts = []
@@ -201,11 +210,11 @@ def streaming_table(rows: Rows) -> str:
             reached = [r["seconds_to_target"] for r in rs]
             label = rs[0]["label"] + (" ¹" if rs[0]["kind"] == "compute" else "")
             lines.append([
-                label, cell(mean([r["ms_per_step"] for r in rs]), ".1f"),
-                cell(mean([r["compute_utilisation"] for r in rs]), ".2f"),
+                label, spread([r["ms_per_step"] for r in rs], ".1f"),
+                spread([r["compute_utilisation"] for r in rs], ".2f"),
                 cell(mean([r["bytes_per_token"] for r in rs]), ".0f"),
                 cell(mean([r["bytes_per_token_measured"] for r in rs]), ".0f"),
-                cell(mean([r["heldout_loss"] for r in rs]), ".4f"),
+                spread([r["heldout_loss"] for r in rs], ".4f"),
                 cell(mean(reached), ".1f") + ("" if None not in reached else
                                                f" ({sum(v is not None for v in reached)}"
                                                f"/{len(reached)} reached)")])
