@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -101,6 +102,9 @@ class EngineUpdate(Schedule):
         # catch code that edits .grad before optimizer.step(): that edit would
         # not reach the reduced gradient the update uses.
         self._grads_seen: list[tuple[int, int]] | None = None
+        # The .grad tensors (and versions) the last synchronised step was
+        # given, to refuse a second step from them (see _refuse_second_step).
+        self._stepped_grads: list[tuple[Any, int]] = []
         #: per clipped iteration: its model.clip_grad_norm_
         self._clip: dict[int, Clip] = {}
         # 1 / the GradScaler's scale in the backward being marked
@@ -367,6 +371,8 @@ class EngineUpdate(Schedule):
 
     def step(self) -> None:
         """``optimizer.step()``: the engine lands and steps (see updater.h)."""
+        if self._finished is None:
+            self._refuse_second_step()
         self.check_grads_untouched()
         overflow = self.take_scaler_state()
         opt = self._optimizer
@@ -399,6 +405,32 @@ class EngineUpdate(Schedule):
             stream=self._stream(), preview_scale=1.0 if clip is None else clip.preview_coef,
             hyper_key=key)
         self._local.clear()
+        self._stepped_grads = [(None, 0) if p.grad is None else
+                               (weakref.ref(p.grad), p.grad._version) for p in params]
+
+    def _refuse_second_step(self) -> None:
+        """``optimizer.step()`` with no synchronised backward since the last
+        step, while ``.grad`` still holds what that step was given: under DDP
+        that is the averaged gradient, applied again on every rank alike;
+        here it is this rank's own gradient, and stepping from it would make
+        the ranks' models differ. Refused, saying what to do. (After
+        ``zero_grad()``, or a backward inside ``no_sync()``, ``.grad`` holds
+        something else, and a step from it is what DDP would take.)"""
+        m = self.replica
+        again = [name for (ref, version), p, name in zip(self._stepped_grads, m.params, m.names)
+                 if ref is not None and p.grad is not None and ref() is p.grad
+                 and p.grad._version == version]
+        if again:
+            schedule = m.config.schedule
+            raise RuntimeError(
+                f"optimizer.step() was called again with no backward() since the last step "
+                f"(.grad of {again[0]!r}{' and others' if len(again) > 1 else ''} is the one "
+                f"already stepped). Under schedule={schedule!r} .grad holds this rank's own "
+                "gradient (the averaged one is applied inside hemiola), so a second step from "
+                "it would make the ranks' models differ. Step once per backward: to accumulate "
+                "micro-batches, call backward() on each (inside model.no_sync() for all but "
+                "the last) and optimizer.step() once; to apply the same averaged gradient "
+                "twice, use schedule='wfbp' (as DDP does).")
 
     def _before_update(self) -> None:
         """In ``optimizer.step()``, before the engine is handed the update."""
