@@ -134,13 +134,19 @@ class EngineUpdate(Schedule):
         m = self.replica
         if not m.params:
             return optimizer  # nothing to reduce: step() is the optimizer's
-        external = None
         if self._kind is None:
             # The hyper-parameters of at most in_flight pending iterations
             # and of the one being stepped are read.
             self._torch_step = TorchStep(optimizer, self._inner_step, m.params,
                                          keep=self.in_flight + 2)
-            external = self._torch_step.callback()
+        self._make_updater()
+        return optimizer
+
+    def _make_updater(self) -> None:
+        """The engine's updater on the replica's reducer (see the module
+        docstring)."""
+        m = self.replica
+        external = None if self._torch_step is None else self._torch_step.callback()
         roots = torch_sqrt()  # the engine's Adam takes torch's square root
         self._updater = C.Updater(
             m.engine, m.reducer, self._slots(), schedule=m.config.schedule,
@@ -151,7 +157,15 @@ class EngineUpdate(Schedule):
             multi_tensor_steps=_flag("HEMIOLA_MULTI_TENSOR_STEPS"),
             device_clip_norms=_flag("HEMIOLA_DEVICE_CLIP"))
         self._updater.set_landers(self._gate.landers)
-        return optimizer
+
+    def replan(self) -> None:
+        # The updater is built on the reducer: it goes first, and a new one
+        # is built on the new reducer (nothing is pending before the first
+        # backward).
+        had_updater, self._updater = self._updater is not None, None
+        super().replan()
+        if had_updater:
+            self._make_updater()
 
     def _slots(self) -> list[tuple[Any, ...]]:
         """Each parameter with its optimizer state, for the updater."""
