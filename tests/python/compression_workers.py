@@ -209,14 +209,14 @@ def powersgd_hooks_under_every_schedule(rank: int, world: int, steps: int = 4
         torch.manual_seed(0)
         m = WideMLP()
         options: dict[str, Any] = {"compression": "powersgd", "powersgd_rank": 2,
-                                   "powersgd_start_iter": 1} if hook is None else {}
+                                   "powersgd_start_iter": 2} if hook is None else {}
         model, opt = hemiola.wrap(m, _optimizer("sgd", m.parameters()), schedule=schedule,
                                   timeout_s=60, **options)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             if hook is not None:
                 model.register_comm_hook(powersgd.PowerSGDState(
-                    None, matrix_approximation_rank=2, start_powerSGD_iter=1), hook)
+                    None, matrix_approximation_rank=2, start_powerSGD_iter=2), hook)
         _train(model, opt, "mlp", rank, world, range(steps))
         model.synchronize()
         runs[name] = {"params": [p.detach().clone() for p in m.parameters()],
