@@ -79,6 +79,22 @@ def _flag(name: str) -> bool:
     return raw == "1"
 
 
+def _torch_total_norm(params: list[torch.Tensor]) -> Callable[..., float]:
+    """The total norm the engine clips by (UpdaterOptions::clip_norm):
+    torch's ``get_total_norm`` over the averaged gradients, in parameter
+    order, as ``torch.nn.utils.clip_grad_norm_`` sums them under DDP, so
+    that the coefficient, and the run, are DDP's bit for bit. (The engine's
+    own norm is accumulated in double, and can differ in the last bit.)"""
+
+    def norm(indices: list[int], grads: list[memoryview], norm_type: float) -> float:
+        views = [torch.frombuffer(g, dtype=params[i].dtype).view(params[i].shape)
+                 if params[i].numel() else params[i].new_zeros(params[i].shape)
+                 for i, g in zip(indices, grads)]
+        return float(torch.nn.utils.get_total_norm(views, norm_type))
+
+    return norm
+
+
 class EngineUpdate(Schedule):
     """The part of ``priority`` and ``decoupled`` that is the same: the
     engine's updater lands each update where the forward gate learnt it is
@@ -155,7 +171,8 @@ class EngineUpdate(Schedule):
             rebuild_buckets=m.config.rebuild_buckets, raise_if_not_finite=m.config.check_finite,
             stream=m.stream(), sqrt_f32=roots.f32, sqrt_f64=roots.f64, external=external,
             multi_tensor_steps=_flag("HEMIOLA_MULTI_TENSOR_STEPS"),
-            device_clip_norms=_flag("HEMIOLA_DEVICE_CLIP"))
+            device_clip_norms=_flag("HEMIOLA_DEVICE_CLIP"),
+            clip_norm=None if self._cuda else _torch_total_norm(m.params))
         self._updater.set_landers(self._gate.landers)
 
     def replan(self) -> None:
