@@ -229,6 +229,10 @@ def test_profiles_round_trip_and_bad_ones_are_refused(tmp_path: Path) -> None:
     path = tmp_path / "p.json"
     p.save(path)
     assert Profile.load(path) == p
+    # a machine twice as slow: every CPU time doubles, the link stays
+    slow = p.scaled(2.0)
+    assert (slow.compute, slow.params[1].ready, slow.coding_cpu["none"]) == (0.22, 0.04, 0.002)
+    assert slow.link == p.link
     data = json.loads(path.read_text())
     for change, words in [({"version": 99}, "version 99"), ({"forward": -1}, "forward"),
                           ({"params": []}, "params is empty"),

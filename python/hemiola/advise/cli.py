@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -49,12 +50,16 @@ def local_network(profile: Profile, world: int) -> Network:
 
 
 def advise_rank(rank: int, world: int, spec: str | None, repeats: int, iterations: int,
-                profile_path: str | None = None, everything: bool = False) -> dict[str, Any]:
+                profile_path: str | None = None, everything: bool = False,
+                rescale: bool = False) -> dict[str, Any]:
     """One rank's part (also under torchrun: rank and world from its
     environment): measure (or load) the profile, predict at this job's
-    world, try the candidates, choose."""
+    world, try the candidates, choose. `rescale` (with a loaded profile):
+    scale its CPU times by the bare step measured here over the profile's
+    (more ranks than cores make every rank's CPU slower)."""
     import hemiola
-    from hemiola.advise.measure import measure, trial
+    from hemiola.advise.measure import bare, measure, trial
+    from hemiola.advise.models import make_workload
     from hemiola.distributed import new_engine
 
     hemiola.init()
@@ -64,10 +69,23 @@ def advise_rank(rank: int, world: int, spec: str | None, repeats: int, iteration
         profile = measure(factory, repeats, engine)
     else:
         profile = Profile.load(Path(profile_path))
+        if rescale:
+            import torch
+
+            from hemiola.advise.measure import agree
+
+            torch.set_num_threads(1)
+            forward, backward, step, _ = bare(make_workload(factory), repeats)
+            here = replace(profile, forward=forward, backward=backward, step=step)
+            factor = agree(here, engine).compute / profile.compute
+            profile = profile.scaled(factor)
+            profile.meta = {**profile.meta, "rescaled": factor}
     net = local_network(profile, engine.world_size)
     predictions = model.predict(profile, net)
     streaming = model.predict_streaming(profile, net)
-    tried = predictions + streaming if everything else choice.within_error(predictions)
+    # --all: every configuration, and streaming where a brief run sees syncs
+    tried = (predictions + [s for s in streaming if s.options["sync_every"] <= 20]
+             if everything else choice.within_error(predictions))
     measured: dict[str, float] = {}
     for p in tried:
         engine.barrier().wait()
@@ -230,7 +248,8 @@ def _main(args: argparse.Namespace) -> int:
                              "or with --local N; or give --world N (and --rate GBIT or "
                              "--profile FILE) to predict a cluster")
         return _predict_elsewhere(args)
-    call = (args.model, args.repeats, args.iterations, args.profile, args.all)
+    call = (args.model, args.repeats, args.iterations, args.profile, args.all,
+            args.rescale_compute)
     if args.local:
         result = run_local(advise_rank, args.local, *call, timeout_s=3600)[0]
         _finish(args, result)
@@ -263,6 +282,9 @@ def register(commands: Any) -> None:
                    help="predict from this profile instead of measuring one (on the job's "
                         "ranks: then try the configurations here)")
     p.add_argument("--json", metavar="FILE", help="write rank 0's whole result here")
+    p.add_argument("--rescale-compute", action="store_true",
+                   help="with --profile on the job's ranks: scale the profile's CPU times by "
+                        "the bare step measured here (validation with more ranks than cores)")
     scale = p.add_argument_group("prediction for a cluster not at hand")
     scale.add_argument("--world", type=int, metavar="N", help="ranks to predict")
     scale.add_argument("--rate", type=float, metavar="GBIT",

@@ -154,12 +154,14 @@ def free_engine() -> tuple[Any, Any]:
 
 
 def free_wire_step(factory: Factory, schedule: str, coding: str,
-                   repeats: int) -> tuple[float, list[list[int]]]:
-    """The configuration's wrapped step on a free wire (median seconds) and
-    its buckets (parameter indices) in issue order, after the warm-up."""
+                   repeats: int) -> tuple[float, float, list[list[int]]]:
+    """The configuration's wrapped step on a free wire and the bare step,
+    timed in turns (so that both see the same load; median seconds each),
+    and its buckets (parameter indices) in issue order, after the warm-up."""
     from hemiola.config import Config
 
-    work = make_workload(factory)
+    work, plain = make_workload(factory), make_workload(factory)
+    plain_optimizer = plain.make_optimizer(plain.model.parameters())
     engine, store = free_engine()
     optimizer = work.make_optimizer(work.model.parameters())
     if schedule == "streaming":
@@ -178,13 +180,20 @@ def free_wire_step(factory: Factory, schedule: str, coding: str,
         optimizer = wrapped._schedule.wrap_optimizer(optimizer)
     for _ in range(3):
         training_step(wrapped, work.loss_fn, optimizer)
-    seconds = median_time(lambda: training_step(wrapped, work.loss_fn, optimizer), repeats)
+    training_step(plain.model, plain.loss_fn, plain_optimizer)
+    wrapped_times, bare_times = [], []
+    for _ in range(repeats):
+        wrapped_times.append(median_time(
+            lambda: training_step(wrapped, work.loss_fn, optimizer), 1))
+        bare_times.append(median_time(
+            lambda: training_step(plain.model, plain.loss_fn, plain_optimizer), 1))
     wrapped.synchronize()
+    seconds, alone = statistics.median(wrapped_times), statistics.median(bare_times)
     if schedule == "streaming":
-        return seconds, []
+        return seconds, alone, []
     names = {n: i for i, (n, p) in enumerate(
         (n, p) for n, p in work.model.named_parameters() if p.requires_grad)}
-    return seconds, [[names[n] for n in bucket] for bucket in wrapped.buckets()]
+    return seconds, alone, [[names[n] for n in bucket] for bucket in wrapped.buckets()]
 
 
 def contention(work: Workload, coding_cpu: float, engine: Any, coding: str,
@@ -197,15 +206,16 @@ def contention(work: Workload, coding_cpu: float, engine: Any, coding: str,
     optimizer = work.make_optimizer(net.parameters())
     reduction = Reduction(engine, params_of(net), coding)
     reduction.run()
-    alone = median_time(lambda: training_step(net, work.loss_fn, optimizer), repeats)
-    samples = []
-    for _ in range(repeats):
+    alone, beside = [], []
+    for _ in range(repeats):  # in turns, so that both see the same load
+        alone.append(median_time(lambda: training_step(net, work.loss_fn, optimizer), 1))
         iteration = reduction.start()
         t0 = time.perf_counter()
         training_step(net, work.loss_fn, optimizer)
-        samples.append(time.perf_counter() - t0)
+        beside.append(time.perf_counter() - t0)
         reduction.reducer.wait(iteration)
-    return min(1.0, max(0.0, (statistics.median(samples) - alone) / coding_cpu))
+    extra = statistics.median(beside) - statistics.median(alone)
+    return min(1.0, max(0.0, extra / coding_cpu))
 
 
 def link(engine: Any, repeats: int) -> tuple[Link, float]:
@@ -254,21 +264,22 @@ def measure(factory: Factory, repeats: int, engine: Any | None) -> Profile:
     share = contention(work, coding_cpu[costliest], free, costliest, repeats)
     profile = Profile(forward, backward, step, params, coding_cpu=coding_cpu, contention=share,
                       optimizer=optimizer_name)
-    steps: dict[str, float] = {}
+    # Each configuration's wrapped step beyond the bare one, on a free wire.
+    extra: dict[str, float] = {}
     for schedule in model.SCHEDULES:
         for coding in model.CODINGS:
             sync()
-            steps[f"{schedule}+{coding}"], plan = free_wire_step(factory, schedule, coding,
-                                                                 repeats)
+            seconds, alone, plan = free_wire_step(factory, schedule, coding, repeats)
+            extra[f"{schedule}+{coding}"] = seconds - alone
             profile.plans.setdefault(schedule, plan)
     sync()
-    streaming, _ = free_wire_step(factory, "streaming", "int8", repeats)
+    seconds, alone, _ = free_wire_step(factory, "streaming", "int8", repeats)
     free_net = Network(world=1, bandwidth=1.0)
-    for name, seconds in steps.items():
+    for name, seconds_beyond in extra.items():
         schedule, coding = name.split("+")
-        profile.overhead[name] = seconds - model.predict_one(profile, free_net, schedule, coding)
-    profile.overhead["streaming-sync"] = max(0.0, streaming - profile.compute
-                                             - coding_cpu["int8"])
+        modelled = model.predict_one(profile, free_net, schedule, coding) - profile.compute
+        profile.overhead[name] = seconds_beyond - modelled
+    profile.overhead["streaming-sync"] = max(0.0, seconds - alone - coding_cpu["int8"])
     if engine is not None and engine.world_size > 1:
         sync()
         profile.link, profile.wire_cpu_per_byte = link(engine, repeats)

@@ -10,7 +10,7 @@ by hand (a published model's per-layer times and sizes): only ``forward``,
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -92,6 +92,17 @@ class Profile:
     @property
     def nbytes(self) -> int:
         return sum(p.nbytes for p in self.params)
+
+    def scaled(self, factor: float) -> Profile:
+        """This profile on a machine whose CPU work takes `factor` times as
+        long (the link unchanged): every time but the link's."""
+        params = [Param(p.numel, p.element_size, p.rows, p.need * factor, p.ready * factor)
+                  for p in self.params]
+        return replace(self, forward=self.forward * factor, backward=self.backward * factor,
+                       step=self.step * factor, params=params,
+                       coding_cpu={k: v * factor for k, v in self.coding_cpu.items()},
+                       overhead={k: v * factor for k, v in self.overhead.items()},
+                       wire_cpu_per_byte=self.wire_cpu_per_byte * factor)
 
     def to_json(self) -> dict[str, Any]:
         return {"version": VERSION, **asdict(self)}
