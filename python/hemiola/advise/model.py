@@ -267,11 +267,22 @@ def predict_one(profile: Profile, net: Network, schedule: str, coding: str) -> f
     return seconds + profile.overhead.get(f"{schedule}+{coding}", 0.0)
 
 
+def codings_on(profile: Profile) -> tuple[str, ...]:
+    """The codings the engine runs on the profile's device (``meta["device"]``)."""
+    device = profile.meta.get("device", "cpu")
+    if device == "cpu":
+        return CODINGS
+    from hemiola._native import C
+
+    return tuple(c for c in CODINGS if c in C.codings(device))
+
+
 def predict(profile: Profile, net: Network, schedules: Sequence[str] = SCHEDULES,
-            codings: Sequence[str] = CODINGS) -> list[Prediction]:
-    """Every schedule x coding that runs on `net`, fastest first."""
+            codings: Sequence[str] | None = None) -> list[Prediction]:
+    """Every schedule x coding that runs on `net` and on the profile's device
+    (`codings`: a subset), fastest first."""
     out = []
-    for coding in codings:
+    for coding in codings_on(profile) if codings is None else codings:
         try:
             payloads(coding, [Piece(1, 4, 0)], net.world)
         except ValueError:
