@@ -263,3 +263,21 @@ def test_predicting_a_cluster_from_a_written_profile(tmp_path: Path,
     args.rate = None
     with pytest.raises(ValueError, match="give --rate"):
         advise.cli._predict_elsewhere(args)
+
+
+def test_a_flop_clock_profile_places_reads_and_gradients() -> None:
+    from hemiola.bench.advise_scale import flop_profile
+
+    with torch.device("meta"):
+        net = nn.Sequential(nn.Linear(100, 200), nn.ReLU(), nn.Linear(200, 10))
+        x, y = torch.randn(64, 100), torch.randint(0, 10, (64,))
+    p = flop_profile(net, lambda m: nn.functional.cross_entropy(m(x), y), 0.3)
+    assert p.forward + p.backward == pytest.approx(0.3)
+    # forward: 2*64*100*200 + 2*64*200*10 FLOPs; backward: both weights'
+    # gradients and the second layer's input gradient (the input needs none)
+    forward, backward = 2 * 64 * (100 * 200 + 200 * 10), 2 * 64 * (100 * 200 + 2 * 200 * 10)
+    assert p.backward / p.forward == pytest.approx(backward / forward)
+    w0, b0, w1, b1 = p.params
+    assert w0.need == 0.0 and 0 < w1.need < p.forward
+    assert 0 < w1.ready < w0.ready <= p.backward
+    assert p.meta["device"] == "cuda" and [q.rows for q in p.params] == [200, 0, 10, 0]

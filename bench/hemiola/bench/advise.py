@@ -4,6 +4,7 @@ advice beside the fastest measured.
 
     hemiola bench advise --models mlp,lm,cnn --rates 1gbit,5gbit      # as root
     hemiola bench advise --models mlp-small --rates 150mbit --worlds 2,3,4
+    hemiola bench advise --scale      # docs/scale.md's predictions at 8-1024 GPUs
 
 For each model and rate, N network namespaces joined by ``tc tbf`` links
 (:mod:`hemiola.bench.netlab`) run ``python -m hemiola advise --all`` as the
@@ -50,6 +51,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT,
                         help=f"results directory (default {DEFAULT_OUT})")
     parser.add_argument("--name", default="advise", help="results go to OUT/NAME.jsonl")
+    parser.add_argument("--scale", action="store_true",
+                        help="measure nothing: print docs/scale.md's predictions for ResNet-50 "
+                             "and GPT-2-124M at 8-1024 GPUs (hemiola.bench.advise_scale)")
+    parser.add_argument("--error", type=float, default=0.15,
+                        help="--scale: the predictions' relative error, as validated")
 
 
 def rows_of(result: dict[str, Any], model: str, rate: str, profile_world: int,
@@ -79,6 +85,13 @@ def rows_of(result: dict[str, Any], model: str, rate: str, profile_world: int,
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.scale:
+        from hemiola.bench import advise_scale
+
+        for profile in (advise_scale.resnet50_profile(), advise_scale.gpt2_profile()):
+            print(f"**{profile.meta['model']}** (computation {1e3 * profile.compute:.1f} ms "
+                  f"per iteration):\n\n{advise_scale.table(profile, args.error)}\n")
+        return 0
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     os.environ.pop("TORCHELASTIC_USE_AGENT_STORE", None)
     worlds = [int(w) for w in args.worlds.split(",")]

@@ -34,7 +34,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from hemiola.advise.profile import Param, Profile
 from hemiola.bench.tasks.models import Block
 
-#: (name, per-iteration seconds or None for FLOPs at GPT_FLOPS, builder)
+#: GPT-2's stated FLOP rate (an H100 at 40% of its dense bf16 peak)
 GPT_FLOPS = 400e12
 STEP_BYTES_PER_PARAM = 16
 HBM = 3e12
@@ -154,3 +154,39 @@ def gpt2_profile() -> Profile:
                            None)
     profile.meta["model"] = "GPT-2-124M, 8 x 1024 tokens, FLOPs at 400 TFLOP/s (assumed)"
     return profile
+
+
+WORLDS = (8, 16, 32, 64, 128, 256, 512, 1024)
+RATES_GBIT = (10, 25, 100)
+GPUS_PER_NODE = 8
+#: columns of the table: configurations by name
+COLUMNS = ("wfbp+none", "priority+none", "decoupled+none", "wfbp+fp16", "decoupled+fp16")
+
+
+def table(profile: Profile, error: float) -> str:
+    """Compute utilisation (the bare step over the predicted step) of each
+    configuration, per world size and rate, with the streaming advice where
+    it fires; a markdown table."""
+    from hemiola.advise import choice, model
+    from hemiola.advise.collective import Network
+
+    head = ["Gbit/s", "GPUs", *[f"`{c}`" for c in COLUMNS],
+            "advice: predicted step, utilisation (range)"]
+    lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
+    for rate in RATES_GBIT:
+        for world in WORLDS:
+            net = Network(world, rate * 1e9 / 8, latency=25e-6, gpus_per_node=GPUS_PER_NODE,
+                          intra_bandwidth=1200e9 / 8, algorithm="best")
+            preds = model.predict(profile, net)
+            by = {p.name: p.seconds for p in preds}
+            best = choice.choose_predicted(preds)
+            advice = choice.streaming_advice(profile.compute, best.seconds,
+                                             model.predict_streaming(profile, net))
+            chosen = advice if advice is not None else best
+            u = choice.utilisation(profile.compute, chosen.seconds)
+            cells = [f"{choice.utilisation(profile.compute, by[c]):.2f}" for c in COLUMNS]
+            low, high = u / (1 + error), min(1.0, u / (1 - error))
+            lines.append(f"| {rate} | {world} | " + " | ".join(cells)
+                         + f" | `{chosen.name}` {1e3 * chosen.seconds:.1f} ms: {u:.2f} "
+                         f"({low:.2f}–{high:.2f}) |")
+    return "\n".join(lines)
