@@ -128,6 +128,12 @@ def test_the_iteration_model_against_hand_computed_timelines() -> None:
     # computation runs at 2/3 speed while it lasts.
     burn = [Job(0.0, 0.02, 0.01), Job(0.0, 0.0)]
     assert _period("decoupled", burn, contention=1.0) == pytest.approx(0.11 + 0.02 / 3)
+    # a measured overhead is added; one below zero (noise) cannot make a
+    # configuration faster than the bare computation
+    free = Network(1, 1e9)
+    p = _profile(overhead={"wfbp+none": 0.004, "decoupled+none": -1.0})
+    assert model.predict_one(p, free, "wfbp", "none") == pytest.approx(0.114)
+    assert model.predict_one(p, free, "decoupled", "none") == pytest.approx(0.11)
 
 
 def test_collectives_against_the_formulas() -> None:

@@ -260,11 +260,13 @@ def jobs_for(profile: Profile, net: Network, schedule: str, coding: str,
 
 
 def predict_one(profile: Profile, net: Network, schedule: str, coding: str) -> float:
-    """Seconds per iteration of `schedule` with `coding` on `net`."""
+    """Seconds per iteration of `schedule` with `coding` on `net`: never less
+    than the bare computation, which every configuration does (a measured
+    overhead below zero is noise)."""
     plan = plan_of(profile, schedule)
     seconds = simulate(_program(profile, plan, schedule),
                        jobs_for(profile, net, schedule, coding, plan), profile.contention)
-    return seconds + profile.overhead.get(f"{schedule}+{coding}", 0.0)
+    return max(profile.compute, seconds + profile.overhead.get(f"{schedule}+{coding}", 0.0))
 
 
 def codings_on(profile: Profile) -> tuple[str, ...]:
