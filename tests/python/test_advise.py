@@ -1,44 +1,71 @@
-"""``hemiola advise``: it measures, predicts every configuration, runs the one
-it picks and reports both; bad --model values are refused with the form."""
+"""``hemiola advise``: two ranks measure a profile, agree on it, predict every
+configuration, try the candidates and advise one; the prediction model, the
+collectives, streaming and the choice against hand-computed values; profiles
+saved, loaded and refused; the prediction for a cluster from a profile."""
 
 from __future__ import annotations
+
+import argparse
+import json
+import math
+from pathlib import Path
 
 import pytest
 import torch
 from torch import nn
 
 from hemiola import advise
+from hemiola.advise import choice, collective, model
+from hemiola.advise.cli import advise_rank, report, scale_report
+from hemiola.advise.collective import Network, Piece
+from hemiola.advise.model import Job, Prediction
+from hemiola.advise.profile import Link, Param, Profile
 from hemiola.launch import run_local
 
 
 def small_model() -> tuple[nn.Module, object]:
     """A --model factory: (model, loss_fn)."""
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 10))
+    model_ = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 10))
     x, y = torch.randn(32, 64), torch.randint(0, 10, (32,))
-    return model, lambda m: nn.functional.cross_entropy(m(x), y)
+    return model_, lambda m: nn.functional.cross_entropy(m(x), y)
 
 
-def test_advise_measures_predicts_and_checks_its_choice() -> None:
-    results = run_local(advise.advise_rank, 2, "test_advise:small_model", None, 3, 4,
-                        timeout_s=300)
+def test_advise_measures_agrees_predicts_tries_and_chooses(tmp_path: Path) -> None:
+    results = run_local(advise_rank, 2, "test_advise:small_model", 2, 2, None, False,
+                        timeout_s=600)
     r0, r1 = results[0], results[1]
-    # The ranks agree on the measurements, so on the choice.
-    assert r0["measured"] == r1["measured"]
+    # The ranks agree on the profile, so on the predictions and the candidates.
+    assert r0["profile"] == r1["profile"]
     assert r0["predictions"] == r1["predictions"]
+    assert set(r0["measured"]) == set(r1["measured"])
+    profile = Profile.from_json(r0["profile"])
+    assert 0 < profile.forward and 0 < profile.backward
+    assert len(profile.params) == 4 and profile.params[0].rows == 128
+    # backward produces the last layer's gradients first
+    assert profile.params[3].ready <= profile.params[0].ready <= profile.backward * 1.5
+    assert set(profile.coding_cpu) == set(model.CODINGS)
+    assert set(profile.plans) == set(model.SCHEDULES)
+    assert profile.link is not None and profile.link.world == 2
+    assert profile.link.bandwidth > 0 and set(profile.reduce) == set(model.CODINGS)
+    assert len(profile.overhead) == 3 * 4 + 1
     predictions = r0["predictions"]
-    assert len(predictions) == 3 * len(advise.CODINGS)
+    assert len(predictions) == 3 * 4
     assert [p["seconds"] for p in predictions] == sorted(p["seconds"] for p in predictions)
-    assert all(p["seconds"] > 0 for p in predictions)
-    m = r0["measured"]
-    assert 0 < m["forward"] < m["compute"]
-    assert set(m["reduce"]) == {name for name, _ in advise.CODINGS}
-    assert all(v > 0 for v in m["reduce"].values())
-    assert r0["run_seconds"] > 0
+    assert [s["options"]["sync_every"] for s in r0["streaming"]] == list(model.STREAMING_H)
+    # every candidate was tried, the fastest predicted first, and the choice is one of them
+    assert predictions[0]["schedule"] + "+" + predictions[0]["coding"] in r0["measured"]
+    assert all(v > 0 for v in r0["measured"].values())
     assert r0["choice"] in predictions
-    text = advise.report(r0, 2)
+    assert r0["run_seconds"] == r0["measured"][r0["choice"]["schedule"] + "+"
+                                              + r0["choice"]["coding"]]
+    text = report(r0)
     assert "Use: hemiola.wrap(model, optimizer, schedule=" in text
-    assert "measured against" in text
+    assert "measured against" in text and "Streaming: " in text
+    # the profile predicts another cluster
+    path = tmp_path / "p.json"
+    profile.save(path)
+    assert "Predicted at 16 ranks" in scale_report(Profile.load(path), Network(16, 1.25e9))
 
 
 @pytest.mark.parametrize("spec,words", [
@@ -49,55 +76,214 @@ def test_bad_model_specs_are_refused(spec: str, words: str) -> None:
         advise.load_factory(spec)
 
 
-def _profile(nbytes: list[int], first_cap: int = 1 << 20,
-             cap: int = 25 << 20) -> list[tuple[float, float]]:
-    """bucket_profile over the engine's own plan of float32 gradients of `nbytes`."""
+def test_ddp_plan_is_the_engines() -> None:
     from hemiola._native import C
 
-    engine = C.Engine(0, 1, C.MemoryStore())
-    specs = [(int(C.DType.float32), n // 4, f"p{i}") for i, n in enumerate(nbytes)]
-    plan = engine.make_reducer(specs, cap, first_cap, record_order=False).buckets()
-    return advise.bucket_profile(nbytes, plan)
-
-
-def test_bucket_profile_follows_ddps_rule() -> None:
     mib = 1 << 20
-    # registration order; backward (and the buckets) run from the last
-    profile = _profile([10 * mib, 10 * mib, 10 * mib, mib // 2, mib // 2], cap=15 * mib)
-    # first bucket: the two halves (reaches 1 MiB); then 10 + 10 reaches 15;
-    # the last 10 MiB closes at the end
-    assert profile == [(1 / 31, 1 / 31), (20 / 31, 21 / 31), (10 / 31, 1.0)]
-    assert advise.bucket_profile([], []) == []
-    assert sum(s for s, _ in _profile([12, 20, 28], first_cap=16, cap=16)) == 1.0
+    for sizes, cap, first in [([10 * mib, 10 * mib, 10 * mib, mib // 2, mib // 2], 15 * mib, mib),
+                              ([12, 20, 28], 16, 16), ([4 * mib] * 7, 25 * mib, mib)]:
+        engine = C.Engine(0, 1, C.MemoryStore())
+        specs = [(int(C.DType.float32), n // 4, f"p{i}") for i, n in enumerate(sizes)]
+        plan = engine.make_reducer(specs, cap, first, record_order=False).buckets()
+        params = [Param(n // 4) for n in sizes]
+        assert model.ddp_plan(params, cap, first) == [list(b) for b in plan]
 
 
-def test_predictions_follow_the_model() -> None:
-    # Communication longer than the computation, even compressed: decoupled
-    # hides the most of it, with the smallest all-reduce.
-    m = advise.Measured(compute=0.1, forward=0.03, buckets=[(0.25, 0.25), (0.75, 1.0)],
-                        reduce={"none": 0.3, "fp16": 0.2, "int8": 0.15, "powersgd": 0.14},
-                        compute_under={name: 0.12 for name, _ in advise.CODINGS})
-    predictions = advise.predict(m)
-    best = predictions[0]
-    assert (best.schedule, best.coding) == ("decoupled", "powersgd")
-    assert best.seconds == pytest.approx(0.14)
-    # int8 is within 5%? No (0.15 > 0.147): the fastest is the advice.
-    assert advise.choose(predictions) == best
-    by = {(p.schedule, p.coding): p.seconds for p in predictions}
-    # bucket 0 ready at 0.25 b, reduced by 0.25 b + 0.25 r; bucket 1 starts
-    # then (it is ready at b = 0.07 < 0.0925), and takes 0.75 r
-    assert by["wfbp", "none"] == pytest.approx(0.03 + 0.25 * 0.07 + 0.3)
-    assert by["priority", "none"] == pytest.approx(0.03 + 0.25 * 0.07 + 0.3 - 0.015)
-    # a reduction shorter than the backward waits for the last bucket to be ready
-    assert by["wfbp", "powersgd"] == pytest.approx(max(0.12, 0.03 + 0.07 + 0.75 * 0.14))
-    fast = advise.Measured(compute=0.1, forward=0.03, buckets=[(0.25, 0.25), (0.75, 1.0)],
-                           reduce={name: 0.01 for name, _ in advise.CODINGS},
-                           compute_under={name: 0.105 for name, _ in advise.CODINGS})
-    # Where the computation dominates, every schedule is bounded by it, but
-    # wfbp's last bucket still travels after backward (0.75 r = 7.5 ms).
-    by = {(p.schedule, p.coding): p.seconds for p in advise.predict(fast)}
-    for (schedule, _), seconds in by.items():
-        assert seconds == pytest.approx(0.1075 if schedule == "wfbp" else 0.105)
-    # A tie: the least compressed, least approximate configuration.
-    choice = advise.choose(advise.predict(fast))
-    assert (choice.schedule, choice.coding) == ("wfbp", "none")
+def _profile(**kw: object) -> Profile:
+    """Two parameters: p0 (front, read first, its gradient last), p1."""
+    base = dict(forward=0.03, backward=0.07, step=0.01,
+                params=[Param(100, need=0.0, ready=0.07), Param(300, need=0.01, ready=0.02)],
+                plans={s: [[1], [0]] for s in model.SCHEDULES})
+    base.update(kw)
+    return Profile(**base)  # type: ignore[arg-type]
+
+
+def _period(schedule: str, jobs: list[Job], contention: float = 0.0, **kw: object) -> float:
+    p = _profile(**kw)
+    return model.simulate(model._program(p, p.plans[schedule], schedule), jobs, contention)
+
+
+def test_the_iteration_model_against_hand_computed_timelines() -> None:
+    jobs = [Job(0.0, 0.10), Job(0.0, 0.05)]
+    # wfbp: bucket 0 (p1) ready at 0.05, on the wire until 0.15; bucket 1 (p0)
+    # ready at 0.10, 0.15-0.20; then the step: 0.21 per iteration.
+    assert _period("wfbp", jobs) == pytest.approx(0.21)
+    # priority: the forward's first read waits for p0 (bucket 1, last issued),
+    # so the next forward starts 0.20 after the last one did.
+    assert _period("priority", jobs) == pytest.approx(0.20)
+    # decoupled: the lane's 0.15 per iteration is longer than the 0.11 of
+    # computation, and the whole of it runs under the next iteration.
+    assert _period("decoupled", jobs) == pytest.approx(0.15)
+    # With a fast wire every schedule takes the computation's time, and
+    # wfbp the last bucket's wire after backward.
+    fast = [Job(0.0, 0.001), Job(0.0, 0.001)]
+    assert _period("decoupled", fast) == pytest.approx(0.11)
+    assert _period("wfbp", fast) == pytest.approx(0.111)
+    # Contention 1: the lane's 0.02 s of CPU shares the core with the
+    # computation, so under decoupled they take 0.13 together.
+    cpu = [Job(0.01, 0.0), Job(0.01, 0.0)]
+    assert _period("decoupled", cpu, contention=1.0) == pytest.approx(0.13)
+    assert _period("decoupled", cpu, contention=0.0) == pytest.approx(0.11)
+    # Half of a wire phase's time burning CPU at contention 1: the
+    # computation runs at 2/3 speed while it lasts.
+    burn = [Job(0.0, 0.02, 0.01), Job(0.0, 0.0)]
+    assert _period("decoupled", burn, contention=1.0) == pytest.approx(0.11 + 0.02 / 3)
+    # a measured overhead is added; one below zero (noise) cannot make a
+    # configuration faster than the bare computation
+    free = Network(1, 1e9)
+    p = _profile(overhead={"wfbp+none": 0.004, "decoupled+none": -1.0})
+    assert model.predict_one(p, free, "wfbp", "none") == pytest.approx(0.114)
+    assert model.predict_one(p, free, "decoupled", "none") == pytest.approx(0.11)
+
+
+def test_collectives_against_the_formulas() -> None:
+    m = 8e6
+    net = Network(4, bandwidth=1e9, latency=1e-4)
+    assert collective.all_reduce(net, m) == pytest.approx(6 * 1e-4 + 1.5 * m / 1e9)
+    assert collective.all_gather(net, 1000) == pytest.approx(3 * (1e-4 + 1000 / 1e9))
+    assert collective.all_reduce(Network(1, 1e9), m) == 0.0
+    tree = Network(64, bandwidth=1e9, latency=1e-4, algorithm="tree")
+    assert collective.all_reduce(tree, m) == pytest.approx(12 * 1e-4 + 2 * m / 1e9)
+    nodes = dict(world=32, bandwidth=1e9, latency=1e-4, gpus_per_node=8,
+                 intra_bandwidth=1e11, intra_latency=1e-6)
+    hier = Network(**nodes, algorithm="hierarchical")  # type: ignore[arg-type]
+    assert collective.all_reduce(hier, m) == pytest.approx(
+        2 * (7e-6 + 7 / 8 * m / 1e11) + 6 * 1e-4 + 1.5 * m / 1e9)
+    best = Network(**nodes, algorithm="best")  # type: ignore[arg-type]
+    assert collective.all_reduce(best, m) == min(
+        collective.all_reduce(Network(**nodes, algorithm=a), m)  # type: ignore[arg-type]
+        for a in ("ring", "tree", "hierarchical"))
+    # two jobs sharing each link: the cluster simulator's 2 + eta/beta
+    shared = Network(2, bandwidth=1e9, latency=0.0, sharing=2)
+    assert collective.all_reduce(shared, m) == pytest.approx(m / 1e9 * (2 + 0.235 / 0.856))
+    with pytest.raises(ValueError, match="multiple of --gpus-per-node"):
+        Network(12, 1e9, gpus_per_node=8)
+    with pytest.raises(ValueError, match="unknown algorithm"):
+        Network(2, 1e9, algorithm="star")
+
+
+def test_payloads_follow_the_codecs() -> None:
+    bucket = [Piece(512 * 256, 4, 512), Piece(512, 4, 0)]  # a 512x256 matrix and a bias
+    n = 512 * 256 + 512
+    assert collective.payloads("none", bucket, 2) == [("all_reduce", 4 * n)]
+    assert collective.payloads("fp16", bucket, 2) == [("all_reduce", 2 * n)]
+    assert collective.payloads("int8", bucket, 2) == [("all_gather", 4 * math.ceil(n / 256)),
+                                                      ("all_reduce", n)]
+    # PowerSGD (rank 2): the bias uncompressed, then P (512 x 2) and Q (256 x 2)
+    assert collective.payloads("powersgd", bucket, 2) == [
+        ("all_reduce", 4 * 512), ("all_reduce", 4 * 512 * 2), ("all_reduce", 4 * 256 * 2)]
+    # a matrix too small to gain from low rank travels whole
+    assert collective.payloads("powersgd", [Piece(4 * 3, 4, 4)], 2) == [("all_reduce", 48)]
+    with pytest.raises(ValueError, match="at most 127 ranks"):
+        collective.payloads("int8", bucket, 128)
+    # beyond 127 ranks int8 is left out of the predictions
+    p = _profile()
+    names = {x.coding for x in model.predict(p, Network(256, 1e9))}
+    assert names == {"none", "fp16", "powersgd"}
+
+
+def test_streaming_prediction() -> None:
+    p = _profile(coding_cpu={"int8": 0.004}, overhead={"streaming-sync": 0.006})
+    net = Network(2, bandwidth=1e6, latency=0.0)
+    n = 400  # elements: int8 sends n bytes plus 4 per 256 of scales
+    wire = 2 * (1 / 2) * n / 1e6 + (4 * math.ceil(n / 256)) / 1e6
+    sync = wire + 0.010
+    # blocking: the whole sync every H steps
+    assert model.streaming_step(p, net, 10, 1, 0) == pytest.approx(0.11 + sync / 10)
+    # overlapped by one step: it hides; the CPU still slows the computation
+    assert model.streaming_step(p, net, 10, 1, 1) == pytest.approx(0.11)
+    p.contention = 1.0
+    assert model.streaming_step(p, net, 10, 2, 1) == pytest.approx(0.11 + 2 * 0.005 / 10)
+    slow = Network(2, bandwidth=1e3, latency=0.0)  # 0.4 s per sync: 4 steps exposed
+    assert model.streaming_step(p, slow, 10, 1, 2) == pytest.approx(
+        0.11 + (0.4 + 8 / 1e3 + 0.01 - 0.22 + 0.01) / 10)
+    preds = model.predict_streaming(p, slow)
+    assert [x.options["sync_every"] for x in preds] == [10, 20, 50, 100]
+    for x in preds:
+        assert x.options["overlap"] < x.options["sync_every"] / x.options["fragments"]
+
+
+def test_choice_tries_near_predictions_and_picks_by_measurement() -> None:
+    preds = [Prediction("wfbp", "fp16", 0.50), Prediction("wfbp", "powersgd", 0.49),
+             Prediction("decoupled", "none", 0.58), Prediction("priority", "none", 0.70)]
+    # within 10% error of each other: 0.58 * 0.9 <= 0.49 * 1.1; 0.70 * 0.9 is not
+    assert [p.name for p in choice.within_error(preds)] == [
+        "wfbp+powersgd", "wfbp+fp16", "decoupled+none"]
+    # the fastest measured wins ...
+    measured = {"wfbp+powersgd": 0.546, "wfbp+fp16": 0.650, "decoupled+none": 0.700}
+    assert choice.choose(measured, preds).name == "wfbp+powersgd"
+    # ... and within NEAR (3%) of it, the least compressed
+    measured["wfbp+fp16"] = 0.55
+    assert choice.choose(measured, preds).name == "wfbp+fp16"
+    with pytest.raises(ValueError, match="no configuration"):
+        choice.choose({}, preds)
+
+
+def test_streaming_is_advised_only_where_per_step_wastes_the_computation() -> None:
+    s = [Prediction("streaming", "int8", t, {"sync_every": h, "fragments": 1, "overlap": 0})
+         for h, t in [(10, 0.15), (20, 0.12), (50, 0.105), (100, 0.102)]]
+    assert choice.streaming_advice(0.1, 0.19, s) is None  # utilisation 0.53
+    advice = choice.streaming_advice(0.1, 0.25, s)  # 0.4: the smallest H reaching 0.9
+    assert advice is not None and advice.options["sync_every"] == 50
+    slow = [Prediction("streaming", "int8", 1.0, {"sync_every": h}) for h in (10, 100)]
+    advice = choice.streaming_advice(0.1, 0.5, slow)
+    assert advice is not None and advice.options["sync_every"] == 100
+
+
+def test_profiles_round_trip_and_bad_ones_are_refused(tmp_path: Path) -> None:
+    p = _profile(link=Link(2, 1e-4, 1e8), coding_cpu={"none": 0.001})
+    path = tmp_path / "p.json"
+    p.save(path)
+    assert Profile.load(path) == p
+    # a machine twice as slow: every CPU time doubles, the link stays
+    slow = p.scaled(2.0)
+    assert (slow.compute, slow.params[1].ready, slow.coding_cpu["none"]) == (0.22, 0.04, 0.002)
+    assert slow.link == p.link
+    data = json.loads(path.read_text())
+    for change, words in [({"version": 99}, "version 99"), ({"forward": -1}, "forward"),
+                          ({"params": []}, "params is empty"),
+                          ({"plans": {"wfbp": [[0]]}}, "wfbp plan must hold every")]:
+        path.write_text(json.dumps({**data, **change}))
+        with pytest.raises(ValueError, match=words):
+            Profile.load(path)
+    path.write_text(json.dumps({"forward": 1}))
+    with pytest.raises(ValueError, match="not a hemiola advise profile"):
+        Profile.load(path)
+
+
+def test_predicting_a_cluster_from_a_written_profile(tmp_path: Path,
+                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    # A profile written by hand (no measurements but times and sizes).
+    path = tmp_path / "hand.json"
+    path.write_text(json.dumps({
+        "forward": 0.03, "backward": 0.06, "step": 0.01,
+        "params": [{"numel": 1_000_000, "rows": 1000, "need": 0.0, "ready": 0.06},
+                   {"numel": 4_000_000, "rows": 2000, "need": 0.01, "ready": 0.02}]}))
+    args = argparse.Namespace(world=64, rate=10.0, latency_us=25.0, gpus_per_node=8,
+                              intra_rate=1200.0, algorithm="best", sharing=1, profile=str(path),
+                              model=None, repeats=1, save_profile=None)
+    assert advise.cli._predict_elsewhere(args) == 0
+    out = capsys.readouterr().out
+    assert "Predicted at 64 ranks, 8 per node, 10 Gbit/s" in out
+    assert out.count("utilisation") == 12 + 4 and "Use: hemiola.wrap(" in out
+    args.rate = None
+    with pytest.raises(ValueError, match="give --rate"):
+        advise.cli._predict_elsewhere(args)
+
+
+def test_a_flop_clock_profile_places_reads_and_gradients() -> None:
+    from hemiola.bench.advise_scale import flop_profile
+
+    with torch.device("meta"):
+        net = nn.Sequential(nn.Linear(100, 200), nn.ReLU(), nn.Linear(200, 10))
+        x, y = torch.randn(64, 100), torch.randint(0, 10, (64,))
+    p = flop_profile(net, lambda m: nn.functional.cross_entropy(m(x), y), 0.3)
+    assert p.forward + p.backward == pytest.approx(0.3)
+    # forward: 2*64*100*200 + 2*64*200*10 FLOPs; backward: both weights'
+    # gradients and the second layer's input gradient (the input needs none)
+    forward, backward = 2 * 64 * (100 * 200 + 200 * 10), 2 * 64 * (100 * 200 + 2 * 200 * 10)
+    assert p.backward / p.forward == pytest.approx(backward / forward)
+    w0, b0, w1, b1 = p.params
+    assert w0.need == 0.0 and 0 < w1.need < p.forward
+    assert 0 < w1.ready < w0.ready <= p.backward
+    assert p.meta["device"] == "cuda" and [q.rows for q in p.params] == [200, 0, 10, 0]

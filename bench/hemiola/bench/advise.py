@@ -1,60 +1,132 @@
-"""``hemiola advise`` on a real rate-limited network: its predicted time for
-the configuration it picks against the time measured running it.
+"""``hemiola advise`` against measurement on a real rate-limited network:
+every configuration's predicted time beside its measured time, and the
+advice beside the fastest measured.
 
-    hemiola bench advise --rates 1gbit,5gbit        # as root
+    hemiola bench advise --models mlp,lm,cnn --rates 1gbit,5gbit      # as root
+    hemiola bench advise --models mlp-small --rates 150mbit --worlds 2,3,4
+    hemiola bench advise --scale      # docs/scale.md's predictions at 8-1024 GPUs
 
-For each rate, N network namespaces joined by ``tc tbf`` links
-(:mod:`hemiola.bench.netlab`) run ``python -m hemiola advise`` as the ranks of
-one job (the built-in 9.4M-parameter MLP, one thread per rank). Rank 0's
-report is printed; one row per rate (the advice, its predicted and measured
-time) goes to OUT/NAME.jsonl.
+For each model and rate, N network namespaces joined by ``tc tbf`` links
+(:mod:`hemiola.bench.netlab`) run ``python -m hemiola advise --all`` as the
+ranks of one job (one thread per rank): it measures its profile, predicts,
+and then runs every configuration (streaming at H = 10 and 20) for
+--iterations each. At the first world size the profile is measured and
+saved; at the others (``--worlds 2,3,4``) it is *not* measured again: the
+ranks predict from the first one's profile (its link's latency and
+bandwidth, scaled by the collective model) and measure, which checks the
+prediction of a cluster from a profile. More ranks than cores make every
+rank's computation slower, which no cluster of one device per rank does:
+there the profile's CPU times are scaled by the bare step measured at that
+world size (``--rescale-compute``; the factor is in the rows), so what is
+checked is the collectives' model at N ranks. One row per configuration goes to
+OUT/NAME.jsonl, with the load average before and after each job (timing on
+a loaded machine is not a validation: read that column).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
-import re
 import signal
 import sys
+import tempfile
 from pathlib import Path
+from typing import Any
 
+from hemiola.bench.advise_models import MODELS
 from hemiola.bench.netlab import Network
 from hemiola.bench.record import DEFAULT_OUT, write_lines
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--models", default="mlp",
+                        help=f"comma-separated, of {', '.join(MODELS)}")
     parser.add_argument("--rates", default="1gbit,5gbit", help="tc rates, comma-separated")
-    parser.add_argument("--world-size", type=int, default=2)
+    parser.add_argument("--worlds", default="2",
+                        help="world sizes, comma-separated; the first measures the profile")
     parser.add_argument("--iterations", type=int, default=10)
-    parser.add_argument("--timeout-s", type=float, default=1800.0)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--timeout-s", type=float, default=3600.0)
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT,
                         help=f"results directory (default {DEFAULT_OUT})")
     parser.add_argument("--name", default="advise", help="results go to OUT/NAME.jsonl")
+    parser.add_argument("--scale", action="store_true",
+                        help="measure nothing: print docs/scale.md's predictions for ResNet-50 "
+                             "and GPT-2-124M at 8-1024 GPUs (hemiola.bench.advise_scale)")
+    parser.add_argument("--error", type=float, default=0.15,
+                        help="--scale: the predictions' relative error, as validated")
+
+
+def rows_of(result: dict[str, Any], model: str, rate: str, profile_world: int,
+            load: tuple[float, float]) -> list[dict[str, Any]]:
+    """One row per configuration measured: predicted against measured."""
+    from hemiola.advise.model import Prediction
+
+    measured = result["measured"]
+    fastest = min(measured.values())
+    chosen = Prediction(**result["choice"]).name
+    rows = []
+    for p in result["predictions"] + result["streaming"]:
+        name = Prediction(**p).name
+        if name not in measured:
+            continue
+        rows.append({"suite": "advise", "model": model, "rate": rate, "world": result["world"],
+                     "profile_world": profile_world, "config": name,
+                     "predicted_ms": 1e3 * p["seconds"], "measured_ms": 1e3 * measured[name],
+                     "error": p["seconds"] / measured[name] - 1, "advised": name == chosen,
+                     "fastest": measured[name] == fastest,
+                     "compute_ms": 1e3 * (result["profile"]["forward"]
+                                          + result["profile"]["backward"]
+                                          + result["profile"]["step"]),
+                     "rescaled": result["profile"]["meta"].get("rescaled", 1.0),
+                     "load_before": load[0], "load_after": load[1]})
+    return rows
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.scale:
+        from hemiola.bench import advise_scale
+
+        for profile in (advise_scale.resnet50_profile(), advise_scale.gpt2_profile()):
+            print(f"**{profile.meta['model']}** (computation {1e3 * profile.compute:.1f} ms "
+                  f"per iteration):\n\n{advise_scale.table(profile, args.error)}\n")
+        return 0
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     os.environ.pop("TORCHELASTIC_USE_AGENT_STORE", None)
-    rows = []
-    for k, rate in enumerate(args.rates.split(",")):
-        with Network(args.world_size, rate) as net:
-            out = net.run_ranks([sys.executable, "-m", "hemiola", "advise",
-                                 "--iterations", str(args.iterations)], 29600 + k,
-                                args.timeout_s)[0]
-        report = out[out.index(f"{args.world_size} ranks."):]
-        print(f"--- {rate} ---\n{report}", flush=True)
-        use = re.search(r"Use: (.*)", report)
-        check = re.search(r"Checked: ([\d.]+) ms .* against ([\d.]+) ms predicted", report)
-        if use is None or check is None:
-            raise RuntimeError(f"unexpected report:\n{report}")
-        measured, predicted = float(check.group(1)), float(check.group(2))
-        rows.append({"suite": "advise", "rate": rate, "world": args.world_size,
-                     "choice": use.group(1), "predicted_ms": predicted,
-                     "measured_ms": measured, "error": measured / predicted - 1})
+    worlds = [int(w) for w in args.worlds.split(",")]
+    rows: list[dict[str, Any]] = []
+    port = 29600
+    with tempfile.TemporaryDirectory() as tmp:
+        for model in args.models.split(","):
+            if model not in MODELS:
+                raise SystemExit(f"unknown model {model!r}; known: {', '.join(MODELS)}")
+            for rate in args.rates.split(","):
+                profile = Path(tmp) / f"{model}-{rate}.json"
+                for world in worlds:
+                    out = Path(tmp) / f"{model}-{rate}-{world}.json"
+                    command = [sys.executable, "-m", "hemiola", "advise", "--all",
+                               "--iterations", str(args.iterations), "--repeats",
+                               str(args.repeats), "--json", str(out)]
+                    if MODELS[model]:
+                        command += ["--model", str(MODELS[model])]
+                    command += (["--save-profile", str(profile)] if world == worlds[0]
+                                else ["--profile", str(profile), "--rescale-compute"])
+                    before = os.getloadavg()[0]
+                    with Network(world, rate) as net:
+                        text = net.run_ranks(command, port, args.timeout_s)[0]
+                    port += 1
+                    print(f"--- {model}, {rate}, {world} ranks (load {before:.1f}) ---\n"
+                          f"{text[text.find(f'{world} ranks.'):]}", flush=True)
+                    result = json.loads(out.read_text())
+                    rows += rows_of(result, model, rate, worlds[0],
+                                    (before, os.getloadavg()[0]))
     path = write_lines(args.out / f"{args.name}.jsonl", rows)
     for r in rows:
-        print(f"{r['rate']:>7s}: {r['choice']}: predicted {r['predicted_ms']:.1f} ms, measured "
-              f"{r['measured_ms']:.1f} ms ({100 * r['error']:+.1f}%)")
+        mark = " (advised)" if r["advised"] else ""
+        mark += " (fastest)" if r["fastest"] else ""
+        print(f"{r['model']:>9s} {r['rate']:>7s} {r['world']}: {r['config']:45s} predicted "
+              f"{r['predicted_ms']:8.1f} ms, measured {r['measured_ms']:8.1f} ms "
+              f"({100 * r['error']:+.1f}%){mark}")
     print(f"wrote {path}")
     return 0

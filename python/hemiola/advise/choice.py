@@ -1,0 +1,98 @@
+"""From predictions (and short trials) to one configuration to use.
+
+- **Trials.** Predictions err (their error, measured: docs/scale.md), so every
+  configuration predicted within that error of the fastest is a candidate;
+  the candidates are run for a few iterations each and the advice is the
+  fastest *measured*, or, among those measured within NEAR of it, the least
+  compressed and then the least approximate schedule.
+- **Streaming.** ``streaming`` is DiLoCo, not per-step SGD: its quality at
+  equal tokens differs (on the byte-level LM after 300 steps its held-out
+  loss was 8-14% above per-step training's: docs/streaming.md). So it is
+  advised only where per-step training wastes most of the computation: when
+  the best per-step configuration's compute utilisation (the bare step's
+  time over the configuration's) is below STREAMING_BELOW, i.e. streaming
+  would train at least twice the tokens per hour; then at the smallest H
+  whose predicted utilisation reaches STREAMING_GOOD (smaller H stays
+  closer to per-step training), else at the largest H.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+from hemiola.advise.model import CODINGS, SCHEDULES, Prediction
+
+#: how far a prediction may be from its measurement (docs/scale.md)
+PREDICTION_ERROR = 0.10
+#: measured times within this fraction of the fastest are a tie
+NEAR = 0.03
+#: at most this many configurations are tried
+MAX_TRIALS = 6
+#: streaming is advised when the best per-step utilisation is below this
+STREAMING_BELOW = 0.5
+#: and at the smallest H predicted to reach this utilisation
+STREAMING_GOOD = 0.9
+
+_CODING_ORDER = {name: k for k, name in enumerate(CODINGS)}
+_SCHEDULE_ORDER = {name: k for k, name in enumerate(SCHEDULES)}
+
+#: what each compression costs in accuracy, as measured (docs/benchmarks.md)
+CAVEATS = {
+    "fp16": "fp16: half precision on the wire, as DDP's fp16_compress_hook",
+    "int8": "int8: one byte per element with error feedback; on the byte-level LM with "
+            "AdamW +0.7% held-out loss against uncompressed (3 seeds)",
+    "powersgd": "powersgd: rank-2 approximation with error feedback; on the byte-level LM "
+                "with AdamW +15% held-out loss (torch DDP's PowerSGD hook alike): check "
+                "your model's convergence before adopting it",
+    "streaming": "streaming is DiLoCo (H local steps, then an outer Nesterov step on the "
+                 "averaged pseudo-gradient), not per-step SGD: on the byte-level LM after "
+                 "300 steps its held-out loss was 8-14% above per-step training's "
+                 "(docs/streaming.md); check your model's convergence",
+}
+
+
+def within_error(predictions: Sequence[Prediction],
+                 error: float = PREDICTION_ERROR) -> list[Prediction]:
+    """The predictions that may, within `error`, be the fastest (fastest
+    first, at most MAX_TRIALS)."""
+    ordered = sorted(predictions, key=lambda p: p.seconds)
+    best = ordered[0].seconds
+    return [p for p in ordered if p.seconds * (1 - error) <= best * (1 + error)][:MAX_TRIALS]
+
+
+def choose(measured: Mapping[str, float], predictions: Sequence[Prediction]) -> Prediction:
+    """Among `predictions` measured (by name), the fastest, or within NEAR
+    of it the least compressed, then the least approximate."""
+    tried = [p for p in predictions if p.name in measured]
+    if not tried:
+        raise ValueError("no configuration was measured")
+    fastest = min(measured[p.name] for p in tried)
+    near = [p for p in tried if measured[p.name] <= fastest * (1 + NEAR)]
+    return min(near, key=lambda p: (_CODING_ORDER[p.coding], _SCHEDULE_ORDER[p.schedule]))
+
+
+def choose_predicted(predictions: Sequence[Prediction]) -> Prediction:
+    """Without trials (a prediction for another cluster): the fastest
+    predicted, or within PREDICTION_ERROR / 2 of it the least compressed,
+    then the least approximate."""
+    fastest = min(p.seconds for p in predictions)
+    near = [p for p in predictions if p.seconds <= fastest * (1 + PREDICTION_ERROR / 2)]
+    return min(near, key=lambda p: (_CODING_ORDER[p.coding], _SCHEDULE_ORDER[p.schedule]))
+
+
+def utilisation(compute: float, seconds: float) -> float:
+    """The fraction of an iteration the computation alone would take."""
+    return compute / seconds if seconds > 0 else 0.0
+
+
+def streaming_advice(compute: float, per_step: float,
+                     streaming: Sequence[Prediction]) -> Prediction | None:
+    """The streaming configuration to advise instead of per-step training
+    taking `per_step` seconds, or None (see the module's rule)."""
+    if not streaming or utilisation(compute, per_step) >= STREAMING_BELOW:
+        return None
+    by_h = sorted(streaming, key=lambda p: p.options["sync_every"])
+    for p in by_h:
+        if utilisation(compute, p.seconds) >= STREAMING_GOOD:
+            return p
+    return by_h[-1]

@@ -1,0 +1,302 @@
+"""``hemiola advise``: the command.
+
+Where the job will run, as its ranks::
+
+    torchrun --nproc-per-node 2 -m hemiola advise --model mypkg.models:make
+    hemiola advise --local 2                 # two local ranks, the built-in MLP
+
+measures a profile (:mod:`hemiola.advise.measure`), predicts every schedule x
+compression and ``streaming`` (:mod:`hemiola.advise.model`), runs the
+configurations predicted within their error of the fastest for a few
+iterations, and advises the fastest measured (:mod:`hemiola.advise.choice`).
+
+For a cluster not at hand::
+
+    hemiola advise --model mypkg.models:make --save-profile p.json --world 64 --rate 25
+    hemiola advise --profile p.json --world 256 --rate 100 --gpus-per-node 8
+
+predicts each configuration at N ranks from the profile (measured here in one
+process, or loaded) and a model of the collectives.
+
+``--model MODULE:FACTORY`` names a function returning ``(model, loss_fn)`` or
+``(model, loss_fn, make_optimizer)``: ``loss_fn(model)`` runs one training
+batch's forward and returns the loss (each rank its own batch);
+``make_optimizer(params)`` the optimizer (default SGD with momentum).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from hemiola.advise import choice, model
+from hemiola.advise.collective import ALGORITHMS, Network
+from hemiola.advise.models import load_factory
+from hemiola.advise.profile import Profile
+
+GBIT = 1e9 / 8  # bytes per second
+
+
+def local_network(profile: Profile, world: int) -> Network:
+    """The job's own link at `world` ranks, as the profile measured it."""
+    if profile.link is None:
+        raise ValueError("this profile was measured without a link (one process): give "
+                         "--rate GBIT to predict")
+    return Network(world=world, bandwidth=profile.link.bandwidth, latency=profile.link.latency)
+
+
+def advise_rank(rank: int, world: int, spec: str | None, repeats: int, iterations: int,
+                profile_path: str | None = None, everything: bool = False,
+                rescale: bool = False) -> dict[str, Any]:
+    """One rank's part (also under torchrun: rank and world from its
+    environment): measure (or load) the profile, predict at this job's
+    world, try the candidates, choose. `rescale` (with a loaded profile):
+    scale its CPU times by the bare step measured here over the profile's
+    (more ranks than cores make every rank's CPU slower)."""
+    import hemiola
+    from hemiola.advise.measure import bare, measure, trial
+    from hemiola.advise.models import make_workload
+    from hemiola.distributed import new_engine
+
+    hemiola.init()
+    factory = load_factory(spec)
+    engine, _ = new_engine(timeout_s=600.0)
+    if profile_path is None:
+        profile = measure(factory, repeats, engine)
+    else:
+        profile = Profile.load(Path(profile_path))
+        if rescale:
+            import torch
+
+            from hemiola.advise.measure import agree
+
+            torch.set_num_threads(1)
+            forward, backward, step, _ = bare(make_workload(factory), repeats)
+            here = replace(profile, forward=forward, backward=backward, step=step)
+            factor = agree(here, engine).compute / profile.compute
+            profile = profile.scaled(factor)
+            profile.meta = {**profile.meta, "rescaled": factor}
+    net = local_network(profile, engine.world_size)
+    predictions = model.predict(profile, net)
+    streaming = model.predict_streaming(profile, net)
+    # --all: every configuration, and streaming where a brief run sees syncs
+    tried = (predictions + [s for s in streaming if s.options["sync_every"] <= 20]
+             if everything else choice.within_error(predictions))
+    measured: dict[str, float] = {}
+    for p in tried:
+        engine.barrier().wait()
+        measured[p.name] = trial(factory, p, iterations)
+    chosen = choice.choose(measured, predictions)
+    return {"profile": profile.to_json(), "world": engine.world_size,
+            "predictions": [vars(p) for p in predictions],
+            "streaming": [vars(p) for p in streaming], "measured": measured,
+            "choice": vars(chosen), "run_seconds": measured[chosen.name]}
+
+
+def _label(p: dict[str, Any]) -> str:
+    text = f"schedule={p['schedule']!r}"
+    if p["coding"] != "none":
+        text += f", compression={p['coding']!r}"
+    for k, v in p.get("options", {}).items():
+        text += f", {k}={v}"
+    return text
+
+
+def _name(p: dict[str, Any]) -> str:
+    return model.Prediction(p["schedule"], p["coding"], p["seconds"], p.get("options", {})).name
+
+
+def _streaming_lines(compute: float, best: float, streaming: list[dict[str, Any]],
+                     measured: dict[str, float]) -> list[str]:
+    lines = ["streaming (DiLoCo; int8 on the wire), predicted per inner step:"]
+    for s in streaming:
+        seen = measured.get(_name(s))
+        check = f"  measured {1e3 * seen:8.1f} ms" if seen is not None else ""
+        lines.append(f"  {1e3 * s['seconds']:8.1f} ms  utilisation "
+                     f"{choice.utilisation(compute, s['seconds']):4.2f}  {_label(s)}{check}")
+    advice = choice.streaming_advice(compute, best,
+                                     [model.Prediction(**s) for s in streaming])
+    u = choice.utilisation(compute, best)
+    if advice is None:
+        lines.append(f"Streaming: not advised: the best per-step configuration keeps the "
+                     f"computation busy {100 * u:.0f}% of the time (streaming is advised below "
+                     f"{100 * choice.STREAMING_BELOW:.0f}%).")
+    else:
+        lines.append(f"Streaming: advised instead (per-step keeps the computation busy only "
+                     f"{100 * u:.0f}%): hemiola.wrap(model, optimizer, {_label(vars(advice))})")
+        lines.append(f"  ({choice.CAVEATS['streaming']})")
+    return lines
+
+
+def report(result: dict[str, Any]) -> str:
+    """What rank 0 prints."""
+    profile = Profile.from_json(result["profile"])
+    world = result["world"]
+    link = profile.link
+    lines = [f"{world} ranks. Measured here (medians): computation {1e3 * profile.compute:.1f} "
+             f"ms (forward {1e3 * profile.forward:.1f}, backward {1e3 * profile.backward:.1f}, "
+             f"step {1e3 * profile.step:.1f}); contention {profile.contention:.2f}"]
+    if link is not None:
+        lines.append(f"link: {8 * link.bandwidth / 1e9:.3f} Gbit/s, latency "
+                     f"{1e6 * link.latency:.0f} us (at {link.world} ranks)")
+        net = local_network(profile, world)
+        lines.append("all-reduce of all gradients: measured / modelled (coding CPU):")
+        for coding in model.CODINGS:
+            if coding not in profile.reduce:
+                continue
+            jobs = model.jobs_for(profile, net, "wfbp", coding)
+            modelled = sum(j.cpu + max(j.wire, j.wire_cpu) for j in jobs)
+            lines.append(f"  {coding:9s} {1e3 * profile.reduce[coding]:8.1f} / "
+                         f"{1e3 * modelled:8.1f} ms  ({1e3 * profile.coding_cpu[coding]:.1f})")
+    measured = result.get("measured", {})
+    lines.append("Predicted time per iteration (measured where tried):")
+    for p in result["predictions"]:
+        seen = measured.get(_name(p))
+        check = "" if seen is None else (f"  measured {1e3 * seen:8.1f} ms "
+                                         f"({100 * (p['seconds'] / seen - 1):+.0f}%)")
+        lines.append(f"  {1e3 * p['seconds']:8.1f} ms  {_label(p)}{check}")
+    best = result["choice"]
+    lines.append(f"Use: hemiola.wrap(model, optimizer, {_label(best)})")
+    if best["coding"] in choice.CAVEATS:
+        lines.append(f"  ({choice.CAVEATS[best['coding']]})")
+    seconds = result["run_seconds"]
+    lines.append(f"Checked: {1e3 * seconds:.1f} ms per iteration measured against "
+                 f"{1e3 * best['seconds']:.1f} ms predicted "
+                 f"({100 * (seconds / best['seconds'] - 1):+.0f}%).")
+    lines += _streaming_lines(profile.compute, seconds, result["streaming"], measured)
+    return "\n".join(lines)
+
+
+def network_of(args: argparse.Namespace, profile: Profile) -> Network:
+    """The cluster the options describe (the profile's own link when no --rate)."""
+    if args.rate is None:
+        base = local_network(profile, args.world)
+        bandwidth, latency = base.bandwidth, base.latency
+    else:
+        bandwidth = args.rate * GBIT
+        latency = args.latency_us * 1e-6
+    return Network(world=args.world, bandwidth=bandwidth, latency=latency,
+                   gpus_per_node=args.gpus_per_node, intra_bandwidth=args.intra_rate * GBIT,
+                   algorithm=args.algorithm, sharing=args.sharing)
+
+
+def scale_report(profile: Profile, net: Network) -> str:
+    """Every configuration at `net`'s world size, fastest first."""
+    predictions = model.predict(profile, net)
+    streaming = model.predict_streaming(profile, net)
+    compute = profile.compute
+    nodes = f", {net.gpus_per_node} per node" if net.gpus_per_node > 1 else ""
+    lines = [f"Predicted at {net.world} ranks{nodes}, {8 * net.bandwidth / 1e9:g} Gbit/s, "
+             f"latency {1e6 * net.latency:g} us, {net.algorithm} all-reduce (computation "
+             f"{1e3 * compute:.1f} ms per iteration, from the profile):"]
+    for p in predictions:
+        lines.append(f"  {1e3 * p.seconds:9.1f} ms  utilisation "
+                     f"{choice.utilisation(compute, p.seconds):4.2f}  {_label(vars(p))}")
+    best = choice.choose_predicted(predictions)
+    lines.append(f"Use: hemiola.wrap(model, optimizer, {_label(vars(best))})  (predicted; "
+                 f"predictions err by up to {100 * choice.PREDICTION_ERROR:.0f}%: docs/scale.md)")
+    lines += _streaming_lines(compute, best.seconds, [vars(s) for s in streaming], {})
+    return "\n".join(lines)
+
+
+def _predict_elsewhere(args: argparse.Namespace) -> int:
+    if args.profile is not None:
+        profile = Profile.load(Path(args.profile))
+    else:
+        from hemiola.advise.measure import measure
+
+        profile = measure(load_factory(args.model), args.repeats, None)
+    if args.save_profile:
+        profile.save(Path(args.save_profile))
+        print(f"profile written to {args.save_profile}")
+    print(scale_report(profile, network_of(args, profile)))
+    return 0
+
+
+def _finish(args: argparse.Namespace, result: dict[str, Any]) -> None:
+    print(report(result))
+    if args.save_profile:
+        Profile.from_json(result["profile"]).save(Path(args.save_profile))
+        print(f"profile written to {args.save_profile}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(result) + "\n")
+    if args.world is not None:
+        profile = Profile.from_json(result["profile"])
+        print(scale_report(profile, network_of(args, profile)))
+
+
+def main(args: argparse.Namespace) -> int:
+    try:
+        return _main(args)
+    except ValueError as e:
+        raise SystemExit(f"hemiola advise: {e}") from e
+
+
+def _main(args: argparse.Namespace) -> int:
+    from hemiola.launch import run_local
+
+    job = "WORLD_SIZE" in os.environ
+    if args.world is not None and args.world < 1:
+        raise SystemExit("--world must be at least 1")
+    if not job and not args.local:
+        if args.world is None:
+            raise SystemExit("hemiola advise measures on the job's ranks: run it under torchrun "
+                             "or with --local N; or give --world N (and --rate GBIT or "
+                             "--profile FILE) to predict a cluster")
+        return _predict_elsewhere(args)
+    call = (args.model, args.repeats, args.iterations, args.profile, args.all,
+            args.rescale_compute)
+    if args.local:
+        result = run_local(advise_rank, args.local, *call, timeout_s=3600)[0]
+        _finish(args, result)
+        return 0
+    rank = int(os.environ.get("RANK", "0"))
+    result = advise_rank(rank, int(os.environ["WORLD_SIZE"]), *call)
+    if rank == 0:
+        _finish(args, result)
+    return 0
+
+
+def register(commands: Any) -> None:
+    """Adds ``hemiola advise`` to the CLI."""
+    p = commands.add_parser("advise", help="measure this model on this network and say which "
+                                           "schedule and compression to use, here or at N ranks",
+                            description=__doc__,
+                            formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", metavar="MODULE:FUNCTION",
+                   help="a function returning (model, loss_fn[, make_optimizer]); default: a "
+                        "9.4M-parameter MLP")
+    p.add_argument("--local", type=int, metavar="N",
+                   help="spawn N local ranks instead of running as one rank of torchrun")
+    p.add_argument("--repeats", type=int, default=5, help="repetitions per measurement")
+    p.add_argument("--iterations", type=int, default=10,
+                   help="iterations of each configuration tried")
+    p.add_argument("--all", action="store_true",
+                   help="try every configuration (and streaming), not only the candidates")
+    p.add_argument("--save-profile", metavar="FILE", help="write the measured profile here")
+    p.add_argument("--profile", metavar="FILE",
+                   help="predict from this profile instead of measuring one (on the job's "
+                        "ranks: then try the configurations here)")
+    p.add_argument("--json", metavar="FILE", help="write rank 0's whole result here")
+    p.add_argument("--rescale-compute", action="store_true",
+                   help="with --profile on the job's ranks: scale the profile's CPU times by "
+                        "the bare step measured here (validation with more ranks than cores)")
+    scale = p.add_argument_group("prediction for a cluster not at hand")
+    scale.add_argument("--world", type=int, metavar="N", help="ranks to predict")
+    scale.add_argument("--rate", type=float, metavar="GBIT",
+                       help="what an all-reduce gets of each rank's (node's) link, Gbit/s "
+                            "(default: the profile's measured link)")
+    scale.add_argument("--latency-us", type=float, default=25.0,
+                       help="per message between nodes (default 25: TCP over Ethernet)")
+    scale.add_argument("--gpus-per-node", type=int, default=1)
+    scale.add_argument("--intra-rate", type=float, default=1200.0, metavar="GBIT",
+                       help="inside a node (default 1200: NVLink-class)")
+    scale.add_argument("--algorithm", choices=ALGORITHMS, default="ring")
+    scale.add_argument("--sharing", type=int, default=1, metavar="K",
+                       help="jobs whose transfers share each node's link (the cluster "
+                            "simulator's contention law)")
+    p.set_defaults(run=main)

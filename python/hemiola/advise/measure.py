@@ -1,0 +1,353 @@
+"""The measurements behind a profile, made where the job runs, with one
+thread per rank as training runs; and short trial runs of configurations.
+
+Every rank measures at the same time (the ranks share the machine as they
+will in training); rank 0's numbers are broadcast so every rank holds the
+same profile. What is measured (:class:`~hemiola.advise.profile.Profile`):
+
+- the bare model: forward, backward, step, when each module's forward first
+  reads its parameters and when backward produces each gradient (hooks);
+- each configuration's wrapped step on a *free wire*: an engine of one rank
+  (every collective returns at once, every copy and coding still runs), from
+  which each schedule's issue order is read too. Its time less the model's
+  prediction of it is the configuration's ``overhead``;
+- each coding's CPU cost: one reduction of every gradient on a free wire;
+- the contention: how much that reduction, run beside the bare step, delays
+  it, per second of its CPU;
+- streaming's sync: its step with a blocking sync every step on a free wire;
+- on the job's own ranks, the link: all-reduces of two sizes (latency and
+  bandwidth), the CPU the process spends per byte sent, and one reduction of
+  every gradient per coding (the model's check).
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from hemiola.advise import model
+from hemiola.advise.collective import Network, sent_bytes
+from hemiola.advise.models import Factory, Workload, make_workload
+from hemiola.advise.profile import Link, Param, Profile
+
+#: all-reduce sizes that measure the link's latency and bandwidth (bytes)
+SMALL, LARGE = 64 << 10, 16 << 20
+
+
+def median_time(fn: Callable[[], Any], repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def training_step(model_: torch.nn.Module, loss_fn: Callable[[Any], torch.Tensor],
+                  optimizer: torch.optim.Optimizer) -> None:
+    optimizer.zero_grad()
+    loss_fn(model_).backward()
+    optimizer.step()
+
+
+def params_of(module: torch.nn.Module) -> list[torch.Tensor]:
+    return [p for p in module.parameters() if p.requires_grad]
+
+
+def bare(work: Workload, repeats: int) -> tuple[float, float, float, list[Param]]:
+    """(forward, backward, step, params) of the bare model, medians, with
+    each parameter's first read in the forward and its gradient's arrival in
+    the backward."""
+    net = work.model
+    params = params_of(net)
+    index = {id(p): i for i, p in enumerate(params)}
+    optimizer = work.make_optimizer(net.parameters())
+    start = [0.0]
+    need: list[list[float]] = [[] for _ in params]
+    ready: list[list[float]] = [[] for _ in params]
+
+    def read(own: list[int]) -> None:
+        t = time.perf_counter() - start[0]
+        for i in own:
+            if len(need[i]) < len(times):
+                need[i].append(t)
+
+    def produced(i: int) -> None:
+        if len(ready[i]) < len(times):
+            ready[i].append(time.perf_counter() - start[0])
+
+    handles = []
+    for m in net.modules():
+        own = [index[id(p)] for p in m.parameters(recurse=False) if id(p) in index]
+        if own:
+            handles.append(m.register_forward_pre_hook(lambda *_, own=own: read(own)))
+    for i, p in enumerate(params):
+        handles.append(p.register_post_accumulate_grad_hook(lambda _, i=i: produced(i)))
+    times: list[tuple[float, float, float]] = []
+    training_step(net, work.loss_fn, optimizer)  # warm-up: the hooks record nothing yet
+    try:
+        for _ in range(repeats):
+            times.append((0.0, 0.0, 0.0))  # this repetition's slot: hooks fill once
+            optimizer.zero_grad()
+            start[0] = t0 = time.perf_counter()
+            loss = work.loss_fn(net)
+            start[0] = t1 = time.perf_counter()
+            loss.backward()
+            t2 = time.perf_counter()
+            optimizer.step()
+            times[-1] = (t1 - t0, t2 - t1, time.perf_counter() - t2)
+    finally:
+        for h in handles:
+            h.remove()
+    forward, backward, step = (statistics.median(t[k] for t in times) for k in range(3))
+    out = []
+    for i, p in enumerate(params):
+        out.append(Param(p.numel(), p.element_size(), p.shape[0] if p.dim() > 1 else 0,
+                         statistics.median(need[i]) if need[i] else 0.0,
+                         statistics.median(ready[i]) if ready[i] else backward))
+    return forward, backward, step, out
+
+
+def _specs(params: list[torch.Tensor]) -> list[tuple[int, int, str, int]]:
+    from hemiola.tensors import dtype_code
+
+    return [(dtype_code(p.dtype), p.numel(), f"p{i}", p.shape[0] if p.dim() > 1 else 0)
+            for i, p in enumerate(params)]
+
+
+class Reduction:
+    """One all-reduce of every gradient through a reducer of `engine` with
+    DDP's buckets (the engine thread does it; start() returns at once)."""
+
+    def __init__(self, engine: Any, params: list[torch.Tensor], coding: str) -> None:
+        from hemiola.config import compression_code
+
+        self.grads = [torch.randn_like(p) for p in params]
+        self.reducer = engine.make_reducer(
+            _specs(params), model.FUSION["wfbp"], model.FIRST_BUCKET, record_order=False,
+            compression=compression_code(None if coding == "none" else coding),
+            powersgd_start_iteration=0)
+
+    def start(self) -> int:
+        for i in reversed(range(len(self.grads))):  # backward order
+            self.reducer.mark_ready(i, self.grads[i].data_ptr())
+        return int(self.reducer.finish_marking())
+
+    def run(self) -> None:
+        self.reducer.wait(self.start())
+
+
+def free_engine() -> tuple[Any, Any]:
+    """An engine of one rank: every collective returns at once."""
+    from hemiola._native import C
+
+    store = C.MemoryStore()
+    return C.Engine(0, 1, store), store
+
+
+def free_wire_step(factory: Factory, schedule: str, coding: str,
+                   repeats: int) -> tuple[float, float, list[list[int]]]:
+    """The configuration's wrapped step on a free wire and the bare step,
+    timed in turns (so that both see the same load; median seconds each),
+    and its buckets (parameter indices) in issue order, after the warm-up."""
+    from hemiola.config import Config
+
+    work, plain = make_workload(factory), make_workload(factory)
+    plain_optimizer = plain.make_optimizer(plain.model.parameters())
+    engine, store = free_engine()
+    optimizer = work.make_optimizer(work.model.parameters())
+    if schedule == "streaming":
+        from hemiola.streaming import StreamingParallel
+
+        # a blocking sync after every step: the sync's own cost, per step
+        config = Config.from_kwargs(schedule="streaming", sync_every=1, compression=coding)
+        wrapped: Any = StreamingParallel(work.model, config, engine, store, optimizer)
+    else:
+        from hemiola.data_parallel import DataParallel
+
+        config = Config.from_kwargs(schedule=schedule, powersgd_start_iter=0,
+                                    compression=None if coding == "none" else coding)
+        wrapped = DataParallel(work.model, config, engine, store, None, optimizer)
+        # hemiola.wrap's second half: the schedule takes the optimizer over
+        optimizer = wrapped._schedule.wrap_optimizer(optimizer)
+    for _ in range(3):
+        training_step(wrapped, work.loss_fn, optimizer)
+    training_step(plain.model, plain.loss_fn, plain_optimizer)
+    wrapped_times, bare_times = [], []
+    for _ in range(repeats):
+        wrapped_times.append(median_time(
+            lambda: training_step(wrapped, work.loss_fn, optimizer), 1))
+        bare_times.append(median_time(
+            lambda: training_step(plain.model, plain.loss_fn, plain_optimizer), 1))
+    wrapped.synchronize()
+    seconds, alone = statistics.median(wrapped_times), statistics.median(bare_times)
+    if schedule == "streaming":
+        return seconds, alone, []
+    names = {n: i for i, (n, p) in enumerate(
+        (n, p) for n, p in work.model.named_parameters() if p.requires_grad)}
+    return seconds, alone, [[names[n] for n in bucket] for bucket in wrapped.buckets()]
+
+
+def contention(work: Workload, coding_cpu: float, engine: Any, coding: str,
+               repeats: int) -> float:
+    """Extra seconds of the bare step per second of the engine's CPU work run
+    beside it (a free-wire reduction of `coding`), in [0, 1]."""
+    if coding_cpu <= 0:
+        return 0.0
+    net = work.model
+    optimizer = work.make_optimizer(net.parameters())
+    reduction = Reduction(engine, params_of(net), coding)
+    reduction.run()
+    alone, beside = [], []
+    for _ in range(repeats):  # in turns, so that both see the same load
+        alone.append(median_time(lambda: training_step(net, work.loss_fn, optimizer), 1))
+        iteration = reduction.start()
+        t0 = time.perf_counter()
+        training_step(net, work.loss_fn, optimizer)
+        beside.append(time.perf_counter() - t0)
+        reduction.reducer.wait(iteration)
+    extra = statistics.median(beside) - statistics.median(alone)
+    return min(1.0, max(0.0, extra / coding_cpu))
+
+
+def link(engine: Any, repeats: int) -> tuple[Link, float]:
+    """The job's link (latency and bandwidth from ring all-reduces of two
+    sizes) and the CPU seconds this process spends per byte it sends."""
+    from hemiola._native import C
+
+    n = engine.world_size
+    times, cpu = {}, 0.0
+    for size in (SMALL, LARGE):
+        buf = torch.zeros(size // 4)
+
+        def once(buf: torch.Tensor = buf) -> None:
+            engine.all_reduce(buf.data_ptr(), int(C.DType.float32), buf.numel()).wait()
+
+        once()
+        engine.barrier().wait()
+        c0 = time.process_time()
+        times[size] = median_time(once, repeats)
+        if size == LARGE:
+            cpu = (time.process_time() - c0) / repeats / sent_bytes("all_reduce", n, size)
+        engine.barrier().wait()
+    factor = 2 * (n - 1) / n
+    per_byte = max((times[LARGE] - times[SMALL]) / (factor * (LARGE - SMALL)), 1e-12)
+    latency = max(0.0, (times[SMALL] - factor * SMALL * per_byte) / (2 * (n - 1)))
+    return Link(n, latency, 1 / per_byte), cpu
+
+
+def measure(factory: Factory, repeats: int, engine: Any | None) -> Profile:
+    """Every rank measures (collectively where `engine`, the job's, is given);
+    the profile of rank 0 is returned on every rank."""
+    torch.set_num_threads(1)
+    sync = (lambda: engine.barrier().wait()) if engine is not None else (lambda: None)
+    work = make_workload(factory)
+    forward, backward, step, params = bare(work, repeats)
+    optimizer_name = type(work.make_optimizer(work.model.parameters())).__name__
+    free, _ = free_engine()
+    coding_cpu = {}
+    for coding in model.CODINGS:
+        sync()
+        reduction = Reduction(free, params_of(work.model), coding)
+        reduction.run()
+        coding_cpu[coding] = median_time(reduction.run, repeats)
+    costliest = max(coding_cpu, key=lambda c: coding_cpu[c])
+    sync()
+    share = contention(work, coding_cpu[costliest], free, costliest, repeats)
+    profile = Profile(forward, backward, step, params, coding_cpu=coding_cpu, contention=share,
+                      optimizer=optimizer_name)
+    # Each configuration's wrapped step beyond the bare one, on a free wire.
+    extra: dict[str, float] = {}
+    for schedule in model.SCHEDULES:
+        for coding in model.CODINGS:
+            sync()
+            seconds, alone, plan = free_wire_step(factory, schedule, coding, repeats)
+            extra[f"{schedule}+{coding}"] = seconds - alone
+            profile.plans.setdefault(schedule, plan)
+    sync()
+    seconds, alone, _ = free_wire_step(factory, "streaming", "int8", repeats)
+    free_net = Network(world=1, bandwidth=1.0)
+    for name, seconds_beyond in extra.items():
+        schedule, coding = name.split("+")
+        modelled = model.predict_one(profile, free_net, schedule, coding) - profile.compute
+        profile.overhead[name] = seconds_beyond - modelled
+    profile.overhead["streaming-sync"] = max(0.0, seconds - alone - coding_cpu["int8"])
+    if engine is not None and engine.world_size > 1:
+        sync()
+        profile.link, profile.wire_cpu_per_byte = link(engine, repeats)
+        for coding in model.CODINGS:
+            reduction = Reduction(engine, params_of(work.model), coding)
+            reduction.run()
+            sync()
+            profile.reduce[coding] = median_time(reduction.run, repeats)
+    profile.meta = provenance(factory)
+    return agree(profile, engine)
+
+
+def provenance(factory: Factory) -> dict[str, Any]:
+    import hemiola
+
+    return {"date": datetime.datetime.now().isoformat(timespec="seconds"),
+            "host": platform.node(), "cpus": os.cpu_count(), "torch": torch.__version__,
+            "hemiola": getattr(hemiola, "__version__", "?"),
+            "model": f"{factory.__module__}:{factory.__name__}",
+            "load": os.getloadavg()[0]}
+
+
+def agree(profile: Profile, engine: Any | None) -> Profile:
+    """Rank 0's profile on every rank."""
+    if engine is None or engine.world_size == 1:
+        return profile
+    from hemiola.tensors import broadcast_tensors
+
+    text = json.dumps(profile.to_json()).encode()
+    size = torch.tensor([len(text)], dtype=torch.int64)
+    broadcast_tensors(engine, [size])
+    buf = torch.zeros(int(size.item()), dtype=torch.uint8)
+    if engine.rank == 0:
+        buf.copy_(torch.frombuffer(bytearray(text), dtype=torch.uint8))
+    broadcast_tensors(engine, [buf])
+    return Profile.from_json(json.loads(bytes(buf.tolist()).decode()))
+
+
+def trial(factory: Factory, prediction: model.Prediction, iterations: int) -> float:
+    """Trains `iterations` (after 3 of warm-up) with the configuration on the
+    job's ranks; median seconds per iteration on this rank. ``streaming``:
+    the mean over whole periods of sync_every steps (at least two), after
+    one period of warm-up: its syncs are the point."""
+    import hemiola
+
+    work = make_workload(factory)
+    optimizer = work.make_optimizer(work.model.parameters())
+    coding = None if prediction.coding == "none" else prediction.coding
+    options: dict[str, Any] = dict(prediction.options)
+    if prediction.schedule != "streaming":
+        options["powersgd_start_iter"] = 0
+    wrapped, optimizer = hemiola.wrap(work.model, optimizer, schedule=prediction.schedule,
+                                      compression=coding, **options)
+    def step() -> None:
+        training_step(wrapped, work.loss_fn, optimizer)
+
+    if prediction.schedule == "streaming":
+        period = int(options["sync_every"])
+        steps = period * max(2, -(-iterations // period))
+        for _ in range(period):
+            step()
+        start = time.perf_counter()
+        for _ in range(steps):
+            step()
+        wrapped.synchronize()
+        return (time.perf_counter() - start) / steps
+    for _ in range(3):
+        step()
+    seconds = median_time(step, iterations)
+    wrapped.synchronize()
+    return seconds

@@ -1,0 +1,349 @@
+"""The time of one training iteration per configuration, from a profile and a
+network: a small event simulation of the computation and the engine's lane.
+
+The computation runs forward, backward and the optimizer step of each
+iteration (times from the profile). Backward makes each bucket ready when its
+last gradient is; the engine's lane reduces the buckets one after another in
+their issue order, each once ready: half its CPU work (copies, coding), its
+collectives on the wire (:mod:`hemiola.advise.collective`), the other half.
+Where the lane's CPU work and the computation overlap they share the core by
+the profile's ``contention`` (0: separate cores; 1: each runs at half speed),
+and the wire's own CPU work (``wire_cpu_per_byte``) slows the computation
+likewise. The schedules differ in what waits for what:
+
+- ``wfbp``: the end of backward waits for every bucket of its iteration;
+- ``priority``: the forward of a module waits for the buckets of the last
+  iteration that hold the parameters it reads (front layers' buckets are
+  issued front first once backward is done); the step waits for nothing;
+- ``decoupled``: the step of iteration t+1 waits for iteration t's buckets.
+
+The simulation runs a few iterations and takes the steady period; then the
+configuration's measured ``overhead`` (its wrapped step on a free wire minus
+this model of it: hooks, Python, landings) is added.
+
+``streaming`` (DiLoCo): H inner steps at the computation's speed, and per H
+steps every fragment's coded reduction once, each under ``overlap`` inner
+steps, with what does not fit exposed.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from hemiola.advise.collective import INT8_MAX_WORLD, Network, Piece, payloads, pieces, sent, wire
+from hemiola.advise.profile import Param, Profile
+
+SCHEDULES = ("wfbp", "priority", "decoupled")
+CODINGS = ("none", "fp16", "int8", "powersgd")
+#: the bucket caps of each schedule's plan (Config.fusion_bytes), in bytes
+FUSION = {"wfbp": 25 << 20, "decoupled": 25 << 20, "priority": 4 << 20}
+FIRST_BUCKET = 1 << 20
+#: priority's default: the buckets holding the front layers' first quarter of
+#: the bytes are issued front first (Config.priority_front_fraction)
+FRONT_FRACTION = 0.25
+#: streaming's sync periods and the fragment counts tried for each
+STREAMING_H = (10, 20, 50, 100)
+STREAMING_FRAGMENTS = (1, 2, 4)
+
+
+@dataclass(frozen=True)
+class Job:
+    """One bucket's reduction on the engine's lane."""
+
+    cpu: float
+    wire: float
+    #: CPU seconds the engine spends while on the wire
+    wire_cpu: float = 0.0
+
+
+@dataclass
+class Prediction:
+    schedule: str
+    coding: str
+    seconds: float
+    #: streaming: sync_every, fragments, overlap
+    options: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def name(self) -> str:
+        """``schedule+coding``, with streaming's options."""
+        base = f"{self.schedule}+{self.coding}"
+        if self.options:
+            base += "/" + ",".join(f"{k}={v}" for k, v in self.options.items())
+        return base
+
+
+@dataclass(frozen=True)
+class _Segment:
+    """A stretch of the computation: it starts once `waits` (iteration
+    offset, bucket) are reduced, and makes `emits` ready when it ends."""
+
+    work: float
+    waits: tuple[tuple[int, int], ...] = ()
+    emits: tuple[int, ...] = ()
+
+
+def ddp_plan(params: Sequence[Param], cap: int, first: int = FIRST_BUCKET) -> list[list[int]]:
+    """DDP's buckets: parameters in reverse registration order, a bucket
+    closed once it holds `first` bytes (the first) or `cap` (the others)."""
+    plan: list[list[int]] = []
+    bucket: list[int] = []
+    size = 0
+    for i in reversed(range(len(params))):
+        bucket.append(i)
+        size += params[i].nbytes
+        if size >= (first if not plan else cap):
+            plan.append(bucket)
+            bucket, size = [], 0
+    if bucket:
+        plan.append(bucket)
+    return plan
+
+
+def front_first(params: Sequence[Param], plan: list[list[int]],
+                fraction: float = FRONT_FRACTION) -> list[list[int]]:
+    """`plan` (backward order) with the buckets that hold the first `fraction`
+    of the bytes (the front layers) moved to the end, front first: priority's
+    issue order."""
+    total = sum(p.nbytes for p in params)
+    front: list[list[int]] = []
+    seen = 0
+    for bucket in reversed(plan):
+        if seen >= fraction * total:
+            break
+        front.append(bucket)
+        seen += sum(params[i].nbytes for i in bucket)
+    return plan[: len(plan) - len(front)] + front
+
+
+def plan_of(profile: Profile, schedule: str) -> list[list[int]]:
+    """The schedule's buckets in issue order: measured, or DDP's rule."""
+    if schedule in profile.plans:
+        return profile.plans[schedule]
+    plan = ddp_plan(profile.params, FUSION[schedule])
+    return front_first(profile.params, plan) if schedule == "priority" else plan
+
+
+def _program(profile: Profile, plan: list[list[int]], schedule: str) -> list[_Segment]:
+    """One iteration of the computation as segments."""
+    params = profile.params
+    holding: dict[int, list[int]] = {}
+    for k, bucket in enumerate(plan):
+        for i in bucket:
+            holding.setdefault(i, []).append(k)
+    program: list[_Segment] = []
+    # Forward: each module's first read of its parameters, in time order.
+    reads: dict[float, list[int]] = {}
+    for i, p in enumerate(params):
+        reads.setdefault(min(max(p.need, 0.0), profile.forward), []).append(i)
+    at = 0.0
+    for point in sorted(reads):
+        if point > at:
+            program.append(_Segment(point - at))
+            at = point
+        waits = tuple(sorted({(-1, k) for i in reads[point] for k in holding[i]}))
+        program.append(_Segment(0.0, waits if schedule == "priority" else ()))
+    program.append(_Segment(profile.forward - at))
+    # Backward: a bucket is ready once its last gradient is.
+    ready: dict[float, list[int]] = {}
+    for k, bucket in enumerate(plan):
+        point = min(max(max(params[i].ready for i in bucket), 0.0), profile.backward)
+        ready.setdefault(point, []).append(k)
+    at = 0.0
+    for point in sorted(ready):
+        program.append(_Segment(point - at, (), tuple(ready[point])))
+        at = point
+    program.append(_Segment(profile.backward - at))
+    everything = tuple(range(len(plan)))
+    if schedule == "wfbp":
+        program.append(_Segment(0.0, tuple((0, k) for k in everything)))
+        program.append(_Segment(profile.step))
+    elif schedule == "decoupled":
+        program.append(_Segment(profile.step, tuple((-1, k) for k in everything)))
+    elif schedule == "priority":
+        program.append(_Segment(profile.step))
+    else:
+        raise ValueError(f"unknown schedule {schedule!r}; known: {', '.join(SCHEDULES)}")
+    return program
+
+
+def simulate(program: Sequence[_Segment], jobs: Sequence[Job], contention: float,
+             iterations: int = 6) -> float:
+    """Steady seconds per iteration of `program` with the lane reducing
+    `jobs` (one per bucket, in issue order) every iteration."""
+    eps = 1e-12
+    now = 0.0
+    starts = [0.0]
+    it, seg = 0, 0
+    started, rem_c = False, 0.0
+    ready: set[tuple[int, int]] = set()
+    done: set[tuple[int, int]] = set()
+    job_it, job_k, phase, rem_m, busy = 0, 0, 0, 0.0, False
+    phases = [(j.cpu / 2, max(j.wire, j.wire_cpu), j.cpu / 2) for j in jobs]
+
+    def satisfied(waits: tuple[tuple[int, int], ...]) -> bool:
+        return all(it + off < 0 or (it + off, k) in done for off, k in waits)
+
+    while it < iterations:
+        moved = True
+        while moved and it < iterations:
+            moved = False
+            if not started and satisfied(program[seg].waits):
+                started, rem_c, moved = True, program[seg].work, True
+            if started and rem_c <= eps:
+                ready.update((it, k) for k in program[seg].emits)
+                started, seg, moved = False, seg + 1, True
+                if seg == len(program):
+                    it, seg = it + 1, 0
+                    starts.append(now)
+            if not jobs:
+                continue
+            if not busy and (job_it, job_k) in ready:
+                busy, phase, rem_m, moved = True, 0, phases[job_k][0], True
+            while busy and rem_m <= eps:
+                moved = True
+                phase += 1
+                if phase < 3:
+                    rem_m = phases[job_k][phase]
+                    continue
+                done.add((job_it, job_k))
+                busy = False
+                job_k += 1
+                if job_k == len(jobs):
+                    job_it, job_k = job_it + 1, 0
+        if it >= iterations:
+            break
+        computing = started
+        lane_cpu = busy and phase != 1
+        share = 0.0
+        if busy and phase == 1 and phases[job_k][1] > 0:
+            share = jobs[job_k].wire_cpu / phases[job_k][1]
+        rate_c = 1 / (1 + contention) if lane_cpu else 1 / (1 + contention * share)
+        rate_m = 1 / (1 + contention) if (lane_cpu and computing) else 1.0
+        steps = []
+        if computing:
+            steps.append(rem_c / rate_c)
+        if busy:
+            steps.append(rem_m / rate_m)
+        if not steps:
+            raise RuntimeError("the iteration model waits for a reduction that never starts "
+                               "(a bucket no backward segment makes ready)")
+        dt = min(steps)
+        now += dt
+        if computing:
+            rem_c -= dt * rate_c
+        if busy:
+            rem_m -= dt * rate_m
+    last = min(3, iterations - 1)
+    return (starts[iterations] - starts[iterations - last]) / last
+
+
+def jobs_for(profile: Profile, net: Network, schedule: str, coding: str,
+             plan: list[list[int]] | None = None, powersgd_rank: int = 2) -> list[Job]:
+    """One Job per bucket of the schedule's plan under `coding` on `net`."""
+    plan = plan_of(profile, schedule) if plan is None else plan
+    buckets = pieces(profile.params, plan)
+    total = sum(p.numel for p in profile.params)
+    preview = schedule == "decoupled" and profile.optimizer in ("Adam", "AdamW")
+    out = []
+    for bucket in buckets:
+        share = sum(p.numel for p in bucket) / total
+        payload = payloads(coding, bucket, net.world, powersgd_rank)
+        cpu = profile.coding_cpu.get(coding, 0.0) * share
+        if preview:  # its one-byte codes go first, on the same link
+            payload = payloads("preview", bucket, net.world) + payload
+            cpu += profile.coding_cpu.get("int8", 0.0) * share
+        out.append(Job(cpu, wire(net, payload), profile.wire_cpu_per_byte * sent(net, payload)))
+    return out
+
+
+def predict_one(profile: Profile, net: Network, schedule: str, coding: str) -> float:
+    """Seconds per iteration of `schedule` with `coding` on `net`: never less
+    than the bare computation, which every configuration does (a measured
+    overhead below zero is noise)."""
+    plan = plan_of(profile, schedule)
+    seconds = simulate(_program(profile, plan, schedule),
+                       jobs_for(profile, net, schedule, coding, plan), profile.contention)
+    return max(profile.compute, seconds + profile.overhead.get(f"{schedule}+{coding}", 0.0))
+
+
+def codings_on(profile: Profile) -> tuple[str, ...]:
+    """The codings the engine runs on the profile's device (``meta["device"]``)."""
+    device = profile.meta.get("device", "cpu")
+    if device == "cpu":
+        return CODINGS
+    from hemiola._native import C
+
+    return tuple(c for c in CODINGS if c in C.codings(device))
+
+
+def predict(profile: Profile, net: Network, schedules: Sequence[str] = SCHEDULES,
+            codings: Sequence[str] | None = None) -> list[Prediction]:
+    """Every schedule x coding that runs on `net` and on the profile's device
+    (`codings`: a subset), fastest first."""
+    out = []
+    for coding in codings_on(profile) if codings is None else codings:
+        try:
+            payloads(coding, [Piece(1, 4, 0)], net.world)
+        except ValueError:
+            continue  # int8 beyond 127 ranks
+        for schedule in schedules:
+            out.append(Prediction(schedule, coding, predict_one(profile, net, schedule, coding)))
+    return sorted(out, key=lambda p: p.seconds)
+
+
+def _sync(profile: Profile, net: Network, fragments: int, coding: str) -> tuple[float, float]:
+    """(seconds one fragment's sync takes, of which CPU) for `fragments`."""
+    total = sum(p.numel for p in profile.params)
+    payload = payloads(coding, [Piece(total / fragments, 4, 0)], net.world)
+    # the sync's own CPU (pseudo-gradient, outer step, merge) and the coding's,
+    # per fragment; measured for the whole model
+    cpu = (profile.overhead.get("streaming-sync", 0.0)
+           + profile.coding_cpu.get(coding, 0.0)) / fragments
+    return wire(net, payload) + cpu, cpu
+
+
+def streaming_step(profile: Profile, net: Network, sync_every: int, fragments: int,
+                   overlap: int, coding: str = "int8") -> float:
+    """Seconds per inner step of ``schedule="streaming"``: the step at the
+    computation's speed plus, per `sync_every` steps, each fragment's coded
+    reduction less what hides under `overlap` inner steps (the lane's CPU
+    work slowing the computation by the profile's contention while it
+    does)."""
+    step = profile.compute + profile.overhead.get("streaming", 0.0)
+    seconds, cpu = _sync(profile, net, fragments, coding)
+    if overlap == 0:
+        exposed = seconds
+    else:
+        exposed = max(0.0, seconds - overlap * step) + profile.contention * cpu
+    return step + fragments * exposed / sync_every
+
+
+def streaming_options(profile: Profile, net: Network, sync_every: int,
+                      coding: str) -> list[tuple[int, int]]:
+    """(fragments, overlap) tried for one H: blocking (DiLoCo), and for each
+    fragment count the shortest overlap that hides a fragment's sync, within
+    what the schedule allows (overlap < H / fragments)."""
+    out = [(1, 0)]
+    for f in STREAMING_FRAGMENTS:
+        longest = math.ceil(sync_every / f) - 1
+        seconds, _ = _sync(profile, net, f, coding)
+        needed = max(1, math.ceil(seconds / max(profile.compute, 1e-9)))
+        if longest >= 1:
+            out.append((f, min(needed, longest)))
+    return out
+
+
+def predict_streaming(profile: Profile, net: Network) -> list[Prediction]:
+    """``streaming`` for each H of STREAMING_H (int8 on the wire; fp16 beyond
+    int8's 127 ranks), at its best fragments and overlap, in H order."""
+    coding = "int8" if net.world <= INT8_MAX_WORLD else "fp16"
+    out = []
+    for h in STREAMING_H:
+        seconds, f, tau = min((streaming_step(profile, net, h, f, tau, coding), f, tau)
+                              for f, tau in streaming_options(profile, net, h, coding))
+        out.append(Prediction("streaming", coding, seconds,
+                              {"sync_every": h, "fragments": f, "overlap": tau}))
+    return out

@@ -1,0 +1,159 @@
+"""What ``hemiola advise`` measures of a model on one machine, kept as JSON so
+that a profile measured once predicts any cluster (``--profile FILE``).
+
+Every time is in seconds, every size in bytes. A profile can also be written
+by hand (a published model's per-layer times and sizes): only ``forward``,
+``backward``, ``step`` and ``params`` are required; the rest defaults to
+"nothing measured" (no coding cost, no contention, no overhead).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+#: bump when a field changes meaning; a profile of another version is refused
+VERSION = 1
+
+
+@dataclass
+class Param:
+    """One trainable parameter, in registration order."""
+
+    numel: int
+    element_size: int = 4
+    #: first dimension of a matrix (PowerSGD's view), 0 for a vector
+    rows: int = 0
+    #: when the forward first reads it, from the forward's start
+    need: float = 0.0
+    #: when backward has produced its gradient, from the backward's start
+    ready: float = 0.0
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.element_size
+
+
+@dataclass
+class Link:
+    """The network the profile was measured on, as the collective model sees
+    it (see :mod:`hemiola.advise.collective`)."""
+
+    world: int
+    #: seconds per message (the alpha term)
+    latency: float
+    #: bytes per second each rank sends and receives (the 1/beta term)
+    bandwidth: float
+
+
+@dataclass
+class Profile:
+    """One model on one machine (rank 0's medians; the ranks agree on them)."""
+
+    forward: float
+    backward: float
+    #: the optimizer step of the bare model
+    step: float
+    params: list[Param]
+    #: buckets (parameter indices) in issue order, per schedule; a parameter
+    #: cut into pieces is in several; a schedule missing here uses DDP's
+    #: plan, computed from the sizes
+    plans: dict[str, list[list[int]]] = field(default_factory=dict)
+    #: CPU seconds per iteration of each coding on the engine's thread for the
+    #: whole model (copies in and out, coding, decoding), measured with a free
+    #: wire (one rank)
+    coding_cpu: dict[str, float] = field(default_factory=dict)
+    #: how much a second of the engine's CPU work beside the computation
+    #: delays it: 0 where they run on separate cores (a GPU's computation),
+    #: 1 where they share one core
+    contention: float = 0.0
+    #: CPU seconds the engine spends per byte it sends (Gloo's copies and
+    #: sums, the kernel's sockets)
+    wire_cpu_per_byte: float = 0.0
+    #: per configuration ("wfbp+fp16"): the measured wrapped step on a free
+    #: wire minus the model's prediction of it (hooks, Python, landings)
+    overhead: dict[str, float] = field(default_factory=dict)
+    #: the link the profile was measured on (None: measured without one)
+    link: Link | None = None
+    #: per coding: one all-reduce of every gradient measured on `link`
+    reduce: dict[str, float] = field(default_factory=dict)
+    #: the optimizer's class name (Adam and AdamW turn decoupled's preview on)
+    optimizer: str = "SGD"
+    #: provenance: date, host, cpus, torch, hemiola, model, ...
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def compute(self) -> float:
+        """One iteration's computation alone."""
+        return self.forward + self.backward + self.step
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.params)
+
+    def scaled(self, factor: float) -> Profile:
+        """This profile on a machine whose CPU work takes `factor` times as
+        long (the link unchanged): every time but the link's."""
+        params = [Param(p.numel, p.element_size, p.rows, p.need * factor, p.ready * factor)
+                  for p in self.params]
+        return replace(self, forward=self.forward * factor, backward=self.backward * factor,
+                       step=self.step * factor, params=params,
+                       coding_cpu={k: v * factor for k, v in self.coding_cpu.items()},
+                       overhead={k: v * factor for k, v in self.overhead.items()},
+                       wire_cpu_per_byte=self.wire_cpu_per_byte * factor)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"version": VERSION, **asdict(self)}
+
+    def save(self, path: Path) -> None:
+        path.write_text(json.dumps(self.to_json(), indent=1) + "\n")
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> Profile:
+        data = dict(data)
+        version = data.pop("version", VERSION)
+        if version != VERSION:
+            raise ValueError(f"this profile is of version {version}; this hemiola reads version "
+                             f"{VERSION}: measure it again with hemiola advise --save-profile")
+        try:
+            params = [Param(**p) for p in data.pop("params")]
+            link = data.pop("link", None)
+            profile = cls(params=params, link=None if link is None else Link(**link), **data)
+        except (KeyError, TypeError) as e:
+            raise ValueError(f"not a hemiola advise profile ({e}): it needs forward, backward, "
+                             "step (seconds) and params (a list of {numel, need, ready, ...})"
+                             ) from e
+        profile.check()
+        return profile
+
+    @classmethod
+    def load(cls, path: Path) -> Profile:
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError) as e:
+            raise ValueError(f"cannot read the profile {path}: {e}") from e
+        return cls.from_json(data)
+
+    def check(self) -> None:
+        """Raises ValueError naming the first impossible value."""
+        for name in ("forward", "backward", "step", "contention", "wire_cpu_per_byte"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and value >= 0):
+                raise ValueError(f"profile: {name} must be a number >= 0, got {value!r}")
+        if not self.params:
+            raise ValueError("profile: params is empty (a model without trainable parameters "
+                             "has nothing to reduce)")
+        for i, p in enumerate(self.params):
+            if p.numel < 1 or p.element_size < 1 or p.rows < 0:
+                raise ValueError(f"profile: params[{i}] has numel {p.numel}, element_size "
+                                 f"{p.element_size}, rows {p.rows}; each must be positive")
+        for schedule, plan in self.plans.items():
+            seen = sorted({i for bucket in plan for i in bucket})
+            if seen != list(range(len(self.params))):
+                raise ValueError(f"profile: the {schedule} plan must hold every parameter "
+                                 f"index 0..{len(self.params) - 1} and no other")
+        for coding, seconds in self.coding_cpu.items():
+            if seconds < 0:
+                raise ValueError(f"profile: coding_cpu[{coding!r}] is negative")
