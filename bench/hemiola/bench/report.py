@@ -242,6 +242,8 @@ def streaming_table(rows: Rows) -> str:
                  f"{', '.join(f'{t:g}' for t in targets)}):")
         note = ("\n\n¹ each rank trains alone: its loss is at 1/"
                 f"{first['world']} of the tokens per model.")
+        if not any(r["kind"] == "compute" for r in mine):
+            note = ""
         parts.append(title + "\n\n" + _table(head, lines) + note)
     for r in rows:
         if r.get("row") == "skipped":
