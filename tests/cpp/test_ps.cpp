@@ -1547,6 +1547,11 @@ TEST(ParameterServer, AWorkerThatNeverReadsItsRepliesIsDroppedAtTheQueueBound) {
   EXPECT_NE(why.find("worker 1 (rank 2) disconnected: more than 33554432 bytes of messages for "
                      "worker 1 (rank 2) waited to be sent"), std::string::npos) << why;
   EXPECT_EQ(stats[0].pushes_applied, 3);
+  // Its connection was reset: whatever it reads now, it ends in an error.
+  Header h;
+  std::vector<char> payload;
+  EXPECT_THROW(
+      while (greedy.channel().receive(&h, &payload)) {}, Error);
 }
 
 TEST(ParameterServer, PullsWaitingForAnAnswerAreBounded) {

@@ -101,9 +101,18 @@ bool Channel::push_locked(std::vector<char> bytes, bool* overflowed) {
 
 void Channel::shut_down_after_overflow() {
   // Unblocks a sender stuck on a full socket buffer and the receive loop,
-  // which then reports send_failure_. Never under mutex_ (shutdown does not
-  // block, but keeps the lock's scope small).
-  if (socket_) ::shutdown(socket_.fd(), SHUT_RDWR);
+  // which then reports send_failure_. The socket's close will be abortive
+  // (a reset): what the kernel still holds for a peer that reads nothing is
+  // dropped, and the peer learns at once that it was cut off.
+  if (!socket_) return;
+  const linger abort_on_close{1, 0};
+  ::setsockopt(socket_.fd(), SOL_SOCKET, SO_LINGER, &abort_on_close, sizeof abort_on_close);
+  ::shutdown(socket_.fd(), SHUT_RDWR);
+}
+
+bool Channel::overflowed() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return overflowed_;
 }
 
 void Channel::set_queue_limit(size_t bytes) {

@@ -84,6 +84,9 @@ class Channel {
   const std::string& peer() const { return peer_; }
   // Why sending stopped (empty while healthy).
   std::string send_failure() const;
+  // The send queue exceeded its bound: the socket is shut down, and its
+  // close (disconnect()) resets the connection.
+  bool overflowed() const;
   // How long since anything (a message or a ping) arrived from the peer.
   std::chrono::steady_clock::duration silent_for() const;
 

@@ -175,7 +175,13 @@ void Server::Impl::receive_from(int w) {
         }
         return workers[static_cast<size_t>(w)] != WorkerState::kGone;  // after its goodbye
       },
-      [this, w](const std::string& why) { on_disconnect(w, why); });
+      [this, w](const std::string& why) {
+        on_disconnect(w, why);
+        // A worker dropped for not reading its replies: close its socket now
+        // (its sender has stopped), so the kernel frees what it holds for it.
+        auto& channel = *channels[static_cast<size_t>(w)];
+        if (channel.overflowed()) channel.disconnect();
+      });
 }
 
 // ---- the watchdog ------------------------------------------------------------------

@@ -153,7 +153,7 @@ struct Server::Impl {
   void apply_bsp(int w, Key& k, const Header& h, const float* grad);
   // A step that made k's parameters non-finite (`who_stepped`: whose
   // setting it was) fails the job; true when it did.
-  bool failed_on_non_finite_step(Key& k, const OptimizerHyper& hyper,
+  bool failed_on_non_finite_step(const Key& k, const OptimizerHyper& hyper,
                                  const std::string& who_stepped);
   PushWeight weight_of(const Header& h, int64_t tau) const;
   void apply_async(int w, Key& k, const Header& h, const float* grad);

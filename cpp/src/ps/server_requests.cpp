@@ -368,7 +368,7 @@ void Server::Impl::apply_bsp(int w, Key& k, const Header& h, const float* grad) 
   answer_pulls(k);
 }
 
-bool Server::Impl::failed_on_non_finite_step(Key& k, const OptimizerHyper& hyper,
+bool Server::Impl::failed_on_non_finite_step(const Key& k, const OptimizerHyper& hyper,
                                              const std::string& who_stepped) {
   if (!opt.check_finite) return false;
   const auto bad = first_non_finite(k.param.data(), k.entry.shard.count, k.entry.shard.begin);
