@@ -171,7 +171,14 @@ def cluster_table(rows: Rows) -> str:
 
 def advise_table(rows: Rows) -> str:
     """Per model, rate and world size: each configuration's predicted and
-    measured time, the advice and the fastest measured marked."""
+    measured time, the advice and the fastest measured marked. Rows of the
+    advise before its predictions per configuration (one advice per rate, no
+    ``config``) render as they did: one line per rate."""
+    if not any("config" in r for r in rows):
+        head = ["link", "advice", "predicted ms", "measured ms", "error"]
+        lines = [[rate_label(r["rate"]), f"`{r['choice']}`", f"{r['predicted_ms']:.1f}",
+                  f"{r['measured_ms']:.1f}", f"{100 * r['error']:+.1f}%"] for r in rows]
+        return f"{rows[0]['world']} ranks:\n\n" + _table(head, lines)
     parts = []
     for key in dict.fromkeys((r["model"], r["rate"], r["world"]) for r in rows):
         mine = [r for r in rows if (r["model"], r["rate"], r["world"]) == key]
