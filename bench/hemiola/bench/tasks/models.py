@@ -11,6 +11,16 @@ from torch import nn
 from torch.nn import functional as F
 
 
+def causal_attention(qkv: torch.Tensor, heads: int) -> torch.Tensor:
+    """Causal self-attention of `heads` heads from the fused query, key and
+    value projections `qkv` (batch, length, 3 * dim); (batch, length, dim)."""
+    b, t, d3 = qkv.shape
+    d = d3 // 3
+    q, k, v = qkv.view(b, t, 3, heads, d // heads).permute(2, 0, 3, 1, 4)
+    attended = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    return attended.transpose(1, 2).reshape(b, t, d)
+
+
 class Block(nn.Module):
     """A pre-norm transformer block: causal self-attention, then a GELU MLP."""
 
@@ -24,11 +34,7 @@ class Block(nn.Module):
         self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, d = x.shape
-        q, k, v = (self.qkv(self.norm1(x)).view(b, t, 3, self.heads, d // self.heads)
-                   .permute(2, 0, 3, 1, 4))
-        attended = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.proj(attended.transpose(1, 2).reshape(b, t, d))
+        x = x + self.proj(causal_attention(self.qkv(self.norm1(x)), self.heads))
         return x + self.mlp(self.norm2(x))
 
 
@@ -65,11 +71,7 @@ class GPTBlock(nn.Module):
         self.mlp_proj = nn.Linear(4 * dim, dim)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, d = x.shape
-        q, k, v = (self.c_attn(self.ln_1(x)).view(b, t, 3, self.heads, d // self.heads)
-                   .permute(2, 0, 3, 1, 4))
-        attended = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.attn_proj(attended.transpose(1, 2).reshape(b, t, d))
+        x = x + self.attn_proj(causal_attention(self.c_attn(self.ln_1(x)), self.heads))
         return x + self.mlp_proj(F.gelu(self.c_fc(self.ln_2(x))))
 
 
