@@ -20,7 +20,8 @@ there the profile's CPU times are scaled by the bare step measured at that
 world size (``--rescale-compute``; the factor is in the rows), so what is
 checked is the collectives' model at N ranks. One row per configuration goes to
 OUT/NAME.jsonl, with the load average before and after each job (timing on
-a loaded machine is not a validation: read that column).
+a loaded machine is not a validation: read that column); each profile to
+OUT/NAME-MODEL-RATE.profile.json.
 """
 
 from __future__ import annotations
@@ -97,12 +98,13 @@ def run(args: argparse.Namespace) -> int:
     worlds = [int(w) for w in args.worlds.split(",")]
     rows: list[dict[str, Any]] = []
     port = 29600
+    args.out.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
         for model in args.models.split(","):
             if model not in MODELS:
                 raise SystemExit(f"unknown model {model!r}; known: {', '.join(MODELS)}")
             for rate in args.rates.split(","):
-                profile = Path(tmp) / f"{model}-{rate}.json"
+                profile = args.out / f"{args.name}-{model}-{rate}.profile.json"
                 for world in worlds:
                     out = Path(tmp) / f"{model}-{rate}-{world}.json"
                     command = [sys.executable, "-m", "hemiola", "advise", "--all",
