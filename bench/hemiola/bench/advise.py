@@ -21,7 +21,11 @@ world size (``--rescale-compute``; the factor is in the rows), so what is
 checked is the collectives' model at N ranks. One row per configuration goes to
 OUT/NAME.jsonl, with the load average before and after each job (timing on
 a loaded machine is not a validation: read that column); each profile to
-OUT/NAME-MODEL-RATE.profile.json.
+OUT/NAME-MODEL-RATE.profile.json. On a machine shared with other work the
+computation's speed drifts between the profile and the trials: each trial is
+bracketed by bare steps, and the rows also give the prediction from the
+profile with its CPU times scaled to the bare step measured then
+(``predicted_now_ms``, ``error_now``).
 """
 
 from __future__ import annotations
@@ -59,9 +63,32 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="--scale: the predictions' relative error, as validated")
 
 
+def predicted_now(result: dict[str, Any], p: dict[str, Any]) -> float | None:
+    """The prediction of `p` from the profile with its CPU times scaled by the
+    bare step measured around the configuration's trial over the profile's
+    (the machine's load then), or None where that was not measured."""
+    from hemiola.advise import model
+    from hemiola.advise.cli import local_network
+    from hemiola.advise.profile import Profile
+
+    prediction = model.Prediction(**p)
+    now = result.get("bare_now", {}).get(prediction.name)
+    if now is None:
+        return None
+    profile = Profile.from_json(result["profile"])
+    profile = profile.scaled(now / profile.compute)
+    net = local_network(profile, result["world"])
+    if prediction.schedule == "streaming":
+        o = prediction.options
+        return model.streaming_step(profile, net, o["sync_every"], o["fragments"], o["overlap"],
+                                    prediction.coding)
+    return model.predict_one(profile, net, prediction.schedule, prediction.coding)
+
+
 def rows_of(result: dict[str, Any], model: str, rate: str, profile_world: int,
             load: tuple[float, float]) -> list[dict[str, Any]]:
-    """One row per configuration measured: predicted against measured."""
+    """One row per configuration measured: predicted against measured (and
+    the prediction at the load measured around its trial)."""
     from hemiola.advise.model import Prediction
 
     measured = result["measured"]
@@ -72,10 +99,15 @@ def rows_of(result: dict[str, Any], model: str, rate: str, profile_world: int,
         name = Prediction(**p).name
         if name not in measured:
             continue
+        now = predicted_now(result, p)
         rows.append({"suite": "advise", "model": model, "rate": rate, "world": result["world"],
                      "profile_world": profile_world, "config": name,
                      "predicted_ms": 1e3 * p["seconds"], "measured_ms": 1e3 * measured[name],
-                     "error": p["seconds"] / measured[name] - 1, "advised": name == chosen,
+                     "error": p["seconds"] / measured[name] - 1,
+                     "bare_now_ms": 1e3 * result["bare_now"][name],
+                     "predicted_now_ms": None if now is None else 1e3 * now,
+                     "error_now": None if now is None else now / measured[name] - 1,
+                     "advised": name == chosen,
                      "fastest": measured[name] == fastest,
                      "compute_ms": 1e3 * (result["profile"]["forward"]
                                           + result["profile"]["backward"]
@@ -129,6 +161,7 @@ def run(args: argparse.Namespace) -> int:
         mark += " (fastest)" if r["fastest"] else ""
         print(f"{r['model']:>9s} {r['rate']:>7s} {r['world']}: {r['config']:45s} predicted "
               f"{r['predicted_ms']:8.1f} ms, measured {r['measured_ms']:8.1f} ms "
-              f"({100 * r['error']:+.1f}%){mark}")
+              f"({100 * r['error']:+.1f}%; at the trial's load: {r['predicted_now_ms']:8.1f} "
+              f"ms, {100 * r['error_now']:+.1f}%){mark}")
     print(f"wrote {path}")
     return 0

@@ -182,17 +182,21 @@ def advise_table(rows: Rows) -> str:
     parts = []
     for key in dict.fromkeys((r["model"], r["rate"], r["world"]) for r in rows):
         mine = [r for r in rows if (r["model"], r["rate"], r["world"]) == key]
-        head = ["configuration", "predicted ms", "measured ms", "error"]
+        head = ["configuration", "predicted ms", "measured ms", "error",
+                "bare step then", "predicted at that load", "error"]
         lines = [[f"`{r['config']}`" + (" **advised**" if r["advised"] else "")
                   + (" (fastest)" if r["fastest"] else ""), f"{r['predicted_ms']:.1f}",
-                  f"{r['measured_ms']:.1f}", f"{100 * r['error']:+.1f}%"] for r in mine]
+                  f"{r['measured_ms']:.1f}", f"{100 * r['error']:+.1f}%",
+                  f"{r['bare_now_ms']:.1f}", f"{r['predicted_now_ms']:.1f}",
+                  f"{100 * r['error_now']:+.1f}%"] for r in mine]
         first = mine[0]
         source = ("its own profile" if first["profile_world"] == first["world"]
                   else f"the profile measured at {first['profile_world']} ranks")
-        worst = max(abs(r["error"]) for r in mine)
+        worst = max(abs(r["error_now"]) for r in mine)
         parts.append(f"**{key[0]}** at {rate_label(key[1])}, {key[2]} ranks, predicted from "
                      f"{source} (computation {first['compute_ms']:.1f} ms; load average "
-                     f"{first['load_before']:.1f}–{first['load_after']:.1f}; largest error "
+                     f"{first['load_before']:.1f}–{first['load_after']:.1f}; largest error at the "
+                     f"trials' load "
                      f"{100 * worst:.0f}%):\n\n" + _table(head, lines))
     return "\n\n".join(parts)
 

@@ -58,7 +58,7 @@ def advise_rank(rank: int, world: int, spec: str | None, repeats: int, iteration
     scale its CPU times by the bare step measured here over the profile's
     (more ranks than cores make every rank's CPU slower)."""
     import hemiola
-    from hemiola.advise.measure import bare, measure, trial
+    from hemiola.advise.measure import bare, bare_step, measure, trial
     from hemiola.advise.models import make_workload
     from hemiola.distributed import new_engine
 
@@ -87,14 +87,21 @@ def advise_rank(rank: int, world: int, spec: str | None, repeats: int, iteration
     tried = (predictions + [s for s in streaming if s.options["sync_every"] <= 20]
              if everything else choice.within_error(predictions))
     measured: dict[str, float] = {}
+    # --all (validation): the bare step before and after each trial says what
+    # the computation cost meanwhile on a machine shared with other work
+    bare_now: dict[str, float] = {}
     for p in tried:
         engine.barrier().wait()
+        before = bare_step(factory, iterations // 2 + 1) if everything else 0.0
+        engine.barrier().wait()
         measured[p.name] = trial(factory, p, iterations)
+        if everything:
+            bare_now[p.name] = (before + bare_step(factory, iterations // 2 + 1)) / 2
     chosen = choice.choose(measured, predictions)
     return {"profile": profile.to_json(), "world": engine.world_size,
             "predictions": [vars(p) for p in predictions],
             "streaming": [vars(p) for p in streaming], "measured": measured,
-            "choice": vars(chosen), "run_seconds": measured[chosen.name]}
+            "bare_now": bare_now, "choice": vars(chosen), "run_seconds": measured[chosen.name]}
 
 
 def _label(p: dict[str, Any]) -> str:

@@ -333,6 +333,7 @@ def trial(factory: Factory, prediction: model.Prediction, iterations: int) -> fl
         options["powersgd_start_iter"] = 0
     wrapped, optimizer = hemiola.wrap(work.model, optimizer, schedule=prediction.schedule,
                                       compression=coding, **options)
+
     def step() -> None:
         training_step(wrapped, work.loss_fn, optimizer)
 
@@ -351,3 +352,12 @@ def trial(factory: Factory, prediction: model.Prediction, iterations: int) -> fl
     seconds = median_time(step, iterations)
     wrapped.synchronize()
     return seconds
+
+
+def bare_step(factory: Factory, iterations: int) -> float:
+    """The bare model's step now (median seconds): what the computation
+    costs under the machine's present load."""
+    work = make_workload(factory)
+    optimizer = work.make_optimizer(work.model.parameters())
+    training_step(work.model, work.loss_fn, optimizer)
+    return median_time(lambda: training_step(work.model, work.loss_fn, optimizer), iterations)
