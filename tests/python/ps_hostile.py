@@ -490,34 +490,44 @@ def unread_pulls_job(rank: int, world: int, options: dict[str, Any], pulls: int
     return out
 
 
-def settings_job(rank: int, world: int, lrs: tuple[float, ...], nan_at: int | None
-                 ) -> dict[str, Any] | None:
-    """bsp, one server: worker i trains the MLP with SGD at lr ``lrs[i]``;
-    worker 1 sets its learning rate to NaN before step `nan_at` (None: never).
-    Returns each worker's error and when it came."""
-    config = hemiola.ps.PSConfig(consistency="bsp", num_servers=1, timeout_s=20)
-    served = ps_workers.server_or_none(config)
-    if served is not None:
-        return served
+def settings_jobs(rank: int, world: int) -> dict[str, Any]:
+    """Two bsp jobs of one server and two workers, one after the other in the
+    same processes (each under its own store prefix), training the MLP with
+    SGD: "mismatch", workers at learning rates 0.05 and 0.5; "nan", both at
+    0.05 and worker 1 setting its rate to NaN before step 2. Returns each
+    job's error on this rank (None: none) and when it came."""
+    import hemiola.ps.roles
+
+    out: dict[str, Any] = {}
+    for name, lrs, nan_at in (("mismatch", (0.05, 0.5), None), ("nan", (0.05, 0.05), 2)):
+        hemiola.ps.roles.PS_PREFIX = f"hemiola/ps-{name}"
+        started = time.monotonic()
+        try:
+            _settings_job(lrs, nan_at)
+            out[name] = {"error": None}
+        except Exception as e:  # noqa: BLE001 - the error is the result
+            out[name] = {"error": f"{type(e).__name__}: {e}", "after_s": time.monotonic() - started}
+    return out
+
+
+def _settings_job(lrs: tuple[float, float], nan_at: int | None) -> None:
     import torch
 
     from models import make_batch, make_model
 
+    config = hemiola.ps.PSConfig(consistency="bsp", num_servers=1, timeout_s=20)
+    if ps_workers.server_or_none(config) is not None:
+        return
     r = hemiola.ps.role(1)
     torch.manual_seed(0)
     m = make_model("mlp")
-    started = time.monotonic()
-    try:
-        model, opt = hemiola.ps.wrap(m, torch.optim.SGD(m.parameters(), lr=lrs[r.worker_index]),
-                                     config)
-        for step in range(4):
-            if step == nan_at and r.worker_index == 1:
-                opt.param_groups[0]["lr"] = float("nan")
-            x, y = make_batch("mlp", step, r.worker_index, r.num_workers)
-            opt.zero_grad()
-            torch.nn.functional.cross_entropy(model(x), y).backward()
-            opt.step()
-        model.close()
-    except Exception as e:  # noqa: BLE001 - the error is the result
-        return {"error": f"{type(e).__name__}: {e}", "after_s": time.monotonic() - started}
-    return {"error": None}
+    model, opt = hemiola.ps.wrap(m, torch.optim.SGD(m.parameters(), lr=lrs[r.worker_index]),
+                                 config)
+    for step in range(4):
+        if step == nan_at and r.worker_index == 1:
+            opt.param_groups[0]["lr"] = float("nan")
+        x, y = make_batch("mlp", step, r.worker_index, r.num_workers)
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+    model.close()
