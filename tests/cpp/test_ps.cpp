@@ -2,6 +2,7 @@
 // Gloo TCP connections on loopback, rendezvousing through a MemoryStore.
 #include <gtest/gtest.h>
 
+#include <array>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -87,6 +88,22 @@ OptimizerHyper sgd(double lr) {
   OptimizerHyper h;
   h.lr = lr;
   return h;
+}
+
+// Runs worker(0) and worker(1) at once, each a client on its own thread;
+// returns what each threw ("" for one that finished).
+std::array<std::string, 2> errors_of_two_workers(const std::function<void(int)>& worker) {
+  auto run = [&](int w) -> std::string {
+    try {
+      worker(w);
+    } catch (const Error& e) {
+      return e.what();
+    }
+    return "";
+  };
+  auto a = std::async(std::launch::async, run, 0);
+  auto b = std::async(std::launch::async, run, 1);
+  return {a.get(), b.get()};
 }
 
 std::string temp_dir() {
@@ -941,27 +958,19 @@ TEST(ParameterServer, RestoresFromSnapshot) {
 TEST(ParameterServer, MismatchedModelsFailAtRegistration) {
   auto store = std::make_shared<MemoryStore>();
   ServerFleet fleet(store, 1, 2, Consistency::kBsp);
-  auto run = [&](int w, int64_t numel) -> std::string {
-    try {
-      Client c(client_options(w, 1, 2, Consistency::kBsp), {"w"}, {numel}, store);
-      std::vector<float> x(static_cast<size_t>(numel), 1.0f);
-      c.initialize(w == 0 ? std::vector<const float*>{x.data()} : std::vector<const float*>{},
-                   {sgd(0.1)});
-      c.wait_pull(0, x.data());
-      c.push(0, x.data());  // a bsp round: worker 0 cannot finish without worker 1
-      c.pull(0);
-      c.wait_pull(0, x.data());
-      c.close();
-    } catch (const Error& e) {
-      return e.what();
-    }
-    return "";
-  };
-  auto a = std::async(std::launch::async, run, 0, 3);
-  auto b = std::async(std::launch::async, run, 1, 5);
-  const std::string ea = a.get(), eb = b.get();
-  EXPECT_NE(ea.find("differs"), std::string::npos) << ea;
-  EXPECT_NE(eb.find("differs"), std::string::npos) << eb;
+  const auto errors = errors_of_two_workers([&](int w) {
+    const int64_t numel = w == 0 ? 3 : 5;
+    Client c(client_options(w, 1, 2, Consistency::kBsp), {"w"}, {numel}, store);
+    std::vector<float> x(static_cast<size_t>(numel), 1.0f);
+    c.initialize(w == 0 ? std::vector<const float*>{x.data()} : std::vector<const float*>{},
+                 {sgd(0.1)});
+    c.wait_pull(0, x.data());
+    c.push(0, x.data());  // a bsp round: worker 0 cannot finish without worker 1
+    c.pull(0);
+    c.wait_pull(0, x.data());
+    c.close();
+  });
+  for (const std::string& e : errors) EXPECT_NE(e.find("differs"), std::string::npos) << e;
   EXPECT_THROW(fleet.join(), Error);
 }
 
@@ -1063,29 +1072,23 @@ TEST(ParameterServer, BspWorkerLeavingEarlyFailsTheOthersAtOnce) {
   // round must fail at once naming it, not after the timeout.
   auto store = std::make_shared<MemoryStore>();
   ServerFleet fleet(store, 1, 2, Consistency::kBsp);
-  auto worker = [&](int w) -> std::string {
-    try {
-      Client c(client_options(w, 1, 2, Consistency::kBsp), {"w"}, {2}, store);
-      std::vector<float> x(2, 1.0f), g(2, 1.0f);
-      c.initialize(w == 0 ? std::vector<const float*>{x.data()} : std::vector<const float*>{},
-                   {sgd(0.1)});
-      for (int i = 0; i < (w == 0 ? 3 : 2); ++i) {
-        c.wait_pull(0, x.data());
-        c.push(0, g.data());
-        c.pull(0);
-      }
-      c.wait_pull(0, x.data());
-      c.close();
-      EXPECT_THROW(c.pull(0), Error);  // closed
-    } catch (const Error& e) {
-      return e.what();
-    }
-    return "";
-  };
   const auto started = std::chrono::steady_clock::now();
-  auto r0 = std::async(std::launch::async, worker, 0);
-  auto r1 = std::async(std::launch::async, worker, 1);
-  const std::string e0 = r0.get(), e1 = r1.get();
+  const auto errors = errors_of_two_workers([&](int w) {
+    Client c(client_options(w, 1, 2, Consistency::kBsp), {"w"}, {2}, store);
+    std::vector<float> x(2, 1.0f), g(2, 1.0f);
+    c.initialize(w == 0 ? std::vector<const float*>{x.data()} : std::vector<const float*>{},
+                 {sgd(0.1)});
+    for (int i = 0; i < (w == 0 ? 3 : 2); ++i) {
+      c.wait_pull(0, x.data());
+      c.push(0, g.data());
+      c.pull(0);
+    }
+    c.wait_pull(0, x.data());
+    c.close();
+    EXPECT_THROW(c.pull(0), Error);  // closed
+  });
+  const std::string& e0 = errors[0];
+  const std::string& e1 = errors[1];
   EXPECT_EQ(e1, "");
   // Depending on whether worker 0's push or worker 1's goodbye comes first:
   // "... worker 1 (rank 2) already left" or "worker 1 (rank 2) left while ...".
@@ -1353,22 +1356,20 @@ TEST(ParameterServer, OptimizerSettingsMustAgreeAcrossWorkers) {
   {
     auto store = std::make_shared<MemoryStore>();
     ServerFleet fleet(store, 1, 2, Consistency::kBsp);
-    auto run = [&](int w) -> std::string {
-      try {
-        Client c(client_options(w, 1, 2, Consistency::kBsp), {"w"}, {3}, store);
-        std::vector<float> x(3, 1.0f);
-        c.initialize(w == 0 ? std::vector<const float*>{x.data()} : std::vector<const float*>{},
-                     {sgd(w == 0 ? 0.05 : 0.5)});
-        c.wait_pull(0, x.data());
-        c.close();
-      } catch (const Error& e) {
-        return e.what();
-      }
-      return "";
-    };
-    auto a = std::async(std::launch::async, run, 0);
-    auto b = std::async(std::launch::async, run, 1);
-    for (const std::string& e : {a.get(), b.get()}) {
+    const auto errors = errors_of_two_workers([&](int w) {
+      Client c(client_options(w, 1, 2, Consistency::kBsp), {"w"}, {3}, store);
+      std::vector<float> x(3, 1.0f), g(3, 1.0f);
+      c.initialize(w == 0 ? std::vector<const float*>{x.data()} : std::vector<const float*>{},
+                   {sgd(w == 0 ? 0.05 : 0.5)});
+      // The first pull may be served before the other worker registers; a
+      // bsp round cannot finish without it, so both workers see the refusal.
+      c.wait_pull(0, x.data());
+      c.push(0, g.data());
+      c.pull(0);
+      c.wait_pull(0, x.data());
+      c.close();
+    });
+    for (const std::string& e : errors) {
       EXPECT_NE(e.find("optimizer settings of parameter 'w' differ"), std::string::npos) << e;
       EXPECT_NE(e.find("lr 0.5"), std::string::npos) << e;
       EXPECT_NE(e.find("lr 0.05"), std::string::npos) << e;
@@ -1379,26 +1380,19 @@ TEST(ParameterServer, OptimizerSettingsMustAgreeAcrossWorkers) {
   {
     auto store = std::make_shared<MemoryStore>();
     ServerFleet fleet(store, 1, 2, Consistency::kBsp);
-    auto run = [&](int w) -> std::string {
-      try {
-        Client c(client_options(w, 1, 2, Consistency::kBsp), {"w"}, {3}, store);
-        std::vector<float> x(3, 1.0f), g(3, 1.0f);
-        c.initialize(w == 0 ? std::vector<const float*>{x.data()} : std::vector<const float*>{},
-                     {sgd(0.05)});
-        c.wait_pull(0, x.data());
-        if (w == 1) c.set_hyper(0, sgd(0.5));
-        c.push(0, g.data());
-        c.pull(0);
-        c.wait_pull(0, x.data());
-        c.close();
-      } catch (const Error& e) {
-        return e.what();
-      }
-      return "";
-    };
-    auto a = std::async(std::launch::async, run, 0);
-    auto b = std::async(std::launch::async, run, 1);
-    for (const std::string& e : {a.get(), b.get()}) {
+    const auto errors = errors_of_two_workers([&](int w) {
+      Client c(client_options(w, 1, 2, Consistency::kBsp), {"w"}, {3}, store);
+      std::vector<float> x(3, 1.0f), g(3, 1.0f);
+      c.initialize(w == 0 ? std::vector<const float*>{x.data()} : std::vector<const float*>{},
+                   {sgd(0.05)});
+      c.wait_pull(0, x.data());
+      if (w == 1) c.set_hyper(0, sgd(0.5));
+      c.push(0, g.data());
+      c.pull(0);
+      c.wait_pull(0, x.data());
+      c.close();
+    });
+    for (const std::string& e : errors) {
       EXPECT_NE(e.find("bsp round 0 of 'w' got gradients stepped with different optimizer "
                        "settings: worker "), std::string::npos) << e;
       // Whichever pushed first is named second.
@@ -1480,35 +1474,28 @@ TEST(ParameterServer, AnInvalidPushedSettingIsRefusedNamingItsWorker) {
 TEST(ParameterServer, AStepThatMakesTheParametersNonFiniteNamesItsWorker) {
   auto store = std::make_shared<MemoryStore>();
   ServerFleet fleet(store, 1, 2, Consistency::kAsp);
-  std::promise<void> stepped;
-  auto run = [&](int w) -> std::string {
-    try {
-      Client c(client_options(w, 1, 2, Consistency::kAsp), {"w"}, {2}, store);
-      std::vector<float> x = {1.0f, 1.0f}, g = {1e10f, 1.0f};
-      c.initialize(w == 0 ? std::vector<const float*>{x.data()} : std::vector<const float*>{},
-                   {sgd(0.1)});
-      c.wait_pull(0, x.data());
-      if (w == 1) {
-        c.set_hyper(0, sgd(1e30));
-        c.push(0, g.data());
-        c.flush();
-      } else {
-        for (int i = 0; i < 50; ++i) {
-          c.push(0, x.data());
-          c.pull(0);
-          c.wait_pull(0, x.data());
-          std::this_thread::sleep_for(std::chrono::milliseconds(20));
-        }
+  // Worker 0 is honest, worker 1 reckless.
+  const auto errors = errors_of_two_workers([&](int w) {
+    Client c(client_options(w, 1, 2, Consistency::kAsp), {"w"}, {2}, store);
+    std::vector<float> x = {1.0f, 1.0f}, g = {1e10f, 1.0f};
+    c.initialize(w == 0 ? std::vector<const float*>{x.data()} : std::vector<const float*>{},
+                 {sgd(0.1)});
+    c.wait_pull(0, x.data());
+    if (w == 1) {
+      c.set_hyper(0, sgd(1e30));
+      c.push(0, g.data());
+      c.flush();
+    } else {
+      for (int i = 0; i < 50; ++i) {
+        c.push(0, x.data());
+        c.pull(0);
+        c.wait_pull(0, x.data());
+        std::this_thread::sleep_for(std::chrono::milliseconds(20));
       }
-      c.close();
-    } catch (const Error& e) {
-      return e.what();
     }
-    return "";
-  };
-  auto honest = std::async(std::launch::async, run, 0);
-  auto reckless = std::async(std::launch::async, run, 1);
-  for (const std::string& e : {honest.get(), reckless.get()}) {
+    c.close();
+  });
+  for (const std::string& e : errors) {
     EXPECT_NE(e.find("with the settings of worker 1 (rank 2) (lr 1e+30) made it non-finite "
                      "(element 0 is "), std::string::npos) << e;
     EXPECT_EQ(e.find("worker 0 (rank 1) pushed"), std::string::npos) << e;  // not blamed
