@@ -11,6 +11,7 @@ from hemiola.config import Config
 from hemiola.data_parallel import WRAPPED_MARK, DataParallel
 from hemiola.distributed import new_engine
 from hemiola.streaming import StreamingParallel
+from hemiola.threads import fit_threads
 
 OptimizerT = TypeVar("OptimizerT")
 
@@ -89,6 +90,7 @@ def wrap(
     _refuse_double_wrapping(model, optimizer)
     engine, store = new_engine(config.timeout_s, timeline=config.timeline,
                                gpu_backend=config.gpu_backend)
+    fit_threads(engine)
     wrapped: DataParallel | StreamingParallel
     if config.schedule == "streaming":
         if grad_scaler is not None:

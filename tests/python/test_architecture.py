@@ -22,7 +22,7 @@ FLOORS: list[tuple[str, tuple[str, ...]]] = [
                 "hemiola.torch_math", "hemiola.deferred_norm", "hemiola.forward_gate",
                 "hemiola.cluster.config", "hemiola.ps.config", "hemiola.ps.ahead")),
     ("services", ("hemiola.tensors", "hemiola.timeline", "hemiola.hyper",
-                  "hemiola.distributed", "hemiola.validate")),
+                  "hemiola.distributed", "hemiola.validate", "hemiola.threads")),
     ("replica", ("hemiola.replica",)),
     ("schedules", ("hemiola.schedules",)),
     ("wrappers", ("hemiola.data_parallel", "hemiola.streaming")),

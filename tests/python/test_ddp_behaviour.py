@@ -249,3 +249,23 @@ def test_clip_grad_norm_returns_the_averaged_norm_on_every_rank(read: str) -> No
     # gradient; read after, the engine's (its rounding may differ in the last bit).
     assert decoupled[0]["returned"] == pytest.approx(again[0]["returned"], rel=1e-6)
     assert decoupled[0]["returned"] != pytest.approx(decoupled[0]["local"], rel=1e-3)
+
+
+def test_ranks_sharing_a_host_get_their_share_of_its_cores() -> None:
+    """Under mp.spawn torch gives every rank a thread per core; idle threads
+    spinning on cores shared with the other rank made wfbp 1.5x DDP's time
+    (hemiola/threads.py). wrap fits them, as torchrun does, unless the user
+    chose a number with OMP_NUM_THREADS."""
+    results = run_local(workers.threads_fitted_to_host, 2)
+    for rank, r in results.items():
+        cores = r["cores"]
+        if cores < 2:
+            pytest.skip("one core: no thread to take away")
+        assert r["unset"]["threads"] == cores // 2, r
+        assert r["set"]["threads"] == cores, r
+        fitted = [w for w in r["unset"]["warnings"] if "share this host's" in w]
+        if rank == 0:
+            assert len(fitted) == 1 and f"Each rank now uses {cores // 2}" in fitted[0], r
+        else:
+            assert not fitted, r  # said once, by rank 0
+        assert not [w for w in r["set"]["warnings"] if "share this host's" in w], r

@@ -709,3 +709,22 @@ def second_step(rank: int, world: int) -> dict[str, Any]:
         out[schedule] = {"message": message,
                          "params": [p.detach().clone() for p in m.parameters()]}
     return out
+
+
+def threads_fitted_to_host(rank: int, world: int) -> dict[str, Any]:
+    """Wraps twice with torch's default of a thread per core: once with
+    OMP_NUM_THREADS unset (as under mp.spawn), once with it set."""
+    cores = len(os.sched_getaffinity(0))
+    out: dict[str, Any] = {"cores": cores}
+    for case in ("unset", "set"):
+        if case == "unset":
+            os.environ.pop("OMP_NUM_THREADS", None)
+        else:
+            os.environ["OMP_NUM_THREADS"] = str(cores)
+        torch.set_num_threads(cores)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            hemiola.wrap(nn.Linear(4, 2), timeout_s=60)
+        out[case] = {"threads": torch.get_num_threads(),
+                     "warnings": [str(w.message) for w in caught]}
+    return out
