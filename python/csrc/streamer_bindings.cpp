@@ -29,6 +29,8 @@ void bind_streamer(py::module_& m) {
            py::call_guard<py::gil_scoped_release>(),
            "After each inner optimizer step: lands the fragment whose overlap ends and sends "
            "the fragments due.")
+      .def("next_step_fragments", &Streamer::next_step_fragments,
+           "The fragments the next after_inner_step() reads or writes the live values of.")
       .def_property_readonly("inner_steps", &Streamer::inner_steps)
       .def("wait_in_flight", &Streamer::wait_in_flight, py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("waited_ms", &Streamer::waited_ms)
@@ -69,7 +71,8 @@ void bind_streamer(py::module_& m) {
 
   m.def(
       "make_streamer",
-      [](Engine& e, const std::vector<py::tuple>& params, size_t sync_every, size_t fragments,
+      [](py::handle engine, const std::vector<py::tuple>& params, size_t sync_every,
+         size_t fragments,
          size_t overlap, double outer_lr, double outer_momentum, bool outer_nesterov,
          int compression) {
         std::vector<StreamedParameter> refs;
@@ -91,12 +94,17 @@ void bind_streamer(py::module_& m) {
         HEMIOLA_CHECK(compression >= 0 && compression <= 4, "unknown compression code ",
                       compression);
         options.compression = static_cast<Compression>(compression);
-        py::gil_scoped_release release;  // connects the outer wire (a rendezvous)
-        return e.make_streamer(std::move(refs), options);
+        Engine& e = engine.cast<Engine&>();
+        std::unique_ptr<Streamer> streamer;
+        {
+          py::gil_scoped_release release;  // connects the outer wire (a rendezvous)
+          streamer = e.make_streamer(std::move(refs), options);
+        }
+        return keeping_alive(std::move(streamer), engine);  // the streamer uses the engine
       },
       py::arg("engine"), py::arg("params"), py::arg("sync_every"), py::arg("fragments") = 1,
       py::arg("overlap") = 0, py::arg("outer_lr") = 0.7, py::arg("outer_momentum") = 0.9,
-      py::arg("outer_nesterov") = true, py::arg("compression") = 0, py::keep_alive<0, 1>());
+      py::arg("outer_nesterov") = true, py::arg("compression") = 0);
 }
 
 }  // namespace hemiola::python

@@ -8,6 +8,7 @@
 #include <pybind11/stl.h>
 
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -89,6 +90,33 @@ class PythonStepper final : public ExternalStepper {
   py::object step_;
 };
 
+// UpdaterOptions::clip_norm from a Python callable norm(indices, grads,
+// norm_type) -> float, the gradients as memoryviews (CPU only). Called inside
+// an Updater call that released the GIL, on the same thread; the callable
+// goes with the GIL held (as PythonStepper's).
+class PythonNorm {
+ public:
+  explicit PythonNorm(py::object norm) : norm_(std::move(norm)) {}
+  ~PythonNorm() {
+    py::gil_scoped_acquire gil;
+    norm_ = py::object();
+  }
+
+  double operator()(const std::vector<size_t>& indices, const std::vector<TensorRef>& grads,
+                    double norm_type) const {
+    py::gil_scoped_acquire gil;
+    py::list views(grads.size());
+    for (size_t k = 0; k < grads.size(); ++k) {
+      views[k] = py::memoryview::from_memory(grads[k].data,
+                                             static_cast<ssize_t>(grads[k].nbytes()));
+    }
+    return norm_(py::cast(indices), views, norm_type).cast<double>();
+  }
+
+ private:
+  py::object norm_;
+};
+
 StepOptions step_options(const std::vector<OptimizerHyper>& hyper, uint64_t hyper_key,
                          bool has_unused,
                          double clip_max_norm, double clip_norm_type, bool skip_if_not_finite,
@@ -117,7 +145,7 @@ void bind_updater(py::module_& m) {
                        bool correct_on_arrival, double priority_front_fraction,
                        bool rebuild_buckets, bool raise_if_not_finite, std::uintptr_t stream,
                        std::uintptr_t sqrt_f32, std::uintptr_t sqrt_f64, py::object external,
-                       bool multi_tensor_steps, bool device_clip_norms) {
+                       bool multi_tensor_steps, bool device_clip_norms, py::object clip_norm) {
              UpdaterOptions o;
              if (schedule == "priority") {
                o.schedule = UpdateSchedule::kPriority;
@@ -138,6 +166,13 @@ void bind_updater(py::module_& m) {
              o.sqrt = vector_sqrt(sqrt_f32, sqrt_f64);
              o.multi_tensor_steps = multi_tensor_steps;
              o.device_clip_norms = device_clip_norms;
+             if (!clip_norm.is_none()) {
+               auto norm = std::make_shared<PythonNorm>(std::move(clip_norm));
+               o.clip_norm = [norm](const std::vector<size_t>& indices,
+                                    const std::vector<TensorRef>& grads, double norm_type) {
+                 return (*norm)(indices, grads, norm_type);
+               };
+             }
              auto params = slots_of(slots, reducer.options().device);
              // The constructor copies the decoupled shadow (waits on a GPU).
              py::gil_scoped_release release;
@@ -150,6 +185,7 @@ void bind_updater(py::module_& m) {
            py::arg("raise_if_not_finite") = false, py::arg("stream") = 0,
            py::arg("sqrt_f32") = 0, py::arg("sqrt_f64") = 0, py::arg("external") = py::none(),
            py::arg("multi_tensor_steps") = false, py::arg("device_clip_norms") = false,
+           py::arg("clip_norm") = py::none(),
            py::keep_alive<1, 2>(),
            py::keep_alive<1, 3>())
       .def("set_landers", &Updater::set_landers, py::arg("landers"))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 
 from hemiola._native import C
@@ -12,6 +13,24 @@ SCHEDULES = ("wfbp", "priority", "decoupled", "streaming")
 #: each: the engine's own table (``hemiola/config.h``), so neither is spelled here.
 _CODES = C.compressions()
 COMPRESSIONS = {name: code for name, code in _CODES.items() if name != "none"}
+
+
+#: The largest size option (``fusion_mb``, ``first_bucket_mb``,
+#: ``partition_mb``): 1 TiB, above any bucket a model needs, and small enough
+#: that its bytes fit every integer the engine counts them in (2^44 MiB and
+#: more used to crash every rank inside ``wrap``).
+MAX_SIZE_MB = float(1 << 20)
+
+
+def check_size_mb(name: str, value: object, zero_allowed: bool = False) -> None:
+    """Raises ValueError naming `name` unless `value` is a finite number of MiB
+    in (0, MAX_SIZE_MB] ([0, MAX_SIZE_MB] when `zero_allowed`)."""
+    low = 0.0 if zero_allowed else math.nextafter(0.0, 1.0)
+    if (isinstance(value, bool) or not isinstance(value, (int, float))
+            or not low <= value <= MAX_SIZE_MB):
+        bound = "[0" if zero_allowed else "(0"
+        raise ValueError(f"{name} must be a number of MiB in {bound}, {MAX_SIZE_MB:.0f}] (at "
+                         f"most 1 TiB), got {value!r}")
 
 
 def compression_code(compression: str | None) -> int:
@@ -189,14 +208,13 @@ class Config:
             raise ValueError(
                 f"unknown schedule {self.schedule!r}; available: {', '.join(SCHEDULES)}"
             )
-        for name in ("fusion_mb", "first_bucket_mb", "timeout_s"):
-            value = getattr(self, name)
-            if name == "fusion_mb" and value is None:
-                continue
-            if not value > 0:
-                raise ValueError(f"{name} must be positive, got {value!r}")
-        if self.partition_mb is not None and self.partition_mb < 0:
-            raise ValueError(f"partition_mb must be >= 0, got {self.partition_mb!r}")
+        if self.fusion_mb is not None:
+            check_size_mb("fusion_mb", self.fusion_mb)
+        check_size_mb("first_bucket_mb", self.first_bucket_mb)
+        if self.partition_mb is not None:
+            check_size_mb("partition_mb", self.partition_mb, zero_allowed=True)
+        if not self.timeout_s > 0:
+            raise ValueError(f"timeout_s must be positive, got {self.timeout_s!r}")
         if not (isinstance(self.in_flight, int) and self.in_flight >= 1):
             raise ValueError(f"in_flight must be an integer >= 1, got {self.in_flight!r}")
         if self.gpu_backend not in ("auto", "nccl", "gloo"):

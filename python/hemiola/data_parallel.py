@@ -144,14 +144,6 @@ class DataParallel(nn.Module):
         self._refuse_compression_on_gpu(compression)
         code = compression_code(compression)
         config = dataclasses.replace(self.config, compression=compression, **options)
-        if config.partition_bytes != self.config.partition_bytes:
-            # The buckets were planned at wrap time with priority's partitions,
-            # which would cut most matrices into pieces PowerSGD cannot compress.
-            raise ValueError("register_comm_hook(powerSGD_hook) under schedule='priority': the "
-                             "buckets were planned with priority's 4 MiB partitions, which "
-                             "PowerSGD cannot compress; pass compression='powersgd' (and the "
-                             "state's powersgd_rank / powersgd_start_iter) to hemiola.wrap "
-                             "instead")
         chosen = [code, config.powersgd_rank, config.powersgd_start_iter]
         mine = torch.tensor(chosen, dtype=torch.float64)
         every = torch.zeros(3 * self.world_size, dtype=torch.float64)
@@ -165,10 +157,16 @@ class DataParallel(nn.Module):
                     for c, r, i in rows]
             raise RuntimeError(f"register_comm_hook: the ranks registered different hooks "
                                f"(compression per rank: {seen}); register the same on every rank")
-        if reducer is not None:
+        replan = config.partition_bytes != self.config.partition_bytes
+        self._replica.config = config
+        if replan:
+            # priority's 4 MiB partitions, planned at wrap time, would cut
+            # large matrices into pieces PowerSGD cannot compress: plan the
+            # buckets again, as wrap(compression="powersgd") does.
+            self._schedule.replan()
+        elif reducer is not None:
             reducer.set_compression(code, powersgd_rank=config.powersgd_rank,
                                     powersgd_start_iteration=config.powersgd_start_iter)
-        self._replica.config = config
 
     def _refuse_compression_on_gpu(self, compression: str | None) -> None:
         """Compression on a CUDA model: what the engine's table says runs on

@@ -33,6 +33,7 @@ one process (``torch.nn.DataParallel``; use one process per GPU).
 from __future__ import annotations
 
 import atexit
+import os
 from typing import Any
 
 import torch
@@ -83,6 +84,7 @@ class Trainer(transformers.Trainer):
             if self.hemiola_model is not None:
                 self.hemiola_model.synchronize()
             return super()._wrap_model(model, training, dataloader)
+        self._refuse_undistributed()
         if self.args.n_gpu > 1:
             raise ValueError("hemiola.hf.Trainer runs one device per process: launch with "
                              "torchrun --nproc-per-node N (not several GPUs in one process)")
@@ -107,6 +109,26 @@ class Trainer(transformers.Trainer):
         # where torch's Gloo thread can abort the process: take it down first.
         atexit.register(destroy_process_group_if_initialized)
         return wrapped
+
+    def _refuse_undistributed(self) -> None:
+        """Launched as several ranks (torchrun's WORLD_SIZE) while the
+        Trainer is not distributed: it would neither split the data nor
+        count the other ranks, so each rank would train alone on the whole
+        dataset. On a machine without a GPU that is what transformers does
+        unless told ``use_cpu=True``."""
+        launched = int(os.environ.get("WORLD_SIZE", "1") or "1")
+        if launched <= 1 or self.args.world_size == launched:
+            return
+        hint = ("pass use_cpu=True to TrainingArguments (--use_cpu on the command line): "
+                "on a machine without a GPU transformers is not distributed without it"
+                if not torch.cuda.is_available() else
+                "check TrainingArguments (e.g. use_cpu, or a device setting that keeps the "
+                "Trainer from torch.distributed)")
+        raise RuntimeError(
+            f"hemiola.hf.Trainer: launched as {launched} ranks (WORLD_SIZE={launched}) but "
+            f"the Trainer is not distributed (world_size={self.args.world_size}, "
+            f"parallel_mode={self.args.parallel_mode.value}): each rank would train alone on "
+            f"the whole dataset. {hint[0].upper()}{hint[1:]}.")
 
     def _clip_grad_norm(self, model: nn.Module) -> torch.Tensor:
         if isinstance(model, DataParallel) and self.hemiola_schedule != "wfbp":

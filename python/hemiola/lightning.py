@@ -1,16 +1,21 @@
 """PyTorch Lightning strategy: hemiola's schedules under ``Trainer``.
 
     import hemiola.lightning
-    trainer = pl.Trainer(accelerator="cpu", devices=2, strategy="hemiola_decoupled")
-    trainer = pl.Trainer(strategy=hemiola.lightning.HemiolaStrategy(schedule="priority",
-                                                                     compression="fp16"))
+    trainer = L.Trainer(accelerator="cpu", devices=2, strategy="hemiola_decoupled")
+    trainer = L.Trainer(strategy=hemiola.lightning.HemiolaStrategy(schedule="priority",
+                                                                    compression="fp16"))
 
 :class:`HemiolaStrategy` is Lightning's DDP strategy (same launchers, process
 group, ``reduce``/``barrier``/``broadcast``, checkpoints) with the model
 wrapped by :func:`hemiola.wrap` instead of ``DistributedDataParallel``.
 Importing this module registers ``strategy="hemiola"`` (``wfbp``),
-``"hemiola_priority"`` and ``"hemiola_decoupled"``. Needs the
-``pytorch-lightning`` package (``pip install 'hemiola[lightning]'``).
+``"hemiola_priority"``, ``"hemiola_decoupled"`` and ``"hemiola_streaming"``
+in each Lightning package installed: ``lightning`` (``import lightning as L``,
+``lightning.pytorch``) and ``pytorch-lightning`` (``import pytorch_lightning
+as pl``). The two are separate copies of Lightning whose classes do not mix,
+so there is one strategy class per package (:func:`strategy_class`);
+``HemiolaStrategy(...)`` makes the one for the package the calling code uses
+(see :func:`caller_package`).
 
 What Lightning does on its own keeps working: ``fit``/``validate``/``test``/
 ``predict``, ``ckpt_path`` resume, ``accumulate_grad_batches`` (through the
@@ -25,15 +30,14 @@ are refused, saying why, under the schedules that run the update themselves.
 from __future__ import annotations
 
 import atexit
+import importlib
+import inspect
+import types
 from collections.abc import Generator
 from contextlib import contextmanager
 from typing import Any
 
-import pytorch_lightning as pl
 import torch
-from pytorch_lightning.overrides.distributed import _sync_module_states
-from pytorch_lightning.strategies import DDPStrategy, StrategyRegistry
-from pytorch_lightning.trainer.states import TrainerFn
 
 from hemiola.config import SCHEDULES, Config
 from hemiola.data_parallel import DataParallel
@@ -41,26 +45,48 @@ from hemiola.distributed import destroy_process_group_if_initialized
 from hemiola.streaming import StreamingParallel
 from hemiola.wrapping import wrap
 
-__all__ = ["HemiolaStrategy"]
+__all__ = ["HemiolaStrategy", "strategy_class"]
+
+#: the Lightning packages, newest first: ``lightning`` (whose trainer is
+#: ``lightning.pytorch``) and ``pytorch-lightning``
+PACKAGES = ("lightning.pytorch", "pytorch_lightning")
 
 
-class HemiolaStrategy(DDPStrategy):
+class HemiolaStrategy:
     """Data-parallel training under Lightning with a hemiola schedule.
+
+    An instance is an instance of Lightning's ``DDPStrategy`` too, of the
+    package that ``lightning_package`` names (by default the one the calling
+    code uses, see :func:`caller_package`).
 
     Args:
         schedule: ``"wfbp"`` (DDP's math), ``"priority"``, ``"decoupled"`` or ``"streaming"``
             (see :class:`hemiola.Config`).
+        lightning_package: ``"lightning.pytorch"`` or ``"pytorch_lightning"``:
+            whose ``Trainer`` will run it (None: found as said above).
         **options: Any other field of :class:`hemiola.Config` (``fusion_mb``,
             ``compression``, ``timeout_s``, ...), checked here, at
             construction. Lightning's own DDP options (``process_group_backend``,
-            ``timeout``, ``start_method``, ...) go to :class:`DDPStrategy`.
+            ``timeout``, ``start_method``, ...) go to ``DDPStrategy``.
     """
 
     strategy_name = "hemiola"
+    #: the package this class belongs to (set on each package's class)
+    package = ""
+    _lightning: types.SimpleNamespace  # what the package's class uses of it
+
+    def __new__(cls, *args: Any, lightning_package: str | None = None,
+                **kwargs: Any) -> Any:
+        if cls is HemiolaStrategy:
+            cls = strategy_class(lightning_package or caller_package())
+        elif lightning_package not in (None, cls.package):
+            raise ValueError(f"{cls.__name__} is {cls.package}'s strategy, not "
+                             f"{lightning_package}'s")
+        return super().__new__(cls)
 
     def __init__(self, schedule: str = "wfbp", *, start_method: str = "popen",
                  process_group_backend: str | None = None, timeout: Any = None,
-                 **options: Any) -> None:
+                 lightning_package: str | None = None, **options: Any) -> None:
         # Bad options fail here, in the launching process, not in every rank.
         Config.from_kwargs(schedule=schedule, **options)
         self._schedule = schedule
@@ -69,7 +95,7 @@ class HemiolaStrategy(DDPStrategy):
                                "process_group_backend": process_group_backend}
         if timeout is not None:
             ddp["timeout"] = timeout
-        super().__init__(**ddp)
+        super().__init__(**ddp)  # type: ignore[call-arg]  # DDPStrategy's: next in the MRO
 
     @property
     def schedule(self) -> str:
@@ -78,24 +104,24 @@ class HemiolaStrategy(DDPStrategy):
     # ---- setup -------------------------------------------------------------
 
     def setup_distributed(self) -> None:
-        super().setup_distributed()
+        super().setup_distributed()  # type: ignore[misc]
         # Lightning leaves the process group to the interpreter's exit, where
         # torch's Gloo thread can abort the process ("terminate called without
         # an active exception"); take it down first, as hemiola.init does.
         atexit.register(destroy_process_group_if_initialized)
 
-    def setup(self, trainer: pl.Trainer) -> None:
+    def setup(self, trainer: Any) -> None:
         assert self.accelerator is not None and self.model is not None
         self.accelerator.setup(trainer)
         self.precision_plugin.convert_module(self.model)
         self.model_to_device()
-        if trainer.state.fn == TrainerFn.FITTING:
+        if trainer.state.fn == self._lightning.TrainerFn.FITTING:
             # The optimizers first: priority and decoupled take over their step.
             self.setup_optimizers(trainer)
             self._wrap_for_fitting()
         else:
             # No gradients: rank 0's parameters and buffers, as DDP's strategy does.
-            _sync_module_states(self.model)
+            self._lightning.sync_module_states(self.model)
         self.setup_precision_plugin()
 
     def _wrap_for_fitting(self) -> None:
@@ -180,4 +206,88 @@ class HemiolaStrategy(DDPStrategy):
                     schedule=schedule)
 
 
-HemiolaStrategy.register_strategies(StrategyRegistry)
+_CLASSES: dict[str, type] = {}
+
+
+def strategy_class(package: str) -> type:
+    """:class:`HemiolaStrategy` for `package` (``"lightning.pytorch"`` or
+    ``"pytorch_lightning"``): a subclass of it and of that package's
+    ``DDPStrategy``, registered in that package's ``StrategyRegistry``.
+    Subclass this one to extend the strategy."""
+    if package not in PACKAGES:
+        raise ValueError(f"unknown Lightning package {package!r}: use one of {PACKAGES}")
+    if package not in _CLASSES:
+        try:
+            strategies = importlib.import_module(f"{package}.strategies")
+        except ImportError as e:
+            install = "lightning" if package == "lightning.pytorch" else "pytorch-lightning"
+            raise ImportError(f"hemiola.lightning: {package} is not installed "
+                              f"(pip install {install})") from e
+        lightning = types.SimpleNamespace(
+            TrainerFn=importlib.import_module(f"{package}.trainer.states").TrainerFn,
+            sync_module_states=importlib.import_module(
+                f"{package}.overrides.distributed")._sync_module_states)
+        # A module-level name of its own, so that instances pickle (Lightning's
+        # spawn launchers send the strategy to the new processes).
+        name = f"HemiolaStrategy_{package.replace('.', '_')}"
+        cls = type(name, (HemiolaStrategy, strategies.DDPStrategy),
+                   {"__module__": __name__, "__qualname__": name,
+                    "__doc__": HemiolaStrategy.__doc__, "package": package,
+                    "_lightning": lightning})
+        cls.register_strategies(strategies.StrategyRegistry)
+        globals()[name] = _CLASSES[package] = cls
+    return _CLASSES[package]
+
+
+def installed_packages() -> list[str]:
+    """The Lightning packages that import here, newest first."""
+    found = []
+    for package in PACKAGES:
+        try:
+            strategy_class(package)
+        except ImportError:
+            continue
+        found.append(package)
+    return found
+
+
+def _package_of(value: Any) -> str | None:
+    """The Lightning package `value` (a module, class or object) comes from."""
+    try:
+        name = value.__name__ if isinstance(value, types.ModuleType) else \
+            getattr(value, "__module__", None) or type(value).__module__
+    except Exception:  # noqa: BLE001 - an object whose attributes raise: not Lightning's
+        return None
+    if not isinstance(name, str):
+        return None
+    if name == "lightning" or name.startswith("lightning.pytorch"):
+        return "lightning.pytorch"
+    if name == "pytorch_lightning" or name.startswith("pytorch_lightning."):
+        return "pytorch_lightning"
+    return None
+
+
+def caller_package() -> str:
+    """The Lightning package whose ``Trainer`` a new ``HemiolaStrategy()``
+    is for: the only one installed; else the one the calling code uses (its
+    local, then global, names hold ``lightning``, ``pytorch_lightning`` or
+    something of theirs, and not of both), looking outwards through the
+    calling frames; else ``lightning.pytorch``, Lightning's own name since
+    2.0. ``HemiolaStrategy(lightning_package=...)`` says it outright."""
+    installed = installed_packages()
+    if len(installed) == 1:
+        return installed[0]
+    frame = inspect.currentframe()
+    while frame is not None:
+        if frame.f_globals.get("__name__") != __name__:
+            for names in (frame.f_locals, frame.f_globals):
+                used = {_package_of(v) for v in list(names.values())} - {None}
+                if len(used) == 1:
+                    return used.pop()  # type: ignore[return-value]
+        frame = frame.f_back
+    return PACKAGES[0]
+
+
+if not installed_packages():  # (which registers the strategy names in each)
+    raise ImportError("hemiola.lightning needs Lightning: pip install lightning (or "
+                      "pytorch-lightning)")

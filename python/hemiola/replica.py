@@ -47,19 +47,28 @@ class Replica:
         #: follows a synchronised training forward (and before the first one)
         self.require_forward_param_sync = True
         self.reducer: C.Reducer | None = None
+        self._partitioned: set[int] = set()
+        self.plan()
+
+    def plan(self) -> None:
+        """Makes the reducer (the bucket plan and its buffers) for the current
+        ``config``; called again, it replaces the reducer (before the first
+        backward: register_comm_hook's PowerSGD under priority)."""
+        config = self.config
+        self.reducer = None  # the old one's memory goes first
         if self.params:
             specs = [(dtype_code(p.dtype), p.numel(), n, p.shape[0] if p.dim() > 1 else 0)
-                     for n, p in named]
-            self.reducer = engine.make_reducer(
+                     for n, p in zip(self.names, self.params)]
+            self.reducer = self.engine.make_reducer(
                 specs,
                 fusion_bytes=config.fusion_bytes,
                 first_bucket_bytes=config.first_bucket_bytes,
                 track_usage=config.find_unused_parameters,
                 record_order=config.rebuild_buckets,
-                in_flight=in_flight,
-                preview=preview,
+                in_flight=self.in_flight,
+                preview=self.preview,
                 partition_bytes=config.partition_bytes,
-                device=device.index if device.type == "cuda" else -1,
+                device=self.device.index if self.device.type == "cuda" else -1,
                 compression=compression_code(config.compression),
                 powersgd_rank=config.powersgd_rank,
                 powersgd_start_iteration=config.powersgd_start_iter,

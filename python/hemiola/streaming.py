@@ -10,6 +10,12 @@ optimizer (SGD, DiLoCo's lr 0.7, momentum 0.9, Nesterov); see
 ``cpp/include/hemiola/streamer.h`` for the math and docs/streaming.md for
 when to use it.
 
+The engine's streamer reads and writes host memory. A CPU model's parameters
+are that memory; a GPU model gets a host copy of its parameters, and only the
+fragments a step sends or lands cross the bus, around that step (one
+fragment per ``sync_every / fragments`` steps), so the shared copy, the outer
+momentum and the coding all live on the host and take no GPU memory.
+
 The optimizer's ``state_dict()`` carries the streaming state (the shared
 copy, the outer momentum, the coding's residuals, the step count and the
 fragment in flight) under ``"hemiola_streaming"``, so a checkpoint of the
@@ -41,12 +47,12 @@ class StreamingParallel(nn.Module):
     engine after the optimizer's steps. ``state_dict()`` is the module's own."""
 
     def __init__(self, module: nn.Module, config: Config, engine: C.Engine, store: C.Store,
-                 optimizer: torch.optim.Optimizer) -> None:
+                 optimizer: torch.optim.Optimizer, host_copy: bool | None = None) -> None:
+        """`host_copy`: keep a host copy of the parameters for the engine
+        (None: when the model is not on the CPU; True on a CPU model runs the
+        GPU path's copies on the CPU, for tests)."""
         super().__init__()
         device = check_module(module)
-        if device.type != "cpu":
-            raise ValueError("schedule='streaming' runs on CPU models for now (its GPU path is "
-                             "not written yet); use schedule='decoupled' on a GPU")
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError("schedule='streaming' needs a torch.optim.Optimizer (the inner "
                             f"optimizer), got {type(optimizer).__name__}")
@@ -67,8 +73,14 @@ class StreamingParallel(nn.Module):
                 raise ValueError(f"parameter {n!r} is not contiguous; the engine reads "
                                  "parameters in place (make it contiguous before wrapping)")
         self._params = [p for _, p in named]
+        if host_copy is None:
+            host_copy = device.type != "cpu"
+        #: what the engine reads and writes: the parameters, or their host copy
+        self._host = ([p.detach().to("cpu", copy=True) for p in self._params] if host_copy
+                      else self._params)
         self._streamer = C.make_streamer(
-            engine, [(n, p.data_ptr(), dtype_code(p.dtype), p.numel()) for n, p in named],
+            engine, [(n, h.data_ptr(), dtype_code(h.dtype), h.numel())
+                     for (n, _), h in zip(named, self._host)],
             sync_every=config.sync_every, fragments=config.fragments, overlap=config.overlap,
             outer_lr=config.outer_lr, outer_momentum=config.outer_momentum,
             outer_nesterov=config.outer_nesterov,
@@ -81,6 +93,7 @@ class StreamingParallel(nn.Module):
         self._hooks.append(
             optimizer.register_load_state_dict_post_hook(lambda *_: self._restore()))
         self._pending_load: dict[str, Any] | None = None
+        self._fragment_params = self._streamer.fragments()
 
     @property
     def config(self) -> Config:
@@ -113,7 +126,20 @@ class StreamingParallel(nn.Module):
 
     @torch.no_grad()
     def _after_inner_step(self) -> None:
+        if self._host is self._params:
+            self._streamer.after_inner_step()
+            return
+        # Only the fragments this step sends or lands are read or written:
+        # those cross (whole parameters: a parameter cut across two
+        # fragments is refreshed whole, and written back unchanged where
+        # the step did not touch it).
+        touched = sorted({i for f in self._streamer.next_step_fragments()
+                          for i in self._fragment_params[f]})
+        for i in touched:
+            self._host[i].copy_(self._params[i])
         self._streamer.after_inner_step()
+        for i in touched:
+            self._params[i].copy_(self._host[i])
 
     # ---- checkpoints, through the optimizer's state_dict -------------------
 

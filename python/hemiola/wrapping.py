@@ -51,7 +51,9 @@ def wrap(
         optimizer: The optimizer over ``model``'s parameters; returned as is
             for ``schedule="wfbp"``; for ``"priority"`` and ``"decoupled"`` its
             ``step``, ``state_dict`` and ``load_state_dict`` are taken over
-            (same object). Clip with ``wrapped_model.clip_grad_norm_``.
+            (same object), and it must hold every trainable parameter (one
+            that lacks some is refused, naming them: use a param group per
+            part). Clip with ``wrapped_model.clip_grad_norm_``.
         schedule: See :class:`hemiola.Config`.
         grad_scaler: The ``torch.amp.GradScaler`` that scales this model's
             loss, if any. Needed by ``"priority"`` and ``"decoupled"``
@@ -63,8 +65,13 @@ def wrap(
 
     Returns:
         ``(wrapped_model, optimizer)``. Train as usual: forward, ``loss.backward()``,
-        ``optimizer.step()`` (under ``wfbp`` gradients come back averaged; the
-        other schedules apply the averaged gradient in their own time).
+        ``optimizer.step()`` (under ``wfbp`` gradients come back averaged in
+        ``.grad``, as with DDP; the other schedules apply the averaged
+        gradient in their own time, inside the engine, and **``.grad`` keeps
+        this rank's own gradient**: log the averaged gradient's norm from what
+        ``wrapped_model.clip_grad_norm_`` returns (``float("inf")`` clips
+        nothing), and step once per backward: a second ``optimizer.step()``
+        from the same ``.grad`` is refused, since the ranks would differ).
         Without an optimizer argument (``model = hemiola.wrap(model)``, as
         with DDP) only the wrapped model, for ``wfbp``: the other schedules
         run the update themselves and refuse, saying what to pass.

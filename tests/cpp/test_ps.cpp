@@ -2,6 +2,7 @@
 // Gloo TCP connections on loopback, rendezvousing through a MemoryStore.
 #include <gtest/gtest.h>
 
+#include <array>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -10,6 +11,7 @@
 #include <functional>
 #include <future>
 #include <iterator>
+#include <map>
 #include <numeric>
 #include <thread>
 
@@ -86,6 +88,22 @@ OptimizerHyper sgd(double lr) {
   OptimizerHyper h;
   h.lr = lr;
   return h;
+}
+
+// Runs worker(0) and worker(1) at once, each a client on its own thread;
+// returns what each threw ("" for one that finished).
+std::array<std::string, 2> errors_of_two_workers(const std::function<void(int)>& worker) {
+  auto run = [&](int w) -> std::string {
+    try {
+      worker(w);
+    } catch (const Error& e) {
+      return e.what();
+    }
+    return "";
+  };
+  auto a = std::async(std::launch::async, run, 0);
+  auto b = std::async(std::launch::async, run, 1);
+  return {a.get(), b.get()};
 }
 
 std::string temp_dir() {
@@ -741,6 +759,17 @@ class RawWorker {
     h.aux = static_cast<int64_t>(c);  // the consistency the worker runs
     return h;
   }
+  // Registers the model of one tensor "w" of `numel` elements, as a Client
+  // with these settings and partition would.
+  void register_model(Consistency c, int64_t numel, int64_t partition,
+                      const OptimizerHyper& hyper) {
+    const auto shards = plan_shards({numel}, 1, partition);
+    std::map<int32_t, OptimizerHyper> settings;
+    for (const auto& s : shards) settings[s.key] = hyper;
+    const std::string text =
+        make_registration(make_table(shards, {"w"}, 0, OptimizerKind::kSgd), settings);
+    channel_->send(register_header(c), std::vector<char>(text.begin(), text.end()));
+  }
   Header receive(std::vector<char>* payload) {
     Header h;
     EXPECT_TRUE(channel_->receive(&h, payload));
@@ -758,9 +787,7 @@ TEST(ParameterServer, RejectsMalformedAndOutOfOrderMessagesWithoutApplyingThem) 
   ServerFleet fleet(store, 1, 1, Consistency::kAsp);
   RawWorker w(store, 0);
   std::vector<char> payload;
-  const std::string table = make_table(plan_shards({2}, 1, 1 << 20), {"w"}, 0, OptimizerKind::kSgd);
-  w.channel().send(w.register_header(Consistency::kAsp),
-                   std::vector<char>(table.begin(), table.end()));
+  w.register_model(Consistency::kAsp, 2, 1 << 20, sgd(1.0));
   EXPECT_EQ(w.receive(&payload).type, static_cast<uint16_t>(MessageType::kRegistered));
   w.channel().send(w.header(MessageType::kInit, 0), RawWorker::floats({1.0f, 2.0f}));
 
@@ -828,10 +855,7 @@ TEST(ParameterServer, BspFailsNamingADeadWorkerWhileAspGoesOn) {
       // The server connects worker 0, then worker 1: construct them in that order.
       Client healthy(client_options(0, 1, 2, c), {"w"}, {2}, store);
       auto raw = std::make_unique<RawWorker>(store, 1);
-      const std::string table =
-          make_table(plan_shards({2}, 1, 4), {"w"}, 0, OptimizerKind::kSgd);
-      raw->channel().send(raw->register_header(c),
-                          std::vector<char>(table.begin(), table.end()));
+      raw->register_model(c, 2, 4, sgd(0.1));
       std::vector<float> x = {1.0f, 1.0f}, g = {1.0f, 1.0f};
       healthy.initialize({x.data()}, {sgd(0.1)});
       healthy.wait_pull(0, x.data());
@@ -934,27 +958,19 @@ TEST(ParameterServer, RestoresFromSnapshot) {
 TEST(ParameterServer, MismatchedModelsFailAtRegistration) {
   auto store = std::make_shared<MemoryStore>();
   ServerFleet fleet(store, 1, 2, Consistency::kBsp);
-  auto run = [&](int w, int64_t numel) -> std::string {
-    try {
-      Client c(client_options(w, 1, 2, Consistency::kBsp), {"w"}, {numel}, store);
-      std::vector<float> x(static_cast<size_t>(numel), 1.0f);
-      c.initialize(w == 0 ? std::vector<const float*>{x.data()} : std::vector<const float*>{},
-                   {sgd(0.1)});
-      c.wait_pull(0, x.data());
-      c.push(0, x.data());  // a bsp round: worker 0 cannot finish without worker 1
-      c.pull(0);
-      c.wait_pull(0, x.data());
-      c.close();
-    } catch (const Error& e) {
-      return e.what();
-    }
-    return "";
-  };
-  auto a = std::async(std::launch::async, run, 0, 3);
-  auto b = std::async(std::launch::async, run, 1, 5);
-  const std::string ea = a.get(), eb = b.get();
-  EXPECT_NE(ea.find("differs"), std::string::npos) << ea;
-  EXPECT_NE(eb.find("differs"), std::string::npos) << eb;
+  const auto errors = errors_of_two_workers([&](int w) {
+    const int64_t numel = w == 0 ? 3 : 5;
+    Client c(client_options(w, 1, 2, Consistency::kBsp), {"w"}, {numel}, store);
+    std::vector<float> x(static_cast<size_t>(numel), 1.0f);
+    c.initialize(w == 0 ? std::vector<const float*>{x.data()} : std::vector<const float*>{},
+                 {sgd(0.1)});
+    c.wait_pull(0, x.data());
+    c.push(0, x.data());  // a bsp round: worker 0 cannot finish without worker 1
+    c.pull(0);
+    c.wait_pull(0, x.data());
+    c.close();
+  });
+  for (const std::string& e : errors) EXPECT_NE(e.find("differs"), std::string::npos) << e;
   EXPECT_THROW(fleet.join(), Error);
 }
 
@@ -1056,29 +1072,23 @@ TEST(ParameterServer, BspWorkerLeavingEarlyFailsTheOthersAtOnce) {
   // round must fail at once naming it, not after the timeout.
   auto store = std::make_shared<MemoryStore>();
   ServerFleet fleet(store, 1, 2, Consistency::kBsp);
-  auto worker = [&](int w) -> std::string {
-    try {
-      Client c(client_options(w, 1, 2, Consistency::kBsp), {"w"}, {2}, store);
-      std::vector<float> x(2, 1.0f), g(2, 1.0f);
-      c.initialize(w == 0 ? std::vector<const float*>{x.data()} : std::vector<const float*>{},
-                   {sgd(0.1)});
-      for (int i = 0; i < (w == 0 ? 3 : 2); ++i) {
-        c.wait_pull(0, x.data());
-        c.push(0, g.data());
-        c.pull(0);
-      }
-      c.wait_pull(0, x.data());
-      c.close();
-      EXPECT_THROW(c.pull(0), Error);  // closed
-    } catch (const Error& e) {
-      return e.what();
-    }
-    return "";
-  };
   const auto started = std::chrono::steady_clock::now();
-  auto r0 = std::async(std::launch::async, worker, 0);
-  auto r1 = std::async(std::launch::async, worker, 1);
-  const std::string e0 = r0.get(), e1 = r1.get();
+  const auto errors = errors_of_two_workers([&](int w) {
+    Client c(client_options(w, 1, 2, Consistency::kBsp), {"w"}, {2}, store);
+    std::vector<float> x(2, 1.0f), g(2, 1.0f);
+    c.initialize(w == 0 ? std::vector<const float*>{x.data()} : std::vector<const float*>{},
+                 {sgd(0.1)});
+    for (int i = 0; i < (w == 0 ? 3 : 2); ++i) {
+      c.wait_pull(0, x.data());
+      c.push(0, g.data());
+      c.pull(0);
+    }
+    c.wait_pull(0, x.data());
+    c.close();
+    EXPECT_THROW(c.pull(0), Error);  // closed
+  });
+  const std::string& e0 = errors[0];
+  const std::string& e1 = errors[1];
   EXPECT_EQ(e1, "");
   // Depending on whether worker 0's push or worker 1's goodbye comes first:
   // "... worker 1 (rank 2) already left" or "worker 1 (rank 2) left while ...".
@@ -1105,9 +1115,7 @@ TEST(ParameterServer, AWorkerThatFallsSilentIsDeclaredDead) {
   co.timeout_s = 2;
   Client healthy(co, {"w"}, {2}, store);
   RawWorker silent(store, 1, std::chrono::milliseconds(0));
-  const std::string table = make_table(plan_shards({2}, 1, 4), {"w"}, 0, OptimizerKind::kSgd);
-  silent.channel().send(silent.register_header(Consistency::kAsp),
-                        std::vector<char>(table.begin(), table.end()));
+  silent.register_model(Consistency::kAsp, 2, 4, sgd(0.1));
   std::vector<float> x = {1.0f, 1.0f}, g = {1.0f, 1.0f};
   healthy.initialize({x.data()}, {sgd(0.1)});
   const auto until = std::chrono::steady_clock::now() + std::chrono::milliseconds(3500);
@@ -1291,4 +1299,263 @@ TEST(ParameterServer, NonFiniteGradientsAreRefusedNamingTheParameter) {
       EXPECT_EQ(stats[0].pushes_applied, 1);  // the finite shard [0, 3) only
     }
   }
+}
+
+TEST(ServerOptimizer, SettingsAreCheckedAndComparedByName) {
+  OptimizerHyper h = sgd(0.05);
+  h.momentum = 0.9;
+  EXPECT_EQ(hyper_problem(OptimizerKind::kSgd, h), "");
+  h.lr = std::nan("");
+  EXPECT_EQ(hyper_problem(OptimizerKind::kSgd, h), "a non-finite lr (nan)");
+  h.lr = -0.1;
+  EXPECT_EQ(hyper_problem(OptimizerKind::kSgd, h), "an invalid learning rate (lr -0.1)");
+  h.lr = 0.05;
+  h.nesterov = true;
+  h.dampening = 0.1;
+  EXPECT_NE(hyper_problem(OptimizerKind::kSgd, h).find("nesterov"), std::string::npos);
+  OptimizerHyper adam = sgd(1e-3);
+  adam.beta2 = 1.0;
+  EXPECT_NE(hyper_problem(OptimizerKind::kAdam, adam).find("beta2 1"), std::string::npos);
+  EXPECT_EQ(hyper_problem(OptimizerKind::kSgd, adam), "");  // SGD steps without betas
+
+  OptimizerHyper a = sgd(0.5), b = sgd(0.05);
+  a.momentum = b.momentum = 0.9;
+  EXPECT_EQ(hyper_mismatch(OptimizerKind::kSgd, a, "worker 1", b, "worker 0"),
+            "worker 1 has lr 0.5, worker 0 lr 0.05");
+  b.lr = 0.5 + 1e-16 * 0.5 * 4;  // one bit apart: both printed in full
+  EXPECT_NE(hyper_mismatch(OptimizerKind::kSgd, a, "worker 1", b, "worker 0").find("0.5000000000"),
+            std::string::npos);
+  b = a;
+  b.beta1 = 0.5;  // not an SGD setting
+  EXPECT_EQ(hyper_mismatch(OptimizerKind::kSgd, a, "worker 1", b, "worker 0"), "");
+  EXPECT_NE(hyper_mismatch(OptimizerKind::kAdamW, a, "worker 1", b, "worker 0"), "");
+}
+
+TEST(ShardTable, ARegistrationCarriesTheTableAndExactSettings) {
+  const std::string table = make_table(plan_shards({5, 3}, 1, 4), {"a", "hyper"}, 0,
+                                       OptimizerKind::kAdam);
+  OptimizerHyper h = sgd(0.1 + 1e-17);  // not a short decimal
+  h.beta2 = std::nan("");
+  h.nesterov = true;
+  const auto parsed = parse_registration(make_registration(table, {{0, h}, {2, sgd(1.0)}}));
+  EXPECT_EQ(parsed.table, table);
+  ASSERT_EQ(parsed.hyper.size(), 2u);
+  EXPECT_EQ(parsed.hyper.at(0).lr, h.lr);
+  EXPECT_TRUE(std::isnan(parsed.hyper.at(0).beta2));
+  EXPECT_TRUE(parsed.hyper.at(0).nesterov);
+  EXPECT_EQ(parsed.hyper.at(2).lr, 1.0);
+  EXPECT_THROW(parse_registration(table), Error);  // no settings
+  EXPECT_THROW(parse_registration(table + "hyper\n0 0.1 0 0 0 0 0.9 0.999\n"), Error);
+  EXPECT_THROW(parse_registration(table + "hyper\n0 0.1 0 0 0 0 0.9 0.999 1e-8 7\n"), Error);
+  EXPECT_THROW(parse_registration(table + "hyper\n0 0.1x 0 0 0 0 0.9 0.999 1e-8\n"), Error);
+}
+
+TEST(ParameterServer, OptimizerSettingsMustAgreeAcrossWorkers) {
+  // At registration: workers with learning rates 0.05 and 0.5 (bsp used to
+  // average their gradients and step with whichever pushed last).
+  {
+    auto store = std::make_shared<MemoryStore>();
+    ServerFleet fleet(store, 1, 2, Consistency::kBsp);
+    const auto errors = errors_of_two_workers([&](int w) {
+      Client c(client_options(w, 1, 2, Consistency::kBsp), {"w"}, {3}, store);
+      std::vector<float> x(3, 1.0f), g(3, 1.0f);
+      c.initialize(w == 0 ? std::vector<const float*>{x.data()} : std::vector<const float*>{},
+                   {sgd(w == 0 ? 0.05 : 0.5)});
+      // The first pull may be served before the other worker registers; a
+      // bsp round cannot finish without it, so both workers see the refusal.
+      c.wait_pull(0, x.data());
+      c.push(0, g.data());
+      c.pull(0);
+      c.wait_pull(0, x.data());
+      c.close();
+    });
+    for (const std::string& e : errors) {
+      EXPECT_NE(e.find("optimizer settings of parameter 'w' differ"), std::string::npos) << e;
+      EXPECT_NE(e.find("lr 0.5"), std::string::npos) << e;
+      EXPECT_NE(e.find("lr 0.05"), std::string::npos) << e;
+    }
+    EXPECT_THROW(fleet.join(), Error);
+  }
+  // In a bsp round: equal at registration, then one worker's rate changes alone.
+  {
+    auto store = std::make_shared<MemoryStore>();
+    ServerFleet fleet(store, 1, 2, Consistency::kBsp);
+    const auto errors = errors_of_two_workers([&](int w) {
+      Client c(client_options(w, 1, 2, Consistency::kBsp), {"w"}, {3}, store);
+      std::vector<float> x(3, 1.0f), g(3, 1.0f);
+      c.initialize(w == 0 ? std::vector<const float*>{x.data()} : std::vector<const float*>{},
+                   {sgd(0.05)});
+      c.wait_pull(0, x.data());
+      if (w == 1) c.set_hyper(0, sgd(0.5));
+      c.push(0, g.data());
+      c.pull(0);
+      c.wait_pull(0, x.data());
+      c.close();
+    });
+    for (const std::string& e : errors) {
+      EXPECT_NE(e.find("bsp round 0 of 'w' got gradients stepped with different optimizer "
+                       "settings: worker "), std::string::npos) << e;
+      // Whichever pushed first is named second.
+      EXPECT_TRUE(e.find("worker 1 (rank 2) has lr 0.5, worker 0 (rank 1) lr 0.05") !=
+                      std::string::npos ||
+                  e.find("worker 0 (rank 1) has lr 0.05, worker 1 (rank 2) lr 0.5") !=
+                      std::string::npos)
+          << e;
+    }
+    try {
+      fleet.join();
+      ADD_FAILURE() << "the server did not fail";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find("different optimizer settings"), std::string::npos)
+          << e.what();
+    }
+  }
+}
+
+// A worker pushing a learning rate the step cannot take (NaN, negative) used
+// to lock a bsp round: the step threw after both gradients were counted, and
+// the other worker waited timeout_s for "a worker" named by nobody. Now the
+// push is refused on arrival, naming its worker, in every mode.
+TEST(ParameterServer, AnInvalidPushedSettingIsRefusedNamingItsWorker) {
+  for (const double lr : {std::nan(""), -0.1}) {
+    for (Consistency c : {Consistency::kBsp, Consistency::kAsp}) {
+      auto store = std::make_shared<MemoryStore>();
+      ServerFleet fleet(store, 1, 2, c);
+      Client honest(client_options(0, 1, 2, c), {"w"}, {2}, store);
+      RawWorker raw(store, 1);  // a client refuses such a setting itself: speak the wire
+      raw.register_model(c, 2, 4, sgd(0.1));
+      std::vector<float> x = {1.0f, 1.0f}, g = {1.0f, 1.0f};
+      honest.initialize({x.data()}, {sgd(0.1)});
+      honest.wait_pull(0, x.data());
+      Header push = raw.header(MessageType::kPush, 0);
+      put_hyper(push, sgd(lr));
+      const auto started = std::chrono::steady_clock::now();
+      raw.channel().send(push, RawWorker::floats(g));
+      std::vector<char> payload;
+      Header reply;
+      do {  // past the registration's answer and the pull replies
+        reply = raw.receive(&payload);
+      } while (reply.type != static_cast<uint16_t>(MessageType::kError));
+      const std::string told(payload.begin(), payload.end());
+      EXPECT_NE(told.find("worker 1 (rank 2) pushed a gradient for parameter 'w' with"),
+                std::string::npos) << told;
+      EXPECT_NE(told.find(std::isnan(lr) ? "a non-finite lr (nan)" : "learning rate (lr -0.1)"),
+                std::string::npos) << told;
+      std::string error;
+      try {
+        for (int i = 0; i < 3; ++i) {
+          honest.push(0, g.data());
+          honest.pull(0);
+          honest.wait_pull(0, x.data());
+        }
+      } catch (const Error& e) {
+        error = e.what();
+      }
+      raw.channel().close();
+      if (c == Consistency::kBsp) {  // the round cannot complete: everyone learns why, at once
+        EXPECT_NE(error.find("worker 1 (rank 2) pushed a gradient"), std::string::npos) << error;
+        EXPECT_LT(std::chrono::steady_clock::now() - started, std::chrono::seconds(5));
+        EXPECT_THROW(fleet.join(), Error);
+      } else {  // only that push is refused; the honest worker goes on
+        EXPECT_EQ(error, "");
+        honest.close();
+        const auto stats = fleet.join();
+        EXPECT_EQ(stats[0].pushes_applied, 3);
+        EXPECT_EQ(stats[0].rejected, 1);
+      }
+    }
+  }
+}
+
+// A setting that is valid but steps the parameters to infinity (lr 1e30)
+// used to leave the blame to whoever pushed next: that gradient was the
+// first non-finite one. Now the step that did it fails the job, naming whose
+// setting it was.
+TEST(ParameterServer, AStepThatMakesTheParametersNonFiniteNamesItsWorker) {
+  auto store = std::make_shared<MemoryStore>();
+  ServerFleet fleet(store, 1, 2, Consistency::kAsp);
+  // Worker 0 is honest, worker 1 reckless.
+  const auto errors = errors_of_two_workers([&](int w) {
+    Client c(client_options(w, 1, 2, Consistency::kAsp), {"w"}, {2}, store);
+    std::vector<float> x = {1.0f, 1.0f}, g = {1e10f, 1.0f};
+    c.initialize(w == 0 ? std::vector<const float*>{x.data()} : std::vector<const float*>{},
+                 {sgd(0.1)});
+    c.wait_pull(0, x.data());
+    if (w == 1) {
+      c.set_hyper(0, sgd(1e30));
+      c.push(0, g.data());
+      c.flush();
+    } else {
+      for (int i = 0; i < 50; ++i) {
+        c.push(0, x.data());
+        c.pull(0);
+        c.wait_pull(0, x.data());
+        std::this_thread::sleep_for(std::chrono::milliseconds(20));
+      }
+    }
+    c.close();
+  });
+  for (const std::string& e : errors) {
+    EXPECT_NE(e.find("with the settings of worker 1 (rank 2) (lr 1e+30) made it non-finite "
+                     "(element 0 is "), std::string::npos) << e;
+    EXPECT_EQ(e.find("worker 0 (rank 1) pushed"), std::string::npos) << e;  // not blamed
+  }
+  EXPECT_THROW(fleet.join(), Error);
+}
+
+// A worker holding the token that asks for replies it never reads used to
+// grow the server's send queue without bound (a full copy of the key per
+// pull). Now its connection is dropped past the bound, naming it; the others
+// go on.
+TEST(ParameterServer, AWorkerThatNeverReadsItsRepliesIsDroppedAtTheQueueBound) {
+  auto store = std::make_shared<MemoryStore>();
+  ServerFleet fleet(store, 1, 2, Consistency::kAsp);
+  constexpr int64_t kNumel = 1 << 20;  // 4 MiB: the bound is 16 + 4 x 4 MiB
+  auto o = client_options(0, 1, 2, Consistency::kAsp);
+  o.partition_elems = kNumel;
+  Client honest(o, {"w"}, {kNumel}, store);
+  RawWorker greedy(store, 1);
+  greedy.register_model(Consistency::kAsp, kNumel, kNumel, sgd(0.1));
+  std::vector<float> x(kNumel, 1.0f), g(kNumel, 0.5f);
+  honest.initialize({x.data()}, {sgd(0.1)});
+  honest.wait_pull(0, x.data());
+  for (int i = 0; i < 40; ++i)  // 160 MiB of replies asked for; none is read
+    greedy.channel().send(greedy.header(MessageType::kPull, 0));
+  for (int i = 0; i < 3; ++i) {
+    honest.push(0, g.data());
+    honest.pull(0);
+    honest.wait_pull(0, x.data());
+  }
+  honest.close();
+  const auto stats = fleet.join();  // ends: worker 1 was dropped
+  EXPECT_EQ(stats[0].dead_workers, std::vector<int32_t>{1});
+  ASSERT_FALSE(stats[0].rejections.empty());
+  const std::string why = stats[0].rejections.back();
+  EXPECT_NE(why.find("worker 1 (rank 2) disconnected: more than 33554432 bytes of messages for "
+                     "worker 1 (rank 2) waited to be sent"), std::string::npos) << why;
+  EXPECT_EQ(stats[0].pushes_applied, 3);
+  // Its connection was reset: whatever it reads now, it ends in an error.
+  Header h;
+  std::vector<char> payload;
+  EXPECT_THROW(
+      while (greedy.channel().receive(&h, &payload)) {}, Error);
+}
+
+TEST(ParameterServer, PullsWaitingForAnAnswerAreBounded) {
+  auto store = std::make_shared<MemoryStore>();
+  ServerFleet fleet(store, 1, 1, Consistency::kBsp);
+  RawWorker w(store, 0);
+  w.register_model(Consistency::kBsp, 2, 4, sgd(0.1));
+  std::vector<char> payload;
+  EXPECT_EQ(w.receive(&payload).type, static_cast<uint16_t>(MessageType::kRegistered));
+  w.channel().send(w.header(MessageType::kInit, 0), RawWorker::floats({1.0f, 2.0f}));
+  for (int i = 0; i < 9; ++i)  // each waits for version 5, which never comes
+    w.channel().send(w.header(MessageType::kPull, 0, 5));
+  const Header h = w.receive(&payload);
+  ASSERT_EQ(h.type, static_cast<uint16_t>(MessageType::kError));
+  const std::string told(payload.begin(), payload.end());
+  EXPECT_NE(told.find("more than 8 pulls of 'w' wait for an answer"), std::string::npos) << told;
+  w.channel().send(w.header(MessageType::kBye));
+  const auto stats = fleet.join();
+  EXPECT_EQ(stats[0].rejected, 1);
 }

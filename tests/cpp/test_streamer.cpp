@@ -5,6 +5,7 @@
 
 #include <cmath>
 #include <cstring>
+#include <map>
 #include <vector>
 
 #include "hemiola/hemiola.h"
@@ -166,6 +167,33 @@ TEST(Streamer, Int8KeepsTheSharedCopyBitIdenticalAcrossRanks) {
   }
   EXPECT_GT(distance, 0.0) << "int8 changed nothing: was it applied?";
   EXPECT_LT(distance, 0.01) << "int8 with error feedback strays from the exact average";
+}
+
+// next_step_fragments() names, before each step, exactly the fragments that
+// step sends or lands (a GPU model's host copy moves only those).
+TEST(Streamer, NamesTheFragmentsTheNextStepTouches) {
+  run_ranks(1, [](Engine& engine) {
+    std::vector<float> a(40, 1.0f), b(24, -0.5f);
+    StreamerOptions options;
+    options.sync_every = 6;
+    options.fragments = 2;
+    options.overlap = 2;
+    auto streamer = engine.make_streamer(
+        {{"a", TensorRef{a.data(), DType::kFloat32, a.size(), {}}},
+         {"b", TensorRef{b.data(), DType::kFloat32, b.size(), {}}}},
+        options);
+    // Fragment 0 is sent after steps 3 and 9 and lands two steps later;
+    // fragment 1 after 6 and 12.
+    const std::map<uint64_t, std::vector<size_t>> expected = {
+        {3, {0}}, {5, {0}}, {6, {1}}, {8, {1}}, {9, {0}}, {11, {0}}, {12, {1}}, {14, {1}}};
+    for (uint64_t s = 1; s <= 14; ++s) {
+      const auto it = expected.find(s);
+      EXPECT_EQ(streamer->next_step_fragments(),
+                it == expected.end() ? std::vector<size_t>{} : it->second)
+          << "step " << s;
+      streamer->after_inner_step();
+    }
+  });
 }
 
 TEST(Streamer, RefusesWhatItCannotDo) {

@@ -108,12 +108,18 @@ def comm_hook_errors(rank: int, world: int) -> dict[str, str]:
         ("batched", powersgd.PowerSGDState(None), powersgd.batched_powerSGD_hook),
         ("no-feedback", powersgd.PowerSGDState(None, use_error_feedback=False,
                                                warm_start=False), powersgd.powerSGD_hook),
+        ("wrapped-fp16-hook", None,
+         default_hooks.bf16_compress_wrapper(default_hooks.fp16_compress_hook)),
     ]:
         try:
             model.register_comm_hook(state, hook)
             out[name] = "accepted"
         except NotImplementedError as e:
             out[name] = str(e)
+    for name, hook in [("fp16-wrapper", default_hooks.fp16_compress_wrapper),
+                       ("bf16-wrapper", default_hooks.bf16_compress_wrapper)]:
+        model.register_comm_hook(None, hook(default_hooks.allreduce_hook))
+        out[name] = str(model.config.compression)
     model.register_comm_hook(None, default_hooks.allreduce_hook)
     out["allreduce"] = str(model.config.compression)
     state = powersgd.PowerSGDState(None, matrix_approximation_rank=3, start_powerSGD_iter=7)
@@ -166,3 +172,61 @@ def mismatched_hooks(rank: int, world: int) -> str:
     except RuntimeError as e:
         return str(e)
     return "accepted"
+
+
+class WideMLP(nn.Module):
+    """An MLP whose middle matrix (1100 x 1000) is above priority's 4 MiB
+    partition (make_batch("mlp") data)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(20, 1000), nn.ReLU(), nn.Linear(1000, 1100),
+                                 nn.ReLU(), nn.Linear(1100, 5))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+
+def powersgd_hooks_under_every_schedule(rank: int, world: int, steps: int = 4
+                                        ) -> dict[str, Any]:
+    """PowerSGD from the hooks a DDP script registers, powerSGD_hook and
+    fp16_compress_wrapper(powerSGD_hook), against compression='powersgd'
+    given to wrap: the parameters of each run, and the warnings raised."""
+    import warnings
+
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
+
+    hemiola.init()
+    runs: dict[str, Any] = {}
+    for name, schedule, hook in [
+        ("wrap", "priority", None), ("priority-hook", "priority", powersgd.powerSGD_hook),
+        ("priority-fp16-wrapper", "priority",
+         default_hooks.fp16_compress_wrapper(powersgd.powerSGD_hook)),
+        ("wfbp-hook", "wfbp", powersgd.powerSGD_hook),
+        ("decoupled-fp16-wrapper", "decoupled",
+         default_hooks.fp16_compress_wrapper(powersgd.powerSGD_hook)),
+    ]:
+        torch.manual_seed(0)
+        m = WideMLP()
+        options: dict[str, Any] = {"compression": "powersgd", "powersgd_rank": 2,
+                                   "powersgd_start_iter": 2} if hook is None else {}
+        model, opt = hemiola.wrap(m, _optimizer("sgd", m.parameters()), schedule=schedule,
+                                  timeout_s=60, **options)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            if hook is not None:
+                model.register_comm_hook(powersgd.PowerSGDState(
+                    None, matrix_approximation_rank=2, start_powerSGD_iter=2), hook)
+        _train(model, opt, "mlp", rank, world, range(steps))
+        model.synchronize()
+        runs[name] = {"params": [p.detach().clone() for p in m.parameters()],
+                      "compression": model.config.compression,
+                      "buckets": model.buckets(),
+                      "warnings": [str(w.message) for w in caught]}
+    torch.manual_seed(0)
+    m = WideMLP()
+    model, opt = hemiola.wrap(m, _optimizer("sgd", m.parameters()), schedule="wfbp",
+                              timeout_s=60)
+    _train(model, opt, "mlp", rank, world, range(steps))
+    runs["uncompressed"] = {"params": [p.detach().clone() for p in m.parameters()]}
+    return runs

@@ -1,7 +1,7 @@
 """A Hugging Face Trainer run as a user runs one, for test_hf.py:
 
     torchrun --nproc-per-node 2 hf_script.py --trainer stock|wfbp|priority|decoupled --out DIR
-        [--accumulate N] [--clip X] [--bf16]
+        [--accumulate N] [--clip X] [--bf16] [--no-use-cpu]
 
 A 2-layer GPT-2 built from a config (no downloads) on random tokens, AdamW
 with a linear warm-up schedule, 6 optimizer steps, then evaluate() and
@@ -27,6 +27,8 @@ parser.add_argument("--out", type=Path, required=True)
 parser.add_argument("--accumulate", type=int, default=1)
 parser.add_argument("--clip", type=float, default=0.0)
 parser.add_argument("--bf16", action="store_true")
+parser.add_argument("--no-use-cpu", action="store_true",
+                    help="leave use_cpu off (transformers then does not distribute on a CPU)")
 args = parser.parse_args()
 
 torch.set_num_threads(1)
@@ -38,7 +40,7 @@ tokens = torch.randint(0, 64, (128, 16), generator=torch.Generator().manual_seed
 train = [{"input_ids": x, "labels": x.clone()} for x in tokens]
 held_out = [{"input_ids": x, "labels": x.clone()} for x in tokens[:16]]
 training = transformers.TrainingArguments(
-    output_dir=str(args.out / "run"), use_cpu=True, report_to=[], save_strategy="no",
+    output_dir=str(args.out / "run"), use_cpu=not args.no_use_cpu, report_to=[], save_strategy="no",
     dataloader_num_workers=0, seed=1234, data_seed=1234, per_device_train_batch_size=4,
     per_device_eval_batch_size=4, gradient_accumulation_steps=args.accumulate,
     max_grad_norm=args.clip, max_steps=6, learning_rate=3e-3, warmup_steps=2,

@@ -1,20 +1,27 @@
 """A Lightning training script, run by test_lightning.py as a user runs one:
-``python lightning_script.py --strategy NAME --out DIR [options]``; Lightning's
+``python lightning_script.py --strategy NAME --out DIR [options]`` (with the
+``pytorch_lightning`` package, or ``lightning.pytorch`` when the environment
+says ``LIGHTNING_PACKAGE=lightning.pytorch``); Lightning's
 own launcher starts the second rank. Rank 0 writes the final parameters (and
 the logged metrics) to DIR/result.pt."""
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
+import os
 from pathlib import Path
 
-import pytorch_lightning as pl
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import hemiola.lightning  # noqa: F401 - registers strategy="hemiola", "hemiola_priority", ...
+
+#: the Lightning package the script is written against (LIGHTNING_PACKAGE:
+#: lightning.pytorch or pytorch_lightning)
+pl = importlib.import_module(os.environ.get("LIGHTNING_PACKAGE", "pytorch_lightning"))
 
 
 class Regressor(pl.LightningModule):

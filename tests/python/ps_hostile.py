@@ -4,9 +4,12 @@ protocol from raw Python sockets."""
 
 from __future__ import annotations
 
+import contextlib
 import datetime
+import encodings.idna  # noqa: F401 - socket needs it, and a stranger run as nobody cannot import it
 import os
 import random
+import select
 import socket
 import struct
 import time
@@ -21,9 +24,9 @@ from hemiola.ps.roles import PS_PREFIX
 
 # The wire header (cpp/src/ps/protocol.h), little-endian, 136 bytes.
 HEADER = struct.Struct("<IHHQiiqqq7diiiidQ")
-MAGIC, PROTOCOL = 0x53504D48, 1
+MAGIC, PROTOCOL = 0x53504D48, 2
 PING, HELLO, REGISTER, PUSH, PULL = 8, 9, 1, 3, 5
-ERROR, WELCOME, REGISTERED = 24, 25, 20
+ERROR, WELCOME, REGISTERED, PULL_REPLY = 24, 25, 20, 21
 ASP = 1
 
 
@@ -42,6 +45,26 @@ def header(type_: int, *, seq: int = 0, key: int = -1, worker: int = -1, version
     if checksum is None:
         checksum = fnv1a(HEADER.pack(*fields, 0))
     return HEADER.pack(*fields, checksum)
+
+
+def registration(model: Any, options: dict[str, Any]) -> tuple[bytes, list[dict[str, int]]]:
+    """What a worker training `model` with models.make_optimizer("sgd")
+    registers with server 0 of a one-server job (its shard table and its
+    optimizer settings), and the shards."""
+    from models import make_optimizer
+
+    named = list(model.named_parameters())
+    shards = C.ps.plan_shards([p.numel() for _, p in named], 1,
+                              hemiola.ps.PSConfig(**options).partition_elems)
+    group = make_optimizer("sgd", model.parameters()).param_groups[0]
+    settings = [group["lr"], group["momentum"], group["dampening"], group["weight_decay"],
+                float(group["nesterov"]), 0.9, 0.999, 1e-8]
+    table = "optimizer 0\n" + "".join(
+        f"{s['key']} {s['tensor']} {s['begin']} {s['count']} {named[s['tensor']][0]}\n"
+        for s in shards)
+    hyper = "".join(f"{s['key']} " + " ".join(repr(float(v)) for v in settings) + "\n"
+                    for s in shards)
+    return (table + "hyper\n" + hyper).encode(), shards
 
 
 def read_message(s: socket.socket) -> tuple[int, bytes] | None:
@@ -150,13 +173,9 @@ def _fuzz(options: dict[str, Any], token: str, seed: int) -> dict[str, Any]:
     member.sendall(hello + token.encode())
     welcome = read_message(member)
     assert welcome is not None and welcome[0] == WELCOME, welcome
-    names = ["net.0.weight", "net.0.bias", "net.2.weight", "net.2.bias", "net.4.weight",
-             "net.4.bias"]
-    numels = [20 * 64, 64, 64 * 64, 64, 64 * 5, 5]
-    shards = C.ps.plan_shards(numels, 1, hemiola.ps.PSConfig(**options).partition_elems)
-    table = ("optimizer 0\n" + "".join(
-        f"{s['key']} {s['tensor']} {s['begin']} {s['count']} {names[s['tensor']]}\n"
-        for s in shards)).encode()
+    from models import make_model
+
+    table, _ = registration(make_model("mlp"), options)
     register = header(REGISTER, seq=0, worker=1, aux=ASP, payload_bytes=len(table)) + table
     pull = header(PULL, seq=1, worker=1, key=1)
     member.sendall(register + pull)
@@ -336,3 +355,179 @@ def flood_job(rank: int, world: int, options: dict[str, Any], silent: int) -> di
         return served
     _store().wait(["test/flooded"])
     return ps_workers.train(rank, world, options, "mlp", "sgd", 4)
+
+
+def _peak_rss_mb() -> float:
+    """This process's peak resident memory so far (VmHWM), in MiB."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    raise RuntimeError("no VmHWM in /proc/self/status")
+
+
+def _drop_to_nobody() -> bool:
+    """Makes this process another user's (nobody's) when it runs as root: a
+    stranger on the machine. False when it cannot (not root)."""
+    if os.geteuid() != 0:
+        return False
+    os.setgroups([])
+    os.setgid(65534)
+    os.setuid(65534)
+    return True
+
+
+def _stranger(options: dict[str, Any]) -> dict[str, Any]:
+    """Someone else on the machine: it reaches the job's store (no
+    authentication) and the server, reads what the store tells anyone, and
+    tries to take worker 1's place with a bogus shard table."""
+    store = _store()
+    other_user = _drop_to_nobody()
+    out: dict[str, Any] = {"other_user": other_user}
+    store.wait(["ps/s0/address"])
+    host, port = store.get("ps/s0/address").decode().rsplit(" ", 1)
+    token = ""
+    if store.check(["job_token_file/0"]):  # where the job keeps its token, as the source says
+        out["token_path"] = store.get("job_token_file/0").decode()
+        if other_user:  # the job's own user could read the ranks' memory anyway
+            try:
+                with open(out["token_path"]) as f:
+                    token = f.read()
+            except OSError as e:
+                out["token_file_error"] = str(e)
+    with socket.create_connection((host, int(port)), timeout=20) as s:
+        s.settimeout(20)
+        s.sendall(header(HELLO, worker=1, payload_bytes=len(token)) + token.encode())
+        answer = read_message(s)
+        if answer is not None and answer[0] == WELCOME:  # admitted: register a bogus model
+            table = b"optimizer 0\n0 0 0 3 bogus\nhyper\n0 0.05 0 0 0 0 0.9 0.999 1e-08\n"
+            s.sendall(header(REGISTER, worker=1, aux=0, payload_bytes=len(table)) + table)
+            answer = read_message(s)
+        out["answer"] = (answer[1].decode() if answer and answer[0] == ERROR
+                         else f"type {answer[0]}" if answer else "closed")
+        store.set("test/stranger_done", "1")
+        if out["answer"] == f"type {REGISTERED}":  # it holds the slot: see what becomes of it
+            while (message := read_message(s)) is not None and message[0] != ERROR:
+                pass
+    return out
+
+
+def stranger_job(rank: int, world: int, options: dict[str, Any]) -> dict[str, Any] | None:
+    """Ranks 0-2: a bsp job of one server and two workers launched as torchrun
+    launches one, without HEMIOLA_JOB_TOKEN. Rank 3 is a stranger on the
+    machine (run as another user when the test runs as root). The real worker 1
+    (rank 2) joins only after the stranger has tried its place."""
+    os.environ.pop("HEMIOLA_JOB_TOKEN", None)
+    if rank == 3:
+        return _stranger(options)
+    os.environ["WORLD_SIZE"] = "3"  # the job proper; the stranger is not one of its ranks
+    if rank == 2:
+        _store().wait(["test/stranger_done"])
+    return ps_workers.train(rank, 3, options, "mlp", "sgd", 3)
+
+
+def _wide_model() -> Any:
+    """A model whose first weight is one key of 1 MiB (the default partition)."""
+    import torch
+
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(512, 512), torch.nn.ReLU(),
+                               torch.nn.Linear(512, 5))
+
+
+def unread_pulls_job(rank: int, world: int, options: dict[str, Any], pulls: int
+                     ) -> dict[str, Any] | None:
+    """Rank 0 serves (reporting how much its peak memory grew while serving),
+    rank 1 (worker 0) trains a model with a 1 MiB key, rank 2 (worker 1,
+    holding the job token) asks for `pulls` copies of that key and reads none."""
+    import torch
+
+    if rank == 0:
+        before = _peak_rss_mb()
+        served = _server(hemiola.ps.PSConfig.from_kwargs(**options))
+        return {**served, "peak_rss_growth_mb": _peak_rss_mb() - before}
+    store = _store()
+    if rank == 1:
+        from models import make_optimizer
+
+        m = _wide_model()
+        model, opt = hemiola.ps.wrap(m, make_optimizer("sgd", m.parameters()), **options)
+        losses = []
+        for _ in range(10):
+            x, y = torch.randn(8, 512), torch.randint(0, 5, (8,))
+            opt.zero_grad()
+            loss = torch.nn.functional.cross_entropy(model(x), y)
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+        store.wait(["test/greedy_done"])  # train on while the greedy one is dropped
+        model.close()
+        return {"losses": losses}
+    store.wait(["ps/s0/address"])
+    host, port = store.get("ps/s0/address").decode().rsplit(" ", 1)
+    token = os.environ["HEMIOLA_JOB_TOKEN"]
+    table, shards = registration(_wide_model(), options)
+    largest = max(shards, key=lambda s: s["count"])
+    requests = b"".join(header(PULL, seq=i, worker=1, key=largest["key"])
+                        for i in range(2, pulls + 2))
+    out: dict[str, Any] = {"reply_bytes": 4 * largest["count"]}
+    with socket.create_connection((host, int(port)), timeout=20) as s:
+        s.sendall(header(HELLO, worker=1, payload_bytes=len(token)) + token.encode())
+        assert read_message(s) == (WELCOME, b"")
+        s.sendall(header(REGISTER, seq=0, worker=1, aux=ASP, payload_bytes=len(table)) + table
+                  + header(PULL, seq=1, worker=1, key=largest["key"]))
+        while (reply := read_message(s)) is not None and reply[0] != PULL_REPLY:  # initialised
+            assert reply[0] in (REGISTERED, PING), reply
+        started = time.monotonic()
+        with contextlib.suppress(OSError):  # the server may drop it while it sends
+            s.sendall(requests)
+        # Wait, reading nothing, until the server closes the connection.
+        poll = select.poll()
+        poll.register(s, select.POLLRDHUP | select.POLLHUP | select.POLLERR)
+        out["dropped"] = bool(poll.poll(30_000))
+        out["dropped_after_s"] = time.monotonic() - started
+    store.set("test/greedy_done", "1")
+    return out
+
+
+def settings_jobs(rank: int, world: int) -> dict[str, Any]:
+    """Two bsp jobs of one server and two workers, one after the other in the
+    same processes (each under its own store prefix), training the MLP with
+    SGD: "mismatch", workers at learning rates 0.05 and 0.5; "nan", both at
+    0.05 and worker 1 setting its rate to NaN before step 2. Returns each
+    job's error on this rank (None: none) and when it came."""
+    import hemiola.ps.roles
+
+    out: dict[str, Any] = {}
+    for name, lrs, nan_at in (("mismatch", (0.05, 0.5), None), ("nan", (0.05, 0.05), 2)):
+        hemiola.ps.roles.PS_PREFIX = f"hemiola/ps-{name}"
+        started = time.monotonic()
+        try:
+            _settings_job(lrs, nan_at)
+            out[name] = {"error": None}
+        except Exception as e:  # noqa: BLE001 - the error is the result
+            out[name] = {"error": f"{type(e).__name__}: {e}", "after_s": time.monotonic() - started}
+    return out
+
+
+def _settings_job(lrs: tuple[float, float], nan_at: int | None) -> None:
+    import torch
+
+    from models import make_batch, make_model
+
+    config = hemiola.ps.PSConfig(consistency="bsp", num_servers=1, timeout_s=20)
+    if ps_workers.server_or_none(config) is not None:
+        return
+    r = hemiola.ps.role(1)
+    torch.manual_seed(0)
+    m = make_model("mlp")
+    model, opt = hemiola.ps.wrap(m, torch.optim.SGD(m.parameters(), lr=lrs[r.worker_index]),
+                                 config)
+    for step in range(4):
+        if step == nan_at and r.worker_index == 1:
+            opt.param_groups[0]["lr"] = float("nan")
+        x, y = make_batch("mlp", step, r.worker_index, r.num_workers)
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+    model.close()

@@ -279,8 +279,15 @@ def mismatched_models(rank: int, world: int) -> dict[str, Any] | None:
     if served is not None:
         return served
     r = hemiola.ps.role(1)
-    m = make_model("mlp" if r.worker_index == 0 else "cnn")
+    name = "mlp" if r.worker_index == 0 else "cnn"
+    m = make_model(name)
     model, opt = hemiola.ps.wrap(m, make_optimizer("sgd", m.parameters()), config)
+    # The first registered may finish wrap before the other registers: its
+    # first bsp round, which needs the other, then fails.
+    x, y = make_batch(name, 0, r.worker_index, r.num_workers)
+    loss_of(name, model(x), y).backward()
+    opt.step()
+    model.synchronize()
     return {"worker": r.worker_index}
 
 

@@ -17,8 +17,8 @@ from models import loss_of, make_batch, make_model, make_optimizer
 
 
 def _inner_step(model: torch.nn.Module, opt: torch.optim.Optimizer, name: str, step: int,
-                rank: int, world: int) -> float:
-    x, y = make_batch(name, step, rank, world)
+                rank: int, world: int, device: str = "cpu") -> float:
+    x, y = (t.to(device) for t in make_batch(name, step, rank, world))
     opt.zero_grad()
     loss = loss_of(name, model(x), y)
     loss.backward()
@@ -116,6 +116,42 @@ def overlap_keeps_shared_identical(rank: int, world: int, options: dict[str, Any
     dist.all_gather(gathered, shared)
     return {"shared_spread": max(float((g - gathered[0]).abs().max()) for g in gathered),
             "stats": model.stats(), "fragments": len(s.fragments())}
+
+
+def _host_copied(name: str, options: dict[str, Any], device: str,
+                 ) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """The streaming model built as hemiola.wrap builds it, on `device`, with
+    the GPU path's host copy of the parameters (on the CPU too)."""
+    from hemiola.config import Config
+    from hemiola.distributed import new_engine
+    from hemiola.streaming import StreamingParallel
+
+    torch.manual_seed(0)
+    base = make_model(name).to(device)
+    opt = make_optimizer("adamw", base.parameters())
+    config = Config.from_kwargs(schedule="streaming", **options)
+    engine, store = new_engine(config.timeout_s)
+    return StreamingParallel(base, config, engine, store, opt, host_copy=True), opt
+
+
+def host_copy_is_the_same_run(rank: int, world: int, options: dict[str, Any], steps: int,
+                              device: str) -> dict[str, Any]:
+    """The GPU path's host copy (on `device`) against the CPU model the
+    engine reads in place, over the same steps."""
+    hemiola.init()
+    name = "transformer"
+    torch.manual_seed(0)
+    initial = make_model(name)
+    direct, _ = _run(name, rank, world, options, range(1, steps + 1))
+    copied, opt = _host_copied(name, options, device)
+    for step in range(1, steps + 1):
+        _inner_step(copied, opt, name, step, rank, world, device)
+    copied.synchronize()
+    pairs = list(zip(direct.parameters(), copied.parameters()))
+    return {"max_diff": max(float((a - b.cpu()).abs().max()) for a, b in pairs),
+            "moved": max(float((a - b).abs().max()) for a, b in
+                         zip(direct.parameters(), initial.parameters())),
+            "syncs": copied.stats()["syncs"]}
 
 
 def refusals(rank: int, world: int) -> list[str]:

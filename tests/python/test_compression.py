@@ -79,8 +79,11 @@ def test_int8_checkpoint_carries_the_error_feedback(schedule: str) -> None:
 def test_hooks_hemiola_cannot_honour_are_refused_with_what_to_do() -> None:
     r = run_local(cw.comm_hook_errors, 2, timeout_s=120)[0]
     assert "fp16_compress_hook" in r["custom"] and "compression=" in r["custom"], r
-    assert "powerSGD_hook" in r["batched"], r
+    assert "register powerSGD_hook" in r["batched"], r
     assert "use_error_feedback=False" in r["no-feedback"], r
+    assert "use_error_feedback=True" in r["no-feedback"], r
+    assert "register bf16_compress_hook" in r["wrapped-fp16-hook"], r
+    assert r["fp16-wrapper"] == "fp16" and r["bf16-wrapper"] == "bf16", r
     assert r["allreduce"] == "None"
     assert r["powersgd"] == "powersgd 3 7", r  # the state's rank and first iteration
     assert "before the first backward" in r["late"], r
@@ -116,14 +119,32 @@ def test_powersgd_hook_trains_like_ddp_with_it() -> None:
     assert r["ddp"][:2] == r["hemiola"][:2] == r["plain"][:2]  # warm-up: uncompressed
 
 
-def test_powersgd_hook_under_priority_points_to_wrap() -> None:
-    # priority's buckets are planned with 4 MiB partitions at wrap time, which
-    # PowerSGD could not compress: say how to get it instead of sending the
-    # matrices uncompressed.
-    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
+def test_powersgd_hooks_map_to_powersgd_under_every_schedule() -> None:
+    """powerSGD_hook and fp16_compress_wrapper(powerSGD_hook), the default of
+    public DDP scripts, registered under priority (whose 4 MiB partitions,
+    planned at wrap, would cut the 1100 x 1000 matrix: the buckets are
+    planned again), wfbp and decoupled: each is compression='powersgd', bit
+    for bit where the schedules are (priority and wfbp), and the wrapper says
+    its factors travel in float32."""
+    r = run_local(cw.powersgd_hooks_under_every_schedule, 2, timeout_s=180)
+    for rank in (0, 1):
+        runs = r[rank]
+        reference = runs["wrap"]
+        for name in ("priority-hook", "priority-fp16-wrapper", "wfbp-hook"):
+            assert runs[name]["compression"] == "powersgd", name
+            for a, b in zip(runs[name]["params"], reference["params"]):
+                assert torch.equal(a, b), name
+        assert runs["priority-hook"]["buckets"] == reference["buckets"]
+        # one piece: planned again without priority's partitions
+        assert sum(b.count("net.2.weight") for b in runs["priority-hook"]["buckets"]) == 1
+        moved = max((a - b).abs().max().item() for a, b in
+                    zip(reference["params"], runs["uncompressed"]["params"]))
+        assert moved > 0, "PowerSGD compressed nothing"
+        for name in ("priority-fp16-wrapper", "decoupled-fp16-wrapper"):
+            assert any("float32" in w for w in runs[name]["warnings"]), runs[name]["warnings"]
+        assert runs["decoupled-fp16-wrapper"]["compression"] == "powersgd"
+        assert not runs["priority-hook"]["warnings"]
+    for a, b in zip(r[0]["decoupled-fp16-wrapper"]["params"],
+                    r[1]["decoupled-fp16-wrapper"]["params"]):
+        assert torch.equal(a, b)
 
-    inner = torch.nn.Linear(8, 4)
-    model, _ = hemiola.wrap(inner, torch.optim.SGD(inner.parameters(), lr=0.1),
-                            schedule="priority")
-    with pytest.raises(ValueError, match="compression='powersgd'"):
-        model.register_comm_hook(powersgd.PowerSGDState(None), powersgd.powerSGD_hook)

@@ -25,7 +25,15 @@ def test_corpus_is_deterministic_and_plausible() -> None:
     assert torch.equal(x, lm.epoch_samples(seed=0, epoch=0)[0])
 
 
-@pytest.mark.parametrize("name", ["digits", "lm"])
+def test_character_corpus_is_deterministic() -> None:
+    char = tasks.TASKS["char"]()
+    assert torch.equal(char.tokens, tasks.TASKS["char"]().tokens)
+    assert len(char.tokens) == 1_000_000 and 50 < char.vocabulary < 300
+    text = tasks.load_source()
+    assert "def " in text and "import " in text  # Python's own modules
+
+
+@pytest.mark.parametrize("name", ["digits", "lm", "char"])
 def test_task_builds(name: str) -> None:
     task = tasks.TASKS[name]()
     model = task.model()

@@ -103,6 +103,28 @@ def test_unknown_option_and_schedule_are_named() -> None:
         hemiola.wrap(nn.Linear(2, 2), None, schedule="fastest")
 
 
+def test_sizes_out_of_range_are_named_not_a_crash() -> None:
+    """fusion_mb, first_bucket_mb or partition_mb of 2^44 MiB or more used to
+    crash every rank inside wrap (their bytes overflowed the engine's size_t,
+    and pybind11 3.1 crashes on an argument that does not convert where the
+    result keeps the engine alive)."""
+    from hemiola._native import C
+    from hemiola.distributed import new_engine
+
+    for name, value in (("fusion_mb", 1.77e13), ("first_bucket_mb", float("inf")),
+                        ("partition_mb", float("nan")), ("fusion_mb", -1.0)):
+        with pytest.raises(ValueError, match=f"{name} must be a number of MiB in"):
+            hemiola.wrap(nn.Linear(2, 2), None, **{name: value})
+    model, _ = hemiola.wrap(nn.Linear(2, 2), None, fusion_mb=2.0**20)  # 1 TiB: the bound
+    model(torch.ones(1, 2)).sum().backward()
+    engine, _ = new_engine(10.0)
+    for fusion_bytes in (2**64, -1, 1.5):
+        with pytest.raises(TypeError, match="make_reducer"):
+            engine.make_reducer([(0, 4, "w")], fusion_bytes=fusion_bytes, first_bucket_bytes=1)
+    with pytest.raises(TypeError, match="make_streamer"):
+        C.make_streamer(engine, [], sync_every=-1)
+
+
 def test_single_process_without_torchrun() -> None:
     model, _ = hemiola.wrap(nn.Linear(3, 1), None)
     model(torch.ones(2, 3)).sum().backward()

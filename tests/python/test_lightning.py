@@ -95,12 +95,16 @@ def test_streaming_fits_and_resumes_from_rank_0s_checkpoint(tmp_path: Path) -> N
 
 
 def test_names_are_registered_and_options_checked_at_construction() -> None:
-    from pytorch_lightning.strategies import StrategyRegistry
+    from pytorch_lightning.strategies import DDPStrategy, StrategyRegistry
 
     for name, schedule in (("hemiola", "wfbp"), ("hemiola_priority", "priority"),
                            ("hemiola_decoupled", "decoupled")):
         assert StrategyRegistry[name]["init_params"] == {"schedule": schedule}
-        assert StrategyRegistry[name]["strategy"] is HemiolaStrategy
+        registered = StrategyRegistry[name]["strategy"]
+        assert registered is hemiola.lightning.strategy_class("pytorch_lightning")
+        assert issubclass(registered, HemiolaStrategy) and issubclass(registered, DDPStrategy)
+    # this module uses pytorch_lightning: HemiolaStrategy() is its strategy
+    assert isinstance(HemiolaStrategy(), DDPStrategy)
     with pytest.raises(TypeError, match="fusion_MB"):
         HemiolaStrategy(schedule="priority", fusion_MB=3)
     with pytest.raises(ValueError, match="unknown schedule 'fastest'"):
@@ -162,3 +166,42 @@ def test_value_clipping_works_under_wfbp_and_is_refused_otherwise() -> None:
     # by norm, in process (one rank): through the schedule
     _fit_in_process(HemiolaStrategy(schedule="decoupled"), _OneOptimizer(),
                     gradient_clip_val=0.5)
+
+
+def test_lightning_pytorch_takes_the_names_and_an_instance() -> None:
+    """Lightning's own examples import lightning.pytorch (the `lightning`
+    package), a copy of Lightning whose classes are not pytorch_lightning's:
+    both the registered name and HemiolaStrategy(...) made in code that
+    uses it must be accepted by its Trainer and train through hemiola (one
+    process; the two-rank runs above are pytorch_lightning's)."""
+    L = pytest.importorskip("lightning.pytorch")  # noqa: N806 - Lightning's own name for it
+
+    class Module(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a = torch.nn.Linear(2, 1)
+
+        def training_step(self, batch: Any, _: int) -> torch.Tensor:
+            return self.a(batch[0]).pow(2).sum()
+
+        def configure_optimizers(self) -> Any:
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    assert L.strategies.StrategyRegistry["hemiola_priority"]["strategy"] is \
+        hemiola.lightning.strategy_class("lightning.pytorch")
+    strategy = HemiolaStrategy(schedule="priority")  # this frame's locals hold L
+    assert isinstance(strategy, L.strategies.DDPStrategy)
+    assert not isinstance(strategy, pl.strategies.DDPStrategy)
+    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.ones(4, 2)),
+                                       batch_size=2)
+    for chosen in ("hemiola_priority", strategy):
+        module = Module()
+        before = module.a.weight.detach().clone()
+        trainer = L.Trainer(accelerator="cpu", devices=1, strategy=chosen, max_steps=2,
+                            logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                            enable_model_summary=False)
+        trainer.fit(module, data)
+        assert isinstance(trainer.strategy, HemiolaStrategy)
+        assert trainer.strategy.schedule == "priority"
+        assert getattr(trainer.optimizers[0], "_hemiola_wrapped", False)  # taken over
+        assert not torch.equal(module.a.weight, before)

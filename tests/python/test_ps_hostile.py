@@ -89,13 +89,18 @@ def test_fuzzed_server_keeps_serving_and_applies_nothing_hostile() -> None:
 
 def test_a_worker_without_the_job_token_is_refused() -> None:
     options = {"consistency": "asp", "num_servers": 1, "timeout_s": 10.0}
-    for tokens, fragment in (({0: TOKEN, 1: TOKEN, 2: "other"}, "wrong job token"),
-                             ({0: TOKEN, 1: TOKEN, 2: None}, "no job token presented"),
-                             ({0: None, 1: None, 2: TOKEN}, "runs without one")):
+    for tokens, fragment in (({0: TOKEN, 1: TOKEN, 2: "other"}, "HemiolaError: worker 1: "
+                              "parameter server 0 refused the connection: wrong job token"),
+                             # it would read rank 0's token file: rank 0 has none
+                             ({0: TOKEN, 1: TOKEN, 2: None}, "RuntimeError: hemiola.ps: rank 0 "
+                              "was given HEMIOLA_JOB_TOKEN, rank 2 was not"),
+                             # without one, the job makes its own: not this one
+                             ({0: None, 1: None, 2: TOKEN}, "HemiolaError: worker 1: "
+                              "parameter server 0 refused the connection: wrong job token")):
         outcome = run_local(ps_hostile.token_job, 3, options, tokens, expect_errors=True,
                             timeout_s=60)
         status, text = outcome[2]  # worker 1: refused, clearly, before anything else
-        assert status == "error" and fragment in text and "HemiolaError" in text, text
+        assert status == "error" and fragment in text, text
         assert TOKEN not in text
         # The server never started serving: it names the worker that did not join.
         status, text = outcome[0]
@@ -105,8 +110,10 @@ def test_a_worker_without_the_job_token_is_refused() -> None:
 
 def test_local_jobs_get_a_random_token_unless_one_is_given(monkeypatch: pytest.MonkeyPatch
                                                            ) -> None:
-    """run_local (and with it hemiola demo --ps) never starts an open server."""
-    from hemiola.ps.server import _loopback
+    """run_local (and with it hemiola demo --ps) never starts an open server;
+    a job across machines without a token is refused."""
+    from hemiola.ps.job_token import job_token, one_machine
+    from hemiola.ps.roles import Role
 
     monkeypatch.delenv("HEMIOLA_JOB_TOKEN", raising=False)
     first, second = (run_local(ps_hostile.token_seen, 2) for _ in range(2))
@@ -114,9 +121,81 @@ def test_local_jobs_get_a_random_token_unless_one_is_given(monkeypatch: pytest.M
     assert second[0] != first[0]  # fresh per job
     assert run_local(ps_hostile.token_seen, 2, env={"HEMIOLA_JOB_TOKEN": TOKEN}) == {
         0: TOKEN, 1: TOKEN}
-    # The warning for a server without a token is for non-loopback addresses only.
-    assert _loopback("lo", "") and _loopback("", "127.0.0.1")
-    assert not _loopback("eth0", "10.0.0.1") and not _loopback("", "10.0.0.1")
+    # Without a token, a job on one machine makes its own (stranger_job); one
+    # across machines cannot share it, and is refused, saying what to do.
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    for env, one in (({"WORLD_SIZE": "8", "LOCAL_WORLD_SIZE": "8", "MASTER_ADDR": "10.0.0.1"},
+                      True),
+                     ({"WORLD_SIZE": "8", "MASTER_ADDR": "127.0.0.1"}, True),
+                     ({"WORLD_SIZE": "8", "LOCAL_WORLD_SIZE": "4", "MASTER_ADDR": "10.0.0.1"},
+                      False),
+                     ({"WORLD_SIZE": "8", "MASTER_ADDR": "node-0"}, False)):
+        with monkeypatch.context() as m:
+            for key, value in env.items():
+                m.setenv(key, value)
+            assert one_machine() == one, env
+            if not one:
+                with pytest.raises(RuntimeError, match="set HEMIOLA_JOB_TOKEN to the same"), \
+                        job_token(Role(1, 8, 1), C.MemoryStore(), 1.0):
+                    pass
+
+
+def test_a_stranger_cannot_join_a_torchrun_job_without_a_token(tmp_path: Path) -> None:
+    """torchrun sets no HEMIOLA_JOB_TOKEN. A stranger on the machine used to
+    take worker 1's place there and register a bogus model (the real worker
+    then failed: "the model of worker 0 (rank 1) differs"). Now rank 0 makes
+    a token in a file only the job's user reads, publishes its path: the
+    stranger, run as another user, finds the path and cannot read it."""
+    options = {"consistency": "bsp", "num_servers": 1, "timeout_s": 20.0}
+    outcome = run_local(ps_hostile.stranger_job, 4, options, timeout_s=90)
+    server, worker0, worker1, stranger = (outcome[r] for r in range(4))
+    assert "no job token presented" in stranger["answer"], stranger
+    path = stranger["token_path"]  # the store tells anyone where the token is ...
+    if stranger["other_user"]:  # ... but another user cannot read it
+        assert "Permission denied" in stranger["token_file_error"], stranger
+    assert not Path(path).exists()  # removed when the server stopped
+    assert server["rejected"] == 0 and server["pushes_applied"] == 3 * 6 * 2, server
+    torch.testing.assert_close(worker0["params"], worker1["params"], rtol=0, atol=0)
+
+
+def test_a_worker_that_never_reads_its_replies_is_dropped() -> None:
+    """A worker holding the token asks for 400 copies of a 1 MiB key and reads
+    none: the server's send queue to it used to keep them all (400 MiB). Now
+    the server drops it past its bound (16 MiB plus four copies of its
+    shard), saying why and naming it; its memory stays bounded and the real
+    worker trains on."""
+    options = {"consistency": "asp", "num_servers": 1, "timeout_s": 20.0}
+    outcome = run_local(ps_hostile.unread_pulls_job, 3, options, 400,
+                        env={"HEMIOLA_JOB_TOKEN": TOKEN}, timeout_s=120)
+    server, worker, greedy = outcome[0], outcome[1], outcome[2]
+    assert 400 * greedy["reply_bytes"] == 400 * 2**20, greedy
+    assert greedy["dropped"] and greedy["dropped_after_s"] < 10, greedy
+    assert server["peak_rss_growth_mb"] < 100, server["peak_rss_growth_mb"]
+    assert server["dead_workers"] == [1], server
+    assert any("worker 1 (rank 2) disconnected: more than" in r
+               and "it does not read what it asks for" in r for r in server["rejections"]), server
+    assert len(worker["losses"]) == 10
+
+
+def test_workers_must_agree_on_valid_optimizer_settings() -> None:
+    """Two jobs in one spawned group. Workers at learning rates 0.05 and 0.5:
+    bsp used to average their gradients and step with whichever pushed last,
+    without a word. Worker 1 setting lr = NaN mid-run: the bsp round used to
+    lock, the other worker waiting timeout_s (20 s) for "a worker" named by
+    nobody."""
+    outcome = run_local(ps_hostile.settings_jobs, 3, timeout_s=90)
+    assert "differ" in outcome[0]["mismatch"]["error"], outcome[0]
+    for rank in (1, 2):
+        text = outcome[rank]["mismatch"]["error"]  # whichever registered first is the reference
+        assert text.startswith("ValueError: the optimizer settings of parameter 'net.0.weight' "
+                               "differ: worker "), text
+        assert "lr 0.5" in text and "lr 0.05" in text and "worker 1 (rank 2)" in text, text
+    bad, honest = outcome[2]["nan"], outcome[1]["nan"]
+    assert bad["error"].startswith("ValueError: parameter 'net.0.weight' would step with a "
+                                   "non-finite lr (nan)"), bad
+    assert "worker 1 (rank 2)" in honest["error"], honest
+    assert honest["after_s"] < 10, honest  # at once, not after timeout_s
+    assert "worker 1 (rank 2)" in outcome[0]["nan"]["error"], outcome[0]
 
 
 def test_right_token_trains() -> None:

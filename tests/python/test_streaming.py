@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import streaming_workers
+import torch
 
 from hemiola.launch import run_local
 
@@ -49,6 +50,31 @@ def test_resume_repeats_the_uninterrupted_run(tmp_path: Path, options: dict[str,
     if options.get("overlap"):
         # Stopped while fragment 0 (sent after step 3) was still on the wire.
         assert all(r["in_flight_at_stop"] == 0 for r in results.values()), results
+
+
+def test_the_gpu_paths_host_copy_changes_nothing_on_the_cpu() -> None:
+    # A GPU model's parameters reach the engine through a host copy that only
+    # the fragments a step sends or lands cross; run on the CPU, that copy
+    # must give the run the engine makes reading the parameters in place.
+    options = {"sync_every": 6, "fragments": 3, "overlap": 1, "compression": "int8"}
+    results = run_local(streaming_workers.host_copy_is_the_same_run, 2, options, 13, "cpu",
+                        timeout_s=240)
+    for r in results.values():
+        assert r["max_diff"] == 0.0, r
+        assert r["syncs"] >= 5 and r["moved"] > 1e-3, r
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_a_gpu_model_streams_as_the_cpu_model() -> None:
+    # Three ranks share the GPU (the outer wire is the engine's Gloo); the
+    # inner AdamW runs on the GPU, so only float rounding may differ.
+    options = {"sync_every": 6, "fragments": 3, "overlap": 1, "compression": "int8"}
+    results = run_local(streaming_workers.host_copy_is_the_same_run, 3, options, 13, "cuda",
+                        timeout_s=300)
+    for r in results.values():
+        assert r["max_diff"] < 1e-4, r
+        assert r["syncs"] >= 5 and r["moved"] > 1e-3, r
 
 
 def test_refuses_with_a_message_that_says_what_to_do() -> None:

@@ -677,3 +677,35 @@ def clip_norms(rank: int, world: int, schedule: str, read: str,
         returned.append(norm.item() if read == "now" else norm)
         opt.step()
     return {"returned": [float(n) for n in returned], "local": local}
+
+
+def second_step(rank: int, world: int) -> dict[str, Any]:
+    """optimizer.step() twice after one backward under priority and
+    decoupled (issue 41: the ranks' models used to differ, silently): what
+    the second step raised, and the parameters after going on the allowed
+    way (zero_grad(set_to_none=False) then a step, which steps from zeros on
+    every rank alike, as DDP would, and one more iteration)."""
+    hemiola.init()
+    out: dict[str, Any] = {}
+    for schedule in ("priority", "decoupled"):
+        torch.manual_seed(0)
+        m = make_model("mlp")
+        model, opt = hemiola.wrap(m, _optimizer("sgd", m.parameters()), schedule=schedule,
+                                  timeout_s=60)
+        message = "no error"
+        for step in range(3):
+            x, y = make_batch("mlp", step, rank, world)
+            opt.zero_grad()
+            loss_of("mlp", model(x), y).backward()
+            opt.step()
+            if step == 1:
+                try:
+                    opt.step()
+                except RuntimeError as e:
+                    message = str(e)
+                opt.zero_grad(set_to_none=False)
+                opt.step()
+        model.synchronize()
+        out[schedule] = {"message": message,
+                         "params": [p.detach().clone() for p in m.parameters()]}
+    return out

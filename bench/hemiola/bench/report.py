@@ -171,7 +171,14 @@ def cluster_table(rows: Rows) -> str:
 
 def advise_table(rows: Rows) -> str:
     """Per model, rate and world size: each configuration's predicted and
-    measured time, the advice and the fastest measured marked."""
+    measured time, the advice and the fastest measured marked. Rows of the
+    advise before its predictions per configuration (one advice per rate, no
+    ``config``) render as they did: one line per rate."""
+    if not any("config" in r for r in rows):
+        head = ["link", "advice", "predicted ms", "measured ms", "error"]
+        lines = [[rate_label(r["rate"]), f"`{r['choice']}`", f"{r['predicted_ms']:.1f}",
+                  f"{r['measured_ms']:.1f}", f"{100 * r['error']:+.1f}%"] for r in rows]
+        return f"{rows[0]['world']} ranks:\n\n" + _table(head, lines)
     parts = []
     for key in dict.fromkeys((r["model"], r["rate"], r["world"]) for r in rows):
         mine = [r for r in rows if (r["model"], r["rate"], r["world"]) == key]
@@ -196,7 +203,9 @@ def advise_table(rows: Rows) -> str:
 
 def streaming_table(rows: Rows) -> str:
     """Per task and rate: one line per contender, each metric's mean over seeds
-    (``hemiola bench streaming``); skipped contenders are named below."""
+    (± the standard deviation over seeds of time, utilisation and loss when
+    there are several; ``hemiola bench streaming``); skipped contenders are
+    named below."""
     import statistics
 
     def mean(values: list[Any]) -> float | None:
@@ -205,6 +214,13 @@ def streaming_table(rows: Rows) -> str:
 
     def cell(value: float | None, fmt: str) -> str:
         return "–" if value is None else f"{value:{fmt}}"
+
+    def spread(values: list[Any], fmt: str) -> str:
+        """The mean, and ± the standard deviation over seeds when several."""
+        m = mean(values)
+        if m is None or len(values) < 2:
+            return cell(m, fmt)
+        return f"{m:{fmt}} ± {statistics.stdev(values):{fmt}}"
 
     runs = [r for r in rows if r.get("row") == "run"]
     parts = []
@@ -218,11 +234,11 @@ def streaming_table(rows: Rows) -> str:
             reached = [r["seconds_to_target"] for r in rs]
             label = rs[0]["label"] + (" ¹" if rs[0]["kind"] == "compute" else "")
             lines.append([
-                label, cell(mean([r["ms_per_step"] for r in rs]), ".1f"),
-                cell(mean([r["compute_utilisation"] for r in rs]), ".2f"),
+                label, spread([r["ms_per_step"] for r in rs], ".1f"),
+                spread([r["compute_utilisation"] for r in rs], ".2f"),
                 cell(mean([r["bytes_per_token"] for r in rs]), ".0f"),
                 cell(mean([r["bytes_per_token_measured"] for r in rs]), ".0f"),
-                cell(mean([r["heldout_loss"] for r in rs]), ".4f"),
+                spread([r["heldout_loss"] for r in rs], ".4f"),
                 cell(mean(reached), ".1f") + ("" if None not in reached else
                                                f" ({sum(v is not None for v in reached)}"
                                                f"/{len(reached)} reached)")])
@@ -237,6 +253,8 @@ def streaming_table(rows: Rows) -> str:
                  f"{', '.join(f'{t:g}' for t in targets)}):")
         note = ("\n\n¹ each rank trains alone: its loss is at 1/"
                 f"{first['world']} of the tokens per model.")
+        if not any(r["kind"] == "compute" for r in mine):
+            note = ""
         parts.append(title + "\n\n" + _table(head, lines) + note)
     for r in rows:
         if r.get("row") == "skipped":

@@ -129,7 +129,8 @@ def rows_of(result: dict[str, Any], config: dict[str, Any], rate: str, world: in
             "suite": "streaming", "row": "run", "task": config["task"], "rate": rate,
             "seed": config["seed"], "world": world, "steps": steps, "contender": name,
             "label": spec.label, "kind": spec.kind, "h": spec.h, "fragments": spec.fragments,
-            "overlap": spec.overlap, "coding": spec.coding, "params": params,
+            "overlap": spec.overlap, "coding": spec.coding, "outer_lr": spec.outer_lr,
+            "outer_momentum": spec.outer_momentum, "params": params,
             "tokens_per_rank_step": tps,
             "tokens_per_model": steps * tps * (1 if spec.kind == "compute" else world),
             "ms_per_step": ms, "step_ms": percentiles(r["step_ms"]),
@@ -179,7 +180,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--contenders",
                         help="comma-separated, instead of the default set: compute, ddp, a "
                              "per-step hemiola contender (decoupled+int8), "
-                             "streaming-hH[-fFtT][+CODING], torchft-hH")
+                             "streaming-hH[-fFtT][+CODING][@lrLmM], torchft-hH[@lrLmM] "
+                             "(@lrLmM: outer lr L, momentum M)")
     parser.add_argument("--steps", type=int, default=300, help="inner steps (default 300)")
     parser.add_argument("--eval-every", type=int, default=50,
                         help="steps per block; rank 0 evaluates after each (default 50)")

@@ -8,14 +8,16 @@ A contender is named (``parse``):
 - ``ddp``: torch DistributedDataParallel over Gloo;
 - a :class:`~hemiola.bench.contender.Contender` with a per-step schedule, e.g.
   ``decoupled+int8``;
-- ``streaming-hH[-fFtT][+CODING]``: ``hemiola.wrap(schedule="streaming",
+- ``streaming-hH[-fFtT][+CODING][@lrLmM]``: ``hemiola.wrap(schedule="streaming",
   sync_every=H, fragments=F, overlap=T, compression=CODING)``;
-- ``torchft-hH``: torchft's ``torchft.local_sgd.DiLoCo`` (one fragment,
+- ``torchft-hH[@lrLmM]``: torchft's ``torchft.local_sgd.DiLoCo`` (one fragment,
   blocking), each rank a replica group of one with its own TCPStore, a
   ``torchft.Manager`` and rank 0 hosting the ``LighthouseServer``.
 
 Every inner optimizer is the task's (AdamW, warmup + cosine); every outer one
-is DiLoCo's (SGD, lr 0.7, momentum 0.9, Nesterov).
+is SGD, by default DiLoCo's (lr 0.7, momentum 0.9, Nesterov); ``@lrLmM`` sets
+its learning rate L and momentum M (Nesterov when M > 0): ``@lr1m0`` is plain
+averaging of the models (local SGD).
 """
 
 from __future__ import annotations
@@ -35,7 +37,8 @@ from torch import nn
 
 #: ``streaming-h20-f2t1+int8`` / ``torchft-h20``
 LOW_COMM = re.compile(r"(?P<kind>streaming|torchft)-h(?P<h>\d+)"
-                      r"(?:-f(?P<f>\d+)t(?P<t>\d+))?(?:\+(?P<coding>\w+))?")
+                      r"(?:-f(?P<f>\d+)t(?P<t>\d+))?(?:\+(?P<coding>\w+))?"
+                      r"(?:@lr(?P<lr>[0-9.]+)m(?P<m>[0-9.]+))?")
 #: bytes per element on the wire of each coding (int8: one scale per 256)
 CODING_BYTES = {"": 4.0, "fp16": 2.0, "bf16": 2.0, "int8": 1.0 + 4.0 / 256}
 #: DiLoCo's outer optimizer, torchft's and hemiola's default alike
@@ -54,6 +57,14 @@ class Spec:
     fragments: int = 1
     overlap: int = 0
     coding: str = ""
+    outer_lr: float = OUTER["lr"]  # type: ignore[assignment]
+    outer_momentum: float = OUTER["momentum"]  # type: ignore[assignment]
+
+    @property
+    def outer(self) -> dict[str, Any]:
+        """The outer SGD's arguments (Nesterov whenever it has momentum)."""
+        return {"lr": self.outer_lr, "momentum": self.outer_momentum,
+                "nesterov": self.outer_momentum > 0}
 
     @property
     def label(self) -> str:
@@ -70,7 +81,13 @@ class Spec:
         shape = ""
         if self.fragments > 1 or self.overlap:
             shape = f", F={self.fragments} τ={self.overlap}"
-        return f"{lib} H={self.h}{shape}" + (f" + {self.coding}" if self.coding else "")
+        outer = ""
+        if (self.outer_lr, self.outer_momentum) != (OUTER["lr"], OUTER["momentum"]):
+            outer = (", averaging (outer lr 1, no momentum)"
+                     if (self.outer_lr, self.outer_momentum) == (1.0, 0.0) else
+                     f", outer lr {self.outer_lr:g} momentum {self.outer_momentum:g}")
+        return (f"{lib} H={self.h}{shape}" + (f" + {self.coding}" if self.coding else "")
+                + outer)
 
 
 def parse(name: str) -> Spec:
@@ -83,14 +100,18 @@ def parse(name: str) -> Spec:
         coding = m["coding"] or ""
         if coding not in CODING_BYTES:
             raise ValueError(f"{name}: unknown coding {coding!r}; known: fp16, bf16, int8")
-        if m["kind"] == "torchft" and (f > 1 or t or coding):
+        if m["kind"] == "torchft" and (f > 1 or t or coding):  # (@lrLmM is allowed)
             raise ValueError(f"{name}: the torchft contender is its blocking one-fragment "
                              "DiLoCo (torchft-hH): its should_quantize needs triton (GPU "
                              "kernels) and sends float32 without it, and its fragments "
                              "need the model cut by hand")
         if h < 1 or f < 1 or (t and t * f >= h):
             raise ValueError(f"{name}: needs H >= 1, F >= 1 and tau < H/F")
-        return Spec(name, m["kind"], h, f, t, coding)
+        lr = float(m["lr"]) if m["lr"] else OUTER["lr"]
+        momentum = float(m["m"]) if m["m"] else OUTER["momentum"]
+        if not (0 < lr and 0 <= momentum < 1):  # type: ignore[operator]
+            raise ValueError(f"{name}: the outer lr must be positive and its momentum in [0, 1)")
+        return Spec(name, m["kind"], h, f, t, coding, lr, momentum)  # type: ignore[arg-type]
     from hemiola.bench.contender import Contender
 
     contender = Contender.parse(name)  # raises ValueError on unknown names
@@ -184,7 +205,8 @@ class TorchFT:
                                      wait_for_workers=False) for k in range(contenders)]
         self.managers = 0
 
-    def wrap(self, model: nn.Module, inner: torch.optim.Optimizer, h: int) -> list[Any]:
+    def wrap(self, model: nn.Module, inner: torch.optim.Optimizer, h: int,
+             outer_hyper: dict[str, Any]) -> list[Any]:
         """A Manager and an entered ``DiLoCo`` around `model` and `inner`;
         returns what closes them, in order."""
         from torchft import Manager
@@ -202,7 +224,7 @@ class TorchFT:
             rank=0, world_size=1, port=self.port + 50 + 2 * k + self.rank,
             hostname=self.addr, init_sync=False, timeout=timedelta(seconds=300),
             quorum_timeout=timedelta(seconds=300))
-        outer = torch.optim.SGD(model.parameters(), **OUTER)  # type: ignore[arg-type]
+        outer = torch.optim.SGD(model.parameters(), **outer_hyper)
         diloco = DiLoCo(manager, [model], inner, outer, sync_every=h, pin_memory=False)
         diloco.__enter__()
         return [lambda: diloco.__exit__(None, None, None), lambda: manager.shutdown(wait=False)]
@@ -242,11 +264,13 @@ def build(spec: Spec, task: Any, total: int, seed: int, ft: TorchFT | None) -> R
     elif spec.kind == "streaming":
         model, optimizer = hemiola.wrap(
             model, optimizer, schedule="streaming", sync_every=spec.h,
-            fragments=spec.fragments, overlap=spec.overlap, compression=spec.coding or None)
+            fragments=spec.fragments, overlap=spec.overlap, compression=spec.coding or None,
+            outer_lr=spec.outer_lr, outer_momentum=spec.outer_momentum,
+            outer_nesterov=spec.outer_momentum > 0)
     elif spec.kind == "torchft":
         if ft is None:
             raise RuntimeError("torchft is not set up on this rank")
-        closers = ft.wrap(model, optimizer, spec.h)
+        closers = ft.wrap(model, optimizer, spec.h, spec.outer)
     return Run(spec, model, optimizer, task.lr_scheduler(optimizer, total), closers=closers)
 
 

@@ -27,8 +27,10 @@
 // model), plus the live values the fragment in flight was sent from (the
 // largest fragment), plus, with int8, one float32 residual per element.
 //
-// Host (CPU) parameters only, for now. Not thread-safe: one training loop
-// calls it.
+// The live values are host memory: for a GPU model the caller keeps a host
+// copy of the parameters and moves the fragments of next_step_fragments()
+// across around each after_inner_step() (python/hemiola/streaming.py does).
+// Not thread-safe: one training loop calls it.
 #pragma once
 
 #include <cstddef>
@@ -83,6 +85,11 @@ class HEMIOLA_API Streamer {
   // fragment whose overlap ends now (waiting for its average if it has not
   // arrived), and sends the fragments due after step s.
   void after_inner_step();
+  // The fragments the next after_inner_step() will read or write the live
+  // values of (the one that lands, those sent), without changing anything:
+  // a caller that keeps the live values elsewhere (a GPU model's host copy)
+  // refreshes exactly these before the step and writes them back after.
+  std::vector<size_t> next_step_fragments() const;
   // Inner steps counted so far.
   uint64_t inner_steps() const;
   // Waits until the fragment on the wire (if any) has its average; it still

@@ -69,6 +69,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -169,6 +170,17 @@ struct UpdaterOptions {
   // with a GradScaler, whose skip the host decides. Experimental until it has
   // run on a GPU (docs/gpu.md).
   bool device_clip_norms = false;
+  // Set: the total norm clipping scales by (StepOptions::clip_max_norm), of
+  // the averaged gradients `grads` of parameters `indices` (those some rank
+  // used; host memory, valid during the call) in `norm_type`, is this
+  // function's: the caller's framework's own (torch's get_total_norm, summed
+  // in its order), so that the coefficient is the one its clip_grad_norm_
+  // computes bit for bit. Called on the thread of the Updater call that
+  // lands, once per clipped iteration; CPU parameters only. Unset: the
+  // engine's norm (each tensor's accumulated in double, then rounded).
+  std::function<double(const std::vector<size_t>& indices, const std::vector<TensorRef>& grads,
+                       double norm_type)>
+      clip_norm;
 };
 
 // What one step() applies, as the iteration ran.

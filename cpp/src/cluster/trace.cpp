@@ -84,6 +84,10 @@ std::vector<JobSpec> parse_trace(std::istream& in, const std::string& source,
     throw std::invalid_argument(source + ": max_rows must be > 0 (or -1 for all rows), got " +
                                 std::to_string(options.max_rows));
   }
+  if (options.max_jobs < 1 || options.max_jobs > kMaxJobs) {
+    throw std::invalid_argument(source + ": max_jobs must be in 1.." + std::to_string(kMaxJobs) +
+                                ", got " + std::to_string(options.max_jobs));
+  }
   validate_cluster(cluster);
   CsvReader reader(in, source, {"timestamp", "duration", "num_gpus"});
   Rng rng(options.seed);
@@ -99,6 +103,14 @@ std::vector<JobSpec> parse_trace(std::istream& in, const std::string& source,
     }
     if (row < options.first_row) continue;
     if (options.max_rows >= 0 && row >= options.first_row + options.max_rows) break;
+    // Checked before the row is kept: a file of 25M rows used to take the
+    // whole of it into memory (or run out) before the simulator refused it.
+    if (static_cast<long long>(jobs.size()) >= options.max_jobs) {
+      throw std::invalid_argument(
+          reader.where() + ": more than " + std::to_string(options.max_jobs) +
+          " jobs selected (the simulator's limit); select fewer rows with first_row and "
+          "max_rows (--first-row, --max-rows)");
+    }
     JobSpec job;
     job.origin = reader.where();
     long long stamp = 0;

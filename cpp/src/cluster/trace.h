@@ -19,6 +19,9 @@ struct TraceOptions {
   // Asked every few milliseconds while the file is read: true stops the load
   // with Interrupted (Python's bindings raise KeyboardInterrupt on Ctrl-C).
   StopCheck stop;
+  // At most this many jobs (the simulator's limit): a selection of more is
+  // refused at the row past it, while reading, not after loading them all.
+  long long max_jobs = kMaxJobs;
 };
 
 // Longest duration a row may have: one year (the longest Philly job is 53 days).
@@ -39,7 +42,8 @@ constexpr double kMaxTraceDurationS = 365.0 * 86400.0;
 // Malformed rows (a date that does not exist, a non-decimal count, a duration
 // above kMaxTraceDurationS or iterations above kMaxIterations, ...) throw
 // std::invalid_argument naming the source and line; so does an empty
-// selection (no data rows, first_row past the end, max_rows 0).
+// selection (no data rows, first_row past the end, max_rows 0) and one of
+// more than options.max_jobs rows.
 std::vector<JobSpec> parse_trace(std::istream& in, const std::string& source,
                                  const std::vector<ModelSpec>& models, const ClusterSpec& cluster,
                                  const TraceOptions& options);

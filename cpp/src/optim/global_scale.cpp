@@ -24,14 +24,20 @@ DType promote(DType a, DType b) {
 }  // namespace
 
 GlobalScale global_scale(const std::vector<HostGrad>& grads, double clip_max_norm,
-                         double clip_norm_type, bool skip_if_not_finite) {
+                         double clip_norm_type, bool skip_if_not_finite,
+                         const double* total_norm) {
   const double p = clip_max_norm >= 0.0 ? clip_norm_type : 2.0;
   const bool inf_norm = std::isinf(p);
+  // With the caller's total, the elements are read only for the skip.
+  const bool count = total_norm == nullptr || skip_if_not_finite;
   double exact = 0.0;    // all elements, unrounded
   double rounded = 0.0;  // over the per-tensor norms rounded to their dtype
   DType total_dtype = DType::kBFloat16;
   bool first = true;
   for (const HostGrad& t : grads) {
+    total_dtype = first ? t.dtype : promote(total_dtype, t.dtype);
+    first = false;
+    if (!count) continue;
     double acc = 0.0;
     accumulate_norm(t.data, t.numel, t.dtype, p, acc);
     const double norm = round_to(t.dtype, finish_norm(acc, p));
@@ -42,14 +48,13 @@ GlobalScale global_scale(const std::vector<HostGrad>& grads, double clip_max_nor
       exact += acc;
       rounded += std::pow(norm, p);
     }
-    total_dtype = first ? t.dtype : promote(total_dtype, t.dtype);
-    first = false;
   }
   GlobalScale scale;
   scale.skip = skip_if_not_finite && !std::isfinite(finish_norm(exact, p));
   if (clip_max_norm >= 0.0) {
     const DType d = total_dtype;
-    const double total = round_to(d, inf_norm ? rounded : std::pow(rounded, 1.0 / p));
+    const double total = round_to(
+        d, total_norm ? *total_norm : inf_norm ? rounded : std::pow(rounded, 1.0 / p));
     // max_norm / x is reciprocal(x) * max_norm for a tensor x.
     const double inverse = round_to(d, 1.0 / round_to(d, total + 1e-6));
     const float product = static_cast<float>(inverse) * static_cast<float>(clip_max_norm);

@@ -31,8 +31,11 @@ struct HostGrad {
 
 // The scale of the gradients `grads` (a parameter no rank used is left out by
 // the caller). `clip_max_norm` < 0: no clipping, and the finiteness check
-// then reads the 2-norm.
+// then reads the 2-norm. `total_norm`, if given, is the caller's total norm
+// of `grads` (torch's, summed in its order: UpdaterOptions::clip_norm),
+// clipped by instead of this function's own.
 GlobalScale global_scale(const std::vector<HostGrad>& grads, double clip_max_norm,
-                         double clip_norm_type, bool skip_if_not_finite);
+                         double clip_norm_type, bool skip_if_not_finite,
+                         const double* total_norm = nullptr);
 
 }  // namespace hemiola::optim

@@ -49,15 +49,17 @@ Channel::~Channel() {
 
 bool Channel::send(Header header, std::vector<char> payload) {
   header.payload_bytes = static_cast<int64_t>(payload.size());
+  bool queued = false, overflowed = false;
   {
     std::lock_guard<std::mutex> lock(mutex_);
     if (closing_ || !send_failure_.empty()) return false;
     header.seq = next_seq_++;
     header.checksum = header_checksum(header);
-    queue_.push_back(Outgoing{frame(header, payload)});
+    queued = push_locked(frame(header, payload), &overflowed);
   }
+  if (overflowed) shut_down_after_overflow();
   changed_.notify_all();
-  return true;
+  return queued;
 }
 
 bool Channel::send_raw(std::vector<char> bytes) { return enqueue(std::move(bytes)); }
@@ -67,13 +69,55 @@ bool Channel::send_raw(const Header& header, const std::vector<char>& payload) {
 }
 
 bool Channel::enqueue(std::vector<char> bytes) {
+  bool queued = false, overflowed = false;
   {
     std::lock_guard<std::mutex> lock(mutex_);
     if (closing_ || !send_failure_.empty()) return false;
-    queue_.push_back(Outgoing{std::move(bytes)});
+    queued = push_locked(std::move(bytes), &overflowed);
   }
+  if (overflowed) shut_down_after_overflow();
   changed_.notify_all();
+  return queued;
+}
+
+bool Channel::push_locked(std::vector<char> bytes, bool* overflowed) {
+  if (queue_limit_ > 0 && queued_bytes_ + bytes.size() > queue_limit_) {
+    // The peer asks for more than it reads: what is queued for it would only
+    // grow. Nothing more goes to it; the owner learns why from receive().
+    send_failure_ = detail::concat("more than ", queue_limit_, " bytes of messages for ", peer_,
+                                   " waited to be sent (", queued_bytes_, " queued, ",
+                                   bytes.size(), " more): it does not read what it asks for, "
+                                   "so the connection was dropped");
+    queue_.clear();
+    queued_bytes_ = 0;
+    overflowed_ = true;
+    *overflowed = true;
+    return false;
+  }
+  queued_bytes_ += bytes.size();
+  queue_.push_back(Outgoing{std::move(bytes)});
   return true;
+}
+
+void Channel::shut_down_after_overflow() {
+  // Unblocks a sender stuck on a full socket buffer and the receive loop,
+  // which then reports send_failure_. The socket's close will be abortive
+  // (a reset): what the kernel still holds for a peer that reads nothing is
+  // dropped, and the peer learns at once that it was cut off.
+  if (!socket_) return;
+  const linger abort_on_close{1, 0};
+  ::setsockopt(socket_.fd(), SOL_SOCKET, SO_LINGER, &abort_on_close, sizeof abort_on_close);
+  ::shutdown(socket_.fd(), SHUT_RDWR);
+}
+
+bool Channel::overflowed() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return overflowed_;
+}
+
+void Channel::set_queue_limit(size_t bytes) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  queue_limit_ = bytes;
 }
 
 void Channel::drain(std::chrono::milliseconds timeout) {
@@ -113,6 +157,7 @@ void Channel::sender_loop() {
       } else {
         message = std::move(queue_.front());
         queue_.pop_front();
+        queued_bytes_ -= message.bytes.size();
       }
       sending_ = true;
     }
@@ -122,8 +167,9 @@ void Channel::sender_loop() {
       std::lock_guard<std::mutex> lock(mutex_);
       sending_ = false;
       if (!failure.empty()) {
-        send_failure_ = failure;
+        if (send_failure_.empty()) send_failure_ = failure;  // an overflow's reason stays
         queue_.clear();
+        queued_bytes_ = 0;
       }
     }
     changed_.notify_all();
@@ -142,6 +188,10 @@ bool Channel::receive(Header* header, std::vector<char>* payload) {
     const bool closed_by_peer = errno == 0;
     const std::string error = errno_text();
     if (closed_) return false;
+    {  // The channel shut its socket down itself (its send queue overflowed): that is why.
+      std::lock_guard<std::mutex> lock(mutex_);
+      if (overflowed_) HEMIOLA_THROW(ErrorCode::kCommFailure, send_failure_);
+    }
     if (closed_by_peer && got == 0 && std::strcmp(what, "header") == 0)
       HEMIOLA_THROW(ErrorCode::kCommFailure, "connection to ", peer_, " closed");
     if (closed_by_peer)

@@ -15,7 +15,10 @@
 // Sends are queued and performed by the channel's own sender thread, so a
 // caller never blocks on the network (a server's receive loop must never wait
 // for a worker to read). Messages arrive in the order they were sent.
-// receive() is meant for one thread.
+// receive() is meant for one thread. The queue may be bounded (bytes): a peer
+// that asks for more than it reads (pulls whose replies it never takes) would
+// otherwise grow it without limit; past the bound the channel fails, and its
+// socket is shut down, so its receive() fails too, with that reason.
 //
 // Liveness: when nothing has been sent for `heartbeat`, the sender thread
 // sends a ping (which receive() swallows), so a peer that is alive is never
@@ -55,8 +58,11 @@ class Channel {
   Channel& operator=(const Channel&) = delete;
 
   // Queues a message; the channel sets seq, payload_bytes and checksum. False
-  // when the channel has failed or closed (the message is dropped).
+  // when the channel has failed or closed (the message is dropped), or when
+  // queueing it would exceed the queue's bound: the channel then fails.
   bool send(Header header, std::vector<char> payload = {});
+  // Bounds the bytes waiting in the send queue (0: no bound, the default).
+  void set_queue_limit(size_t bytes);
   // Queues bytes exactly as given: no framing, no seq, no checksum (tests craft
   // malformed, truncated and replayed messages with it).
   bool send_raw(std::vector<char> bytes);
@@ -78,6 +84,9 @@ class Channel {
   const std::string& peer() const { return peer_; }
   // Why sending stopped (empty while healthy).
   std::string send_failure() const;
+  // The send queue exceeded its bound: the socket is shut down, and its
+  // close (disconnect()) resets the connection.
+  bool overflowed() const;
   // How long since anything (a message or a ping) arrived from the peer.
   std::chrono::steady_clock::duration silent_for() const;
 
@@ -86,6 +95,11 @@ class Channel {
     std::vector<char> bytes;  // header and payload, ready for the wire
   };
   bool enqueue(std::vector<char> bytes);
+  // Lock held: queues `bytes`, or fails the channel when they would exceed
+  // the bound (true in `overflowed`: the caller then shuts the socket down).
+  bool push_locked(std::vector<char> bytes, bool* overflowed);
+  // After an overflow: wakes the sender and a blocked receive.
+  void shut_down_after_overflow();
   void sender_loop();
 
   std::string peer_;
@@ -95,6 +109,9 @@ class Channel {
   mutable std::mutex mutex_;
   std::condition_variable changed_;
   std::deque<Outgoing> queue_;
+  size_t queued_bytes_ = 0;  // in queue_
+  size_t queue_limit_ = 0;   // 0: no bound
+  bool overflowed_ = false;  // the bound was exceeded: the channel shut its socket down
   bool sending_ = false;  // the sender holds a message outside the queue
   bool closing_ = false;
   std::string send_failure_;

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstring>
+#include <map>
 
 #include "ps/client_impl.h"
 #include "ps/connect.h"
@@ -18,10 +19,16 @@ using Clock = std::chrono::steady_clock;
 constexpr size_t kMaxRecords = 4096;
 
 // The header carries no maximize or amsgrad: the servers step without them.
-void check_server_steps(const OptimizerHyper& h) {
+// A setting the servers would refuse is refused here first, where the
+// script that set it runs.
+void check_server_steps(OptimizerKind kind, const std::string& name, const OptimizerHyper& h) {
   HEMIOLA_CHECK(!h.maximize && !h.amsgrad,
                 "the parameter server steps without maximize and amsgrad; got maximize=",
                 h.maximize, ", amsgrad=", h.amsgrad);
+  if (const auto bad = hyper_problem(kind, h); !bad.empty())
+    HEMIOLA_THROW(ErrorCode::kInvalidArgument, "parameter '", name, "' would step with ", bad,
+                  ": the servers refuse it. Check the optimizer's param_groups (an LR "
+                  "scheduler or a script that sets the learning rate)");
 }
 
 }  // namespace
@@ -235,15 +242,20 @@ void Client::initialize(const std::vector<const float*>& initial,
   auto& im = *impl_;
   HEMIOLA_CHECK(hyper.size() == im.numels.size(),
                 "one set of hyper-parameters per tensor expected, got ", hyper.size());
-  for (const auto& h : hyper) check_server_steps(h);
+  for (size_t t = 0; t < hyper.size(); ++t)
+    check_server_steps(im.opt.optimizer, im.names[t], hyper[t]);
   HEMIOLA_CHECK(im.opt.worker_index == 0 ? initial.size() == im.numels.size() : initial.empty(),
                 "worker 0 passes one initial pointer per tensor; other workers pass none");
   {
     std::unique_lock<std::mutex> lock(im.mutex);
     im.hyper = hyper;
     for (int s = 0; s < im.opt.num_servers; ++s) {
-      const std::string table = make_table(im.shards, im.names, s, im.opt.optimizer);
-      im.send_control(s, MessageType::kRegister, std::vector<char>(table.begin(), table.end()));
+      std::map<int32_t, OptimizerHyper> settings;  // of this server's keys
+      for (const auto& shard : im.shards)
+        if (shard.server == s) settings[shard.key] = hyper[static_cast<size_t>(shard.tensor)];
+      const std::string text =
+          make_registration(make_table(im.shards, im.names, s, im.opt.optimizer), settings);
+      im.send_control(s, MessageType::kRegister, std::vector<char>(text.begin(), text.end()));
     }
     im.wait(lock, [&] { return im.registered == im.opt.num_servers; }, "registration");
     if (im.opt.worker_index == 0) {
@@ -260,7 +272,7 @@ void Client::initialize(const std::vector<const float*>& initial,
 
 void Client::set_hyper(int tensor, const OptimizerHyper& hyper) {
   impl_->keys_of(tensor);  // range check
-  check_server_steps(hyper);
+  check_server_steps(impl_->opt.optimizer, impl_->names[static_cast<size_t>(tensor)], hyper);
   std::lock_guard<std::mutex> lock(impl_->mutex);
   impl_->hyper[static_cast<size_t>(tensor)] = hyper;
 }

@@ -4,11 +4,37 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <utility>
 
 #include "hemiola/optimizer.h"
 #include "hemiola/status.h"
 
 namespace hemiola::ps {
+
+namespace {
+
+// The shortest of %.6g and %.17g that reads back as `v`: 0.05, not
+// 0.050000000000000003, but two values that differ never print alike.
+std::string format_value(double v) {
+  char text[32];
+  std::snprintf(text, sizeof text, "%.6g", v);
+  if (std::strtod(text, nullptr) != v && !std::isnan(v)) std::snprintf(text, sizeof text, "%.17g", v);
+  return text;
+}
+
+// The settings `kind` steps with, by torch.optim's names.
+std::vector<std::pair<const char*, double>> settings(OptimizerKind kind, const OptimizerHyper& h) {
+  if (kind == OptimizerKind::kSgd)
+    return {{"lr", h.lr}, {"momentum", h.momentum}, {"dampening", h.dampening},
+            {"weight_decay", h.weight_decay}, {"nesterov", h.nesterov ? 1.0 : 0.0}};
+  return {{"lr", h.lr}, {"beta1", h.beta1}, {"beta2", h.beta2}, {"eps", h.eps},
+          {"weight_decay", h.weight_decay}};
+}
+
+}  // namespace
 
 PushWeight push_weight(StalenessRule rule, MomentumRule momentum_rule, int64_t tau,
                        int num_workers) {
@@ -107,6 +133,48 @@ void momentum_share_removed(const OptimizerState& state, const float* param, flo
     const auto j = static_cast<size_t>(i);
     out[i] = param[i] - a * state.m[j] / (std::sqrt(b * state.v[j]) + eps);
   }
+}
+
+std::string hyper_problem(OptimizerKind kind, const OptimizerHyper& h) {
+  for (const auto& [name, value] : settings(kind, h))
+    if (!std::isfinite(value)) return detail::concat("a non-finite ", name, " (", value, ")");
+  const auto invalid = [](const char* what, const char* name, double value) {
+    return detail::concat("an invalid ", what, " (", name, " ", format_value(value), ")");
+  };
+  if (h.lr < 0.0) return invalid("learning rate", "lr", h.lr);
+  if (h.weight_decay < 0.0) return invalid("weight decay", "weight_decay", h.weight_decay);
+  if (kind == OptimizerKind::kSgd) {
+    if (h.momentum < 0.0) return invalid("momentum", "momentum", h.momentum);
+    if (h.nesterov && (h.momentum <= 0.0 || h.dampening != 0.0))
+      return "nesterov without momentum or with dampening (torch.optim.SGD refuses it too)";
+    return {};
+  }
+  if (h.eps < 0.0) return invalid("epsilon", "eps", h.eps);
+  if (h.beta1 < 0.0 || h.beta1 >= 1.0) return invalid("beta1, outside [0, 1)", "beta1", h.beta1);
+  if (h.beta2 < 0.0 || h.beta2 >= 1.0) return invalid("beta2, outside [0, 1)", "beta2", h.beta2);
+  return {};
+}
+
+std::string hyper_mismatch(OptimizerKind kind, const OptimizerHyper& a, const std::string& who_a,
+                           const OptimizerHyper& b, const std::string& who_b) {
+  const auto sa = settings(kind, a), sb = settings(kind, b);
+  std::string mine, theirs;
+  for (size_t i = 0; i < sa.size(); ++i) {
+    // Bitwise, NaN included: the same setting steps alike.
+    if (std::memcmp(&sa[i].second, &sb[i].second, sizeof(double)) == 0) continue;
+    const std::string sep = mine.empty() ? "" : ", ";
+    mine += sep + sa[i].first + " " + format_value(sa[i].second);
+    theirs += sep + sb[i].first + " " + format_value(sb[i].second);
+  }
+  if (mine.empty()) return {};
+  return detail::concat(who_a, " has ", mine, ", ", who_b, " ", theirs);
+}
+
+std::string first_non_finite(const float* values, int64_t n, int64_t first) {
+  for (int64_t i = 0; i < n; ++i)
+    if (!std::isfinite(values[i]))
+      return detail::concat("element ", first + i, " is ", values[i]);
+  return {};
 }
 
 }  // namespace hemiola::ps

@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cstdint>
+#include <string>
 #include <vector>
 
 #include "hemiola/ps.h"
@@ -79,5 +80,20 @@ void optimizer_step(OptimizerState& state, float* param, const float* grad, int6
 // once (beta1 * m, beta2 * v).
 void momentum_share_removed(const OptimizerState& state, const float* param, float* out,
                             int64_t n, const OptimizerHyper& hyper, const PushWeight& weight);
+
+// Empty when `hyper` is a setting `kind` can step with (what torch.optim
+// accepts, and finite); otherwise which value is not, e.g. "an invalid
+// learning rate (lr nan)". Servers check every pushed setting with it, so a
+// bad value is refused naming its worker instead of failing inside a step.
+std::string hyper_problem(OptimizerKind kind, const OptimizerHyper& hyper);
+
+// Empty when `a` and `b` step `kind` alike; otherwise the settings that
+// differ, naming whose they are: "worker 1 (rank 2) has lr 0.5, worker 0
+// (rank 1) lr 0.05".
+std::string hyper_mismatch(OptimizerKind kind, const OptimizerHyper& a, const std::string& who_a,
+                           const OptimizerHyper& b, const std::string& who_b);
+
+// Empty when the n values are finite; else which one (counted from `first`) is not.
+std::string first_non_finite(const float* values, int64_t n, int64_t first = 0);
 
 }  // namespace hemiola::ps

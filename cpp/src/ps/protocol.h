@@ -20,7 +20,8 @@
 namespace hemiola::ps {
 
 constexpr uint32_t kMagic = 0x53504d48;  // "HMPS"
-constexpr uint16_t kProtocolVersion = 1;
+// 2: a registration carries the worker's optimizer settings (ps/table.h).
+constexpr uint16_t kProtocolVersion = 2;
 // Payloads larger than this are a protocol violation, never an allocation.
 constexpr int64_t kMaxPayloadBytes = int64_t(1) << 32;
 // A hello carries only the job token: anything longer is hostile.
@@ -28,7 +29,8 @@ constexpr int64_t kMaxHelloBytes = 4096;
 
 enum class MessageType : uint16_t {
   // worker -> server
-  kRegister = 1,   // payload: the worker's shard table for this server (text); aux = consistency
+  kRegister = 1,   // payload: the worker's shard table for this server and its optimizer
+                   // settings (ps/table.h's Registration); aux = consistency
   kInit = 2,       // payload: initial float32 values of one key (worker 0 only)
   kPush = 3,       // payload: float32 gradient of one key; version = computed on
   kPushNone = 4,   // no gradient this iteration for the key

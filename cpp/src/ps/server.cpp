@@ -107,6 +107,20 @@ void Server::Impl::on_disconnect(int w, const std::string& what) {
   answer_all_pulls();
 }
 
+// ---- the send queues ---------------------------------------------------------------
+
+size_t Server::Impl::queue_limit() const {
+  size_t shard_bytes = 0;
+  for (const auto& [id, k] : keys)
+    shard_bytes += static_cast<size_t>(k.entry.shard.count) * sizeof(float);
+  return kQueueFloorBytes + kQueueShardCopies * shard_bytes;
+}
+
+void Server::Impl::bound_queues() {
+  const size_t limit = queue_limit();
+  for (auto& c : channels) c->set_queue_limit(limit);
+}
+
 // ---- snapshots ---------------------------------------------------------------------
 
 void Server::Impl::take_snapshot_locked() {
@@ -161,7 +175,13 @@ void Server::Impl::receive_from(int w) {
         }
         return workers[static_cast<size_t>(w)] != WorkerState::kGone;  // after its goodbye
       },
-      [this, w](const std::string& why) { on_disconnect(w, why); });
+      [this, w](const std::string& why) {
+        on_disconnect(w, why);
+        // A worker dropped for not reading its replies: close its socket now
+        // (its sender has stopped), so the kernel frees what it holds for it.
+        auto& channel = *channels[static_cast<size_t>(w)];
+        if (channel.overflowed()) channel.disconnect();
+      });
 }
 
 // ---- the watchdog ------------------------------------------------------------------
@@ -245,6 +265,7 @@ void Server::start_up(Impl& im, const ServerOptions& options) {
                                                     im.who(w), millis(options.timeout_s),
                                                     heartbeat_for(options.timeout_s)));
   }
+  im.bound_queues();  // the restored keys', else the floor until the first registration
 }
 
 Server::~Server() {

@@ -52,11 +52,22 @@ struct Key {
   int contributions = 0;
   bool any_gradient = false;
   OptimizerHyper round_hyper;
+  int round_hyper_from = -1;  // the worker whose gradient set round_hyper
   std::chrono::steady_clock::time_point round_started;
   // ssp/asp/eager: pushes received from each worker.
   std::vector<int64_t> pushes;
   std::vector<Waiting> waiting;
 };
+
+// The send queue to one worker holds at most kQueueShardCopies copies of the
+// server's shard (a worker that reads its replies has at most a pull of each
+// key in flight, two around an eager step) plus kQueueFloorBytes: a worker that
+// asks for more than it reads is dropped instead of growing it without bound.
+constexpr size_t kQueueFloorBytes = size_t(16) << 20;
+constexpr size_t kQueueShardCopies = 4;
+// Pulls of one key from one worker that may wait for an answer (a worker has
+// one or two).
+constexpr size_t kMaxWaitingPulls = 8;
 
 inline std::chrono::milliseconds millis(double seconds) {
   return std::chrono::milliseconds(static_cast<int64_t>(seconds * 1000.0));
@@ -77,6 +88,10 @@ struct Server::Impl {
   std::map<int32_t, Key> keys;
   std::string table;  // what every worker must register (empty until the first does)
   OptimizerKind optimizer = OptimizerKind::kSgd;
+  // The optimizer settings of the first registration (by key), which every
+  // other worker's must equal.
+  std::map<int32_t, OptimizerHyper> registered_hyper;
+  int registered_hyper_from = -1;
   bool restored = false;
   std::vector<WorkerState> workers;
   std::vector<uint64_t> expected_seq;
@@ -104,6 +119,10 @@ struct Server::Impl {
   void fail(const std::string& message, ErrorCode code);
   void on_disconnect(int w, const std::string& what);
 
+  // The send-queue bound of every connection (kQueueFloorBytes until the keys are known).
+  size_t queue_limit() const;
+  void bound_queues();
+
   // ---- snapshots (server.cpp) -----------------------------------------------------
   void take_snapshot_locked();
   void restore();
@@ -120,6 +139,9 @@ struct Server::Impl {
   void handle(int w, const Header& h, const std::vector<char>& payload);
   void add_keys(const std::vector<TableEntry>& entries);
   void on_register(int w, const Header& h, const std::vector<char>& payload);
+  // Checks w's optimizer settings (valid, and the same as the first
+  // registration's); false after failing the job.
+  bool check_registered_hyper(int w, const std::map<int32_t, OptimizerHyper>& hyper);
   void on_bye(int w);
   void on_init(int w, Key& k, const Header& h, const std::vector<char>& payload);
   void on_pull(int w, Key& k, const Header& h);
@@ -129,6 +151,10 @@ struct Server::Impl {
   void answer_pulls(Key& k);
   void answer_all_pulls();
   void apply_bsp(int w, Key& k, const Header& h, const float* grad);
+  // A step that made k's parameters non-finite (`who_stepped`: whose
+  // setting it was) fails the job; true when it did.
+  bool failed_on_non_finite_step(const Key& k, const OptimizerHyper& hyper,
+                                 const std::string& who_stepped);
   PushWeight weight_of(const Header& h, int64_t tau) const;
   void apply_async(int w, Key& k, const Header& h, const float* grad);
 };

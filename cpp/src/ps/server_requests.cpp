@@ -14,14 +14,6 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
-// Empty when every element is finite; else which one (of the whole tensor) is not.
-std::string non_finite(const float* grad, const Shard& shard) {
-  for (int64_t i = 0; i < shard.count; ++i)
-    if (!std::isfinite(grad[i]))
-      return detail::concat("element ", shard.begin + i, " is ", grad[i]);
-  return {};
-}
-
 }  // namespace
 
 // ---- one message -------------------------------------------------------------------
@@ -86,6 +78,12 @@ void Server::Impl::on_pull(int w, Key& k, const Header& h) {
   // An ahead pull's aux: the staleness of the requester's previous push,
   // which its next one is expected to have (push_weight clamps it).
   const bool ahead = opt.consistency == Consistency::kEager && (h.flags & kFlagAhead);
+  // Each waiting pull will hold a copy of the key: a worker has one or two.
+  if (static_cast<size_t>(std::count_if(k.waiting.begin(), k.waiting.end(), [w](const Waiting& p) {
+        return p.worker == w;
+      })) >= kMaxWaitingPulls)
+    return reject(w, h, detail::concat("more than ", kMaxWaitingPulls, " pulls of '",
+                                       k.entry.name, "' wait for an answer"));
   k.waiting.push_back({w, h.version, ahead, ahead ? weight_of(h, h.aux) : PushWeight{}});
   return answer_pulls(k);
 }
@@ -104,7 +102,8 @@ void Server::Impl::on_push(int w, Key& k, const Header& h, const std::vector<cha
                                        ", but the key is at version ", k.version));
   const auto* grad = has_grad ? reinterpret_cast<const float*>(payload.data()) : nullptr;
   if (grad && opt.check_finite) {
-    if (const auto bad = non_finite(grad, k.entry.shard); !bad.empty()) {
+    const Shard& shard = k.entry.shard;
+    if (const auto bad = first_non_finite(grad, shard.count, shard.begin); !bad.empty()) {
       const std::string what = detail::concat(
           who(w), " pushed a non-finite gradient for parameter '", k.entry.name, "' (",
           bad, "), computed on version ", h.version, ". It was not applied. Lower the "
@@ -112,6 +111,19 @@ void Server::Impl::on_push(int w, Key& k, const Header& h, const std::vector<cha
           "this check off)");
       // bsp cannot complete the round without it; asynchronous modes go on.
       if (opt.consistency == Consistency::kBsp) {
+        stats.rejected += 1;
+        return fail(what, ErrorCode::kInvalidArgument);
+      }
+      return reject(w, h, what);
+    }
+  }
+  if (grad) {
+    if (const auto bad = hyper_problem(optimizer, get_hyper(h)); !bad.empty()) {
+      const std::string what = detail::concat(
+          who(w), " pushed a gradient for parameter '", k.entry.name, "' with ", bad,
+          ". It was not applied. Check the optimizer's param_groups (an LR scheduler or a "
+          "script that sets the learning rate)");
+      if (opt.consistency == Consistency::kBsp) {  // the round cannot complete without it
         stats.rejected += 1;
         return fail(what, ErrorCode::kInvalidArgument);
       }
@@ -148,7 +160,13 @@ void Server::Impl::on_register(int w, const Header& h, const std::vector<char>& 
                     "': give servers and workers the same consistency"),
                 ErrorCode::kInvalidArgument);
   }
-  const std::string text(payload.begin(), payload.end());
+  Registration registration;
+  try {
+    registration = parse_registration(std::string(payload.begin(), payload.end()));
+  } catch (const Error& e) {
+    return reject(w, h, e.what());
+  }
+  const std::string& text = registration.table;
   if (table.empty()) {
     std::vector<TableEntry> entries;
     try {
@@ -158,6 +176,7 @@ void Server::Impl::on_register(int w, const Header& h, const std::vector<char>& 
     }
     table = text;
     add_keys(entries);
+    bound_queues();
   } else if (const auto diff = first_difference(table, text); !diff.empty()) {
     return fail(detail::concat("the model of ", who(w), " differs from ",
                                restored ? "the restored snapshot's" : "the first registered",
@@ -166,8 +185,49 @@ void Server::Impl::on_register(int w, const Header& h, const std::vector<char>& 
                                "optimizer type and partition size."),
                 ErrorCode::kInvalidArgument);
   }
+  if (!check_registered_hyper(w, registration.hyper)) return;
   workers[static_cast<size_t>(w)] = WorkerState::kRegistered;
   send(w, MessageType::kRegistered, -1, 0, restored ? 1 : 0);
+}
+
+bool Server::Impl::check_registered_hyper(int w, const std::map<int32_t, OptimizerHyper>& hyper) {
+  for (const auto& [id, k] : keys) {
+    const auto mine = hyper.find(id);
+    if (mine == hyper.end()) {
+      fail(detail::concat(who(w), " registered no optimizer settings for parameter '",
+                          k.entry.name, "' (key ", id, ")"),
+           ErrorCode::kInvalidArgument);
+      return false;
+    }
+    if (const auto bad = hyper_problem(optimizer, mine->second); !bad.empty()) {
+      fail(detail::concat(who(w), " registered parameter '", k.entry.name, "' with ", bad,
+                          ". Check the optimizer's settings"),
+           ErrorCode::kInvalidArgument);
+      return false;
+    }
+    if (registered_hyper_from < 0) continue;
+    const auto first = registered_hyper.find(id);
+    if (const auto diff = hyper_mismatch(optimizer, mine->second, who(w), first->second,
+                                         who(registered_hyper_from));
+        !diff.empty()) {
+      fail(detail::concat("the optimizer settings of parameter '", k.entry.name, "' differ: ",
+                          diff, ". Every worker must give its optimizer the same settings "
+                          "(bsp would average their gradients and step with one worker's)"),
+           ErrorCode::kInvalidArgument);
+      return false;
+    }
+  }
+  if (hyper.size() != keys.size()) {
+    fail(detail::concat(who(w), " registered optimizer settings for ", hyper.size(),
+                        " keys; server ", opt.server_index, " holds ", keys.size()),
+         ErrorCode::kInvalidArgument);
+    return false;
+  }
+  if (registered_hyper_from < 0) {
+    registered_hyper = hyper;
+    registered_hyper_from = w;
+  }
+  return true;
 }
 
 // The keys of a table (the first registration's, or a restored snapshot's).
@@ -260,29 +320,66 @@ void Server::Impl::apply_bsp(int w, Key& k, const Header& h, const float* grad) 
     k.any_gradient = false;
     k.round_started = Clock::now();
   }
+  if (grad && k.any_gradient) {
+    // One round steps once, with one setting: mixing two would apply neither.
+    if (const auto diff = hyper_mismatch(optimizer, get_hyper(h), who(w), k.round_hyper,
+                                         who(k.round_hyper_from));
+        !diff.empty()) {
+      stats.rejected += 1;
+      return fail(detail::concat("bsp round ", k.version, " of '", k.entry.name,
+                                 "' got gradients stepped with different optimizer settings: ",
+                                 diff, ". Every worker must use the same settings (the same "
+                                 "learning-rate schedule, stepped as often)"),
+                  ErrorCode::kInvalidArgument);
+    }
+  }
   k.contributed[static_cast<size_t>(w)] = grad ? 1 : 2;
   k.contributions += 1;
   if (grad) {
     for (size_t i = 0; i < n; ++i) k.sum[i] += grad[i];
+    if (!k.any_gradient) {
+      k.round_hyper = get_hyper(h);
+      k.round_hyper_from = w;
+    }
     k.any_gradient = true;
-    k.round_hyper = get_hyper(h);
   }
   if (k.contributions < opt.num_workers) return;
   // The round is complete: the averaged gradient steps once, as all-reduce would.
   const int64_t applied_at = k.version;
+  k.contributions = 0;
   if (k.any_gradient) {
     const float scale = 1.0f / static_cast<float>(opt.num_workers);
     for (auto& g : k.sum) g *= scale;
-    optimizer_step(k.optimizer, k.param.data(), k.sum.data(), k.entry.shard.count,
-                   k.round_hyper, PushWeight{});
+    try {
+      optimizer_step(k.optimizer, k.param.data(), k.sum.data(), k.entry.shard.count,
+                     k.round_hyper, PushWeight{});
+    } catch (const std::exception& e) {  // never a round left half applied and waiting
+      return fail(detail::concat("bsp round ", applied_at, " of '", k.entry.name,
+                                 "' could not step: ", e.what()),
+                  ErrorCode::kInvalidArgument);
+    }
+    if (failed_on_non_finite_step(k, k.round_hyper, "every worker")) return;
   }
   k.version += 1;
-  k.contributions = 0;
   stats.pushes_applied += opt.num_workers;
   for (int v = 0; v < opt.num_workers; ++v)
     send(v, MessageType::kPushAck, k.entry.shard.key, applied_at, applied_at, {}, 1.0,
          k.contributed[static_cast<size_t>(v)] == 2 ? kFlagNoGradient : 0);
   answer_pulls(k);
+}
+
+bool Server::Impl::failed_on_non_finite_step(const Key& k, const OptimizerHyper& hyper,
+                                             const std::string& who_stepped) {
+  if (!opt.check_finite) return false;
+  const auto bad = first_non_finite(k.param.data(), k.entry.shard.count, k.entry.shard.begin);
+  if (bad.empty()) return false;
+  fail(detail::concat("a step of parameter '", k.entry.name, "' at version ", k.version,
+                      " with the settings of ", who_stepped, " (lr ", hyper.lr,
+                      ") made it non-finite (", bad, "). The servers' parameters are lost: "
+                      "restart from a snapshot with a smaller learning rate "
+                      "(check_finite=False turns this check off)"),
+       ErrorCode::kInvalidArgument);
+  return true;
 }
 
 // A push `tau` versions stale, by the staleness and momentum rules its
@@ -297,7 +394,12 @@ void Server::Impl::apply_async(int w, Key& k, const Header& h, const float* grad
   const int64_t applied_at = k.version;
   if (grad) {
     k.hyper = get_hyper(h);
-    optimizer_step(k.optimizer, k.param.data(), grad, k.entry.shard.count, *k.hyper, weight);
+    try {
+      optimizer_step(k.optimizer, k.param.data(), grad, k.entry.shard.count, *k.hyper, weight);
+    } catch (const std::exception& e) {
+      return reject(w, h, detail::concat("the step failed: ", e.what()));
+    }
+    if (failed_on_non_finite_step(k, *k.hyper, who(w))) return;
     k.version += 1;
   }
   k.pushes[static_cast<size_t>(w)] += 1;

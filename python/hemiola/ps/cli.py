@@ -6,8 +6,10 @@ Server machines run, for example::
 
 while worker machines run the training script (which calls ``hemiola.ps.wrap``
 with the same ``num_servers`` and consistency). Workers choose the staleness
-rule and the partitioning; they tell the servers. Set ``HEMIOLA_JOB_TOKEN`` to
-the same secret on every rank and the servers refuse connections without it.
+rule and the partitioning; they tell the servers. A job across machines needs
+``HEMIOLA_JOB_TOKEN``, the same secret on every rank (the servers refuse
+connections without it, and every rank refuses to start without it); a job on
+one machine makes its own (docs/ps.md, "Network exposure").
 """
 
 from __future__ import annotations

@@ -6,6 +6,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+from hemiola.config import check_size_mb
+
 CONSISTENCIES = ("bsp", "asp", "ssp", "eager")
 STALENESS_RULES = ("none", "inverse", "zhang")
 MOMENTUM_RULES = ("rescaled", "compensated", "none")
@@ -85,7 +87,7 @@ class PSConfig:
             reject that push and fail its worker). On by default.
 
     The job token is not a field: it is a secret, read from the environment
-    (``HEMIOLA_JOB_TOKEN``, see :func:`hemiola.ps.roles.job_token`), so it never
+    (``HEMIOLA_JOB_TOKEN``, see :func:`hemiola.ps.job_token.job_token`), so it never
     lands in logs or pickled configs.
     """
 
@@ -116,8 +118,9 @@ class PSConfig:
             raise ValueError(f"num_servers must be >= 1, got {self.num_servers}")
         if self.staleness_bound < 0:
             raise ValueError(f"staleness_bound must be >= 0, got {self.staleness_bound}")
-        if self.partition_mb <= 0 or self.timeout_s <= 0:
-            raise ValueError("partition_mb and timeout_s must be positive")
+        check_size_mb("partition_mb", self.partition_mb)
+        if not self.timeout_s > 0:
+            raise ValueError(f"timeout_s must be positive, got {self.timeout_s!r}")
         if self.ahead_fraction is not None and not 0.0 <= self.ahead_fraction <= 1.0:
             raise ValueError(f"ahead_fraction must be within [0, 1], got {self.ahead_fraction}")
         if self.restore and not self.snapshot_dir:

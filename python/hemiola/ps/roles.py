@@ -2,7 +2,7 @@
 
 Ranks ``0 .. num_servers-1`` are servers; rank ``num_servers + i`` is worker
 *i*. Every rank finds the others through torchrun's rendezvous store; the
-servers and workers then talk over their own Gloo connections.
+servers and workers then talk over their own TCP connections.
 """
 
 from __future__ import annotations
@@ -54,15 +54,10 @@ def role(num_servers: int) -> Role:
     return r
 
 
+#: The job's shared secret, when a launcher or the user sets it (the same on
+#: every rank); without it a job on one machine makes its own
+#: (:func:`hemiola.ps.job_token.job_token`).
 JOB_TOKEN_ENV = "HEMIOLA_JOB_TOKEN"
-
-
-def job_token() -> str:
-    """The job's shared secret, from ``HEMIOLA_JOB_TOKEN`` ('' when unset).
-
-    A launcher sets it for every rank of a job; servers then refuse any
-    connection that does not present it, before it touches their state."""
-    return os.environ.get(JOB_TOKEN_ENV, "")
 
 
 #: Where hemiola.ps keeps what it shares in the job's rendezvous store.

@@ -8,16 +8,10 @@ import time
 
 from hemiola._native import C
 from hemiola.ps.config import PSConfig
-from hemiola.ps.roles import CONSISTENCY_KEY, Role, job_token, rendezvous_store, role
+from hemiola.ps.job_token import job_token
+from hemiola.ps.roles import CONSISTENCY_KEY, Role, rendezvous_store, role
 
 log = logging.getLogger("hemiola.ps")
-
-
-def _loopback(iface: str, master: str) -> bool:
-    """Whether the server binds loopback only (then only this machine reaches it)."""
-    if iface:
-        return iface == "lo"
-    return master in ("127.0.0.1", "localhost", "::1") or master.startswith("127.")
 
 
 def serve(config: PSConfig, server_role: Role | None = None) -> C.ps.ServerStats:
@@ -31,25 +25,20 @@ def serve(config: PSConfig, server_role: Role | None = None) -> C.ps.ServerStats
     if not r.is_server:
         raise ValueError(f"rank {r.rank} is a worker, not a server")
     store, iface, master = rendezvous_store(config.timeout_s)
-    if not job_token() and not _loopback(iface, master):
-        log.warning(
-            "hemiola.ps: no HEMIOLA_JOB_TOKEN is set, so anyone who reaches this server "
-            "(interface %r, master %r) can join the job as a worker; set HEMIOLA_JOB_TOKEN to "
-            "the same secret on every rank (hemiola.launch.run_local and hemiola demo make one)",
-            iface or "by route", master)
     if config.snapshot_dir:
         os.makedirs(config.snapshot_dir, exist_ok=True)
     started = time.monotonic()
-    server = C.ps.Server(
-        server_index=r.server_index, num_servers=r.num_servers, num_workers=r.num_workers,
-        consistency=config.consistency, staleness_bound=config.staleness_bound,
-        timeout_s=config.timeout_s, store=store, snapshot_path=config.snapshot_path(r.rank),
-        restore=config.restore, snapshot_every_s=config.snapshot_every_s, iface=iface,
-        master_addr=master, token=job_token(), check_finite=config.check_finite)
-    log.info("server %d/%d: %s, %d workers", r.server_index, r.num_servers, config.consistency,
-             r.num_workers)
-    store.set(CONSISTENCY_KEY, config.consistency.encode())
-    server.serve()
+    with job_token(r, store, config.timeout_s) as token:
+        server = C.ps.Server(
+            server_index=r.server_index, num_servers=r.num_servers, num_workers=r.num_workers,
+            consistency=config.consistency, staleness_bound=config.staleness_bound,
+            timeout_s=config.timeout_s, store=store, snapshot_path=config.snapshot_path(r.rank),
+            restore=config.restore, snapshot_every_s=config.snapshot_every_s, iface=iface,
+            master_addr=master, token=token, check_finite=config.check_finite)
+        log.info("server %d/%d: %s, %d workers", r.server_index, r.num_servers,
+                 config.consistency, r.num_workers)
+        store.set(CONSISTENCY_KEY, config.consistency.encode())
+        server.serve()
     stats = server.stats()
     log.info("server %d done in %.1f s: %d pushes applied, %d pulls answered, %d rejected, "
              "%d connections refused", r.server_index, time.monotonic() - started,

@@ -19,7 +19,8 @@ from hemiola.forward_gate import ForwardGate
 from hemiola.hyper import group_hyper
 from hemiola.ps.ahead import AheadPlan
 from hemiola.ps.config import PSConfig
-from hemiola.ps.roles import Role, job_token, rendezvous_store
+from hemiola.ps.job_token import job_token
+from hemiola.ps.roles import Role, rendezvous_store
 
 _OPTIMIZERS = {torch.optim.SGD: "sgd", torch.optim.Adam: "adam", torch.optim.AdamW: "adamw"}
 
@@ -73,15 +74,16 @@ class ParameterServerModel(nn.Module):
         self._group_of = self._groups_of_params(optimizer)
 
         store, iface, master = rendezvous_store(config.timeout_s)
-        self._client = C.ps.Client(
-            worker_index=worker.worker_index, num_workers=worker.num_workers,
-            num_servers=worker.num_servers, consistency=config.consistency,
-            staleness_rule=config.rule(self._kind), optimizer=self._kind,
-            partition_elems=config.partition_elems, timeout_s=config.timeout_s,
-            names=self._names, numels=[p.numel() for p in self._params], store=store,
-            iface=iface, master_addr=master, token=job_token(),
-            local_correction=config.local_correction,
-            momentum_rule=config.momentum_rule)
+        with job_token(worker, store, config.timeout_s) as token:
+            self._client = C.ps.Client(
+                worker_index=worker.worker_index, num_workers=worker.num_workers,
+                num_servers=worker.num_servers, consistency=config.consistency,
+                staleness_rule=config.rule(self._kind), optimizer=self._kind,
+                partition_elems=config.partition_elems, timeout_s=config.timeout_s,
+                names=self._names, numels=[p.numel() for p in self._params], store=store,
+                iface=iface, master_addr=master, token=token,
+                local_correction=config.local_correction,
+                momentum_rule=config.momentum_rule)
         self._hypers = [group_hyper(g) for g in optimizer.param_groups]
         initial = [p.data_ptr() for p in self._params] if worker.worker_index == 0 else []
         self._client.initialize(
@@ -142,10 +144,10 @@ class ParameterServerModel(nn.Module):
         for g, group in enumerate(self._optimizer.param_groups):
             h = group_hyper(group)
             if h != self._hypers[g]:
-                self._hypers[g] = h
                 for i, gi in enumerate(self._group_of):
                     if gi == g:
-                        self._client.set_hyper(i, h)
+                        self._client.set_hyper(i, h)  # refuses a setting the servers would
+                self._hypers[g] = h
         if torch.is_grad_enabled():
             self._grad_forward = True
 

@@ -77,6 +77,12 @@ class Schedule:
     def synchronize(self) -> None:
         """Lands everything pending, so parameters are exact."""
 
+    def replan(self) -> None:
+        """The replica's ``config`` changed how buckets are planned (before
+        the first backward): the reducer, and what is built on it, are made
+        again."""
+        self.replica.plan()
+
     def stats(self) -> dict[str, float]:
         """Schedule-specific counters (see ``DataParallel.stats``)."""
         return {}

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -78,6 +79,22 @@ def _flag(name: str) -> bool:
     return raw == "1"
 
 
+def _torch_total_norm(params: list[torch.Tensor]) -> Callable[..., float]:
+    """The total norm the engine clips by (UpdaterOptions::clip_norm):
+    torch's ``get_total_norm`` over the averaged gradients, in parameter
+    order, as ``torch.nn.utils.clip_grad_norm_`` sums them under DDP, so
+    that the coefficient, and the run, are DDP's bit for bit. (The engine's
+    own norm is accumulated in double, and can differ in the last bit.)"""
+
+    def norm(indices: list[int], grads: list[memoryview], norm_type: float) -> float:
+        views = [torch.frombuffer(g, dtype=params[i].dtype).view(params[i].shape)
+                 if params[i].numel() else params[i].new_zeros(params[i].shape)
+                 for i, g in zip(indices, grads)]
+        return float(torch.nn.utils.get_total_norm(views, norm_type))
+
+    return norm
+
+
 class EngineUpdate(Schedule):
     """The part of ``priority`` and ``decoupled`` that is the same: the
     engine's updater lands each update where the forward gate learnt it is
@@ -101,6 +118,9 @@ class EngineUpdate(Schedule):
         # catch code that edits .grad before optimizer.step(): that edit would
         # not reach the reduced gradient the update uses.
         self._grads_seen: list[tuple[int, int]] | None = None
+        # The .grad tensors (and versions) the last synchronised step was
+        # given, to refuse a second step from them (see _refuse_second_step).
+        self._stepped_grads: list[tuple[Any, int]] = []
         #: per clipped iteration: its model.clip_grad_norm_
         self._clip: dict[int, Clip] = {}
         # 1 / the GradScaler's scale in the backward being marked
@@ -130,13 +150,19 @@ class EngineUpdate(Schedule):
         m = self.replica
         if not m.params:
             return optimizer  # nothing to reduce: step() is the optimizer's
-        external = None
         if self._kind is None:
             # The hyper-parameters of at most in_flight pending iterations
             # and of the one being stepped are read.
             self._torch_step = TorchStep(optimizer, self._inner_step, m.params,
                                          keep=self.in_flight + 2)
-            external = self._torch_step.callback()
+        self._make_updater()
+        return optimizer
+
+    def _make_updater(self) -> None:
+        """The engine's updater on the replica's reducer (see the module
+        docstring)."""
+        m = self.replica
+        external = None if self._torch_step is None else self._torch_step.callback()
         roots = torch_sqrt()  # the engine's Adam takes torch's square root
         self._updater = C.Updater(
             m.engine, m.reducer, self._slots(), schedule=m.config.schedule,
@@ -145,9 +171,18 @@ class EngineUpdate(Schedule):
             rebuild_buckets=m.config.rebuild_buckets, raise_if_not_finite=m.config.check_finite,
             stream=m.stream(), sqrt_f32=roots.f32, sqrt_f64=roots.f64, external=external,
             multi_tensor_steps=_flag("HEMIOLA_MULTI_TENSOR_STEPS"),
-            device_clip_norms=_flag("HEMIOLA_DEVICE_CLIP"))
+            device_clip_norms=_flag("HEMIOLA_DEVICE_CLIP"),
+            clip_norm=None if self._cuda else _torch_total_norm(m.params))
         self._updater.set_landers(self._gate.landers)
-        return optimizer
+
+    def replan(self) -> None:
+        # The updater is built on the reducer: it goes first, and a new one
+        # is built on the new reducer (nothing is pending before the first
+        # backward).
+        had_updater, self._updater = self._updater is not None, None
+        super().replan()
+        if had_updater:
+            self._make_updater()
 
     def _slots(self) -> list[tuple[Any, ...]]:
         """Each parameter with its optimizer state, for the updater."""
@@ -367,6 +402,8 @@ class EngineUpdate(Schedule):
 
     def step(self) -> None:
         """``optimizer.step()``: the engine lands and steps (see updater.h)."""
+        if self._finished is None:
+            self._refuse_second_step()
         self.check_grads_untouched()
         overflow = self.take_scaler_state()
         opt = self._optimizer
@@ -399,6 +436,32 @@ class EngineUpdate(Schedule):
             stream=self._stream(), preview_scale=1.0 if clip is None else clip.preview_coef,
             hyper_key=key)
         self._local.clear()
+        self._stepped_grads = [(None, 0) if p.grad is None else
+                               (weakref.ref(p.grad), p.grad._version) for p in params]
+
+    def _refuse_second_step(self) -> None:
+        """``optimizer.step()`` with no synchronised backward since the last
+        step, while ``.grad`` still holds what that step was given: under DDP
+        that is the averaged gradient, applied again on every rank alike;
+        here it is this rank's own gradient, and stepping from it would make
+        the ranks' models differ. Refused, saying what to do. (After
+        ``zero_grad()``, or a backward inside ``no_sync()``, ``.grad`` holds
+        something else, and a step from it is what DDP would take.)"""
+        m = self.replica
+        again = [name for (ref, version), p, name in zip(self._stepped_grads, m.params, m.names)
+                 if ref is not None and p.grad is not None and ref() is p.grad
+                 and p.grad._version == version]
+        if again:
+            schedule = m.config.schedule
+            raise RuntimeError(
+                f"optimizer.step() was called again with no backward() since the last step "
+                f"(.grad of {again[0]!r}{' and others' if len(again) > 1 else ''} is the one "
+                f"already stepped). Under schedule={schedule!r} .grad holds this rank's own "
+                "gradient (the averaged one is applied inside hemiola), so a second step from "
+                "it would make the ranks' models differ. Step once per backward: to accumulate "
+                "micro-batches, call backward() on each (inside model.no_sync() for all but "
+                "the last) and optimizer.step() once; to apply the same averaged gradient "
+                "twice, use schedule='wfbp' (as DDP does).")
 
     def _before_update(self) -> None:
         """In ``optimizer.step()``, before the engine is handed the update."""

@@ -39,15 +39,7 @@ def take_over_optimizer(schedule: Schedule, optimizer: Any, step: Callable[[], N
             "hemiola.wrap(model, optimizer, ...). (Only schedule='wfbp' accepts None and an "
             "optimizer built after wrapping.)"
         )
-    ours = {id(p) for p in schedule.replica.params}
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            if p.requires_grad and id(p) not in ours:
-                raise ValueError(
-                    f"schedule={name!r}: the optimizer holds a trainable parameter that is not "
-                    "a parameter of the wrapped model; wrap the model that owns every parameter "
-                    "the optimizer steps"
-                )
+    _check_coverage(name, optimizer, schedule.replica.names, schedule.replica.params)
     inner_step = optimizer.step
     inner_state_dict = optimizer.state_dict
     inner_load = optimizer.load_state_dict
@@ -83,3 +75,34 @@ def take_over_optimizer(schedule: Schedule, optimizer: Any, step: Callable[[], N
     optimizer.state_dict = types.MethodType(state_dict, optimizer)
     optimizer.load_state_dict = types.MethodType(load_state_dict, optimizer)
     return inner_step
+
+
+def _check_coverage(name: str, optimizer: torch.optim.Optimizer, names: list[str],
+                    params: list[torch.Tensor]) -> None:
+    """The optimizer steps exactly the wrapped model's trainable parameters.
+    A parameter outside it could only be stepped by another optimizer, from
+    ``.grad``, which holds this rank's own gradient here: the ranks would
+    differ. So it is refused by name, saying what to do."""
+    ours = {id(p) for p in params}
+    held = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    if any(id(p) not in ours for group in optimizer.param_groups for p in group["params"]
+           if p.requires_grad):
+        raise ValueError(
+            f"schedule={name!r}: the optimizer holds a trainable parameter that is not "
+            "a parameter of the wrapped model; wrap the model that owns every parameter "
+            "the optimizer steps"
+        )
+    missing = [n for n, p in zip(names, params) if id(p) not in held]
+    if missing:
+        listed = ", ".join(repr(n) for n in missing[:10]) + (" ..." if len(missing) > 10 else "")
+        raise ValueError(
+            f"schedule={name!r}: the optimizer passed to hemiola.wrap does not hold "
+            f"{len(missing)} trainable parameter(s) of the model: {listed}. This schedule "
+            "applies the averaged gradients through that optimizer only (.grad keeps this "
+            "rank's own gradient, so another optimizer stepping from it would make the ranks "
+            "differ). Put them in it, in a param group of their own for other "
+            "hyper-parameters (e.g. torch.optim.AdamW([{'params': body.parameters()}, "
+            "{'params': head.parameters(), 'lr': 1e-4}])); set requires_grad=False before "
+            "wrapping on those that must not train; or use schedule='wfbp', which works with "
+            "any number of optimizers, as DDP does."
+        )

@@ -1,20 +1,28 @@
 """The tasks of the convergence benchmark (:mod:`hemiola.bench.convergence`),
 and the function each rank runs:
 
-- :mod:`~hemiola.bench.tasks.data`: the corpus and the synthetic images;
-- :mod:`~hemiola.bench.tasks.models`: the transformer LM and the small ResNet;
+- :mod:`~hemiola.bench.tasks.data`: the corpora and the synthetic images;
+- :mod:`~hemiola.bench.tasks.models`: the transformer LM, nanoGPT's GPT and the small ResNet;
 - :mod:`~hemiola.bench.tasks.optim`: weight-decay groups and warmup + cosine;
 - :mod:`~hemiola.bench.tasks.registry`: the tasks by name, their headline
   metrics and what is reported of each;
 - :mod:`~hemiola.bench.tasks.runner`: ``train_rank``, one rank's run.
 """
 
-from hemiola.bench.tasks.data import corpus_info, load_corpus, load_shapes, shapes_info
+from hemiola.bench.tasks.data import (
+    corpus_info,
+    load_corpus,
+    load_shapes,
+    load_source,
+    shapes_info,
+    source_info,
+)
 from hemiola.bench.tasks.registry import (
     DATA_INFO,
     DIGITS_ARCHITECTURES,
     HEADLINE,
     TASKS,
+    CharTask,
     DigitsTask,
     Headline,
     LMTask,
@@ -25,6 +33,7 @@ from hemiola.bench.tasks.registry import (
 )
 from hemiola.bench.tasks.runner import RankResult, train_rank
 
-__all__ = ["DATA_INFO", "DIGITS_ARCHITECTURES", "HEADLINE", "TASKS", "DigitsTask", "Headline",
-           "LMTask", "RankResult", "ShapesAdamWTask", "ShapesTask", "Task", "corpus_info",
-           "load_corpus", "load_shapes", "metrics_of", "shapes_info", "train_rank"]
+__all__ = ["DATA_INFO", "DIGITS_ARCHITECTURES", "HEADLINE", "TASKS", "CharTask", "DigitsTask",
+           "Headline", "LMTask", "RankResult", "ShapesAdamWTask", "ShapesTask", "Task",
+           "corpus_info", "load_corpus", "load_shapes", "load_source", "metrics_of",
+           "shapes_info", "source_info", "train_rank"]

@@ -2,10 +2,12 @@
 
 - ``load_corpus``: the text of Python's own language reference as shipped in
   the standard library (``pydoc_data.topics``: ~466 KB), for the byte-level LM;
+- ``load_source``: the first million characters of the standard library's own
+  top-level modules (``Lib/*.py`` in name order), for the character-level GPT;
 - ``load_shapes``: a structured synthetic 10-class image task (shapes in random
   colours, positions and sizes, a low-contrast distractor, pixel noise).
 
-``corpus_info`` and ``shapes_info`` fingerprint them for the results file.
+``corpus_info``, ``source_info`` and ``shapes_info`` fingerprint them for the results file.
 scikit-learn's digits come from ``hemiola.demo.load_digits``.
 """
 
@@ -37,6 +39,38 @@ def corpus_info() -> dict[str, Any]:
     data = load_corpus()
     return {"corpus": "pydoc_data.topics", "python": sys.version.split()[0],
             "corpus_bytes": len(data), "corpus_sha256": hashlib.sha256(data).hexdigest()[:16]}
+
+
+#: characters of ``load_source``: about 1 MB, like nanoGPT's Shakespeare
+SOURCE_CHARS = 1_000_000
+
+
+def load_source(chars: int = SOURCE_CHARS) -> str:
+    """The first `chars` characters of this Python's standard-library modules
+    (``Lib/*.py``, in name order, each ending in a newline): a corpus every
+    machine with Python has, unlike the language reference (``load_corpus``)
+    in kind, for the character-level task."""
+    import sysconfig
+    from pathlib import Path
+
+    parts, size = [], 0
+    for path in sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py")):
+        text = path.read_text(encoding="utf-8")
+        parts.append(text)
+        size += len(text)
+        if size >= chars:
+            break
+    return "".join(parts)[:chars]
+
+
+def source_info() -> dict[str, Any]:
+    """Where the character-level corpus came from and its fingerprint."""
+    import sys
+
+    text = load_source()
+    return {"corpus": "stdlib Lib/*.py", "python": sys.version.split()[0],
+            "corpus_chars": len(text), "vocabulary": len(set(text)),
+            "corpus_sha256": hashlib.sha256(text.encode("utf-8")).hexdigest()[:16]}
 
 
 #: The classes of ``load_shapes``: each is inside/outside in the shape's own

@@ -1,12 +1,24 @@
 """The models of the convergence tasks that are not ``hemiola.demo``'s: a
-byte-level decoder-only transformer (``ByteLM``) and a CIFAR-style ResNet
-(``SmallResNet``)."""
+byte-level decoder-only transformer (``ByteLM``), nanoGPT's GPT for the
+character-level task (``CharGPT``) and a CIFAR-style ResNet (``SmallResNet``)."""
 
 from __future__ import annotations
+
+import math
 
 import torch
 from torch import nn
 from torch.nn import functional as F
+
+
+def causal_attention(qkv: torch.Tensor, heads: int) -> torch.Tensor:
+    """Causal self-attention of `heads` heads from the fused query, key and
+    value projections `qkv` (batch, length, 3 * dim); (batch, length, dim)."""
+    b, t, d3 = qkv.shape
+    d = d3 // 3
+    q, k, v = qkv.view(b, t, 3, heads, d // heads).permute(2, 0, 3, 1, 4)
+    attended = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    return attended.transpose(1, 2).reshape(b, t, d)
 
 
 class Block(nn.Module):
@@ -22,11 +34,7 @@ class Block(nn.Module):
         self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, d = x.shape
-        q, k, v = (self.qkv(self.norm1(x)).view(b, t, 3, self.heads, d // self.heads)
-                   .permute(2, 0, 3, 1, 4))
-        attended = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.proj(attended.transpose(1, 2).reshape(b, t, d))
+        x = x + self.proj(causal_attention(self.qkv(self.norm1(x)), self.heads))
         return x + self.mlp(self.norm2(x))
 
 
@@ -46,6 +54,55 @@ class ByteLM(nn.Module):
         """Logits of the next byte at every position: (batch, length, 256)."""
         h = self.embed(tokens) + self.position[: tokens.shape[1]]
         return F.linear(self.norm(self.blocks(h)), self.embed.weight)
+
+
+class GPTBlock(nn.Module):
+    """nanoGPT's block: ``x + attn(ln_1(x))``, then ``x + mlp(ln_2(x))``, with
+    nanoGPT's names (c_attn, c_proj, c_fc) and bias-free LayerNorms."""
+
+    def __init__(self, dim: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.ln_1 = nn.LayerNorm(dim, bias=False)
+        self.c_attn = nn.Linear(dim, 3 * dim)
+        self.attn_proj = nn.Linear(dim, dim)
+        self.ln_2 = nn.LayerNorm(dim, bias=False)
+        self.c_fc = nn.Linear(dim, 4 * dim)
+        self.mlp_proj = nn.Linear(4 * dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn_proj(causal_attention(self.c_attn(self.ln_1(x)), self.heads))
+        return x + self.mlp_proj(F.gelu(self.c_fc(self.ln_2(x))))
+
+
+class CharGPT(nn.Module):
+    """nanoGPT's GPT (Karpathy's ``model.py``, the ``shakespeare_char``
+    configuration's shape) written out for the character-level task: token and
+    learned position embeddings, pre-norm blocks, a final LayerNorm, the output
+    layer tied to the token embedding; weights N(0, 0.02), the residual
+    projections N(0, 0.02 / sqrt(2 * layers)), biases zero. No dropout (the
+    contenders of a run share one process: dropout would draw from one
+    generator in an order that depends on the contenders)."""
+
+    def __init__(self, vocabulary: int, dim: int, layers: int, heads: int, context: int) -> None:
+        super().__init__()
+        self.wte = nn.Embedding(vocabulary, dim)
+        self.wpe = nn.Embedding(context, dim)
+        self.h = nn.Sequential(*[GPTBlock(dim, heads) for _ in range(layers)])
+        self.ln_f = nn.LayerNorm(dim, bias=False)
+        for name, p in self.named_parameters():
+            if name.endswith("proj.weight"):
+                nn.init.normal_(p, std=0.02 / math.sqrt(2 * layers))
+            elif p.dim() >= 2:
+                nn.init.normal_(p, std=0.02)
+            elif name.endswith(".bias"):
+                nn.init.zeros_(p)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Logits of the next character at every position: (batch, length, vocabulary)."""
+        positions = torch.arange(tokens.shape[1], device=tokens.device)
+        h = self.h(self.wte(tokens) + self.wpe(positions))
+        return F.linear(self.ln_f(h), self.wte.weight)
 
 
 class BasicBlock(nn.Module):

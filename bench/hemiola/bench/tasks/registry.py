@@ -9,6 +9,10 @@ that are the same for every contender, and each one's headline metric
   embeddings, no dropout), AdamW with linear warmup and cosine decay, trained
   on ``load_corpus()``. Metrics: held-out loss (nats per byte) and perplexity,
   final train loss.
+- ``char``: nanoGPT's ``shakespeare_char`` recipe scaled to a CPU (a GPT with
+  tied embeddings, AdamW with betas 0.9/0.99, warmup + cosine to a tenth) on
+  ``load_source()``, one token per character. Metrics as ``lm`` (nats per
+  character).
 - ``shapes`` and ``shapes-adamw``: a small ResNet (BasicBlocks, BatchNorm) on
   ``load_shapes()`` (fixed 6,000/1,500 split), with SGD with momentum, resp.
   AdamW, both with warmup and cosine decay. Metrics: test accuracy, test loss,
@@ -26,8 +30,16 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from hemiola.bench.tasks.data import SHAPES, corpus_info, load_corpus, load_shapes, shapes_info
-from hemiola.bench.tasks.models import ByteLM, SmallResNet
+from hemiola.bench.tasks.data import (
+    SHAPES,
+    corpus_info,
+    load_corpus,
+    load_shapes,
+    load_source,
+    shapes_info,
+    source_info,
+)
+from hemiola.bench.tasks.models import ByteLM, CharGPT, SmallResNet
 from hemiola.bench.tasks.optim import decay_groups, warmup_cosine
 from hemiola.demo import DigitsCNN, load_digits
 
@@ -202,6 +214,49 @@ class LMTask(Task):
                 "heldout_bits_per_byte": loss / math.log(2)}
 
 
+def encode_source() -> tuple[torch.Tensor, str]:
+    """``load_source()`` as one token per character (ids in the sorted order
+    of the characters present), and those characters."""
+    text = load_source()
+    chars = "".join(sorted(set(text)))
+    index = {c: i for i, c in enumerate(chars)}
+    return torch.tensor([index[c] for c in text], dtype=torch.long), chars
+
+
+@dataclass
+class CharTask(LMTask):
+    """nanoGPT's character-level recipe (``config/train_shakespeare_char.py``)
+    on ``load_source()``: the GPT smaller (4 layers of 128, 4 heads, context 64
+    rather than 6 x 384, 6 heads, 256; batch 12 rather than 64, to train on a
+    CPU), AdamW lr 1e-3 with betas (0.9, 0.99), weight decay 0.1 on matrices and
+    embeddings, warmup then cosine to a tenth (nanoGPT: 1e-3 to 1e-4), no
+    dropout and no gradient clipping (every contender alike). Windows, split
+    and evaluation as ``LMTask``'s, over characters."""
+
+    name: str = "char"
+    epochs: int = 1
+    batch_size: int = 12
+    dim: int = 128
+    layers: int = 4
+    heads: int = 4
+    context: int = 64
+    lr: float = 1e-3
+    betas: tuple[float, float] = (0.9, 0.99)
+    weight_decay: float = 0.1
+    warmup_fraction: float = 0.05
+    min_lr_fraction: float = 0.1
+    heldout_fraction: float = 0.1
+    tokens: torch.Tensor = field(default_factory=lambda: encode_source()[0], repr=False)
+
+    @property
+    def vocabulary(self) -> int:
+        """How many distinct characters the corpus has (ids 0..vocabulary-1)."""
+        return int(self.tokens.max()) + 1
+
+    def model(self) -> nn.Module:
+        return CharGPT(self.vocabulary, self.dim, self.layers, self.heads, self.context)
+
+
 @dataclass
 class ShapesBase(ImageClassification):
     """``SmallResNet`` on ``load_shapes()`` with warmup + cosine decay; the
@@ -258,8 +313,8 @@ class ShapesAdamWTask(ShapesBase):
                                  betas=self.betas)
 
 
-TASKS: dict[str, type[Task]] = {"digits": DigitsTask, "lm": LMTask, "shapes": ShapesTask,
-                                "shapes-adamw": ShapesAdamWTask}
+TASKS: dict[str, type[Task]] = {"digits": DigitsTask, "lm": LMTask, "char": CharTask,
+                                "shapes": ShapesTask, "shapes-adamw": ShapesAdamWTask}
 
 
 @dataclass(frozen=True)
@@ -273,6 +328,7 @@ class Headline:
 
 HEADLINE: dict[str, Headline] = {"digits": Headline("test_accuracy", True, 0.97),
                                  "lm": Headline("heldout_loss", False, 2.1),
+                                 "char": Headline("heldout_loss", False, 2.0),
                                  "shapes": Headline("test_accuracy", True, 0.85),
                                  "shapes-adamw": Headline("test_accuracy", True, 0.85)}
 
@@ -281,9 +337,10 @@ def metrics_of(task: str) -> list[str]:
     """The final metrics reported for `task`, headline first."""
     image = ["test_accuracy", "test_loss", "final_train_loss"]
     return {"digits": image, "shapes": image, "shapes-adamw": image,
-            "lm": ["heldout_loss", "heldout_perplexity", "final_train_loss"]}[task]
+            "lm": ["heldout_loss", "heldout_perplexity", "final_train_loss"],
+            "char": ["heldout_loss", "heldout_perplexity", "final_train_loss"]}[task]
 
 
 #: where a task's data came from, for the results file
 DATA_INFO: dict[str, Callable[[], dict[str, Any]]] = {
-    "lm": corpus_info, "shapes": shapes_info, "shapes-adamw": shapes_info}
+    "lm": corpus_info, "char": source_info, "shapes": shapes_info, "shapes-adamw": shapes_info}

@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <optional>
 #include <utility>
 
 #include "hemiola/optimizer.h"
@@ -283,8 +284,18 @@ void LandingGraph::scale_of(Pending& pending) {
     const TensorRef& t = params_[counted[k]].param;
     grads[k] = {averages[k], static_cast<std::int64_t>(t.numel), t.dtype};
   }
+  std::optional<double> total;
+  if (o.clip_max_norm >= 0.0 && options_.clip_norm && device_.type == DeviceType::kCPU) {
+    std::vector<TensorRef> refs(counted.size());
+    for (size_t k = 0; k < counted.size(); ++k) {
+      refs[k] = params_[counted[k]].param;
+      refs[k].data = const_cast<void*>(averages[k]);
+    }
+    total = options_.clip_norm(counted, refs, o.clip_norm_type);
+  }
   const optim::GlobalScale scale =
-      optim::global_scale(grads, o.clip_max_norm, o.clip_norm_type, o.skip_if_not_finite);
+      optim::global_scale(grads, o.clip_max_norm, o.clip_norm_type, o.skip_if_not_finite,
+                          total ? &*total : nullptr);
   pending.skip = scale.skip;
   if (o.clip_max_norm >= 0.0) {
     pending.coef = scale.coef;

@@ -89,7 +89,8 @@ StreamerImpl::StreamerImpl(LaneHost& host, std::vector<StreamedParameter> params
   size_t total = 0;
   for (const auto& p : params_) {
     HEMIOLA_CHECK(p.param.device.type == DeviceType::kCPU, "streaming: parameter '", p.name,
-                  "' is on a GPU; streaming runs on CPU parameters only for now");
+                  "' is on a GPU; the streamer reads host memory (hemiola.wrap gives it a host "
+                  "copy of a GPU model's parameters)");
     HEMIOLA_CHECK(is_floating(p.param.dtype), "streaming: parameter '", p.name, "' has dtype ",
                   dtype_name(p.param.dtype), ", not a floating dtype");
     HEMIOLA_CHECK(p.param.numel == 0 || p.param.data != nullptr, "streaming: parameter '",
@@ -150,6 +151,17 @@ void StreamerImpl::after_inner_step() {
     send(f);
     if (options_.overlap == 0) land();
   }
+}
+
+std::vector<size_t> StreamerImpl::next_step_fragments() const {
+  // The same decisions after_inner_step() will take for step steps_ + 1.
+  const uint64_t step = steps_ + 1;
+  std::vector<size_t> out;
+  if (in_flight_ && step >= sent_step_ + options_.overlap) out.push_back(sent_);
+  for (size_t f = 0; f < plan_.size(); ++f) {
+    if (due(f, step) && std::find(out.begin(), out.end(), f) == out.end()) out.push_back(f);
+  }
+  return out;
 }
 
 void StreamerImpl::send(size_t f) {
@@ -278,6 +290,9 @@ std::vector<std::vector<size_t>> StreamerImpl::fragments() const {
 Streamer::Streamer(std::unique_ptr<StreamerImpl> impl) : impl_(std::move(impl)) {}
 Streamer::~Streamer() = default;
 void Streamer::after_inner_step() { impl_->after_inner_step(); }
+std::vector<size_t> Streamer::next_step_fragments() const {
+  return impl_->next_step_fragments();
+}
 uint64_t Streamer::inner_steps() const { return impl_->inner_steps(); }
 void Streamer::wait_in_flight() { impl_->wait_in_flight(); }
 double Streamer::waited_ms() const { return impl_->waited_ms(); }

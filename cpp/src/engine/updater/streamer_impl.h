@@ -24,6 +24,7 @@ class StreamerImpl {
   ~StreamerImpl();
 
   void after_inner_step();
+  std::vector<size_t> next_step_fragments() const;
   uint64_t inner_steps() const { return steps_; }
   void wait_in_flight();
   double waited_ms() const { return waited_ms_; }
