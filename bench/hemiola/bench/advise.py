@@ -6,6 +6,7 @@ advice beside the fastest measured.
     hemiola bench advise --models mlp-small --rates 150mbit --worlds 2,3,4
     hemiola bench advise --scale      # docs/scale.md's predictions at 8-1024 GPUs
     hemiola bench advise --published  # docs/scale.md's check against published results
+    hemiola bench advise --gpu-rows   # docs/scale.md's check against the H200 rows
 
 For each model and rate, N network namespaces joined by ``tc tbf`` links
 (:mod:`hemiola.bench.netlab`) run ``python -m hemiola advise --all`` as the
@@ -62,6 +63,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "and GPT-2-124M at 8-1024 GPUs (hemiola.bench.advise_scale)")
     parser.add_argument("--error", type=float, default=0.15,
                         help="--scale: the predictions' relative error, as validated")
+    parser.add_argument("--gpu-rows", action="store_true",
+                        help="measure nothing: print docs/scale.md's predictions of the H200 "
+                             "rows in docs/results/gpu against them (hemiola.bench.advise_gpu)")
     parser.add_argument("--published", action="store_true",
                         help="measure nothing: print docs/scale.md's predictions of published "
                              "scaling results against them (hemiola.bench.published)")
@@ -126,6 +130,11 @@ def run(args: argparse.Namespace) -> int:
         from hemiola.bench import published
 
         print(published.table())
+        return 0
+    if args.gpu_rows:
+        from hemiola.bench import advise_gpu
+
+        print(advise_gpu.table())
         return 0
     if args.scale:
         from hemiola.bench import advise_scale

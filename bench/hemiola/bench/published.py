@@ -140,14 +140,20 @@ def table() -> str:
             "source"]
     lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
     profiles: dict[str, Profile] = {}
+    errors = []
     for c in CONFIGURATIONS:
         if c.model not in profiles:
             profiles[c.model] = profile_of(c.model, single_gpu_seconds(c.model))
         p = profiles[c.model]
         ring = predicted_efficiency(c, p)
         best = predicted_efficiency(c, p, "best")
+        errors.append(ring / c.efficiency - 1)
         lines.append(f"| {c.model} | {c.gpus} ({c.gpus_per_node}) | {c.rate_gbit:g} | "
                      f"{1e3 * p.compute:.0f} | {p.nbytes / 1e6:.0f} | {c.efficiency:.2f} | "
                      f"{ring:.2f} | {100 * (ring / c.efficiency - 1):+.0f}% | {best:.2f} | "
                      f"{c.source} |")
+    worst = max(errors, key=abs)
+    lines.append(f"\nWithin 20% of the reported efficiency: {sum(abs(e) <= 0.2 for e in errors)} "
+                 f"of {len(errors)}; within 10%: {sum(abs(e) <= 0.1 for e in errors)}; "
+                 f"largest error {100 * worst:+.0f}%.")
     return "\n".join(lines)
