@@ -150,7 +150,7 @@ def table() -> str:
         errors.append(ring / c.efficiency - 1)
         lines.append(f"| {c.model} | {c.gpus} ({c.gpus_per_node}) | {c.rate_gbit:g} | "
                      f"{1e3 * p.compute:.0f} | {p.nbytes / 1e6:.0f} | {c.efficiency:.2f} | "
-                     f"{ring:.2f} | {100 * (ring / c.efficiency - 1):+.0f}% | {best:.2f} | "
+                     f"{ring:.2f} | {100 * (ring / c.efficiency - 1):+.1f}% | {best:.2f} | "
                      f"{c.source} |")
     worst = max(errors, key=abs)
     lines.append(f"\nWithin 20% of the reported efficiency: {sum(abs(e) <= 0.2 for e in errors)} "
