@@ -68,3 +68,9 @@ def test_the_h200_rows_are_predicted_between_the_bounds() -> None:
     assert max(compute, comm) <= ddp < compute + comm
     assert out["hemiola_wfbp+fp16"]["predicted_ms"] < ddp
     assert out["ddp"]["measured_ms"] == pytest.approx(80.78, abs=0.01)
+
+
+def test_docs_scale_md_holds_what_the_code_prints() -> None:
+    doc = (advise_gpu.RESULTS.parents[1] / "scale.md").read_text()
+    assert published.table() in doc, "docs/scale.md: rerun hemiola bench advise --published"
+    assert advise_gpu.table() in doc, "docs/scale.md: rerun hemiola bench advise --gpu-rows"
