@@ -5,6 +5,8 @@ advice beside the fastest measured.
     hemiola bench advise --models mlp,lm,cnn --rates 1gbit,5gbit      # as root
     hemiola bench advise --models mlp-small --rates 150mbit --worlds 2,3,4
     hemiola bench advise --scale      # docs/scale.md's predictions at 8-1024 GPUs
+    hemiola bench advise --published  # docs/scale.md's check against published results
+    hemiola bench advise --gpu-rows   # docs/scale.md's check against the H200 rows
 
 For each model and rate, N network namespaces joined by ``tc tbf`` links
 (:mod:`hemiola.bench.netlab`) run ``python -m hemiola advise --all`` as the
@@ -61,6 +63,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "and GPT-2-124M at 8-1024 GPUs (hemiola.bench.advise_scale)")
     parser.add_argument("--error", type=float, default=0.15,
                         help="--scale: the predictions' relative error, as validated")
+    parser.add_argument("--gpu-rows", action="store_true",
+                        help="measure nothing: print docs/scale.md's predictions of the H200 "
+                             "rows in docs/results/gpu against them (hemiola.bench.advise_gpu)")
+    parser.add_argument("--published", action="store_true",
+                        help="measure nothing: print docs/scale.md's predictions of published "
+                             "scaling results against them (hemiola.bench.published)")
 
 
 def predicted_now(result: dict[str, Any], p: dict[str, Any]) -> float | None:
@@ -118,6 +126,16 @@ def rows_of(result: dict[str, Any], model: str, rate: str, profile_world: int,
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.published:
+        from hemiola.bench import published
+
+        print(published.table())
+        return 0
+    if args.gpu_rows:
+        from hemiola.bench import advise_gpu
+
+        print(advise_gpu.table())
+        return 0
     if args.scale:
         from hemiola.bench import advise_scale
 

@@ -64,10 +64,16 @@ class Bottleneck(nn.Module):
 
 def resnet50(classes: int = 1000) -> nn.Sequential:
     """torchvision's ResNet-50 (25,557,032 parameters)."""
+    return resnet((3, 4, 6, 3), classes)
+
+
+def resnet(depths: tuple[int, int, int, int], classes: int = 1000) -> nn.Sequential:
+    """torchvision's bottleneck ResNet with `depths` blocks per stage
+    ((3, 4, 6, 3): ResNet-50; (3, 4, 23, 3): ResNet-101)."""
     layers: list[nn.Module] = [nn.Conv2d(3, 64, 7, 2, 3, bias=False), nn.BatchNorm2d(64),
                                nn.ReLU(), nn.MaxPool2d(3, 2, 1)]
     cin = 64
-    for width, blocks, stride in ((64, 3, 1), (128, 4, 2), (256, 6, 2), (512, 3, 2)):
+    for width, blocks, stride in zip((64, 128, 256, 512), depths, (1, 2, 2, 2), strict=True):
         for b in range(blocks):
             layers.append(Bottleneck(cin, width, stride if b == 0 else 1))
             cin = width * 4
@@ -92,11 +98,13 @@ class GPT2(nn.Module):
 
 
 def flop_profile(model: nn.Module, loss_fn: Callable[[nn.Module], torch.Tensor],
-                 seconds: float | None, flops_per_second: float = GPT_FLOPS) -> Profile:
+                 seconds: float | None, flops_per_second: float = GPT_FLOPS,
+                 memory_bandwidth: float = HBM) -> Profile:
     """A GPU profile of `model` (built on the meta device) from its FLOPs:
     the forward, backward and every parameter's need and ready points on a
     FLOP clock, scaled so that forward and backward take `seconds` (None:
-    the FLOPs at `flops_per_second`)."""
+    the FLOPs at `flops_per_second`); the optimizer step reads and writes
+    STEP_BYTES_PER_PARAM per parameter at `memory_bandwidth` bytes/s."""
     params = [p for p in model.parameters() if p.requires_grad]
     index = {id(p): i for i, p in enumerate(params)}
     need: dict[int, float] = {}
@@ -127,7 +135,7 @@ def flop_profile(model: nn.Module, loss_fn: Callable[[nn.Module], torch.Tensor],
     numel = sum(p.numel() for p in params)
     return Profile(
         forward=forward_flops * per_flop, backward=backward_flops * per_flop,
-        step=STEP_BYTES_PER_PARAM * numel / HBM,
+        step=STEP_BYTES_PER_PARAM * numel / memory_bandwidth,
         params=[Param(p.numel(), 4, p.shape[0] if p.dim() > 1 else 0,
                       need.get(i, 0.0) * per_flop,
                       (ready.get(i, total) - forward_flops) * per_flop)

@@ -174,6 +174,11 @@ def report(result: dict[str, Any]) -> str:
     lines.append(f"Checked: {1e3 * seconds:.1f} ms per iteration measured against "
                  f"{1e3 * best['seconds']:.1f} ms predicted "
                  f"({100 * (seconds / best['seconds'] - 1):+.0f}%).")
+    if seconds < 0.9 * profile.compute:
+        lines.append(f"Warning: the configuration ran faster than the bare computation "
+                     f"measured before it ({1e3 * profile.compute:.1f} ms): other work on this "
+                     "machine changed its speed meanwhile, so the predictions are off; "
+                     "measure again when it is quiet (the choice above was measured).")
     lines += _streaming_lines(profile.compute, seconds, result["streaming"], measured)
     return "\n".join(lines)
 
