@@ -22,6 +22,7 @@
 #include "comm/gloo_setup.h"
 #include "hemiola/ps.h"
 #include "hemiola/status.h"
+#include "temp_dir.h"
 #include "ps/address.h"
 #include "ps/channel.h"
 #include "ps/connect.h"
@@ -106,10 +107,6 @@ std::array<std::string, 2> errors_of_two_workers(const std::function<void(int)>&
   return {a.get(), b.get()};
 }
 
-std::string temp_dir() {
-  char templ[] = "/tmp/hemiola-ps-XXXXXX";
-  return mkdtemp(templ);
-}
 
 }  // namespace
 
@@ -335,7 +332,8 @@ TEST(LogLimit, AFloodPrintsABoundedNumberOfLinesAndSaysHowManyItDropped) {
 }
 
 TEST(Snapshot, RoundTripsAndDetectsCorruption) {
-  const std::string dir = temp_dir();
+  const tests::TempDir temp("hemiola-ps");
+  const std::string& dir = temp.path();
   ServerSnapshot s;
   s.server_index = 1;
   s.num_servers = 2;
@@ -433,7 +431,8 @@ void expect_refused(const std::string& path, const std::string& words) {
 }
 
 TEST(Snapshot, HandMadeFilesWithValidChecksumsAreCheckedFieldByField) {
-  const std::string dir = temp_dir();
+  const tests::TempDir temp("hemiola-ps");
+  const std::string& dir = temp.path();
   const std::string path = dir + "/snap";
   ServerSnapshot s;
   s.num_servers = 1;
@@ -491,7 +490,8 @@ TEST(Snapshot, HandMadeFilesWithValidChecksumsAreCheckedFieldByField) {
 }
 
 TEST(Snapshot, ADirectoryIsNamedNotMisread) {
-  const std::string dir = temp_dir();
+  const tests::TempDir temp("hemiola-ps");
+  const std::string& dir = temp.path();
   try {
     read_snapshot(dir);
     FAIL() << "a directory was read as a snapshot";
@@ -891,7 +891,8 @@ TEST(ParameterServer, BspFailsNamingADeadWorkerWhileAspGoesOn) {
 TEST(ParameterServer, AServerThatFailsToStartTellsItsWorkersWhyAtOnce) {
   // restore=true with no snapshot on disk: the server cannot start. Its
   // worker used to wait out timeout_s and report only a missing store key.
-  const std::string dir = temp_dir();
+  const tests::TempDir temp("hemiola-ps");
+  const std::string& dir = temp.path();
   auto store = std::make_shared<MemoryStore>();
   auto o = server_options(0, 1, 1, Consistency::kAsp);
   o.snapshot_path = dir + "/missing";
@@ -910,7 +911,8 @@ TEST(ParameterServer, AServerThatFailsToStartTellsItsWorkersWhyAtOnce) {
 }
 
 TEST(ParameterServer, RestoresFromSnapshot) {
-  const std::string dir = temp_dir();
+  const tests::TempDir temp("hemiola-ps");
+  const std::string& dir = temp.path();
   std::vector<float> after_first(3);
   {
     auto store = std::make_shared<MemoryStore>();

@@ -5,16 +5,11 @@
 
 #include "hemiola/status.h"
 #include "hemiola/store.h"
+#include "temp_dir.h"
 
 namespace hemiola {
 namespace {
 
-std::string temp_dir() {
-  char tmpl[] = "/tmp/hemiola-store-XXXXXX";
-  const char* dir = ::mkdtemp(tmpl);
-  EXPECT_NE(dir, nullptr);
-  return dir;
-}
 
 void exercise(Store& store) {
   EXPECT_FALSE(store.check("a/b"));
@@ -49,12 +44,14 @@ TEST(Store, MemoryStore) {
 }
 
 TEST(Store, FileStore) {
-  FileStore store(temp_dir());
+  const tests::TempDir temp("hemiola-store");
+  FileStore store(temp.path());
   exercise(store);
 }
 
 TEST(Store, FileStoreIsSharedBetweenInstancesOnOneDirectory) {
-  const std::string dir = temp_dir();
+  const tests::TempDir temp("hemiola-store");
+  const std::string& dir = temp.path();
   FileStore a(dir), b(dir);
   a.set("k", "v");
   EXPECT_EQ(b.get("k", std::chrono::seconds(1)), "v");
