@@ -63,9 +63,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "and GPT-2-124M at 8-1024 GPUs (hemiola.bench.advise_scale)")
     parser.add_argument("--error", type=float, default=0.15,
                         help="--scale: the predictions' relative error, as validated")
-    parser.add_argument("--gpu-rows", action="store_true",
+    parser.add_argument("--gpu-rows", nargs="?", const=Path("docs") / "results" / "gpu", type=Path,
+                        metavar="DIR",
                         help="measure nothing: print docs/scale.md's predictions of the H200 "
-                             "rows in docs/results/gpu against them (hemiola.bench.advise_gpu)")
+                             "rows in DIR (default docs/results/gpu, from the checkout's root) "
+                             "against them (hemiola.bench.advise_gpu)")
     parser.add_argument("--published", action="store_true",
                         help="measure nothing: print docs/scale.md's predictions of published "
                              "scaling results against them (hemiola.bench.published)")
@@ -134,7 +136,10 @@ def run(args: argparse.Namespace) -> int:
     if args.gpu_rows:
         from hemiola.bench import advise_gpu
 
-        print(advise_gpu.table())
+        if not args.gpu_rows.is_dir():
+            raise SystemExit(f"--gpu-rows: {args.gpu_rows} is not a directory (run from the "
+                             "checkout's root, or name the directory of the H200 rows)")
+        print(advise_gpu.table(args.gpu_rows))
         return 0
     if args.scale:
         from hemiola.bench import advise_scale
