@@ -200,12 +200,16 @@ TEST_P(BlockWire, AveragesWithErrorFeedbackCarriedAcrossIterations) {
   double drift = 0.0;
   double norm = 0.0;
   for (size_t i = 0; i < numels.size(); ++i) {
+    std::vector<std::vector<std::vector<float>>> g(iterations);  // per iteration, per rank
+    for (int it = 0; it < iterations; ++it) {
+      for (int r = 0; r < world; ++r) g[it].push_back(gradient(r, i, numels[i], it));
+    }
     for (size_t j = 0; j < numels[i]; ++j) {
       double exact = 0.0;
       double delivered = 0.0;
       double held = 0.0;
       for (int it = 0; it < iterations; ++it) {
-        for (int r = 0; r < world; ++r) exact += gradient(r, i, numels[i], it)[j] / world;
+        for (int r = 0; r < world; ++r) exact += g[it][r][j] / world;
         delivered += results[0][it][i][j];
       }
       for (int r = 0; r < world; ++r) held += residuals[r][i][j] / world;
