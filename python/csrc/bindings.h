@@ -6,7 +6,9 @@
 #include <cstdint>
 #include <utility>
 
+#include "hemiola/config.h"
 #include "hemiola/optimizer.h"
+#include "hemiola/status.h"
 
 namespace hemiola::python {
 
@@ -30,6 +32,15 @@ inline VectorSqrt vector_sqrt(std::uintptr_t f32, std::uintptr_t f64) {
   roots.f32 = reinterpret_cast<VectorSqrtF32>(f32);
   roots.f64 = reinterpret_cast<VectorSqrtF64>(f64);
   return roots;
+}
+
+// The Compression of a Python code: one the engine's table lists.
+inline Compression compression_of(int code) {
+  for (const Coding& coding : codings()) {
+    if (static_cast<int>(coding.compression) == code) return coding.compression;
+  }
+  HEMIOLA_CHECK(false, "unknown compression code ", code);
+  return Compression::kNone;
 }
 
 void bind_engine(pybind11::module_& m);

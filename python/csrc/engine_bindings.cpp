@@ -57,15 +57,6 @@ TensorRef make_ref(uintptr_t data, int dtype, size_t numel) {
   return ref;
 }
 
-// The Compression of a Python code: one the engine's table lists.
-Compression compression_of(int code) {
-  for (const Coding& coding : codings()) {
-    if (static_cast<int>(coding.compression) == code) return coding.compression;
-  }
-  HEMIOLA_CHECK(false, "unknown compression code ", code);
-  return Compression::kNone;
-}
-
 }  // namespace
 
 void bind_engine(py::module_& m) {

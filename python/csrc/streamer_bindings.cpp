@@ -91,9 +91,7 @@ void bind_streamer(py::module_& m) {
         options.outer.lr = outer_lr;
         options.outer.momentum = outer_momentum;
         options.outer.nesterov = outer_nesterov;
-        HEMIOLA_CHECK(compression >= 0 && compression <= 4, "unknown compression code ",
-                      compression);
-        options.compression = static_cast<Compression>(compression);
+        options.compression = compression_of(compression);
         Engine& e = engine.cast<Engine&>();
         std::unique_ptr<Streamer> streamer;
         {

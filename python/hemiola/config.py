@@ -136,7 +136,11 @@ class Config:
             and error feedback: what a rank's coding dropped is added to its
             next gradient (a quarter of the bytes, plus 1.6% for the
             scales; ``model.comm_state_dict()`` holds the residuals for a
-            checkpoint); ``"powersgd"``: each gradient matrix (viewed as
+            checkpoint); ``"int4"``: the same in half a byte per element
+            (two 4-bit codes a byte, each rank's codes in [-L, L] with
+            L = floor(15 / (2 * world)): 7 levels at 2 ranks, 5 at 3, 3 at
+            4-7; more than 7 ranks are refused: use ``"int8"``);
+            ``"powersgd"``: each gradient matrix (viewed as
             first dimension x the rest) sent as a rank-``powersgd_rank``
             approximation with error feedback and warm start, as torch's
             ``powerSGD_hook`` does, from iteration ``powersgd_start_iter``
@@ -236,7 +240,7 @@ class Config:
             raise ValueError(f"overlap must be an integer >= 0, got {self.overlap!r}")
         if self.schedule == "streaming" and self.compression == "powersgd":
             raise ValueError("schedule='streaming' sends its pseudo-gradients with compression "
-                             "None, 'fp16', 'bf16' or 'int8'")
+                             "None, 'fp16', 'bf16', 'int8' or 'int4'")
         if not 0.0 <= self.priority_front_fraction <= 1.0:
             raise ValueError("priority_front_fraction must be in [0, 1], got "
                              f"{self.priority_front_fraction!r}")

@@ -182,7 +182,7 @@ class DataParallel(nn.Module):
 
     def comm_state_dict(self) -> dict[str, torch.Tensor]:
         """The communication state a checkpoint must carry to resume exactly:
-        with ``compression="int8"`` or ``"powersgd"``, each compressed
+        with ``compression="int8"``, ``"int4"`` or ``"powersgd"``, each compressed
         parameter's error-feedback residual (what this rank's coding has
         dropped and will add to its next gradient), by parameter name; empty
         otherwise. Per rank: save it from every rank (torch.save to a per-rank
@@ -191,7 +191,7 @@ class DataParallel(nn.Module):
         starts again with the new wrap: a resumed run travels uncompressed for
         ``powersgd_start_iter`` iterations, then starts the matrices afresh.)"""
         r = self._replica
-        if self.config.compression not in ("int8", "powersgd") or r.reducer is None:
+        if self.config.compression not in ("int8", "int4", "powersgd") or r.reducer is None:
             return {}
         self.synchronize()
         out = {}

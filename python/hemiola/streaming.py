@@ -153,7 +153,7 @@ class StreamingParallel(nn.Module):
         return self._params[self._streamer.fragments()[f][0]].dtype
 
     def _residuals(self) -> list[torch.Tensor] | None:
-        if self._config.compression != "int8":
+        if self._config.compression not in ("int8", "int4"):
             return None
         out = []
         for i, p in enumerate(self._params):

@@ -149,11 +149,13 @@ TEST(Streamer, FragmentsAreStaggeredAndOverlapKeepsTheLocalProgress) {
   }
 }
 
-TEST(Streamer, Int8KeepsTheSharedCopyBitIdenticalAcrossRanks) {
+class StreamerCoding : public ::testing::TestWithParam<Compression> {};
+
+TEST_P(StreamerCoding, KeepsTheSharedCopyBitIdenticalAcrossRanks) {
   const int world = 3;
   StreamerOptions options;
   options.sync_every = 3;
-  options.compression = Compression::kInt8;
+  options.compression = GetParam();
   const Result got = run(world, options, 9);
   EXPECT_EQ(got.syncs, 3u);
   const Result exact = run(world, StreamerOptions{3, 1, 0, StreamerOptions::default_outer(),
@@ -165,9 +167,17 @@ TEST(Streamer, Int8KeepsTheSharedCopyBitIdenticalAcrossRanks) {
     for (int r = 0; r < world; ++r) ASSERT_EQ(got.live[r][i], got.shared[0][i]);
     distance = std::max(distance, std::fabs(double(got.shared[0][i]) - exact.shared[0][i]));
   }
-  EXPECT_GT(distance, 0.0) << "int8 changed nothing: was it applied?";
-  EXPECT_LT(distance, 0.01) << "int8 with error feedback strays from the exact average";
+  // The coding's step is 1/L of a block's largest value (int8 at 3 ranks: L
+  // = 42; int4: L = 2), and what it drops waits in the residual: the shared
+  // copy strays from the exact one by a few steps at most.
+  const int levels = GetParam() == Compression::kInt8 ? 127 / world : 15 / (2 * world);
+  EXPECT_GT(distance, 0.0) << "the coding changed nothing: was it applied?";
+  EXPECT_LT(distance, 0.42 / levels) << "the coding with error feedback strays from the exact "
+                                        "average";
 }
+
+INSTANTIATE_TEST_SUITE_P(Codings, StreamerCoding,
+                         ::testing::Values(Compression::kInt8, Compression::kInt4));
 
 // next_step_fragments() names, before each step, exactly the fragments that
 // step sends or lands (a GPU model's host copy moves only those).

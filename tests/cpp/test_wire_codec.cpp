@@ -102,12 +102,20 @@ INSTANTIATE_TEST_SUITE_P(Codings, HalfWire,
                                                               Compression::kBf16),
                                             ::testing::Values(2, 3)));
 
-class Int8Wire : public ::testing::TestWithParam<int> {};
+// int8 and int4: codes in [-L, L] per element, one scale per block.
+class BlockWire : public ::testing::TestWithParam<std::tuple<Compression, int>> {};
+
+// L: floor(127 / world) for int8; floor(15 / (2 * world)) for int4, whose
+// codes travel offset by L, two to a byte.
+int levels_of(Compression compression, int world) {
+  return compression == Compression::kInt8 ? 127 / world : 15 / (2 * world);
+}
 
 // One rank's side of the coding, written out: v = g + e; the block scale is
-// the max over ranks of max |v| divided by floor(127 / world).
-TEST_P(Int8Wire, AveragesWithErrorFeedbackCarriedAcrossIterations) {
-  const int world = GetParam();
+// the max over ranks of max |v| divided by L. The sum of the codes is taken
+// here as integers, independently of how the coding packs them on the wire.
+TEST_P(BlockWire, AveragesWithErrorFeedbackCarriedAcrossIterations) {
+  const auto [compression, world] = GetParam();
   const std::vector<size_t> numels = {700, 5, 300};
   const auto specs = specs_of(numels);
   const int iterations = 4;
@@ -115,7 +123,7 @@ TEST_P(Int8Wire, AveragesWithErrorFeedbackCarriedAcrossIterations) {
       world, std::vector<std::vector<std::vector<float>>>(iterations));
   std::vector<std::vector<std::vector<float>>> residuals(world);
   run_ranks(world, [&](Engine& e) {
-    ReducerOptions options = compressed(Compression::kInt8);
+    ReducerOptions options = compressed(compression);
     options.fusion_bytes = options.first_bucket_bytes = 2048;
     auto reducer = e.make_reducer(specs, options);
     for (int it = 0; it < iterations; ++it) {
@@ -137,9 +145,10 @@ TEST_P(Int8Wire, AveragesWithErrorFeedbackCarriedAcrossIterations) {
   });
   // The reference: the same coding over the same plan, written out here.
   // The plan (reverse order, 2048-byte caps): bucket {t2, t1} (1220 bytes
-  // after t2 + t1, then t0 reaches the cap: {t2, t1, t0}).
+  // after t2 + t1, then t0 reaches the cap: {t2, t1, t0}): 1005 elements,
+  // an odd count (int4's last byte holds one code).
   const std::vector<size_t> order = {2, 1, 0};
-  const int levels = 127 / world;
+  const int levels = levels_of(compression, world);
   std::vector<std::vector<std::vector<float>>> e(world);  // per rank, per tensor
   for (int r = 0; r < world; ++r) {
     for (size_t n : numels) e[r].emplace_back(n, 0.0f);
@@ -191,12 +200,16 @@ TEST_P(Int8Wire, AveragesWithErrorFeedbackCarriedAcrossIterations) {
   double drift = 0.0;
   double norm = 0.0;
   for (size_t i = 0; i < numels.size(); ++i) {
+    std::vector<std::vector<std::vector<float>>> g(iterations);  // per iteration, per rank
+    for (int it = 0; it < iterations; ++it) {
+      for (int r = 0; r < world; ++r) g[it].push_back(gradient(r, i, numels[i], it));
+    }
     for (size_t j = 0; j < numels[i]; ++j) {
       double exact = 0.0;
       double delivered = 0.0;
       double held = 0.0;
       for (int it = 0; it < iterations; ++it) {
-        for (int r = 0; r < world; ++r) exact += gradient(r, i, numels[i], it)[j] / world;
+        for (int r = 0; r < world; ++r) exact += g[it][r][j] / world;
         delivered += results[0][it][i][j];
       }
       for (int r = 0; r < world; ++r) held += residuals[r][i][j] / world;
@@ -207,12 +220,20 @@ TEST_P(Int8Wire, AveragesWithErrorFeedbackCarriedAcrossIterations) {
   EXPECT_LT(drift, 1e-5 * norm);
 }
 
-INSTANTIATE_TEST_SUITE_P(Worlds, Int8Wire, ::testing::Values(1, 2, 3));
+INSTANTIATE_TEST_SUITE_P(Int8, BlockWire,
+                         ::testing::Combine(::testing::Values(Compression::kInt8),
+                                            ::testing::Values(1, 2, 3)));
+// int4 at each L: 7 (one rank), 3, 2 and 1 (7 ranks: the nibble sums reach 14).
+INSTANTIATE_TEST_SUITE_P(Int4, BlockWire,
+                         ::testing::Combine(::testing::Values(Compression::kInt4),
+                                            ::testing::Values(1, 2, 3, 7)));
 
-TEST(Int8Wire, ANonFiniteGradientGivesANonFiniteAverageOnEveryRank) {
+class BlockCoding : public ::testing::TestWithParam<Compression> {};
+
+TEST_P(BlockCoding, ANonFiniteGradientGivesANonFiniteAverageOnEveryRank) {
   const auto specs = specs_of({600});
   run_ranks(2, [&](Engine& e) {
-    auto reducer = e.make_reducer(specs, compressed(Compression::kInt8));
+    auto reducer = e.make_reducer(specs, compressed(GetParam()));
     std::vector<float> g(600, 1.0f);
     if (e.rank() == 1) g[300] = std::numeric_limits<float>::infinity();
     reducer->mark_ready(0, TensorRef{g.data(), DType::kFloat32, 600, {}});
@@ -229,6 +250,43 @@ TEST(Int8Wire, ANonFiniteGradientGivesANonFiniteAverageOnEveryRank) {
     reducer->wait();
     EXPECT_FLOAT_EQ(g[300], 2.0f);
   });
+}
+
+TEST_P(BlockCoding, ABlockOfTinyValuesIsKeptNotMiscoded) {
+  const auto specs = specs_of({300});
+  run_ranks(1, [&](Engine& e) {
+    auto reducer = e.make_reducer(specs, compressed(GetParam()));
+    std::vector<float> g(300, 0.0f);
+    // Its block's scale (1e-38 / L, L = 127 or 7) has no finite inverse.
+    g[0] = 1e-38f;
+    reducer->mark_ready(0, TensorRef{g.data(), DType::kFloat32, 300, {}});
+    reducer->wait();
+    EXPECT_EQ(g[1], 0.0f);  // int8 gave -1e-37 for 1e-37 before the fix
+    EXPECT_EQ(g[0], 0.0f);  // not sent this time...
+    const TensorRef r = reducer->residual(0);
+    EXPECT_EQ(static_cast<const float*>(r.data)[0], 1e-38f);  // ...but kept
+    EXPECT_EQ(static_cast<const float*>(r.data)[1], 0.0f);
+  });
+}
+
+INSTANTIATE_TEST_SUITE_P(Codings, BlockCoding,
+                         ::testing::Values(Compression::kInt8, Compression::kInt4));
+
+// int4's codes sum in four bits: at 8 ranks no level is left either side of
+// zero, and the refusal says what to use instead. (The codec is made
+// directly: eight Gloo ranks as threads are not needed to refuse them.)
+TEST(Int4Wire, EightRanksAreRefusedNamingInt8) {
+  const auto specs = specs_of({10});
+  EXPECT_NE(make_codec(CodecSpec{specs, Device{}, Compression::kInt4, true, 7}), nullptr);
+  try {
+    make_codec(CodecSpec{specs, Device{}, Compression::kInt4, true, 8});
+    ADD_FAILURE() << "int4 accepted 8 ranks";
+  } catch (const Error& error) {
+    EXPECT_NE(std::string(error.what()).find("at most 7 ranks (world_size is 8): use "
+                                             "compression int8"),
+              std::string::npos)
+        << error.what();
+  }
 }
 
 TEST(Compression, RefusedWhereItCannotWork) {
@@ -248,7 +306,7 @@ TEST(Compression, RefusedWhereItCannotWork) {
 TEST(Compression, ACudaReducerRefusesTheHostOnlyCodings) {
   const auto specs = specs_of({10});
   run_ranks(1, [&](Engine& e) {
-    for (Compression c : {Compression::kInt8, Compression::kPowerSgd}) {
+    for (Compression c : {Compression::kInt8, Compression::kPowerSgd, Compression::kInt4}) {
       ReducerOptions options = compressed(c);
       options.device = Device{DeviceType::kCUDA, 0};
       try {
@@ -256,8 +314,8 @@ TEST(Compression, ACudaReducerRefusesTheHostOnlyCodings) {
         ADD_FAILURE() << "a CUDA reducer accepted a host-only coding";
       } catch (const Error& error) {
         EXPECT_NE(std::string(error.what()).find("a CUDA reducer compresses with fp16 or bf16; "
-                                                 "int8 and powersgd are implemented for CPU "
-                                                 "reducers only"),
+                                                 "int8, powersgd and int4 are implemented for "
+                                                 "CPU reducers only"),
                   std::string::npos)
             << error.what();
       }
@@ -501,23 +559,8 @@ TEST_P(UnusedKeepsResidual, AnUnusedTensorContributesZerosAndKeepsItsResidual) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Codings, UnusedKeepsResidual,
-                         ::testing::Values(Compression::kInt8, Compression::kPowerSgd));
-
-TEST(Int8Wire, ABlockOfTinyValuesIsKeptNotMiscoded) {
-  const auto specs = specs_of({300});
-  run_ranks(1, [&](Engine& e) {
-    auto reducer = e.make_reducer(specs, compressed(Compression::kInt8));
-    std::vector<float> g(300, 0.0f);
-    g[0] = 1e-37f;  // its block's scale (1e-37 / 127) has no finite inverse
-    reducer->mark_ready(0, TensorRef{g.data(), DType::kFloat32, 300, {}});
-    reducer->wait();
-    EXPECT_EQ(g[1], 0.0f);  // was -1e-37 before the fix
-    EXPECT_EQ(g[0], 0.0f);  // not sent this time...
-    const TensorRef r = reducer->residual(0);
-    EXPECT_EQ(static_cast<const float*>(r.data)[0], 1e-37f);  // ...but kept
-    EXPECT_EQ(static_cast<const float*>(r.data)[1], 0.0f);
-  });
-}
+                         ::testing::Values(Compression::kInt8, Compression::kPowerSgd,
+                                           Compression::kInt4));
 
 }  // namespace
 }  // namespace hemiola

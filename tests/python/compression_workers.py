@@ -50,9 +50,10 @@ def compressed_run(rank: int, world: int, schedule: str, compression: str | None
 
 def int8_resume(rank: int, world: int, schedule: str, steps: int, cut: int,
                 options: dict[str, Any]) -> dict[str, Any]:
-    """int8 compression: `steps` steps straight, against `cut` steps, a
-    checkpoint (model, optimizer and comm state), a fresh wrap that loads it,
-    and the rest. Returns how far the resumed runs end from the straight one."""
+    """int8 compression (or `options["compression"]`): `steps` steps
+    straight, against `cut` steps, a checkpoint (model, optimizer and comm
+    state), a fresh wrap that loads it, and the rest. Returns how far the
+    resumed runs end from the straight one."""
     hemiola.init()
 
     def fresh(saved: dict[str, Any] | None = None) -> tuple[nn.Module, torch.optim.Optimizer]:

@@ -169,6 +169,10 @@ def test_payloads_follow_the_codecs() -> None:
     assert collective.payloads("fp16", bucket, 2) == [("all_reduce", 2 * n)]
     assert collective.payloads("int8", bucket, 2) == [("all_gather", 4 * math.ceil(n / 256)),
                                                       ("all_reduce", n)]
+    assert collective.payloads("int4", bucket, 2) == [("all_gather", 4 * math.ceil(n / 256)),
+                                                      ("all_reduce", math.ceil(n / 2))]
+    with pytest.raises(ValueError, match="at most 7 ranks"):
+        collective.payloads("int4", bucket, 8)
     # PowerSGD (rank 2): the bias uncompressed, then P (512 x 2) and Q (256 x 2)
     assert collective.payloads("powersgd", bucket, 2) == [
         ("all_reduce", 4 * 512), ("all_reduce", 4 * 512 * 2), ("all_reduce", 4 * 256 * 2)]

@@ -27,6 +27,9 @@ def test_contender_names() -> None:
     assert parse("streaming-h20-f2t1+int8") == Spec("streaming-h20-f2t1+int8", "streaming",
                                                     20, 2, 1, "int8")
     assert parse("torchft-h50") == Spec("torchft-h50", "torchft", 50)
+    assert parse("streaming-h20+int4") == Spec("streaming-h20+int4", "streaming", 20,
+                                               coding="int4")
+    assert parse("decoupled+int4") == Spec("decoupled+int4", "hemiola", coding="int4")
     assert "F=2 τ=1" in parse("streaming-h20-f2t1").label
     for bad in ("streaming-h4-f2t2", "torchft-h20+int8", "streaming-h10+zip", "nope"):
         with pytest.raises(ValueError):
@@ -48,6 +51,9 @@ def test_bytes_per_token() -> None:
     # decoupled under AdamW sends its one-byte preview codes as well
     per_step = bytes_per_token(parse("decoupled+int8"), p, 2, tokens, "AdamW")
     assert per_step == pytest.approx((CODING_BYTES["int8"] + 1) * p / tokens)
+    # int4: half a byte per element, plus int8's 4-byte scale per 256
+    int4 = bytes_per_token(parse("streaming-h20+int4"), p, 2, tokens)
+    assert int4 == pytest.approx((0.5 + 4 / 256) * p / (20 * tokens))
     assert bytes_per_token(parse("decoupled+int8"), p, 2, tokens, "SGD") == pytest.approx(
         CODING_BYTES["int8"] * p / tokens)
     assert bytes_per_token(parse("decoupled-own"), p, 2, tokens, "AdamW") == 4 * p / tokens

@@ -19,10 +19,11 @@ def test_the_codings_and_where_they_run_come_from_the_engine() -> None:
     from hemiola.config import COMPRESSIONS, compression_code
 
     # hemiola/config.h's Compression, as the binding reports it.
-    assert C.compressions() == {"none": 0, "fp16": 1, "bf16": 2, "int8": 3, "powersgd": 4}
+    assert C.compressions() == {"none": 0, "fp16": 1, "bf16": 2, "int8": 3, "powersgd": 4,
+                                "int4": 5}
     assert COMPRESSIONS == {n: c for n, c in C.compressions().items() if n != "none"}
     assert compression_code(None) == 0 and compression_code("powersgd") == 4
-    assert C.codings("cpu") == ["none", "fp16", "bf16", "int8", "powersgd"]
+    assert C.codings("cpu") == ["none", "fp16", "bf16", "int8", "powersgd", "int4"]
     assert C.codings("cuda") == ["none", "fp16", "bf16"]
     with pytest.raises(Exception, match="'cpu' or 'cuda'"):
         C.codings("tpu")
@@ -39,7 +40,7 @@ def test_fp16_equals_ddp_with_fp16_compress_hook(via_hook: bool) -> None:
 
 
 @pytest.mark.parametrize("world", [2, 3])
-@pytest.mark.parametrize("compression", ["fp16", "bf16", "int8", "powersgd"])
+@pytest.mark.parametrize("compression", ["fp16", "bf16", "int8", "powersgd", "int4"])
 def test_every_schedule_under_compression(world: int, compression: str) -> None:
     runs = {
         schedule: run_local(cw.compressed_run, world, schedule, compression, "mlp", "sgd", 8,
@@ -64,11 +65,13 @@ def test_every_schedule_under_compression(world: int, compression: str) -> None:
         assert torch.equal(a, b)
 
 
-@pytest.mark.parametrize("schedule", ["wfbp", "priority"])
-def test_int8_checkpoint_carries_the_error_feedback(schedule: str) -> None:
+@pytest.mark.parametrize("schedule,compression",
+                         [("wfbp", "int8"), ("priority", "int8"), ("wfbp", "int4")])
+def test_int8_checkpoint_carries_the_error_feedback(schedule: str, compression: str) -> None:
     # (decoupled is left out: a fresh wrap's first iteration is synchronous,
     # so even uncompressed its resumed run is not the straight run bit for bit.)
-    results = run_local(cw.int8_resume, 2, schedule, 8, 4, {}, timeout_s=240)
+    results = run_local(cw.int8_resume, 2, schedule, 8, 4, {"compression": compression},
+                        timeout_s=240)
     for r in results.values():
         assert r["residual_norm"] > 0, r
         assert r["keys"], r

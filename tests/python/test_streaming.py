@@ -27,12 +27,14 @@ def test_blocking_sync_is_diloco(name: str, opt_name: str) -> None:
 @pytest.mark.parametrize("options", [
     {"sync_every": 6, "fragments": 3, "overlap": 1},
     {"sync_every": 4, "fragments": 2, "overlap": 1, "compression": "int8"},
+    {"sync_every": 4, "fragments": 2, "overlap": 1, "compression": "int4"},
 ])
 def test_overlapped_fragments_keep_the_shared_copy_identical(options: dict[str, object]) -> None:
     results = run_local(streaming_workers.overlap_keeps_shared_identical, 3, options, 13,
                         timeout_s=240)
     for r in results.values():
-        assert r["shared_spread"] == 0.0, r
+        assert r["shared_spread"] == 0.0, r  # after every inner step
+        assert r["shared_changes"] >= 2 * int(options["fragments"]) - 1, r
         assert r["fragments"] == options["fragments"], r
         assert r["stats"]["syncs"] >= 2 * int(options["fragments"]) - 1, r
 
@@ -40,6 +42,7 @@ def test_overlapped_fragments_keep_the_shared_copy_identical(options: dict[str, 
 @pytest.mark.parametrize("options,stop", [
     ({"sync_every": 4}, 6),
     ({"sync_every": 6, "fragments": 2, "overlap": 2, "compression": "int8"}, 4),
+    ({"sync_every": 6, "fragments": 2, "overlap": 2, "compression": "int4"}, 4),
 ])
 def test_resume_repeats_the_uninterrupted_run(tmp_path: Path, options: dict[str, object],
                                               stop: int) -> None:

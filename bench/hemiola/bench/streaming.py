@@ -18,7 +18,8 @@ evaluates each after every block. Per contender and seed it records:
 - ``compute_utilisation``: the bare model's ms per step / this one's;
 - ``bytes_per_token``: what one rank sends per token it trains, by the formula
   2 (N-1)/N * P * b / (H * tokens per rank per step) (P parameters, b bytes
-  per element of the coding: 4, 2, or 1 + 4/256 for int8, plus 1 for
+  per element of the coding: 4, 2, 1 + 4/256 for int8 or 1/2 + 4/256 for
+  int4, plus 1 for
   decoupled's preview codes under Adam(W); H = 1 per step),
   and ``bytes_per_token_measured``: the bytes the rank's veth sent during the
   contender's blocks (netlab only), per token;

@@ -39,8 +39,10 @@ from torch import nn
 LOW_COMM = re.compile(r"(?P<kind>streaming|torchft)-h(?P<h>\d+)"
                       r"(?:-f(?P<f>\d+)t(?P<t>\d+))?(?:\+(?P<coding>\w+))?"
                       r"(?:@lr(?P<lr>[0-9.]+)m(?P<m>[0-9.]+))?")
-#: bytes per element on the wire of each coding (int8: one scale per 256)
-CODING_BYTES = {"": 4.0, "fp16": 2.0, "bf16": 2.0, "int8": 1.0 + 4.0 / 256}
+#: bytes per element on the wire of each coding (int8 and int4: one float32
+#: scale per 256 elements)
+CODING_BYTES = {"": 4.0, "fp16": 2.0, "bf16": 2.0, "int8": 1.0 + 4.0 / 256,
+                "int4": 0.5 + 4.0 / 256}
 #: DiLoCo's outer optimizer, torchft's and hemiola's default alike
 OUTER = {"lr": 0.7, "momentum": 0.9, "nesterov": True}
 
@@ -99,7 +101,8 @@ def parse(name: str) -> Spec:
         h, f, t = int(m["h"]), int(m["f"] or 1), int(m["t"] or 0)
         coding = m["coding"] or ""
         if coding not in CODING_BYTES:
-            raise ValueError(f"{name}: unknown coding {coding!r}; known: fp16, bf16, int8")
+            raise ValueError(f"{name}: unknown coding {coding!r}; known: "
+                             f"{', '.join(c for c in CODING_BYTES if c)}")
         if m["kind"] == "torchft" and (f > 1 or t or coding):  # (@lrLmM is allowed)
             raise ValueError(f"{name}: the torchft contender is its blocking one-fragment "
                              "DiLoCo (torchft-hH): its should_quantize needs triton (GPU "

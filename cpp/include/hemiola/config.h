@@ -53,6 +53,7 @@ enum class Compression : uint8_t {
   kBf16 = 2,  // the same in bfloat16 (DDP's bf16 hook)
   kInt8 = 3,  // one byte per element, a scale per block, error feedback
   kPowerSgd = 4,  // low rank (PowerSGD) with error feedback; small tensors as they are
+  kInt4 = 5,  // int8's coding in half a byte per element (two codes a byte); <= 7 ranks
 };
 
 // One coding: the name hemiola.Config.compression gives it and the buckets

@@ -94,7 +94,7 @@ class HEMIOLA_API Reducer {
   // every previewed bucket so far: sqrt(sum |estimate - average|^2 /
   // sum |average|^2) (0 before the first).
   double preview_error() const;
-  // ReducerOptions::compression kInt8 or kPowerSgd: what this rank's coding
+  // ReducerOptions::compression kInt8, kInt4 or kPowerSgd: what this rank's coding
   // of gradient `index` has dropped so far and will add to its next gradient
   // (float32, one per element; empty for a gradient that is never compressed). Waits for
   // every iteration submitted so far; valid for the reducer's life. Read it

@@ -25,7 +25,7 @@
 // Memory, per parameter element, host memory in the parameters' dtype: the
 // shared copy, the outer momentum and the pseudo-gradient buffers (3x the
 // model), plus the live values the fragment in flight was sent from (the
-// largest fragment), plus, with int8, one float32 residual per element.
+// largest fragment), plus, with int8 or int4, one float32 residual per element.
 //
 // The live values are host memory: for a GPU model the caller keeps a host
 // copy of the parameters and moves the fragments of next_step_fragments()
@@ -57,7 +57,7 @@ struct StreamerOptions {
   // weight_decay of OptimizerHyper).
   OptimizerHyper outer = default_outer();
   // How the pseudo-gradients travel (float32 parameters; others as they are):
-  // kNone, kFp16, kBf16 or kInt8 (with error feedback).
+  // kNone, kFp16, kBf16, kInt8 or kInt4 (with error feedback).
   Compression compression = Compression::kNone;
 
   static OptimizerHyper default_outer() {
@@ -107,7 +107,7 @@ class HEMIOLA_API Streamer {
   TensorRef shared(size_t fragment);
   // The outer optimizer's momentum buffer (zeros before its first sync).
   TensorRef outer_momentum(size_t fragment);
-  // Compression::kInt8, per parameter: what this rank's coding dropped and
+  // Compression::kInt8 / kInt4, per parameter: what this rank's coding dropped and
   // will add to its next pseudo-gradient (float32, one per element).
   TensorRef residual(size_t index);
   // The fragment in flight (-1: none) and the inner step it was sent after;

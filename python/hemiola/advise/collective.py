@@ -35,6 +35,8 @@ from hemiola.cluster.config import ClusterConfig
 INT8_BLOCK = 256
 #: int8 sums every rank's codes in one byte
 INT8_MAX_WORLD = 127
+#: int4 sums every rank's 4-bit codes in four bits (cpp/src/engine/codec/int4.cpp)
+INT4_MAX_WORLD = 7
 #: the algorithms of all_reduce; "best" takes the fastest for each message
 ALGORITHMS = ("ring", "tree", "hierarchical", "best")
 
@@ -169,6 +171,14 @@ def payloads(coding: str, bucket: Sequence[Piece], world: int,
         if plain:
             out.append(("all_reduce", plain))
         out += [("all_gather", 4 * math.ceil(floats / INT8_BLOCK)), ("all_reduce", floats)]
+    elif coding == "int4":
+        if world > INT4_MAX_WORLD:
+            raise ValueError(f"int4 sums the ranks' codes in four bits: at most "
+                             f"{INT4_MAX_WORLD} ranks, not {world}")
+        if plain:
+            out.append(("all_reduce", plain))
+        out += [("all_gather", 4 * math.ceil(floats / INT8_BLOCK)),
+                ("all_reduce", math.ceil(floats / 2))]
     elif coding == "powersgd":
         uncompressed, p_size, q_size = float(plain), 0.0, 0.0
         for p in bucket:

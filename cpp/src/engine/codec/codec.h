@@ -6,6 +6,8 @@
 //   - half (half.cpp): kFp16 / kBf16, two bytes per float32 element, host
 //     and CUDA;
 //   - int8 (int8.cpp): one byte per element with error feedback, host;
+//   - int4 (int4.cpp): half a byte per element with error feedback, host,
+//     at most 7 ranks;
 //   - PowerSGD (powersgd.cpp): low rank with error feedback, host.
 // Buckets a coding does not apply to (not float32, empty, or in PowerSGD's
 // warm-up) travel as none sends them. Which coding runs on which device is
@@ -60,7 +62,7 @@ class Codec {
   virtual std::vector<size_t> wire_bytes(const std::vector<PlannedBucket>& plan) const {
     return {};
   }
-  // kInt8 and kPowerSgd: tensor `index`'s residual (float32, one per
+  // kInt8, kInt4 and kPowerSgd: tensor `index`'s residual (float32, one per
   // element; empty for tensors never compressed). Null for the codings
   // without error feedback.
   virtual std::vector<float>* residual(size_t index) { return nullptr; }

@@ -4,13 +4,16 @@
 #pragma once
 
 #include <cstddef>
+#include <cstdint>
 #include <memory>
+#include <vector>
 
 #include "engine/codec/codec.h"
 
 namespace hemiola {
 
-// Elements that share one int8 scale.
+// Elements that share one int8 (or int4) scale. Even, so the two 4-bit
+// codes of one int4 byte always belong to the same block.
 constexpr size_t kInt8Block = 256;
 
 // Whether a coding can compress bucket `plan` at all: float32 buckets only,
@@ -31,9 +34,28 @@ double send_plain_host(BucketStorage& storage, size_t b, Communicator& host, dou
 // `average`) by the storage's device communicator on its stream.
 double send_plain_device(BucketStorage& storage, size_t b, const Device& here, bool average);
 
+// The block-scaled codings with error feedback (int8, int4; blocks.cpp).
+// v = gradient + residual, in the bucket `data` (laid out as `plan`): a
+// tensor this rank did not use (`used[t]` 0) contributes zeros and keeps its
+// residual for later.
+void add_residuals(const PlannedBucket& plan, float* data,
+                   const std::vector<std::vector<float>>& residuals,
+                   const std::vector<uint8_t>& used);
+// The residuals of the used tensors become what `data` holds now.
+void keep_residuals(const PlannedBucket& plan, const float* data,
+                    std::vector<std::vector<float>>& residuals,
+                    const std::vector<uint8_t>& used);
+// maxima[blk]: the max over all ranks of block blk's max |v| (kInt8Block
+// elements per block), NaN where any rank's block holds a non-finite value;
+// the same on every rank (agreed by an all-gather of 4 bytes per block).
+// `gathered`: scratch.
+void agree_block_maxima(const float* data, size_t n, Communicator& comm, int world,
+                        std::vector<float>& maxima, std::vector<float>& gathered);
+
 std::unique_ptr<Codec> make_none_codec(const CodecSpec& spec);
 std::unique_ptr<Codec> make_half_codec(const CodecSpec& spec);  // host or CUDA
 std::unique_ptr<Codec> make_int8_codec(const CodecSpec& spec);  // host
+std::unique_ptr<Codec> make_int4_codec(const CodecSpec& spec);  // host
 std::unique_ptr<Codec> make_powersgd_codec(const CodecSpec& spec);  // host
 
 }  // namespace hemiola

@@ -9,14 +9,15 @@
 namespace hemiola {
 
 const std::vector<Coding>& codings() {
-  // The CUDA path casts to fp16/bf16 on the engine's stream; int8 and
-  // PowerSGD are written for host memory only.
+  // The CUDA path casts to fp16/bf16 on the engine's stream; int8, PowerSGD
+  // and int4 are written for host memory only.
   static const std::vector<Coding> table = {
       {Compression::kNone, "none", true, true},
       {Compression::kFp16, "fp16", true, true},
       {Compression::kBf16, "bf16", true, true},
       {Compression::kInt8, "int8", true, false},
       {Compression::kPowerSgd, "powersgd", true, false},
+      {Compression::kInt4, "int4", true, false},
   };
   return table;
 }
@@ -73,6 +74,8 @@ std::unique_ptr<Codec> make_codec(const CodecSpec& spec) {
       return make_int8_codec(spec);
     case Compression::kPowerSgd:
       return make_powersgd_codec(spec);
+    case Compression::kInt4:
+      return make_int4_codec(spec);
     case Compression::kNone:
       break;
   }

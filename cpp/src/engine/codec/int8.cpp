@@ -15,7 +15,6 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <limits>
 #include <vector>
 
 #include "engine/codec/codings.h"
@@ -69,42 +68,12 @@ void Int8Host::reduce(const PlannedBucket& plan, float* data, Communicator& comm
   const size_t n = plan.numel;
   const size_t blocks = (n + kInt8Block - 1) / kInt8Block;
   const int levels = 127 / world_;
-  // Pass 1: v = gradient + residual, in the bucket itself. A tensor this rank
-  // did not use contributes zeros and keeps its residual for later.
-  for (size_t k = 0; k < plan.tensors.size(); ++k) {
-    if (!used[plan.tensors[k]]) continue;
-    const float* residual = residuals_[plan.tensors[k]].data() + plan.begins[k];
-    float* v = data + plan.offsets[k];
-    const size_t count = plan.counts[k];
-    for (size_t j = 0; j < count; ++j) v[j] += residual[j];
-  }
-  // Each block's max |v| on this rank (NaN when the block holds a non-finite
-  // value: max() drops NaN, so a separate finiteness test), then the max over
-  // the ranks: the same scales everywhere.
-  maxima_.resize(blocks);
+  // Pass 1: v = gradient + residual, in the bucket itself; then each block's
+  // scale, the same on every rank.
+  add_residuals(plan, data, residuals_, used);
+  agree_block_maxima(data, n, comm, world_, maxima_, gathered_);
   for (size_t blk = 0; blk < blocks; ++blk) {
-    const size_t first = blk * kInt8Block;
-    const size_t end = std::min(n, first + kInt8Block);
-    float m = 0.0f;
-    float bad = 0.0f;  // stays 0 while every value is finite
-    for (size_t i = first; i < end; ++i) {
-      const float a = std::fabs(data[i]);
-      m = std::max(m, a);
-      bad += a - a;  // NaN for an infinite or NaN value
-    }
-    maxima_[blk] = bad == 0.0f ? m : std::numeric_limits<float>::quiet_NaN();
-  }
-  gathered_.resize(blocks * static_cast<size_t>(world_));
-  comm.all_gather(TensorRef{maxima_.data(), DType::kFloat32, blocks, Device{}},
-                  TensorRef{gathered_.data(), DType::kFloat32, gathered_.size(), Device{}});
-  for (size_t blk = 0; blk < blocks; ++blk) {
-    float m = 0.0f;
-    for (int r = 0; r < world_; ++r) {
-      const float x = gathered_[static_cast<size_t>(r) * blocks + blk];
-      m = std::isnan(x) || std::isnan(m) ? std::numeric_limits<float>::quiet_NaN()
-                                         : std::max(m, x);
-    }
-    maxima_[blk] = m / static_cast<float>(levels);  // now the block's scale
+    maxima_[blk] /= static_cast<float>(levels);  // now the block's scale
   }
   // Pass 2: code, keeping what the coding drops in v (the new residual).
   codes_.resize(n);
@@ -136,12 +105,7 @@ void Int8Host::reduce(const PlannedBucket& plan, float* data, Communicator& comm
       }
     }
   }
-  for (size_t k = 0; k < plan.tensors.size(); ++k) {
-    if (!used[plan.tensors[k]]) continue;
-    float* residual = residuals_[plan.tensors[k]].data() + plan.begins[k];
-    const float* v = data + plan.offsets[k];
-    std::copy(v, v + plan.counts[k], residual);
-  }
+  keep_residuals(plan, data, residuals_, used);
   comm.all_reduce_sum(TensorRef{codes_.data(), DType::kUInt8, n, Device{}});
   // Pass 3: the average. A zero scale decodes to zeros, a NaN scale to NaN.
   for (size_t blk = 0; blk < blocks; ++blk) {

@@ -36,9 +36,10 @@ OuterLane::OuterLane(LaneHost& host, const BucketLayout& fragments, Compression 
       storage_(make_host_buckets(fragments)),
       outs_(fragments.specs.size(), nullptr) {
   HEMIOLA_CHECK(compression == Compression::kNone || compression == Compression::kFp16 ||
-                    compression == Compression::kBf16 || compression == Compression::kInt8,
-                "streaming sends its pseudo-gradients with compression none, fp16, bf16 or "
-                "int8");
+                    compression == Compression::kBf16 || compression == Compression::kInt8 ||
+                    compression == Compression::kInt4,
+                "streaming sends its pseudo-gradients with compression none, fp16, bf16, int8 "
+                "or int4");
   codec_ = make_codec(CodecSpec{fragments.specs, Device{}, compression, /*average=*/true,
                                 host.options().world_size});
 }
@@ -50,7 +51,7 @@ Handle OuterLane::average(size_t f, uint64_t round) {
 
 std::vector<float>& OuterLane::residual(size_t index) {
   std::vector<float>* r = codec_->residual(index);
-  HEMIOLA_CHECK(r != nullptr, "residual() needs compression int8 (error feedback)");
+  HEMIOLA_CHECK(r != nullptr, "residual() needs compression int8 or int4 (error feedback)");
   return *r;
 }
 

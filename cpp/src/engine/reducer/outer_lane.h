@@ -34,7 +34,7 @@ class OuterLane {
   // how-many-th sync, for the coding). The buffer must stay untouched until
   // the handle is done.
   Handle average(size_t f, uint64_t round);
-  // Compression::kInt8: tensor `index`'s residual (read and write it only
+  // Compression::kInt8 / kInt4: tensor `index`'s residual (read and write it only
   // while nothing is in flight).
   std::vector<float>& residual(size_t index);
 
