@@ -223,6 +223,22 @@ def test_choice_tries_near_predictions_and_picks_by_measurement() -> None:
         choice.choose({}, preds)
 
 
+def test_the_bench_scores_the_advice_a_user_without_all_gets() -> None:
+    """`hemiola bench advise` measures every configuration (--all); its
+    `advised` column is the choice among the trials a user's run makes: the
+    configuration measured fastest but predicted far from the fastest is
+    not among them."""
+    from hemiola.bench.advise import advice_without_all
+
+    predictions = [{"schedule": "wfbp", "coding": "none", "seconds": 0.30},
+                   {"schedule": "wfbp", "coding": "fp16", "seconds": 0.31},
+                   {"schedule": "decoupled", "coding": "fp16", "seconds": 0.45}]
+    measured = {"wfbp+none": 0.36, "wfbp+fp16": 0.35, "decoupled+fp16": 0.20}
+    assert advice_without_all(predictions, measured) == "wfbp+none"  # within 3%: uncompressed
+    measured["wfbp+fp16"] = 0.33
+    assert advice_without_all(predictions, measured) == "wfbp+fp16"
+
+
 def test_streaming_is_advised_only_where_per_step_wastes_the_computation() -> None:
     s = [Prediction("streaming", "int8", t, {"sync_every": h, "fragments": 1, "overlap": 0})
          for h, t in [(10, 0.15), (20, 0.12), (50, 0.105), (100, 0.102)]]

@@ -95,6 +95,19 @@ def predicted_now(result: dict[str, Any], p: dict[str, Any]) -> float | None:
     return model.predict_one(profile, net, prediction.schedule, prediction.coding)
 
 
+def advice_without_all(predictions: list[dict[str, Any]], measured: dict[str, float]) -> str:
+    """What ``hemiola advise`` without ``--all`` would advise: the trials
+    run only the per-step configurations predicted within the predictions'
+    error of the fastest, and the choice is made among those. (``--all``
+    runs every configuration for the check, and its own choice among all of
+    them would be the fastest measured by construction.)"""
+    from hemiola.advise.choice import choose, within_error
+    from hemiola.advise.model import Prediction
+
+    candidates = within_error([Prediction(**p) for p in predictions])
+    return choose(measured, candidates).name
+
+
 def rows_of(result: dict[str, Any], model: str, rate: str, profile_world: int,
             load: tuple[float, float]) -> list[dict[str, Any]]:
     """One row per configuration measured: predicted against measured (and
@@ -103,7 +116,7 @@ def rows_of(result: dict[str, Any], model: str, rate: str, profile_world: int,
 
     measured = result["measured"]
     fastest = min(measured.values())
-    chosen = Prediction(**result["choice"]).name
+    chosen = advice_without_all(result["predictions"], measured)
     rows = []
     for p in result["predictions"] + result["streaming"]:
         name = Prediction(**p).name
