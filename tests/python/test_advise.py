@@ -209,8 +209,8 @@ def test_streaming_prediction() -> None:
 
 def test_choice_tries_near_predictions_and_picks_by_measurement() -> None:
     preds = [Prediction("wfbp", "fp16", 0.50), Prediction("wfbp", "powersgd", 0.49),
-             Prediction("decoupled", "none", 0.58), Prediction("priority", "none", 0.70)]
-    # within 10% error of each other: 0.58 * 0.9 <= 0.49 * 1.1; 0.70 * 0.9 is not
+             Prediction("decoupled", "none", 0.58), Prediction("priority", "none", 0.90)]
+    # within 25% error of each other: 0.58 * 0.75 <= 0.49 * 1.25; 0.90 * 0.75 is not
     assert [p.name for p in choice.within_error(preds)] == [
         "wfbp+powersgd", "wfbp+fp16", "decoupled+none"]
     # the fastest measured wins ...
@@ -232,7 +232,7 @@ def test_the_bench_scores_the_advice_a_user_without_all_gets() -> None:
 
     predictions = [{"schedule": "wfbp", "coding": "none", "seconds": 0.30},
                    {"schedule": "wfbp", "coding": "fp16", "seconds": 0.31},
-                   {"schedule": "decoupled", "coding": "fp16", "seconds": 0.45}]
+                   {"schedule": "decoupled", "coding": "fp16", "seconds": 0.60}]
     measured = {"wfbp+none": 0.36, "wfbp+fp16": 0.35, "decoupled+fp16": 0.20}
     assert advice_without_all(predictions, measured) == "wfbp+none"  # within 3%: uncompressed
     measured["wfbp+fp16"] = 0.33
