@@ -1,6 +1,6 @@
 // What the block-scaled codings with error feedback (int8.cpp, int4.cpp)
-// share: adding and keeping the residuals, and agreeing on one maximum per
-// block across the ranks.
+// share: the residuals and the plain fallback (BlockCodedHost), adding and
+// keeping the residuals, and agreeing on one maximum per block across ranks.
 #include <algorithm>
 #include <cmath>
 #include <limits>
@@ -8,6 +8,21 @@
 #include "engine/codec/codings.h"
 
 namespace hemiola {
+
+BlockCodedHost::BlockCodedHost(Compression compression, const CodecSpec& spec)
+    : Codec(compression), world_(spec.world_size), scale_(plain_scale(spec)) {
+  residuals_.resize(spec.specs.size());
+  for (size_t i = 0; i < spec.specs.size(); ++i) {
+    if (spec.specs[i].dtype == DType::kFloat32) residuals_[i].assign(spec.specs[i].numel, 0.0f);
+  }
+}
+
+double BlockCodedHost::send(BucketStorage& storage, size_t b, uint64_t, Communicator& comm) {
+  const PlannedBucket& plan = storage.layout().plan[b];
+  if (!compressible(plan)) return send_plain_host(storage, b, comm, scale_);
+  reduce(plan, reinterpret_cast<float*>(storage.buffer(b)), comm, storage.used());
+  return 1.0;  // averaged on the wire
+}
 
 void add_residuals(const PlannedBucket& plan, float* data,
                    const std::vector<std::vector<float>>& residuals,

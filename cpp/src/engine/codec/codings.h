@@ -34,7 +34,36 @@ double send_plain_host(BucketStorage& storage, size_t b, Communicator& host, dou
 // `average`) by the storage's device communicator on its stream.
 double send_plain_device(BucketStorage& storage, size_t b, const Device& here, bool average);
 
-// The block-scaled codings with error feedback (int8, int4; blocks.cpp).
+// The block-scaled codings with error feedback (int8, int4; blocks.cpp):
+// what they share. A float32 host bucket is coded with this rank's residuals
+// and averaged by the coding's reduce(); any other bucket travels plain.
+class BlockCodedHost : public Codec {
+ public:
+  std::vector<float>* residual(size_t index) override { return &residuals_[index]; }
+
+ protected:
+  BlockCodedHost(Compression compression, const CodecSpec& spec);
+
+  double send(BucketStorage& storage, size_t b, uint64_t iteration,
+              Communicator& comm) override;
+  // All-reduces the float32 bucket at `data` (laid out as `plan`) in place
+  // and leaves the average there. `used[t]`: whether this rank produced
+  // tensor t's gradient this iteration (an unused one contributes zeros and
+  // keeps its residual).
+  virtual void reduce(const PlannedBucket& plan, float* data, Communicator& comm,
+                      const std::vector<uint8_t>& used) = 0;
+
+  const int world_;
+  std::vector<std::vector<float>> residuals_;  // per tensor
+  // Scratch, reused by every bucket: the wire buffer and the block maxima.
+  std::vector<uint8_t> codes_;
+  std::vector<float> maxima_;
+  std::vector<float> gathered_;
+
+ private:
+  const double scale_;  // an uncompressed bucket's: 1/world when averaging
+};
+
 // v = gradient + residual, in the bucket `data` (laid out as `plan`): a
 // tensor this rank did not use (`used[t]` 0) contributes zeros and keeps its
 // residual for later.

@@ -35,44 +35,17 @@ namespace hemiola {
 
 namespace {
 
-class Int4Host final : public Codec {
+class Int4Host final : public BlockCodedHost {
  public:
-  explicit Int4Host(const CodecSpec& spec)
-      : Codec(Compression::kInt4), world_(spec.world_size), scale_(plain_scale(spec)) {
+  explicit Int4Host(const CodecSpec& spec) : BlockCodedHost(Compression::kInt4, spec) {
     HEMIOLA_CHECK(world_ <= 7, "compression int4 sums every rank's 4-bit codes in four bits, "
                   "which leaves a level either side of zero for at most 7 ranks (world_size "
                   "is ", world_, "): use compression int8 (up to 127 ranks)");
-    residuals_.resize(spec.specs.size());
-    for (size_t i = 0; i < spec.specs.size(); ++i) {
-      if (spec.specs[i].dtype == DType::kFloat32) residuals_[i].assign(spec.specs[i].numel, 0.0f);
-    }
   }
-
-  std::vector<float>* residual(size_t index) override { return &residuals_[index]; }
 
  protected:
-  double send(BucketStorage& storage, size_t b, uint64_t, Communicator& comm) override {
-    const PlannedBucket& plan = storage.layout().plan[b];
-    if (!compressible(plan)) return send_plain_host(storage, b, comm, scale_);
-    reduce(plan, reinterpret_cast<float*>(storage.buffer(b)), comm, storage.used());
-    return 1.0;  // averaged on the wire
-  }
-
- private:
-  // All-reduces the float32 bucket at `data` (laid out as `plan`) in place and
-  // leaves the average there. `used[t]`: whether this rank produced tensor
-  // t's gradient this iteration (an unused one contributes zeros and keeps
-  // its residual).
   void reduce(const PlannedBucket& plan, float* data, Communicator& comm,
-              const std::vector<uint8_t>& used);
-
-  const int world_;
-  const double scale_;  // an uncompressed bucket's: 1/world when averaging
-  std::vector<std::vector<float>> residuals_;  // per tensor
-  // Scratch, reused by every bucket: the wire buffer and the block maxima.
-  std::vector<uint8_t> codes_;
-  std::vector<float> maxima_;
-  std::vector<float> gathered_;
+              const std::vector<uint8_t>& used) override;
 };
 
 void Int4Host::reduce(const PlannedBucket& plan, float* data, Communicator& comm,

@@ -24,43 +24,16 @@ namespace hemiola {
 
 namespace {
 
-class Int8Host final : public Codec {
+class Int8Host final : public BlockCodedHost {
  public:
-  explicit Int8Host(const CodecSpec& spec)
-      : Codec(Compression::kInt8), world_(spec.world_size), scale_(plain_scale(spec)) {
+  explicit Int8Host(const CodecSpec& spec) : BlockCodedHost(Compression::kInt8, spec) {
     HEMIOLA_CHECK(world_ <= 127, "compression int8 sums every rank's one-byte codes in one "
                   "byte, which needs at most 127 ranks (world_size is ", world_, ")");
-    residuals_.resize(spec.specs.size());
-    for (size_t i = 0; i < spec.specs.size(); ++i) {
-      if (spec.specs[i].dtype == DType::kFloat32) residuals_[i].assign(spec.specs[i].numel, 0.0f);
-    }
   }
-
-  std::vector<float>* residual(size_t index) override { return &residuals_[index]; }
 
  protected:
-  double send(BucketStorage& storage, size_t b, uint64_t, Communicator& comm) override {
-    const PlannedBucket& plan = storage.layout().plan[b];
-    if (!compressible(plan)) return send_plain_host(storage, b, comm, scale_);
-    reduce(plan, reinterpret_cast<float*>(storage.buffer(b)), comm, storage.used());
-    return 1.0;  // averaged on the wire
-  }
-
- private:
-  // All-reduces the float32 bucket at `data` (laid out as `plan`) in place and
-  // leaves the average there. `used[t]`: whether this rank produced tensor
-  // t's gradient this iteration (an unused one contributes zeros and keeps
-  // its residual).
   void reduce(const PlannedBucket& plan, float* data, Communicator& comm,
-              const std::vector<uint8_t>& used);
-
-  const int world_;
-  const double scale_;  // an uncompressed bucket's: 1/world when averaging
-  std::vector<std::vector<float>> residuals_;  // per tensor
-  // Scratch, reused by every bucket: the wire buffer and the block maxima.
-  std::vector<uint8_t> codes_;
-  std::vector<float> maxima_;
-  std::vector<float> gathered_;
+              const std::vector<uint8_t>& used) override;
 };
 
 void Int8Host::reduce(const PlannedBucket& plan, float* data, Communicator& comm,
