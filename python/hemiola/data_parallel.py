@@ -21,7 +21,7 @@ from hemiola.comm_hooks import compression_of
 from hemiola.config import COMPRESSIONS, Config, compression_code
 from hemiola.replica import Replica
 from hemiola.schedules import Schedule, choose_schedule
-from hemiola.tensors import broadcast_tensors, dtype_code
+from hemiola.tensors import all_gather_rows, broadcast_tensors
 from hemiola.timeline import Recorder
 from hemiola.validate import check_module, check_same_model
 
@@ -145,11 +145,8 @@ class DataParallel(nn.Module):
         code = compression_code(compression)
         config = dataclasses.replace(self.config, compression=compression, **options)
         chosen = [code, config.powersgd_rank, config.powersgd_start_iter]
-        mine = torch.tensor(chosen, dtype=torch.float64)
-        every = torch.zeros(3 * self.world_size, dtype=torch.float64)
-        self._replica.engine.all_gather(mine.data_ptr(), every.data_ptr(),
-                                        dtype_code(torch.float64), 3).wait()
-        rows = every.view(self.world_size, 3).tolist()
+        rows = all_gather_rows(self._replica.engine,
+                               torch.tensor(chosen, dtype=torch.float64)).tolist()
         if any(row != rows[0] for row in rows):
             names = {v: k for k, v in COMPRESSIONS.items()}
             seen = [f"{names.get(int(c), 'none')}" + (f" (rank {int(r)}, from iteration "

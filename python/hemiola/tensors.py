@@ -150,6 +150,16 @@ def broadcast_tensors(engine: C.Engine, tensors: list[torch.Tensor], root: int =
         unpack_bytes(flat, offsets, tensors)
 
 
+def all_gather_rows(engine: C.Engine, mine: torch.Tensor) -> torch.Tensor:
+    """Collective: every rank's 1-D CPU tensor `mine` (int64 or float64, of
+    the same length on every rank), as the rows of a (world, length) tensor."""
+    codes = {torch.int64: int(C.DType.int64), torch.float64: int(C.DType.float64)}
+    mine = mine.contiguous()
+    every = torch.empty(engine.world_size, mine.numel(), dtype=mine.dtype)
+    engine.all_gather(mine.data_ptr(), every.data_ptr(), codes[mine.dtype], mine.numel()).wait()
+    return every
+
+
 def raise_if_not_finite(named: list[tuple[str, torch.Tensor]], iteration: int) -> None:
     """``check_finite``: raises naming the first of the `named` averaged
     gradients that holds NaN or infinity. One pass when all are finite."""

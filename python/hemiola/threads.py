@@ -21,6 +21,7 @@ import warnings
 import torch
 
 from hemiola._native import C
+from hemiola.tensors import all_gather_rows
 
 
 def host_id() -> int:
@@ -38,10 +39,9 @@ def ranks_on_this_host(engine: C.Engine) -> int:
     """Collective: how many of the job's ranks run on this rank's host."""
     if engine.world_size == 1:
         return 1
-    mine = torch.tensor([host_id()], dtype=torch.int64)
-    everyone = torch.empty(engine.world_size, dtype=torch.int64)
-    engine.all_gather(mine.data_ptr(), everyone.data_ptr(), int(C.DType.int64), 1).wait()
-    return int((everyone == mine).sum().item())
+    mine = host_id()
+    hosts = all_gather_rows(engine, torch.tensor([mine], dtype=torch.int64))[:, 0]
+    return int((hosts == mine).sum().item())
 
 
 def fit_threads(engine: C.Engine) -> None:

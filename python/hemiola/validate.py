@@ -11,7 +11,7 @@ from torch import nn
 
 from hemiola._native import C
 from hemiola.config import Config
-from hemiola.tensors import GRAD_DTYPES, model_device
+from hemiola.tensors import GRAD_DTYPES, all_gather_rows, model_device
 
 
 def check_module(module: nn.Module) -> torch.device:
@@ -69,10 +69,8 @@ def check_same_model(engine: C.Engine, store: C.Store, module: nn.Module, config
     if engine.world_size == 1:
         return
     rows = signature(module, config)
-    mine = torch.tensor([_digest(rows)], dtype=torch.int64)
-    everyone = torch.empty(engine.world_size, dtype=torch.int64)
-    engine.all_gather(mine.data_ptr(), everyone.data_ptr(), int(C.DType.int64), 1).wait()
-    differing = [r for r, d in enumerate(everyone.tolist()) if d != everyone[0].item()]
+    digests = all_gather_rows(engine, torch.tensor([_digest(rows)], dtype=torch.int64))[:, 0]
+    differing = [r for r, d in enumerate(digests.tolist()) if d != digests[0].item()]
     if not differing:
         return
     # Only on failure: publish full signatures through the store to name the

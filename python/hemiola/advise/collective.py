@@ -37,6 +37,12 @@ INT8_BLOCK = 256
 INT8_MAX_WORLD = 127
 #: int4 sums every rank's 4-bit codes in four bits (cpp/src/engine/codec/int4.cpp)
 INT4_MAX_WORLD = 7
+#: the block-scaled codings (the preview's codes are int8's): the coding's
+#: name, at most this many ranks, what their codes are summed in, and the
+#: elements per byte on the wire
+BLOCK_CODED = {"int8": ("int8", INT8_MAX_WORLD, "one byte", 1),
+               "preview": ("int8", INT8_MAX_WORLD, "one byte", 1),
+               "int4": ("int4", INT4_MAX_WORLD, "four bits", 2)}
 #: the algorithms of all_reduce; "best" takes the fastest for each message
 ALGORITHMS = ("ring", "tree", "hierarchical", "best")
 
@@ -164,21 +170,15 @@ def payloads(coding: str, bucket: Sequence[Piece], world: int,
         out.append(("all_reduce", plain + 4 * floats))
     elif coding in ("fp16", "bf16"):
         out.append(("all_reduce", plain + 2 * floats))
-    elif coding in ("int8", "preview"):
-        if world > INT8_MAX_WORLD:
-            raise ValueError(f"int8 sums the ranks' codes in one byte: at most "
-                             f"{INT8_MAX_WORLD} ranks, not {world}")
-        if plain:
-            out.append(("all_reduce", plain))
-        out += [("all_gather", 4 * math.ceil(floats / INT8_BLOCK)), ("all_reduce", floats)]
-    elif coding == "int4":
-        if world > INT4_MAX_WORLD:
-            raise ValueError(f"int4 sums the ranks' codes in four bits: at most "
-                             f"{INT4_MAX_WORLD} ranks, not {world}")
+    elif coding in BLOCK_CODED:
+        name, max_world, width, per_byte = BLOCK_CODED[coding]
+        if world > max_world:
+            raise ValueError(f"{name} sums the ranks' codes in {width}: at most "
+                             f"{max_world} ranks, not {world}")
         if plain:
             out.append(("all_reduce", plain))
         out += [("all_gather", 4 * math.ceil(floats / INT8_BLOCK)),
-                ("all_reduce", math.ceil(floats / 2))]
+                ("all_reduce", math.ceil(floats / per_byte))]
     elif coding == "powersgd":
         uncompressed, p_size, q_size = float(plain), 0.0, 0.0
         for p in bucket:
