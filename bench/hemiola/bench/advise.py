@@ -63,7 +63,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "and GPT-2-124M at 8-1024 GPUs (hemiola.bench.advise_scale)")
     parser.add_argument("--error", type=float, default=0.15,
                         help="--scale: the predictions' relative error, as validated")
-    parser.add_argument("--gpu-rows", nargs="?", const=Path("docs") / "results" / "gpu", type=Path,
+    parser.add_argument("--gpu-rows", nargs="?", const=True, type=Path,
                         metavar="DIR",
                         help="measure nothing: print docs/scale.md's predictions of the H200 "
                              "rows in DIR (default docs/results/gpu, from the checkout's root) "
@@ -146,13 +146,15 @@ def run(args: argparse.Namespace) -> int:
 
         print(published.table())
         return 0
-    if args.gpu_rows:
+    if args.gpu_rows is not None:
         from hemiola.bench import advise_gpu
 
-        if not args.gpu_rows.is_dir():
-            raise SystemExit(f"--gpu-rows: {args.gpu_rows} is not a directory (run from the "
+        # Without DIR: const (True; argparse would convert a string const).
+        rows = advise_gpu.RESULTS if args.gpu_rows is True else args.gpu_rows
+        if not rows.is_dir():
+            raise SystemExit(f"--gpu-rows: {rows} is not a directory (run from the "
                              "checkout's root, or name the directory of the H200 rows)")
-        print(advise_gpu.table(args.gpu_rows))
+        print(advise_gpu.table(rows))
         return 0
     if args.scale:
         from hemiola.bench import advise_scale
