@@ -249,6 +249,15 @@ void bind_updater(py::module_& m) {
       .def("approximate_read_fraction", &Updater::approximate_read_fraction)
       .def("clip_norm", &Updater::clip_norm, py::arg("iteration"),
            "The total norm the clipped update of `iteration` used, once computed (else None).")
+      .def(
+          "averaged_ptr",
+          [](const Updater& u, uint64_t iteration, size_t index) {
+            return reinterpret_cast<std::uintptr_t>(u.averaged(iteration, index).data);
+          },
+          py::arg("iteration"), py::arg("index"),
+          "Address of parameter `index`'s averaged gradient of `iteration` (host or device "
+          "memory, the parameter's dtype and size), after the reducer waited for it and before "
+          "step(iteration); partitioned parameters included.")
       .def("preview_read_fraction", &Updater::preview_read_fraction);
 }
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import ctypes
+
 import torch
 
 from hemiola._native import C
@@ -85,6 +87,19 @@ def device_view(pointer: int, like: torch.Tensor) -> torch.Tensor:
         return raw.view(torch.bfloat16).view(like.shape)
     memory = _DeviceMemory(pointer, numel, _TYPESTR[like.dtype])
     return torch.as_tensor(memory, device=like.device).view(like.shape)
+
+
+def engine_view(pointer: int, like: torch.Tensor) -> torch.Tensor:
+    """A tensor shaped and typed like `like` over engine memory at `pointer`,
+    on `like`'s device: host memory on the CPU, device memory on a GPU (no
+    copy; valid while the engine keeps it)."""
+    if like.device.type == "cuda":
+        return device_view(pointer, like)
+    nbytes = like.numel() * like.element_size()
+    if nbytes == 0:
+        return torch.empty_like(like)
+    memory = (ctypes.c_char * nbytes).from_address(pointer)
+    return torch.frombuffer(memory, dtype=like.dtype).view(like.shape)
 
 
 def _one_cuda_device(tensors: list[torch.Tensor]) -> torch.device | None:

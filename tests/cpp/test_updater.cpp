@@ -219,6 +219,47 @@ TEST(Updater, PriorityEqualsSynchronousSgdAndAdam) {
   }
 }
 
+TEST(Updater, AveragedGradientsAreReadableBeforeTheStepPartitionedOnesToo) {
+  // clip_grad_norm_'s value read before optimizer.step() (priority): every
+  // averaged gradient, whole or in pieces over several buckets, once the
+  // reducer waited. Two ranks: (a + b) * 0.5 is exact in any order.
+  run_ranks([&](Engine& e) {
+    Model m(e.rank());
+    ReducerOptions ro = reducer_options();
+    ro.partition_bytes = 1024;  // parameter 2 (4000 bytes) in pieces
+    auto reducer = e.make_reducer(m.specs(), ro);
+    ASSERT_GT(reducer->pieces(2), 1u);
+    UpdaterOptions options;
+    options.schedule = UpdateSchedule::kPriority;
+    options.optimizer = OptimizerKind::kSgd;
+    Updater updater(e, *reducer, m.slots(), options);
+    updater.set_landers({{0, 1, 2}});
+    for (int k = 0; k < 3; ++k) {
+      if (k > 0) updater.land(0, true);
+      Model peer = m;
+      peer.backward(1 - e.rank(), k);
+      m.backward(e.rank(), k);
+      for (size_t p = m.w.size(); p-- > 0;) updater.mark(p, m.grad[p].data(), m.grad[p].data());
+      const auto iteration = static_cast<uint64_t>(reducer->finish_marking());
+      reducer->wait(iteration);
+      for (size_t p = 0; p < m.w.size(); ++p) {
+        const TensorRef averaged = updater.averaged(iteration, p);
+        ASSERT_EQ(averaged.numel, m.w[p].size());
+        const auto* got = static_cast<const float*>(averaged.data);
+        for (size_t i = 0; i < m.w[p].size(); ++i) {
+          ASSERT_EQ(got[i], (m.grad[p][i] + peer.grad[p][i]) * 0.5f)
+              << "parameter " << p << " element " << i << " iteration " << k;
+        }
+      }
+      StepOptions step;
+      step.hyper = {sgd_hyper(k)};
+      step.hyper_key = static_cast<uint64_t>(k);
+      updater.step(iteration, step);
+    }
+    updater.synchronize();
+  });
+}
+
 TEST(Updater, DecoupledLandsExactParametersIdenticalOnEveryRank) {
   // With landings only in step() the run does not depend on network timing:
   // run it twice and on both ranks; every copy must be bitwise identical.

@@ -240,6 +240,11 @@ def test_clip_grad_norm_returns_the_averaged_norm_on_every_rank(read: str) -> No
         assert priority[r]["returned"] == pytest.approx(wfbp[0]["returned"], rel=1e-6)
     torch_path = run_local(workers.clip_norms, 2, "priority", read, {"native_optimizer": False})
     assert torch_path[1]["returned"] == pytest.approx(wfbp[0]["returned"], rel=1e-6)
+    # A gradient cut over several buckets (the 64x64 weight, 16 KB, in 4 KB
+    # pieces) has no single view in the reducer; read now, it used to raise.
+    pieces = run_local(workers.clip_norms, 2, "priority", read, {"partition_mb": 0.004})
+    assert pieces[0]["returned"] == pieces[1]["returned"]
+    assert pieces[0]["returned"] == pytest.approx(wfbp[0]["returned"], rel=1e-6)
     late = {"correct_on_arrival": False}  # a trajectory independent of timing
     decoupled = run_local(workers.clip_norms, 2, "decoupled", read, late)
     again = run_local(workers.clip_norms, 2, "decoupled", "now" if read == "later" else "later",
@@ -249,6 +254,8 @@ def test_clip_grad_norm_returns_the_averaged_norm_on_every_rank(read: str) -> No
     # gradient; read after, the engine's (its rounding may differ in the last bit).
     assert decoupled[0]["returned"] == pytest.approx(again[0]["returned"], rel=1e-6)
     assert decoupled[0]["returned"] != pytest.approx(decoupled[0]["local"], rel=1e-3)
+    pieces = run_local(workers.clip_norms, 2, "decoupled", read, {"partition_mb": 0.004, **late})
+    assert pieces[0]["returned"] == pytest.approx(decoupled[0]["returned"], rel=1e-6)
 
 
 def test_ranks_sharing_a_host_get_their_share_of_its_cores() -> None:

@@ -277,6 +277,12 @@ class HEMIOLA_API Updater {
   // computed it; nullopt before (or for the oldest iterations: the last 16
   // are kept).
   std::optional<double> clip_norm(uint64_t iteration) const;
+  // The averaged gradient of parameter `index` in `iteration`, once the
+  // reducer has waited for it and before step(iteration): in the reducer's
+  // buffers, or, for a tensor partitioned over several buckets (which
+  // Reducer::result cannot return), in the buffer its pieces were reduced
+  // into. Valid until that step lands it.
+  TensorRef averaged(uint64_t iteration, size_t index) const;
 
  private:
   std::unique_ptr<UpdaterImpl> impl_;

@@ -44,6 +44,7 @@ from hemiola.schedules.buffers import BufferBroadcast
 from hemiola.schedules.engine_optimizer import native_kind, slots
 from hemiola.schedules.takeover import take_over_optimizer
 from hemiola.schedules.torch_step import TorchStep, dense
+from hemiola.tensors import engine_view
 from hemiola.torch_math import torch_sqrt
 
 if TYPE_CHECKING:
@@ -322,8 +323,11 @@ class EngineUpdate(Schedule):
             # the norm of what it delivered, as the update will.
             assert m.reducer is not None
             m.reducer.wait(iteration, stream=m.stream())
-            return float(torch.nn.utils.get_total_norm(
-                [m.reduced(iteration, i) for i in range(len(m.params))], norm_type))
+            # The updater's view: a parameter partitioned over several buckets
+            # has no single view in the reducer.
+            averaged = [engine_view(self._updater.averaged_ptr(iteration, i), p)
+                        for i, p in enumerate(m.params)]
+            return float(torch.nn.utils.get_total_norm(averaged, norm_type))
         self.synchronize()  # the update computes it when it lands
         recorded = self.recorded_clip_norm(iteration)
         if recorded is None:

@@ -157,6 +157,21 @@ void* LandingGraph::result_target(size_t index) {
   return buffer[index].reserve(device_, params_[index].param.nbytes());
 }
 
+// Before step(): where result_target() sent the reduced value when
+// `iteration` was marked (the gathering cannot have changed since: buckets are
+// rebuilt only in a step).
+TensorRef LandingGraph::averaged(uint64_t iteration, size_t index) const {
+  HEMIOLA_CHECK(index < params_.size(), "averaged: no parameter ", index);
+  const bool gathered = partitioned_[index] || (!rebuilt_ && gather_until_rebuilt_);
+  if (!gathered) return reducer_.result(iteration, index);
+  TensorRef out = params_[index].param;
+  const auto& buffer = gathered_[iteration % gathered_.size()];
+  HEMIOLA_CHECK(index < buffer.size() && buffer[index].data() != nullptr,
+                "averaged: parameter ", index, " was not marked in iteration ", iteration);
+  out.data = const_cast<void*>(buffer[index].data());
+  return out;
+}
+
 const void* LandingGraph::reduced(const Pending& pending, size_t index) const {
   if (pending.gathered || partitioned_[index]) {
     return gathered_[pending.iteration % gathered_.size()][index].data();

@@ -155,6 +155,8 @@ class LandingGraph {
   // The live parameter <- the exact one (nothing where they are the same).
   void restore(size_t i);
   std::optional<double> clip_norm(uint64_t iteration) const;
+  // Updater::averaged: `iteration` was marked and not stepped yet.
+  TensorRef averaged(uint64_t iteration, size_t index) const;
 
   // ---- optimizer steps -----------------------------------------------------------
 

@@ -128,6 +128,9 @@ class UpdaterImpl {
   std::optional<double> clip_norm(uint64_t iteration) const {
     return graph_.clip_norm(iteration);
   }
+  TensorRef averaged(uint64_t iteration, size_t index) const {
+    return graph_.averaged(iteration, index);
+  }
   Device device() const { return graph_.device(); }
 
  private:
@@ -173,6 +176,9 @@ std::vector<bool> Updater::momentum_initialised() const { return impl_->momentum
 double Updater::approximate_read_fraction() const { return impl_->approximate_read_fraction(); }
 std::optional<double> Updater::clip_norm(uint64_t iteration) const {
   return impl_->clip_norm(iteration);
+}
+TensorRef Updater::averaged(uint64_t iteration, size_t index) const {
+  return impl_->averaged(iteration, index);
 }
 double Updater::preview_read_fraction() const { return impl_->preview_read_fraction(); }
 
