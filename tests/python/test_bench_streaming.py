@@ -86,6 +86,9 @@ def test_streaming_suite_on_loopback(tmp_path: Path) -> None:
         assert (r["suite"], r["rate"], r["world"], r["steps"], r["seed"]) == (
             "streaming", "none", 2, 6, 0)
         assert r["ms_per_step"] > 0 and r["compute_utilisation"] > 0
+        # the job's time is its slowest rank's
+        assert len(r["ms_per_step_ranks"]) == 2
+        assert r["ms_per_step"] == max(r["ms_per_step_ranks"])
         assert [e["step"] for e in r["evals"]] == [0, 3, 6]
         assert r["heldout_loss"] == r["evals"][-1]["heldout_loss"] > 0
         assert r["target_loss"] == target

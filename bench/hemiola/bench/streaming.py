@@ -13,9 +13,12 @@ alternating blocks of ``--eval-every`` steps with a barrier before each block,
 so a drift in machine load touches every contender alike, and rank 0
 evaluates each after every block. Per contender and seed it records:
 
-- ``ms_per_step``: training wall time per step (evaluations excluded; a block
-  ends by landing what is still on the wire);
-- ``compute_utilisation``: the bare model's ms per step / this one's;
+- ``ms_per_step``: training wall time per step of the slowest rank (a job
+  goes at its pace; evaluations excluded; a block ends by landing what is
+  still on the wire), and ``ms_per_step_ranks``: every rank's;
+- ``compute_utilisation``: the bare model's ms per step / this one's (both
+  the slowest rank's: the bare model's time is what the job's computation
+  alone takes);
 - ``bytes_per_token``: what one rank sends per token it trains, by the formula
   2 (N-1)/N * P * b / (H * tokens per rank per step) (P parameters, b bytes
   per element of the coding: 4, 2, 1 + 4/256 for int8 or 1/2 + 4/256 for
@@ -106,6 +109,11 @@ def run_with_progress(net: Any, command: list[str], port: int, timeout_s: float,
     return list(result["out"])
 
 
+def job_ms(run: dict[str, Any]) -> float:
+    """A contender's ms per step as the job sees it: its slowest rank's."""
+    return 1e3 * max(run.get("seconds_ranks", [run["seconds"]])) / len(run["step_ms"])
+
+
 def rows_of(result: dict[str, Any], config: dict[str, Any], rate: str, world: int,
             target: float | None) -> list[dict[str, Any]]:
     """One row per contender of one run (a rate and a seed)."""
@@ -113,7 +121,7 @@ def rows_of(result: dict[str, Any], config: dict[str, Any], rate: str, world: in
 
     runs, params, tps = result["runs"], result["params"], result["tokens_per_step"]
     bare = runs.get("compute")
-    bare_ms = bare["seconds"] * 1e3 / len(bare["step_ms"]) if bare else None
+    bare_ms = job_ms(bare) if bare else None
     finals = {n: r["evals"][-1]["heldout_loss"] for n, r in runs.items()}
     if target is None:
         talking = [v for n, v in finals.items() if n != "compute"]
@@ -122,7 +130,7 @@ def rows_of(result: dict[str, Any], config: dict[str, Any], rate: str, world: in
     for name, r in runs.items():
         spec = parse(name)
         steps = len(r["step_ms"])
-        ms = r["seconds"] * 1e3 / steps
+        ms = job_ms(r)
         reached = next((e for e in r["evals"] if target is not None
                         and e["heldout_loss"] <= target), None)
         tx = r["tx_bytes"]
@@ -135,6 +143,7 @@ def rows_of(result: dict[str, Any], config: dict[str, Any], rate: str, world: in
             "tokens_per_rank_step": tps,
             "tokens_per_model": steps * tps * (1 if spec.kind == "compute" else world),
             "ms_per_step": ms, "step_ms": percentiles(r["step_ms"]),
+            "ms_per_step_ranks": [1e3 * s / steps for s in r.get("seconds_ranks", [r["seconds"]])],
             "compute_utilisation": bare_ms / ms if bare_ms else None,
             "bytes_per_token": bytes_per_token(spec, params, world, tps, result["optimizer"]),
             "inner_optimizer": result["optimizer"],

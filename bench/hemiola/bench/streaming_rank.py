@@ -324,7 +324,8 @@ def worker(config: dict[str, Any]) -> dict[str, Any]:
     """One rank (RANK, WORLD_SIZE, MASTER_*, GLOO_SOCKET_IFNAME set): every
     contender of ``config["contenders"]`` for ``config["steps"]`` steps in
     alternating blocks of ``config["eval_every"]``, rank 0 evaluating each at
-    every block's end. Returns rank 0's measurements per contender."""
+    every block's end. Returns rank 0's measurements per contender, and every
+    rank's training seconds (``seconds_ranks``)."""
     import hemiola
     from hemiola.bench.tasks import TASKS
 
@@ -374,15 +375,21 @@ def worker(config: dict[str, Any]) -> dict[str, Any]:
         if progress and rank == 0:
             Path(progress).write_text(str(done))
     dist.barrier()
+    # The job goes at its slowest rank's pace, whatever the method: the
+    # rows' times are the slowest rank's (rank 0 alone would hide a peer's
+    # slower computation in the bare model and show it as waiting elsewhere).
+    seconds_ranks: list[list[float] | None] = [None] * world
+    dist.all_gather_object(seconds_ranks, [run.seconds for run in runs])
     params = sum(p.numel() for p in getattr(runs[0].model, "module", runs[0].model).parameters()
                  if p.requires_grad)
     out = {"params": params, "tokens_per_step": task.batch_size * task.context,
            "optimizer": type(task.optimizer(task.model())).__name__,
            "iface": iface, "runs": {}}
-    for run in runs:
+    for k, run in enumerate(runs):
         stats = run.model.stats() if hasattr(run.model, "stats") else {}
         out["runs"][run.spec.name] = {
             "seconds": run.seconds, "step_ms": run.step_ms, "losses": run.losses,
+            "seconds_ranks": [s[k] for s in seconds_ranks if s is not None],
             "evals": run.evals, "tx_bytes": run.tx if iface != "lo" else None,
             "stats": {k: float(v) for k, v in stats.items()}}
     for run in runs:
