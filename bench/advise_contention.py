@@ -1,0 +1,78 @@
+"""Would a different ``contention`` have made ``hemiola advise`` right? Re-predicts
+every per-step row of the committed advise grids from the grid's saved
+profiles with the profile's contention replaced, and compares with what was
+measured. Nothing is measured: the rows and profiles are in docs/results.
+
+    python bench/advise_contention.py                   # contention 0, 0.5 and 1
+    python bench/advise_contention.py --values 0.8
+
+A configuration's measured ``overhead`` (its free-wire step minus the model
+of it) was derived with the profile's own contention; it is re-derived with
+the new one, so that each prediction still matches the free-wire step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import statistics
+from collections import defaultdict
+from pathlib import Path
+
+from hemiola.advise import model
+from hemiola.advise.collective import Network
+from hemiola.advise.profile import Profile
+
+RESULTS = Path(__file__).resolve().parent.parent / "docs" / "results"
+GRIDS = ("advise-grid-2026-11-27", "advise-grid-quiet-2026-11-27")
+
+
+def predict(profile: Profile, contention: float | None, schedule: str, coding: str) -> float:
+    """Seconds per iteration on the profile's 2-rank link, with `contention`
+    in place of the measured one (None: as measured)."""
+    net = Network(world=2, bandwidth=profile.link.bandwidth, latency=profile.link.latency)
+    if contention is None:
+        return model.predict_one(profile, net, schedule, coding)
+    free = Network(world=1, bandwidth=1.0)
+    key = f"{schedule}+{coding}"
+    changed = copy.deepcopy(profile)
+    changed.contention = contention
+    changed.overhead[key] = (profile.overhead.get(key, 0.0)
+                             + model.predict_one(profile, free, schedule, coding)
+                             - model.predict_one(changed, free, schedule, coding))
+    return model.predict_one(changed, net, schedule, coding)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--values", default="0,0.5,1",
+                        help="contentions to try, comma-separated")
+    args = parser.parse_args()
+    values: list[float | None] = [None, *(float(v) for v in args.values.split(","))]
+    for grid in GRIDS:
+        rows = [json.loads(line) for line in (RESULTS / f"{grid}.jsonl").open()]
+        profiles: dict[str, Profile] = {}
+        for contention in values:
+            errors: dict[str, list[float]] = defaultdict(list)
+            for r in rows:
+                if r["config"].startswith("streaming"):
+                    continue
+                schedule, coding = r["config"].split("+")
+                cell = f"{r['model']}-{r['rate']}"
+                if cell not in profiles:
+                    profiles[cell] = Profile.load(
+                        RESULTS / f"{grid}-profiles" / f"{grid}-{cell}.profile.json")
+                error = 1e3 * predict(profiles[cell], contention, schedule, coding) \
+                    / r["measured_ms"] - 1
+                errors[schedule].append(error)
+                errors["all"].append(error)
+            said = "as measured" if contention is None else f"{contention:g}"
+            parts = [f"{k} median {100 * statistics.median(v):+.1f}%, "
+                     f"{sum(abs(e) <= 0.10 for e in v)}/{len(v)} within 10%"
+                     for k, v in errors.items()]
+            print(f"{grid}, contention {said}: " + "; ".join(parts))
+
+
+if __name__ == "__main__":
+    main()
