@@ -21,6 +21,7 @@ from collections import defaultdict
 from pathlib import Path
 
 from hemiola.advise import model
+from hemiola.advise.cli import local_network
 from hemiola.advise.collective import Network
 from hemiola.advise.profile import Profile
 
@@ -31,7 +32,7 @@ GRIDS = ("advise-grid-2026-11-27", "advise-grid-quiet-2026-11-27")
 def predict(profile: Profile, contention: float | None, schedule: str, coding: str) -> float:
     """Seconds per iteration on the profile's 2-rank link, with `contention`
     in place of the measured one (None: as measured)."""
-    net = Network(world=2, bandwidth=profile.link.bandwidth, latency=profile.link.latency)
+    net = local_network(profile, 2)
     if contention is None:
         return model.predict_one(profile, net, schedule, coding)
     free = Network(world=1, bandwidth=1.0)

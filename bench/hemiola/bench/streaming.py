@@ -109,9 +109,9 @@ def run_with_progress(net: Any, command: list[str], port: int, timeout_s: float,
     return list(result["out"])
 
 
-def job_ms(run: dict[str, Any]) -> float:
-    """A contender's ms per step as the job sees it: its slowest rank's."""
-    return 1e3 * max(run.get("seconds_ranks", [run["seconds"]])) / len(run["step_ms"])
+def ranks_ms(run: dict[str, Any]) -> list[float]:
+    """A contender's ms per step on each rank (the job's: the largest)."""
+    return [1e3 * s / len(run["step_ms"]) for s in run["seconds_ranks"]]
 
 
 def rows_of(result: dict[str, Any], config: dict[str, Any], rate: str, world: int,
@@ -121,7 +121,7 @@ def rows_of(result: dict[str, Any], config: dict[str, Any], rate: str, world: in
 
     runs, params, tps = result["runs"], result["params"], result["tokens_per_step"]
     bare = runs.get("compute")
-    bare_ms = job_ms(bare) if bare else None
+    bare_ms = max(ranks_ms(bare)) if bare else None
     finals = {n: r["evals"][-1]["heldout_loss"] for n, r in runs.items()}
     if target is None:
         talking = [v for n, v in finals.items() if n != "compute"]
@@ -130,7 +130,8 @@ def rows_of(result: dict[str, Any], config: dict[str, Any], rate: str, world: in
     for name, r in runs.items():
         spec = parse(name)
         steps = len(r["step_ms"])
-        ms = job_ms(r)
+        per_rank = ranks_ms(r)
+        ms = max(per_rank)
         reached = next((e for e in r["evals"] if target is not None
                         and e["heldout_loss"] <= target), None)
         tx = r["tx_bytes"]
@@ -143,7 +144,7 @@ def rows_of(result: dict[str, Any], config: dict[str, Any], rate: str, world: in
             "tokens_per_rank_step": tps,
             "tokens_per_model": steps * tps * (1 if spec.kind == "compute" else world),
             "ms_per_step": ms, "step_ms": percentiles(r["step_ms"]),
-            "ms_per_step_ranks": [1e3 * s / steps for s in r.get("seconds_ranks", [r["seconds"]])],
+            "ms_per_step_ranks": per_rank,
             "compute_utilisation": bare_ms / ms if bare_ms else None,
             "bytes_per_token": bytes_per_token(spec, params, world, tps, result["optimizer"]),
             "inner_optimizer": result["optimizer"],

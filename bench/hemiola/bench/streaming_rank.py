@@ -378,7 +378,7 @@ def worker(config: dict[str, Any]) -> dict[str, Any]:
     # The job goes at its slowest rank's pace, whatever the method: the
     # rows' times are the slowest rank's (rank 0 alone would hide a peer's
     # slower computation in the bare model and show it as waiting elsewhere).
-    seconds_ranks: list[list[float] | None] = [None] * world
+    seconds_ranks: list[Any] = [None] * world  # all_gather_object fills every entry
     dist.all_gather_object(seconds_ranks, [run.seconds for run in runs])
     params = sum(p.numel() for p in getattr(runs[0].model, "module", runs[0].model).parameters()
                  if p.requires_grad)
@@ -389,7 +389,7 @@ def worker(config: dict[str, Any]) -> dict[str, Any]:
         stats = run.model.stats() if hasattr(run.model, "stats") else {}
         out["runs"][run.spec.name] = {
             "seconds": run.seconds, "step_ms": run.step_ms, "losses": run.losses,
-            "seconds_ranks": [s[k] for s in seconds_ranks if s is not None],
+            "seconds_ranks": [s[k] for s in seconds_ranks],
             "evals": run.evals, "tx_bytes": run.tx if iface != "lo" else None,
             "stats": {k: float(v) for k, v in stats.items()}}
     for run in runs:

@@ -146,9 +146,12 @@ void LandingGraph::rebuild_buckets() {
 
 // A partitioned gradient lives in several buckets; results that must outlive
 // a rebuild are kept too. Both go to the updater's own buffers.
+bool LandingGraph::gathers(size_t index) const {
+  return partitioned_[index] || (!rebuilt_ && gather_until_rebuilt_);
+}
+
 void* LandingGraph::result_target(size_t index) {
-  const bool gathers = partitioned_[index] || (!rebuilt_ && gather_until_rebuilt_);
-  if (!gathers) return nullptr;
+  if (!gathers(index)) return nullptr;
   // The iteration being marked (the reducer starts one at its first mark).
   const uint64_t started = reducer_.iterations_started();
   const uint64_t slot = (reducer_.marking() ? started - 1 : started) % gathered_.size();
@@ -162,8 +165,7 @@ void* LandingGraph::result_target(size_t index) {
 // rebuilt only in a step).
 TensorRef LandingGraph::averaged(uint64_t iteration, size_t index) const {
   HEMIOLA_CHECK(index < params_.size(), "averaged: no parameter ", index);
-  const bool gathered = partitioned_[index] || (!rebuilt_ && gather_until_rebuilt_);
-  if (!gathered) return reducer_.result(iteration, index);
+  if (!gathers(index)) return reducer_.result(iteration, index);
   TensorRef out = params_[index].param;
   const auto& buffer = gathered_[iteration % gathered_.size()];
   HEMIOLA_CHECK(index < buffer.size() && buffer[index].data() != nullptr,

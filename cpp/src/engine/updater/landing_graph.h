@@ -192,6 +192,9 @@ class LandingGraph {
 
  private:
   const void* reduced(const Pending& pending, size_t index) const;
+  // Whether the reduced value of `index` goes to the updater's own buffers
+  // (result_target) rather than staying in the reducer's.
+  bool gathers(size_t index) const;
   std::vector<const void*> readable(const Pending& pending, const std::vector<size_t>& indices);
   void scale_of(Pending& pending);
   void clip_on_device(Pending& pending);
