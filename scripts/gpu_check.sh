@@ -20,6 +20,8 @@
 #      namespaces at 5 and 20 Gbit/s: bound, DDP (+ hooks), each schedule    -> gpu_speed.jsonl
 #      3b. at 20 Gbit/s again with HEMIOLA_STAGED_CHUNK_MB=4 (pipelined staging,
 #      off by default until measured)                            -> gpu_speed_pipelined.jsonl
+#      Both write rank 0's timelines (each schedule's engine timeline, torch's
+#      profile of one DDP iteration) under timeline/ and timeline-pipelined/.
 #   4. gpu_check.json: the environment, the test counts and every result row.
 # Step 3 needs root, ip and tc (the device kit brings them); without them it is skipped.
 set -uo pipefail
@@ -41,7 +43,7 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | 
 $py -c "import hemiola, torch; print('torch', torch.__version__); print(hemiola.build_info())" \
   | tee -a "$out/env.txt"
 
-echo "== 1. GPU tests"
+echo "== 1. GPU tests (at ${SECONDS} s)"
 xdist=()
 $py -c "import xdist" 2>/dev/null && xdist=(-n 4)
 timeout "${GPU_CHECK_TESTS_S:-300}" \
@@ -49,13 +51,13 @@ timeout "${GPU_CHECK_TESTS_S:-300}" \
   --junitxml "$out/gpu-tests.xml" 2>&1 | tee "$out/gpu-tests.log" | tail -40
 tests_rc=${PIPESTATUS[0]}
 
-echo "== 2. one-rank overhead (ResNet-50)"
+echo "== 2. one-rank overhead (ResNet-50) (at ${SECONDS} s)"
 timeout "${GPU_CHECK_OVERHEAD_S:-100}" $py bench/gpu_overhead.py --out "$out" \
   --variants bare,ddp,wfbp,priority,decoupled,priority:torch,decoupled:torch,priority:multi,decoupled:multi \
   --iterations 20 --rounds 3 2>&1 | tail -15
 overhead_rc=${PIPESTATUS[0]}
 
-echo "== 3. two ranks under MPS in network namespaces"
+echo "== 3. two ranks under MPS in network namespaces (at ${SECONDS} s)"
 speed_rc=skipped
 if [ "$(id -u)" = 0 ] && command -v tc >/dev/null && command -v nvidia-cuda-mps-control >/dev/null; then
   export CUDA_MPS_PIPE_DIRECTORY=/tmp/hemiola-mps CUDA_MPS_LOG_DIRECTORY=/tmp/hemiola-mps-log
@@ -69,17 +71,18 @@ if [ "$(id -u)" = 0 ] && command -v tc >/dev/null && command -v nvidia-cuda-mps-
     timeout "${GPU_CHECK_SPEED_S:-200}" $py -m hemiola bench speed --device cuda \
     --models resnet50 --rates 5gbit,20gbit --world-size 2 --iterations 12 --blocks 3 \
     --schedules wfbp,priority,decoupled,wfbp+fp16,decoupled+fp16 \
-    --out "$out" --name gpu_speed 2>&1 | tail -40
+    --timeline "$out/timeline" --out "$out" --name gpu_speed 2>&1 | tail -40
   speed_rc=${PIPESTATUS[0]}
   echo "== 3b. the same at 20 Gbit/s with staged Gloo pipelined in 4 MiB chunks"
   HEMIOLA_STAGED_CHUNK_MB=4 CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=$mps \
     timeout "${GPU_CHECK_PIPELINE_S:-120}" $py -m hemiola bench speed --device cuda \
     --models resnet50 --rates 20gbit --world-size 2 --iterations 12 --blocks 3 \
-    --schedules wfbp,priority,decoupled --out "$out" --name gpu_speed_pipelined 2>&1 | tail -20
+    --schedules wfbp,priority,decoupled --timeline "$out/timeline-pipelined" \
+    --out "$out" --name gpu_speed_pipelined 2>&1 | tail -20
   [ $mps = 50 ] && echo quit | nvidia-cuda-mps-control
 fi
 
-echo "== 4. report"
+echo "== 4. report (at ${SECONDS} s)"
 TESTS_RC=$tests_rc OVERHEAD_RC=$overhead_rc SPEED_RC=$speed_rc $py - "$out" <<'EOF'
 import json, os, sys
 import xml.etree.ElementTree as ET

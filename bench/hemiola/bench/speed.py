@@ -183,6 +183,29 @@ def _build(contender: Contender | None,
     return model, opt, x, y
 
 
+def write_timelines(prefix: str, runs: dict[str, Any], variants: dict[str, Any],
+                    writer: bool) -> None:
+    """Rank 0 writes each hemiola contender's engine timeline and, beside them,
+    torch's profile of one DDP iteration (``PREFIX-ddp.json``; every rank runs
+    that iteration, since its all-reduces need them all)."""
+    import torch.distributed as dist
+
+    if "ddp" in variants:
+        dist.barrier()
+        activities = [torch.profiler.ProfilerActivity.CPU]
+        if variants["ddp"][2].is_cuda:
+            activities.append(torch.profiler.ProfilerActivity.CUDA)
+        with torch.profiler.profile(activities=activities) as profile:
+            timed_iterations(*variants["ddp"], 1)
+        if writer:
+            profile.export_chrome_trace(f"{prefix}-ddp.json")
+    if writer:
+        for variant, (model, *_) in variants.items():
+            contender = runs[variant]
+            if contender is not None and not contender.is_ddp:
+                Path(f"{prefix}-{contender.name}.json").write_text(model.timeline())
+
+
 def worker(config: dict[str, Any]) -> dict[str, Any]:
     """One rank (RANK, WORLD_SIZE, MASTER_* and GLOO_SOCKET_IFNAME in the
     environment): every variant in alternating blocks; returns each variant's
@@ -232,11 +255,8 @@ def worker(config: dict[str, Any]) -> dict[str, Any]:
             dist.barrier()
             samples[variant] += block(variant, per_block)
     dist.barrier()
-    if config["timeline"] is not None and dist.get_rank() == 0:
-        for variant, (model, *_) in variants.items():
-            contender = runs[variant]
-            if contender is not None and not contender.is_ddp:
-                Path(f"{config['timeline']}-{contender.name}.json").write_text(model.timeline())
+    if config["timeline"] is not None:
+        write_timelines(config["timeline"], runs, variants, dist.get_rank() == 0)
     return {"params": params, "batch": int(bare[2].shape[0]),
             "ms": {v: [1e3 * t for t in s] for v, s in samples.items()}}
 
