@@ -224,10 +224,12 @@ def test_three_ranks_sharing_the_gpu_through_gloo_match_the_cpu(
 
 
 @gpu
-@pytest.mark.parametrize("schedule", ["wfbp", "priority-native", "decoupled-native"])
+@pytest.mark.parametrize("schedule", ["wfbp", "priority-native", "decoupled-on-bound-native"])
 def test_pipelined_staging_matches_the_cpu(schedule: str, monkeypatch) -> None:
     """HEMIOLA_STAGED_CHUNK_MB: three ranks share the GPU through Gloo with
-    every reduction pipelined in 10 KiB chunks, against the CPU run."""
+    every reduction pipelined in 10 KiB chunks, against the CPU run
+    (`decoupled` lands on the bound, so its trajectory does not depend on
+    when a reduction arrives; see SCHEDULES)."""
     monkeypatch.setenv("HEMIOLA_STAGED_CHUNK_MB", str(10 / 1024))
     schedule, native = schedule.removesuffix("-native"), schedule.endswith("-native")
     results = run_local(
@@ -254,6 +256,9 @@ def test_multi_tensor_launches_equal_a_launch_per_parameter(
         timeout_s=240
     )
     for rank, r in results.items():
+        # Two runs without the switch first: unless they agree, the
+        # comparison below says nothing about the batched kernels.
+        assert r["repeat"] == {"max_param_diff": 0.0, "max_loss_diff": 0.0}, (rank, r)
         assert r["max_param_diff"] == 0.0, (rank, r)
         assert r["max_loss_diff"] == 0.0, (rank, r)
 

@@ -223,9 +223,10 @@ SGD_CASES = [
 LR = 0.05
 
 
-def sgd_step(param, shadow, momentum, grad, numel, dtype, *, first_step, commit, stream, **case):
-    """_C.optim.sgd_step on the current CUDA device with lr LR and `case`."""
-    C.optim.sgd_step(param, shadow, momentum, grad, numel, dtype, torch.cuda.current_device(),
+def sgd_step(param, shadow, buffer, grad, numel, dtype, *, first_step, commit, stream, **case):
+    """_C.optim.sgd_step on the current CUDA device with lr LR and `case`
+    (whose "momentum" is the factor; `buffer` is the momentum buffer)."""
+    C.optim.sgd_step(param, shadow, buffer, grad, numel, dtype, torch.cuda.current_device(),
                      C.optim.Hyper(lr=LR, **case), first_step=first_step, commit=commit,
                      stream=stream)
 

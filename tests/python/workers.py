@@ -482,18 +482,19 @@ def multi_tensor_steps_agree(rank: int, world: int, schedule: str, model_name: s
                              gpu_backend: str = "auto") -> dict[str, float]:
     """The engine's steps one parameter at a time against multi-tensor steps
     (HEMIOLA_MULTI_TENSOR_STEPS), on the same data: the same arithmetic per
-    element, so the runs must agree bit for bit."""
+    element, so the runs must agree bit for bit. `repeat` is how far two runs
+    without the switch are apart: the comparison means something only if 0."""
     torch.backends.cudnn.deterministic = True  # else backward alone may differ
     # decoupled: corrections land in step(), independently of network timing
     timing = {"correct_on_arrival": False} if schedule == "decoupled" else {}
     runs = []
-    for flag in ("0", "1"):
+    for flag in ("0", "0", "1"):
         os.environ["HEMIOLA_MULTI_TENSOR_STEPS"] = flag
         runs.append(schedule_run(rank, world, schedule, model_name, opt_name, steps, False,
                                  device=device, gpu_backend=gpu_backend,
                                  native_optimizer=True, **timing))
     os.environ.pop("HEMIOLA_MULTI_TENSOR_STEPS")
-    return _agreement(*runs)
+    return {**_agreement(runs[0], runs[2]), "repeat": _agreement(runs[0], runs[1])}
 
 
 def _initial_params(model_name: str) -> list[torch.Tensor]:
