@@ -266,6 +266,12 @@ struct SgdArgs {
   const double* scale;  // null, or a further factor in device memory (device clipping)
 };
 
+// Every rounding of a step is spelt out (__fmul_rn, __fadd_rn, fmaf): left to
+// the compiler, a multiply and an add may be fused into one rounding in one
+// kernel that inlines these functions and not in another, and the
+// multi-tensor kernels must give the single-tensor ones' bits (measured on an
+// H100: 3e-8 apart after 5 SGD steps before this).
+//
 // param, shadow and momentum are not __restrict__: param and shadow may be the
 // same memory (a committing step without a shadow copy). Each element is read
 // before it is written by the same thread, so aliasing is harmless. Elements
@@ -275,22 +281,22 @@ __device__ void sgd_elements(T* param, T* shadow, T* momentum, const T* __restri
                              std::int64_t numel, const SgdArgs& args, bool commit,
                              std::int64_t first, std::int64_t stride) {
   using E = Elem<T>;
-  const float sign = args.scale ? args.sign * static_cast<float>(*args.scale) : args.sign;
+  const float sign = args.scale ? __fmul_rn(args.sign, static_cast<float>(*args.scale)) : args.sign;
   for (std::int64_t i = first; i < numel; i += stride) {
     const float w = E::to_math(shadow[i]);
-    float g = sign * E::to_math(grad[i]);
-    if (args.weight_decay != 0.0f) g += args.weight_decay * w;
+    float g = __fmul_rn(sign, E::to_math(grad[i]));
+    if (args.weight_decay != 0.0f) g = fmaf(args.weight_decay, w, g);
     float d = g;
     if (args.momentum != 0.0f) {
-      const float buf =
-          args.first_step ? g
-                          : args.momentum * E::to_math(momentum[i]) + args.one_minus_dampening * g;
+      const float buf = args.first_step ? g
+                                        : fmaf(args.momentum, E::to_math(momentum[i]),
+                                               __fmul_rn(args.one_minus_dampening, g));
       // torch keeps the buffer in T and Nesterov reads it back from there.
       const float stored = round_through<T>(buf);
-      d = args.nesterov ? g + args.momentum * stored : stored;
+      d = args.nesterov ? fmaf(args.momentum, stored, g) : stored;
       if (commit) momentum[i] = E::from_math(stored);
     }
-    const T updated = E::from_math(w - args.lr * d);
+    const T updated = E::from_math(fmaf(-args.lr, d, w));
     param[i] = updated;
     if (commit) shadow[i] = updated;
   }
@@ -331,7 +337,8 @@ struct AdamArgs {
 
 // torch's lerp (at::lerp): exact at both ends, the form chosen by the weight.
 __device__ float torch_lerp(float start, float end, float weight) {
-  return weight < 0.5f ? start + weight * (end - start) : end - (end - start) * (1.0f - weight);
+  const float diff = __fsub_rn(end, start);
+  return weight < 0.5f ? fmaf(weight, diff, start) : fmaf(-diff, __fsub_rn(1.0f, weight), end);
 }
 
 template <typename T>
@@ -340,19 +347,19 @@ __device__ void adam_elements(T* param, T* shadow, T* exp_avg, T* exp_avg_sq,
                               const AdamArgs& args, bool commit, std::int64_t first,
                               std::int64_t stride) {
   using E = Elem<T>;
-  const float sign = args.scale ? args.sign * static_cast<float>(*args.scale) : args.sign;
+  const float sign = args.scale ? __fmul_rn(args.sign, static_cast<float>(*args.scale)) : args.sign;
   for (std::int64_t i = first; i < numel; i += stride) {
     const float shadow_w = E::to_math(shadow[i]);
-    float g = sign * E::to_math(grad[i]);
+    float g = __fmul_rn(sign, E::to_math(grad[i]));
     // Tested rather than always added, as torch does: 0 * inf would be NaN.
-    if (args.coupled_decay != 0.0f) g += args.coupled_decay * shadow_w;
-    const float w = shadow_w * args.decoupled_factor;
+    if (args.coupled_decay != 0.0f) g = fmaf(args.coupled_decay, shadow_w, g);
+    const float w = __fmul_rn(shadow_w, args.decoupled_factor);
     // Moments are rounded through T as torch stores them before reading them.
     const float m = round_through<T>(torch_lerp(E::to_math(exp_avg[i]), g, args.lerp_weight));
-    const float v = round_through<T>(args.beta2 * E::to_math(exp_avg_sq[i]) +
-                                     args.one_minus_beta2 * g * g);
-    const float denom = sqrtf(v) / args.bias2_sqrt + args.eps;
-    const T updated = E::from_math(w - args.step_size * (m / denom));
+    const float v = round_through<T>(fmaf(args.beta2, E::to_math(exp_avg_sq[i]),
+                                          __fmul_rn(__fmul_rn(args.one_minus_beta2, g), g)));
+    const float denom = __fadd_rn(__fdiv_rn(__fsqrt_rn(v), args.bias2_sqrt), args.eps);
+    const T updated = E::from_math(fmaf(-args.step_size, __fdiv_rn(m, denom), w));
     param[i] = updated;
     if (commit) {
       shadow[i] = updated;

@@ -13,15 +13,19 @@
 #
 # Steps (each under its own time limit, so one that hangs still leaves the others'
 # results; GPU_CHECK_TESTS_S, GPU_CHECK_OVERHEAD_S, GPU_CHECK_SPEED_S and
-# GPU_CHECK_PIPELINE_S override them):
+# GPU_CHECK_PIPELINE_S and GPU_CHECK_STRIPES_S override them):
 #   1. pytest -m gpu tests/python   -> gpu-tests.log
 #   2. one rank, ResNet-50: bare, DDP, each schedule (+ the engine's updater) -> gpu_overhead.jsonl
 #   3. two ranks sharing the GPU under CUDA MPS (half the SMs each), in network
 #      namespaces at 5 and 20 Gbit/s: bound, DDP (+ hooks), each schedule    -> gpu_speed.jsonl
 #      3b. at 20 Gbit/s again with HEMIOLA_STAGED_CHUNK_MB=4 (pipelined staging,
 #      off by default until measured)                            -> gpu_speed_pipelined.jsonl
-#      Both write rank 0's timelines (each schedule's engine timeline, torch's
-#      profile of one DDP iteration) under timeline/ and timeline-pipelined/.
+#      3c. at 20 Gbit/s again with HEMIOLA_GLOO_STRIPES=2 (each all-reduce
+#      striped over two Gloo connections, off by default until measured)
+#                                                               -> gpu_speed_striped.jsonl
+#      Each writes rank 0's timelines (each schedule's engine timeline, torch's
+#      profile of one DDP iteration) under timeline/, timeline-pipelined/ and
+#      timeline-striped/.
 #   4. gpu_check.json: the environment, the test counts and every result row.
 # Step 3 needs root, ip and tc (the device kit brings them); without them it is skipped.
 set -uo pipefail
@@ -79,6 +83,12 @@ if [ "$(id -u)" = 0 ] && command -v tc >/dev/null && command -v nvidia-cuda-mps-
     --models resnet50 --rates 20gbit --world-size 2 --iterations 12 --blocks 3 \
     --schedules wfbp,priority,decoupled --timeline "$out/timeline-pipelined" \
     --out "$out" --name gpu_speed_pipelined 2>&1 | tail -20
+  echo "== 3c. the same at 20 Gbit/s with each Gloo all-reduce striped over two connections"
+  HEMIOLA_GLOO_STRIPES=2 CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=$mps \
+    timeout "${GPU_CHECK_STRIPES_S:-120}" $py -m hemiola bench speed --device cuda \
+    --models resnet50 --rates 20gbit --world-size 2 --iterations 12 --blocks 3 \
+    --schedules wfbp,priority,decoupled --timeline "$out/timeline-striped" \
+    --out "$out" --name gpu_speed_striped 2>&1 | tail -20
   [ $mps = 50 ] && echo quit | nvidia-cuda-mps-control
 fi
 
@@ -104,7 +114,7 @@ if xml.exists():
         f"{case.get('classname')}::{case.get('name')}" for case in suite.iter("testcase")
         if case.find("failure") is not None or case.find("error") is not None)
     report["tests"] = counts
-for name in ("gpu_overhead", "gpu_speed", "gpu_speed_pipelined"):
+for name in ("gpu_overhead", "gpu_speed", "gpu_speed_pipelined", "gpu_speed_striped"):
     path = out / f"{name}.jsonl"
     report[name] = read_lines(path) if path.exists() else None
 (out / "gpu_check.json").write_text(json.dumps(report, indent=1))

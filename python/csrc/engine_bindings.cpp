@@ -237,7 +237,8 @@ void bind_engine(py::module_& m) {
       .def(py::init([](int rank, int world_size, std::shared_ptr<Store> store,
                        const std::string& iface, const std::string& hostname,
                        const std::string& master_addr, double timeout_s, bool timeline,
-                       const std::string& gpu_backend, size_t staged_chunk_bytes) {
+                       const std::string& gpu_backend, size_t staged_chunk_bytes,
+                       int gloo_stripes) {
              EngineOptions options;
              options.rank = rank;
              options.world_size = world_size;
@@ -248,15 +249,18 @@ void bind_engine(py::module_& m) {
              options.timeline = timeline;
              options.gpu_backend = gpu_backend;
              options.staged_chunk_bytes = staged_chunk_bytes;
+             options.gloo_stripes = gloo_stripes;
              py::gil_scoped_release release;  // rendezvous blocks; the store re-acquires
              return std::make_unique<Engine>(options, std::move(store));
            }),
            py::arg("rank"), py::arg("world_size"), py::arg("store"), py::arg("iface") = "",
            py::arg("hostname") = "", py::arg("master_addr") = "", py::arg("timeout_s") = 300.0,
            py::arg("timeline") = false, py::arg("gpu_backend") = "auto",
-           py::arg("staged_chunk_bytes") = 0)
+           py::arg("staged_chunk_bytes") = 0, py::arg("gloo_stripes") = 1)
       .def_property_readonly("rank", &Engine::rank)
       .def_property_readonly("world_size", &Engine::world_size)
+      .def_property_readonly("transport", &Engine::transport,
+                             "The main wire's transport, e.g. 'gloo/tcp 10.0.0.1 (2 stripes)'.")
       .def(
           "all_reduce",
           [](Engine& e, uintptr_t data, int dtype, size_t numel, ReduceOp op) {

@@ -112,6 +112,7 @@ def new_engine(timeout_s: float, timeline: bool = False,
         timeline=timeline,
         gpu_backend=gpu_backend,
         staged_chunk_bytes=staged_chunk_bytes(),
+        gloo_stripes=gloo_stripes(),
     )
     return engine, engine_store
 
@@ -132,3 +133,21 @@ def staged_chunk_bytes() -> int:
     if mib < 0:
         raise ValueError(f"HEMIOLA_STAGED_CHUNK_MB={raw!r} is negative")
     return int(mib * (1 << 20))
+
+
+def gloo_stripes() -> int:
+    """``HEMIOLA_GLOO_STRIPES``: how many Gloo connections one large
+    all-reduce is split across, its parts on the wire at once
+    (EngineOptions::gloo_stripes; unset: 1). Experimental until measured on a
+    GPU machine (docs/gpu.md); set it alike on every rank, as a launcher's
+    environment is (the engine refuses a mismatch when it connects)."""
+    raw = os.environ.get("HEMIOLA_GLOO_STRIPES", "").strip()
+    if not raw:
+        return 1
+    try:
+        stripes = int(raw)
+    except ValueError:
+        raise ValueError(f"HEMIOLA_GLOO_STRIPES={raw!r} is not a whole number") from None
+    if not 1 <= stripes <= 16:
+        raise ValueError(f"HEMIOLA_GLOO_STRIPES={raw!r} must be between 1 and 16")
+    return stripes

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <functional>
 #include <numeric>
 #include <random>
@@ -69,6 +70,68 @@ TEST_P(EngineWorlds, BroadcastAllGatherBarrier) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Worlds, EngineWorlds, ::testing::Values(1, 2, 3, 4));
+
+// Each rank's tensors after one sum over `stripes` Gloo connections: a large
+// float32 one (striped), a small one (below the stripes' minimum: one
+// connection) and an int64 one; rank r's values are random, seeded by r.
+std::vector<std::vector<float>> sums_over_stripes(int world, int stripes,
+                                                  std::vector<std::vector<int64_t>>* counts) {
+  const size_t large = 1000003, small = 1000;
+  std::vector<std::vector<float>> results(world);
+  counts->assign(world, {});
+  run_ranks(
+      world,
+      [&](Engine& e) {
+        std::mt19937 rng(static_cast<unsigned>(e.rank()));
+        std::normal_distribution<float> normal;
+        std::vector<float> x(large + small);
+        for (float& v : x) v = normal(rng);
+        e.all_reduce({x.data(), DType::kFloat32, large, {}}, ReduceOp::kSum).wait();
+        e.all_reduce({x.data() + large, DType::kFloat32, small, {}}, ReduceOp::kAverage).wait();
+        std::vector<int64_t> c(300000, e.rank() + 1);
+        e.all_reduce({c.data(), DType::kInt64, c.size(), {}}, ReduceOp::kSum).wait();
+        results[e.rank()] = std::move(x);
+        (*counts)[e.rank()] = std::move(c);
+      },
+      30, [&](EngineOptions& options) { options.gloo_stripes = stripes; });
+  return results;
+}
+
+TEST(GlooStripes, AStripedSumIsOneConnectionsSumOnEveryRank) {
+  // Two ranks: a + b is the same float whatever the order, so the striped
+  // sums must be one connection's bit for bit. Three: the ring's order per
+  // element depends on where the parts are cut, so within rounding of the
+  // exact sum; every rank must still hold the same bits.
+  for (int world : {2, 3}) {
+    std::vector<std::vector<int64_t>> counts1, counts3;
+    const auto one = sums_over_stripes(world, 1, &counts1);
+    const auto three = sums_over_stripes(world, 3, &counts3);
+    for (int r = 0; r < world; ++r) {
+      ASSERT_EQ(three[r].size(), one[r].size());
+      EXPECT_EQ(std::memcmp(three[r].data(), three[0].data(), three[r].size() * 4), 0)
+          << "rank " << r << " of " << world << " differs from rank 0";
+      EXPECT_EQ(counts3[r], std::vector<int64_t>(300000, world * (world + 1) / 2));
+      if (world == 2) {
+        EXPECT_EQ(std::memcmp(three[r].data(), one[r].data(), one[r].size() * 4), 0);
+      } else {
+        for (size_t i = 0; i < one[r].size(); i += 997) {
+          EXPECT_NEAR(three[r][i], one[r][i], 1e-5f * (1.0f + std::fabs(one[r][i])));
+        }
+      }
+    }
+  }
+}
+
+TEST(GlooStripes, RanksThatDisagreeOnStripesFailSayingWhatToSet) {
+  const auto failures = test::ranks_failures(
+      2, [](Engine&) {}, 10,
+      [](EngineOptions& options) { options.gloo_stripes = options.rank == 0 ? 2 : 1; });
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_NE(failures[r].find("set HEMIOLA_GLOO_STRIPES alike on every rank"),
+              std::string::npos)
+        << "rank " << r << ": " << failures[r];
+  }
+}
 
 TEST(Reducer, AveragesGradientsMarkedInAnyOrderFromManyThreads) {
   const int world = 3;

@@ -98,3 +98,17 @@ def test_packed_bytes_come_back_as_the_tensors() -> None:
     assert all(torch.equal(a, b) for a, b in zip(tensors, targets))
     layout, same = pack_bytes(tensors, fill=False)  # a receiver: the layout only
     assert same == offsets and layout.shape == flat.shape and not layout.any()
+
+
+def test_the_gloo_stripes_come_from_the_environment(monkeypatch) -> None:
+    from hemiola.distributed import gloo_stripes
+
+    monkeypatch.delenv("HEMIOLA_GLOO_STRIPES", raising=False)
+    assert gloo_stripes() == 1
+    monkeypatch.setenv("HEMIOLA_GLOO_STRIPES", "3")
+    assert gloo_stripes() == 3
+    for bad, why in (("two", "whole number"), ("0", "between 1 and 16"), ("17", "between")):
+        monkeypatch.setenv("HEMIOLA_GLOO_STRIPES", bad)
+        with pytest.raises(ValueError, match=why):
+            gloo_stripes()
+

@@ -272,3 +272,15 @@ def test_an_optimizer_missing_trainable_parameters_is_refused_by_name(schedule: 
     opt = torch.optim.SGD(body.parameters(), lr=0.1)
     with pytest.raises(ValueError, match=r"'1\.weight', '1\.bias'.*param group.*'wfbp'"):
         hemiola.wrap(model, opt, schedule=schedule)
+
+
+@pytest.mark.parametrize("schedule", ["wfbp", "priority"])
+def test_striped_reductions_train_as_one_connection_does(schedule: str) -> None:
+    """HEMIOLA_GLOO_STRIPES=2: each bucket's all-reduce is cut in two parts on
+    two Gloo connections at once; with two ranks a + b is the same float in
+    any order, so the run is one connection's bit for bit."""
+    results = run_local(workers.striped_equals_one_connection, 2, schedule, timeout_s=120)
+    for rank, r in results.items():
+        assert r["max_diff"] == 0.0, (rank, r)
+        assert r["moved"] > 1e-3, (rank, r)
+        assert "stripes" not in r["names"][0] and r["names"][1].endswith("(2 stripes)"), r

@@ -729,3 +729,38 @@ def threads_fitted_to_host(rank: int, world: int) -> dict[str, Any]:
         out[case] = {"threads": torch.get_num_threads(),
                      "warnings": [str(w.message) for w in caught]}
     return out
+
+
+def striped_equals_one_connection(rank: int, world: int, schedule: str) -> dict[str, Any]:
+    """`schedule` on a 1 MB model (one bucket, large enough to be striped),
+    each rank on its own data, with one Gloo connection and then with
+    HEMIOLA_GLOO_STRIPES=2; returns how far the two runs' parameters are
+    apart and the engine's communicator name in the striped run."""
+    runs, names = [], []
+    for stripes in ("1", "2"):
+        os.environ["HEMIOLA_GLOO_STRIPES"] = stripes
+        hemiola.init()
+        torch.manual_seed(0)
+        m = nn.Sequential(nn.Linear(256, 512), nn.ReLU(), nn.Linear(512, 256))
+        model, opt = hemiola.wrap(m, torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9),
+                                  schedule=schedule, fusion_mb=4, first_bucket_mb=4)
+        g = torch.Generator().manual_seed(100 + rank)
+        for _ in range(4):
+            x, y = torch.randn(16, 256, generator=g), torch.randn(16, 256, generator=g)
+            opt.zero_grad()
+            nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+        model.synchronize()
+        runs.append([p.detach().clone() for p in m.parameters()])
+        names.append(model._replica.engine.transport)
+    os.environ.pop("HEMIOLA_GLOO_STRIPES")
+    return {"max_diff": max((a - b).abs().max().item() for a, b in zip(*runs)),
+            "moved": max((a - b).abs().max().item()
+                         for a, b in zip(runs[1], _initial_linear_stack())),
+            "names": names}
+
+
+def _initial_linear_stack() -> list[torch.Tensor]:
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(256, 512), nn.ReLU(), nn.Linear(512, 256))
+    return [p.detach().clone() for p in m.parameters()]

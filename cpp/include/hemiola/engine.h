@@ -38,6 +38,9 @@ class HEMIOLA_API Engine {
   int rank() const;
   int world_size() const;
   const EngineOptions& options() const;
+  // The main wire's transport, for logs: "gloo/tcp 10.0.0.1", with "(K stripes)"
+  // when gloo_stripes > 1.
+  std::string transport() const;
 
   // Asynchronous collectives: the tensor must stay alive until the handle is
   // done. All are in place except all_gather (output holds world_size inputs).

@@ -1,5 +1,11 @@
 #include "comm/gloo_communicator.h"
 
+#include <condition_variable>
+#include <exception>
+#include <functional>
+#include <mutex>
+#include <thread>
+
 #include <gloo/allgather.h>
 #include <gloo/allreduce.h>
 #include <gloo/barrier.h>
@@ -51,6 +57,67 @@ void require_cpu(const TensorRef& t, const char* op) {
 
 }  // namespace
 
+// One stripe's thread: runs one part of a striped all-reduce at a time.
+class StripeThread {
+ public:
+  StripeThread() : thread_([this] { loop(); }) {}
+  ~StripeThread() {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      stop_ = true;
+    }
+    cv_.notify_all();
+    thread_.join();
+  }
+
+  // Starts `job`; the caller must finish() before the next start().
+  void start(std::function<void()> job) {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      job_ = std::move(job);
+      done_ = false;
+      error_ = nullptr;
+    }
+    cv_.notify_all();
+  }
+  // Blocks until the started job has run; its exception, if it threw.
+  std::exception_ptr finish() {
+    std::unique_lock<std::mutex> lock(mutex_);
+    cv_.wait(lock, [this] { return done_; });
+    return error_;
+  }
+
+ private:
+  void loop() {
+    std::unique_lock<std::mutex> lock(mutex_);
+    for (;;) {
+      cv_.wait(lock, [this] { return stop_ || job_; });
+      if (stop_) return;
+      std::function<void()> job = std::move(job_);
+      job_ = nullptr;
+      lock.unlock();
+      std::exception_ptr error;
+      try {
+        job();
+      } catch (...) {
+        error = std::current_exception();
+      }
+      lock.lock();
+      error_ = error;
+      done_ = true;
+      cv_.notify_all();
+    }
+  }
+
+  std::mutex mutex_;
+  std::condition_variable cv_;
+  std::function<void()> job_;  // set by start(), taken by the thread
+  bool done_ = true;
+  bool stop_ = false;
+  std::exception_ptr error_;
+  std::thread thread_;  // last: starts once the state above exists
+};
+
 GlooCommunicator::GlooCommunicator(const EngineOptions& options, Store& store)
     : rank_(options.rank),
       size_(options.world_size),
@@ -59,12 +126,55 @@ GlooCommunicator::GlooCommunicator(const EngineOptions& options, Store& store)
   HEMIOLA_CHECK(rank_ >= 0 && rank_ < size_, "rank ", rank_, " is outside [0, ", size_, ")");
   HEMIOLA_CHECK(options.timeout_s > 0, "timeout_s must be positive, got ", options.timeout_s);
 
+  HEMIOLA_CHECK(options.gloo_stripes >= 1 && options.gloo_stripes <= 16,
+                "gloo_stripes (HEMIOLA_GLOO_STRIPES) must be between 1 and 16, got ",
+                options.gloo_stripes);
+
   BindSpec spec{options.iface, options.hostname, options.master_addr, size_ == 1};
   context_ = connect_gloo_context(rank_, size_, store, make_gloo_device(spec, &address_),
                                   timeout_);
+  if (size_ == 1) return;
+  check_stripes_agree(options.gloo_stripes);
+  // Each stripe rendezvouses under its own keys; the caller's store outlives
+  // the constructor, which is all the rendezvous needs.
+  std::shared_ptr<Store> borrowed(&store, [](Store*) {});
+  for (int k = 1; k < options.gloo_stripes; ++k) {
+    PrefixStore stripe_store("gloo_stripe" + std::to_string(k), borrowed);
+    stripe_contexts_.push_back(
+        connect_gloo_context(rank_, size_, stripe_store, make_gloo_device(spec, nullptr),
+                             timeout_));
+  }
+  for (size_t k = 0; k < stripe_contexts_.size(); ++k) {
+    stripe_threads_.push_back(std::make_unique<StripeThread>());
+  }
 }
 
 GlooCommunicator::~GlooCommunicator() = default;
+
+std::string GlooCommunicator::name() const {
+  std::string name = "gloo/tcp " + address_;
+  if (!stripe_contexts_.empty()) {
+    name += " (" + std::to_string(stripe_contexts_.size() + 1) + " stripes)";
+  }
+  return name;
+}
+
+void GlooCommunicator::check_stripes_agree(int stripes) {
+  std::vector<int32_t> all(static_cast<size_t>(size_));
+  int32_t mine = stripes;
+  translate_gloo_errors("all_gather", nullptr, rank_, [&] {
+    gloo::AllgatherOptions opts(context_);
+    opts.setTimeout(timeout_);
+    opts.setInput(&mine, 1);
+    opts.setOutput(all.data(), all.size());
+    gloo::allgather(opts);
+  });
+  for (int r = 0; r < size_; ++r) {
+    HEMIOLA_CHECK(all[static_cast<size_t>(r)] == stripes, "rank ", rank_, " has gloo_stripes ",
+                  stripes, " but rank ", r, " has ", all[static_cast<size_t>(r)],
+                  ": set HEMIOLA_GLOO_STRIPES alike on every rank");
+  }
+}
 
 const std::shared_ptr<gloo::Context>& GlooCommunicator::context(const char* what) const {
   if (!context_) {
@@ -78,24 +188,61 @@ void GlooCommunicator::abort() {
   // Destroying the context closes every pair's socket: a peer blocked on a
   // receive from this rank sees the connection close at once.
   context_.reset();
+  for (auto& context : stripe_contexts_) context.reset();
+}
+
+void GlooCommunicator::all_reduce_part(const std::shared_ptr<gloo::Context>& context,
+                                       DType dtype, void* data, size_t numel) {
+  gloo::AllreduceOptions opts(context);
+  opts.setTimeout(timeout_);
+  opts.setReduceFunction(reduce_function(dtype));
+  switch (dtype_size(dtype)) {
+    case 1: opts.setOutput(static_cast<uint8_t*>(data), numel); break;
+    case 2: opts.setOutput(static_cast<uint16_t*>(data), numel); break;
+    case 4: opts.setOutput(static_cast<uint32_t*>(data), numel); break;
+    case 8: opts.setOutput(static_cast<uint64_t*>(data), numel); break;
+    default: HEMIOLA_THROW(ErrorCode::kInternal, "unexpected element size");
+  }
+  gloo::allreduce(opts);
 }
 
 void GlooCommunicator::all_reduce_sum(const TensorRef& t) {
   require_cpu(t, "all_reduce");
   if (t.numel == 0 || size_ == 1) return;
-  translate_gloo_errors("all_reduce", &t, rank_, [&] {
-    gloo::AllreduceOptions opts(context("all_reduce"));
-    opts.setTimeout(timeout_);
-    opts.setReduceFunction(reduce_function(t.dtype));
-    switch (dtype_size(t.dtype)) {
-      case 1: opts.setOutput(static_cast<uint8_t*>(t.data), t.numel); break;
-      case 2: opts.setOutput(static_cast<uint16_t*>(t.data), t.numel); break;
-      case 4: opts.setOutput(static_cast<uint32_t*>(t.data), t.numel); break;
-      case 8: opts.setOutput(static_cast<uint64_t*>(t.data), t.numel); break;
-      default: HEMIOLA_THROW(ErrorCode::kInternal, "unexpected element size");
-    }
-    gloo::allreduce(opts);
-  });
+  const size_t stripes = stripe_contexts_.size() + 1;
+  if (stripes == 1 || t.nbytes() < stripes * kMinStripeBytes) {
+    translate_gloo_errors("all_reduce", &t, rank_,
+                          [&] { all_reduce_part(context("all_reduce"), t.dtype, t.data, t.numel); });
+    return;
+  }
+  // Part k is elements [k * n / K, (k + 1) * n / K): part 0 here, the others
+  // on their stripes' threads, all on the wire at once.
+  const size_t elem = dtype_size(t.dtype);
+  auto bounds = [&](size_t k) { return t.numel * k / stripes; };
+  const std::shared_ptr<gloo::Context> first = context("all_reduce");
+  for (size_t k = 1; k < stripes; ++k) {
+    const std::shared_ptr<gloo::Context> stripe = stripe_contexts_[k - 1];
+    char* data = static_cast<char*>(t.data) + bounds(k) * elem;
+    const size_t numel = bounds(k + 1) - bounds(k);
+    stripe_threads_[k - 1]->start([this, stripe, dtype = t.dtype, data, numel] {
+      all_reduce_part(stripe, dtype, data, numel);
+    });
+  }
+  std::exception_ptr error;
+  try {
+    all_reduce_part(first, t.dtype, t.data, bounds(1));
+  } catch (...) {
+    error = std::current_exception();
+  }
+  // Every part must have returned before the caller may touch the tensor
+  // again; a failed part's peers fail at their own timeout at the latest.
+  for (auto& thread : stripe_threads_) {
+    std::exception_ptr part_error = thread->finish();
+    if (!error) error = part_error;
+  }
+  if (error) {
+    translate_gloo_errors("all_reduce", &t, rank_, [&] { std::rethrow_exception(error); });
+  }
 }
 
 void GlooCommunicator::broadcast(const TensorRef& t, int root) {

@@ -172,6 +172,7 @@ Engine::~Engine() = default;
 int Engine::rank() const { return impl_->options().rank; }
 int Engine::world_size() const { return impl_->options().world_size; }
 const EngineOptions& Engine::options() const { return impl_->options(); }
+std::string Engine::transport() const { return impl_->comm().name(); }
 
 Handle EngineImpl::all_reduce(const TensorRef& tensor, ReduceOp op) {
   HEMIOLA_CHECK(is_floating(tensor.dtype) || op == ReduceOp::kSum, "all_reduce average of ",
