@@ -846,6 +846,32 @@ TEST(ParameterServer, RejectsMalformedAndOutOfOrderMessagesWithoutApplyingThem) 
       << stats[0].rejections.back();
 }
 
+TEST(ParameterServer, AHeaderClaimingMoreThanTheLargestShardIsDroppedBeforeItsPayload) {
+  // A worker holding the token claims a 1 GiB push for a shard of 2 floats
+  // and sends 8 bytes. The server must drop it on the header, not allocate
+  // and wait for the gigabyte (the protocol alone allows 4 GiB).
+  auto store = std::make_shared<MemoryStore>();
+  ServerFleet fleet(store, 1, 1, Consistency::kAsp);
+  RawWorker w(store, 0);
+  std::vector<char> payload;
+  w.register_model(Consistency::kAsp, 2, 1 << 20, sgd(1.0));
+  EXPECT_EQ(w.receive(&payload).type, static_cast<uint16_t>(MessageType::kRegistered));
+  Header huge = w.header(MessageType::kPush, 0);
+  huge.seq = 1;
+  huge.payload_bytes = int64_t(1) << 30;
+  huge.checksum = header_checksum(huge);
+  const auto start = std::chrono::steady_clock::now();
+  w.channel().send_raw(huge, RawWorker::floats({5.0f, 5.0f}));
+  const auto stats = fleet.join();
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(5));
+  EXPECT_EQ(stats[0].dead_workers, std::vector<int32_t>{0});
+  EXPECT_EQ(stats[0].pushes_applied, 0);
+  ASSERT_FALSE(stats[0].rejections.empty());
+  EXPECT_NE(stats[0].rejections.back().find("a payload of 1073741824 bytes, over the"),
+            std::string::npos)
+      << stats[0].rejections.back();
+}
+
 TEST(ParameterServer, BspFailsNamingADeadWorkerWhileAspGoesOn) {
   for (Consistency c : {Consistency::kBsp, Consistency::kAsp}) {
     auto store = std::make_shared<MemoryStore>();

@@ -211,6 +211,11 @@ bool Channel::receive(Header* header, std::vector<char>* payload) {
            header->payload_bytes == 0);  // a ping carries no sequence number for the owner
   payload->clear();
   const auto total = static_cast<size_t>(header->payload_bytes);
+  if (const size_t limit = payload_limit_.load(std::memory_order_relaxed); limit > 0 && total > limit)
+    HEMIOLA_THROW(ErrorCode::kCommFailure, "protocol violation from ", peer_, ": a payload of ",
+                  total, " bytes, over the ", limit,
+                  " this connection accepts (its largest shard or registration); dropping the "
+                  "connection");
   while (payload->size() < total) {
     const size_t at = payload->size();
     payload->resize(at + std::min(kReadChunk, total - at));

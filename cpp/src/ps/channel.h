@@ -63,6 +63,9 @@ class Channel {
   bool send(Header header, std::vector<char> payload = {});
   // Bounds the bytes waiting in the send queue (0: no bound, the default).
   void set_queue_limit(size_t bytes);
+  // Receives refuse a header whose payload is over `bytes` (0: only the
+  // protocol's kMaxPayloadBytes), as a protocol violation, before reading it.
+  void set_payload_limit(size_t bytes) { payload_limit_.store(bytes, std::memory_order_relaxed); }
   // Queues bytes exactly as given: no framing, no seq, no checksum (tests craft
   // malformed, truncated and replayed messages with it).
   bool send_raw(std::vector<char> bytes);
@@ -117,6 +120,7 @@ class Channel {
   std::string send_failure_;
   uint64_t next_seq_ = 0;
   std::atomic<bool> closed_{false};
+  std::atomic<size_t> payload_limit_{0};  // set_payload_limit; 0: the protocol's bound
   std::chrono::steady_clock::time_point last_heard_;  // guarded by mutex_
   std::thread sender_;
 };

@@ -116,9 +116,24 @@ size_t Server::Impl::queue_limit() const {
   return kQueueFloorBytes + kQueueShardCopies * shard_bytes;
 }
 
-void Server::Impl::bound_queues() {
-  const size_t limit = queue_limit();
-  for (auto& c : channels) c->set_queue_limit(limit);
+size_t Server::Impl::payload_limit() const {
+  size_t largest_shard = 0;
+  for (const auto& [id, k] : keys) {
+    largest_shard =
+        std::max(largest_shard, static_cast<size_t>(k.entry.shard.count) * sizeof(float));
+  }
+  const size_t registration =
+      table.empty() ? kRegistrationFloorBytes
+                    : table.size() + keys.size() * kSettingsLineBytes + kRegistrationSlackBytes;
+  return std::max(largest_shard, registration);
+}
+
+void Server::Impl::bound_channels() {
+  const size_t queue = queue_limit(), payload = payload_limit();
+  for (auto& c : channels) {
+    c->set_queue_limit(queue);
+    c->set_payload_limit(payload);
+  }
 }
 
 // ---- snapshots ---------------------------------------------------------------------
@@ -265,7 +280,7 @@ void Server::start_up(Impl& im, const ServerOptions& options) {
                                                     im.who(w), millis(options.timeout_s),
                                                     heartbeat_for(options.timeout_s)));
   }
-  im.bound_queues();  // the restored keys', else the floor until the first registration
+  im.bound_channels();  // the restored keys', else the floors until the first registration
 }
 
 Server::~Server() {

@@ -65,6 +65,16 @@ struct Key {
 // asks for more than it reads is dropped instead of growing it without bound.
 constexpr size_t kQueueFloorBytes = size_t(16) << 20;
 constexpr size_t kQueueShardCopies = 4;
+// The largest message a worker may send: its largest shard (an init or a
+// push), or its registration. Before the first registration the table is
+// unknown, so a registration may take kRegistrationFloorBytes; after it,
+// the table's size, kSettingsLineBytes per key (a settings line: a key and
+// eight exact numbers) and kRegistrationSlackBytes.
+// A header that claims more drops the connection before a byte of the
+// payload is read, so no worker can make the server buffer 4 GiB for it.
+constexpr size_t kRegistrationFloorBytes = size_t(16) << 20;
+constexpr size_t kRegistrationSlackBytes = size_t(1) << 20;
+constexpr size_t kSettingsLineBytes = 256;
 // Pulls of one key from one worker that may wait for an answer (a worker has
 // one or two).
 constexpr size_t kMaxWaitingPulls = 8;
@@ -121,7 +131,10 @@ struct Server::Impl {
 
   // The send-queue bound of every connection (kQueueFloorBytes until the keys are known).
   size_t queue_limit() const;
-  void bound_queues();
+  // The largest payload a worker may send now (see kRegistrationFloorBytes).
+  size_t payload_limit() const;
+  // Sets both bounds on every connection (again once the keys are known).
+  void bound_channels();
 
   // ---- snapshots (server.cpp) -----------------------------------------------------
   void take_snapshot_locked();

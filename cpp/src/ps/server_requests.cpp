@@ -176,7 +176,7 @@ void Server::Impl::on_register(int w, const Header& h, const std::vector<char>& 
     }
     table = text;
     add_keys(entries);
-    bound_queues();
+    bound_channels();
   } else if (const auto diff = first_difference(table, text); !diff.empty()) {
     return fail(detail::concat("the model of ", who(w), " differs from ",
                                restored ? "the restored snapshot's" : "the first registered",
