@@ -118,6 +118,11 @@ class StreamingParallel(nn.Module):
         return {"inner_steps": float(s.inner_steps), "syncs": float(s.syncs),
                 "waited_ms": float(s.waited_ms)}
 
+    def timeline(self) -> str:
+        """Chrome trace JSON of engine events (``timeline=True`` to record):
+        the outer lane's averages of each fragment."""
+        return self._engine.timeline_json()
+
     def fragments(self) -> list[list[str]]:
         """The parameters of each fragment, by name (a large one may be cut
         across two)."""

@@ -136,6 +136,30 @@ def test_the_iteration_model_against_hand_computed_timelines() -> None:
     assert model.predict_one(p, free, "decoupled", "none") == pytest.approx(0.11)
 
 
+def test_the_predicted_timeline_is_the_simulated_iteration() -> None:
+    # The hand-computed wfbp case above, span by span.
+    jobs = [Job(0.0, 0.10), Job(0.0, 0.05)]
+    p = _profile()
+    trace: list[model.Span] = []
+    period = model.simulate(model._program(p, p.plans["wfbp"], "wfbp"), jobs, 0.0, trace=trace)
+    assert period == pytest.approx(0.21)
+    spans: dict[tuple[str, str], list[tuple[float, float]]] = {}
+    for s in trace:
+        spans.setdefault((s.lane, s.name), []).append((round(s.start, 9), round(s.end, 9)))
+    assert spans[("compute", "forward (0)")] == [(0.0, 0.01), (0.01, 0.03)]
+    assert spans[("compute", "backward (0)")] == [(0.03, 0.05), (0.05, 0.1)]
+    assert spans[("comm", "bucket 0 (0) wire")] == [(0.05, 0.15)]
+    assert spans[("comm", "bucket 1 (0) wire")] == [(0.15, 0.2)]
+    assert spans[("compute", "wait (0)")] == [(0.1, 0.2)]
+    assert spans[("compute", "step (0)")] == [(0.2, 0.21)]
+    assert spans[("compute", "forward (1)")][0] == (0.21, 0.22)
+    # as Chrome trace JSON, in the engine timeline's lanes
+    events = json.loads(model.predicted_timeline(p, Network(2, 1e9), "wfbp", "none"))
+    lanes = {e["args"]["name"] for e in events["traceEvents"] if e["name"] == "thread_name"}
+    assert lanes == {"comm", "compute"}
+    assert any(e.get("cat") == "step" for e in events["traceEvents"])
+
+
 def test_collectives_against_the_formulas() -> None:
     m = 8e6
     net = Network(4, bandwidth=1e9, latency=1e-4)

@@ -51,12 +51,14 @@ def local_network(profile: Profile, world: int) -> Network:
 
 def advise_rank(rank: int, world: int, spec: str | None, repeats: int, iterations: int,
                 profile_path: str | None = None, everything: bool = False,
-                rescale: bool = False) -> dict[str, Any]:
+                rescale: bool = False, timeline_dir: str | None = None) -> dict[str, Any]:
     """One rank's part (also under torchrun: rank and world from its
     environment): measure (or load) the profile, predict at this job's
     world, try the candidates, choose. `rescale` (with a loaded profile):
     scale its CPU times by the bare step measured here over the profile's
-    (more ranks than cores make every rank's CPU slower)."""
+    (more ranks than cores make every rank's CPU slower). `timeline_dir`:
+    rank 0 writes there each configuration's predicted iterations and each
+    tried one's measured timeline (Chrome trace JSON)."""
     import hemiola
     from hemiola.advise.measure import bare, bare_step, measure, trial
     from hemiola.advise.models import make_workload
@@ -90,11 +92,18 @@ def advise_rank(rank: int, world: int, spec: str | None, repeats: int, iteration
     # --all (validation): the bare step before and after each trial says what
     # the computation cost meanwhile on a machine shared with other work
     bare_now: dict[str, float] = {}
+    folder = Path(timeline_dir) if timeline_dir is not None and rank == 0 else None
+    if folder is not None:
+        folder.mkdir(parents=True, exist_ok=True)
+        for p in predictions:
+            (folder / f"predicted-{_file_name(p.name)}.json").write_text(
+                model.predicted_timeline(profile, net, p.schedule, p.coding))
     for p in tried:
         engine.barrier().wait()
         before = bare_step(factory, iterations // 2 + 1) if everything else 0.0
         engine.barrier().wait()
-        measured[p.name] = trial(factory, p, iterations)
+        measured[p.name] = trial(factory, p, iterations, timeline=None if folder is None else
+                                 folder / f"measured-{_file_name(p.name)}.json")
         if everything:
             bare_now[p.name] = (before + bare_step(factory, iterations // 2 + 1)) / 2
     chosen = choice.choose(measured, predictions)
@@ -102,6 +111,11 @@ def advise_rank(rank: int, world: int, spec: str | None, repeats: int, iteration
             "predictions": [vars(p) for p in predictions],
             "streaming": [vars(p) for p in streaming], "measured": measured,
             "bare_now": bare_now, "choice": vars(chosen), "run_seconds": measured[chosen.name]}
+
+
+def _file_name(name: str) -> str:
+    """A configuration's name as a file name ('streaming+int8/sync_every=20,...')."""
+    return name.replace("/", "_").replace(",", "_").replace("=", "")
 
 
 def _label(p: dict[str, Any]) -> str:
@@ -261,7 +275,7 @@ def _main(args: argparse.Namespace) -> int:
                              "--profile FILE) to predict a cluster")
         return _predict_elsewhere(args)
     call = (args.model, args.repeats, args.iterations, args.profile, args.all,
-            args.rescale_compute)
+            args.rescale_compute, args.timeline)
     if args.local:
         result = run_local(advise_rank, args.local, *call, timeout_s=3600)[0]
         _finish(args, result)
@@ -294,6 +308,10 @@ def register(commands: Any) -> None:
                    help="predict from this profile instead of measuring one (on the job's "
                         "ranks: then try the configurations here)")
     p.add_argument("--json", metavar="FILE", help="write rank 0's whole result here")
+    p.add_argument("--timeline", metavar="DIR",
+                   help="write here each configuration's predicted iterations and each tried "
+                        "one's measured timeline (Chrome trace JSON: chrome://tracing or "
+                        "ui.perfetto.dev), to see where a prediction and a run part")
     p.add_argument("--rescale-compute", action="store_true",
                    help="with --profile on the job's ranks: scale the profile's CPU times by "
                         "the bare step measured here (validation with more ranks than cores)")

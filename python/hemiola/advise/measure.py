@@ -29,6 +29,7 @@ import platform
 import statistics
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -318,11 +319,13 @@ def agree(profile: Profile, engine: Any | None) -> Profile:
     return Profile.from_json(json.loads(bytes(buf.tolist()).decode()))
 
 
-def trial(factory: Factory, prediction: model.Prediction, iterations: int) -> float:
+def trial(factory: Factory, prediction: model.Prediction, iterations: int,
+          timeline: Path | None = None) -> float:
     """Trains `iterations` (after 3 of warm-up) with the configuration on the
     job's ranks; median seconds per iteration on this rank. ``streaming``:
     the mean over whole periods of sync_every steps (at least two), after
-    one period of warm-up: its syncs are the point."""
+    one period of warm-up: its syncs are the point. `timeline`: record the
+    engine's timeline and write it there."""
     import hemiola
 
     work = make_workload(factory)
@@ -331,14 +334,26 @@ def trial(factory: Factory, prediction: model.Prediction, iterations: int) -> fl
     options: dict[str, Any] = dict(prediction.options)
     if prediction.schedule != "streaming":
         options["powersgd_start_iter"] = 0
+    if timeline is not None:
+        options["timeline"] = True
     wrapped, optimizer = hemiola.wrap(work.model, optimizer, schedule=prediction.schedule,
                                       compression=coding, **options)
+    try:
+        return _timed_trial(wrapped, work, optimizer, prediction, iterations)
+    finally:
+        if timeline is not None:
+            timeline.write_text(wrapped.timeline())
+
+
+def _timed_trial(wrapped: Any, work: Workload, optimizer: Any, prediction: model.Prediction,
+                 iterations: int) -> float:
+    """trial()'s timing of the wrapped configuration."""
 
     def step() -> None:
         training_step(wrapped, work.loss_fn, optimizer)
 
     if prediction.schedule == "streaming":
-        period = int(options["sync_every"])
+        period = int(prediction.options["sync_every"])
         steps = period * max(2, -(-iterations // period))
         for _ in range(period):
             step()

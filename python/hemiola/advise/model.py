@@ -83,6 +83,19 @@ class _Segment:
     work: float
     waits: tuple[tuple[int, int], ...] = ()
     emits: tuple[int, ...] = ()
+    #: what it is, for a predicted timeline
+    name: str = ""
+
+
+@dataclass(frozen=True)
+class Span:
+    """One stretch of a predicted iteration (:func:`simulate`'s `trace`):
+    `lane` ``compute`` or ``comm``, seconds from the simulation's start."""
+
+    lane: str
+    name: str
+    start: float
+    end: float
 
 
 def ddp_plan(params: Sequence[Param], cap: int, first: int = FIRST_BUCKET) -> list[list[int]]:
@@ -141,11 +154,11 @@ def _program(profile: Profile, plan: list[list[int]], schedule: str) -> list[_Se
     at = 0.0
     for point in sorted(reads):
         if point > at:
-            program.append(_Segment(point - at))
+            program.append(_Segment(point - at, name="forward"))
             at = point
         waits = tuple(sorted({(-1, k) for i in reads[point] for k in holding[i]}))
         program.append(_Segment(0.0, waits if schedule == "priority" else ()))
-    program.append(_Segment(profile.forward - at))
+    program.append(_Segment(profile.forward - at, name="forward"))
     # Backward: a bucket is ready once its last gradient is.
     ready: dict[float, list[int]] = {}
     for k, bucket in enumerate(plan):
@@ -153,26 +166,27 @@ def _program(profile: Profile, plan: list[list[int]], schedule: str) -> list[_Se
         ready.setdefault(point, []).append(k)
     at = 0.0
     for point in sorted(ready):
-        program.append(_Segment(point - at, (), tuple(ready[point])))
+        program.append(_Segment(point - at, (), tuple(ready[point]), name="backward"))
         at = point
-    program.append(_Segment(profile.backward - at))
+    program.append(_Segment(profile.backward - at, name="backward"))
     everything = tuple(range(len(plan)))
     if schedule == "wfbp":
         program.append(_Segment(0.0, tuple((0, k) for k in everything)))
-        program.append(_Segment(profile.step))
+        program.append(_Segment(profile.step, name="step"))
     elif schedule == "decoupled":
-        program.append(_Segment(profile.step, tuple((-1, k) for k in everything)))
+        program.append(_Segment(profile.step, tuple((-1, k) for k in everything), name="step"))
     elif schedule == "priority":
-        program.append(_Segment(profile.step))
+        program.append(_Segment(profile.step, name="step"))
     else:
         raise ValueError(f"unknown schedule {schedule!r}; known: {', '.join(SCHEDULES)}")
     return program
 
 
 def simulate(program: Sequence[_Segment], jobs: Sequence[Job], contention: float,
-             iterations: int = 6) -> float:
+             iterations: int = 6, trace: list[Span] | None = None) -> float:
     """Steady seconds per iteration of `program` with the lane reducing
-    `jobs` (one per bucket, in issue order) every iteration."""
+    `jobs` (one per bucket, in issue order) every iteration. `trace`: the
+    spans of every iteration are appended to it (the predicted timeline)."""
     eps = 1e-12
     now = 0.0
     starts = [0.0]
@@ -182,28 +196,38 @@ def simulate(program: Sequence[_Segment], jobs: Sequence[Job], contention: float
     done: set[tuple[int, int]] = set()
     job_it, job_k, phase, rem_m, busy = 0, 0, 0, 0.0, False
     phases = [(j.cpu / 2, max(j.wire, j.wire_cpu), j.cpu / 2) for j in jobs]
+    seg_start = phase_start = idle_since = 0.0
 
     def satisfied(waits: tuple[tuple[int, int], ...]) -> bool:
         return all(it + off < 0 or (it + off, k) in done for off, k in waits)
+
+    def record(lane: str, name: str, start: float) -> None:
+        if trace is not None and now - start > eps:
+            trace.append(Span(lane, name, start, now))
 
     while it < iterations:
         moved = True
         while moved and it < iterations:
             moved = False
             if not started and satisfied(program[seg].waits):
-                started, rem_c, moved = True, program[seg].work, True
+                record("compute", f"wait ({it})", idle_since)
+                started, rem_c, moved, seg_start = True, program[seg].work, True, now
             if started and rem_c <= eps:
+                record("compute", f"{program[seg].name} ({it})", seg_start)
                 ready.update((it, k) for k in program[seg].emits)
-                started, seg, moved = False, seg + 1, True
+                started, seg, moved, idle_since = False, seg + 1, True, now
                 if seg == len(program):
                     it, seg = it + 1, 0
                     starts.append(now)
             if not jobs:
                 continue
             if not busy and (job_it, job_k) in ready:
-                busy, phase, rem_m, moved = True, 0, phases[job_k][0], True
+                busy, phase, rem_m, moved, phase_start = True, 0, phases[job_k][0], True, now
             while busy and rem_m <= eps:
                 moved = True
+                record("comm", f"bucket {job_k} ({job_it}) "
+                       f"{('cpu before', 'wire', 'cpu after')[phase]}", phase_start)
+                phase_start = now
                 phase += 1
                 if phase < 3:
                     rem_m = phases[job_k][phase]
@@ -259,14 +283,38 @@ def jobs_for(profile: Profile, net: Network, schedule: str, coding: str,
     return out
 
 
-def predict_one(profile: Profile, net: Network, schedule: str, coding: str) -> float:
+def predict_one(profile: Profile, net: Network, schedule: str, coding: str,
+                trace: list[Span] | None = None) -> float:
     """Seconds per iteration of `schedule` with `coding` on `net`: never less
     than the bare computation, which every configuration does (a measured
-    overhead below zero is noise)."""
+    overhead below zero is noise). `trace`: see :func:`simulate`."""
     plan = plan_of(profile, schedule)
     seconds = simulate(_program(profile, plan, schedule),
-                       jobs_for(profile, net, schedule, coding, plan), profile.contention)
+                       jobs_for(profile, net, schedule, coding, plan), profile.contention,
+                       trace=trace)
     return max(profile.compute, seconds + profile.overhead.get(f"{schedule}+{coding}", 0.0))
+
+
+def predicted_timeline(profile: Profile, net: Network, schedule: str, coding: str) -> str:
+    """The model's iterations of `schedule` with `coding` on `net` as Chrome
+    trace JSON, in the engine timeline's lanes (``comm``: the lane's CPU work
+    and wire time per bucket; ``compute``: forward, backward, step and the
+    waits between them), to read beside a measured ``model.timeline()``.
+    The configuration's measured overhead is not placed in it."""
+    import json
+
+    trace: list[Span] = []
+    predict_one(profile, net, schedule, coding, trace)
+    lanes = {"comm": 0, "compute": 1}
+    events: list[dict[str, object]] = [
+        {"ph": "M", "name": "process_name", "pid": 0,
+         "args": {"name": f"predicted {schedule}+{coding}"}}]
+    events += [{"ph": "M", "name": "thread_name", "pid": 0, "tid": tid, "args": {"name": lane}}
+               for lane, tid in lanes.items()]
+    events += [{"ph": "X", "pid": 0, "tid": lanes[s.lane], "name": s.name,
+                "cat": s.name.split(" ")[0], "ts": round(1e6 * s.start, 1),
+                "dur": round(1e6 * (s.end - s.start), 1)} for s in trace]
+    return json.dumps({"traceEvents": events})
 
 
 def codings_on(profile: Profile) -> tuple[str, ...]:
