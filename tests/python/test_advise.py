@@ -68,6 +68,30 @@ def test_advise_measures_agrees_predicts_tries_and_chooses(tmp_path: Path) -> No
     assert "Predicted at 16 ranks" in scale_report(Profile.load(path), Network(16, 1.25e9))
 
 
+def _agree_on_uneven_ranks(rank: int, world: int) -> dict[str, float]:
+    """Rank r's bare forward is 0.1 * (1 + r) s; what agree() gives it."""
+    from hemiola.advise.measure import agree
+    from hemiola.distributed import new_engine
+
+    engine, _ = new_engine(timeout_s=60.0)
+    mine = Profile(forward=0.1 * (1 + rank), backward=0.2, step=0.0,
+                   params=[Param(10, need=0.0, ready=0.2)])
+    agreed = agree(mine, engine)
+    return {"forward": agreed.forward, "compute": agreed.compute,
+            "ready": agreed.params[0].ready, "slowest": agreed.meta.get("slowest_rank", 0.0)}
+
+
+def test_the_ranks_agree_on_rank_0s_profile_at_the_slowest_ranks_pace() -> None:
+    # Rank 0 computes 0.3 s, rank 1 0.4 s: the job goes at 0.4 s, so rank
+    # 0's profile is scaled by 4/3 on both ranks.
+    results = run_local(_agree_on_uneven_ranks, 2, timeout_s=120)
+    for r in results.values():
+        assert r["compute"] == pytest.approx(0.4)
+        assert r["forward"] == pytest.approx(0.1 * 4 / 3)
+        assert r["ready"] == pytest.approx(0.2 * 4 / 3)
+        assert r["slowest"] == pytest.approx(4 / 3)
+
+
 @pytest.mark.parametrize("spec,words", [
     ("nocolon", "MODULE:FUNCTION"), ("test_advise:missing", "no function"),
 ])

@@ -161,6 +161,9 @@ def report(result: dict[str, Any]) -> str:
     lines = [f"{world} ranks. Measured here (medians): computation {1e3 * profile.compute:.1f} "
              f"ms (forward {1e3 * profile.forward:.1f}, backward {1e3 * profile.backward:.1f}, "
              f"step {1e3 * profile.step:.1f}); contention {profile.contention:.2f}"]
+    if "slowest_rank" in profile.meta:
+        lines.append(f"  (the slowest rank's: {profile.meta['slowest_rank']:.2f}x rank 0's "
+                     "computation; a job goes at its slowest rank's pace)")
     if link is not None:
         lines.append(f"link: {8 * link.bandwidth / 1e9:.3f} Gbit/s, latency "
                      f"{1e6 * link.latency:.0f} us (at {link.world} ranks)")

@@ -304,11 +304,16 @@ def provenance(factory: Factory) -> dict[str, Any]:
 
 
 def agree(profile: Profile, engine: Any | None) -> Profile:
-    """Rank 0's profile on every rank."""
+    """The profile every rank uses: rank 0's, with its CPU times scaled to
+    the slowest rank's computation. A job goes at its slowest rank's pace,
+    and ranks sharing a machine need not compute alike (two ranks on this
+    project's 2-core machine: the second up to 18% slower than the first);
+    ``meta["slowest_rank"]`` keeps the factor."""
     if engine is None or engine.world_size == 1:
         return profile
-    from hemiola.tensors import broadcast_tensors
+    from hemiola.tensors import all_gather_rows, broadcast_tensors
 
+    computes = all_gather_rows(engine, torch.tensor([profile.compute], dtype=torch.float64))
     text = json.dumps(profile.to_json()).encode()
     size = torch.tensor([len(text)], dtype=torch.int64)
     broadcast_tensors(engine, [size])
@@ -316,7 +321,13 @@ def agree(profile: Profile, engine: Any | None) -> Profile:
     if engine.rank == 0:
         buf.copy_(torch.frombuffer(bytearray(text), dtype=torch.uint8))
     broadcast_tensors(engine, [buf])
-    return Profile.from_json(json.loads(bytes(buf.tolist()).decode()))
+    agreed = Profile.from_json(json.loads(bytes(buf.tolist()).decode()))
+    factor = float(computes.max() / computes[0, 0])
+    if factor <= 1.0:
+        return agreed
+    slowest = agreed.scaled(factor)
+    slowest.meta = {**agreed.meta, "slowest_rank": factor}
+    return slowest
 
 
 def trial(factory: Factory, prediction: model.Prediction, iterations: int,
