@@ -26,7 +26,7 @@ from hemiola.advise.collective import Network
 from hemiola.advise.profile import Profile
 
 RESULTS = Path(__file__).resolve().parent.parent / "docs" / "results"
-GRIDS = ("advise-grid-2026-11-27", "advise-grid-quiet-2026-11-27")
+GRIDS = ("advise-grid-2026-11-27", "advise-grid-quiet-2026-11-27", "advise-grid-slowest-2026-11-27")
 
 
 def predict(profile: Profile, contention: float | None, schedule: str, coding: str) -> float:
