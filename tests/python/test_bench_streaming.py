@@ -89,6 +89,9 @@ def test_streaming_suite_on_loopback(tmp_path: Path) -> None:
         # the job's time is its slowest rank's
         assert len(r["ms_per_step_ranks"]) == 2
         assert r["ms_per_step"] == max(r["ms_per_step_ranks"])
+        # so is each evaluation's time, and with it the time to the target
+        for e in r["evals"][1:]:
+            assert len(e["seconds_ranks"]) == 2 and e["seconds"] == max(e["seconds_ranks"])
         assert [e["step"] for e in r["evals"]] == [0, 3, 6]
         assert r["heldout_loss"] == r["evals"][-1]["heldout_loss"] > 0
         assert r["target_loss"] == target

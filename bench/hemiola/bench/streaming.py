@@ -27,8 +27,8 @@ evaluates each after every block. Per contender and seed it records:
   and ``bytes_per_token_measured``: the bytes the rank's veth sent during the
   contender's blocks (netlab only), per token;
 - ``heldout_loss`` after each block (equal tokens across contenders at equal
-  steps), and ``seconds_to_target``: the training wall time at the first
-  evaluation at or below the target loss (``--target``; by default the
+  steps), and ``seconds_to_target``: the slowest rank's training wall time
+  at the first evaluation at or below the target loss (``--target``; by default the
   highest final held-out loss among the communicating contenders, so each
   reaches it).
 

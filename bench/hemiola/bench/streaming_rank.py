@@ -176,6 +176,8 @@ class Run:
     step_ms: list[float] = field(default_factory=list)
     losses: list[float] = field(default_factory=list)
     evals: list[dict[str, float]] = field(default_factory=list)
+    #: this rank's `seconds` at each evaluation after the first (every rank)
+    eval_seconds: list[float] = field(default_factory=list)
     tx: int = 0  # bytes sent through the rank's link during its blocks
     closers: list[Any] = field(default_factory=list)
 
@@ -368,6 +370,7 @@ def worker(config: dict[str, Any]) -> dict[str, Any]:
         for run in order:
             dist.barrier()
             block(run, task, batches, n, iface)
+            run.eval_seconds.append(run.seconds)
             if rank == 0:
                 run.evals.append({"step": run.step, "seconds": run.seconds,
                                   "heldout_loss": evaluate(run, task, config["eval_windows"])})
@@ -379,7 +382,12 @@ def worker(config: dict[str, Any]) -> dict[str, Any]:
     # rows' times are the slowest rank's (rank 0 alone would hide a peer's
     # slower computation in the bare model and show it as waiting elsewhere).
     seconds_ranks: list[Any] = [None] * world  # all_gather_object fills every entry
-    dist.all_gather_object(seconds_ranks, [run.seconds for run in runs])
+    dist.all_gather_object(seconds_ranks, [(run.seconds, run.eval_seconds) for run in runs])
+    if rank == 0:  # each evaluation's time is the slowest rank's too
+        for k, run in enumerate(runs):
+            for i, evaluation in enumerate(run.evals[1:]):
+                evaluation["seconds_ranks"] = [s[k][1][i] for s in seconds_ranks]
+                evaluation["seconds"] = max(evaluation["seconds_ranks"])
     params = sum(p.numel() for p in getattr(runs[0].model, "module", runs[0].model).parameters()
                  if p.requires_grad)
     out = {"params": params, "tokens_per_step": task.batch_size * task.context,
@@ -389,7 +397,7 @@ def worker(config: dict[str, Any]) -> dict[str, Any]:
         stats = run.model.stats() if hasattr(run.model, "stats") else {}
         out["runs"][run.spec.name] = {
             "seconds": run.seconds, "step_ms": run.step_ms, "losses": run.losses,
-            "seconds_ranks": [s[k] for s in seconds_ranks],
+            "seconds_ranks": [s[k][0] for s in seconds_ranks],
             "evals": run.evals, "tx_bytes": run.tx if iface != "lo" else None,
             "stats": {k: float(v) for k, v in stats.items()}}
     for run in runs:
