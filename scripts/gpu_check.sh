@@ -77,18 +77,19 @@ if [ "$(id -u)" = 0 ] && command -v tc >/dev/null && command -v nvidia-cuda-mps-
     --schedules wfbp,priority,decoupled,wfbp+fp16,decoupled+fp16 \
     --timeline "$out/timeline" --out "$out" --name gpu_speed 2>&1 | tail -40
   speed_rc=${PIPESTATUS[0]}
+  # A switch's run: the exact schedules at 20 Gbit/s with SWITCH=VALUE set,
+  # rows in gpu_speed_NAME.jsonl and timelines in timeline-NAME/.
+  with_switch() {  # NAME SECONDS SWITCH=VALUE
+    env "$3" CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=$mps \
+      timeout "$2" $py -m hemiola bench speed --device cuda \
+      --models resnet50 --rates 20gbit --world-size 2 --iterations 12 --blocks 3 \
+      --schedules wfbp,priority,decoupled --timeline "$out/timeline-$1" \
+      --out "$out" --name "gpu_speed_$1" 2>&1 | tail -20
+  }
   echo "== 3b. the same at 20 Gbit/s with staged Gloo pipelined in 4 MiB chunks"
-  HEMIOLA_STAGED_CHUNK_MB=4 CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=$mps \
-    timeout "${GPU_CHECK_PIPELINE_S:-120}" $py -m hemiola bench speed --device cuda \
-    --models resnet50 --rates 20gbit --world-size 2 --iterations 12 --blocks 3 \
-    --schedules wfbp,priority,decoupled --timeline "$out/timeline-pipelined" \
-    --out "$out" --name gpu_speed_pipelined 2>&1 | tail -20
+  with_switch pipelined "${GPU_CHECK_PIPELINE_S:-120}" HEMIOLA_STAGED_CHUNK_MB=4
   echo "== 3c. the same at 20 Gbit/s with each Gloo all-reduce striped over two connections"
-  HEMIOLA_GLOO_STRIPES=2 CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=$mps \
-    timeout "${GPU_CHECK_STRIPES_S:-120}" $py -m hemiola bench speed --device cuda \
-    --models resnet50 --rates 20gbit --world-size 2 --iterations 12 --blocks 3 \
-    --schedules wfbp,priority,decoupled --timeline "$out/timeline-striped" \
-    --out "$out" --name gpu_speed_striped 2>&1 | tail -20
+  with_switch striped "${GPU_CHECK_STRIPES_S:-120}" HEMIOLA_GLOO_STRIPES=2
   [ $mps = 50 ] && echo quit | nvidia-cuda-mps-control
 fi
 
