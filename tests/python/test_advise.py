@@ -44,10 +44,15 @@ def test_advise_measures_agrees_predicts_tries_and_chooses(tmp_path: Path) -> No
     assert len(profile.params) == 4 and profile.params[0].rows == 128
     # backward produces the last layer's gradients first
     assert profile.params[3].ready <= profile.params[0].ready <= profile.backward * 1.5
-    assert set(profile.coding_cpu) == set(model.CODINGS)
+    assert set(profile.coding_cpu) == {*model.CODINGS, "int4"}
     assert set(profile.plans) == set(model.SCHEDULES)
     assert profile.link is not None and profile.link.world == 2
     assert profile.link.bandwidth > 0 and set(profile.reduce) == set(model.CODINGS)
+    # the wire beside training: a rate only where it was more than 5% slower
+    alone, beside = profile.meta["wire_beside"]
+    sent = collective.sent_bytes("all_reduce", 2, profile.nbytes)
+    assert alone > 0 and beside > 0
+    assert profile.wire_rate_beside == (sent / beside if beside > 1.05 * alone else 0.0)
     assert len(profile.overhead) == 3 * 4 + 1
     predictions = r0["predictions"]
     assert len(predictions) == 3 * 4
@@ -152,6 +157,16 @@ def test_the_iteration_model_against_hand_computed_timelines() -> None:
     # computation runs at 2/3 speed while it lasts.
     burn = [Job(0.0, 0.02, 0.01), Job(0.0, 0.0)]
     assert _period("decoupled", burn, contention=1.0) == pytest.approx(0.11 + 0.02 / 3)
+    # The wire twice as slow while the computation runs: wfbp's bucket 0
+    # crosses 0.025 of its 0.10 under backward (0.05-0.10), the rest alone
+    # (0.10-0.175); bucket 1 0.175-0.225; the step ends at 0.235.
+    beside = [Job(0.0, 0.10, 0.0, 0.20), Job(0.0, 0.05, 0.0, 0.10)]
+    assert _period("wfbp", beside) == pytest.approx(0.235)
+    # its measured rate: a phase goes at the slower of the link and it
+    slowed = _profile(wire_rate_beside=1e6)
+    assert model.wire_beside(slowed, 0.1, 2e5) == pytest.approx(0.2)
+    assert model.wire_beside(slowed, 0.1, 5e4) == pytest.approx(0.1)
+    assert model.wire_beside(_profile(), 0.1, 2e5) == pytest.approx(0.1)
     # a measured overhead is added; one below zero (noise) cannot make a
     # configuration faster than the bare computation
     free = Network(1, 1e9)
@@ -246,6 +261,13 @@ def test_streaming_prediction() -> None:
     assert model.streaming_step(p, net, 10, 1, 1) == pytest.approx(0.11)
     p.contention = 1.0
     assert model.streaming_step(p, net, 10, 2, 1) == pytest.approx(0.11 + 2 * 0.005 / 10)
+    # the wire slowed beside the inner steps: 408 bytes at 1 kB/s no longer
+    # hide under one step of 0.11 s
+    beside = _profile(coding_cpu={"int8": 0.004}, overhead={"streaming-sync": 0.006},
+                      wire_rate_beside=1e3)
+    assert model.streaming_step(beside, net, 10, 1, 1) == pytest.approx(
+        0.11 + (0.408 + 0.010 - 0.11) / 10)
+    assert model.streaming_step(beside, net, 10, 1, 0) == pytest.approx(0.11 + sync / 10)
     slow = Network(2, bandwidth=1e3, latency=0.0)  # 0.4 s per sync: 4 steps exposed
     assert model.streaming_step(p, slow, 10, 1, 2) == pytest.approx(
         0.11 + (0.4 + 8 / 1e3 + 0.01 - 0.22 + 0.01) / 10)
@@ -253,6 +275,21 @@ def test_streaming_prediction() -> None:
     assert [x.options["sync_every"] for x in preds] == [10, 20, 50, 100]
     for x in preds:
         assert x.options["overlap"] < x.options["sync_every"] / x.options["fragments"]
+    # int4, where its CPU cost is measured, sends half the bytes: at 100 B/s
+    # int8's 4.1 s per sync cannot hide under 9 steps at H=10 (and int4's
+    # 2.1 s neither), so int4 is faster; where both hide, int8 stays
+    p.coding_cpu["int4"] = 0.004
+    slower = Network(2, bandwidth=100.0, latency=0.0)
+    h10 = model.predict_streaming(p, slower)[0]
+    assert h10.coding == "int4" and h10.seconds == pytest.approx(min(
+        model.streaming_step(p, slower, 10, f, tau, "int4")
+        for f, tau in model.streaming_options(p, slower, 10, "int4")))
+    assert h10.seconds < min(model.streaming_step(p, slower, 10, f, tau, "int8")
+                             for f, tau in model.streaming_options(p, slower, 10, "int8"))
+    assert {x.coding for x in model.predict_streaming(p, net)} == {"int8"}
+    # beyond 7 ranks int4 cannot sum; beyond 127, int8 neither
+    assert {x.coding for x in model.predict_streaming(p, Network(8, 1e3))} == {"int8"}
+    assert {x.coding for x in model.predict_streaming(p, Network(128, 1e3))} == {"fp16"}
 
 
 def test_choice_tries_near_predictions_and_picks_by_measurement() -> None:

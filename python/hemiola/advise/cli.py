@@ -133,7 +133,7 @@ def _name(p: dict[str, Any]) -> str:
 
 def _streaming_lines(compute: float, best: float, streaming: list[dict[str, Any]],
                      measured: dict[str, float]) -> list[str]:
-    lines = ["streaming (DiLoCo; int8 on the wire), predicted per inner step:"]
+    lines = ["streaming (DiLoCo; the coding on the wire as named), predicted per inner step:"]
     for s in streaming:
         seen = measured.get(_name(s))
         check = f"  measured {1e3 * seen:8.1f} ms" if seen is not None else ""
@@ -150,6 +150,8 @@ def _streaming_lines(compute: float, best: float, streaming: list[dict[str, Any]
         lines.append(f"Streaming: advised instead (per-step keeps the computation busy only "
                      f"{100 * u:.0f}%): hemiola.wrap(model, optimizer, {_label(vars(advice))})")
         lines.append(f"  ({choice.CAVEATS['streaming']})")
+        if advice.coding in choice.CAVEATS:
+            lines.append(f"  ({choice.CAVEATS[advice.coding]})")
     return lines
 
 
@@ -167,6 +169,10 @@ def report(result: dict[str, Any]) -> str:
     if link is not None:
         lines.append(f"link: {8 * link.bandwidth / 1e9:.3f} Gbit/s, latency "
                      f"{1e6 * link.latency:.0f} us (at {link.world} ranks)")
+        if profile.wire_rate_beside > 0:
+            rate = 8 * profile.wire_rate_beside / 1e9
+            lines.append(f"  beside the computation it sends {rate:.3f} Gbit/s at most (the "
+                         "CPU it shares with the computation)")
         net = local_network(profile, world)
         lines.append("all-reduce of all gradients: measured / modelled (coding CPU):")
         for coding in model.CODINGS:

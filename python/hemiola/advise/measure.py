@@ -16,8 +16,9 @@ same profile. What is measured (:class:`~hemiola.advise.profile.Profile`):
   it, per second of its CPU;
 - streaming's sync: its step with a blocking sync every step on a free wire;
 - on the job's own ranks, the link: all-reduces of two sizes (latency and
-  bandwidth), the CPU the process spends per byte sent, and one reduction of
-  every gradient per coding (the model's check).
+  bandwidth), the CPU the process spends per byte sent, one reduction of
+  every gradient per coding (the model's check), and the same reduction
+  while every rank trains beside it (how fast the wire goes then).
 """
 
 from __future__ import annotations
@@ -245,6 +246,47 @@ def link(engine: Any, repeats: int) -> tuple[Link, float]:
     return Link(n, latency, 1 / per_byte), cpu
 
 
+def wire_rate_beside(work: Workload, engine: Any, repeats: int) -> tuple[float, float, float]:
+    """(rate, alone, beside): the seconds of one all-reduce of every gradient
+    alone and while this rank trains beside it (medians; in turns, on every
+    rank at once), and the bytes per second each rank sends then, where that
+    is slower than alone (the collective's threads and sockets share the
+    cores with the computation); rate 0 where beside is within 5% of alone
+    (the wire, not the CPU, sets the pace)."""
+    import threading
+
+    net = work.model
+    optimizer = work.make_optimizer(net.parameters())
+    params = params_of(net)
+    reduction = Reduction(engine, params, "none")
+    reduction.run()
+    training_step(net, work.loss_fn, optimizer)
+    alone, beside = [], []
+    for _ in range(repeats):
+        engine.barrier().wait()
+        alone.append(median_time(reduction.run, 1))
+        engine.barrier().wait()
+        finished: list[float] = []
+        t0 = time.perf_counter()
+        iteration = reduction.start()
+
+        def wait(iteration: int = iteration, finished: list[float] = finished) -> None:
+            reduction.reducer.wait(iteration)  # releases the GIL while it waits
+            finished.append(time.perf_counter())
+
+        waiter = threading.Thread(target=wait)
+        waiter.start()
+        while not finished:  # train as the job would while its wire runs
+            training_step(net, work.loss_fn, optimizer)
+        waiter.join()
+        beside.append(finished[0] - t0)
+    slow, fast = statistics.median(beside), statistics.median(alone)
+    if slow <= 1.05 * fast:
+        return 0.0, fast, slow
+    nbytes = sum(p.numel() * p.element_size() for p in params)
+    return sent_bytes("all_reduce", engine.world_size, nbytes) / slow, fast, slow
+
+
 def measure(factory: Factory, repeats: int, engine: Any | None) -> Profile:
     """Every rank measures (collectively where `engine`, the job's, is given);
     the profile of rank 0 is returned on every rank."""
@@ -255,7 +297,7 @@ def measure(factory: Factory, repeats: int, engine: Any | None) -> Profile:
     optimizer_name = type(work.make_optimizer(work.model.parameters())).__name__
     free, _ = free_engine()
     coding_cpu = {}
-    for coding in model.CODINGS:
+    for coding in (*model.CODINGS, "int4"):  # int4: streaming's outer wire
         sync()
         reduction = Reduction(free, params_of(work.model), coding)
         reduction.run()
@@ -289,7 +331,12 @@ def measure(factory: Factory, repeats: int, engine: Any | None) -> Profile:
             reduction.run()
             sync()
             profile.reduce[coding] = median_time(reduction.run, repeats)
+        sync()
+        profile.wire_rate_beside, *seconds_beside = wire_rate_beside(work, engine, repeats)
     profile.meta = provenance(factory)
+    if engine is not None and engine.world_size > 1:
+        # the all-reduce of every gradient alone and beside training (seconds)
+        profile.meta["wire_beside"] = seconds_beside
     return agree(profile, engine)
 
 

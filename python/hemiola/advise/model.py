@@ -8,8 +8,10 @@ their issue order, each once ready: half its CPU work (copies, coding), its
 collectives on the wire (:mod:`hemiola.advise.collective`), the other half.
 Where the lane's CPU work and the computation overlap they share the core by
 the profile's ``contention`` (0: separate cores; 1: each runs at half speed),
-and the wire's own CPU work (``wire_cpu_per_byte``) slows the computation
-likewise. The schedules differ in what waits for what:
+the wire's own CPU work (``wire_cpu_per_byte``) slows the computation
+likewise, and while the computation runs the wire sends no faster than the
+profile's ``wire_rate_beside`` (measured: an all-reduce beside training).
+The schedules differ in what waits for what:
 
 - ``wfbp``: the end of backward waits for every bucket of its iteration;
 - ``priority``: the forward of a module waits for the buckets of the last
@@ -32,7 +34,16 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from hemiola.advise.collective import INT8_MAX_WORLD, Network, Piece, payloads, pieces, sent, wire
+from hemiola.advise.collective import (
+    INT4_MAX_WORLD,
+    INT8_MAX_WORLD,
+    Network,
+    Piece,
+    payloads,
+    pieces,
+    sent,
+    wire,
+)
 from hemiola.advise.profile import Param, Profile
 
 SCHEDULES = ("wfbp", "priority", "decoupled")
@@ -46,6 +57,9 @@ FRONT_FRACTION = 0.25
 #: streaming's sync periods and the fragment counts tried for each
 STREAMING_H = (10, 20, 50, 100)
 STREAMING_FRAGMENTS = (1, 2, 4)
+#: the outer wire's codings, in order of preference where equally fast
+#: (int4 halves int8's bytes for a coarser sum, and takes at most 7 ranks)
+STREAMING_CODINGS = ("int8", "int4")
 
 
 @dataclass(frozen=True)
@@ -56,6 +70,9 @@ class Job:
     wire: float
     #: CPU seconds the engine spends while on the wire
     wire_cpu: float = 0.0
+    #: the wire's seconds while the computation runs beside it (>= wire;
+    #: 0: as `wire`)
+    wire_beside: float = 0.0
 
 
 @dataclass
@@ -245,7 +262,11 @@ def simulate(program: Sequence[_Segment], jobs: Sequence[Job], contention: float
         if busy and phase == 1 and phases[job_k][1] > 0:
             share = jobs[job_k].wire_cpu / phases[job_k][1]
         rate_c = 1 / (1 + contention) if lane_cpu else 1 / (1 + contention * share)
-        rate_m = 1 / (1 + contention) if (lane_cpu and computing) else 1.0
+        rate_m = 1.0
+        if computing and lane_cpu:
+            rate_m = 1 / (1 + contention)
+        elif computing and jobs[job_k].wire_beside > phases[job_k][1]:
+            rate_m = phases[job_k][1] / jobs[job_k].wire_beside
         steps = []
         if computing:
             steps.append(rem_c / rate_c)
@@ -279,8 +300,19 @@ def jobs_for(profile: Profile, net: Network, schedule: str, coding: str,
         if preview:  # its one-byte codes go first, on the same link
             payload = payloads("preview", bucket, net.world) + payload
             cpu += profile.coding_cpu.get("int8", 0.0) * share
-        out.append(Job(cpu, wire(net, payload), profile.wire_cpu_per_byte * sent(net, payload)))
+        nbytes = sent(net, payload)
+        seconds = wire(net, payload)
+        out.append(Job(cpu, seconds, profile.wire_cpu_per_byte * nbytes,
+                       wire_beside(profile, seconds, nbytes)))
     return out
+
+
+def wire_beside(profile: Profile, seconds: float, nbytes: float) -> float:
+    """The seconds of a wire phase of `seconds` alone that sends `nbytes`
+    per rank, while the computation runs beside it."""
+    if profile.wire_rate_beside <= 0:
+        return seconds
+    return max(seconds, nbytes / profile.wire_rate_beside)
 
 
 def predict_one(profile: Profile, net: Network, schedule: str, coding: str,
@@ -342,15 +374,20 @@ def predict(profile: Profile, net: Network, schedules: Sequence[str] = SCHEDULES
     return sorted(out, key=lambda p: p.seconds)
 
 
-def _sync(profile: Profile, net: Network, fragments: int, coding: str) -> tuple[float, float]:
-    """(seconds one fragment's sync takes, of which CPU) for `fragments`."""
+def _sync(profile: Profile, net: Network, fragments: int, coding: str,
+          beside: bool = False) -> tuple[float, float]:
+    """(seconds one fragment's sync takes, of which CPU) for `fragments`;
+    `beside`: under inner steps (the wire as :func:`wire_beside` says)."""
     total = sum(p.numel for p in profile.params)
     payload = payloads(coding, [Piece(total / fragments, 4, 0)], net.world)
     # the sync's own CPU (pseudo-gradient, outer step, merge) and the coding's,
     # per fragment; measured for the whole model
     cpu = (profile.overhead.get("streaming-sync", 0.0)
            + profile.coding_cpu.get(coding, 0.0)) / fragments
-    return wire(net, payload) + cpu, cpu
+    seconds = wire(net, payload)
+    if beside:
+        seconds = wire_beside(profile, seconds, sent(net, payload))
+    return seconds + cpu, cpu
 
 
 def streaming_step(profile: Profile, net: Network, sync_every: int, fragments: int,
@@ -361,7 +398,7 @@ def streaming_step(profile: Profile, net: Network, sync_every: int, fragments: i
     work slowing the computation by the profile's contention while it
     does)."""
     step = profile.compute + profile.overhead.get("streaming", 0.0)
-    seconds, cpu = _sync(profile, net, fragments, coding)
+    seconds, cpu = _sync(profile, net, fragments, coding, beside=overlap > 0)
     if overlap == 0:
         exposed = seconds
     else:
@@ -377,21 +414,36 @@ def streaming_options(profile: Profile, net: Network, sync_every: int,
     out = [(1, 0)]
     for f in STREAMING_FRAGMENTS:
         longest = math.ceil(sync_every / f) - 1
-        seconds, _ = _sync(profile, net, f, coding)
+        seconds, _ = _sync(profile, net, f, coding, beside=True)
         needed = max(1, math.ceil(seconds / max(profile.compute, 1e-9)))
         if longest >= 1:
             out.append((f, min(needed, longest)))
     return out
 
 
+def streaming_codings(profile: Profile, world: int) -> list[str]:
+    """The outer wire's codings for `world` ranks: int8 (fp16 beyond its 127
+    ranks), and int4 up to 7 ranks where the profile measured its CPU cost
+    (or measured no coding's)."""
+    codings = ["int8" if world <= INT8_MAX_WORLD else "fp16"]
+    if world <= INT4_MAX_WORLD and ("int4" in profile.coding_cpu or not profile.coding_cpu):
+        codings.append("int4")
+    return codings
+
+
 def predict_streaming(profile: Profile, net: Network) -> list[Prediction]:
-    """``streaming`` for each H of STREAMING_H (int8 on the wire; fp16 beyond
-    int8's 127 ranks), at its best fragments and overlap, in H order."""
-    coding = "int8" if net.world <= INT8_MAX_WORLD else "fp16"
+    """``streaming`` for each H of STREAMING_H at its fastest coding (of
+    :func:`streaming_codings`; the first where they tie), fragments and
+    overlap, in H order."""
     out = []
     for h in STREAMING_H:
-        seconds, f, tau = min((streaming_step(profile, net, h, f, tau, coding), f, tau)
-                              for f, tau in streaming_options(profile, net, h, coding))
-        out.append(Prediction("streaming", coding, seconds,
-                              {"sync_every": h, "fragments": f, "overlap": tau}))
+        best: Prediction | None = None
+        for coding in streaming_codings(profile, net.world):
+            for f, tau in streaming_options(profile, net, h, coding):
+                seconds = streaming_step(profile, net, h, f, tau, coding)
+                if best is None or seconds < best.seconds:
+                    best = Prediction("streaming", coding, seconds,
+                                      {"sync_every": h, "fragments": f, "overlap": tau})
+        assert best is not None
+        out.append(best)
     return out

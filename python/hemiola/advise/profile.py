@@ -72,6 +72,12 @@ class Profile:
     #: CPU seconds the engine spends per byte it sends (Gloo's copies and
     #: sums, the kernel's sockets)
     wire_cpu_per_byte: float = 0.0
+    #: bytes per second a rank's collectives send at most while the
+    #: computation runs beside them (on CPU ranks the collective's threads and
+    #: sockets share the cores with it): one all-reduce of every gradient on
+    #: the job's ranks while each rank trains; 0 where it was as fast as alone
+    #: or not measured
+    wire_rate_beside: float = 0.0
     #: per configuration ("wfbp+fp16"): the measured wrapped step on a free
     #: wire minus the model's prediction of it (hooks, Python, landings)
     overhead: dict[str, float] = field(default_factory=dict)
@@ -95,7 +101,9 @@ class Profile:
 
     def scaled(self, factor: float) -> Profile:
         """This profile on a machine whose CPU work takes `factor` times as
-        long (the link unchanged): every time but the link's."""
+        long: every time but the link's (the link and the wire's rate beside
+        the computation are measured by the ranks together, the slowest
+        included)."""
         params = [Param(p.numel, p.element_size, p.rows, p.need * factor, p.ready * factor)
                   for p in self.params]
         return replace(self, forward=self.forward * factor, backward=self.backward * factor,
@@ -138,7 +146,8 @@ class Profile:
 
     def check(self) -> None:
         """Raises ValueError naming the first impossible value."""
-        for name in ("forward", "backward", "step", "contention", "wire_cpu_per_byte"):
+        for name in ("forward", "backward", "step", "contention", "wire_cpu_per_byte",
+                     "wire_rate_beside"):
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and value >= 0):
                 raise ValueError(f"profile: {name} must be a number >= 0, got {value!r}")
