@@ -775,6 +775,13 @@ class RawWorker {
     EXPECT_TRUE(channel_->receive(&h, payload));
     return h;
   }
+  // register_model, then the server's answer, which must be kRegistered.
+  void register_and_expect_registered(Consistency c, int64_t numel, int64_t partition,
+                                      const OptimizerHyper& hyper) {
+    register_model(c, numel, partition, hyper);
+    std::vector<char> payload;
+    EXPECT_EQ(receive(&payload).type, static_cast<uint16_t>(MessageType::kRegistered));
+  }
   Channel& channel() { return *channel_; }
 
  private:
@@ -787,8 +794,7 @@ TEST(ParameterServer, RejectsMalformedAndOutOfOrderMessagesWithoutApplyingThem) 
   ServerFleet fleet(store, 1, 1, Consistency::kAsp);
   RawWorker w(store, 0);
   std::vector<char> payload;
-  w.register_model(Consistency::kAsp, 2, 1 << 20, sgd(1.0));
-  EXPECT_EQ(w.receive(&payload).type, static_cast<uint16_t>(MessageType::kRegistered));
+  w.register_and_expect_registered(Consistency::kAsp, 2, 1 << 20, sgd(1.0));
   w.channel().send(w.header(MessageType::kInit, 0), RawWorker::floats({1.0f, 2.0f}));
 
   auto expect_rejected = [&](const std::string& why_fragment) {
@@ -854,8 +860,7 @@ TEST(ParameterServer, AHeaderClaimingMoreThanTheLargestShardIsDroppedBeforeItsPa
   ServerFleet fleet(store, 1, 1, Consistency::kAsp);
   RawWorker w(store, 0);
   std::vector<char> payload;
-  w.register_model(Consistency::kAsp, 2, 1 << 20, sgd(1.0));
-  EXPECT_EQ(w.receive(&payload).type, static_cast<uint16_t>(MessageType::kRegistered));
+  w.register_and_expect_registered(Consistency::kAsp, 2, 1 << 20, sgd(1.0));
   Header huge = w.header(MessageType::kPush, 0);
   huge.seq = 1;
   huge.payload_bytes = int64_t(1) << 30;
@@ -1573,9 +1578,8 @@ TEST(ParameterServer, PullsWaitingForAnAnswerAreBounded) {
   auto store = std::make_shared<MemoryStore>();
   ServerFleet fleet(store, 1, 1, Consistency::kBsp);
   RawWorker w(store, 0);
-  w.register_model(Consistency::kBsp, 2, 4, sgd(0.1));
+  w.register_and_expect_registered(Consistency::kBsp, 2, 4, sgd(0.1));
   std::vector<char> payload;
-  EXPECT_EQ(w.receive(&payload).type, static_cast<uint16_t>(MessageType::kRegistered));
   w.channel().send(w.header(MessageType::kInit, 0), RawWorker::floats({1.0f, 2.0f}));
   for (int i = 0; i < 9; ++i)  // each waits for version 5, which never comes
     w.channel().send(w.header(MessageType::kPull, 0, 5));
