@@ -31,19 +31,18 @@ from hemiola.advise.profile import Profile
 RESULTS = Path(__file__).resolve().parent.parent / "docs" / "results"
 GRIDS = ("advise-grid-2026-11-27", "advise-grid-quiet-2026-11-27", "advise-grid-slowest-2026-11-27",
          "advise-grid-beside-2026-11-27")
-#: the variant that leaves the wire's measured rate beside the computation out
-NO_WIRE_BESIDE = -1.0
 
 
-def predict(profile: Profile, contention: float | None, schedule: str, coding: str) -> float:
+def predict(profile: Profile, contention: float | None, schedule: str, coding: str,
+            wire_beside: bool = True) -> float:
     """Seconds per iteration on the profile's 2-rank link, with `contention`
-    in place of the measured one (None: as measured; "no wire beside": the
-    profile without ``wire_rate_beside``)."""
+    in place of the measured one (None: as measured); `wire_beside` False:
+    the profile without ``wire_rate_beside``."""
     net = local_network(profile, 2)
+    if not wire_beside:
+        profile = replace(profile, wire_rate_beside=0.0)
     if contention is None:
         return model.predict_one(profile, net, schedule, coding)
-    if contention == NO_WIRE_BESIDE:
-        return model.predict_one(replace(profile, wire_rate_beside=0.0), net, schedule, coding)
     free = Network(world=1, bandwidth=1.0)
     key = f"{schedule}+{coding}"
     changed = copy.deepcopy(profile)
@@ -54,6 +53,19 @@ def predict(profile: Profile, contention: float | None, schedule: str, coding: s
     return model.predict_one(changed, net, schedule, coding)
 
 
+def rederived(profile: Profile) -> Profile:
+    """The profile with ``wire_rate_beside`` derived as hemiola derives it
+    now (``measure.wire_rate_beside``: the link's bandwidth times the
+    all-reduce's seconds alone over beside) from the two medians it kept in
+    ``meta["wire_beside"]``; the fourth grid measured with a first
+    definition (the bytes over the seconds beside, past a 5% threshold)."""
+    if "wire_beside" not in profile.meta or profile.link is None:
+        return profile
+    alone, beside = profile.meta["wire_beside"]
+    rate = profile.link.bandwidth * alone / beside if beside > alone else 0.0
+    return replace(profile, wire_rate_beside=rate)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--values", default="0,0.5,1",
@@ -61,24 +73,27 @@ def main() -> None:
     args = parser.parse_args()
     for grid in GRIDS:
         rows = [json.loads(line) for line in (RESULTS / f"{grid}.jsonl").open()]
-        profiles = {cell: Profile.load(RESULTS / f"{grid}-profiles" / f"{grid}-{cell}.profile.json")
+        profiles = {cell: rederived(Profile.load(
+                        RESULTS / f"{grid}-profiles" / f"{grid}-{cell}.profile.json"))
                     for cell in {f"{r['model']}-{r['rate']}" for r in rows}}
-        values: list[float | None] = [None, *(float(v) for v in args.values.split(","))]
+        variants: list[tuple[float | None, bool]] = [
+            (None, True), *((float(v), True) for v in args.values.split(","))]
         if any(p.wire_rate_beside > 0 for p in profiles.values()):
-            values.append(NO_WIRE_BESIDE)
-        for contention in values:
+            variants.append((None, False))
+        for contention, beside in variants:
             errors: dict[str, list[float]] = defaultdict(list)
             for r in rows:
                 if r["config"].startswith("streaming"):
                     continue
                 schedule, coding = r["config"].split("+")
                 cell = f"{r['model']}-{r['rate']}"
-                error = 1e3 * predict(profiles[cell], contention, schedule, coding) \
+                error = 1e3 * predict(profiles[cell], contention, schedule, coding, beside) \
                     / r["measured_ms"] - 1
                 errors[schedule].append(error)
                 errors["all"].append(error)
-            said = ("as measured" if contention is None else "as measured, no wire beside"
-                    if contention == NO_WIRE_BESIDE else f"{contention:g}")
+            said = "as measured" if contention is None else f"{contention:g}"
+            if not beside:
+                said += ", without the wire's rate beside the computation"
             parts = [f"{k} median {100 * statistics.median(v):+.1f}%, "
                      f"{sum(abs(e) <= 0.10 for e in v)}/{len(v)} within 10%"
                      for k, v in errors.items()]

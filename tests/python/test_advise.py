@@ -48,11 +48,11 @@ def test_advise_measures_agrees_predicts_tries_and_chooses(tmp_path: Path) -> No
     assert set(profile.plans) == set(model.SCHEDULES)
     assert profile.link is not None and profile.link.world == 2
     assert profile.link.bandwidth > 0 and set(profile.reduce) == set(model.CODINGS)
-    # the wire beside training: a rate only where it was more than 5% slower
+    # the wire beside training: the link slowed by the measured ratio, where slower
     alone, beside = profile.meta["wire_beside"]
-    sent = collective.sent_bytes("all_reduce", 2, profile.nbytes)
     assert alone > 0 and beside > 0
-    assert profile.wire_rate_beside == (sent / beside if beside > 1.05 * alone else 0.0)
+    assert profile.wire_rate_beside == pytest.approx(
+        profile.link.bandwidth * alone / beside if beside > alone else 0.0)
     assert len(profile.overhead) == 3 * 4 + 1
     predictions = r0["predictions"]
     assert len(predictions) == 3 * 4
@@ -71,6 +71,24 @@ def test_advise_measures_agrees_predicts_tries_and_chooses(tmp_path: Path) -> No
     path = tmp_path / "p.json"
     profile.save(path)
     assert "Predicted at 16 ranks" in scale_report(Profile.load(path), Network(16, 1.25e9))
+
+
+def test_training_beside_a_wait_ends_with_it_and_raises_its_error() -> None:
+    import time
+
+    from hemiola.advise.measure import train_until
+
+    steps: list[int] = []
+    seconds = train_until(lambda: time.sleep(0.05), lambda: steps.append(1) or time.sleep(0.001))
+    assert seconds >= 0.05 and len(steps) >= 1
+
+    def fails() -> None:
+        time.sleep(0.01)
+        raise RuntimeError("the peer is gone")
+
+    # a failed collective ends the loop with its error instead of training forever
+    with pytest.raises(RuntimeError, match="the peer is gone"):
+        train_until(fails, lambda: time.sleep(0.001))
 
 
 def _agree_on_uneven_ranks(rank: int, world: int) -> dict[str, float]:
@@ -167,6 +185,11 @@ def test_the_iteration_model_against_hand_computed_timelines() -> None:
     assert model.wire_beside(slowed, 0.1, 2e5) == pytest.approx(0.2)
     assert model.wire_beside(slowed, 0.1, 5e4) == pytest.approx(0.1)
     assert model.wire_beside(_profile(), 0.1, 2e5) == pytest.approx(0.1)
+    # The wire's CPU spreads over the phase as long as it lasts: at half the
+    # rate (0.04 s instead of 0.02) the computation loses 0.01 s of CPU at
+    # contention 1 at 1/(1 + 0.25) speed for 0.04 s, 0.008 s in all.
+    burn_beside = [Job(0.0, 0.02, 0.01, 0.04), Job(0.0, 0.0)]
+    assert _period("decoupled", burn_beside, contention=1.0) == pytest.approx(0.118)
     # a measured overhead is added; one below zero (noise) cannot make a
     # configuration faster than the bare computation
     free = Network(1, 1e9)
@@ -261,12 +284,13 @@ def test_streaming_prediction() -> None:
     assert model.streaming_step(p, net, 10, 1, 1) == pytest.approx(0.11)
     p.contention = 1.0
     assert model.streaming_step(p, net, 10, 2, 1) == pytest.approx(0.11 + 2 * 0.005 / 10)
-    # the wire slowed beside the inner steps: 408 bytes at 1 kB/s no longer
-    # hide under one step of 0.11 s
+    # the wire slowed beside the inner steps: 408 bytes at 1 kB/s (0.418 s
+    # with the CPU) no longer hide under one step of 0.11 s; what is left
+    # when the step ends goes at the link's own pace (1 MB/s)
     beside = _profile(coding_cpu={"int8": 0.004}, overhead={"streaming-sync": 0.006},
                       wire_rate_beside=1e3)
     assert model.streaming_step(beside, net, 10, 1, 1) == pytest.approx(
-        0.11 + (0.408 + 0.010 - 0.11) / 10)
+        0.11 + (1 - 0.11 / 0.418) * sync / 10)
     assert model.streaming_step(beside, net, 10, 1, 0) == pytest.approx(0.11 + sync / 10)
     slow = Network(2, bandwidth=1e3, latency=0.0)  # 0.4 s per sync: 4 steps exposed
     assert model.streaming_step(p, slow, 10, 1, 2) == pytest.approx(
@@ -287,6 +311,9 @@ def test_streaming_prediction() -> None:
     assert h10.seconds < min(model.streaming_step(p, slower, 10, f, tau, "int8")
                              for f, tau in model.streaming_options(p, slower, 10, "int8"))
     assert {x.coding for x in model.predict_streaming(p, net)} == {"int8"}
+    # a profile that measured other codings but not int4 is not offered it
+    assert model.streaming_codings(_profile(coding_cpu={"int8": 0.004}), 2) == ["int8"]
+    assert model.streaming_codings(_profile(), 2) == ["int8", "int4"]
     # beyond 7 ranks int4 cannot sum; beyond 127, int8 neither
     assert {x.coding for x in model.predict_streaming(p, Network(8, 1e3))} == {"int8"}
     assert {x.coding for x in model.predict_streaming(p, Network(128, 1e3))} == {"fp16"}

@@ -28,6 +28,7 @@ import json
 import os
 import platform
 import statistics
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -246,19 +247,46 @@ def link(engine: Any, repeats: int) -> tuple[Link, float]:
     return Link(n, latency, 1 / per_byte), cpu
 
 
-def wire_rate_beside(work: Workload, engine: Any, repeats: int) -> tuple[float, float, float]:
+def train_until(wait: Callable[[], None], step: Callable[[], None]) -> float:
+    """Runs `step` again and again while `wait` (which must release the GIL
+    while it blocks) runs on another thread; the seconds until `wait`
+    returned. Its error is raised here once the step in progress ends: a
+    failed collective ends the loop rather than leaving it training forever."""
+    done = threading.Event()
+    outcome: dict[str, Any] = {}
+    start = time.perf_counter()
+
+    def waiter() -> None:
+        try:
+            wait()
+        except BaseException as e:  # handed to the training thread below
+            outcome["error"] = e
+        finally:
+            outcome["end"] = time.perf_counter()
+            done.set()
+
+    thread = threading.Thread(target=waiter, daemon=True)  # never holds the process up
+    thread.start()
+    while not done.is_set():
+        step()
+    thread.join()
+    if "error" in outcome:
+        raise outcome["error"]
+    return float(outcome["end"] - start)
+
+
+def wire_rate_beside(work: Workload, engine: Any, bandwidth: float,
+                     repeats: int) -> tuple[float, float, float]:
     """(rate, alone, beside): the seconds of one all-reduce of every gradient
     alone and while this rank trains beside it (medians; in turns, on every
-    rank at once), and the bytes per second each rank sends then, where that
-    is slower than alone (the collective's threads and sockets share the
-    cores with the computation); rate 0 where beside is within 5% of alone
-    (the wire, not the CPU, sets the pace)."""
-    import threading
-
+    rank at once), and the link's `bandwidth` slowed by their ratio where
+    beside is the slower (the collective's threads and sockets share the
+    cores with the computation; its copies, which the model charges apart,
+    slow alike, so the ratio and not the bytes over the time is kept), else
+    0."""
     net = work.model
     optimizer = work.make_optimizer(net.parameters())
-    params = params_of(net)
-    reduction = Reduction(engine, params, "none")
+    reduction = Reduction(engine, params_of(net), "none")
     reduction.run()
     training_step(net, work.loss_fn, optimizer)
     alone, beside = [], []
@@ -266,25 +294,10 @@ def wire_rate_beside(work: Workload, engine: Any, repeats: int) -> tuple[float, 
         engine.barrier().wait()
         alone.append(median_time(reduction.run, 1))
         engine.barrier().wait()
-        finished: list[float] = []
-        t0 = time.perf_counter()
-        iteration = reduction.start()
-
-        def wait(iteration: int = iteration, finished: list[float] = finished) -> None:
-            reduction.reducer.wait(iteration)  # releases the GIL while it waits
-            finished.append(time.perf_counter())
-
-        waiter = threading.Thread(target=wait)
-        waiter.start()
-        while not finished:  # train as the job would while its wire runs
-            training_step(net, work.loss_fn, optimizer)
-        waiter.join()
-        beside.append(finished[0] - t0)
+        beside.append(train_until(reduction.run,
+                                  lambda: training_step(net, work.loss_fn, optimizer)))
     slow, fast = statistics.median(beside), statistics.median(alone)
-    if slow <= 1.05 * fast:
-        return 0.0, fast, slow
-    nbytes = sum(p.numel() * p.element_size() for p in params)
-    return sent_bytes("all_reduce", engine.world_size, nbytes) / slow, fast, slow
+    return (bandwidth * fast / slow if slow > fast else 0.0), fast, slow
 
 
 def measure(factory: Factory, repeats: int, engine: Any | None) -> Profile:
@@ -302,7 +315,8 @@ def measure(factory: Factory, repeats: int, engine: Any | None) -> Profile:
         reduction = Reduction(free, params_of(work.model), coding)
         reduction.run()
         coding_cpu[coding] = median_time(reduction.run, repeats)
-    costliest = max(coding_cpu, key=lambda c: coding_cpu[c])
+    # the contention of the per-step codings (int4 runs only on streaming's wire)
+    costliest = max(model.CODINGS, key=lambda c: coding_cpu[c])
     sync()
     share = contention(work, coding_cpu[costliest], free, costliest, repeats)
     profile = Profile(forward, backward, step, params, coding_cpu=coding_cpu, contention=share,
@@ -323,6 +337,7 @@ def measure(factory: Factory, repeats: int, engine: Any | None) -> Profile:
         modelled = model.predict_one(profile, free_net, schedule, coding) - profile.compute
         profile.overhead[name] = seconds_beyond - modelled
     profile.overhead["streaming-sync"] = max(0.0, seconds - alone - coding_cpu["int8"])
+    wire_beside_seconds: list[float] = []
     if engine is not None and engine.world_size > 1:
         sync()
         profile.link, profile.wire_cpu_per_byte = link(engine, repeats)
@@ -332,11 +347,12 @@ def measure(factory: Factory, repeats: int, engine: Any | None) -> Profile:
             sync()
             profile.reduce[coding] = median_time(reduction.run, repeats)
         sync()
-        profile.wire_rate_beside, *seconds_beside = wire_rate_beside(work, engine, repeats)
+        profile.wire_rate_beside, alone, beside = wire_rate_beside(
+            work, engine, profile.link.bandwidth, repeats)
+        wire_beside_seconds = [alone, beside]
     profile.meta = provenance(factory)
-    if engine is not None and engine.world_size > 1:
-        # the all-reduce of every gradient alone and beside training (seconds)
-        profile.meta["wire_beside"] = seconds_beside
+    if wire_beside_seconds:  # the all-reduce of every gradient alone and beside training
+        profile.meta["wire_beside"] = wire_beside_seconds
     return agree(profile, engine)
 
 

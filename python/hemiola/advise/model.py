@@ -57,10 +57,6 @@ FRONT_FRACTION = 0.25
 #: streaming's sync periods and the fragment counts tried for each
 STREAMING_H = (10, 20, 50, 100)
 STREAMING_FRAGMENTS = (1, 2, 4)
-#: the outer wire's codings, in order of preference where equally fast
-#: (int4 halves int8's bytes for a coarser sum, and takes at most 7 ranks)
-STREAMING_CODINGS = ("int8", "int4")
-
 
 @dataclass(frozen=True)
 class Job:
@@ -258,15 +254,17 @@ def simulate(program: Sequence[_Segment], jobs: Sequence[Job], contention: float
             break
         computing = started
         lane_cpu = busy and phase != 1
-        share = 0.0
-        if busy and phase == 1 and phases[job_k][1] > 0:
-            share = jobs[job_k].wire_cpu / phases[job_k][1]
-        rate_c = 1 / (1 + contention) if lane_cpu else 1 / (1 + contention * share)
+        on_wire = busy and phase == 1
         rate_m = 1.0
         if computing and lane_cpu:
             rate_m = 1 / (1 + contention)
-        elif computing and jobs[job_k].wire_beside > phases[job_k][1]:
+        elif computing and on_wire and jobs[job_k].wire_beside > phases[job_k][1]:
             rate_m = phases[job_k][1] / jobs[job_k].wire_beside
+        share = 0.0
+        if on_wire and phases[job_k][1] > 0:
+            # the wire's CPU, spread over the phase as long as it lasts at rate_m
+            share = jobs[job_k].wire_cpu / phases[job_k][1] * rate_m
+        rate_c = 1 / (1 + contention) if lane_cpu else 1 / (1 + contention * share)
         steps = []
         if computing:
             steps.append(rem_c / rate_c)
@@ -374,10 +372,10 @@ def predict(profile: Profile, net: Network, schedules: Sequence[str] = SCHEDULES
     return sorted(out, key=lambda p: p.seconds)
 
 
-def _sync(profile: Profile, net: Network, fragments: int, coding: str,
-          beside: bool = False) -> tuple[float, float]:
-    """(seconds one fragment's sync takes, of which CPU) for `fragments`;
-    `beside`: under inner steps (the wire as :func:`wire_beside` says)."""
+def _sync(profile: Profile, net: Network, fragments: int,
+          coding: str) -> tuple[float, float, float]:
+    """(seconds one fragment's sync takes alone, the same under inner steps
+    (the wire as :func:`wire_beside` says), of which CPU) for `fragments`."""
     total = sum(p.numel for p in profile.params)
     payload = payloads(coding, [Piece(total / fragments, 4, 0)], net.world)
     # the sync's own CPU (pseudo-gradient, outer step, merge) and the coding's,
@@ -385,9 +383,7 @@ def _sync(profile: Profile, net: Network, fragments: int, coding: str,
     cpu = (profile.overhead.get("streaming-sync", 0.0)
            + profile.coding_cpu.get(coding, 0.0)) / fragments
     seconds = wire(net, payload)
-    if beside:
-        seconds = wire_beside(profile, seconds, sent(net, payload))
-    return seconds + cpu, cpu
+    return seconds + cpu, wire_beside(profile, seconds, sent(net, payload)) + cpu, cpu
 
 
 def streaming_step(profile: Profile, net: Network, sync_every: int, fragments: int,
@@ -396,13 +392,15 @@ def streaming_step(profile: Profile, net: Network, sync_every: int, fragments: i
     computation's speed plus, per `sync_every` steps, each fragment's coded
     reduction less what hides under `overlap` inner steps (the lane's CPU
     work slowing the computation by the profile's contention while it
-    does)."""
+    does). Under the steps the sync goes at its pace beside them; what is
+    left when they end, with nothing computing, at its pace alone."""
     step = profile.compute + profile.overhead.get("streaming", 0.0)
-    seconds, cpu = _sync(profile, net, fragments, coding, beside=overlap > 0)
+    alone, beside, cpu = _sync(profile, net, fragments, coding)
     if overlap == 0:
-        exposed = seconds
+        exposed = alone
     else:
-        exposed = max(0.0, seconds - overlap * step) + profile.contention * cpu
+        left = max(0.0, 1 - overlap * step / beside) if beside > 0 else 0.0
+        exposed = left * alone + profile.contention * cpu
     return step + fragments * exposed / sync_every
 
 
@@ -414,17 +412,18 @@ def streaming_options(profile: Profile, net: Network, sync_every: int,
     out = [(1, 0)]
     for f in STREAMING_FRAGMENTS:
         longest = math.ceil(sync_every / f) - 1
-        seconds, _ = _sync(profile, net, f, coding, beside=True)
-        needed = max(1, math.ceil(seconds / max(profile.compute, 1e-9)))
+        _, beside, _ = _sync(profile, net, f, coding)
+        needed = max(1, math.ceil(beside / max(profile.compute, 1e-9)))
         if longest >= 1:
             out.append((f, min(needed, longest)))
     return out
 
 
 def streaming_codings(profile: Profile, world: int) -> list[str]:
-    """The outer wire's codings for `world` ranks: int8 (fp16 beyond its 127
-    ranks), and int4 up to 7 ranks where the profile measured its CPU cost
-    (or measured no coding's)."""
+    """The outer wire's codings for `world` ranks, in order of preference
+    where equally fast: int8 (fp16 beyond its 127 ranks), then int4 (half
+    int8's bytes for a coarser sum) up to 7 ranks where the profile measured
+    its CPU cost (or measured no coding's)."""
     codings = ["int8" if world <= INT8_MAX_WORLD else "fp16"]
     if world <= INT4_MAX_WORLD and ("int4" in profile.coding_cpu or not profile.coding_cpu):
         codings.append("int4")

@@ -74,9 +74,9 @@ class Profile:
     wire_cpu_per_byte: float = 0.0
     #: bytes per second a rank's collectives send at most while the
     #: computation runs beside them (on CPU ranks the collective's threads and
-    #: sockets share the cores with it): one all-reduce of every gradient on
-    #: the job's ranks while each rank trains; 0 where it was as fast as alone
-    #: or not measured
+    #: sockets share the cores with it): the link's bandwidth times one
+    #: all-reduce of every gradient alone over the same while each rank
+    #: trains; 0 where it was not slower beside, or not measured
     wire_rate_beside: float = 0.0
     #: per configuration ("wfbp+fp16"): the measured wrapped step on a free
     #: wire minus the model's prediction of it (hooks, Python, landings)
@@ -101,9 +101,10 @@ class Profile:
 
     def scaled(self, factor: float) -> Profile:
         """This profile on a machine whose CPU work takes `factor` times as
-        long: every time but the link's (the link and the wire's rate beside
-        the computation are measured by the ranks together, the slowest
-        included)."""
+        long: every time but the link's. The wire's rate beside the
+        computation stays as measured too: the ranks measure it together,
+        the slowest included (``agree``); under ``--rescale-compute`` it is
+        the rate of the machine the profile was measured on."""
         params = [Param(p.numel, p.element_size, p.rows, p.need * factor, p.ready * factor)
                   for p in self.params]
         return replace(self, forward=self.forward * factor, backward=self.backward * factor,
