@@ -26,6 +26,7 @@ from pathlib import Path
 from hemiola.advise import model
 from hemiola.advise.cli import local_network
 from hemiola.advise.collective import Network
+from hemiola.advise.measure import rate_beside
 from hemiola.advise.profile import Profile
 
 RESULTS = Path(__file__).resolve().parent.parent / "docs" / "results"
@@ -55,15 +56,14 @@ def predict(profile: Profile, contention: float | None, schedule: str, coding: s
 
 def rederived(profile: Profile) -> Profile:
     """The profile with ``wire_rate_beside`` derived as hemiola derives it
-    now (``measure.wire_rate_beside``: the link's bandwidth times the
-    all-reduce's seconds alone over beside) from the two medians it kept in
+    now (``measure.rate_beside``: the link's bandwidth times the all-reduce's
+    seconds alone over beside) from the two medians it kept in
     ``meta["wire_beside"]``; the fourth grid measured with a first
     definition (the bytes over the seconds beside, past a 5% threshold)."""
     if "wire_beside" not in profile.meta or profile.link is None:
         return profile
     alone, beside = profile.meta["wire_beside"]
-    rate = profile.link.bandwidth * alone / beside if beside > alone else 0.0
-    return replace(profile, wire_rate_beside=rate)
+    return replace(profile, wire_rate_beside=rate_beside(profile.link.bandwidth, alone, beside))
 
 
 def main() -> None:

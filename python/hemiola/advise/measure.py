@@ -275,6 +275,12 @@ def train_until(wait: Callable[[], None], step: Callable[[], None]) -> float:
     return float(outcome["end"] - start)
 
 
+def rate_beside(bandwidth: float, alone: float, beside: float) -> float:
+    """The link's `bandwidth` slowed by an all-reduce's seconds `alone` over
+    `beside` the computation, where beside is the slower, else 0 (no cap)."""
+    return bandwidth * alone / beside if beside > alone else 0.0
+
+
 def wire_rate_beside(work: Workload, engine: Any, bandwidth: float,
                      repeats: int) -> tuple[float, float, float]:
     """(rate, alone, beside): the seconds of one all-reduce of every gradient
@@ -297,7 +303,7 @@ def wire_rate_beside(work: Workload, engine: Any, bandwidth: float,
         beside.append(train_until(reduction.run,
                                   lambda: training_step(net, work.loss_fn, optimizer)))
     slow, fast = statistics.median(beside), statistics.median(alone)
-    return (bandwidth * fast / slow if slow > fast else 0.0), fast, slow
+    return rate_beside(bandwidth, fast, slow), fast, slow
 
 
 def measure(factory: Factory, repeats: int, engine: Any | None) -> Profile:

@@ -58,6 +58,7 @@ FRONT_FRACTION = 0.25
 STREAMING_H = (10, 20, 50, 100)
 STREAMING_FRAGMENTS = (1, 2, 4)
 
+
 @dataclass(frozen=True)
 class Job:
     """One bucket's reduction on the engine's lane."""
