@@ -32,8 +32,9 @@ def small_model() -> tuple[nn.Module, object]:
 
 
 def test_advise_measures_agrees_predicts_tries_and_chooses(tmp_path: Path) -> None:
-    results = run_local(advise_rank, 2, "test_advise:small_model", 2, 2, None, False,
-                        timeout_s=600)
+    # spec, repeats, iterations, profile, --all, rescale, timeline, rounds
+    results = run_local(advise_rank, 2, "test_advise:small_model", 2, 2, None, False, False,
+                        None, 2, timeout_s=600)
     r0, r1 = results[0], results[1]
     # The ranks agree on the profile, so on the predictions and the candidates.
     assert r0["profile"] == r1["profile"]
@@ -61,6 +62,10 @@ def test_advise_measures_agrees_predicts_tries_and_chooses(tmp_path: Path) -> No
     # every candidate was tried, the fastest predicted first, and the choice is one of them
     assert predictions[0]["schedule"] + "+" + predictions[0]["coding"] in r0["measured"]
     assert all(v > 0 for v in r0["measured"].values())
+    # each candidate ran in both rounds, and its time is their median
+    rounds = r0["rounds"]["measured"]
+    assert set(rounds) == set(r0["measured"]) and all(len(t) == 2 for t in rounds.values())
+    assert all(r0["measured"][name] == pytest.approx(sum(t) / 2) for name, t in rounds.items())
     assert r0["choice"] in predictions
     assert r0["run_seconds"] == r0["measured"][r0["choice"]["schedule"] + "+"
                                               + r0["choice"]["coding"]]

@@ -23,11 +23,20 @@ world size (``--rescale-compute``; the factor is in the rows), so what is
 checked is the collectives' model at N ranks. One row per configuration goes to
 OUT/NAME.jsonl, with the load average before and after each job (timing on
 a loaded machine is not a validation: read that column); each profile to
-OUT/NAME-MODEL-RATE.profile.json. On a machine shared with other work the
-computation's speed drifts between the profile and the trials: each trial is
-bracketed by bare steps, and the rows also give the prediction from the
-profile with its CPU times scaled to the bare step measured then
-(``predicted_now_ms``, ``error_now``).
+OUT/NAME-MODEL-RATE.profile.json.
+
+This machine's speed drifts: the same configuration, measured in four grids
+of the same command, took times whose range was 22% of their median (the
+median configuration's), and a single CPU rank's bare step varies by about
+±12% from one step to the next. ``--rounds R`` runs every configuration R
+times in alternating order (A B C, C B A, ...) and keeps the median (each
+round's time is in ``measured_rounds_ms``). Each trial is bracketed by bare
+steps, and the rows also give the prediction from the profile with its CPU
+times scaled to the bare step measured around that configuration's trials
+(``predicted_now_ms``, ``error_now``) and to the median of all of them
+(``predicted_trials_ms``, ``error_trials``): the model's error when its one
+input that drifts, the computation's speed, is measured when the
+configurations ran rather than minutes before.
 """
 
 from __future__ import annotations
@@ -36,6 +45,7 @@ import argparse
 import json
 import os
 import signal
+import statistics
 import sys
 import tempfile
 from pathlib import Path
@@ -54,6 +64,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="world sizes, comma-separated; the first measures the profile")
     parser.add_argument("--iterations", type=int, default=10)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="trials of each configuration, in alternating order (the row "
+                             "gives their median and each)")
     parser.add_argument("--timeout-s", type=float, default=3600.0)
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT,
                         help=f"results directory (default {DEFAULT_OUT})")
@@ -73,26 +86,30 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "scaling results against them (hemiola.bench.published)")
 
 
-def predicted_now(result: dict[str, Any], p: dict[str, Any]) -> float | None:
-    """The prediction of `p` from the profile with its CPU times scaled by the
-    bare step measured around the configuration's trial over the profile's
-    (the machine's load then), or None where that was not measured."""
+def predicted_at(result: dict[str, Any], p: dict[str, Any], compute: float) -> float:
+    """The prediction of `p` from the profile with its CPU times scaled so
+    that the bare step takes `compute` seconds (what it took when the
+    configurations ran, on a machine whose speed drifts)."""
     from hemiola.advise import model
     from hemiola.advise.cli import local_network
     from hemiola.advise.profile import Profile
 
     prediction = model.Prediction(**p)
-    now = result.get("bare_now", {}).get(prediction.name)
-    if now is None:
-        return None
     profile = Profile.from_json(result["profile"])
-    profile = profile.scaled(now / profile.compute)
+    profile = profile.scaled(compute / profile.compute)
     net = local_network(profile, result["world"])
     if prediction.schedule == "streaming":
         o = prediction.options
         return model.streaming_step(profile, net, o["sync_every"], o["fragments"], o["overlap"],
                                     prediction.coding)
     return model.predict_one(profile, net, prediction.schedule, prediction.coding)
+
+
+def bare_during_trials(result: dict[str, Any]) -> float:
+    """The median of every bare step measured around the trials: the
+    computation's cost while the configurations ran, from many more steps
+    than any one trial's brackets."""
+    return statistics.median(t for times in result["rounds"]["bare"].values() for t in times)
 
 
 def advice_without_all(predictions: list[dict[str, Any]], measured: dict[str, float]) -> str:
@@ -117,19 +134,23 @@ def rows_of(result: dict[str, Any], model: str, rate: str, profile_world: int,
     measured = result["measured"]
     fastest = min(measured.values())
     chosen = advice_without_all(result["predictions"], measured)
+    during = bare_during_trials(result)
     rows = []
     for p in result["predictions"] + result["streaming"]:
         name = Prediction(**p).name
         if name not in measured:
             continue
-        now = predicted_now(result, p)
+        now = predicted_at(result, p, result["bare_now"][name])
+        trials = predicted_at(result, p, during)
         rows.append({"suite": "advise", "model": model, "rate": rate, "world": result["world"],
                      "profile_world": profile_world, "config": name,
                      "predicted_ms": 1e3 * p["seconds"], "measured_ms": 1e3 * measured[name],
                      "error": p["seconds"] / measured[name] - 1,
+                     "measured_rounds_ms": [1e3 * t for t in result["rounds"]["measured"][name]],
                      "bare_now_ms": 1e3 * result["bare_now"][name],
-                     "predicted_now_ms": None if now is None else 1e3 * now,
-                     "error_now": None if now is None else now / measured[name] - 1,
+                     "predicted_now_ms": 1e3 * now, "error_now": now / measured[name] - 1,
+                     "bare_trials_ms": 1e3 * during, "predicted_trials_ms": 1e3 * trials,
+                     "error_trials": trials / measured[name] - 1,
                      "advised": name == chosen,
                      "fastest": measured[name] == fastest,
                      "compute_ms": 1e3 * (result["profile"]["forward"]
@@ -179,7 +200,8 @@ def run(args: argparse.Namespace) -> int:
                     out = Path(tmp) / f"{model}-{rate}-{world}.json"
                     command = [sys.executable, "-m", "hemiola", "advise", "--all",
                                "--iterations", str(args.iterations), "--repeats",
-                               str(args.repeats), "--json", str(out)]
+                               str(args.repeats), "--rounds", str(args.rounds),
+                               "--json", str(out)]
                     if MODELS[model]:
                         command += ["--model", str(MODELS[model])]
                     command += (["--save-profile", str(profile)] if world == worlds[0]
@@ -199,7 +221,7 @@ def run(args: argparse.Namespace) -> int:
         mark += " (fastest)" if r["fastest"] else ""
         print(f"{r['model']:>9s} {r['rate']:>7s} {r['world']}: {r['config']:45s} predicted "
               f"{r['predicted_ms']:8.1f} ms, measured {r['measured_ms']:8.1f} ms "
-              f"({100 * r['error']:+.1f}%; at the trial's load: {r['predicted_now_ms']:8.1f} "
-              f"ms, {100 * r['error_now']:+.1f}%){mark}")
+              f"({100 * r['error']:+.1f}%; at the trials' computation: "
+              f"{r['predicted_trials_ms']:8.1f} ms, {100 * r['error_trials']:+.1f}%){mark}")
     print(f"wrote {path}")
     return 0

@@ -29,13 +29,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from hemiola.advise import choice, model
 from hemiola.advise.collective import ALGORITHMS, Network
-from hemiola.advise.models import load_factory
+from hemiola.advise.models import Factory, load_factory
 from hemiola.advise.profile import Profile
 
 GBIT = 1e9 / 8  # bytes per second
@@ -51,16 +52,18 @@ def local_network(profile: Profile, world: int) -> Network:
 
 def advise_rank(rank: int, world: int, spec: str | None, repeats: int, iterations: int,
                 profile_path: str | None = None, everything: bool = False,
-                rescale: bool = False, timeline_dir: str | None = None) -> dict[str, Any]:
+                rescale: bool = False, timeline_dir: str | None = None,
+                rounds: int = 1) -> dict[str, Any]:
     """One rank's part (also under torchrun: rank and world from its
     environment): measure (or load) the profile, predict at this job's
-    world, try the candidates, choose. `rescale` (with a loaded profile):
-    scale its CPU times by the bare step measured here over the profile's
-    (more ranks than cores make every rank's CPU slower). `timeline_dir`:
-    rank 0 writes there each configuration's predicted iterations and each
-    tried one's measured timeline (Chrome trace JSON)."""
+    world, try the candidates (`rounds` times each, see :func:`try_all`),
+    choose. `rescale` (with a loaded profile): scale its CPU times by the
+    bare step measured here over the profile's (more ranks than cores make
+    every rank's CPU slower). `timeline_dir`: rank 0 writes there each
+    configuration's predicted iterations and each tried one's measured
+    timeline (Chrome trace JSON)."""
     import hemiola
-    from hemiola.advise.measure import bare, bare_step, measure, trial
+    from hemiola.advise.measure import bare, measure
     from hemiola.advise.models import make_workload
     from hemiola.distributed import new_engine
 
@@ -88,29 +91,53 @@ def advise_rank(rank: int, world: int, spec: str | None, repeats: int, iteration
     # --all: every configuration, and streaming where a brief run sees syncs
     tried = (predictions + [s for s in streaming if s.options["sync_every"] <= 20]
              if everything else choice.within_error(predictions))
-    measured: dict[str, float] = {}
-    # --all (validation): the bare step before and after each trial says what
-    # the computation cost meanwhile on a machine shared with other work
-    bare_now: dict[str, float] = {}
     folder = Path(timeline_dir) if timeline_dir is not None and rank == 0 else None
     if folder is not None:
         folder.mkdir(parents=True, exist_ok=True)
         for p in predictions:
             (folder / f"predicted-{_file_name(p.name)}.json").write_text(
                 model.predicted_timeline(profile, net, p.schedule, p.coding))
-    for p in tried:
-        engine.barrier().wait()
-        before = bare_step(factory, iterations // 2 + 1) if everything else 0.0
-        engine.barrier().wait()
-        measured[p.name] = trial(factory, p, iterations, timeline=None if folder is None else
-                                 folder / f"measured-{_file_name(p.name)}.json")
-        if everything:
-            bare_now[p.name] = (before + bare_step(factory, iterations // 2 + 1)) / 2
+    rounds_ = try_all(factory, engine, tried, iterations, rounds, bare_around=everything,
+                      folder=folder)
+    measured = {name: statistics.median(times) for name, times in rounds_["measured"].items()}
+    bare_now = {name: statistics.median(times) for name, times in rounds_["bare"].items()}
     chosen = choice.choose(measured, predictions)
     return {"profile": profile.to_json(), "world": engine.world_size,
             "predictions": [vars(p) for p in predictions],
             "streaming": [vars(p) for p in streaming], "measured": measured,
-            "bare_now": bare_now, "choice": vars(chosen), "run_seconds": measured[chosen.name]}
+            "rounds": rounds_, "bare_now": bare_now, "choice": vars(chosen),
+            "run_seconds": measured[chosen.name]}
+
+
+def try_all(factory: Factory, engine: Any, tried: list[model.Prediction], iterations: int,
+            rounds: int, bare_around: bool = False,
+            folder: Path | None = None) -> dict[str, dict[str, list[float]]]:
+    """Runs every configuration in `tried` for `iterations`, `rounds` times,
+    the order reversed every other round (A B C, C B A, ...), so that a
+    machine whose speed drifts (other work, a shared host) slows each
+    configuration alike instead of whichever ran last; a configuration's time
+    is then the median of its rounds. Returns each configuration's seconds per
+    iteration per round (``"measured"``) and, with `bare_around` (validation),
+    the bare step measured around each trial, the mean of the one before and
+    the one after (``"bare"``: what the computation cost meanwhile). `folder`:
+    the first round's engine timelines go there."""
+    from hemiola.advise.measure import bare_step, trial
+
+    if rounds < 1:
+        raise ValueError(f"rounds must be at least 1, not {rounds}")
+    times: dict[str, list[float]] = {p.name: [] for p in tried}
+    bare_times: dict[str, list[float]] = {p.name: [] for p in tried} if bare_around else {}
+    for round_ in range(rounds):
+        for p in (tried if round_ % 2 == 0 else tried[::-1]):
+            engine.barrier().wait()
+            before = bare_step(factory, iterations // 2 + 1) if bare_around else 0.0
+            engine.barrier().wait()
+            timeline = (folder / f"measured-{_file_name(p.name)}.json"
+                        if folder is not None and round_ == 0 else None)
+            times[p.name].append(trial(factory, p, iterations, timeline=timeline))
+            if bare_around:
+                bare_times[p.name].append((before + bare_step(factory, iterations // 2 + 1)) / 2)
+    return {"measured": times, "bare": bare_times}
 
 
 def _file_name(name: str) -> str:
@@ -277,6 +304,8 @@ def _main(args: argparse.Namespace) -> int:
     job = "WORLD_SIZE" in os.environ
     if args.world is not None and args.world < 1:
         raise SystemExit("--world must be at least 1")
+    if args.rounds < 1:
+        raise SystemExit("--rounds must be at least 1")
     if not job and not args.local:
         if args.world is None:
             raise SystemExit("hemiola advise measures on the job's ranks: run it under torchrun "
@@ -284,7 +313,7 @@ def _main(args: argparse.Namespace) -> int:
                              "--profile FILE) to predict a cluster")
         return _predict_elsewhere(args)
     call = (args.model, args.repeats, args.iterations, args.profile, args.all,
-            args.rescale_compute, args.timeline)
+            args.rescale_compute, args.timeline, args.rounds)
     if args.local:
         result = run_local(advise_rank, args.local, *call, timeout_s=3600)[0]
         _finish(args, result)
@@ -310,6 +339,9 @@ def register(commands: Any) -> None:
     p.add_argument("--repeats", type=int, default=5, help="repetitions per measurement")
     p.add_argument("--iterations", type=int, default=10,
                    help="iterations of each configuration tried")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="try each configuration this many times, in alternating order, and "
+                        "take the median (on a machine whose speed drifts: a shared host)")
     p.add_argument("--all", action="store_true",
                    help="try every configuration (and streaming), not only the candidates")
     p.add_argument("--save-profile", metavar="FILE", help="write the measured profile here")
