@@ -19,6 +19,7 @@ from torch import nn
 from hemiola._native import C
 from hemiola.comm_hooks import compression_of
 from hemiola.config import COMPRESSIONS, Config, compression_code
+from hemiola.hooks import weak_hook
 from hemiola.replica import Replica
 from hemiola.schedules import Schedule, choose_schedule
 from hemiola.tensors import all_gather_rows, broadcast_tensors
@@ -76,7 +77,7 @@ class DataParallel(nn.Module):
         self._backward_start = 0
         self.timeline_recorder.watch_modules(module)
         self._hook_handles = [
-            p.register_post_accumulate_grad_hook(self._make_hook(i))
+            p.register_post_accumulate_grad_hook(weak_hook(self._on_grad, i))
             for i, p in enumerate(self._replica.params)
         ]
 
@@ -283,25 +284,23 @@ class DataParallel(nn.Module):
 
     # ---- autograd plumbing -------------------------------------------------
 
-    def _make_hook(self, index: int) -> Any:
-        def hook(param: torch.Tensor) -> None:
-            if not self.require_backward_grad_sync:
-                return
-            grad = param.grad
-            if grad is None:
-                return
-            if not self._in_backward:
-                self._in_backward = True
-                self._backward_start = self.timeline_recorder.now()
-                # Runs once, when the whole backward pass has finished.
-                torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
-            if grad.is_sparse:
-                name = self._replica.names[index]
-                raise ValueError(f"parameter {name!r} got a sparse gradient; hemiola reduces "
-                                 "dense gradients only")
-            self._schedule.mark(index, grad)
-
-        return hook
+    def _on_grad(self, index: int, param: torch.Tensor) -> None:
+        """Parameter `index`'s gradient is complete for this backward."""
+        if not self.require_backward_grad_sync:
+            return
+        grad = param.grad
+        if grad is None:
+            return
+        if not self._in_backward:
+            self._in_backward = True
+            self._backward_start = self.timeline_recorder.now()
+            # Runs once, when the whole backward pass has finished.
+            torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
+        if grad.is_sparse:
+            name = self._replica.names[index]
+            raise ValueError(f"parameter {name!r} got a sparse gradient; hemiola reduces "
+                             "dense gradients only")
+        self._schedule.mark(index, grad)
 
     def _finish_backward(self) -> None:
         self._in_backward = False

@@ -108,6 +108,13 @@ class StreamingParallel(nn.Module):
         """DDP's accumulation idiom: nothing travels per step here anyway."""
         yield
 
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clips this rank's gradients by their global norm: the inner step is
+        local, so this is torch's ``clip_grad_norm_`` over the module's
+        parameters (what a DiLoCo worker clips), here so that a script that
+        clips through the wrapped model runs under every schedule."""
+        return nn.utils.clip_grad_norm_(self._params, max_norm, norm_type)
+
     def synchronize(self) -> None:
         """Waits for the fragment on the wire (it still lands after its step)."""
         self._streamer.wait_in_flight()

@@ -40,12 +40,22 @@ import hemiola
 def _wrap(kind: str, model: nn.Module, optimizer: torch.optim.Optimizer,
           grad_scaler: torch.amp.GradScaler | None = None) -> tuple[nn.Module, Any]:
     """The two-line change. ``decoupled-late``: decoupled with
-    ``correct_on_arrival=False`` (a trajectory independent of timing)."""
+    ``correct_on_arrival=False`` (a trajectory independent of timing).
+    ``streaming``: DiLoCo every 3 inner steps, its default outer step;
+    ``streaming-avg``: the same with an outer step that only averages (lr 1,
+    no momentum), which on identical data is one rank's training. Under
+    streaming the inner step is the script's own, so its GradScaler stays
+    the script's (docs/streaming.md)."""
     if kind == "ddp":
         return nn.parallel.DistributedDataParallel(model), optimizer
     options: dict[str, Any] = {}
     if kind == "decoupled-late":
         kind, options = "decoupled", {"correct_on_arrival": False}
+    if kind.startswith("streaming"):
+        options = {"sync_every": 3}
+        if kind == "streaming-avg":
+            options |= {"outer_lr": 1.0, "outer_momentum": 0.0, "outer_nesterov": False}
+        kind, grad_scaler = "streaming", None
     return hemiola.wrap(model, optimizer, schedule=kind, grad_scaler=grad_scaler,
                         fusion_mb=1 / 64, timeout_s=60, **options)
 

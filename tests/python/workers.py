@@ -764,3 +764,28 @@ def _initial_linear_stack() -> list[torch.Tensor]:
     torch.manual_seed(0)
     m = nn.Sequential(nn.Linear(256, 512), nn.ReLU(), nn.Linear(512, 256))
     return [p.detach().clone() for p in m.parameters()]
+
+
+def dropped_models_freed(rank: int, world: int, schedule: str) -> list[bool]:
+    """Wraps, trains and drops a model three times in one process: whether
+    each wrapped model, its module and its parameters were freed (torch keeps
+    parameter hooks in C++, out of the garbage collector's sight)."""
+    import gc
+    import weakref
+
+    freed = []
+    options = {"sync_every": 2} if schedule == "streaming" else {}
+    for _ in range(3):
+        model = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        wrapped, opt = hemiola.wrap(model, opt, schedule=schedule, timeout_s=60, **options)
+        for _ in range(2):
+            opt.zero_grad()
+            wrapped(torch.randn(8, 16)).sum().backward()
+            opt.step()
+        wrapped.synchronize()
+        refs = [weakref.ref(wrapped), weakref.ref(model), weakref.ref(model[0].weight)]
+        del wrapped, opt, model
+        gc.collect()
+        freed.append(all(r() is None for r in refs))
+    return freed

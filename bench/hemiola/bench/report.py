@@ -182,23 +182,45 @@ def advise_table(rows: Rows) -> str:
     parts = []
     for key in dict.fromkeys((r["model"], r["rate"], r["world"]) for r in rows):
         mine = [r for r in rows if (r["model"], r["rate"], r["world"]) == key]
-        head = ["configuration", "predicted ms", "measured ms", "error",
-                "bare step then", "predicted at that load", "error"]
-        lines = [[f"`{r['config']}`" + (" **advised**" if r["advised"] else "")
-                  + (" (fastest)" if r["fastest"] else ""), f"{r['predicted_ms']:.1f}",
-                  f"{r['measured_ms']:.1f}", f"{100 * r['error']:+.1f}%",
-                  f"{r['bare_now_ms']:.1f}", f"{r['predicted_now_ms']:.1f}",
-                  f"{100 * r['error_now']:+.1f}%"] for r in mine]
         first = mine[0]
         source = ("its own profile" if first["profile_world"] == first["world"]
                   else f"the profile measured at {first['profile_world']} ranks")
+        intro = (f"**{key[0]}** at {rate_label(key[1])}, {key[2]} ranks, predicted from "
+                 f"{source} (computation {first['compute_ms']:.1f} ms; load average "
+                 f"{first['load_before']:.1f}–{first['load_after']:.1f}; ")
+        if "measured_rounds_ms" in first:
+            parts.append(intro + _advise_rounds(mine))
+            continue
+        head = ["configuration", "predicted ms", "measured ms", "error",
+                "bare step then", "predicted at that load", "error"]
+        lines = [[_config_cell(r), f"{r['predicted_ms']:.1f}",
+                  f"{r['measured_ms']:.1f}", f"{100 * r['error']:+.1f}%",
+                  f"{r['bare_now_ms']:.1f}", f"{r['predicted_now_ms']:.1f}",
+                  f"{100 * r['error_now']:+.1f}%"] for r in mine]
         worst = max(abs(r["error_now"]) for r in mine)
-        parts.append(f"**{key[0]}** at {rate_label(key[1])}, {key[2]} ranks, predicted from "
-                     f"{source} (computation {first['compute_ms']:.1f} ms; load average "
-                     f"{first['load_before']:.1f}–{first['load_after']:.1f}; largest error at the "
-                     f"trials' load "
-                     f"{100 * worst:.0f}%):\n\n" + _table(head, lines))
+        parts.append(intro + f"largest error at the trials' load {100 * worst:.0f}%):\n\n"
+                     + _table(head, lines))
     return "\n\n".join(parts)
+
+
+def _config_cell(r: dict[str, Any]) -> str:
+    return (f"`{r['config']}`" + (" **advised**" if r["advised"] else "")
+            + (" (fastest)" if r["fastest"] else ""))
+
+
+def _advise_rounds(rows: Rows) -> str:
+    """One cell of a grid run with ``--rounds``: each configuration's median
+    over its rounds and their range, predicted from the profile and at the
+    computation measured during the trials."""
+    head = ["configuration", "predicted ms", "measured ms (rounds' range)", "error",
+            "predicted at the trials' computation", "error"]
+    lines = [[_config_cell(r), f"{r['predicted_ms']:.1f}",
+              f"{r['measured_ms']:.1f} ({min(r['measured_rounds_ms']):.1f}–"
+              f"{max(r['measured_rounds_ms']):.1f})", f"{100 * r['error']:+.1f}%",
+              f"{r['predicted_trials_ms']:.1f}", f"{100 * r['error_trials']:+.1f}%"]
+             for r in rows]
+    return (f"{len(rows[0]['measured_rounds_ms'])} rounds; bare step during the trials "
+            f"{rows[0]['bare_trials_ms']:.1f} ms):\n\n" + _table(head, lines))
 
 
 def streaming_table(rows: Rows) -> str:

@@ -16,6 +16,7 @@ from torch import nn
 
 from hemiola._native import C
 from hemiola.forward_gate import ForwardGate
+from hemiola.hooks import weak_hook
 from hemiola.hyper import group_hyper
 from hemiola.ps.ahead import AheadPlan
 from hemiola.ps.config import PSConfig
@@ -117,7 +118,7 @@ class ParameterServerModel(nn.Module):
         # which must run first.
         self._gate = ForwardGate(module, self._params, self._take_pulls)
         for p in self._params:
-            self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad))
+            self._hooks.append(p.register_post_accumulate_grad_hook(weak_hook(self._on_grad)))
         optimizer.step = types.MethodType(self._optimizer_step, optimizer)
         atexit.register(_close_at_exit, weakref.ref(self))
 
