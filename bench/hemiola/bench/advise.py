@@ -26,9 +26,9 @@ a loaded machine is not a validation: read that column); each profile to
 OUT/NAME-MODEL-RATE.profile.json.
 
 This machine's speed drifts: the same configuration, measured in four grids
-of the same command, took times whose range was 22% of their median (the
-median configuration's), and a single CPU rank's bare step varies by about
-±12% from one step to the next. ``--rounds R`` runs every configuration R
+of the same command, took times whose range was 23% of their median (the
+median configuration's), and one CPU process's bare step varies by -9% to
++15% (p10-p90) from one step to the next. ``--rounds R`` runs every configuration R
 times in alternating order (A B C, C B A, ...) and keeps the median (each
 round's time is in ``measured_rounds_ms``). Each trial is bracketed by bare
 steps, and the rows also give the prediction from the profile with its CPU
