@@ -20,7 +20,8 @@ BENCH = ROOT / "bench" / "hemiola" / "bench"
 FLOORS: list[tuple[str, tuple[str, ...]]] = [
     ("leaves", ("hemiola._C", "hemiola._native", "hemiola.config", "hemiola.comm_hooks",
                 "hemiola.torch_math", "hemiola.deferred_norm", "hemiola.forward_gate",
-                "hemiola.cluster.config", "hemiola.ps.config", "hemiola.ps.ahead")),
+                "hemiola.hooks", "hemiola.cluster.config", "hemiola.ps.config",
+                "hemiola.ps.ahead")),
     ("services", ("hemiola.tensors", "hemiola.timeline", "hemiola.hyper",
                   "hemiola.distributed", "hemiola.validate", "hemiola.threads")),
     ("replica", ("hemiola.replica",)),
