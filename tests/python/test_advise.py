@@ -62,10 +62,14 @@ def test_advise_measures_agrees_predicts_tries_and_chooses(tmp_path: Path) -> No
     # every candidate was tried, the fastest predicted first, and the choice is one of them
     assert predictions[0]["schedule"] + "+" + predictions[0]["coding"] in r0["measured"]
     assert all(v > 0 for v in r0["measured"].values())
-    # each candidate ran in both rounds, and its time is their median
-    rounds = r0["rounds"]["measured"]
-    assert set(rounds) == set(r0["measured"]) and all(len(t) == 2 for t in rounds.values())
-    assert all(r0["measured"][name] == pytest.approx(sum(t) / 2) for name, t in rounds.items())
+    # each candidate ran in both rounds on each rank; its time is the median
+    # of its rounds on the slower rank (the job's pace), the same on both
+    # ranks, which therefore advise the same configuration
+    rounds0, rounds1 = r0["rounds"]["measured"], r1["rounds"]["measured"]
+    assert set(rounds0) == set(r0["measured"]) and all(len(t) == 2 for t in rounds0.values())
+    assert all(r0["measured"][name] == pytest.approx(max(sum(t) / 2, sum(rounds1[name]) / 2))
+               for name, t in rounds0.items())
+    assert r0["measured"] == r1["measured"] and r0["choice"] == r1["choice"]
     assert r0["choice"] in predictions
     assert r0["run_seconds"] == r0["measured"][r0["choice"]["schedule"] + "+"
                                               + r0["choice"]["coding"]]
@@ -96,17 +100,36 @@ def test_training_beside_a_wait_ends_with_it_and_raises_its_error() -> None:
         train_until(fails, lambda: time.sleep(0.001))
 
 
-def _agree_on_uneven_ranks(rank: int, world: int) -> dict[str, float]:
-    """Rank r's bare forward is 0.1 * (1 + r) s; what agree() gives it."""
-    from hemiola.advise.measure import agree
+def _agree_on_uneven_ranks(rank: int, world: int, steps: bool = False) -> dict[str, float]:
+    """Rank r's bare forward is 0.1 * (1 + r) s; what agree() gives it. With
+    `steps`: both ranks' forward is 0.1 s, and of three steps in lockstep
+    each rank was slow (0.4 s instead of 0.3) in a different one."""
+    from hemiola.advise.measure import Bare, agree
     from hemiola.distributed import new_engine
 
     engine, _ = new_engine(timeout_s=60.0)
-    mine = Profile(forward=0.1 * (1 + rank), backward=0.2, step=0.0,
-                   params=[Param(10, need=0.0, ready=0.2)])
-    agreed = agree(mine, engine)
+    param = Param(10, need=0.0, ready=0.2)
+    mine = Profile(forward=0.1 * (1 + (0 if steps else rank)), backward=0.2, step=0.0,
+                   params=[param])
+    measured = Bare(0.1, 0.2, 0.0, [param], [0.3, 0.4, 0.3] if rank == 0 else [0.4, 0.3, 0.3],
+                    [0.3, 0.3, 0.3])
+    agreed = agree(mine, engine, measured if steps else None)
     return {"forward": agreed.forward, "compute": agreed.compute,
-            "ready": agreed.params[0].ready, "slowest": agreed.meta.get("slowest_rank", 0.0)}
+            "ready": agreed.params[0].ready, "slowest": agreed.meta.get("slowest_rank", 0.0),
+            "lockstep": agreed.lockstep, "free": agreed.free_compute}
+
+
+def test_a_synchronous_job_waits_each_step_for_the_rank_slow_then() -> None:
+    # Each rank's median step is 0.3 s, but every step but one has a slow
+    # rank: the job's median step is 0.4 s (and the streaming ranks', who
+    # meet only every H steps, stays 0.3 s).
+    results = run_local(_agree_on_uneven_ranks, 2, True, timeout_s=120)
+    for r in results.values():
+        assert r["compute"] == pytest.approx(0.4)
+        assert r["forward"] == pytest.approx(0.1 * 4 / 3)
+        assert r["lockstep"] == pytest.approx(4 / 3)
+        assert r["free"] == pytest.approx(0.3)
+        assert r["slowest"] == 0.0  # no rank is slower than rank 0 on its own
 
 
 def test_the_ranks_agree_on_rank_0s_profile_at_the_slowest_ranks_pace() -> None:

@@ -63,7 +63,7 @@ def advise_rank(rank: int, world: int, spec: str | None, repeats: int, iteration
     configuration's predicted iterations and each tried one's measured
     timeline (Chrome trace JSON)."""
     import hemiola
-    from hemiola.advise.measure import bare, measure
+    from hemiola.advise.measure import bare, job_pace, measure
     from hemiola.advise.models import make_workload
     from hemiola.distributed import new_engine
 
@@ -80,10 +80,12 @@ def advise_rank(rank: int, world: int, spec: str | None, repeats: int, iteration
             from hemiola.advise.measure import agree
 
             torch.set_num_threads(1)
-            forward, backward, step, _ = bare(make_workload(factory), repeats)
-            here = replace(profile, forward=forward, backward=backward, step=step)
-            factor = agree(here, engine).compute / profile.compute
-            profile = profile.scaled(factor)
+            measured = bare(make_workload(factory), 3 * repeats,
+                            lambda: engine.barrier().wait())
+            here = agree(replace(profile, forward=measured.forward, backward=measured.backward,
+                                 step=measured.step), engine, measured)
+            factor = here.compute / profile.compute
+            profile = replace(profile.scaled(factor), lockstep=here.lockstep)
             profile.meta = {**profile.meta, "rescaled": factor}
     net = local_network(profile, engine.world_size)
     predictions = model.predict(profile, net)
@@ -99,7 +101,8 @@ def advise_rank(rank: int, world: int, spec: str | None, repeats: int, iteration
                 model.predicted_timeline(profile, net, p.schedule, p.coding))
     rounds_ = try_all(factory, engine, tried, iterations, rounds, bare_around=everything,
                       folder=folder)
-    measured = {name: statistics.median(times) for name, times in rounds_["measured"].items()}
+    measured = job_pace({name: statistics.median(times)
+                         for name, times in rounds_["measured"].items()}, engine)
     bare_now = {name: statistics.median(times) for name, times in rounds_["bare"].items()}
     chosen = choice.choose(measured, predictions)
     return {"profile": profile.to_json(), "world": engine.world_size,
@@ -130,13 +133,14 @@ def try_all(factory: Factory, engine: Any, tried: list[model.Prediction], iterat
     for round_ in range(rounds):
         for p in (tried if round_ % 2 == 0 else tried[::-1]):
             engine.barrier().wait()
-            before = bare_step(factory, iterations // 2 + 1) if bare_around else 0.0
+            before = bare_step(factory, iterations // 2 + 1, engine) if bare_around else 0.0
             engine.barrier().wait()
             timeline = (folder / f"measured-{_file_name(p.name)}.json"
                         if folder is not None and round_ == 0 else None)
             times[p.name].append(trial(factory, p, iterations, timeline=timeline))
             if bare_around:
-                bare_times[p.name].append((before + bare_step(factory, iterations // 2 + 1)) / 2)
+                after = bare_step(factory, iterations // 2 + 1, engine)
+                bare_times[p.name].append((before + after) / 2)
     return {"measured": times, "bare": bare_times}
 
 

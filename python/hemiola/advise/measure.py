@@ -32,7 +32,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -65,10 +65,26 @@ def params_of(module: torch.nn.Module) -> list[torch.Tensor]:
     return [p for p in module.parameters() if p.requires_grad]
 
 
-def bare(work: Workload, repeats: int) -> tuple[float, float, float, list[Param]]:
-    """(forward, backward, step, params) of the bare model, medians, with
-    each parameter's first read in the forward and its gradient's arrival in
-    the backward."""
+class Bare(NamedTuple):
+    """The bare model's iteration on this rank (medians, seconds), each
+    parameter's first read in the forward and its gradient's arrival in the
+    backward, and every measured step's whole time (for :func:`agree`):
+    begun together with the other ranks (`lockstep`) and on its own
+    (`free`)."""
+
+    forward: float
+    backward: float
+    step: float
+    params: list[Param]
+    lockstep: list[float]
+    free: list[float]
+
+
+def bare(work: Workload, repeats: int, sync: Callable[[], None] = lambda: None) -> Bare:
+    """The bare model's iteration: `repeats` steps each begun by `sync()`
+    (the job's barrier: every rank starts each step together, as a
+    synchronous job's ranks do), then `repeats` steps one after another, as
+    ranks that meet only every H steps run."""
     net = work.model
     params = params_of(net)
     index = {id(p): i for i, p in enumerate(params)}
@@ -99,6 +115,7 @@ def bare(work: Workload, repeats: int) -> tuple[float, float, float, list[Param]
     try:
         for _ in range(repeats):
             times.append((0.0, 0.0, 0.0))  # this repetition's slot: hooks fill once
+            sync()
             optimizer.zero_grad()
             start[0] = t0 = time.perf_counter()
             loss = work.loss_fn(net)
@@ -110,13 +127,15 @@ def bare(work: Workload, repeats: int) -> tuple[float, float, float, list[Param]
     finally:
         for h in handles:
             h.remove()
+    free = [median_time(lambda: training_step(net, work.loss_fn, optimizer), 1)
+            for _ in range(repeats)]
     forward, backward, step = (statistics.median(t[k] for t in times) for k in range(3))
     out = []
     for i, p in enumerate(params):
         out.append(Param(p.numel(), p.element_size(), p.shape[0] if p.dim() > 1 else 0,
                          statistics.median(need[i]) if need[i] else 0.0,
                          statistics.median(ready[i]) if ready[i] else backward))
-    return forward, backward, step, out
+    return Bare(forward, backward, step, out, [sum(t) for t in times], free)
 
 
 def _specs(params: list[torch.Tensor]) -> list[tuple[int, int, str, int]]:
@@ -156,11 +175,13 @@ def free_engine() -> tuple[Any, Any]:
     return C.Engine(0, 1, store), store
 
 
-def free_wire_step(factory: Factory, schedule: str, coding: str,
-                   repeats: int) -> tuple[float, float, list[list[int]]]:
+def free_wire_step(factory: Factory, schedule: str, coding: str, repeats: int,
+                   sync: Callable[[], None] = lambda: None,
+                   ) -> tuple[float, float, list[list[int]]]:
     """The configuration's wrapped step on a free wire and the bare step,
-    timed in turns (so that both see the same load; median seconds each),
-    and its buckets (parameter indices) in issue order, after the warm-up."""
+    timed in turns (so that both see the same load; median seconds each;
+    each begun by `sync()`, so that every rank is in the same turn), and its
+    buckets (parameter indices) in issue order, after the warm-up."""
     from hemiola.config import Config
 
     work, plain = make_workload(factory), make_workload(factory)
@@ -183,11 +204,22 @@ def free_wire_step(factory: Factory, schedule: str, coding: str,
         optimizer = wrapped._schedule.wrap_optimizer(optimizer)
     for _ in range(3):
         training_step(wrapped, work.loss_fn, optimizer)
+    wrapped.synchronize()
     training_step(plain.model, plain.loss_fn, plain_optimizer)
     wrapped_times, bare_times = [], []
+
+    def burst() -> None:
+        # Two steps and the wait for their reductions: priority's and
+        # decoupled's reductions land after their step returns, and must not
+        # land in the bare step's turn (they made overheads come out below 0).
+        for _ in range(2):
+            training_step(wrapped, work.loss_fn, optimizer)
+        wrapped.synchronize()
+
     for _ in range(repeats):
-        wrapped_times.append(median_time(
-            lambda: training_step(wrapped, work.loss_fn, optimizer), 1))
+        sync()
+        wrapped_times.append(median_time(burst, 1) / 2)
+        sync()
         bare_times.append(median_time(
             lambda: training_step(plain.model, plain.loss_fn, plain_optimizer), 1))
     wrapped.synchronize()
@@ -199,26 +231,51 @@ def free_wire_step(factory: Factory, schedule: str, coding: str,
     return seconds, alone, [[names[n] for n in bucket] for bucket in wrapped.buckets()]
 
 
-def contention(work: Workload, coding_cpu: float, engine: Any, coding: str,
-               repeats: int) -> float:
-    """Extra seconds of the bare step per second of the engine's CPU work run
-    beside it (a free-wire reduction of `coding`), in [0, 1]."""
-    if coding_cpu <= 0:
-        return 0.0
+def contention(work: Workload, engine: Any, coding: str, repeats: int,
+               sync: Callable[[], None] = lambda: None) -> float:
+    """Extra seconds of the bare step per second of the engine's CPU work
+    beside it, in [0, 1]: free-wire reductions of `coding` run back to back
+    through a whole step, and the engine's CPU seconds meanwhile (the
+    process's less the training thread's) are what delays it. Steps alone
+    and beside are timed in turns, so both see the same load, each begun by
+    `sync()` (the job's barrier: every rank in the same turn, else one
+    rank's step alone shares the cores with another's load). (One
+    reduction beside a step loads it with tens of milliseconds, against
+    steps that vary by as much: its ratio came out anywhere in [0, 1] for
+    the same model on the same machine.)"""
     net = work.model
     optimizer = work.make_optimizer(net.parameters())
     reduction = Reduction(engine, params_of(net), coding)
     reduction.run()
-    alone, beside = [], []
-    for _ in range(repeats):  # in turns, so that both see the same load
-        alone.append(median_time(lambda: training_step(net, work.loss_fn, optimizer), 1))
-        iteration = reduction.start()
-        t0 = time.perf_counter()
+
+    def step() -> None:
         training_step(net, work.loss_fn, optimizer)
-        beside.append(time.perf_counter() - t0)
-        reduction.reducer.wait(iteration)
+
+    alone, beside, engine_cpu = [], [], []
+    for _ in range(repeats):
+        sync()
+        alone.append(median_time(step, 1))
+        sync()
+        done = threading.Event()
+
+        def load(done: threading.Event = done) -> None:
+            while not done.is_set():
+                reduction.run()
+
+        thread = threading.Thread(target=load, daemon=True)
+        thread.start()
+        c0, t0, w0 = time.process_time(), time.thread_time(), time.perf_counter()
+        step()
+        c1, t1, w1 = time.process_time(), time.thread_time(), time.perf_counter()
+        done.set()
+        thread.join()
+        beside.append(w1 - w0)
+        engine_cpu.append((c1 - c0) - (t1 - t0))
+    cpu = statistics.median(engine_cpu)
+    if cpu <= 0:
+        return 0.0
     extra = statistics.median(beside) - statistics.median(alone)
-    return min(1.0, max(0.0, extra / coding_cpu))
+    return min(1.0, max(0.0, extra / cpu))
 
 
 def link(engine: Any, repeats: int) -> tuple[Link, float]:
@@ -312,7 +369,10 @@ def measure(factory: Factory, repeats: int, engine: Any | None) -> Profile:
     torch.set_num_threads(1)
     sync = (lambda: engine.barrier().wait()) if engine is not None else (lambda: None)
     work = make_workload(factory)
-    forward, backward, step, params = bare(work, repeats)
+    # the bare steps in lockstep, and thrice as many as other measurements:
+    # a synchronous job's step is the slowest rank's each time (agree)
+    measured = bare(work, 3 * repeats, sync)
+    forward, backward, step, params = measured[:4]
     optimizer_name = type(work.make_optimizer(work.model.parameters())).__name__
     free, _ = free_engine()
     coding_cpu = {}
@@ -324,7 +384,7 @@ def measure(factory: Factory, repeats: int, engine: Any | None) -> Profile:
     # the contention of the per-step codings (int4 runs only on streaming's wire)
     costliest = max(model.CODINGS, key=lambda c: coding_cpu[c])
     sync()
-    share = contention(work, coding_cpu[costliest], free, costliest, repeats)
+    share = contention(work, free, costliest, repeats, sync)
     profile = Profile(forward, backward, step, params, coding_cpu=coding_cpu, contention=share,
                       optimizer=optimizer_name)
     # Each configuration's wrapped step beyond the bare one, on a free wire.
@@ -332,11 +392,11 @@ def measure(factory: Factory, repeats: int, engine: Any | None) -> Profile:
     for schedule in model.SCHEDULES:
         for coding in model.CODINGS:
             sync()
-            seconds, alone, plan = free_wire_step(factory, schedule, coding, repeats)
+            seconds, alone, plan = free_wire_step(factory, schedule, coding, repeats, sync)
             extra[f"{schedule}+{coding}"] = seconds - alone
             profile.plans.setdefault(schedule, plan)
     sync()
-    seconds, alone, _ = free_wire_step(factory, "streaming", "int8", repeats)
+    seconds, alone, _ = free_wire_step(factory, "streaming", "int8", repeats, sync)
     free_net = Network(world=1, bandwidth=1.0)
     for name, seconds_beyond in extra.items():
         schedule, coding = name.split("+")
@@ -359,7 +419,7 @@ def measure(factory: Factory, repeats: int, engine: Any | None) -> Profile:
     profile.meta = provenance(factory)
     if wire_beside_seconds:  # the all-reduce of every gradient alone and beside training
         profile.meta["wire_beside"] = wire_beside_seconds
-    return agree(profile, engine)
+    return agree(profile, engine, measured)
 
 
 def provenance(factory: Factory) -> dict[str, Any]:
@@ -372,17 +432,31 @@ def provenance(factory: Factory) -> dict[str, Any]:
             "load": os.getloadavg()[0]}
 
 
-def agree(profile: Profile, engine: Any | None) -> Profile:
+def lockstep_pace(lockstep: torch.Tensor) -> float:
+    """A synchronous job's step from every rank's step times measured in
+    lockstep (a row per rank): the median over steps of the slowest rank's
+    time in each. It exceeds the slowest rank's own median wherever the
+    ranks' times vary from step to step independently."""
+    return float(lockstep.max(dim=0).values.median())
+
+
+def agree(profile: Profile, engine: Any | None, steps: Bare | None = None) -> Profile:
     """The profile every rank uses: rank 0's, with its CPU times scaled to
-    the slowest rank's computation. A job goes at its slowest rank's pace,
-    and ranks sharing a machine need not compute alike (two ranks on this
-    project's 2-core machine: the second up to 18% slower than the first);
-    ``meta["slowest_rank"]`` keeps the factor."""
+    a synchronous job's step on these ranks (:func:`lockstep_pace` of every
+    rank's `steps`); without them, to the slowest rank's computation. A
+    job goes at its slowest rank's pace, and ranks sharing a machine need not
+    compute alike (two ranks on this project's 2-core machine: the second
+    up to 18% slower than the first) nor at the same moment alike.
+    ``lockstep`` keeps the job's step over the pace of ranks that run on
+    their own (the slowest rank's mean step, as ``streaming``'s ranks go
+    between syncs), ``meta["slowest_rank"]`` the job's over rank 0's."""
     if engine is None or engine.world_size == 1:
         return profile
     from hemiola.tensors import all_gather_rows, broadcast_tensors
 
-    computes = all_gather_rows(engine, torch.tensor([profile.compute], dtype=torch.float64))
+    def every(times: list[float]) -> torch.Tensor:
+        return all_gather_rows(engine, torch.tensor(times, dtype=torch.float64))
+
     text = json.dumps(profile.to_json()).encode()
     size = torch.tensor([len(text)], dtype=torch.int64)
     broadcast_tensors(engine, [size])
@@ -391,12 +465,38 @@ def agree(profile: Profile, engine: Any | None) -> Profile:
         buf.copy_(torch.frombuffer(bytearray(text), dtype=torch.uint8))
     broadcast_tensors(engine, [buf])
     agreed = Profile.from_json(json.loads(bytes(buf.tolist()).decode()))
-    factor = float(computes.max() / computes[0, 0])
-    if factor <= 1.0:
-        return agreed
-    slowest = agreed.scaled(factor)
-    slowest.meta = {**agreed.meta, "slowest_rank": factor}
-    return slowest
+    if steps is None:
+        job = slowest = free = float(every([profile.compute]).max())
+    else:
+        lockstep = every(steps.lockstep)
+        job = lockstep_pace(lockstep)
+        slowest = float(lockstep.median(dim=1).values.max())
+        free = float(every(steps.free).mean(dim=1).max())
+    # Rank 0's profile holds the medians of its own steps' parts. A slower
+    # rank is slower at every CPU work (all of it scales); waiting each step
+    # for whichever rank is slow then lengthens only the computation.
+    out = agreed
+    if slowest > agreed.compute:
+        out = agreed.scaled(slowest / agreed.compute)
+        out.meta = {**agreed.meta, "slowest_rank": slowest / agreed.compute}
+    if job > out.compute:
+        out = out.computation_scaled(job / out.compute)
+    out.lockstep = max(1.0, job / free)
+    return out
+
+
+def job_pace(times: dict[str, float], engine: Any | None) -> dict[str, float]:
+    """Each configuration's time at the job's pace: the slowest rank's (a
+    synchronous job goes at it), so that every rank chooses from the same
+    numbers and returns the same advice."""
+    if engine is None or engine.world_size == 1 or not times:
+        return dict(times)
+    from hemiola.tensors import all_gather_rows
+
+    names = sorted(times)  # the same on every rank: the agreed profile's predictions
+    rows = all_gather_rows(engine, torch.tensor([times[n] for n in names], dtype=torch.float64))
+    slowest = rows.max(dim=0).values
+    return {n: float(slowest[k]) for k, n in enumerate(names)}
 
 
 def trial(factory: Factory, prediction: model.Prediction, iterations: int,
@@ -449,10 +549,18 @@ def _timed_trial(wrapped: Any, work: Workload, optimizer: Any, prediction: model
     return seconds
 
 
-def bare_step(factory: Factory, iterations: int) -> float:
-    """The bare model's step now (median seconds): what the computation
+def bare_step(factory: Factory, iterations: int, engine: Any) -> float:
+    """Collective: the bare model's step now, as a synchronous job of
+    `engine`'s ranks takes it (every rank begins each step together; the
+    median over steps of the slowest rank's time): what the computation
     costs under the machine's present load."""
+    from hemiola.tensors import all_gather_rows
+
     work = make_workload(factory)
     optimizer = work.make_optimizer(work.model.parameters())
     training_step(work.model, work.loss_fn, optimizer)
-    return median_time(lambda: training_step(work.model, work.loss_fn, optimizer), iterations)
+    times = []
+    for _ in range(iterations):
+        engine.barrier().wait()
+        times.append(median_time(lambda: training_step(work.model, work.loss_fn, optimizer), 1))
+    return lockstep_pace(all_gather_rows(engine, torch.tensor(times, dtype=torch.float64)))

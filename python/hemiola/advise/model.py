@@ -23,7 +23,9 @@ The simulation runs a few iterations and takes the steady period; then the
 configuration's measured ``overhead`` (its wrapped step on a free wire minus
 this model of it: hooks, Python, landings) is added.
 
-``streaming`` (DiLoCo): H inner steps at the computation's speed, and per H
+``streaming`` (DiLoCo): H inner steps at the computation's speed (the ranks
+meet only at syncs, so at the slowest rank's own pace, not the lockstep
+job's: ``Profile.free_compute``), and per H
 steps every fragment's coded reduction once, each under ``overlap`` inner
 steps, with what does not fit exposed.
 """
@@ -395,7 +397,7 @@ def streaming_step(profile: Profile, net: Network, sync_every: int, fragments: i
     work slowing the computation by the profile's contention while it
     does). Under the steps the sync goes at its pace beside them; what is
     left when they end, with nothing computing, at its pace alone."""
-    step = profile.compute + profile.overhead.get("streaming", 0.0)
+    step = profile.free_compute + profile.overhead.get("streaming", 0.0)
     alone, beside, cpu = _sync(profile, net, fragments, coding)
     if overlap == 0:
         exposed = alone
@@ -414,7 +416,7 @@ def streaming_options(profile: Profile, net: Network, sync_every: int,
     for f in STREAMING_FRAGMENTS:
         longest = math.ceil(sync_every / f) - 1
         _, beside, _ = _sync(profile, net, f, coding)
-        needed = max(1, math.ceil(beside / max(profile.compute, 1e-9)))
+        needed = max(1, math.ceil(beside / max(profile.free_compute, 1e-9)))
         if longest >= 1:
             out.append((f, min(needed, longest)))
     return out

@@ -32,6 +32,12 @@ class Param:
     ready: float = 0.0
 
     @property
+    def free_compute(self) -> float:
+        """One iteration's computation where the ranks do not meet each step
+        (the slowest rank's own pace)."""
+        return self.compute / self.lockstep
+
+    @property
     def nbytes(self) -> int:
         return self.numel * self.element_size
 
@@ -78,6 +84,12 @@ class Profile:
     #: all-reduce of every gradient alone over the same while each rank
     #: trains; 0 where it was not slower beside, or not measured
     wire_rate_beside: float = 0.0
+    #: a synchronous job's step over the slowest rank's own (>= 1): where the
+    #: ranks' step times vary independently, a job whose ranks meet every
+    #: step waits each time for whichever is slowest then. forward, backward
+    #: and step are the job's; ``streaming``'s ranks meet every H steps and
+    #: go at ``free_compute``
+    lockstep: float = 1.0
     #: per configuration ("wfbp+fp16"): the measured wrapped step on a free
     #: wire minus the model's prediction of it (hooks, Python, landings)
     overhead: dict[str, float] = field(default_factory=dict)
@@ -96,6 +108,12 @@ class Profile:
         return self.forward + self.backward + self.step
 
     @property
+    def free_compute(self) -> float:
+        """One iteration's computation where the ranks do not meet each step
+        (the slowest rank's own pace)."""
+        return self.compute / self.lockstep
+
+    @property
     def nbytes(self) -> int:
         return sum(p.nbytes for p in self.params)
 
@@ -105,13 +123,18 @@ class Profile:
         computation stays as measured too: the ranks measure it together,
         the slowest included (``agree``); under ``--rescale-compute`` it is
         the rate of the machine the profile was measured on."""
-        params = [Param(p.numel, p.element_size, p.rows, p.need * factor, p.ready * factor)
-                  for p in self.params]
-        return replace(self, forward=self.forward * factor, backward=self.backward * factor,
-                       step=self.step * factor, params=params,
+        return replace(self.computation_scaled(factor),
                        coding_cpu={k: v * factor for k, v in self.coding_cpu.items()},
                        overhead={k: v * factor for k, v in self.overhead.items()},
                        wire_cpu_per_byte=self.wire_cpu_per_byte * factor)
+
+    def computation_scaled(self, factor: float) -> Profile:
+        """This profile with only the computation (forward, backward, step
+        and the times within them) `factor` times as long."""
+        params = [Param(p.numel, p.element_size, p.rows, p.need * factor, p.ready * factor)
+                  for p in self.params]
+        return replace(self, forward=self.forward * factor, backward=self.backward * factor,
+                       step=self.step * factor, params=params)
 
     def to_json(self) -> dict[str, Any]:
         return {"version": VERSION, **asdict(self)}
@@ -152,6 +175,8 @@ class Profile:
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and value >= 0):
                 raise ValueError(f"profile: {name} must be a number >= 0, got {value!r}")
+        if not (isinstance(self.lockstep, (int, float)) and self.lockstep >= 1):
+            raise ValueError(f"profile: lockstep must be a number >= 1, got {self.lockstep!r}")
         if not self.params:
             raise ValueError("profile: params is empty (a model without trainable parameters "
                              "has nothing to reduce)")
