@@ -296,6 +296,7 @@ class DataParallel(nn.Module):
             self._backward_start = self.timeline_recorder.now()
             # Runs once, when the whole backward pass has finished.
             torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
+            self._schedule.backward_started()
         if grad.is_sparse:
             name = self._replica.names[index]
             raise ValueError(f"parameter {name!r} got a sparse gradient; hemiola reduces "

@@ -30,6 +30,19 @@ def test_buffers_of_mixed_dtypes_follow_rank0(schedule: str) -> None:
     assert results[1]["count"].item() >= 7 and results[1]["count"].item() < 1000
 
 
+def test_priority_broadcasts_buffers_before_the_gradients() -> None:
+    """Under priority rank 0's buffers are broadcast when backward begins,
+    ahead of its buckets: optimizer.step() waits for the broadcast, and
+    queued behind every bucket it made the next forward wait for all of
+    them. (decoupled's step does not wait for it.)"""
+    lane = run_local(workers.buffers_lane_order, 2, "priority")[0]
+    for iteration in (2, 3):
+        buckets = [k for k, name in enumerate(lane) if f"(iteration {iteration})" in name]
+        assert buckets and lane[buckets[0] - 1].startswith("broadcast"), lane
+    # and none behind the last iteration's buckets (where it used to go)
+    assert "(iteration 3)" in lane[-1], lane
+
+
 def test_no_sync_accumulation_equals_one_large_batch() -> None:
     results = run_local(workers.no_sync_accumulation, 2)
     for diffs in results.values():

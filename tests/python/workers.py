@@ -118,6 +118,29 @@ def odd_buffers(rank: int, world: int, schedule: str) -> dict[str, torch.Tensor]
     return {"odd": m.odd.clone(), "count": m.count.clone(), "weight": m.lin.weight.detach().clone()}
 
 
+def buffers_lane_order(rank: int, world: int, schedule: str) -> list[str]:
+    """Train the BatchNorm CNN four steps with the engine's timeline on; the
+    engine's collectives of the last two steps, in the order they ran."""
+    import json
+
+    hemiola.init()
+    torch.manual_seed(0)
+    m = make_model("cnn")
+    opt = make_optimizer("sgd", m.parameters())
+    model, opt = hemiola.wrap(m, opt, schedule=schedule, timeout_s=30, timeline=True)
+    for step in range(4):
+        x, y = make_batch("cnn", step, rank, world)
+        opt.zero_grad()
+        loss_of("cnn", model(x), y).backward()
+        opt.step()
+    model.synchronize()
+    events = json.loads(model.timeline())["traceEvents"]
+    lane = sorted((e for e in events if e.get("ph") == "X" and e.get("tid") == 0
+                   and e.get("cat") in ("allreduce", "collective")), key=lambda e: e["ts"])
+    return [e["name"] for e in lane if "(iteration 2)" in e["name"]
+            or "(iteration 3)" in e["name"] or e["name"].startswith("broadcast")][-64:]
+
+
 def no_sync_accumulation(rank: int, world: int) -> dict[str, torch.Tensor]:
     """Two micro-batches under no_sync + one synced == one batch of all three."""
     hemiola.init()

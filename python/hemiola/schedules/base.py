@@ -40,6 +40,10 @@ class Schedule:
         reducer takes a preview of every bucket."""
         return cls.in_flight, False
 
+    def backward_started(self) -> None:
+        """A synchronised backward produced its first gradient; nothing of
+        it is marked yet."""
+
     def mark(self, index: int, grad: torch.Tensor) -> None:
         """Autograd produced `grad` for parameter `index` (hook path)."""
         raise NotImplementedError

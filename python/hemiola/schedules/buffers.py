@@ -14,8 +14,9 @@ if TYPE_CHECKING:
 
 
 class BufferBroadcast:
-    """Rank 0's buffers, broadcast asynchronously after backward and applied
-    later, so that a forward never waits behind an in-flight reduction."""
+    """Rank 0's buffers, broadcast asynchronously during or after backward
+    and applied later (never during a backward: autograd may have saved the
+    buffers), so that a forward never waits behind an in-flight reduction."""
 
     def __init__(self, replica: Replica) -> None:
         self.replica = replica
@@ -27,6 +28,11 @@ class BufferBroadcast:
     def wanted(self) -> bool:
         m = self.replica
         return bool(m.config.broadcast_buffers and m.buffers and m.world_size > 1)
+
+    @property
+    def pending(self) -> bool:
+        """A broadcast is started and not yet copied into the buffers."""
+        return self._handle is not None
 
     def start(self) -> None:
         self.finish()

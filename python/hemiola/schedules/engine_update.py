@@ -114,6 +114,8 @@ class EngineUpdate(Schedule):
         self._finished: int | None = None
         self._unmarked: dict[int, list[int]] = {}
         self._buffers = BufferBroadcast(replica)
+        #: this backward's buffers broadcast started when it began
+        self._buffers_early = False
         self._gate = ForwardGate(replica.module, replica.params, self.land, self.landers_learnt)
         # The local gradients as backward left them (object, version), to
         # catch code that edits .grad before optimizer.step(): that edit would
@@ -267,6 +269,20 @@ class EngineUpdate(Schedule):
         copy = self._local[index] = grad.contiguous()
         return copy.data_ptr()
 
+    def backward_started(self) -> None:
+        # The forward has updated the buffers, and the backward does not:
+        # rank 0's are broadcast now, ahead of every bucket on the engine's
+        # lane. Started after backward, the broadcast queued behind all of
+        # them, and priority's optimizer.step(), which waits for it, waited
+        # for every reduction: the next forward overlapped none (a
+        # BatchNorm CNN at 1 Gbit/s stepped in 432 ms, wfbp in 522,
+        # decoupled in 360). Only when the last broadcast has been copied
+        # (priority copies it in optimizer.step()): copying one now would
+        # edit buffers autograd saved; then it starts after backward.
+        self._buffers_early = self._buffers.wanted and not self._buffers.pending
+        if self._buffers_early:
+            self._buffers.start()
+
     def backward_done(self, iteration: int, unmarked: list[int]) -> None:
         if self._finished is not None:  # superseded (see before_forward)
             self._unmarked.pop(self._finished, None)
@@ -276,8 +292,9 @@ class EngineUpdate(Schedule):
         self._grads_seen = self._grad_versions()
         if unmarked:
             self._unmarked[iteration] = unmarked
-        if self._buffers.wanted:
+        if self._buffers.wanted and not self._buffers_early:
             self._buffers.start()
+        self._buffers_early = False
         params = self.replica.params
         for i in unmarked:  # contributed as zeros; torch steps them if .grad exists
             grad = params[i].grad
