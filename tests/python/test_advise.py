@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -308,6 +309,10 @@ def test_streaming_prediction() -> None:
     sync = wire + 0.010
     # blocking: the whole sync every H steps
     assert model.streaming_step(p, net, 10, 1, 0) == pytest.approx(0.11 + sync / 10)
+    # where a lockstep job's step is 1.1x the ranks' own pace, streaming's
+    # inner steps (the ranks meet only at syncs) go at the ranks' own pace
+    assert model.streaming_step(replace(p, lockstep=1.1), net, 10, 1, 0) == pytest.approx(
+        0.11 / 1.1 + sync / 10)
     # overlapped by one step: it hides; the CPU still slows the computation
     assert model.streaming_step(p, net, 10, 1, 1) == pytest.approx(0.11)
     p.contention = 1.0
@@ -387,6 +392,10 @@ def test_streaming_is_advised_only_where_per_step_wastes_the_computation() -> No
     assert advice is not None and advice.options["sync_every"] == 50
     slow = [Prediction("streaming", "int8", 1.0, {"sync_every": h}) for h in (10, 100)]
     advice = choice.streaming_advice(0.1, 0.5, slow)
+    assert advice is not None and advice.options["sync_every"] == 100
+    # streaming's utilisation is of the ranks' own pace: at 0.0925 s H=50
+    # reaches only 0.88, H=100 0.91
+    advice = choice.streaming_advice(0.1, 0.25, s, free_compute=0.0925)
     assert advice is not None and advice.options["sync_every"] == 100
 
 

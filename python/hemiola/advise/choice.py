@@ -94,14 +94,18 @@ def utilisation(compute: float, seconds: float) -> float:
     return compute / seconds if seconds > 0 else 0.0
 
 
-def streaming_advice(compute: float, per_step: float,
-                     streaming: Sequence[Prediction]) -> Prediction | None:
+def streaming_advice(compute: float, per_step: float, streaming: Sequence[Prediction],
+                     free_compute: float | None = None) -> Prediction | None:
     """The streaming configuration to advise instead of per-step training
-    taking `per_step` seconds, or None (see the module's rule)."""
+    taking `per_step` seconds, or None (see the module's rule). `compute`:
+    the bare step of a job whose ranks meet every step; `free_compute`:
+    of ranks that meet every H steps, streaming's utilisation is of it
+    (default: `compute`; ``Profile.free_compute``)."""
     if not streaming or utilisation(compute, per_step) >= STREAMING_BELOW:
         return None
+    free = compute if free_compute is None else free_compute
     by_h = sorted(streaming, key=lambda p: p.options["sync_every"])
     for p in by_h:
-        if utilisation(compute, p.seconds) >= STREAMING_GOOD:
+        if utilisation(free, p.seconds) >= STREAMING_GOOD:
             return p
     return by_h[-1]

@@ -162,17 +162,20 @@ def _name(p: dict[str, Any]) -> str:
     return model.Prediction(p["schedule"], p["coding"], p["seconds"], p.get("options", {})).name
 
 
-def _streaming_lines(compute: float, best: float, streaming: list[dict[str, Any]],
+def _streaming_lines(profile: Profile, best: float, streaming: list[dict[str, Any]],
                      measured: dict[str, float]) -> list[str]:
+    # streaming's ranks meet every H steps: its utilisation is of their pace
     lines = ["streaming (DiLoCo; the coding on the wire as named), predicted per inner step:"]
     for s in streaming:
         seen = measured.get(_name(s))
         check = f"  measured {1e3 * seen:8.1f} ms" if seen is not None else ""
         lines.append(f"  {1e3 * s['seconds']:8.1f} ms  utilisation "
-                     f"{choice.utilisation(compute, s['seconds']):4.2f}  {_label(s)}{check}")
-    advice = choice.streaming_advice(compute, best,
-                                     [model.Prediction(**s) for s in streaming])
-    u = choice.utilisation(compute, best)
+                     f"{choice.utilisation(profile.free_compute, s['seconds']):4.2f}  "
+                     f"{_label(s)}{check}")
+    advice = choice.streaming_advice(profile.compute, best,
+                                     [model.Prediction(**s) for s in streaming],
+                                     profile.free_compute)
+    u = choice.utilisation(profile.compute, best)
     if advice is None:
         lines.append(f"Streaming: not advised: the best per-step configuration keeps the "
                      f"computation busy {100 * u:.0f}% of the time (streaming is advised below "
@@ -233,7 +236,7 @@ def report(result: dict[str, Any]) -> str:
                      f"measured before it ({1e3 * profile.compute:.1f} ms): other work on this "
                      "machine changed its speed meanwhile, so the predictions are off; "
                      "measure again when it is quiet (the choice above was measured).")
-    lines += _streaming_lines(profile.compute, seconds, result["streaming"], measured)
+    lines += _streaming_lines(profile, seconds, result["streaming"], measured)
     return "\n".join(lines)
 
 
@@ -265,7 +268,7 @@ def scale_report(profile: Profile, net: Network) -> str:
     best = choice.choose_predicted(predictions)
     lines.append(f"Use: hemiola.wrap(model, optimizer, {_label(vars(best))})  (predicted; "
                  f"predictions err by up to {100 * choice.PREDICTION_ERROR:.0f}%: docs/scale.md)")
-    lines += _streaming_lines(compute, best.seconds, [vars(s) for s in streaming], {})
+    lines += _streaming_lines(profile, best.seconds, [vars(s) for s in streaming], {})
     return "\n".join(lines)
 
 
