@@ -32,12 +32,6 @@ class Param:
     ready: float = 0.0
 
     @property
-    def free_compute(self) -> float:
-        """One iteration's computation where the ranks do not meet each step
-        (the slowest rank's own pace)."""
-        return self.compute / self.lockstep
-
-    @property
     def nbytes(self) -> int:
         return self.numel * self.element_size
 
