@@ -104,20 +104,22 @@ def test_training_beside_a_wait_ends_with_it_and_raises_its_error() -> None:
 def _agree_on_uneven_ranks(rank: int, world: int, steps: bool = False) -> dict[str, float]:
     """Rank r's bare forward is 0.1 * (1 + r) s; what agree() gives it. With
     `steps`: both ranks' forward is 0.1 s, and of three steps in lockstep
-    each rank was slow (0.4 s instead of 0.3) in a different one."""
+    each rank was slow (0.4 s instead of 0.3) in a different one. Rank r
+    measured an overhead of 0.01 * (1 + 2r) s."""
     from hemiola.advise.measure import Bare, agree
     from hemiola.distributed import new_engine
 
     engine, _ = new_engine(timeout_s=60.0)
     param = Param(10, need=0.0, ready=0.2)
     mine = Profile(forward=0.1 * (1 + (0 if steps else rank)), backward=0.2, step=0.0,
-                   params=[param])
+                   params=[param], overhead={"wfbp+none": 0.01 * (1 + 2 * rank)})
     measured = Bare(0.1, 0.2, 0.0, [param], [0.3, 0.4, 0.3] if rank == 0 else [0.4, 0.3, 0.3],
                     [0.3, 0.3, 0.3])
     agreed = agree(mine, engine, measured if steps else None)
     return {"forward": agreed.forward, "compute": agreed.compute,
             "ready": agreed.params[0].ready, "slowest": agreed.meta.get("slowest_rank", 0.0),
-            "lockstep": agreed.lockstep, "free": agreed.free_compute}
+            "lockstep": agreed.lockstep, "free": agreed.free_compute,
+            "overhead": agreed.overhead["wfbp+none"]}
 
 
 def test_a_synchronous_job_waits_each_step_for_the_rank_slow_then() -> None:
@@ -131,6 +133,7 @@ def test_a_synchronous_job_waits_each_step_for_the_rank_slow_then() -> None:
         assert r["lockstep"] == pytest.approx(4 / 3)
         assert r["free"] == pytest.approx(0.3)
         assert r["slowest"] == 0.0  # no rank is slower than rank 0 on its own
+        assert r["overhead"] == pytest.approx(0.02)  # every rank's mean
 
 
 def test_the_ranks_agree_on_rank_0s_profile_at_the_slowest_ranks_pace() -> None:
@@ -142,6 +145,7 @@ def test_the_ranks_agree_on_rank_0s_profile_at_the_slowest_ranks_pace() -> None:
         assert r["forward"] == pytest.approx(0.1 * 4 / 3)
         assert r["ready"] == pytest.approx(0.2 * 4 / 3)
         assert r["slowest"] == pytest.approx(4 / 3)
+        assert r["overhead"] == pytest.approx(0.02 * 4 / 3)  # the mean, scaled as a CPU time
 
 
 @pytest.mark.parametrize("spec,words", [
