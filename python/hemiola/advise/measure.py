@@ -2,8 +2,9 @@
 thread per rank as training runs; and short trial runs of configurations.
 
 Every rank measures at the same time (the ranks share the machine as they
-will in training); rank 0's numbers are broadcast so every rank holds the
-same profile. What is measured (:class:`~hemiola.advise.profile.Profile`):
+will in training); rank 0's numbers are broadcast (the overheads: every
+rank's mean) so every rank holds the same profile. What is measured
+(:class:`~hemiola.advise.profile.Profile`):
 
 - the bare model: forward, backward, step, when each module's forward first
   reads its parameters and when backward produces each gradient (hooks);
@@ -365,7 +366,8 @@ def wire_rate_beside(work: Workload, engine: Any, bandwidth: float,
 
 def measure(factory: Factory, repeats: int, engine: Any | None) -> Profile:
     """Every rank measures (collectively where `engine`, the job's, is given);
-    the profile of rank 0 is returned on every rank."""
+    the profile of rank 0 (with every rank's mean overheads, :func:`agree`)
+    is returned on every rank."""
     torch.set_num_threads(1)
     sync = (lambda: engine.barrier().wait()) if engine is not None else (lambda: None)
     work = make_workload(factory)
