@@ -5,6 +5,14 @@ use ``torchrun``. The parent hosts the rendezvous TCPStore (like torchrun's
 agent), so killing any rank, rank 0 included, never takes the store down.
 Each rank gets RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT; its return value
 (or its traceback) comes back to the parent.
+
+Ranks start from a fork server that has imported torch and hemiola once, so a
+launch costs tens of milliseconds instead of every rank importing torch again
+(about 3 s on a 2-core machine). A forked rank is as fresh as a spawned one:
+the server runs nothing but the imports (no torch op, so no OpenMP pool to
+inherit), each rank gets the launching process's current environment, not
+the server's, and ``fn`` and ``__main__`` are prepared exactly as under spawn
+(``fn`` must be importable; a script needs ``if __name__ == "__main__":``).
 """
 
 from __future__ import annotations
@@ -29,8 +37,28 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _child(fn: Callable[..., Any], rank: int, world: int, port: int, env: dict[str, str],
-           args: tuple[Any, ...], results: Any) -> None:
+# What the fork server imports before it forks its first rank.
+_PRELOAD = ["torch", "torch.distributed", "hemiola"]
+
+
+def _context() -> Any:
+    """The fork server's context (torch and hemiola preloaded), or spawn where
+    a platform has no fork server."""
+    if "forkserver" not in mp.get_all_start_methods():
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    # Takes effect when the server starts (the first launch); later calls are no-ops.
+    ctx.set_forkserver_preload(_PRELOAD)
+    return ctx
+
+
+def _child(fn: Callable[..., Any], rank: int, world: int, port: int,
+           launcher_env: dict[str, str], env: dict[str, str], args: tuple[Any, ...],
+           results: Any) -> None:
+    # The launcher's environment as it is now (a forked rank would otherwise
+    # inherit the fork server's, frozen at its start), then the rank's own.
+    os.environ.clear()
+    os.environ.update(launcher_env)
     os.environ.update(
         RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port), TORCHELASTIC_USE_AGENT_STORE="True", OMP_NUM_THREADS="1",
@@ -87,7 +115,7 @@ def run_local(fn: Callable[..., Any], world: int, *args: Any, timeout_s: float =
     ``{rank: ("ok", result) or ("error", text)}`` instead. A rank still running
     after `timeout_s` is killed and reported as hung: never a silent hang.
     """
-    ctx = mp.get_context("spawn")
+    ctx = _context()
     port = free_port()
     # A parameter server admits only ranks that present the job's token: a
     # local job gets a fresh random one unless the caller chose one.
@@ -98,7 +126,8 @@ def run_local(fn: Callable[..., Any], world: int, *args: Any, timeout_s: float =
     store = dist.TCPStore("127.0.0.1", port, world, is_master=True, wait_for_workers=False)
     results = ctx.Queue()
     procs = [
-        ctx.Process(target=_child, args=(fn, r, world, port, env or {}, args, results))
+        ctx.Process(target=_child,
+                    args=(fn, r, world, port, dict(os.environ), env or {}, args, results))
         for r in range(world)
     ]
     for p in procs:
