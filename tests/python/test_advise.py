@@ -50,6 +50,8 @@ def test_advise_measures_agrees_predicts_tries_and_chooses(tmp_path: Path) -> No
     assert set(profile.plans) == set(model.SCHEDULES)
     assert profile.link is not None and profile.link.world == 2
     assert profile.link.bandwidth > 0 and set(profile.reduce) == set(model.CODINGS)
+    assert set(profile.meeting) == set(model.CODINGS)
+    assert all(v >= 0 for v in profile.meeting.values())
     # the wire beside training: the link slowed by the measured ratio, where slower
     alone, beside = profile.meta["wire_beside"]
     assert alone > 0 and beside > 0
@@ -403,6 +405,38 @@ def test_streaming_is_advised_only_where_per_step_wastes_the_computation() -> No
     assert advice is not None and advice.options["sync_every"] == 100
 
 
+def test_the_ranks_meeting_is_what_a_measured_reduction_takes_beyond_the_model() -> None:
+    """The meeting of a coding is its reduction measured on the link less the
+    model's (coding CPU, then the collectives), at least 0; it is spent on
+    the lane of every bucket by its share of the elements, and only where
+    there are ranks to meet."""
+    from hemiola.advise.measure import with_meeting
+
+    link = Link(2, 1e-4, 1e8)
+    p = _profile(link=link, coding_cpu={"none": 0.004, "powersgd": 0.008})
+    net = Network(2, link.bandwidth, latency=link.latency)
+    alone = {c: model.reduction_alone(p, net, c) for c in ("none", "powersgd")}
+    # by hand: 400 floats (1600 bytes) in two buckets, each a ring all-reduce
+    wire = sum(collective.all_reduce(net, 4 * n) for n in (300, 100))
+    assert alone["none"] == pytest.approx(0.004 + wire)
+    p.reduce = {"none": alone["none"] - 0.001, "powersgd": alone["powersgd"] + 0.006}
+    met = with_meeting(p).meeting
+    assert met["none"] == 0.0  # a reduction faster than the model is no negative meeting
+    assert met["powersgd"] == pytest.approx(0.006)
+    jobs = model.jobs_for(p, net, "wfbp", "powersgd")
+    bare = model.jobs_for(p, net, "wfbp", "powersgd", meeting=False)
+    # p1 (300 of the 400 elements) is reduced first: 3/4 of the meeting, then 1/4
+    assert [j.cpu - b.cpu for j, b in zip(jobs, bare)] == pytest.approx([0.0045, 0.0015])
+    assert model.jobs_for(p, Network(1, 1e8), "wfbp", "powersgd") == \
+        model.jobs_for(p, Network(1, 1e8), "wfbp", "powersgd", meeting=False)
+    # wfbp waits for every bucket at the end of backward: the meeting adds there
+    # (the last bucket's share: the first one's meets under the computation)
+    assert model.predict_one(p, net, "wfbp", "powersgd") > \
+        model.predict_one(replace(p, meeting={}), net, "wfbp", "powersgd")
+    # a slower machine meets more slowly too (Gloo's waiting threads spin on the CPU)
+    assert p.scaled(2.0).meeting["powersgd"] == pytest.approx(0.012)
+
+
 def test_profiles_round_trip_and_bad_ones_are_refused(tmp_path: Path) -> None:
     p = _profile(link=Link(2, 1e-4, 1e8), coding_cpu={"none": 0.001})
     path = tmp_path / "p.json"
@@ -415,7 +449,8 @@ def test_profiles_round_trip_and_bad_ones_are_refused(tmp_path: Path) -> None:
     data = json.loads(path.read_text())
     for change, words in [({"version": 99}, "version 99"), ({"forward": -1}, "forward"),
                           ({"params": []}, "params is empty"),
-                          ({"plans": {"wfbp": [[0]]}}, "wfbp plan must hold every")]:
+                          ({"plans": {"wfbp": [[0]]}}, "wfbp plan must hold every"),
+                          ({"meeting": {"int8": -0.1}}, r"meeting\['int8'\] is negative")]:
         path.write_text(json.dumps({**data, **change}))
         with pytest.raises(ValueError, match=words):
             Profile.load(path)

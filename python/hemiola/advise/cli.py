@@ -208,14 +208,15 @@ def report(result: dict[str, Any]) -> str:
             lines.append(f"  beside the computation it sends {rate:.3f} Gbit/s at most (the "
                          "CPU it shares with the computation)")
         net = local_network(profile, world)
-        lines.append("all-reduce of all gradients: measured / modelled (coding CPU):")
+        lines.append("all-reduce of all gradients: measured / modelled (coding CPU; the "
+                     "ranks' meeting, added):")
         for coding in model.CODINGS:
             if coding not in profile.reduce:
                 continue
-            jobs = model.jobs_for(profile, net, "wfbp", coding)
-            modelled = sum(j.cpu + max(j.wire, j.wire_cpu) for j in jobs)
+            modelled = model.reduction_alone(profile, net, coding)
             lines.append(f"  {coding:9s} {1e3 * profile.reduce[coding]:8.1f} / "
-                         f"{1e3 * modelled:8.1f} ms  ({1e3 * profile.coding_cpu[coding]:.1f})")
+                         f"{1e3 * modelled:8.1f} ms  ({1e3 * profile.coding_cpu[coding]:.1f}; "
+                         f"{1e3 * profile.meeting.get(coding, 0.0):.1f})")
     measured = result.get("measured", {})
     lines.append("Predicted time per iteration (measured where tried):")
     for p in result["predictions"]:

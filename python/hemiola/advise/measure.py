@@ -423,7 +423,20 @@ def measure(factory: Factory, repeats: int, engine: Any | None) -> Profile:
     profile.meta = provenance(factory)
     if wire_beside_seconds:  # the all-reduce of every gradient alone and beside training
         profile.meta["wire_beside"] = wire_beside_seconds
-    return agree(profile, engine, measured)
+    return with_meeting(agree(profile, engine, measured))
+
+
+def with_meeting(profile: Profile) -> Profile:
+    """`profile` with ``meeting`` from its measured reductions (each coding's
+    time on the link beyond the model of it), once its CPU times are the
+    job's (after :func:`agree`: the same on every rank)."""
+    if profile.link is None or not profile.reduce:
+        return profile
+    link = profile.link
+    net = Network(world=link.world, bandwidth=link.bandwidth, latency=link.latency)
+    profile.meeting = {coding: max(0.0, seconds - model.reduction_alone(profile, net, coding))
+                       for coding, seconds in profile.reduce.items()}
+    return profile
 
 
 def provenance(factory: Factory) -> dict[str, Any]:

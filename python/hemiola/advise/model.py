@@ -287,17 +287,21 @@ def simulate(program: Sequence[_Segment], jobs: Sequence[Job], contention: float
 
 
 def jobs_for(profile: Profile, net: Network, schedule: str, coding: str,
-             plan: list[list[int]] | None = None, powersgd_rank: int = 2) -> list[Job]:
-    """One Job per bucket of the schedule's plan under `coding` on `net`."""
+             plan: list[list[int]] | None = None, powersgd_rank: int = 2,
+             meeting: bool = True) -> list[Job]:
+    """One Job per bucket of the schedule's plan under `coding` on `net`.
+    `meeting`: with the profile's measured meeting of the ranks (its share
+    per bucket, as the coding's CPU) wherever there are ranks to meet."""
     plan = plan_of(profile, schedule) if plan is None else plan
     buckets = pieces(profile.params, plan)
     total = sum(p.numel for p in profile.params)
     preview = schedule == "decoupled" and profile.optimizer in ("Adam", "AdamW")
+    met = profile.meeting.get(coding, 0.0) if meeting and net.world > 1 else 0.0
     out = []
     for bucket in buckets:
         share = sum(p.numel for p in bucket) / total
         payload = payloads(coding, bucket, net.world, powersgd_rank)
-        cpu = profile.coding_cpu.get(coding, 0.0) * share
+        cpu = (profile.coding_cpu.get(coding, 0.0) + met) * share
         if preview:  # its one-byte codes go first, on the same link
             payload = payloads("preview", bucket, net.world) + payload
             cpu += profile.coding_cpu.get("int8", 0.0) * share
@@ -306,6 +310,15 @@ def jobs_for(profile: Profile, net: Network, schedule: str, coding: str,
         out.append(Job(cpu, seconds, profile.wire_cpu_per_byte * nbytes,
                        wire_beside(profile, seconds, nbytes)))
     return out
+
+
+def reduction_alone(profile: Profile, net: Network, coding: str) -> float:
+    """Seconds of one reduction of every gradient (DDP's buckets) under
+    `coding` on `net` with nothing beside it, as the model sees it before the
+    ranks' meeting: each bucket's coding CPU, then its collectives (or the
+    wire's CPU work where that is longer)."""
+    return sum(j.cpu + max(j.wire, j.wire_cpu)
+               for j in jobs_for(profile, net, "wfbp", coding, meeting=False))
 
 
 def wire_beside(profile: Profile, seconds: float, nbytes: float) -> float:

@@ -91,6 +91,14 @@ class Profile:
     link: Link | None = None
     #: per coding: one all-reduce of every gradient measured on `link`
     reduce: dict[str, float] = field(default_factory=dict)
+    #: per coding: what `reduce` takes beyond the model of it (the coding's
+    #: CPU and its collectives on `link`), at least 0: the ranks meeting.
+    #: Each collective waits for every rank to have coded its part, so a
+    #: coding of several rounds a bucket (PowerSGD's three, int8's two) waits
+    #: that often for whichever rank is slower then, and Gloo's waiting threads
+    #: spin on the CPU. Seconds per iteration for the whole model, spent on the
+    #: engine's lane like the coding's CPU; measured at `link`'s world
+    meeting: dict[str, float] = field(default_factory=dict)
     #: the optimizer's class name (Adam and AdamW turn decoupled's preview on)
     optimizer: str = "SGD"
     #: provenance: date, host, cpus, torch, hemiola, model, ...
@@ -119,6 +127,7 @@ class Profile:
         the rate of the machine the profile was measured on."""
         return replace(self.computation_scaled(factor),
                        coding_cpu={k: v * factor for k, v in self.coding_cpu.items()},
+                       meeting={k: v * factor for k, v in self.meeting.items()},
                        overhead={k: v * factor for k, v in self.overhead.items()},
                        wire_cpu_per_byte=self.wire_cpu_per_byte * factor)
 
@@ -183,6 +192,7 @@ class Profile:
             if seen != list(range(len(self.params))):
                 raise ValueError(f"profile: the {schedule} plan must hold every parameter "
                                  f"index 0..{len(self.params) - 1} and no other")
-        for coding, seconds in self.coding_cpu.items():
-            if seconds < 0:
-                raise ValueError(f"profile: coding_cpu[{coding!r}] is negative")
+        for name in ("coding_cpu", "meeting"):
+            for coding, seconds in getattr(self, name).items():
+                if seconds < 0:
+                    raise ValueError(f"profile: {name}[{coding!r}] is negative")
