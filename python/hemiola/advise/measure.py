@@ -18,8 +18,9 @@ rank's mean) so every rank holds the same profile. What is measured
 - streaming's sync: its step with a blocking sync every step on a free wire;
 - on the job's own ranks, the link: all-reduces of two sizes (latency and
   bandwidth), the CPU the process spends per byte sent, one reduction of
-  every gradient per coding (the model's check), and the same reduction
-  while every rank trains beside it (how fast the wire goes then).
+  every gradient per coding (what it takes beyond the model of it is the
+  ranks' ``meeting``), and the same reduction while every rank trains
+  beside it (how fast the wire goes then).
 """
 
 from __future__ import annotations
