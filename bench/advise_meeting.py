@@ -1,0 +1,136 @@
+"""The ranks' meeting of ``hemiola advise``: what a coding's reduction takes at
+2 ranks beyond its CPU work alone, and what modelling it does to the
+committed grids.
+
+    python bench/advise_meeting.py measure [--model lm] [--repeats 7]
+    python bench/advise_meeting.py replay
+
+``measure``: on 2 local ranks (loopback), one reduction of every gradient of
+the model per coding, through an engine of one rank (every collective
+returns at once) and through the 2-rank engine, alternately twice; prints
+each one's median wall time and the process's CPU time (every thread) over
+it, per rank. ``replay``: re-predicts every per-step row of the committed
+advise grids (docs/results) at the trials' computation from the grid's own
+profiles, with the profile's ``meeting`` derived from its measured
+reductions and without it, and counts the rows within 10%. Nothing is
+measured there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from hemiola.advise import model
+from hemiola.advise.cli import local_network
+from hemiola.advise.measure import with_meeting
+from hemiola.advise.profile import Profile
+
+RESULTS = Path(__file__).resolve().parents[1] / "docs" / "results"
+
+
+def _reductions(rank: int, world: int, spec: str, repeats: int) -> dict[str, list[float]]:
+    import torch
+
+    import hemiola
+    from hemiola.advise import measure
+    from hemiola.advise.models import load_factory, make_workload
+    from hemiola.distributed import new_engine
+
+    torch.set_num_threads(1)
+    hemiola.init()
+    engine, _ = new_engine(timeout_s=600.0)
+    params = measure.params_of(make_workload(load_factory(spec)).model)
+    free, _ = measure.free_engine()
+    out: dict[str, list[float]] = {}
+    for coding in model.CODINGS:
+        for label, eng in (("1 rank", free), ("2 ranks", engine)) * 2:
+            reduction = measure.Reduction(eng, params, coding)
+            engine.barrier().wait()
+            reduction.run()
+            walls, cpus = [], []
+            for _ in range(repeats):
+                engine.barrier().wait()
+                wall, cpu = time.perf_counter(), time.process_time()
+                reduction.run()
+                walls.append(time.perf_counter() - wall)
+                cpus.append(time.process_time() - cpu)
+            key = f"{coding} {label}"
+            out.setdefault(key, []).extend([1e3 * statistics.median(walls),
+                                            1e3 * statistics.median(cpus)])
+    return out
+
+
+def measure_loopback(spec: str, repeats: int) -> None:
+    from hemiola.launch import run_local
+
+    results = run_local(_reductions, 2, spec, repeats, timeout_s=1800)
+    print("ms per reduction of every gradient: wall / process CPU (two measurements each)")
+    for key in results[0]:
+        cells = []
+        for rank in sorted(results):
+            w1, c1, w2, c2 = results[rank][key]
+            cells.append(f"rank {rank}: {w1:5.1f} / {c1:5.1f}, {w2:5.1f} / {c2:5.1f}")
+        print(f"  {key:18s} " + "   ".join(cells))
+
+
+def _errors(rows: list[dict[str, Any]], profiles: dict[str, Profile], meeting: bool
+            ) -> list[float]:
+    errors = []
+    for row in rows:
+        schedule, coding = row["config"].split("+", 1)
+        profile = profiles[f"{row['model']}-{row['rate']}"]
+        profile = with_meeting(Profile.from_json(profile.to_json()))
+        if not meeting:
+            profile = replace(profile, meeting={})
+        trials = row.get("bare_trials_ms", row.get("bare_now_ms"))
+        profile = profile.scaled(trials / 1e3 / profile.compute)
+        seconds = model.predict_one(profile, local_network(profile, 2), schedule, coding)
+        errors.append(seconds / (row["measured_ms"] / 1e3) - 1)
+    return errors
+
+
+def replay() -> None:
+    print("grid: per-step rows within 10% at the trials' computation (median error), "
+          "without the meeting -> with it")
+    for rows_file in sorted(RESULTS.glob("advise-grid-*.jsonl")):
+        folder = RESULTS / f"{rows_file.stem}-profiles"
+        if not folder.is_dir():
+            continue
+        profiles = {"-".join(f.name.removesuffix(".profile.json").split("-")[-2:]):
+                    Profile.load(f) for f in folder.glob("*.profile.json")}
+        rows = [json.loads(line) for line in rows_file.read_text().splitlines() if line]
+        rows = [r for r in rows if not r["config"].startswith("streaming")
+                and f"{r['model']}-{r['rate']}" in profiles and profiles[
+                    f"{r['model']}-{r['rate']}"].link is not None]
+        if not rows:
+            continue
+        cells = []
+        for meeting in (False, True):
+            errors = _errors(rows, profiles, meeting)
+            within = sum(abs(e) <= 0.1 for e in errors)
+            cells.append(f"{within:2d} of {len(errors)} ({100 * statistics.median(errors):+.1f}%)")
+        print(f"  {rows_file.stem:36s} {cells[0]} -> {cells[1]}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="what", required=True)
+    m = sub.add_parser("measure")
+    m.add_argument("--model", default="lm", help="a model of hemiola.bench.advise_models")
+    m.add_argument("--repeats", type=int, default=7)
+    sub.add_parser("replay")
+    args = parser.parse_args()
+    if args.what == "measure":
+        measure_loopback(f"hemiola.bench.advise_models:{args.model}", args.repeats)
+    else:
+        replay()
+
+
+if __name__ == "__main__":
+    main()
