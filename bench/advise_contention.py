@@ -24,9 +24,9 @@ from dataclasses import replace
 from pathlib import Path
 
 from hemiola.advise import model
-from hemiola.advise.cli import local_network
 from hemiola.advise.collective import Network
 from hemiola.advise.measure import rate_beside
+from hemiola.advise.model import local_network
 from hemiola.advise.profile import Profile
 
 RESULTS = Path(__file__).resolve().parent.parent / "docs" / "results"

@@ -27,8 +27,8 @@ from pathlib import Path
 from typing import Any
 
 from hemiola.advise import model
-from hemiola.advise.cli import local_network
 from hemiola.advise.measure import with_meeting
+from hemiola.advise.model import local_network
 from hemiola.advise.profile import Profile
 
 RESULTS = Path(__file__).resolve().parents[1] / "docs" / "results"
@@ -85,9 +85,7 @@ def _errors(rows: list[dict[str, Any]], profiles: dict[str, Profile], meeting: b
     for row in rows:
         schedule, coding = row["config"].split("+", 1)
         profile = profiles[f"{row['model']}-{row['rate']}"]
-        profile = with_meeting(Profile.from_json(profile.to_json()))
-        if not meeting:
-            profile = replace(profile, meeting={})
+        profile = with_meeting(profile) if meeting else replace(profile, meeting={})
         trials = row.get("bare_trials_ms", row.get("bare_now_ms"))
         profile = profile.scaled(trials / 1e3 / profile.compute)
         seconds = model.predict_one(profile, local_network(profile, 2), schedule, coding)

@@ -91,7 +91,7 @@ def predicted_at(result: dict[str, Any], p: dict[str, Any], compute: float) -> f
     that the bare step takes `compute` seconds (what it took when the
     configurations ran, on a machine whose speed drifts)."""
     from hemiola.advise import model
-    from hemiola.advise.cli import local_network
+    from hemiola.advise.model import local_network
     from hemiola.advise.profile import Profile
 
     prediction = model.Prediction(**p)

@@ -36,18 +36,11 @@ from typing import Any
 
 from hemiola.advise import choice, model
 from hemiola.advise.collective import ALGORITHMS, Network
+from hemiola.advise.model import local_network
 from hemiola.advise.models import Factory, load_factory
 from hemiola.advise.profile import Profile
 
 GBIT = 1e9 / 8  # bytes per second
-
-
-def local_network(profile: Profile, world: int) -> Network:
-    """The job's own link at `world` ranks, as the profile measured it."""
-    if profile.link is None:
-        raise ValueError("this profile was measured without a link (one process): give "
-                         "--rate GBIT to predict")
-    return Network(world=world, bandwidth=profile.link.bandwidth, latency=profile.link.latency)
 
 
 def advise_rank(rank: int, world: int, spec: str | None, repeats: int, iterations: int,

@@ -33,6 +33,7 @@ import statistics
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -433,11 +434,10 @@ def with_meeting(profile: Profile) -> Profile:
     job's (after :func:`agree`: the same on every rank)."""
     if profile.link is None or not profile.reduce:
         return profile
-    link = profile.link
-    net = Network(world=link.world, bandwidth=link.bandwidth, latency=link.latency)
-    profile.meeting = {coding: max(0.0, seconds - model.reduction_alone(profile, net, coding))
-                       for coding, seconds in profile.reduce.items()}
-    return profile
+    net = model.local_network(profile, profile.link.world)
+    return replace(profile, meeting={
+        coding: max(0.0, seconds - model.reduction_alone(profile, net, coding))
+        for coding, seconds in profile.reduce.items()})
 
 
 def provenance(factory: Factory) -> dict[str, Any]:

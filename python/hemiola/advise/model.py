@@ -312,6 +312,14 @@ def jobs_for(profile: Profile, net: Network, schedule: str, coding: str,
     return out
 
 
+def local_network(profile: Profile, world: int) -> Network:
+    """The job's own link at `world` ranks, as the profile measured it."""
+    if profile.link is None:
+        raise ValueError("this profile was measured without a link (one process): give "
+                         "--rate GBIT to predict")
+    return Network(world=world, bandwidth=profile.link.bandwidth, latency=profile.link.latency)
+
+
 def reduction_alone(profile: Profile, net: Network, coding: str) -> float:
     """Seconds of one reduction of every gradient (DDP's buckets) under
     `coding` on `net` with nothing beside it, as the model sees it before the
