@@ -272,11 +272,14 @@ class DataParallel(nn.Module):
         return self._schedule.stats()
 
     def buckets(self) -> list[list[str]]:
-        """The current fusion plan: parameter names per bucket, in issue order."""
+        """The current fusion plan: parameter names per bucket, in issue order
+        (``priority`` sends the front layers' buckets last in backward order
+        first: its order is not the buckets' own)."""
         r = self._replica
         if r.reducer is None:
             return []
-        return [[r.names[i] for i in b] for b in r.reducer.buckets()]
+        buckets = r.reducer.buckets()
+        return [[r.names[i] for i in buckets[b]] for b in r.reducer.issue_order()]
 
     def timeline(self) -> str:
         """Chrome trace JSON of engine events (``timeline=True`` to record)."""

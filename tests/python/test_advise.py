@@ -20,7 +20,7 @@ from hemiola.advise import choice, collective, model
 from hemiola.advise.cli import advise_rank, report, scale_report
 from hemiola.advise.collective import Network, Piece
 from hemiola.advise.model import Job, Prediction
-from hemiola.advise.profile import Link, Param, Profile
+from hemiola.advise.profile import Link, Param, Profile, front_first
 from hemiola.launch import run_local
 
 
@@ -156,6 +156,35 @@ def test_the_ranks_agree_on_rank_0s_profile_at_the_slowest_ranks_pace() -> None:
 def test_bad_model_specs_are_refused(spec: str, words: str) -> None:
     with pytest.raises(ValueError, match=words):
         advise.load_factory(spec)
+
+
+def deep_model() -> tuple[nn.Module, object]:
+    """A --model factory of sixteen 1 MiB layers: priority's 4 MiB buckets
+    are five, the two front ones (a quarter of the bytes) reordered."""
+    torch.manual_seed(0)
+    model_ = nn.Sequential(*[nn.Linear(512, 512, bias=False) for _ in range(16)])
+    x = torch.randn(4, 512)
+    return model_, lambda m: m(x).square().mean()
+
+
+def test_the_profiles_priority_plan_is_the_engines_issue_order() -> None:
+    """priority sends its buckets in another order than backward makes them
+    (the front layers' last, front first): the profile reads the order the
+    engine sends them in, and the model derives the same order itself."""
+    from hemiola.advise.measure import free_wire_step
+
+    _, _, plan = free_wire_step(deep_model, "priority", "none", 1)
+    params = [Param(512 * 512) for _ in range(16)]
+    backward = sorted(plan, key=lambda bucket: -max(bucket))
+    assert plan != backward
+    assert plan == front_first(params, backward)
+    # a profile of version 1 held priority's buckets in backward order: read,
+    # they are in the engine's
+    old = {**Profile(0.1, 0.1, 0.01, params, plans={"priority": backward}).to_json(),
+           "version": 1}
+    assert Profile.from_json(old).plans["priority"] == plan
+    _, _, wfbp = free_wire_step(deep_model, "wfbp", "none", 1)
+    assert wfbp == model.ddp_plan(params, model.FUSION["wfbp"])
 
 
 def test_ddp_plan_is_the_engines() -> None:
@@ -408,8 +437,8 @@ def test_streaming_is_advised_only_where_per_step_wastes_the_computation() -> No
 def test_the_ranks_meeting_is_what_a_measured_reduction_takes_beyond_the_model() -> None:
     """The meeting of a coding is its reduction measured on the link less the
     model's (coding CPU, then the collectives), at least 0; it is spent on
-    the lane of every bucket by its share of the elements, and only where
-    there are ranks to meet."""
+    the lane of every bucket by its collectives (the ranks meet at each),
+    and only where there are ranks to meet."""
     from hemiola.advise.measure import with_meeting
 
     link = Link(2, 1e-4, 1e8)
@@ -426,8 +455,18 @@ def test_the_ranks_meeting_is_what_a_measured_reduction_takes_beyond_the_model()
     assert met["powersgd"] == pytest.approx(0.006)
     jobs = model.jobs_for(p, net, "wfbp", "powersgd")
     bare = model.jobs_for(p, net, "wfbp", "powersgd", meeting=False)
-    # p1 (300 of the 400 elements) is reduced first: 3/4 of the meeting, then 1/4
-    assert [j.cpu - b.cpu for j, b in zip(jobs, bare)] == pytest.approx([0.0045, 0.0015])
+    # two buckets of one vector each: one collective each, half the meeting each
+    assert [j.cpu - b.cpu for j, b in zip(jobs, bare)] == pytest.approx([0.003, 0.003])
+    # p1 as a 30 x 10 matrix: PowerSGD's P and Q, two collectives for bucket 0
+    # and one for bucket 1, so the measured reduction met three times
+    m = replace(p, params=[p.params[0], replace(p.params[1], rows=30)])
+    met = [j.cpu - b.cpu for j, b in zip(model.jobs_for(m, net, "wfbp", "powersgd"),
+                                           model.jobs_for(m, net, "wfbp", "powersgd",
+                                                          meeting=False))]
+    assert met == pytest.approx([0.004, 0.002])
+    # priority's plan of the same buckets meets as often
+    assert sum(j.cpu for j in model.jobs_for(p, net, "priority", "powersgd")) == \
+        pytest.approx(sum(j.cpu for j in jobs))
     assert model.jobs_for(p, Network(1, 1e8), "wfbp", "powersgd") == \
         model.jobs_for(p, Network(1, 1e8), "wfbp", "powersgd", meeting=False)
     # wfbp waits for every bucket at the end of backward: the meeting adds there

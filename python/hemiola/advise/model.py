@@ -46,16 +46,13 @@ from hemiola.advise.collective import (
     sent,
     wire,
 )
-from hemiola.advise.profile import Param, Profile
+from hemiola.advise.profile import Param, Profile, front_first
 
 SCHEDULES = ("wfbp", "priority", "decoupled")
 CODINGS = ("none", "fp16", "int8", "powersgd")
 #: the bucket caps of each schedule's plan (Config.fusion_bytes), in bytes
 FUSION = {"wfbp": 25 << 20, "decoupled": 25 << 20, "priority": 4 << 20}
 FIRST_BUCKET = 1 << 20
-#: priority's default: the buckets holding the front layers' first quarter of
-#: the bytes are issued front first (Config.priority_front_fraction)
-FRONT_FRACTION = 0.25
 #: streaming's sync periods and the fragment counts tried for each
 STREAMING_H = (10, 20, 50, 100)
 STREAMING_FRAGMENTS = (1, 2, 4)
@@ -129,22 +126,6 @@ def ddp_plan(params: Sequence[Param], cap: int, first: int = FIRST_BUCKET) -> li
     if bucket:
         plan.append(bucket)
     return plan
-
-
-def front_first(params: Sequence[Param], plan: list[list[int]],
-                fraction: float = FRONT_FRACTION) -> list[list[int]]:
-    """`plan` (backward order) with the buckets that hold the first `fraction`
-    of the bytes (the front layers) moved to the end, front first: priority's
-    issue order."""
-    total = sum(p.nbytes for p in params)
-    front: list[list[int]] = []
-    seen = 0
-    for bucket in reversed(plan):
-        if seen >= fraction * total:
-            break
-        front.append(bucket)
-        seen += sum(params[i].nbytes for i in bucket)
-    return plan[: len(plan) - len(front)] + front
 
 
 def plan_of(profile: Profile, schedule: str) -> list[list[int]]:
@@ -290,18 +271,25 @@ def jobs_for(profile: Profile, net: Network, schedule: str, coding: str,
              plan: list[list[int]] | None = None, powersgd_rank: int = 2,
              meeting: bool = True) -> list[Job]:
     """One Job per bucket of the schedule's plan under `coding` on `net`.
-    `meeting`: with the profile's measured meeting of the ranks (its share
-    per bucket, as the coding's CPU) wherever there are ranks to meet."""
+    `meeting`: with the profile's measured meeting of the ranks wherever
+    there are ranks to meet, spent as the coding's CPU: the ranks meet once
+    per collective, so each collective of the bucket holds an equal part of
+    what the measured reduction's collectives met for (a plan of more,
+    smaller buckets meets more often)."""
     plan = plan_of(profile, schedule) if plan is None else plan
     buckets = pieces(profile.params, plan)
     total = sum(p.numel for p in profile.params)
     preview = schedule == "decoupled" and profile.optimizer in ("Adam", "AdamW")
-    met = profile.meeting.get(coding, 0.0) if meeting and net.world > 1 else 0.0
+    per_collective = 0.0
+    if meeting and net.world > 1 and profile.meeting.get(coding, 0.0) > 0:
+        measured = sum(len(payloads(coding, bucket, net.world, powersgd_rank))
+                       for bucket in pieces(profile.params, plan_of(profile, "wfbp")))
+        per_collective = profile.meeting[coding] / max(measured, 1)
     out = []
     for bucket in buckets:
         share = sum(p.numel for p in bucket) / total
         payload = payloads(coding, bucket, net.world, powersgd_rank)
-        cpu = (profile.coding_cpu.get(coding, 0.0) + met) * share
+        cpu = profile.coding_cpu.get(coding, 0.0) * share + per_collective * len(payload)
         if preview:  # its one-byte codes go first, on the same link
             payload = payloads("preview", bucket, net.world) + payload
             cpu += profile.coding_cpu.get("int8", 0.0) * share

@@ -15,7 +15,11 @@ from pathlib import Path
 from typing import Any
 
 #: bump when a field changes meaning; a profile of another version is refused
-VERSION = 1
+#: (version 1 is read: its priority plan was in backward order, see from_json)
+VERSION = 2
+#: priority's default: the buckets holding the front layers' first quarter of
+#: the bytes are issued front first (Config.priority_front_fraction)
+FRONT_FRACTION = 0.25
 
 
 @dataclass
@@ -149,7 +153,7 @@ class Profile:
     def from_json(cls, data: dict[str, Any]) -> Profile:
         data = dict(data)
         version = data.pop("version", VERSION)
-        if version != VERSION:
+        if version not in (1, VERSION):
             raise ValueError(f"this profile is of version {version}; this hemiola reads version "
                              f"{VERSION}: measure it again with hemiola advise --save-profile")
         try:
@@ -160,6 +164,10 @@ class Profile:
             raise ValueError(f"not a hemiola advise profile ({e}): it needs forward, backward, "
                              "step (seconds) and params (a list of {numel, need, ready, ...})"
                              ) from e
+        if version == 1 and "priority" in profile.plans:
+            # version 1 read priority's buckets in backward order, not the
+            # order the engine sends them in, which follows from it
+            profile.plans["priority"] = front_first(params, profile.plans["priority"])
         profile.check()
         return profile
 
@@ -196,3 +204,25 @@ class Profile:
             for coding, seconds in getattr(self, name).items():
                 if seconds < 0:
                     raise ValueError(f"profile: {name}[{coding!r}] is negative")
+
+
+def front_first(params: list[Param], plan: list[list[int]],
+                fraction: float = FRONT_FRACTION) -> list[list[int]]:
+    """`plan` (backward order) with the buckets that hold the first `fraction`
+    of the bytes (the front layers) moved to the end, front first, and at
+    least one bucket left in its place: priority's issue order, as the
+    engine derives it (cpp/src/engine/updater/priority_policy.cpp; a
+    parameter cut into pieces counts its share of the bytes in each bucket)."""
+    pieces: dict[int, int] = {}
+    for bucket in plan:
+        for i in bucket:
+            pieces[i] = pieces.get(i, 0) + 1
+    sizes = [sum(params[i].nbytes / pieces[i] for i in bucket) for bucket in plan]
+    tail: list[int] = []
+    covered = 0.0
+    for k in reversed(range(len(plan))):
+        if covered >= fraction * sum(sizes) or len(tail) + 1 >= len(plan):
+            break
+        tail.append(k)
+        covered += sizes[k]
+    return plan[: len(plan) - len(tail)] + [plan[k] for k in tail]
