@@ -100,8 +100,9 @@ class Profile:
     #: Each collective waits for every rank to have coded its part, so a
     #: coding of several rounds a bucket (PowerSGD's three, int8's two) waits
     #: that often for whichever rank is slower then, and Gloo's waiting threads
-    #: spin on the CPU. Seconds per iteration for the whole model, spent on the
-    #: engine's lane like the coding's CPU; measured at `link`'s world
+    #: spin on the CPU. Seconds per iteration for the whole model (its DDP
+    #: plan's collectives), spent on the engine's lane like the coding's CPU,
+    #: an equal part per collective; measured at `link`'s world
     meeting: dict[str, float] = field(default_factory=dict)
     #: the optimizer's class name (Adam and AdamW turn decoupled's preview on)
     optimizer: str = "SGD"
