@@ -2,14 +2,16 @@
 2 ranks beyond its CPU work alone, and what modelling it does to the
 committed grids.
 
-    python bench/advise_meeting.py measure [--model lm] [--repeats 7]
+    python bench/advise_meeting.py measure [--model lm] [--repeats 7] [--caps 25,4,1]
     python bench/advise_meeting.py replay
 
 ``measure``: on 2 local ranks (loopback), one reduction of every gradient of
 the model per coding, through an engine of one rank (every collective
 returns at once) and through the 2-rank engine, alternately twice; prints
 each one's median wall time and the process's CPU time (every thread) over
-it, per rank. ``replay``: re-predicts every per-step row of the committed
+it, per rank; ``--caps``: with buckets of each of these MiB (25: DDP's
+plan; 4: ``priority``'s), to see the meeting grow with the collectives.
+``replay``: re-predicts every per-step row of the committed
 advise grids (docs/results) at the trials' computation from the grid's own
 profiles, with the profile's ``meeting`` derived from its measured
 reductions and without it, and counts the rows within 10%. Nothing is
@@ -34,7 +36,8 @@ from hemiola.advise.profile import Profile
 RESULTS = Path(__file__).resolve().parents[1] / "docs" / "results"
 
 
-def _reductions(rank: int, world: int, spec: str, repeats: int) -> dict[str, list[float]]:
+def _reductions(rank: int, world: int, spec: str, repeats: int,
+                caps: list[int]) -> dict[str, list[float]]:
     import torch
 
     import hemiola
@@ -48,9 +51,9 @@ def _reductions(rank: int, world: int, spec: str, repeats: int) -> dict[str, lis
     params = measure.params_of(make_workload(load_factory(spec)).model)
     free, _ = measure.free_engine()
     out: dict[str, list[float]] = {}
-    for coding in model.CODINGS:
+    for coding, cap in ((c, cap) for c in model.CODINGS for cap in caps):
         for label, eng in (("1 rank", free), ("2 ranks", engine)) * 2:
-            reduction = measure.Reduction(eng, params, coding)
+            reduction = measure.Reduction(eng, params, coding, cap << 20)
             engine.barrier().wait()
             reduction.run()
             walls, cpus = [], []
@@ -60,23 +63,23 @@ def _reductions(rank: int, world: int, spec: str, repeats: int) -> dict[str, lis
                 reduction.run()
                 walls.append(time.perf_counter() - wall)
                 cpus.append(time.process_time() - cpu)
-            key = f"{coding} {label}"
+            key = f"{coding} {cap} MiB {label}"
             out.setdefault(key, []).extend([1e3 * statistics.median(walls),
                                             1e3 * statistics.median(cpus)])
     return out
 
 
-def measure_loopback(spec: str, repeats: int) -> None:
+def measure_loopback(spec: str, repeats: int, caps: list[int]) -> None:
     from hemiola.launch import run_local
 
-    results = run_local(_reductions, 2, spec, repeats, timeout_s=1800)
+    results = run_local(_reductions, 2, spec, repeats, caps, timeout_s=1800)
     print("ms per reduction of every gradient: wall / process CPU (two measurements each)")
     for key in results[0]:
         cells = []
         for rank in sorted(results):
             w1, c1, w2, c2 = results[rank][key]
             cells.append(f"rank {rank}: {w1:5.1f} / {c1:5.1f}, {w2:5.1f} / {c2:5.1f}")
-        print(f"  {key:18s} " + "   ".join(cells))
+        print(f"  {key:26s} " + "   ".join(cells))
 
 
 def _errors(rows: list[dict[str, Any]], profiles: dict[str, Profile], meeting: bool
@@ -122,10 +125,12 @@ def main() -> None:
     m = sub.add_parser("measure")
     m.add_argument("--model", default="lm", help="a model of hemiola.bench.advise_models")
     m.add_argument("--repeats", type=int, default=7)
+    m.add_argument("--caps", default="25", help="bucket sizes in MiB, comma-separated")
     sub.add_parser("replay")
     args = parser.parse_args()
     if args.what == "measure":
-        measure_loopback(f"hemiola.bench.advise_models:{args.model}", args.repeats)
+        measure_loopback(f"hemiola.bench.advise_models:{args.model}", args.repeats,
+                         [int(c) for c in args.caps.split(",")])
     else:
         replay()
 

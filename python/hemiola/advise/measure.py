@@ -150,14 +150,16 @@ def _specs(params: list[torch.Tensor]) -> list[tuple[int, int, str, int]]:
 
 class Reduction:
     """One all-reduce of every gradient through a reducer of `engine` with
-    DDP's buckets (the engine thread does it; start() returns at once)."""
+    DDP's buckets, or buckets of `cap` bytes (the engine thread does it;
+    start() returns at once)."""
 
-    def __init__(self, engine: Any, params: list[torch.Tensor], coding: str) -> None:
+    def __init__(self, engine: Any, params: list[torch.Tensor], coding: str,
+                 cap: int = model.FUSION["wfbp"]) -> None:
         from hemiola.config import compression_code
 
         self.grads = [torch.randn_like(p) for p in params]
         self.reducer = engine.make_reducer(
-            _specs(params), model.FUSION["wfbp"], model.FIRST_BUCKET, record_order=False,
+            _specs(params), cap, model.FIRST_BUCKET, record_order=False,
             compression=compression_code(None if coding == "none" else coding),
             powersgd_start_iteration=0)
 
