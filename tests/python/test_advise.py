@@ -473,6 +473,13 @@ def test_the_ranks_meeting_is_what_a_measured_reduction_takes_beyond_the_model()
     # (the last bucket's share: the first one's meets under the computation)
     assert model.predict_one(p, net, "wfbp", "powersgd") > \
         model.predict_one(replace(p, meeting={}), net, "wfbp", "powersgd")
+    # streaming's syncs meet too: int8 met 4 ms over the plan's four
+    # collectives (two buckets, a scale all-gather and a code all-reduce each),
+    # and a fragment's sync is two of them, however large the fragment
+    s8 = replace(p, meeting={"int8": 0.004})
+    for fragments in (1, 2):
+        assert model._sync(s8, net, fragments, "int8")[2] == pytest.approx(
+            model._sync(replace(s8, meeting={}), net, fragments, "int8")[2] + 0.002)
     # a slower machine meets more slowly too (Gloo's waiting threads spin on the CPU)
     assert p.scaled(2.0).meeting["powersgd"] == pytest.approx(0.012)
 

@@ -280,11 +280,8 @@ def jobs_for(profile: Profile, net: Network, schedule: str, coding: str,
     buckets = pieces(profile.params, plan)
     total = sum(p.numel for p in profile.params)
     preview = schedule == "decoupled" and profile.optimizer in ("Adam", "AdamW")
-    per_collective = 0.0
-    if meeting and net.world > 1 and profile.meeting.get(coding, 0.0) > 0:
-        measured = sum(len(payloads(coding, bucket, net.world, powersgd_rank))
-                       for bucket in pieces(profile.params, plan_of(profile, "wfbp")))
-        per_collective = profile.meeting[coding] / max(measured, 1)
+    per_collective = meeting_per_collective(profile, net, coding, powersgd_rank) \
+        if meeting else 0.0
     out = []
     for bucket in buckets:
         share = sum(p.numel for p in bucket) / total
@@ -298,6 +295,18 @@ def jobs_for(profile: Profile, net: Network, schedule: str, coding: str,
         out.append(Job(cpu, seconds, profile.wire_cpu_per_byte * nbytes,
                        wire_beside(profile, seconds, nbytes)))
     return out
+
+
+def meeting_per_collective(profile: Profile, net: Network, coding: str,
+                           powersgd_rank: int = 2) -> float:
+    """Seconds the ranks meet for at each collective of `coding`: the
+    profile's measured meeting over the collectives of the reduction that
+    measured it (DDP's plan); 0 where there are no ranks to meet."""
+    if net.world == 1 or profile.meeting.get(coding, 0.0) <= 0:
+        return 0.0
+    measured = sum(len(payloads(coding, bucket, net.world, powersgd_rank))
+                   for bucket in pieces(profile.params, plan_of(profile, "wfbp")))
+    return profile.meeting[coding] / max(measured, 1)
 
 
 def local_network(profile: Profile, world: int) -> Network:
@@ -394,6 +403,8 @@ def _sync(profile: Profile, net: Network, fragments: int,
     # per fragment; measured for the whole model
     cpu = (profile.overhead.get("streaming-sync", 0.0)
            + profile.coding_cpu.get(coding, 0.0)) / fragments
+    # and the ranks' meeting at each of its collectives (measured per coding)
+    cpu += meeting_per_collective(profile, net, coding) * len(payload)
     seconds = wire(net, payload)
     return seconds + cpu, wire_beside(profile, seconds, sent(net, payload)) + cpu, cpu
 
