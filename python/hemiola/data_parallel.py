@@ -273,8 +273,8 @@ class DataParallel(nn.Module):
 
     def buckets(self) -> list[list[str]]:
         """The current fusion plan: parameter names per bucket, in issue order
-        (``priority`` sends the front layers' buckets last in backward order
-        first: its order is not the buckets' own)."""
+        (``priority`` sends the buckets holding the front layers last,
+        front-most first, so its order is not backward's)."""
         r = self._replica
         if r.reducer is None:
             return []
