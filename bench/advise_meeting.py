@@ -21,7 +21,6 @@ measured there.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 from dataclasses import replace
@@ -32,6 +31,7 @@ from hemiola.advise import model
 from hemiola.advise.measure import with_meeting
 from hemiola.advise.model import local_network
 from hemiola.advise.profile import Profile
+from hemiola.bench.record import read_lines
 
 RESULTS = Path(__file__).resolve().parents[1] / "docs" / "results"
 
@@ -82,13 +82,11 @@ def measure_loopback(spec: str, repeats: int, caps: list[int]) -> None:
         print(f"  {key:26s} " + "   ".join(cells))
 
 
-def _errors(rows: list[dict[str, Any]], profiles: dict[str, Profile], meeting: bool
-            ) -> list[float]:
+def _errors(rows: list[dict[str, Any]], profiles: dict[str, Profile]) -> list[float]:
     errors = []
     for row in rows:
         schedule, coding = row["config"].split("+", 1)
         profile = profiles[f"{row['model']}-{row['rate']}"]
-        profile = with_meeting(profile) if meeting else replace(profile, meeting={})
         trials = row.get("bare_trials_ms", row.get("bare_now_ms"))
         profile = profile.scaled(trials / 1e3 / profile.compute)
         seconds = model.predict_one(profile, local_network(profile, 2), schedule, coding)
@@ -105,7 +103,7 @@ def replay() -> None:
             continue
         profiles = {"-".join(f.name.removesuffix(".profile.json").split("-")[-2:]):
                     Profile.load(f) for f in folder.glob("*.profile.json")}
-        rows = [json.loads(line) for line in rows_file.read_text().splitlines() if line]
+        rows = read_lines(rows_file)
         rows = [r for r in rows if not r["config"].startswith("streaming")
                 and f"{r['model']}-{r['rate']}" in profiles and profiles[
                     f"{r['model']}-{r['rate']}"].link is not None]
@@ -113,7 +111,9 @@ def replay() -> None:
             continue
         cells = []
         for meeting in (False, True):
-            errors = _errors(rows, profiles, meeting)
+            each = {cell: with_meeting(p) if meeting else replace(p, meeting={})
+                    for cell, p in profiles.items()}
+            errors = _errors(rows, each)
             within = sum(abs(e) <= 0.1 for e in errors)
             cells.append(f"{within:2d} of {len(errors)} ({100 * statistics.median(errors):+.1f}%)")
         print(f"  {rows_file.stem:36s} {cells[0]} -> {cells[1]}")

@@ -17,9 +17,10 @@ median of all its rounds.
 from __future__ import annotations
 
 import itertools
-import json
 import statistics
 from pathlib import Path
+
+from hemiola.bench.record import read_lines
 
 RESULTS = Path(__file__).resolve().parents[1] / "docs" / "results"
 
@@ -32,7 +33,7 @@ def main() -> None:
     print("grid: rounds per row; one round against another, one round against the "
           "median of the others, the predictions against the median of all (within 10%)")
     for path in sorted(RESULTS.glob("advise-grid-*.jsonl")):
-        rows = [json.loads(line) for line in path.read_text().splitlines() if line]
+        rows = read_lines(path)
         rows = [r for r in rows if not r["config"].startswith("streaming")
                 and len(r.get("measured_rounds_ms") or []) >= 2]
         if not rows:

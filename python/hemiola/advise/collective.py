@@ -28,7 +28,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from hemiola.advise.profile import Param
+from hemiola.advise.profile import Param, cut_into
 from hemiola.cluster.config import ClusterConfig
 
 #: the engine's int8 coding: one scale per this many elements
@@ -150,10 +150,7 @@ class Piece:
 def pieces(params: Sequence[Param], plan: Sequence[Sequence[int]]) -> list[list[Piece]]:
     """Each bucket of `plan` as pieces: a parameter that is in k buckets (cut
     into pieces) puts 1/k of its elements and rows in each."""
-    count: dict[int, int] = {}
-    for bucket in plan:
-        for i in bucket:
-            count[i] = count.get(i, 0) + 1
+    count = cut_into(plan)
     return [[Piece(params[i].numel / count[i], params[i].element_size,
                    params[i].rows / count[i]) for i in bucket] for bucket in plan]
 

@@ -10,6 +10,7 @@ by hand (a published model's per-layer times and sizes): only ``forward``,
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -207,6 +208,16 @@ class Profile:
                     raise ValueError(f"profile: {name}[{coding!r}] is negative")
 
 
+def cut_into(plan: Sequence[Sequence[int]]) -> dict[int, int]:
+    """Per parameter index, how many buckets of `plan` hold a piece of it
+    (the engine cuts a parameter larger than what a bucket has left)."""
+    count: dict[int, int] = {}
+    for bucket in plan:
+        for i in bucket:
+            count[i] = count.get(i, 0) + 1
+    return count
+
+
 def front_first(params: list[Param], plan: list[list[int]],
                 fraction: float = FRONT_FRACTION) -> list[list[int]]:
     """`plan` (backward order) with the buckets that hold the first `fraction`
@@ -214,11 +225,8 @@ def front_first(params: list[Param], plan: list[list[int]],
     least one bucket left in its place: priority's issue order, as the
     engine derives it (cpp/src/engine/updater/priority_policy.cpp; a
     parameter cut into pieces counts its share of the bytes in each bucket)."""
-    pieces: dict[int, int] = {}
-    for bucket in plan:
-        for i in bucket:
-            pieces[i] = pieces.get(i, 0) + 1
-    sizes = [sum(params[i].nbytes / pieces[i] for i in bucket) for bucket in plan]
+    count = cut_into(plan)
+    sizes = [sum(params[i].nbytes / count[i] for i in bucket) for bucket in plan]
     tail: list[int] = []
     covered = 0.0
     for k in reversed(range(len(plan))):
