@@ -64,17 +64,24 @@ enum class Compression : uint8_t {
   kInt4 = 5,  // int8's coding in half a byte per element (two codes a byte); <= 7 ranks
 };
 
-// One coding: the name hemiola.Config.compression gives it and the buckets
-// it runs on. The table is the codec factory's (engine/codec/factory.cpp); a
-// reducer refuses any pairing it does not list, naming what works there.
+// One coding and every fact about it that another part asks: the name
+// hemiola.Config.compression gives it, the buckets it runs on, whether
+// streaming's outer synchronisation may send with it, and whether it keeps
+// error-feedback residuals. The table is the codec factory's
+// (engine/codec/factory.cpp); a reducer refuses any pairing it does not
+// list, naming what works there.
 struct Coding {
   Compression compression;
   const char* name;  // as Config.compression spells it ("none": kNone)
   bool host;         // runs on host (CPU) buckets
   bool cuda;         // runs on CUDA device buckets
+  bool streams;      // streaming's fragments may travel with it
+  bool residuals;    // keeps an error-feedback residual per tensor
 };
 // Every coding, in code order.
 HEMIOLA_API const std::vector<Coding>& codings();
+// The coding of `compression` (throws for an unknown code).
+HEMIOLA_API const Coding& coding(Compression compression);
 
 struct ReducerOptions {
   // Gradients are fused into buckets in plan order; a bucket closes once it

@@ -29,9 +29,9 @@ class Devices {
   Devices(const EngineOptions& options, Store& store, Communicator& host);
   ~Devices();
 
-  // Device `device`'s entry. Scheduler thread only: creating a communicator
-  // is a collective, so it must happen at the same point of the submission
-  // order on every rank, which the scheduler thread guarantees.
+  // Device `device`'s entry. The main wire's thread only: creating a
+  // communicator is a collective, so it must happen at the same point of the
+  // submission order on every rank, which that thread guarantees.
   Entry& get(int device);
 
  private:

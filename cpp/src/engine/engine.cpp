@@ -7,7 +7,7 @@
 #include "comm/gloo_communicator.h"
 #include "engine/engine_impl.h"
 #include "engine/reducer/reducer_impl.h"
-#include "engine/updater/streamer_impl.h"
+#include "engine/streaming/streamer_impl.h"
 #include "core/dtype_math.h"
 #include "hemiola/status.h"
 
@@ -118,17 +118,17 @@ EngineImpl::EngineImpl(const EngineOptions& options, std::shared_ptr<Store> stor
   if (!rendezvous_) rendezvous_ = std::make_shared<MemoryStore>();
   comm_ = std::make_unique<GlooCommunicator>(options_, *rendezvous_);
   devices_ = std::make_unique<Devices>(options_, *rendezvous_, *comm_);
-  wires_.push_back(Wire{"", nullptr, make_scheduler(*comm_, "")});
+  wires_.push_back(Wire{"", nullptr, make_wire_thread(*comm_, "")});
 }
 
-std::unique_ptr<Scheduler> EngineImpl::make_scheduler(Communicator& comm,
+std::unique_ptr<WireThread> EngineImpl::make_wire_thread(Communicator& comm,
                                                       const std::string& lane) {
   // Weak: handles may outlive the engine, and must not keep a (possibly
   // Python-implemented) store alive from an engine thread.
   std::weak_ptr<Store> diag_store = store_;
   const int rank = options_.rank, world = options_.world_size;
   const double timeout_s = options_.timeout_s;
-  return std::make_unique<Scheduler>(
+  return std::make_unique<WireThread>(
       comm, timeline_, [diag_store, lane, rank, world, timeout_s](uint64_t sequence) {
         return diagnose_missing_ranks(diag_store, lane, rank, world, timeout_s, sequence);
       });
@@ -136,7 +136,7 @@ std::unique_ptr<Scheduler> EngineImpl::make_scheduler(Communicator& comm,
 
 EngineImpl::~EngineImpl() {
   // Join the threads: nothing uses the devices or communicators after this.
-  for (auto it = wires_.rbegin(); it != wires_.rend(); ++it) it->scheduler.reset();
+  for (auto it = wires_.rbegin(); it != wires_.rend(); ++it) it->thread.reset();
   devices_.reset();
 }
 
@@ -149,19 +149,19 @@ size_t EngineImpl::connect_wire(const std::string& name) {
   Wire wire{name, std::make_unique<GlooCommunicator>(
                       options_, *std::make_shared<PrefixStore>("hemiola_" + name, rendezvous_)),
             nullptr};
-  wire.scheduler = make_scheduler(*wire.comm, name + "/");
+  wire.thread = make_wire_thread(*wire.comm, name + "/");
   wires_.push_back(std::move(wire));
   return wires_.size() - 1;
 }
 
 Handle EngineImpl::submit(size_t wire, std::shared_ptr<Work> work) {
-  Scheduler* scheduler;
+  WireThread* thread;
   {
     std::lock_guard<std::mutex> lock(wires_mutex_);
     HEMIOLA_CHECK(wire < wires_.size(), "wire ", wire, " is not connected");
-    scheduler = wires_[wire].scheduler.get();
+    thread = wires_[wire].thread.get();
   }
-  return scheduler->submit(std::move(work));
+  return thread->submit(std::move(work));
 }
 
 Engine::Engine(const EngineOptions& options, std::shared_ptr<Store> store)

@@ -10,8 +10,8 @@
 #include "comm/communicator.h"
 #include "comm/devices.h"
 #include "core/timeline.h"
-#include "engine/reducer/lane_host.h"
-#include "engine/reducer/scheduler.h"
+#include "engine/wire/scheduler.h"
+#include "engine/wire/wire_thread.h"
 #include "hemiola/config.h"
 #include "hemiola/engine.h"
 #include "hemiola/handle.h"
@@ -21,8 +21,8 @@ namespace hemiola {
 
 // The composition root: the engine's wires (its main communicator and
 // scheduler thread, and one more pair per wire a lane connects), devices and
-// timeline; the reducers it makes see it only as their LaneHost.
-class EngineImpl final : public LaneHost {
+// timeline; the reducers it makes see it only as their Scheduler.
+class EngineImpl final : public Scheduler {
  public:
   EngineImpl(const EngineOptions& options, std::shared_ptr<Store> store);
   ~EngineImpl() override;
@@ -54,14 +54,14 @@ class EngineImpl final : public LaneHost {
   struct Wire {
     std::string name;
     std::unique_ptr<Communicator> comm;  // null for the main wire
-    std::unique_ptr<Scheduler> scheduler;
+    std::unique_ptr<WireThread> thread;
   };
   std::vector<Wire> wires_;  // guarded by wires_mutex_; schedulers joined first
   mutable std::mutex wires_mutex_;
 
   // A scheduler over `comm`; its failures name missing ranks through the
   // store under "hemiola_failure/<lane><sequence>".
-  std::unique_ptr<Scheduler> make_scheduler(Communicator& comm, const std::string& lane);
+  std::unique_ptr<WireThread> make_wire_thread(Communicator& comm, const std::string& lane);
 };
 
 }  // namespace hemiola

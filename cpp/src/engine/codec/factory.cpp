@@ -10,16 +10,26 @@ namespace hemiola {
 
 const std::vector<Coding>& codings() {
   // The CUDA path casts to fp16/bf16 on the engine's stream; int8, PowerSGD
-  // and int4 are written for host memory only.
+  // and int4 are written for host memory only. Streaming sends a fragment
+  // per sync and no low-rank warm-up fits that: PowerSGD does not stream.
   static const std::vector<Coding> table = {
-      {Compression::kNone, "none", true, true},
-      {Compression::kFp16, "fp16", true, true},
-      {Compression::kBf16, "bf16", true, true},
-      {Compression::kInt8, "int8", true, false},
-      {Compression::kPowerSgd, "powersgd", true, false},
-      {Compression::kInt4, "int4", true, false},
+      //  compression            name       host  cuda   streams residuals
+      {Compression::kNone, "none", true, true, true, false},
+      {Compression::kFp16, "fp16", true, true, true, false},
+      {Compression::kBf16, "bf16", true, true, true, false},
+      {Compression::kInt8, "int8", true, false, true, true},
+      {Compression::kPowerSgd, "powersgd", true, false, false, true},
+      {Compression::kInt4, "int4", true, false, true, true},
   };
   return table;
+}
+
+const Coding& coding(Compression compression) {
+  for (const Coding& c : codings()) {
+    if (c.compression == compression) return c;
+  }
+  HEMIOLA_THROW(ErrorCode::kInvalidArgument, "unknown compression code ",
+                static_cast<int>(compression));
 }
 
 namespace {
@@ -56,13 +66,7 @@ std::string refusal(bool cuda) {
 std::unique_ptr<Codec> make_codec(const CodecSpec& spec) {
   HEMIOLA_CHECK(spec.world_size >= 1, "world size must be positive, got ", spec.world_size);
   const bool cuda = spec.device.type == DeviceType::kCUDA;
-  const Coding* coding = nullptr;
-  for (const Coding& c : codings()) {
-    if (c.compression == spec.compression) coding = &c;
-  }
-  HEMIOLA_CHECK(coding != nullptr, "unknown compression code ",
-                static_cast<int>(spec.compression));
-  HEMIOLA_CHECK(runs_on(*coding, cuda), refusal(cuda));
+  HEMIOLA_CHECK(runs_on(coding(spec.compression), cuda), refusal(cuda));
   if (spec.compression == Compression::kNone) return make_none_codec(spec);
   HEMIOLA_CHECK(spec.average, "ReducerOptions::compression averages on the wire (each rank "
                 "divides by the world size before its coding): it needs average = true");

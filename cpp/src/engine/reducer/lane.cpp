@@ -47,7 +47,7 @@ class Lane::Walk final : public Work {
 };
 
 Lane::Lane(std::string timeline_lane, std::string what, const IterationRing& ring,
-           const ReducerPlan& plan, LaneHost& host, size_t wire)
+           const ReducerPlan& plan, Scheduler& host, size_t wire)
     : ring_(ring), plan_(plan), host_(host), timeline_lane_(std::move(timeline_lane)),
       what_(std::move(what)), wire_(wire) {}
 

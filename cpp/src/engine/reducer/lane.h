@@ -29,7 +29,7 @@
 #include "core/ready_queue.h"
 #include "core/timeline.h"
 #include "engine/reducer/iteration_ring.h"
-#include "engine/reducer/lane_host.h"
+#include "engine/wire/scheduler.h"
 #include "hemiola/handle.h"
 #include "hemiola/tensor.h"
 
@@ -60,7 +60,7 @@ class Lane : public LaneResults {
   // `timeline_lane`: the timeline row its events go on; `what`: what its
   // work is, for messages ("gradient reduction").
   Lane(std::string timeline_lane, std::string what, const IterationRing& ring,
-       const ReducerPlan& plan, LaneHost& host, size_t wire);
+       const ReducerPlan& plan, Scheduler& host, size_t wire);
   ~Lane() override = default;
 
   // Before this lane's first step of an iteration, every bucket of `other`
@@ -134,7 +134,7 @@ class Lane : public LaneResults {
 
   const IterationRing& ring_;
   const ReducerPlan& plan_;
-  LaneHost& host_;
+  Scheduler& host_;
 
  private:
   class Walk;

@@ -12,7 +12,7 @@
 
 namespace hemiola {
 
-PreviewLane::PreviewLane(const IterationRing& ring, const ReducerPlan& plan, LaneHost& host,
+PreviewLane::PreviewLane(const IterationRing& ring, const ReducerPlan& plan, Scheduler& host,
                          Lane& reduction)
     : Lane("preview", "gradient preview", ring, plan, host, host.connect_wire("preview")),
       reduction_(reduction) {

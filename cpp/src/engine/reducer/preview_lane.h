@@ -31,7 +31,7 @@ class PreviewLane final : public Lane {
  public:
   // Connects its wire (a rendezvous: at the same point on every rank).
   // Observes `reduction` and must be added to the ring before it.
-  PreviewLane(const IterationRing& ring, const ReducerPlan& plan, LaneHost& host,
+  PreviewLane(const IterationRing& ring, const ReducerPlan& plan, Scheduler& host,
               Lane& reduction);
 
   // Unlike the full reduction's, false for an iteration whose flight was

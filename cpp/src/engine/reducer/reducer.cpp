@@ -8,7 +8,7 @@
 
 #include "core/dtype_math.h"
 #include "engine/codec/preview.h"
-#include "engine/reducer/device_setup.h"
+#include "engine/wire/device_setup.h"
 #include "engine/reducer/reducer_impl.h"
 #include "hemiola/status.h"
 
@@ -33,7 +33,7 @@ std::vector<GradSpec> checked(std::vector<GradSpec> specs) {
 
 }  // namespace
 
-ReducerImpl::ReducerImpl(LaneHost& host, std::vector<GradSpec> specs,
+ReducerImpl::ReducerImpl(Scheduler& host, std::vector<GradSpec> specs,
                          const ReducerOptions& options)
     : host_(host),
       options_(options),

@@ -27,7 +27,7 @@
 #include "engine/buckets/bucket_storage.h"
 #include "engine/codec/codec.h"
 #include "engine/reducer/iteration_ring.h"
-#include "engine/reducer/lane_host.h"
+#include "engine/wire/scheduler.h"
 #include "engine/reducer/preview_lane.h"
 #include "engine/reducer/reduction_lane.h"
 #include "hemiola/config.h"
@@ -37,7 +37,7 @@ namespace hemiola {
 
 class ReducerImpl {
  public:
-  ReducerImpl(LaneHost& host, std::vector<GradSpec> specs, const ReducerOptions& options);
+  ReducerImpl(Scheduler& host, std::vector<GradSpec> specs, const ReducerOptions& options);
   ~ReducerImpl();
 
   // `stream`: on a CUDA reducer, the stream the gradient was produced on
@@ -96,7 +96,7 @@ class ReducerImpl {
   std::chrono::milliseconds timeout() const;
   bool on_device() const { return options_.device.type == DeviceType::kCUDA; }
 
-  LaneHost& host_;
+  Scheduler& host_;
   ReducerOptions options_;  // fixed, but for compression before the first iteration
   ReducerPlan plan_;
   IterationRing ring_;

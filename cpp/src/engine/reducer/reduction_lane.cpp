@@ -9,9 +9,9 @@
 
 namespace hemiola {
 
-ReductionLane::ReductionLane(const IterationRing& ring, const ReducerPlan& plan, LaneHost& host,
+ReductionLane::ReductionLane(const IterationRing& ring, const ReducerPlan& plan, Scheduler& host,
                              const Device& device, bool track_usage)
-    : Lane("comm", "gradient reduction", ring, plan, host, LaneHost::kMainWire),
+    : Lane("comm", "gradient reduction", ring, plan, host, Scheduler::kMainWire),
       device_(device), track_usage_(track_usage) {}
 
 void ReductionLane::before(Flight& flight, Communicator&, Timeline&) {

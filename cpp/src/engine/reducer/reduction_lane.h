@@ -17,7 +17,7 @@ class ReductionLane final : public Lane {
  public:
   // `device`: where the buckets live. `track_usage`: after the last bucket, sum over ranks which tensors each
   // rank produced (ReducerOptions::track_usage).
-  ReductionLane(const IterationRing& ring, const ReducerPlan& plan, LaneHost& host,
+  ReductionLane(const IterationRing& ring, const ReducerPlan& plan, Scheduler& host,
                 const Device& device, bool track_usage);
 
   TensorRef value(uint64_t iteration, size_t index) const override;

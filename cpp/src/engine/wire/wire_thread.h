@@ -1,7 +1,8 @@
-// The scheduler: one engine thread that runs submitted work strictly in
-// submission order. Every collective of an engine goes through it, so the
-// issue order on each rank is the submission order -- identical across ranks
-// as long as every rank submits the same work in the same order.
+// A wire's thread: one engine thread over one communicator that runs
+// submitted work strictly in submission order. Every collective of a wire
+// goes through it, so the issue order on each rank is the submission order --
+// identical across ranks as long as every rank submits the same work in the
+// same order.
 #pragma once
 
 #include <condition_variable>
@@ -21,7 +22,7 @@
 
 namespace hemiola {
 
-// A unit of engine work. run() is called once on the scheduler thread and
+// A unit of engine work. run() is called once on its wire's thread and
 // throws on failure.
 class Work {
  public:
@@ -31,13 +32,13 @@ class Work {
   virtual std::string describe() const = 0;
 };
 
-class Scheduler {
+class WireThread {
  public:
   using Diagnose = std::function<std::string(uint64_t)>;
 
-  Scheduler(Communicator& comm, Timeline& timeline, Diagnose diagnose);
+  WireThread(Communicator& comm, Timeline& timeline, Diagnose diagnose);
   // Fails all queued work with kAborted and joins the thread.
-  ~Scheduler();
+  ~WireThread();
 
   Handle submit(std::shared_ptr<Work> work);
 

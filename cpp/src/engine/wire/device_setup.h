@@ -4,10 +4,10 @@
 
 namespace hemiola {
 
-class LaneHost;
+class Scheduler;
 
 // Creates the engine's stream and communicator for CUDA device `device`, on
-// the scheduler thread (a collective, in submission order); returns once done.
-void set_up_device(LaneHost& engine, int device);
+// the main wire's thread (a collective, in submission order); returns once done.
+void set_up_device(Scheduler& engine, int device);
 
 }  // namespace hemiola

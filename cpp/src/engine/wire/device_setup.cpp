@@ -1,11 +1,11 @@
-#include "engine/reducer/device_setup.h"
+#include "engine/wire/device_setup.h"
 
 #include <memory>
 #include <string>
 
 #include "comm/devices.h"
 #include "device.h"
-#include "engine/reducer/lane_host.h"
+#include "engine/wire/scheduler.h"
 
 namespace hemiola {
 
@@ -14,7 +14,7 @@ namespace {
 // Creates the engine's stream and communicator for a CUDA device.
 class DeviceSetup final : public Work {
  public:
-  DeviceSetup(LaneHost& engine, int device) : engine_(engine), device_(device) {}
+  DeviceSetup(Scheduler& engine, int device) : engine_(engine), device_(device) {}
   void run(Communicator&, Timeline&) override {
     cuda::set_device(device_);
     engine_.devices().get(device_);
@@ -24,14 +24,14 @@ class DeviceSetup final : public Work {
   }
 
  private:
-  LaneHost& engine_;
+  Scheduler& engine_;
   int device_;
 };
 
 }  // namespace
 
-void set_up_device(LaneHost& engine, int device) {
-  engine.submit(LaneHost::kMainWire, std::make_shared<DeviceSetup>(engine, device)).wait();
+void set_up_device(Scheduler& engine, int device) {
+  engine.submit(Scheduler::kMainWire, std::make_shared<DeviceSetup>(engine, device)).wait();
 }
 
 }  // namespace hemiola

@@ -1,13 +1,13 @@
-#include "engine/reducer/scheduler.h"
+#include "engine/wire/wire_thread.h"
 
 #include "hemiola/status.h"
 
 namespace hemiola {
 
-Scheduler::Scheduler(Communicator& comm, Timeline& timeline, Diagnose diagnose)
+WireThread::WireThread(Communicator& comm, Timeline& timeline, Diagnose diagnose)
     : comm_(comm), timeline_(timeline), diagnose_(std::move(diagnose)), thread_([this] { loop(); }) {}
 
-Scheduler::~Scheduler() {
+WireThread::~WireThread() {
   {
     std::lock_guard<std::mutex> lock(mutex_);
     stopping_ = true;
@@ -21,7 +21,7 @@ Scheduler::~Scheduler() {
   }
 }
 
-Handle Scheduler::submit(std::shared_ptr<Work> work) {
+Handle WireThread::submit(std::shared_ptr<Work> work) {
   auto state = std::make_shared<detail::HandleState>();
   state->description = work->describe();
   state->diagnose = diagnose_;
@@ -35,7 +35,7 @@ Handle Scheduler::submit(std::shared_ptr<Work> work) {
   return Handle(state);
 }
 
-void Scheduler::finish(detail::HandleState& state, std::exception_ptr error) {
+void WireThread::finish(detail::HandleState& state, std::exception_ptr error) {
   {
     std::lock_guard<std::mutex> lock(state.mutex);
     state.error = std::move(error);
@@ -45,7 +45,7 @@ void Scheduler::finish(detail::HandleState& state, std::exception_ptr error) {
   state.cv.notify_all();
 }
 
-void Scheduler::loop() {
+void WireThread::loop() {
   while (true) {
     Item item;
     {

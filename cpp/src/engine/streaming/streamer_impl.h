@@ -1,6 +1,6 @@
 // The streaming schedule's internals (hemiola/streamer.h has the contract):
 // the fragments, the shared copy and the outer optimizer's state in fragment
-// layout, and the one fragment on the outer lane.
+// layout, and the one fragment in flight (the fragment averager's).
 #pragma once
 
 #include <cstddef>
@@ -10,8 +10,8 @@
 
 #include "engine/buckets/bucket_plan.h"
 #include "engine/buckets/bucket_storage.h"
-#include "engine/reducer/lane_host.h"
-#include "engine/reducer/outer_lane.h"
+#include "engine/wire/scheduler.h"
+#include "engine/streaming/fragment_averager.h"
 #include "hemiola/handle.h"
 #include "hemiola/streamer.h"
 
@@ -19,7 +19,7 @@ namespace hemiola {
 
 class StreamerImpl {
  public:
-  StreamerImpl(LaneHost& host, std::vector<StreamedParameter> params,
+  StreamerImpl(Scheduler& scheduler, std::vector<StreamedParameter> params,
                const StreamerOptions& options);
   ~StreamerImpl();
 
@@ -62,28 +62,28 @@ class StreamerImpl {
   // Fragment `f`'s values in `data` (laid out as its plan).
   TensorRef buffer(size_t f, unsigned char* data) const;
 
-  LaneHost& host_;
+  Scheduler& scheduler_;
   const std::vector<StreamedParameter> params_;
   const StreamerOptions options_;
   std::vector<GradSpec> specs_;
   std::vector<PlannedBucket> plan_;
   std::vector<std::vector<Placement>> placement_;
   std::vector<Fragment> fragments_;
-  std::unique_ptr<OuterLane> lane_;
+  std::unique_ptr<FragmentAverager> averager_;
 
   uint64_t steps_ = 0;
   uint64_t syncs_ = 0;
   double waited_ms_ = 0.0;
   // The fragment in flight (one at a time): its number, the step it was sent
-  // after, and the live values it was sent from (the largest fragment's
-  // size); its pseudo-gradient is averaged in place in the outer lane's
-  // buffer of the fragment.
+  // after, the live values it was sent from and, once the averager handed it
+  // back, its averaged pseudo-gradient (each the largest fragment's size).
   bool in_flight_ = false;
-  bool averaged_ = false;  // the handle is done: wire_ holds the average
+  bool averaged_ = false;  // the handle is done: average_ holds the average
   size_t sent_ = 0;
   uint64_t sent_step_ = 0;
   Handle handle_;
   std::unique_ptr<unsigned char[]> base_;
+  std::unique_ptr<unsigned char[]> average_;
 };
 
 }  // namespace hemiola

@@ -1,7 +1,7 @@
 // The streaming schedule (hemiola/streamer.h): fragments sent by step count,
-// averaged on the outer lane, and landed with the outer optimizer's step and
+// averaged by the fragment averager on a wire of their own, and landed with the outer optimizer's step and
 // the merge.
-#include "engine/updater/streamer_impl.h"
+#include "engine/streaming/streamer_impl.h"
 
 #include <algorithm>
 #include <chrono>
@@ -74,9 +74,9 @@ void merge(DType dtype, void* live, const void* shared, const void* base, size_t
 
 }  // namespace
 
-StreamerImpl::StreamerImpl(LaneHost& host, std::vector<StreamedParameter> params,
+StreamerImpl::StreamerImpl(Scheduler& scheduler, std::vector<StreamedParameter> params,
                            const StreamerOptions& options)
-    : host_(host), params_(std::move(params)), options_(options) {
+    : scheduler_(scheduler), params_(std::move(params)), options_(options) {
   HEMIOLA_CHECK(!params_.empty(), "streaming needs at least one parameter");
   HEMIOLA_CHECK(options_.sync_every >= 1, "streaming: sync_every must be at least 1");
   HEMIOLA_CHECK(options_.fragments >= 1 && options_.fragments <= options_.sync_every,
@@ -116,13 +116,14 @@ StreamerImpl::StreamerImpl(LaneHost& host, std::vector<StreamedParameter> params
   }
   for (size_t f = 0; f < plan_.size(); ++f) pack(f, fragments_[f].shared.get());
   base_.reset(new unsigned char[largest]());
-  lane_ = std::make_unique<OuterLane>(host_, BucketLayout{plan_, placement_, specs_},
+  average_.reset(new unsigned char[largest]());
+  averager_ = std::make_unique<FragmentAverager>(scheduler_, BucketLayout{plan_, placement_, specs_},
                                       options_.compression);
 }
 
 StreamerImpl::~StreamerImpl() {
-  // The outer lane's work averages in the lane's buffer with its codec:
-  // never let it outlive the lane.
+  // The averager's work averages in its buffer with its codec: never let it
+  // outlive the averager.
   if (handle_.valid()) handle_.wait_for(std::chrono::hours(1));
 }
 
@@ -167,12 +168,14 @@ std::vector<size_t> StreamerImpl::next_step_fragments() const {
 void StreamerImpl::send(size_t f) {
   const PlannedBucket& bucket = plan_[f];
   pack(f, base_.get());
-  subtract(bucket.dtype, lane_->buffer(f), fragments_[f].shared.get(), base_.get(), bucket.numel);
   in_flight_ = true;
   averaged_ = false;
   sent_ = f;
   sent_step_ = steps_;
-  handle_ = lane_->average(f, syncs_);
+  handle_ = averager_->average(f, syncs_, [&](unsigned char* pseudo_gradient) {
+    subtract(bucket.dtype, pseudo_gradient, fragments_[f].shared.get(), base_.get(),
+             bucket.numel);
+  });
 }
 
 void StreamerImpl::wait_in_flight() {
@@ -181,6 +184,7 @@ void StreamerImpl::wait_in_flight() {
   handle_.wait();
   waited_ms_ += std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() -
                                                           start).count();
+  std::memcpy(average_.get(), averager_->averaged(sent_), plan_[sent_].nbytes());
   averaged_ = true;
 }
 
@@ -195,7 +199,7 @@ void StreamerImpl::land() {
   static_cast<OptimizerHyper&>(hyper) = options_.outer;
   hyper.first_step = !fragment.momentum_started;
   SgdTensors tensors{fragment.shared.get(), fragment.shared.get(), fragment.momentum.get(),
-                     lane_->buffer(f)};
+                     average_.get()};
   sgd_step(tensors, static_cast<int64_t>(bucket.numel), bucket.dtype, Device{}, hyper,
            /*commit=*/true);
   fragment.momentum_started = fragment.momentum_started || options_.outer.momentum != 0.0;
@@ -234,14 +238,14 @@ TensorRef StreamerImpl::outer_momentum(size_t f) {
 TensorRef StreamerImpl::residual(size_t index) {
   HEMIOLA_CHECK(index < specs_.size(), "parameter index ", index, " is out of range");
   wait_in_flight();
-  std::vector<float>& r = lane_->residual(index);
+  std::vector<float>& r = averager_->residual(index);
   return TensorRef{r.data(), DType::kFloat32, r.size(), Device{}};
 }
 
 TensorRef StreamerImpl::in_flight_average() {
   if (!in_flight_) return TensorRef{};
   wait_in_flight();
-  return buffer(sent_, lane_->buffer(sent_));
+  return buffer(sent_, average_.get());
 }
 
 TensorRef StreamerImpl::in_flight_base() {
