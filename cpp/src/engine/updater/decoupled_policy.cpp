@@ -244,7 +244,7 @@ class DecoupledPolicy final : public UpdatePolicy {
         chain[l].options = &p.options;
         for (size_t i : members) chain[l].grads.push_back(local_grad(p, i));
       }
-      graph_.stepper().local(chain);
+      graph_.local(chain);
     }
   }
 

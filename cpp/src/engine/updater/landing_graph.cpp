@@ -16,34 +16,12 @@
 
 namespace hemiola {
 
-void* allocate(HostBuffer& buffer, size_t bytes) {
-  buffer.resize((bytes + sizeof(std::max_align_t) - 1) / sizeof(std::max_align_t));
-  return buffer.data();
-}
-
-void* Buffer::reserve(const Device& device, size_t bytes) {
-  if (device.type == DeviceType::kCPU) {
-    data_ = allocate(host_, bytes);
-  } else {
-    if (!device_ || device_->size() < bytes) {
-      device_ = std::make_unique<cuda::DeviceBuffer>(device.index, std::max<size_t>(bytes, 1));
-      // Its zero-fill runs on the legacy default stream, which the user's
-      // and the engine's non-blocking streams do not wait for: let it end
-      // before either writes here (allocations happen in the first
-      // iterations only).
-      cuda::synchronize(nullptr);
-    }
-    data_ = device_->data();
-  }
-  return data_;
-}
-
 LandingGraph::LandingGraph(Engine& engine, Reducer& reducer, const UpdaterOptions& options,
                            StreamRef stream)
     : engine_(engine), reducer_(reducer), options_(options),
       device_(reducer.options().device), in_flight_(reducer.options().in_flight),
       stream_(stream), timeline_(engine.options().timeline), rebuilt_(!options.rebuild_buckets),
-      gathered_(in_flight_ + 1), stepper_(make_stepper(*this, options)) {}
+      gathered_(in_flight_ + 1), stepper_(make_stepper(device_, options)) {}
 
 // ---- parameters and landers ---------------------------------------------------------
 
@@ -279,7 +257,7 @@ void LandingGraph::apply(Pending& pending, const std::vector<size_t>& chosen) {
     }
     pending.applied[i] = 1;
   }
-  stepper_->commit(group);
+  commit(group);
   auto& remaining = pending.remaining;
   remaining.erase(std::remove_if(remaining.begin(), remaining.end(),
                                  [&](size_t i) { return pending.applied[i] != 0; }),
@@ -342,9 +320,23 @@ void LandingGraph::restore(size_t i) {
   if (exact_[i] != p.data) copy(p.data, exact_[i], p.nbytes());
 }
 
-void LandingGraph::save_exact(size_t i) {
-  const auto& p = params_[i].param;
-  if (exact_[i] != p.data) copy(exact_[i], p.data, p.nbytes());
+void LandingGraph::resolve(StepGroup& group) {
+  group.params.resize(group.indices.size());
+  group.exact.resize(group.indices.size());
+  for (size_t k = 0; k < group.indices.size(); ++k) {
+    group.params[k] = &params_[group.indices[k]];
+    group.exact[k] = exact_[group.indices[k]];
+  }
+}
+
+void LandingGraph::commit(StepGroup& group) {
+  resolve(group);
+  stepper_->commit(group, stream_);
+}
+
+void LandingGraph::local(std::vector<StepGroup>& chain) {
+  for (StepGroup& link : chain) resolve(link);
+  stepper_->local(chain, stream_);
 }
 
 std::optional<double> LandingGraph::clip_norm(uint64_t iteration) const {
@@ -398,12 +390,7 @@ void LandingGraph::drain() {
 }
 
 void LandingGraph::copy(void* dst, const void* src, size_t bytes) const {
-  if (bytes == 0) return;
-  if (device_.type == DeviceType::kCPU) {
-    std::memcpy(dst, src, bytes);
-  } else {
-    cuda::copy_async(dst, src, bytes, stream_.handle);
-  }
+  copy_on(device_, stream_, dst, src, bytes);
 }
 
 }  // namespace hemiola

@@ -21,36 +21,16 @@
 #include <utility>
 #include <vector>
 
-#include "device.h"
-#include "engine/updater/device_clip.h"
 #include "engine/reducer/lane.h"
-#include "hemiola/reducer.h"
+#include "engine/updater/device_clip.h"
+#include "engine/updater/device_memory.h"
 #include "engine/updater/stepper.h"
+#include "hemiola/reducer.h"
 #include "hemiola/engine.h"
 #include "hemiola/status.h"
 #include "hemiola/updater.h"
 
 namespace hemiola {
-
-// Host memory of one tensor's size.
-using HostBuffer = std::vector<std::max_align_t>;
-
-void* allocate(HostBuffer& buffer, size_t bytes);
-
-// Memory of the updater's own for one tensor (a shadow parameter, a gathered
-// result), on the parameters' device.
-class Buffer {
- public:
-  // At least `bytes` of memory on `device` (its contents are kept only when
-  // no reallocation is needed).
-  void* reserve(const Device& device, size_t bytes);
-  void* data() const { return data_; }
-
- private:
-  void* data_ = nullptr;  // into host_ or device_
-  HostBuffer host_;
-  std::unique_ptr<cuda::DeviceBuffer> device_;
-};
 
 // An iteration whose update is not applied to every parameter yet.
 struct Pending {
@@ -160,13 +140,12 @@ class LandingGraph {
 
   // ---- optimizer steps -----------------------------------------------------------
 
-  // The step that lands updates (engine/updater/stepper.h), chosen by the options.
-  Stepper& stepper() { return *stepper_; }
-  ParameterSlot& param(size_t i) { return params_[i]; }
-  // Parameter i's exact value (see set_exact).
-  void* exact(size_t i) const { return exact_[i]; }
-  // The exact value <- the live parameter (nothing where they are the same).
-  void save_exact(size_t i);
+  // The stepper's (engine/updater/stepper.h, chosen by the options) steps of
+  // `group` / `chain` (indices, gradients and options given), on the stream:
+  // the graph resolves where each parameter, its exact value and its state
+  // are before it hands them over.
+  void commit(StepGroup& group);
+  void local(std::vector<StepGroup>& chain);
 
   // ---- device and stream -------------------------------------------------------
 
@@ -198,6 +177,7 @@ class LandingGraph {
   std::vector<const void*> readable(const Pending& pending, const std::vector<size_t>& indices);
   void scale_of(Pending& pending);
   void clip_on_device(Pending& pending);
+  void resolve(StepGroup& group);
 
   Engine& engine_;
   Reducer& reducer_;  // read per bucket (Reducer::reduction_results): the graph is in buckets
@@ -226,7 +206,7 @@ class LandingGraph {
   std::deque<std::pair<uint64_t, double>> clip_norms_;
   // UpdaterOptions::device_clip_norms on a GPU with the engine's own steps.
   std::unique_ptr<DeviceClip> device_clip_;
-  std::unique_ptr<Stepper> stepper_;  // made last: it reads the graph
+  std::unique_ptr<Stepper> stepper_;
 };
 
 }  // namespace hemiola

@@ -2,6 +2,7 @@
 #include "engine/updater/preview_landing.h"
 
 #include <cstdint>
+#include <utility>
 
 namespace hemiola {
 
@@ -38,7 +39,8 @@ void PreviewLanding::land(Pending& pending) {
     group.grads.push_back(graph_.reducer().preview_results()->value(pending.iteration, i).data);
     pending.previewed[i] = 1;
   }
-  graph_.stepper().local({group});
+  std::vector<StepGroup> chain{std::move(group)};
+  graph_.local(chain);
   graph_.record("preview", start, "preview step (", chosen.size(), " parameters)");
 }
 

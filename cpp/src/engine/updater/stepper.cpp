@@ -7,7 +7,7 @@
 #include <utility>
 #include <vector>
 
-#include "engine/updater/landing_graph.h"
+#include "engine/updater/device_memory.h"
 #include "hemiola/optimizer.h"
 #include "hemiola/status.h"
 
@@ -26,16 +26,20 @@ struct Scratch {
 
 class NativeStepper final : public Stepper {
  public:
-  NativeStepper(LandingGraph& graph, const UpdaterOptions& options)
-      : graph_(graph),
+  NativeStepper(const Device& device, const UpdaterOptions& options)
+      : device_(device),
         optimizer_(options.optimizer),
         sqrt_(options.sqrt),
         multi_tensor_(options.multi_tensor_steps) {}
 
-  void commit(const StepGroup& group) override { step_group(group, /*commit=*/true); }
+  void commit(const StepGroup& group, StreamRef stream) override {
+    stream_ = stream;
+    step_group(group, /*commit=*/true);
+  }
 
-  void local(const std::vector<StepGroup>& chain) override {
+  void local(const std::vector<StepGroup>& chain, StreamRef stream) override {
     if (chain.empty()) return;
+    stream_ = stream;
     if (chain.size() == 1) {
       step_group(chain[0], /*commit=*/false);
       return;
@@ -51,27 +55,25 @@ class NativeStepper final : public Stepper {
       return;
     }
     for (size_t k = 0; k < group.indices.size(); ++k) {
-      const size_t i = group.indices[k];
-      step(graph_.param(i), graph_.exact(i), group.grads[k], *group.options, group.grad_scale,
+      step(*group.params[k], group.exact[k], group.grads[k], *group.options, group.grad_scale,
            commit, group.grad_scale_device);
     }
   }
 
-  // Parameter chain[*].indices[k] through the whole chain: copies of the
+  // Parameter chain[*].params[k] through the whole chain: copies of the
   // exact value and the state take every step but the last committed, so
   // that each step reads the state the previous one left; the last step goes
   // from the copies into the live parameter.
   void local_chain(const std::vector<StepGroup>& chain, size_t k) {
-    const size_t i = chain[0].indices[k];
-    ParameterSlot slot = graph_.param(i);
+    ParameterSlot slot = *chain[0].params[k];
     const size_t bytes = slot.param.nbytes();
     void* live = slot.param.data;
-    void* value = scratch_.param.reserve(graph_.device(), bytes);
-    graph_.copy(value, graph_.exact(i), bytes);
+    void* value = scratch_.param.reserve(device_, bytes);
+    copy_on(device_, stream_, value, chain[0].exact[k], bytes);
     auto copy_state = [&](Buffer& buffer, void*& state) {
       if (!state) return;
-      void* copied = buffer.reserve(graph_.device(), bytes);
-      graph_.copy(copied, state, bytes);
+      void* copied = buffer.reserve(device_, bytes);
+      copy_on(device_, stream_, copied, state, bytes);
       state = copied;
     };
     copy_state(scratch_.momentum, slot.momentum_buffer);
@@ -99,12 +101,11 @@ class NativeStepper final : public Stepper {
     const auto numel = static_cast<std::int64_t>(p.param.numel);
     if (optimizer_ == OptimizerKind::kSgd) {
       sgd_step(SgdTensors{p.param.data, exact, p.momentum_buffer, grad}, numel, p.param.dtype,
-               graph_.device(), sgd_hyper(p, options, grad_scale, grad_scale_device), commit,
-               graph_.stream());
+               device_, sgd_hyper(p, options, grad_scale, grad_scale_device), commit, stream_);
     } else {
       adam_step(AdamTensors{p.param.data, exact, p.exp_avg, p.exp_avg_sq, grad, p.max_exp_avg_sq},
-                numel, p.param.dtype, graph_.device(),
-                adam_hyper(p, options, grad_scale, grad_scale_device), commit, graph_.stream());
+                numel, p.param.dtype, device_,
+                adam_hyper(p, options, grad_scale, grad_scale_device), commit, stream_);
     }
     if (commit) advance(p, options);
   }
@@ -115,28 +116,27 @@ class NativeStepper final : public Stepper {
     if (optimizer_ == OptimizerKind::kSgd) {
       sgd_batch_.resize(n);
       for (size_t k = 0; k < n; ++k) {
-        ParameterSlot& p = graph_.param(group.indices[k]);
+        ParameterSlot& p = *group.params[k];
         sgd_batch_[k] = SgdStep{
-            SgdTensors{p.param.data, graph_.exact(group.indices[k]), p.momentum_buffer,
-                       group.grads[k]},
+            SgdTensors{p.param.data, group.exact[k], p.momentum_buffer, group.grads[k]},
             static_cast<std::int64_t>(p.param.numel), p.param.dtype,
             sgd_hyper(p, *group.options, group.grad_scale, group.grad_scale_device)};
       }
-      sgd_steps(sgd_batch_, graph_.device(), commit, graph_.stream());
+      sgd_steps(sgd_batch_, device_, commit, stream_);
     } else {
       adam_batch_.resize(n);
       for (size_t k = 0; k < n; ++k) {
-        ParameterSlot& p = graph_.param(group.indices[k]);
+        ParameterSlot& p = *group.params[k];
         adam_batch_[k] = AdamStep{
-            AdamTensors{p.param.data, graph_.exact(group.indices[k]), p.exp_avg, p.exp_avg_sq,
-                        group.grads[k], p.max_exp_avg_sq},
+            AdamTensors{p.param.data, group.exact[k], p.exp_avg, p.exp_avg_sq, group.grads[k],
+                        p.max_exp_avg_sq},
             static_cast<std::int64_t>(p.param.numel), p.param.dtype,
             adam_hyper(p, *group.options, group.grad_scale, group.grad_scale_device)};
       }
-      adam_steps(adam_batch_, graph_.device(), commit, graph_.stream());
+      adam_steps(adam_batch_, device_, commit, stream_);
     }
     if (commit) {
-      for (size_t i : group.indices) advance(graph_.param(i), *group.options);
+      for (ParameterSlot* p : group.params) advance(*p, *group.options);
     }
   }
 
@@ -176,7 +176,8 @@ class NativeStepper final : public Stepper {
     }
   }
 
-  LandingGraph& graph_;
+  const Device device_;
+  StreamRef stream_;   // the stream of the call in progress
   OptimizerKind optimizer_;
   VectorSqrt sqrt_;    // UpdaterOptions::sqrt
   bool multi_tensor_;  // UpdaterOptions::multi_tensor_steps
@@ -191,46 +192,57 @@ class NativeStepper final : public Stepper {
 // where live and exact are the same memory, as under priority).
 class ExternalSteps final : public Stepper {
  public:
-  ExternalSteps(LandingGraph& graph, std::shared_ptr<ExternalStepper> external)
-      : graph_(graph), external_(std::move(external)) {}
+  ExternalSteps(const Device& device, std::shared_ptr<ExternalStepper> external)
+      : device_(device), external_(std::move(external)) {}
 
-  void commit(const StepGroup& group) override {
+  void commit(const StepGroup& group, StreamRef stream) override {
     if (group.indices.empty()) return;
-    for (size_t i : group.indices) graph_.restore(i);
+    restore(group, stream);
     call(group, StepMode::kCommit);
-    for (size_t i : group.indices) graph_.save_exact(i);
+    for (size_t k = 0; k < group.params.size(); ++k) {
+      const TensorRef& p = group.params[k]->param;
+      if (group.exact[k] != p.data) copy_on(device_, stream, group.exact[k], p.data, p.nbytes());
+    }
   }
 
-  void local(const std::vector<StepGroup>& chain) override {
+  void local(const std::vector<StepGroup>& chain, StreamRef stream) override {
     if (chain.empty() || chain[0].indices.empty()) return;
-    for (size_t i : chain[0].indices) graph_.restore(i);
+    restore(chain[0], stream);
     for (size_t link = 0; link < chain.size(); ++link) {
       call(chain[link], link == 0 ? StepMode::kLocal : StepMode::kLocalAgain);
     }
   }
 
  private:
+  // Each live value <- its exact value (nothing where they are the same).
+  void restore(const StepGroup& group, StreamRef stream) const {
+    for (size_t k = 0; k < group.params.size(); ++k) {
+      const TensorRef& p = group.params[k]->param;
+      if (group.exact[k] != p.data) copy_on(device_, stream, p.data, group.exact[k], p.nbytes());
+    }
+  }
+
   void call(const StepGroup& group, StepMode mode) {
     HEMIOLA_CHECK(!group.grad_scale_device, "updater: a device-side clipping coefficient "
                   "reached the external stepper (device_clip_norms is the engine's steps')");
     refs_.resize(group.indices.size());
     for (size_t k = 0; k < group.indices.size(); ++k) {
-      refs_[k] = graph_.params()[group.indices[k]].param;
+      refs_[k] = group.params[k]->param;
       refs_[k].data = const_cast<void*>(group.grads[k]);  // read-only to the stepper
     }
     external_->step(group.indices, refs_, group.options->hyper_key, group.grad_scale, mode);
   }
 
-  LandingGraph& graph_;
+  const Device device_;
   std::shared_ptr<ExternalStepper> external_;
   std::vector<TensorRef> refs_;  // scratch of call()
 };
 
 }  // namespace
 
-std::unique_ptr<Stepper> make_stepper(LandingGraph& graph, const UpdaterOptions& options) {
-  if (options.external) return std::make_unique<ExternalSteps>(graph, options.external);
-  return std::make_unique<NativeStepper>(graph, options);
+std::unique_ptr<Stepper> make_stepper(const Device& device, const UpdaterOptions& options) {
+  if (options.external) return std::make_unique<ExternalSteps>(device, options.external);
+  return std::make_unique<NativeStepper>(device, options);
 }
 
 }  // namespace hemiola

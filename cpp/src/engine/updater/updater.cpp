@@ -91,7 +91,7 @@ class UpdaterImpl {
       group.indices.push_back(i);
       group.grads.push_back(grads[i]);
     }
-    graph_.stepper().commit(group);
+    graph_.commit(group);
     graph_.record("step", start, "local step (no reduction)");
   }
 
