@@ -173,6 +173,15 @@ void bind_engine(py::module_& m) {
           py::arg("index"), py::arg("source_ptr"), py::arg("out_ptr"), py::arg("stream") = 0,
           "Copy source in; the result goes to out (0: keep it only in the reducer).")
       .def(
+          "mark",
+          [](Reducer& r, size_t index, uintptr_t source, uintptr_t local, uintptr_t stream) {
+            r.mark(index, reinterpret_cast<const void*>(source),
+                   reinterpret_cast<const void*>(local), StreamRef{reinterpret_cast<void*>(stream)});
+          },
+          py::arg("index"), py::arg("source_ptr"), py::arg("local_ptr"), py::arg("stream") = 0,
+          "For a reducer an Updater lands: copy source in; the updater, which observes the "
+          "marks, decides where the result goes and reads local (this rank's own gradient).")
+      .def(
           "mark_unused",
           [](Reducer& r, size_t index, uintptr_t stream) {
             r.mark_unused(index, StreamRef{reinterpret_cast<void*>(stream)});

@@ -190,13 +190,6 @@ void bind_updater(py::module_& m) {
            py::keep_alive<1, 3>())
       .def("set_landers", &Updater::set_landers, py::arg("landers"))
       .def(
-          "mark",
-          [](Updater& u, size_t index, std::uintptr_t source, std::uintptr_t local_grad,
-             std::uintptr_t stream) {
-            u.mark(index, pointer(source), pointer(local_grad), StreamRef{pointer(stream)});
-          },
-          py::arg("index"), py::arg("source"), py::arg("local_grad"), py::arg("stream") = 0)
-      .def(
           "set_local_grad",
           [](Updater& u, size_t index, std::uintptr_t local_grad) {
             u.set_local_grad(index, pointer(local_grad));

@@ -193,7 +193,7 @@ std::vector<std::vector<float>> with_updater(Engine& e, UpdateSchedule schedule,
       for (size_t lander = 1; lander <= 3; ++lander) updater.land(lander, true);
     }
     m.backward(e.rank(), k, identical);
-    for (size_t p = m.w.size(); p-- > 0;) updater.mark(p, m.grad[p].data(), m.grad[p].data());
+    for (size_t p = m.w.size(); p-- > 0;) reducer->mark(p, m.grad[p].data(), m.grad[p].data());
     const auto iteration = static_cast<uint64_t>(reducer->finish_marking());
     StepOptions step;
     step.hyper = {kind == OptimizerKind::kSgd ? sgd_hyper(k) : adam_hyper(k)};
@@ -239,7 +239,7 @@ TEST(Updater, AveragedGradientsAreReadableBeforeTheStepPartitionedOnesToo) {
       Model peer = m;
       peer.backward(1 - e.rank(), k);
       m.backward(e.rank(), k);
-      for (size_t p = m.w.size(); p-- > 0;) updater.mark(p, m.grad[p].data(), m.grad[p].data());
+      for (size_t p = m.w.size(); p-- > 0;) reducer->mark(p, m.grad[p].data(), m.grad[p].data());
       const auto iteration = static_cast<uint64_t>(reducer->finish_marking());
       reducer->wait(iteration);
       for (size_t p = 0; p < m.w.size(); ++p) {
@@ -369,7 +369,7 @@ TEST(Updater, PriorityRefusesAGradientOfAParameterReadBeforeItLanded) {
     Updater updater(e, *reducer, m.slots(), options);
     updater.set_landers({{0, 1, 2}, {0}, {1}, {2}});
     m.backward(e.rank(), 0);
-    for (size_t p = m.w.size(); p-- > 0;) updater.mark(p, m.grad[p].data(), m.grad[p].data());
+    for (size_t p = m.w.size(); p-- > 0;) reducer->mark(p, m.grad[p].data(), m.grad[p].data());
     StepOptions step;
     step.hyper = {sgd_hyper(0)};
     step.clip_max_norm = 1e9;  // needs the whole reduction: nothing lands in step()
@@ -379,7 +379,7 @@ TEST(Updater, PriorityRefusesAGradientOfAParameterReadBeforeItLanded) {
     // at stale values.
     m.backward(e.rank(), 1);
     try {
-      updater.mark(2, m.grad[2].data(), m.grad[2].data());
+      reducer->mark(2, m.grad[2].data(), m.grad[2].data());
       ADD_FAILURE() << "a gradient of a parameter that was not landed was accepted";
     } catch (const Error& error) {
       EXPECT_EQ(error.code(), ErrorCode::kAborted);
@@ -402,7 +402,7 @@ TEST(Updater, DestroyedWhileGradientsAreMarkedAbortsThatIteration) {
       options.schedule = UpdateSchedule::kDecoupled;
       Updater updater(e, *reducer, m.slots(), options);
       m.backward(e.rank(), 0);
-      updater.mark(2, m.grad[2].data(), m.grad[2].data());  // p0 and p1 never come
+      reducer->mark(2, m.grad[2].data(), m.grad[2].data());  // p0 and p1 never come
       EXPECT_TRUE(reducer->marking());
     }
     try {

@@ -172,7 +172,7 @@ int main(int argc, char** argv) {
       }
       auto mark = [&](size_t p) {
         if (updater) {
-          updater->mark(p, net.grads[p].data(), net.grads[p].data());
+          reducer->mark(p, net.grads[p].data(), net.grads[p].data());  // the updater lands it
         } else {
           reducer->mark_ready(p, net.grads[p].data());  // averaged in place
         }

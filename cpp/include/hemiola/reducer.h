@@ -39,7 +39,8 @@
 namespace hemiola {
 
 class ReducerImpl;
-class LaneResults;  // engine-internal (engine/reducer/lane.h)
+class LaneResults;   // engine-internal (engine/reducer/lane.h)
+class MarkObserver;  // engine-internal (engine/reducer/mark_observer.h)
 
 class HEMIOLA_API Reducer {
  public:
@@ -58,8 +59,19 @@ class HEMIOLA_API Reducer {
   // reused as soon as this returns (on CUDA: by work enqueued on `stream`
   // after this call).
   void mark_ready(size_t index, const void* source, void* out, StreamRef stream = {});
+  // For a reducer whose results an Updater lands (hemiola/updater.h): copies
+  // `source` in and tells the mark observers (the updater's), which decide
+  // where the result goes; `local` is this rank's own gradient (it differs
+  // from `source` when the contribution is unscaled for a GradScaler), which
+  // the updater reads until its step(). Otherwise as mark_ready.
+  void mark(size_t index, const void* source, const void* local, StreamRef stream = {});
   // Contributes zeros for `index` this iteration; nothing is written back.
   void mark_unused(size_t index, StreamRef stream = {});
+  // `observer` learns of every used gradient's mark from now on, on the
+  // marking thread (engine/reducer/mark_observer.h); forget_marks ends that.
+  // Only while nothing is being marked.
+  void observe_marks(MarkObserver& observer);
+  void forget_marks(MarkObserver& observer);
   // Indices not yet marked in the iteration being marked (all, if none is).
   std::vector<size_t> unmarked() const;
   // True while an iteration is being marked (something was marked and

@@ -4,8 +4,8 @@
 // optimizer step that does it (hemiola/optimizer.h).
 //
 // One Updater drives one Reducer. Per iteration its caller makes:
-//   mark(i, ...) for every gradient as backward produces it (instead of
-//     Reducer::mark_ready: the updater decides where the result goes),
+//   Reducer::mark(i, ...) for every gradient as backward produces it (the
+//     updater observes the marks and decides where the result goes),
 //   Reducer::finish_marking() at the end of backward (it numbers iterations),
 //   step(iteration, ...) where torch's optimizer.step() would be,
 //   land(l) at the start of each "lander" of the next forward: a point in the
@@ -230,13 +230,14 @@ class HEMIOLA_API Updater {
   // Call between iterations (e.g. once the first forward is learnt).
   void set_landers(std::vector<std::vector<size_t>> landers);
 
-  // Hook path: gradient `index` is ready in `source` (copied in now, see
-  // Reducer::mark_ready). `local_grad` is this rank's gradient as the
-  // optimizer would see it (decoupled's approximate step reads it in step();
-  // it must stay valid and may be edited in place until then, e.g. clipped).
-  // priority: throws if `index` still waits for the previous update (it was
-  // read before it was updated: the gradient would be wrong).
-  void mark(size_t index, const void* source, void* local_grad, StreamRef stream = {});
+  // The hook path is the reducer's: Reducer::mark(index, source, local,
+  // stream), whose observers the updater is. `local` is this rank's gradient
+  // as the optimizer would see it (decoupled's approximate step reads it in
+  // step(); it must stay valid and may be edited in place until then, e.g.
+  // clipped). priority refuses the mark (throws, and aborts the reducer) if
+  // `index` still waits for the previous update (it was read before it was
+  // updated: the gradient would be wrong).
+  //
   // The local gradient of a parameter contributed as zeros (null: none).
   void set_local_grad(size_t index, void* local_grad);
 

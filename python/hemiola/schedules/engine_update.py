@@ -96,6 +96,10 @@ def _torch_total_norm(params: list[torch.Tensor]) -> Callable[..., float]:
     return norm
 
 
+def _no_mark(*args: int) -> None:
+    raise RuntimeError("hemiola: a gradient was marked before the optimizer was wrapped")
+
+
 class EngineUpdate(Schedule):
     """The part of ``priority`` and ``decoupled`` that is the same: the
     engine's updater lands each update where the forward gate learnt it is
@@ -142,6 +146,7 @@ class EngineUpdate(Schedule):
         self._kind = native_kind(replica.config, optimizer, replica.params)
         self._torch_step: TorchStep | None = None  # the external stepper, if any
         self._updater: Any = None  # C.Updater, made by wrap_optimizer (none without parameters)
+        self._mark: Callable[..., None] = _no_mark  # the reducer's mark, once the updater observes it
         # contiguous copies of non-contiguous local gradients (the engine
         # reads gradients in logical order), refreshed in step()
         self._local: dict[int, torch.Tensor] = {}
@@ -177,6 +182,8 @@ class EngineUpdate(Schedule):
             device_clip_norms=_flag("HEMIOLA_DEVICE_CLIP"),
             clip_norm=None if self._cuda else _torch_total_norm(m.params))
         self._updater.set_landers(self._gate.landers)
+        # Marks go straight to the reducer, whose observer the updater is.
+        self._mark = m.reducer.mark
 
     def replan(self) -> None:
         # The updater is built on the reducer: it goes first, and a new one
@@ -243,10 +250,10 @@ class EngineUpdate(Schedule):
     def mark(self, index: int, grad: torch.Tensor) -> None:
         stream = self.replica.stream() if self._cuda else 0  # self._stream(), inlined
         if grad.is_contiguous() and self.grad_scaler is None:  # the common case
-            self._updater.mark(index, grad.data_ptr(), grad.data_ptr(), stream)
+            self._mark(index, grad.data_ptr(), grad.data_ptr(), stream)
             return
         source = self.source(grad)  # (kept alive until the engine has copied it)
-        self._updater.mark(index, source.data_ptr(), self._local_pointer(index, grad), stream)
+        self._mark(index, source.data_ptr(), self._local_pointer(index, grad), stream)
 
     def source(self, grad: torch.Tensor) -> torch.Tensor:
         """What this rank contributes for local gradient `grad`."""

@@ -73,7 +73,18 @@ Flight& IterationRing::begin_iteration() {
   return flight;
 }
 
-void IterationRing::mark(size_t index, const void* source, void* out, bool used, void* stream) {
+void IterationRing::observe(MarkObserver& observer) {
+  HEMIOLA_CHECK(!marking(), "internal: a mark observer added while gradients are marked");
+  observers_.push_back(&observer);
+}
+
+void IterationRing::forget(MarkObserver& observer) {
+  observers_.erase(std::remove(observers_.begin(), observers_.end(), &observer),
+                   observers_.end());
+}
+
+void IterationRing::mark(size_t index, const void* source, const void* local, void* out,
+                         bool used, void* stream) {
   HEMIOLA_CHECK(index < plan_.specs.size(), "gradient index ", index, " is out of range (",
                 plan_.specs.size(), " gradients)");
   const GradSpec& spec = plan_.specs[index];
@@ -89,6 +100,16 @@ void IterationRing::mark(size_t index, const void* source, void* out, bool used,
                   "' was marked ready twice in one iteration. Each parameter must produce one "
                   "gradient per backward pass (reentrant checkpointing, or a second backward "
                   "without finishing the first, can cause this)");
+  }
+  if (used && !observers_.empty()) {
+    Mark mark{index, flight.iteration, source, local, out, stream};
+    try {
+      for (MarkObserver* observer : observers_) observer->on_mark(mark);
+    } catch (const std::exception& e) {
+      abort(e.what());
+      throw;
+    }
+    out = mark.out;
   }
   if (used) flight.out[index] = out;
   flight.usage[index] = used ? 1.0f : 0.0f;

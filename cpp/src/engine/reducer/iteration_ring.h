@@ -25,6 +25,7 @@
 
 #include "engine/buckets/bucket_plan.h"
 #include "engine/buckets/bucket_storage.h"
+#include "engine/reducer/mark_observer.h"
 #include "hemiola/tensor.h"
 
 namespace hemiola {
@@ -72,11 +73,18 @@ class IterationRing {
   // Replaces every flight's storage (before the first iteration only).
   void replace_storage(const MakeStorage& make_storage);
 
+  // `observer` learns of every used gradient's mark from now on (see
+  // mark_observer.h); forget() ends that. Only while nothing is marked.
+  void observe(MarkObserver& observer);
+  void forget(MarkObserver& observer);
+
   // Tensor `index`'s gradient, from `source` (zeros when !used), into its
-  // buckets; the last piece of a bucket publishes it to every lane. The
-  // first mark of an iteration takes its flight (and may wait for the
-  // in-flight bound).
-  void mark(size_t index, const void* source, void* out, bool used, void* stream);
+  // buckets; its reduced value goes to `out` unless an observer says
+  // otherwise (`local`: this rank's own gradient, for the observers). The
+  // last piece of a bucket publishes it to every lane. The first mark of an
+  // iteration takes its flight (and may wait for the in-flight bound).
+  void mark(size_t index, const void* source, const void* local, void* out, bool used,
+            void* stream);
   std::vector<size_t> unmarked() const;
   bool marking() const { return marking_.load(std::memory_order_acquire) != nullptr; }
   // Ends the marking of the current iteration; returns its number, or -1
@@ -117,6 +125,7 @@ class IterationRing {
   const ReducerPlan& plan_;
   const size_t ring_size_;
   std::vector<Lane*> lanes_;  // in the order they are told of an iteration
+  std::vector<MarkObserver*> observers_;  // in the order they are told of a mark
   std::vector<std::unique_ptr<Flight>> flights_;
 
   std::atomic<Flight*> marking_{nullptr};  // the iteration being marked, if any

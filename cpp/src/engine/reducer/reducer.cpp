@@ -332,17 +332,22 @@ void Reducer::mark_ready(size_t index, const TensorRef& grad, StreamRef stream) 
                     (device.type == DeviceType::kCPU || grad.device.index == device.index),
                 "gradient '", spec.name, "' is on ", describe_device(grad.device),
                 " but the reducer is on ", describe_device(device));
-  impl_->mark(index, grad.data, grad.data, true, stream.handle);
+  impl_->mark(index, grad.data, grad.data, grad.data, true, stream.handle);
 }
 void Reducer::mark_ready(size_t index, void* data, StreamRef stream) {
-  impl_->mark(index, data, data, true, stream.handle);
+  impl_->mark(index, data, data, data, true, stream.handle);
 }
 void Reducer::mark_ready(size_t index, const void* source, void* out, StreamRef stream) {
-  impl_->mark(index, source, out, true, stream.handle);
+  impl_->mark(index, source, source, out, true, stream.handle);
+}
+void Reducer::mark(size_t index, const void* source, const void* local, StreamRef stream) {
+  impl_->mark(index, source, local, nullptr, true, stream.handle);
 }
 void Reducer::mark_unused(size_t index, StreamRef stream) {
-  impl_->mark(index, nullptr, nullptr, false, stream.handle);
+  impl_->mark(index, nullptr, nullptr, nullptr, false, stream.handle);
 }
+void Reducer::observe_marks(MarkObserver& observer) { impl_->observe(observer); }
+void Reducer::forget_marks(MarkObserver& observer) { impl_->forget(observer); }
 std::vector<size_t> Reducer::unmarked() const { return impl_->unmarked(); }
 bool Reducer::marking() const { return impl_->marking(); }
 int64_t Reducer::finish_marking() { return impl_->finish_marking(); }

@@ -42,9 +42,12 @@ class ReducerImpl {
 
   // `stream`: on a CUDA reducer, the stream the gradient was produced on
   // (the copy into the bucket is enqueued there); ignored on CPU.
-  void mark(size_t index, const void* source, void* out, bool used, void* stream) {
-    ring_.mark(index, source, out, used, stream);
+  void mark(size_t index, const void* source, const void* local, void* out, bool used,
+            void* stream) {
+    ring_.mark(index, source, local, out, used, stream);
   }
+  void observe(MarkObserver& observer) { ring_.observe(observer); }
+  void forget(MarkObserver& observer) { ring_.forget(observer); }
   std::vector<size_t> unmarked() const { return ring_.unmarked(); }
   bool marking() const { return ring_.marking(); }
   int64_t finish_marking() { return ring_.finish_marking(); }

@@ -48,7 +48,10 @@ class DecoupledPolicy final : public UpdatePolicy {
     }
   }
 
-  void check_mark(size_t index) override {}  // every gradient is taken
+  // Every gradient is taken; its local step reads this rank's own gradient.
+  void on_mark(Mark& mark) override {
+    graph_.set_local_grad(mark.index, mark.local);
+  }
 
   void step(uint64_t iteration, const StepOptions& options) override {
     std::vector<int> usage;

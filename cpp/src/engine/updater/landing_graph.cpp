@@ -128,17 +128,16 @@ bool LandingGraph::gathers(size_t index) const {
   return partitioned_[index] || (!rebuilt_ && gather_until_rebuilt_);
 }
 
-void* LandingGraph::result_target(size_t index) {
-  if (!gathers(index)) return nullptr;
-  // The iteration being marked (the reducer starts one at its first mark).
-  const uint64_t started = reducer_.iterations_started();
-  const uint64_t slot = (reducer_.marking() ? started - 1 : started) % gathered_.size();
-  auto& buffer = gathered_[slot];
+void LandingGraph::on_mark(Mark& mark) {
+  check_index(mark.index);
+  use_stream(StreamRef{mark.stream});
+  if (!gathers(mark.index)) return;
+  auto& buffer = gathered_[mark.iteration % gathered_.size()];
   if (buffer.size() != params_.size()) buffer.resize(params_.size());
-  return buffer[index].reserve(device_, params_[index].param.nbytes());
+  mark.out = buffer[mark.index].reserve(device_, params_[mark.index].param.nbytes());
 }
 
-// Before step(): where result_target() sent the reduced value when
+// Before step(): where on_mark() sent the reduced value when
 // `iteration` was marked (the gathering cannot have changed since: buckets are
 // rebuilt only in a step).
 TensorRef LandingGraph::averaged(uint64_t iteration, size_t index) const {

@@ -66,7 +66,11 @@ struct Pending {
   bool preview_allowed() const { return !options.has_unused && !options.skip_if_not_finite; }
 };
 
-class LandingGraph {
+// The graph observes the reducer's marks (the Updater registers it): a
+// gradient whose reduced value must outlive the reducer's buffers (a
+// partitioned one, or the first iteration's) is sent to the graph's own, and
+// on a GPU the mark's stream becomes the one the updater's work follows.
+class LandingGraph : public MarkObserver {
  public:
   // No parameters yet: adopt() takes them.
   LandingGraph(Engine& engine, Reducer& reducer, const UpdaterOptions& options, StreamRef stream);
@@ -108,14 +112,14 @@ class LandingGraph {
   // Every rank rebuilds the bucket plan in the observed gradient order (the
   // first iteration's: it must have landed, or been gathered).
   void rebuild_buckets();
-  // Where mark(index) has the reducer write the result (null: the reducer's
-  // own buffers).
-  void* result_target(size_t index);
+  // MarkObserver: where the reducer writes the result (null: its own
+  // buffers), and the stream of the call.
+  void on_mark(Mark& mark) override;
 
   // ---- one iteration's marks and reads -----------------------------------------
 
-  void* local_grad(size_t i) const { return local_grads_[i]; }
-  void set_local_grad(size_t i, void* grad) { local_grads_[i] = grad; }
+  const void* local_grad(size_t i) const { return local_grads_[i]; }
+  void set_local_grad(size_t i, const void* grad) { local_grads_[i] = grad; }
   void clear_local_grads();
   bool was_read(size_t i) const { return read_[i] != 0; }
   void clear_reads();
@@ -172,7 +176,7 @@ class LandingGraph {
  private:
   const void* reduced(const Pending& pending, size_t index) const;
   // Whether the reduced value of `index` goes to the updater's own buffers
-  // (result_target) rather than staying in the reducer's.
+  // (on_mark) rather than staying in the reducer's.
   bool gathers(size_t index) const;
   std::vector<const void*> readable(const Pending& pending, const std::vector<size_t>& indices);
   void scale_of(Pending& pending);
@@ -197,7 +201,7 @@ class LandingGraph {
   std::vector<std::vector<size_t>> buckets_of_;  // per parameter: its buckets (pieces)
   std::vector<double> bucket_bytes_;
   std::vector<uint8_t> partitioned_;  // per parameter: cut into pieces (result() cannot hold it)
-  std::vector<void*> local_grads_;   // this iteration's own gradients
+  std::vector<const void*> local_grads_;  // this iteration's own gradients
   std::vector<uint8_t> read_;        // read by a forward since the last step()
   std::vector<std::vector<Buffer>> gathered_;  // per iteration % (in_flight + 1): results kept here
   std::vector<HostBuffer> staging_;  // GPU: host copies of averaged gradients (readable())

@@ -25,7 +25,10 @@ class PriorityPolicy final : public UpdatePolicy {
 
   void adopt() override { selected_.assign(graph_.size(), 0); }
 
-  void check_mark(size_t index) override {
+  // A mark of a parameter whose previous update has not landed: the forward
+  // read it before it was updated, so its gradient would be wrong.
+  void on_mark(Mark& mark) override {
+    const size_t index = mark.index;
     const auto& pending = graph_.pending();
     if (pending.empty() || pending.front().applied[index]) return;
     const std::string message = detail::concat(

@@ -18,21 +18,22 @@
 #include <memory>
 #include <vector>
 
+#include "engine/reducer/mark_observer.h"
 #include "engine/updater/landing_graph.h"
 #include "hemiola/updater.h"
 
 namespace hemiola {
 
-class UpdatePolicy {
+// A policy observes the reducer's marks (the Updater registers it): what it
+// keeps of a mark (decoupled: the local gradient) or refuses (priority: a
+// parameter read before its update landed).
+class UpdatePolicy : public MarkObserver {
  public:
-  virtual ~UpdatePolicy() = default;
+  ~UpdatePolicy() override = default;
 
   // The graph adopted new parameters (nothing is pending): take what the
   // schedule keeps per parameter from them.
   virtual void adopt() = 0;
-  // mark(index) is about to hand the reducer gradient `index`: throws if the
-  // schedule cannot take it now.
-  virtual void check_mark(size_t index) = 0;
   // optimizer.step() after the backward of `iteration` (reads cleared).
   virtual void step(uint64_t iteration, const StepOptions& options) = 0;
   // The forward reaches a lander that reads `needed` (marked read after).

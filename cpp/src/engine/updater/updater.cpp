@@ -44,24 +44,26 @@ class UpdaterImpl {
                   : make_decoupled_policy(graph_, options);
     adopt(std::move(params));
     graph_.refresh_buckets();
+    // The marks come straight to the reducer; the policy hears of each
+    // first (priority may refuse it), then the graph (where it lands).
+    HEMIOLA_CHECK(!reducer.marking(), "updater: made while the reducer marks gradients; make "
+                  "it between iterations");
+    reducer.observe_marks(*policy_);
+    reducer.observe_marks(graph_);
   }
 
   // The reducer writes results into the graph's buffers (on a GPU, its
   // stream does): an iteration in flight must end, on the device too, before
   // they are freed, and one still being marked can never end normally: it is
-  // aborted.
-  ~UpdaterImpl() { graph_.reducer().drain(/*abort_marking=*/true); }
+  // aborted. Then nothing is marked, and the observers can go.
+  ~UpdaterImpl() {
+    graph_.reducer().drain(/*abort_marking=*/true);
+    graph_.reducer().forget_marks(graph_);
+    graph_.reducer().forget_marks(*policy_);
+  }
 
   void set_landers(std::vector<std::vector<size_t>> landers) {
     graph_.set_landers(std::move(landers));
-  }
-
-  void mark(size_t index, const void* source, void* local_grad, StreamRef stream) {
-    graph_.check_index(index);
-    graph_.use_stream(stream);
-    policy_->check_mark(index);
-    graph_.set_local_grad(index, local_grad);
-    graph_.reducer().mark_ready(index, source, graph_.result_target(index), graph_.stream());
   }
 
   void set_local_grad(size_t index, void* local_grad) {
@@ -150,9 +152,6 @@ Updater::~Updater() = default;
 
 void Updater::set_landers(std::vector<std::vector<size_t>> landers) {
   impl_->set_landers(std::move(landers));
-}
-void Updater::mark(size_t index, const void* source, void* local_grad, StreamRef stream) {
-  impl_->mark(index, source, local_grad, stream);
 }
 void Updater::set_local_grad(size_t index, void* local_grad) {
   impl_->set_local_grad(index, local_grad);
