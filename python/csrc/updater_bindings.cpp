@@ -188,7 +188,7 @@ void bind_updater(py::module_& m) {
            py::arg("clip_norm") = py::none(),
            py::keep_alive<1, 2>(),
            py::keep_alive<1, 3>())
-      .def("set_landers", &Updater::set_landers, py::arg("landers"))
+      .def("set_gates", &Updater::set_gates, py::arg("gates"))
       .def(
           "set_local_grad",
           [](Updater& u, size_t index, std::uintptr_t local_grad) {
@@ -224,10 +224,10 @@ void bind_updater(py::module_& m) {
           py::arg("grads"), py::arg("hyper"), py::arg("stream") = 0, py::arg("hyper_key") = 0)
       .def(
           "land",
-          [](Updater& u, size_t lander, bool training, std::uintptr_t stream) {
-            u.land(lander, training, StreamRef{pointer(stream)});
+          [](Updater& u, size_t gate, bool training, std::uintptr_t stream) {
+            u.land(gate, training, StreamRef{pointer(stream)});
           },
-          py::arg("lander"), py::arg("training"), py::arg("stream") = 0, Release())
+          py::arg("gate"), py::arg("training"), py::arg("stream") = 0, Release())
       .def(
           "synchronize",
           [](Updater& u, std::uintptr_t stream) { u.synchronize(StreamRef{pointer(stream)}); },

@@ -172,7 +172,7 @@ class ExternalSgd final : public ExternalStepper {
 };
 
 // The same training through an Updater: marks in backward order, step(),
-// then the next "forward" lands parameter 0, then 1, then 2 (three landers).
+// then the next "forward" lands parameter 0, then 1, then 2 (three gates).
 std::vector<std::vector<float>> with_updater(Engine& e, UpdateSchedule schedule,
                                              OptimizerKind kind, int steps,
                                              bool correct_on_arrival, double* approx = nullptr,
@@ -187,10 +187,10 @@ std::vector<std::vector<float>> with_updater(Engine& e, UpdateSchedule schedule,
   options.correct_on_arrival = correct_on_arrival;
   if (external) options.external = std::make_shared<ExternalSgd>(m);
   Updater updater(e, *reducer, m.slots(), options);
-  updater.set_landers({{0, 1, 2}, {0}, {1}, {2}});
+  updater.set_gates({{0, 1, 2}, {0}, {1}, {2}});
   for (int k = 0; k < steps; ++k) {
     if (k > 0) {
-      for (size_t lander = 1; lander <= 3; ++lander) updater.land(lander, true);
+      for (size_t gate = 1; gate <= 3; ++gate) updater.land(gate, true);
     }
     m.backward(e.rank(), k, identical);
     for (size_t p = m.w.size(); p-- > 0;) reducer->mark(p, m.grad[p].data(), m.grad[p].data());
@@ -233,7 +233,7 @@ TEST(Updater, AveragedGradientsAreReadableBeforeTheStepPartitionedOnesToo) {
     options.schedule = UpdateSchedule::kPriority;
     options.optimizer = OptimizerKind::kSgd;
     Updater updater(e, *reducer, m.slots(), options);
-    updater.set_landers({{0, 1, 2}});
+    updater.set_gates({{0, 1, 2}});
     for (int k = 0; k < 3; ++k) {
       if (k > 0) updater.land(0, true);
       Model peer = m;
@@ -367,14 +367,14 @@ TEST(Updater, PriorityRefusesAGradientOfAParameterReadBeforeItLanded) {
     UpdaterOptions options;
     options.rebuild_buckets = false;
     Updater updater(e, *reducer, m.slots(), options);
-    updater.set_landers({{0, 1, 2}, {0}, {1}, {2}});
+    updater.set_gates({{0, 1, 2}, {0}, {1}, {2}});
     m.backward(e.rank(), 0);
     for (size_t p = m.w.size(); p-- > 0;) reducer->mark(p, m.grad[p].data(), m.grad[p].data());
     StepOptions step;
     step.hyper = {sgd_hyper(0)};
     step.clip_max_norm = 1e9;  // needs the whole reduction: nothing lands in step()
     updater.step(static_cast<uint64_t>(reducer->finish_marking()), step);
-    // The next forward reads parameter 2 without passing its lander (as a
+    // The next forward reads parameter 2 without passing its gate (as a
     // model whose order of reads changed would): its gradient would be taken
     // at stale values.
     m.backward(e.rank(), 1);

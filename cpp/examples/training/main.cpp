@@ -2,7 +2,7 @@
 // schedule doing what hemiola's Python wrapper does for a torch model:
 // gradients are marked as "backward" produces them, optimizer.step() becomes
 // Updater::step(), and each layer's forward first calls Updater::land() for
-// the parameters it reads (its "lander").
+// the parameters it reads (its "gate").
 //
 //   usage: training_example RANK WORLD_SIZE STORE_DIR SCHEDULE [STEPS]
 //   SCHEDULE: priority | decoupled | sync (wait for the reduction, then step:
@@ -138,8 +138,8 @@ int main(int argc, char** argv) {
                                           : hemiola::UpdateSchedule::kDecoupled;
       u.optimizer = hemiola::OptimizerKind::kSgd;
       updater = std::make_unique<hemiola::Updater>(engine, *reducer, slots, u);
-      // Lander 0 is every parameter; layer 1 reads 0 and 1, layer 2 reads 2 and 3.
-      updater->set_landers({{0, 1, 2, 3}, {0, 1}, {2, 3}});
+      // Gate 0 is every parameter; layer 1 reads 0 and 1, layer 2 reads 2 and 3.
+      updater->set_gates({{0, 1, 2, 3}, {0, 1}, {2, 3}});
     }
 
     std::vector<float> x, t;

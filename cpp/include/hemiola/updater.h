@@ -8,18 +8,18 @@
 //     updater observes the marks and decides where the result goes),
 //   Reducer::finish_marking() at the end of backward (it numbers iterations),
 //   step(iteration, ...) where torch's optimizer.step() would be,
-//   land(l) at the start of each "lander" of the next forward: a point in the
+//   land(l) at the start of each "gate" of the next forward: a point in the
 //     forward (a module's forward pre-hook) before which parameters
-//     landers[l] are first read. Landers are learnt by the caller (hemiola's
+//     gates[l] are first read. Gates are learnt by the caller (hemiola's
 //     Python layer observes the first forward) and handed over as integers;
-//     lander 0 is always "every parameter" (the very start of the forward).
+//     gate 0 is always "every parameter" (the very start of the forward).
 //
 // Schedules:
 //   kPriority: exact synchronous SGD. step() applies the update of every
-//     parameter whose reduction has arrived; land(l) waits for landers[l]'s
+//     parameter whose reduction has arrived; land(l) waits for gates[l]'s
 //     buckets and applies theirs. A parameter is written only if no forward
 //     read it since step() (autograd may still need the value), or when a
-//     lander needs it.
+//     gate needs it.
 //   kDecoupled: step() lands the previous iteration's exact step (waiting if
 //     needed) and takes the approximate step: the exact parameters (the
 //     shadow, kept by the updater) stepped with this rank's own gradient,
@@ -226,9 +226,9 @@ class HEMIOLA_API Updater {
   Updater(const Updater&) = delete;
   Updater& operator=(const Updater&) = delete;
 
-  // landers[0] must be every parameter; the others may overlap nothing.
+  // gates[0] must be every parameter; the others may overlap nothing.
   // Call between iterations (e.g. once the first forward is learnt).
-  void set_landers(std::vector<std::vector<size_t>> landers);
+  void set_gates(std::vector<std::vector<size_t>> gates);
 
   // The hook path is the reducer's: Reducer::mark(index, source, local,
   // stream), whose observers the updater is. `local` is this rank's gradient
@@ -248,11 +248,11 @@ class HEMIOLA_API Updater {
   void step_local(const std::vector<void*>& grads, const StepOptions& options,
                   StreamRef stream = {});
 
-  // The forward reaches lander `lander`: brings its parameters up to date
+  // The forward reaches gate `gate`: brings its parameters up to date
   // (waiting for their reductions), and lands whatever else has arrived and
   // was not read yet. `training`: the forward will be backpropagated (counts
   // reads for approximate_read_fraction()).
-  void land(size_t lander, bool training, StreamRef stream = {});
+  void land(size_t gate, bool training, StreamRef stream = {});
 
   // Lands everything pending (waits; on a GPU `stream` waits): the live
   // parameters are exact for work enqueued on `stream` from now on.

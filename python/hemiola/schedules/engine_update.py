@@ -181,7 +181,7 @@ class EngineUpdate(Schedule):
             multi_tensor_steps=_flag("HEMIOLA_MULTI_TENSOR_STEPS"),
             device_clip_norms=_flag("HEMIOLA_DEVICE_CLIP"),
             clip_norm=None if self._cuda else _torch_total_norm(m.params))
-        self._updater.set_landers(self._gate.landers)
+        self._updater.set_gates(self._gate.landers)
         # Marks go straight to the reducer, whose observer the updater is.
         self._mark = m.reducer.mark
 
@@ -237,7 +237,7 @@ class EngineUpdate(Schedule):
     def landers_learnt(self, landers: list[list[int]]) -> None:
         """The gate learnt (or reset) its landers; lander 0 is everything."""
         if self._updater is not None:
-            self._updater.set_landers(landers)
+            self._updater.set_gates(landers)
 
     # ---- backward ----------------------------------------------------------
 

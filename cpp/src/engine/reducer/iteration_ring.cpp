@@ -29,7 +29,7 @@ void IterationRing::build(const MakeStorage& make_storage) {
   const size_t tensors = plan_.specs.size();
   flights_.clear();
   for (size_t f = 0; f < ring_size_; ++f) {
-    auto flight = std::make_unique<Flight>();
+    auto flight = std::make_unique<InFlightIteration>();
     flight->slot = f;
     // No iteration yet: the waits and queries treat it as long completed.
     flight->iteration = kNoIteration;
@@ -47,11 +47,11 @@ void IterationRing::replace_storage(const MakeStorage& make_storage) {
   for (auto& flight : flights_) flight->storage = make_storage();
 }
 
-Flight& IterationRing::begin_iteration() {
+InFlightIteration& IterationRing::begin_iteration() {
   std::lock_guard<std::mutex> lock(mutex_);
-  if (Flight* current = marking_.load(std::memory_order_acquire)) return *current;
+  if (InFlightIteration* current = marking_.load(std::memory_order_acquire)) return *current;
   const uint64_t iteration = started_.load();
-  Flight& flight = *flights_[iteration % flights_.size()];
+  InFlightIteration& flight = *flights_[iteration % flights_.size()];
   // The in-flight bound: every lane must be done with the iteration that
   // used this flight last before its buffers are reused.
   for (const Lane* lane : lanes_) lane->release(flight, iteration);
@@ -91,8 +91,8 @@ void IterationRing::mark(size_t index, const void* source, const void* local, vo
   HEMIOLA_CHECK(!used || source != nullptr || spec.numel == 0, "gradient '", spec.name,
                 "' has a null data pointer");
   check_usable();
-  Flight* current = marking_.load(std::memory_order_acquire);
-  Flight& flight = current ? *current : begin_iteration();
+  InFlightIteration* current = marking_.load(std::memory_order_acquire);
+  InFlightIteration& flight = current ? *current : begin_iteration();
   uint8_t expected = kPending;
   if (!flight.state[index].compare_exchange_strong(expected, used ? kReady : kUnused,
                                                     std::memory_order_acq_rel)) {
@@ -127,7 +127,7 @@ void IterationRing::mark(size_t index, const void* source, const void* local, vo
 }
 
 std::vector<size_t> IterationRing::unmarked() const {
-  const Flight* flight = marking_.load(std::memory_order_acquire);
+  const InFlightIteration* flight = marking_.load(std::memory_order_acquire);
   std::vector<size_t> out;
   for (size_t i = 0; i < plan_.specs.size(); ++i) {
     if (!flight || flight->state[i].load(std::memory_order_acquire) == kPending) out.push_back(i);
@@ -138,7 +138,7 @@ std::vector<size_t> IterationRing::unmarked() const {
 int64_t IterationRing::finish_marking() {
   check_usable();
   std::lock_guard<std::mutex> lock(mutex_);
-  Flight* flight = marking_.load(std::memory_order_acquire);
+  InFlightIteration* flight = marking_.load(std::memory_order_acquire);
   if (!flight) return -1;
   std::vector<size_t> missing;
   for (size_t i = 0; i < plan_.specs.size(); ++i) {

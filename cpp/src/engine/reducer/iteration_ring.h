@@ -2,7 +2,7 @@
 // "bucket b of iteration t is packed" is published to the lanes
 // (engine/reducer/lane.h) that act on it.
 //
-// Each iteration k owns a Flight: its bucket storage, pending counts, slot
+// Each iteration k owns a InFlightIteration: its bucket storage, pending counts, slot
 // states and outputs. Iteration k uses flight k % (in_flight + 1); before a
 // flight is reused, every lane must be done with the iteration that used it
 // last (that is the in-flight bound). A flight's per-iteration state is reset
@@ -44,8 +44,10 @@ struct ReducerPlan {
 
 constexpr uint64_t kNoIteration = ~uint64_t{0};
 
-// One iteration's state, as the ring and its lanes share it.
-struct Flight {
+// One iteration in flight: its bucket memory and marking state, as the ring
+// and its lanes share it. The ring holds in_flight + 1 of them, reused in
+// turn by later iterations (hence `flight` for a variable of this type).
+struct InFlightIteration {
   size_t slot = 0;                     // its index in the ring (lanes keep state per slot)
   uint64_t iteration = kNoIteration;   // the last iteration that took it
   std::unique_ptr<BucketStorage> storage;
@@ -97,12 +99,16 @@ class IterationRing {
 
   // Flights by iteration. The flight iteration `iteration` used; its
   // `iteration` field says whether a later one has reused it since.
-  Flight& flight_for(uint64_t iteration) { return *flights_[iteration % flights_.size()]; }
-  const Flight& flight_for(uint64_t iteration) const {
+  InFlightIteration& flight_for(uint64_t iteration) {
     return *flights_[iteration % flights_.size()];
   }
-  const Flight* marking_flight() const { return marking_.load(std::memory_order_acquire); }
-  const std::vector<std::unique_ptr<Flight>>& flights() const { return flights_; }
+  const InFlightIteration& flight_for(uint64_t iteration) const {
+    return *flights_[iteration % flights_.size()];
+  }
+  const InFlightIteration* marking_flight() const {
+    return marking_.load(std::memory_order_acquire);
+  }
+  const std::vector<std::unique_ptr<InFlightIteration>>& flights() const { return flights_; }
 
   // Guards taking and releasing flights (begin, finish, rebuild) and every
   // lane's per-flight handle. May be held while waiting for an earlier
@@ -120,15 +126,15 @@ class IterationRing {
   std::string names(const std::vector<size_t>& indices, size_t limit = 8) const;
 
  private:
-  Flight& begin_iteration();
+  InFlightIteration& begin_iteration();
 
   const ReducerPlan& plan_;
   const size_t ring_size_;
   std::vector<Lane*> lanes_;  // in the order they are told of an iteration
   std::vector<MarkObserver*> observers_;  // in the order they are told of a mark
-  std::vector<std::unique_ptr<Flight>> flights_;
+  std::vector<std::unique_ptr<InFlightIteration>> flights_;
 
-  std::atomic<Flight*> marking_{nullptr};  // the iteration being marked, if any
+  std::atomic<InFlightIteration*> marking_{nullptr};  // the iteration being marked, if any
   std::atomic<uint64_t> started_{0};
 
   // Order recording (first iteration): each mark claims a position.

@@ -28,7 +28,7 @@ void set_flag(std::mutex& mutex, std::condition_variable& cv, std::atomic<bool>&
 // The scheduler's view of one iteration of one lane.
 class Lane::Walk final : public Work {
  public:
-  Walk(Lane& lane, Flight& flight) : lane_(lane), flight_(flight) {}
+  Walk(Lane& lane, InFlightIteration& flight) : lane_(lane), flight_(flight) {}
   void run(Communicator& comm, Timeline& timeline) override {
     lane_.run(flight_, comm, timeline, &position_);
   }
@@ -42,7 +42,7 @@ class Lane::Walk final : public Work {
  private:
   static constexpr size_t kNotStarted = static_cast<size_t>(-1);
   Lane& lane_;
-  Flight& flight_;
+  InFlightIteration& flight_;
   size_t position_ = kNotStarted;  // written and read on the lane's thread
 };
 
@@ -67,7 +67,7 @@ void Lane::rebuild(size_t flights) {
   on_rebuild(flights);
 }
 
-void Lane::begin(Flight& flight) {
+void Lane::begin(InFlightIteration& flight) {
   PerFlight& s = state(flight.slot);
   s.active = takes(flight);
   for (size_t b = 0; b < plan_.buckets.size(); ++b) {
@@ -77,14 +77,14 @@ void Lane::begin(Flight& flight) {
   if (s.active) s.handle = host_.submit(wire_, std::make_shared<Walk>(*this, flight));
 }
 
-void Lane::packed(const Flight& flight, size_t bucket) {
+void Lane::packed(const InFlightIteration& flight, size_t bucket) {
   PerFlight& s = state(flight.slot);
   if (s.active && !s.queue->push(static_cast<uint32_t>(bucket))) {
     HEMIOLA_THROW(ErrorCode::kInternal, "ready queue overflow");
   }
 }
 
-void Lane::release(const Flight& flight, uint64_t next) const {
+void Lane::release(const InFlightIteration& flight, uint64_t next) const {
   const Handle& handle = state(flight.slot).handle;
   if (handle.valid()) handle.wait();
 }
@@ -94,11 +94,12 @@ void Lane::wake() {
 }
 
 bool Lane::active(uint64_t iteration) const {
-  const Flight& flight = ring_.flight_for(iteration);
+  const InFlightIteration& flight = ring_.flight_for(iteration);
   return flight.iteration == iteration && state(flight.slot).active;
 }
 
-void Lane::run(Flight& flight, Communicator& comm, Timeline& timeline, size_t* position) {
+void Lane::run(InFlightIteration& flight, Communicator& comm, Timeline& timeline,
+               size_t* position) {
   PerFlight& s = state(flight.slot);
   const size_t count = plan_.buckets.size();
   std::vector<bool> ready(count, false);
@@ -116,7 +117,7 @@ void Lane::run(Flight& flight, Communicator& comm, Timeline& timeline, size_t* p
   after(flight, comm, timeline);
 }
 
-void Lane::wait_gates(const Flight& flight, Timeline& timeline) const {
+void Lane::wait_gates(const InFlightIteration& flight, Timeline& timeline) const {
   for (const Lane* gate : gates_) {
     const int64_t start_us = timeline.now_us();
     for (size_t b = 0; b < plan_.buckets.size(); ++b) {
@@ -159,7 +160,7 @@ void Lane::wait_packed(PerFlight& s, size_t bucket, std::vector<bool>& ready,
 }
 
 bool Lane::await(uint64_t iteration, size_t bucket) const {
-  const Flight& flight = ring_.flight_for(iteration);
+  const InFlightIteration& flight = ring_.flight_for(iteration);
   // Reused since (in_flight = 0 reuses a flight at once): that iteration is done.
   if (flight.iteration != iteration) return true;
   const PerFlight& s = state(flight.slot);
@@ -178,7 +179,7 @@ bool Lane::done(uint64_t iteration, size_t bucket) const {
   HEMIOLA_CHECK(bucket < plan_.buckets.size(), "bucket ", bucket, " is out of range (",
                 plan_.buckets.size(), " buckets)");
   if (iteration >= ring_.started()) return false;
-  const Flight& flight = ring_.flight_for(iteration);
+  const InFlightIteration& flight = ring_.flight_for(iteration);
   if (flight.iteration != iteration) return true;  // reused: it completed long ago
   const PerFlight& s = state(flight.slot);
   return s.active && s.done[bucket].load(std::memory_order_acquire) &&
@@ -188,12 +189,12 @@ bool Lane::done(uint64_t iteration, size_t bucket) const {
 void Lane::wait(uint64_t iteration, size_t bucket, void* stream) {
   HEMIOLA_CHECK(bucket < plan_.buckets.size(), "bucket ", bucket, " is out of range (",
                 plan_.buckets.size(), " buckets)");
-  Flight* flight;
+  InFlightIteration* flight;
   Handle handle;
   {
     std::lock_guard<std::mutex> lock(ring_.mutex());
     HEMIOLA_CHECK(iteration < ring_.started(), "iteration ", iteration, " has not started");
-    flight = const_cast<Flight*>(&ring_.flight_for(iteration));
+    flight = const_cast<InFlightIteration*>(&ring_.flight_for(iteration));
     if (flight->iteration != iteration || !state(flight->slot).active) return;
     handle = state(flight->slot).handle;
   }

@@ -55,7 +55,7 @@ class LaneResults {
 
 class Lane : public LaneResults {
  public:
-  using Observer = std::function<void(Flight&, size_t bucket)>;
+  using Observer = std::function<void(InFlightIteration&, size_t bucket)>;
 
   // `timeline_lane`: the timeline row its events go on; `what`: what its
   // work is, for messages ("gradient reduction").
@@ -76,13 +76,13 @@ class Lane : public LaneResults {
   void rebuild(size_t flights);
   // Under the ring's mutex, once `flight` was reset for a new iteration:
   // resets this lane's state for it and submits its work, if it takes it.
-  void begin(Flight& flight);
+  void begin(InFlightIteration& flight);
   // Producer threads: bucket `bucket` of `flight` is packed.
-  void packed(const Flight& flight, size_t bucket);
+  void packed(const InFlightIteration& flight, size_t bucket);
   // Blocks until no work of this lane reads `flight` any more: iteration
   // `next` is about to take it (rethrows a failure of that work). By
   // default, the lane's work of the iteration that used it last.
-  virtual void release(const Flight& flight, uint64_t next) const;
+  virtual void release(const InFlightIteration& flight, uint64_t next) const;
   // Wakes this lane's waits for packed buckets (the ring was aborted).
   void wake();
 
@@ -105,25 +105,28 @@ class Lane : public LaneResults {
   // The ring made `flights` new flights (a new plan; nothing in flight).
   virtual void on_rebuild(size_t flights) {}
   // Whether this lane works on the iteration `flight` was just taken for.
-  virtual bool takes(const Flight& flight) const { return true; }
+  virtual bool takes(const InFlightIteration& flight) const { return true; }
   // Under the ring's mutex, before the work of `flight` is submitted.
-  virtual void on_begin(Flight& flight) {}
+  virtual void on_begin(InFlightIteration& flight) {}
   // This lane's work on one iteration, on its thread: before the first
   // bucket, each bucket in issue order, after the last.
-  virtual void before(Flight& flight, Communicator& comm, Timeline& timeline) {}
-  virtual void step(Flight& flight, size_t bucket, Communicator& comm, Timeline& timeline) = 0;
-  virtual void after(Flight& flight, Communicator& comm, Timeline& timeline) {}
+  virtual void before(InFlightIteration& flight, Communicator& comm, Timeline& timeline) {}
+  virtual void step(InFlightIteration& flight, size_t bucket, Communicator& comm,
+                    Timeline& timeline) = 0;
+  virtual void after(InFlightIteration& flight, Communicator& comm, Timeline& timeline) {}
   // Where the work of `flight` was at issue position `position` (position
   // == buckets: after the last bucket), for messages.
-  virtual std::string where(const Flight& flight, size_t position) const { return {}; }
+  virtual std::string where(const InFlightIteration& flight, size_t position) const { return {}; }
   // On a device: whether bucket `bucket`'s result is complete there, and
   // making `stream` wait for it (nothing to do on the host).
-  virtual bool complete_on_device(const Flight& flight, size_t bucket) const { return true; }
-  virtual void wait_on_device(const Flight& flight, size_t bucket, void* stream) const {}
+  virtual bool complete_on_device(const InFlightIteration& flight, size_t bucket) const {
+    return true;
+  }
+  virtual void wait_on_device(const InFlightIteration& flight, size_t bucket, void* stream) const {}
 
   // Whether this lane's step on bucket `bucket` of `flight` has run (on a
   // device: is enqueued), for the iteration that holds the flight now.
-  bool flagged(const Flight& flight, size_t bucket) const {
+  bool flagged(const InFlightIteration& flight, size_t bucket) const {
     return state(flight.slot).done[bucket].load(std::memory_order_acquire);
   }
   // Where tensor `index` lies whole (throws, saying `remedy`, if the plan
@@ -151,8 +154,8 @@ class Lane : public LaneResults {
 
   PerFlight& state(size_t slot) { return *flights_[slot]; }
   const PerFlight& state(size_t slot) const { return *flights_[slot]; }
-  void run(Flight& flight, Communicator& comm, Timeline& timeline, size_t* position);
-  void wait_gates(const Flight& flight, Timeline& timeline) const;
+  void run(InFlightIteration& flight, Communicator& comm, Timeline& timeline, size_t* position);
+  void wait_gates(const InFlightIteration& flight, Timeline& timeline) const;
   // Blocks until bucket `bucket` is packed, popping the flight's queue
   // (`ready`: what was popped so far).
   void wait_packed(PerFlight& state, size_t bucket, std::vector<bool>& ready,

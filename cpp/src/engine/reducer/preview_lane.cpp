@@ -16,7 +16,7 @@ PreviewLane::PreviewLane(const IterationRing& ring, const ReducerPlan& plan, Sch
                          Lane& reduction)
     : Lane("preview", "gradient preview", ring, plan, host, host.connect_wire("preview")),
       reduction_(reduction) {
-  reduction_.observe([this](Flight& flight, size_t b) { averaged(flight, b); });
+  reduction_.observe([this](InFlightIteration& flight, size_t b) { averaged(flight, b); });
 }
 
 void PreviewLane::on_rebuild(size_t flights) {
@@ -34,12 +34,12 @@ void PreviewLane::on_rebuild(size_t flights) {
   }
 }
 
-bool PreviewLane::takes(const Flight& flight) const {
+bool PreviewLane::takes(const InFlightIteration& flight) const {
   // The scales come from the previous iteration, reduced under this plan.
   return flight.iteration > plan_.first_iteration;
 }
 
-void PreviewLane::release(const Flight& flight, uint64_t next) const {
+void PreviewLane::release(const InFlightIteration& flight, uint64_t next) const {
   Lane::release(flight, next);
   if (next == 0) return;
   // The previous iteration's preview reads the flight reused now (its
@@ -49,7 +49,8 @@ void PreviewLane::release(const Flight& flight, uint64_t next) const {
   if (previous.valid()) previous.wait();
 }
 
-void PreviewLane::step(Flight& flight, size_t b, Communicator& comm, Timeline& timeline) {
+void PreviewLane::step(InFlightIteration& flight, size_t b, Communicator& comm,
+                       Timeline& timeline) {
   const int world = host_.options().world_size;
   // Its average gives the scales.
   if (!reduction_.await(flight.iteration - 1, b)) {
@@ -79,7 +80,7 @@ void PreviewLane::step(Flight& flight, size_t b, Communicator& comm, Timeline& t
   }
 }
 
-void PreviewLane::averaged(Flight& flight, size_t b) {
+void PreviewLane::averaged(InFlightIteration& flight, size_t b) {
   const PlannedBucket& bucket = plan_.buckets[b];
   const unsigned char* average = flight.storage->buffer(b);
   // The next iteration's scales (before the bucket counts as done: the next
@@ -99,7 +100,7 @@ void PreviewLane::averaged(Flight& flight, size_t b) {
 bool PreviewLane::done(uint64_t iteration, size_t bucket) const {
   HEMIOLA_CHECK(bucket < plan_.buckets.size(), "bucket ", bucket, " is out of range");
   if (iteration >= ring_.started()) return false;
-  const Flight& flight = ring_.flight_for(iteration);
+  const InFlightIteration& flight = ring_.flight_for(iteration);
   return flight.iteration == iteration && active(iteration) && flagged(flight, bucket);
 }
 
@@ -108,7 +109,7 @@ TensorRef PreviewLane::value(uint64_t iteration, size_t index) const {
   const GradSpec& spec = plan_.specs[index];
   HEMIOLA_CHECK(done(iteration, where.bucket), "iteration ", iteration, "'s bucket ",
                 where.bucket, " ('", spec.name, "') has no preview (yet)");
-  const Flight& flight = ring_.flight_for(iteration);
+  const InFlightIteration& flight = ring_.flight_for(iteration);
   return TensorRef{buffers_[flight.slot].estimate[where.bucket].get() +
                        where.offset * dtype_size(spec.dtype),
                    spec.dtype, spec.numel, Device{}};

@@ -44,16 +44,17 @@ class PreviewLane final : public Lane {
   // sum |average|^2) (0 before the first).
   double error() const;
 
-  void release(const Flight& flight, uint64_t next) const override;
+  void release(const InFlightIteration& flight, uint64_t next) const override;
 
  protected:
   void on_rebuild(size_t flights) override;
-  bool takes(const Flight& flight) const override;
-  void step(Flight& flight, size_t bucket, Communicator& comm, Timeline& timeline) override;
+  bool takes(const InFlightIteration& flight) const override;
+  void step(InFlightIteration& flight, size_t bucket, Communicator& comm,
+            Timeline& timeline) override;
 
  private:
   // The full reduction averaged bucket `bucket` of `flight`.
-  void averaged(Flight& flight, size_t bucket);
+  void averaged(InFlightIteration& flight, size_t bucket);
 
   // Per flight slot, per bucket in plan layout: the codes (all-reduced in
   // place into their sums) and the estimate (the bucket's dtype).

@@ -158,7 +158,7 @@ void ReducerImpl::wait(uint64_t iteration, void* stream) {
   {
     std::lock_guard<std::mutex> lock(ring_.mutex());
     HEMIOLA_CHECK(iteration < ring_.started(), "iteration ", iteration, " has not started");
-    const Flight& flight = ring_.flight_for(iteration);
+    const InFlightIteration& flight = ring_.flight_for(iteration);
     if (flight.iteration != iteration) return;  // reused: it completed long ago
     HEMIOLA_CHECK(ring_.marking_flight() != &flight, "wait(", iteration,
                   ") while its gradients are still being marked; call finish_marking() first");
@@ -174,7 +174,7 @@ void ReducerImpl::wait_for(uint64_t iteration, const std::vector<size_t>& indice
   {
     std::lock_guard<std::mutex> lock(ring_.mutex());
     HEMIOLA_CHECK(iteration < ring_.started(), "iteration ", iteration, " has not started");
-    const Flight& flight = ring_.flight_for(iteration);
+    const InFlightIteration& flight = ring_.flight_for(iteration);
     HEMIOLA_CHECK(flight.iteration != iteration || ring_.marking_flight() != &flight,
                   "wait_for(", iteration, ", ...) while its gradients are still being marked; "
                   "call finish_marking() first");
@@ -239,8 +239,8 @@ void ReducerImpl::wait_all() {
   for (const auto& handle : handles) handle.wait();
 }
 
-const Flight& ReducerImpl::completed_flight(uint64_t iteration) const {
-  const Flight& flight = ring_.flight_for(iteration);
+const InFlightIteration& ReducerImpl::completed_flight(uint64_t iteration) const {
+  const InFlightIteration& flight = ring_.flight_for(iteration);
   HEMIOLA_CHECK(iteration < ring_.started() && flight.iteration == iteration, "iteration ",
                 iteration, "'s results are gone (its buffers were reused by a later iteration)");
   HEMIOLA_CHECK(ring_.marking_flight() != &flight && reduction_->handle(flight.slot).done(),
@@ -262,7 +262,7 @@ TensorRef ReducerImpl::residual(size_t index) {
 
 std::vector<int> ReducerImpl::usage(uint64_t iteration) const {
   HEMIOLA_CHECK(options_.track_usage, "usage() needs ReducerOptions::track_usage");
-  const Flight& flight = completed_flight(iteration);
+  const InFlightIteration& flight = completed_flight(iteration);
   std::vector<int> out(flight.usage.size());
   for (size_t i = 0; i < out.size(); ++i) out[i] = static_cast<int>(flight.usage[i] + 0.5f);
   return out;

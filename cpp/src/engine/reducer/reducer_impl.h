@@ -94,7 +94,7 @@ class ReducerImpl {
   std::unique_ptr<Codec> make_codec(Compression compression) const;
   // Every lane, in the order the ring tells them of an iteration.
   std::vector<const Lane*> lanes() const;
-  const Flight& completed_flight(uint64_t iteration) const;
+  const InFlightIteration& completed_flight(uint64_t iteration) const;
   // The engine's timeout_s, for the waits of this reducer.
   std::chrono::milliseconds timeout() const;
   bool on_device() const { return options_.device.type == DeviceType::kCUDA; }

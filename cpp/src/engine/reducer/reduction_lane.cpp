@@ -14,13 +14,14 @@ ReductionLane::ReductionLane(const IterationRing& ring, const ReducerPlan& plan,
     : Lane("comm", "gradient reduction", ring, plan, host, Scheduler::kMainWire),
       device_(device), track_usage_(track_usage) {}
 
-void ReductionLane::before(Flight& flight, Communicator&, Timeline&) {
+void ReductionLane::before(InFlightIteration& flight, Communicator&, Timeline&) {
   const BucketStorage* previous =
       flight.iteration == 0 ? nullptr : ring_.flight_for(flight.iteration - 1).storage.get();
   flight.storage->begin_reductions(flight.iteration, previous);
 }
 
-void ReductionLane::step(Flight& flight, size_t b, Communicator& comm, Timeline& timeline) {
+void ReductionLane::step(InFlightIteration& flight, size_t b, Communicator& comm,
+                         Timeline& timeline) {
   const int64_t start_us = timeline.now_us();
   codec_->reduce(*flight.storage, b, flight.iteration, flight.out, comm);
   if (timeline.enabled()) {
@@ -31,18 +32,19 @@ void ReductionLane::step(Flight& flight, size_t b, Communicator& comm, Timeline&
   }
 }
 
-void ReductionLane::after(Flight& flight, Communicator& comm, Timeline&) {
+void ReductionLane::after(InFlightIteration& flight, Communicator& comm, Timeline&) {
   if (track_usage_) {
     comm.all_reduce_sum(TensorRef{flight.usage.data(), DType::kFloat32, flight.usage.size(), {}});
   }
   flight.storage->end_reductions();
 }
 
-bool ReductionLane::complete_on_device(const Flight& flight, size_t bucket) const {
+bool ReductionLane::complete_on_device(const InFlightIteration& flight, size_t bucket) const {
   return flight.storage->reduced(bucket);
 }
 
-void ReductionLane::wait_on_device(const Flight& flight, size_t bucket, void* stream) const {
+void ReductionLane::wait_on_device(const InFlightIteration& flight, size_t bucket,
+                                   void* stream) const {
   flight.storage->block_until_reduced(bucket, stream);
 }
 
@@ -50,7 +52,7 @@ TensorRef ReductionLane::value(uint64_t iteration, size_t index) const {
   const Placement& where =
       whole(index, ", so its result is not contiguous here: pass an output to mark_ready");
   const GradSpec& spec = plan_.specs[index];
-  const Flight& flight = ring_.flight_for(iteration);
+  const InFlightIteration& flight = ring_.flight_for(iteration);
   HEMIOLA_CHECK(iteration < ring_.started() && flight.iteration == iteration, "iteration ",
                 iteration, "'s results are gone (its buffers were reused by a later iteration)");
   HEMIOLA_CHECK(flagged(flight, where.bucket), "iteration ", iteration, "'s bucket ",
@@ -59,7 +61,7 @@ TensorRef ReductionLane::value(uint64_t iteration, size_t index) const {
                    spec.dtype, spec.numel, device_};
 }
 
-std::string ReductionLane::where(const Flight&, size_t position) const {
+std::string ReductionLane::where(const InFlightIteration&, size_t position) const {
   std::ostringstream out;
   const size_t count = plan_.buckets.size();
   if (position >= count) {

@@ -29,12 +29,13 @@ class ReductionLane final : public Lane {
   Codec& codec() { return *codec_; }
 
  protected:
-  void before(Flight& flight, Communicator& comm, Timeline& timeline) override;
-  void step(Flight& flight, size_t bucket, Communicator& comm, Timeline& timeline) override;
-  void after(Flight& flight, Communicator& comm, Timeline& timeline) override;
-  std::string where(const Flight& flight, size_t position) const override;
-  bool complete_on_device(const Flight& flight, size_t bucket) const override;
-  void wait_on_device(const Flight& flight, size_t bucket, void* stream) const override;
+  void before(InFlightIteration& flight, Communicator& comm, Timeline& timeline) override;
+  void step(InFlightIteration& flight, size_t bucket, Communicator& comm,
+            Timeline& timeline) override;
+  void after(InFlightIteration& flight, Communicator& comm, Timeline& timeline) override;
+  std::string where(const InFlightIteration& flight, size_t position) const override;
+  bool complete_on_device(const InFlightIteration& flight, size_t bucket) const override;
+  void wait_on_device(const InFlightIteration& flight, size_t bucket, void* stream) const override;
 
  private:
   const Device device_;

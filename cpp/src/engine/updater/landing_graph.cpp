@@ -23,7 +23,7 @@ LandingGraph::LandingGraph(Engine& engine, Reducer& reducer, const UpdaterOption
       stream_(stream), timeline_(engine.options().timeline), rebuilt_(!options.rebuild_buckets),
       gathered_(in_flight_ + 1), stepper_(make_stepper(device_, options)) {}
 
-// ---- parameters and landers ---------------------------------------------------------
+// ---- parameters and gates ---------------------------------------------------------
 
 void LandingGraph::adopt(std::vector<ParameterSlot> params) {
   for (const auto& p : params) {
@@ -51,10 +51,10 @@ void LandingGraph::adopt(std::vector<ParameterSlot> params) {
   for (const auto& p : params_) groups_ = std::max(groups_, p.group + 1);
   all_.resize(n);
   for (size_t i = 0; i < n; ++i) all_[i] = i;
-  if (landers_.empty()) {
-    landers_ = {all_};
+  if (gates_.empty()) {
+    gates_ = {all_};
   } else {
-    landers_[0] = all_;
+    gates_[0] = all_;
   }
   local_grads_.assign(n, nullptr);
   read_.assign(n, 0);
@@ -66,21 +66,21 @@ void LandingGraph::adopt(std::vector<ParameterSlot> params) {
   }
 }
 
-void LandingGraph::set_landers(std::vector<std::vector<size_t>> landers) {
-  HEMIOLA_CHECK(!landers.empty() && landers[0] == all_,
-                "updater: lander 0 must be every parameter");
-  for (const auto& lander : landers) {
-    for (size_t i : lander) {
-      HEMIOLA_CHECK(i < params_.size(), "updater: lander names parameter ", i, " of ",
+void LandingGraph::set_gates(std::vector<std::vector<size_t>> gates) {
+  HEMIOLA_CHECK(!gates.empty() && gates[0] == all_,
+                "updater: gate 0 must be every parameter");
+  for (const auto& gate : gates) {
+    for (size_t i : gate) {
+      HEMIOLA_CHECK(i < params_.size(), "updater: gate names parameter ", i, " of ",
                     params_.size());
     }
   }
-  landers_ = std::move(landers);
+  gates_ = std::move(gates);
 }
 
-const std::vector<size_t>& LandingGraph::lander(size_t l) const {
-  HEMIOLA_CHECK(l < landers_.size(), "updater: lander ", l, " of ", landers_.size());
-  return landers_[l];
+const std::vector<size_t>& LandingGraph::gate(size_t l) const {
+  HEMIOLA_CHECK(l < gates_.size(), "updater: gate ", l, " of ", gates_.size());
+  return gates_[l];
 }
 
 void LandingGraph::check_index(size_t index) const {

@@ -1,6 +1,6 @@
 // The landing graph of hemiola/updater.h, shared by both schedules (their
 // policies, update_policy.h, decide when to land what): the parameters, the
-// pending iterations, which buckets each parameter waits for, the landers,
+// pending iterations, which buckets each parameter waits for, the gates,
 // what a forward read since the last step, and the exact step that lands an
 // iteration on a parameter.
 //
@@ -8,7 +8,7 @@
 // priority), oldest first, and per parameter each is either applied (landed)
 // or waiting for its buckets; a parameter lands its iterations in order.
 // Which buckets a parameter waits for comes from the reducer's plan; which
-// parameters a lander needs comes from the caller. Everything here runs on
+// parameters a gate needs comes from the caller. Everything here runs on
 // the caller's thread; on a GPU every kernel, copy and wait is enqueued on the
 // stream of the call in progress.
 #pragma once
@@ -75,7 +75,7 @@ class LandingGraph : public MarkObserver {
   // No parameters yet: adopt() takes them.
   LandingGraph(Engine& engine, Reducer& reducer, const UpdaterOptions& options, StreamRef stream);
 
-  // ---- parameters and landers ---------------------------------------------------
+  // ---- parameters and gates ---------------------------------------------------
 
   // Takes `params` (checked to live on the reducer's device): every one is
   // its own exact value until set_exact(), and nothing was read or marked.
@@ -86,10 +86,10 @@ class LandingGraph : public MarkObserver {
   // Parameter i's exact value is at `exact` from now on (decoupled's shadow),
   // not the live parameter.
   void set_exact(size_t i, void* exact) { exact_[i] = exact; }
-  // Updater::set_landers.
-  void set_landers(std::vector<std::vector<size_t>> landers);
-  // The parameters lander `l` reads first (throws for an unknown lander).
-  const std::vector<size_t>& lander(size_t l) const;
+  // Updater::set_gates.
+  void set_gates(std::vector<std::vector<size_t>> gates);
+  // The parameters gate `l` reads first (throws for an unknown gate).
+  const std::vector<size_t>& gate(size_t l) const;
 
   size_t size() const { return params_.size(); }
   const std::vector<ParameterSlot>& params() const { return params_; }
@@ -163,7 +163,7 @@ class LandingGraph : public MarkObserver {
   void copy(void* dst, const void* src, size_t bytes) const;
 
   // A timeline event on the compute lane; the name is only built when the
-  // timeline is recorded (this is on the per-lander path).
+  // timeline is recorded (this is on the per-gate path).
   template <typename... Parts>
   void record(const char* category, int64_t start, const Parts&... name) {
     if (!timeline_) return;
@@ -197,7 +197,7 @@ class LandingGraph : public MarkObserver {
   std::vector<void*> exact_;  // per parameter: its exact value (the live one, or a shadow)
   size_t groups_ = 0;  // 1 + the largest group index of params_
   std::vector<size_t> all_;
-  std::vector<std::vector<size_t>> landers_;
+  std::vector<std::vector<size_t>> gates_;
   std::vector<std::vector<size_t>> buckets_of_;  // per parameter: its buckets (pieces)
   std::vector<double> bucket_bytes_;
   std::vector<uint8_t> partitioned_;  // per parameter: cut into pieces (result() cannot hold it)

@@ -1,10 +1,10 @@
 // The priority schedule (hemiola/updater.h, kPriority): exact synchronous
 // SGD. step() applies the update of every parameter whose reduction has
-// arrived; land(l) waits for lander l's buckets and applies theirs.
+// arrived; land(l) waits for gate l's buckets and applies theirs.
 //
 // Invariants: at most one iteration is pending (the reducer's in_flight is
 // 1); a parameter is written only if no forward read it since step()
-// (autograd may still need the value) or when a lander needs it; a gradient
+// (autograd may still need the value) or when a gate needs it; a gradient
 // is marked only for a parameter whose previous update has landed.
 #include <memory>
 #include <string>

@@ -1,11 +1,11 @@
 // What the two schedules of hemiola/updater.h do differently, behind one
 // small interface chosen once when the Updater is made: when an iteration's
-// updates land (step(), at a lander, all at once) and what the live
+// updates land (step(), at a gate, all at once) and what the live
 // parameters hold in between. Both work on the shared LandingGraph
 // (engine/updater/landing_graph.h), which must outlive them.
 //
 //   priority (priority_policy.cpp): one pending iteration; a parameter is
-//     written only if no forward read it since step(), or when a lander
+//     written only if no forward read it since step(), or when a gate
 //     needs it.
 //   decoupled (decoupled_policy.cpp): up to in_flight pending iterations and
 //     a shadow of exact parameters; the live ones hold the shadow stepped with
@@ -36,7 +36,7 @@ class UpdatePolicy : public MarkObserver {
   virtual void adopt() = 0;
   // optimizer.step() after the backward of `iteration` (reads cleared).
   virtual void step(uint64_t iteration, const StepOptions& options) = 0;
-  // The forward reaches a lander that reads `needed` (marked read after).
+  // The forward reaches a gate that reads `needed` (marked read after).
   virtual void land(const std::vector<size_t>& needed, bool training) = 0;
   // Lands everything pending (waits), on the current stream.
   virtual void land_all() = 0;

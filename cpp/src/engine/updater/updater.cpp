@@ -62,8 +62,8 @@ class UpdaterImpl {
     graph_.reducer().forget_marks(*policy_);
   }
 
-  void set_landers(std::vector<std::vector<size_t>> landers) {
-    graph_.set_landers(std::move(landers));
+  void set_gates(std::vector<std::vector<size_t>> gates) {
+    graph_.set_gates(std::move(gates));
   }
 
   void set_local_grad(size_t index, void* local_grad) {
@@ -97,8 +97,8 @@ class UpdaterImpl {
     graph_.record("step", start, "local step (no reduction)");
   }
 
-  void land(size_t lander, bool training, StreamRef stream) {
-    const std::vector<size_t>& needed = graph_.lander(lander);
+  void land(size_t gate, bool training, StreamRef stream) {
+    const std::vector<size_t>& needed = graph_.gate(gate);
     graph_.use_stream(stream);
     policy_->land(needed, training);
     graph_.mark_read(needed);
@@ -150,8 +150,8 @@ Updater::Updater(Engine& engine, Reducer& reducer, std::vector<ParameterSlot> pa
     : impl_(std::make_unique<UpdaterImpl>(engine, reducer, std::move(params), options, stream)) {}
 Updater::~Updater() = default;
 
-void Updater::set_landers(std::vector<std::vector<size_t>> landers) {
-  impl_->set_landers(std::move(landers));
+void Updater::set_gates(std::vector<std::vector<size_t>> gates) {
+  impl_->set_gates(std::move(gates));
 }
 void Updater::set_local_grad(size_t index, void* local_grad) {
   impl_->set_local_grad(index, local_grad);
@@ -163,8 +163,8 @@ void Updater::step_local(const std::vector<void*>& grads, const StepOptions& opt
                          StreamRef stream) {
   impl_->step_local(grads, options, stream);
 }
-void Updater::land(size_t lander, bool training, StreamRef stream) {
-  impl_->land(lander, training, stream);
+void Updater::land(size_t gate, bool training, StreamRef stream) {
+  impl_->land(gate, training, stream);
 }
 void Updater::synchronize(StreamRef stream) { impl_->synchronize(stream); }
 void Updater::replace_parameters(std::vector<ParameterSlot> params, StreamRef stream) {
