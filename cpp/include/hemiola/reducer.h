@@ -40,6 +40,7 @@ namespace hemiola {
 
 class ReducerImpl;
 class LaneResults;   // engine-internal (engine/reducer/lane.h)
+class ReductionLane;  // engine-internal (engine/reducer/reduction_lane.h)
 class MarkObserver;  // engine-internal (engine/reducer/mark_observer.h)
 
 class HEMIOLA_API Reducer {
@@ -158,7 +159,7 @@ class HEMIOLA_API Reducer {
   // Updater and tests read it; buckets are an internal unit, and
   // LaneResults is declared in the engine's sources): the full reduction,
   // and decoupled's preview (null without ReducerOptions::preview).
-  LaneResults& reduction_results();
+  ReductionLane& reduction_results();
   LaneResults* preview_results();
 
  private:

@@ -205,4 +205,43 @@ void Lane::wait(uint64_t iteration, size_t bucket, void* stream) {
   wait_on_device(*flight, bucket, stream);
 }
 
+void Lane::wait_for(uint64_t iteration, const std::vector<size_t>& indices, void* stream) {
+  std::vector<size_t> order;
+  {
+    std::lock_guard<std::mutex> lock(ring_.mutex());
+    HEMIOLA_CHECK(iteration < ring_.started(), "iteration ", iteration, " has not started");
+    const InFlightIteration& flight = ring_.flight_for(iteration);
+    HEMIOLA_CHECK(flight.iteration != iteration || ring_.marking_flight() != &flight,
+                  "wait_for(", iteration, ", ...) while its gradients are still being marked; "
+                  "call finish_marking() first");
+    order = plan_.issue_order;
+  }
+  std::vector<bool> needed(plan_.buckets.size(), false);
+  for (size_t i : indices) {
+    HEMIOLA_CHECK(i < plan_.specs.size(), "gradient index ", i, " is out of range (",
+                  plan_.specs.size(), " gradients)");
+    for (const Placement& piece : plan_.placement[i]) needed[piece.bucket] = true;
+  }
+  for (size_t b : order) {
+    if (needed[b]) wait(iteration, b, stream);
+  }
+}
+
+void Lane::wait_all(uint64_t iteration, void* stream) {
+  Handle handle;
+  const InFlightIteration* flight = nullptr;
+  {
+    std::lock_guard<std::mutex> lock(ring_.mutex());
+    HEMIOLA_CHECK(iteration < ring_.started(), "iteration ", iteration, " has not started");
+    flight = &ring_.flight_for(iteration);
+    if (flight->iteration != iteration) return;  // reused: it completed long ago
+    HEMIOLA_CHECK(ring_.marking_flight() != flight, "wait(", iteration,
+                  ") while its gradients are still being marked; call finish_marking() first");
+    if (!state(flight->slot).active) return;
+    handle = state(flight->slot).handle;
+  }
+  handle.wait();
+  wait_all_on_device(*flight, stream);
+}
+
 }  // namespace hemiola

@@ -47,6 +47,15 @@ class LaneResults {
   // Blocks until done() (returns at once for an iteration the lane skips);
   // throws as the lane's work failed. On CUDA, `stream` waits on the device.
   virtual void wait(uint64_t iteration, size_t bucket, void* stream) = 0;
+  // Blocks until the buckets holding tensors `indices` are done, in issue
+  // order (the whole tensor: every bucket it has a piece in).
+  virtual void wait_for(uint64_t iteration, const std::vector<size_t>& indices,
+                        void* stream) = 0;
+  // Blocks until the lane's whole work on `iteration` is done, after its
+  // last bucket too (returns at once for an iteration it skips or whose
+  // flight was reused); throws as that work failed. On CUDA, `stream` waits
+  // on the device for all of it. Not while `iteration` is being marked.
+  virtual void wait_all(uint64_t iteration, void* stream) = 0;
   // Once done(): the lane's value of tensor `index` in `iteration`, inside
   // the lane's buffers (valid until iteration + in_flight + 1 starts
   // marking). Not for a tensor partitioned across buckets.
@@ -100,6 +109,8 @@ class Lane : public LaneResults {
 
   bool done(uint64_t iteration, size_t bucket) const override;
   void wait(uint64_t iteration, size_t bucket, void* stream) override;
+  void wait_for(uint64_t iteration, const std::vector<size_t>& indices, void* stream) override;
+  void wait_all(uint64_t iteration, void* stream) override;
 
  protected:
   // The ring made `flights` new flights (a new plan; nothing in flight).
@@ -123,6 +134,8 @@ class Lane : public LaneResults {
     return true;
   }
   virtual void wait_on_device(const InFlightIteration& flight, size_t bucket, void* stream) const {}
+  // On a device: making `stream` wait for the whole iteration's results.
+  virtual void wait_all_on_device(const InFlightIteration& flight, void* stream) const {}
 
   // Whether this lane's step on bucket `bucket` of `flight` has run (on a
   // device: is enqueued), for the iteration that holds the flight now.

@@ -153,41 +153,12 @@ std::chrono::milliseconds ReducerImpl::timeout() const {
 }
 
 void ReducerImpl::wait(uint64_t iteration, void* stream) {
-  Handle handle;
-  const BucketStorage* storage = nullptr;
-  {
-    std::lock_guard<std::mutex> lock(ring_.mutex());
-    HEMIOLA_CHECK(iteration < ring_.started(), "iteration ", iteration, " has not started");
-    const InFlightIteration& flight = ring_.flight_for(iteration);
-    if (flight.iteration != iteration) return;  // reused: it completed long ago
-    HEMIOLA_CHECK(ring_.marking_flight() != &flight, "wait(", iteration,
-                  ") while its gradients are still being marked; call finish_marking() first");
-    handle = reduction_->handle(flight.slot);
-    storage = flight.storage.get();
-  }
-  handle.wait();
-  storage->block_until_done(stream);
+  reduction_->wait_all(iteration, stream);
 }
 
 void ReducerImpl::wait_for(uint64_t iteration, const std::vector<size_t>& indices,
                            void* stream) {
-  {
-    std::lock_guard<std::mutex> lock(ring_.mutex());
-    HEMIOLA_CHECK(iteration < ring_.started(), "iteration ", iteration, " has not started");
-    const InFlightIteration& flight = ring_.flight_for(iteration);
-    HEMIOLA_CHECK(flight.iteration != iteration || ring_.marking_flight() != &flight,
-                  "wait_for(", iteration, ", ...) while its gradients are still being marked; "
-                  "call finish_marking() first");
-  }
-  std::vector<bool> needed(plan_.buckets.size(), false);
-  for (size_t i : indices) {
-    HEMIOLA_CHECK(i < plan_.specs.size(), "gradient index ", i, " is out of range (",
-                  plan_.specs.size(), " gradients)");
-    for (const Placement& piece : plan_.placement[i]) needed[piece.bucket] = true;
-  }
-  for (size_t b : issue_order()) {
-    if (needed[b]) reduction_->wait(iteration, b, stream);
-  }
+  reduction_->wait_for(iteration, indices, stream);
 }
 
 std::vector<size_t> ReducerImpl::arrived(uint64_t iteration,
@@ -239,16 +210,6 @@ void ReducerImpl::wait_all() {
   for (const auto& handle : handles) handle.wait();
 }
 
-const InFlightIteration& ReducerImpl::completed_flight(uint64_t iteration) const {
-  const InFlightIteration& flight = ring_.flight_for(iteration);
-  HEMIOLA_CHECK(iteration < ring_.started() && flight.iteration == iteration, "iteration ",
-                iteration, "'s results are gone (its buffers were reused by a later iteration)");
-  HEMIOLA_CHECK(ring_.marking_flight() != &flight && reduction_->handle(flight.slot).done(),
-                "iteration ", iteration, " is not reduced yet; call wait(", iteration,
-                ") first");
-  return flight;
-}
-
 TensorRef ReducerImpl::residual(size_t index) {
   HEMIOLA_CHECK(index < plan_.specs.size(), "gradient index ", index, " is out of range");
   std::vector<float>* r = reduction_->codec().residual(index);  // null: no error feedback
@@ -261,11 +222,7 @@ TensorRef ReducerImpl::residual(size_t index) {
 }
 
 std::vector<int> ReducerImpl::usage(uint64_t iteration) const {
-  HEMIOLA_CHECK(options_.track_usage, "usage() needs ReducerOptions::track_usage");
-  const InFlightIteration& flight = completed_flight(iteration);
-  std::vector<int> out(flight.usage.size());
-  for (size_t i = 0; i < out.size(); ++i) out[i] = static_cast<int>(flight.usage[i] + 0.5f);
-  return out;
+  return reduction_->usage(iteration);
 }
 
 size_t ReducerImpl::pieces(size_t index) const {
@@ -374,7 +331,7 @@ TensorRef Reducer::result(uint64_t iteration, size_t index) const {
 }
 std::vector<int> Reducer::usage(uint64_t iteration) const { return impl_->usage(iteration); }
 double Reducer::preview_error() const { return impl_->preview_error(); }
-LaneResults& Reducer::reduction_results() { return impl_->reduction(); }
+ReductionLane& Reducer::reduction_results() { return impl_->reduction(); }
 LaneResults* Reducer::preview_results() { return impl_->preview(); }
 void Reducer::drain(bool abort_marking) noexcept { impl_->drain(abort_marking); }
 TensorRef Reducer::residual(size_t index) { return impl_->residual(index); }

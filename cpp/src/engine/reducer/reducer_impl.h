@@ -78,7 +78,7 @@ class ReducerImpl {
   const ReducerOptions& options() const { return options_; }
   size_t size() const { return plan_.specs.size(); }
 
-  LaneResults& reduction() { return *reduction_; }
+  ReductionLane& reduction() { return *reduction_; }
   LaneResults* preview() { return preview_.get(); }
   double preview_error() const { return preview_ ? preview_->error() : 0.0; }
   // Compression::kInt8 / kInt4 / kPowerSgd: tensor `index`'s error-feedback residual
@@ -94,7 +94,6 @@ class ReducerImpl {
   std::unique_ptr<Codec> make_codec(Compression compression) const;
   // Every lane, in the order the ring tells them of an iteration.
   std::vector<const Lane*> lanes() const;
-  const InFlightIteration& completed_flight(uint64_t iteration) const;
   // The engine's timeout_s, for the waits of this reducer.
   std::chrono::milliseconds timeout() const;
   bool on_device() const { return options_.device.type == DeviceType::kCUDA; }

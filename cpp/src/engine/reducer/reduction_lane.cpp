@@ -48,6 +48,22 @@ void ReductionLane::wait_on_device(const InFlightIteration& flight, size_t bucke
   flight.storage->block_until_reduced(bucket, stream);
 }
 
+void ReductionLane::wait_all_on_device(const InFlightIteration& flight, void* stream) const {
+  flight.storage->block_until_done(stream);
+}
+
+std::vector<int> ReductionLane::usage(uint64_t iteration) const {
+  HEMIOLA_CHECK(track_usage_, "usage() needs ReducerOptions::track_usage");
+  const InFlightIteration& flight = ring_.flight_for(iteration);
+  HEMIOLA_CHECK(iteration < ring_.started() && flight.iteration == iteration, "iteration ",
+                iteration, "'s results are gone (its buffers were reused by a later iteration)");
+  HEMIOLA_CHECK(ring_.marking_flight() != &flight && handle(flight.slot).done(), "iteration ",
+                iteration, " is not reduced yet; call wait(", iteration, ") first");
+  std::vector<int> out(flight.usage.size());
+  for (size_t i = 0; i < out.size(); ++i) out[i] = static_cast<int>(flight.usage[i] + 0.5f);
+  return out;
+}
+
 TensorRef ReductionLane::value(uint64_t iteration, size_t index) const {
   const Placement& where =
       whole(index, ", so its result is not contiguous here: pass an output to mark_ready");

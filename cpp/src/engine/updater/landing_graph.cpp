@@ -18,7 +18,8 @@ namespace hemiola {
 
 LandingGraph::LandingGraph(Engine& engine, Reducer& reducer, const UpdaterOptions& options,
                            StreamRef stream)
-    : engine_(engine), reducer_(reducer), options_(options),
+    : engine_(engine), reducer_(reducer), reduction_(reducer.reduction_results()),
+      previews_(reducer.preview_results()), options_(options),
       device_(reducer.options().device), in_flight_(reducer.options().in_flight),
       stream_(stream), timeline_(engine.options().timeline), rebuilt_(!options.rebuild_buckets),
       gathered_(in_flight_ + 1), stepper_(make_stepper(device_, options)) {}
@@ -142,7 +143,7 @@ void LandingGraph::on_mark(Mark& mark) {
 // rebuilt only in a step).
 TensorRef LandingGraph::averaged(uint64_t iteration, size_t index) const {
   HEMIOLA_CHECK(index < params_.size(), "averaged: no parameter ", index);
-  if (!gathers(index)) return reducer_.result(iteration, index);
+  if (!gathers(index)) return reduction_.value(iteration, index);
   TensorRef out = params_[index].param;
   const auto& buffer = gathered_[iteration % gathered_.size()];
   HEMIOLA_CHECK(index < buffer.size() && buffer[index].data() != nullptr,
@@ -155,7 +156,7 @@ const void* LandingGraph::reduced(const Pending& pending, size_t index) const {
   if (pending.gathered || partitioned_[index]) {
     return gathered_[pending.iteration % gathered_.size()][index].data();
   }
-  return reducer_.result(pending.iteration, index).data;
+  return reduction_.value(pending.iteration, index).data;
 }
 
 // ---- one iteration's marks and reads --------------------------------------------------
@@ -186,7 +187,7 @@ bool LandingGraph::arrived(Pending& pending, size_t index) const {
   if (pending.gathered) return true;
   for (size_t b : buckets_of_[index]) {
     if (!pending.bucket_arrived[b]) {
-      if (!reducer_.reduction_results().done(pending.iteration, b)) return false;
+      if (!reduction_.done(pending.iteration, b)) return false;
       pending.bucket_arrived[b] = 1;
     }
   }
@@ -197,11 +198,11 @@ void LandingGraph::wait_for(const Pending& pending, const std::vector<size_t>& i
   if (pending.gathered) return;
   const int64_t start = now_us();
   if (pending.needs_whole()) {
-    reducer_.wait(pending.iteration, stream_);
+    reduction_.wait_all(pending.iteration, stream_.handle);
     record("wait", start, "wait reduction ", pending.iteration);
     return;
   }
-  reducer_.wait_for(pending.iteration, indices, stream_);
+  reduction_.wait_for(pending.iteration, indices, stream_.handle);
   record("wait", start, "wait buckets (", pending.iteration, ")");
 }
 
@@ -210,7 +211,7 @@ void LandingGraph::wait_for(const Pending& pending, const std::vector<size_t>& i
 // GradScaler skips the update on every rank.
 void LandingGraph::apply(Pending& pending, const std::vector<size_t>& chosen) {
   const StepOptions& o = pending.options;
-  if (o.has_unused && pending.usage.empty()) pending.usage = reducer_.usage(pending.iteration);
+  if (o.has_unused && pending.usage.empty()) pending.usage = reduction_.usage(pending.iteration);
   if ((o.clip_max_norm >= 0.0 || o.skip_if_not_finite) && !pending.scale_known) {
     // needs_whole: every bucket has arrived.
     if (device_clip_ && !o.skip_if_not_finite) {

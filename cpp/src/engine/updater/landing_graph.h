@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "engine/reducer/lane.h"
+#include "engine/reducer/reduction_lane.h"
 #include "engine/updater/device_clip.h"
 #include "engine/updater/device_memory.h"
 #include "engine/updater/stepper.h"
@@ -100,7 +101,13 @@ class LandingGraph : public MarkObserver {
 
   // ---- the reducer's plan ------------------------------------------------------
 
+  // The reducer, for what concerns its plan (rebuilds, the issue order) and
+  // its life; per bucket the graph reads the lanes' results instead.
   Reducer& reducer() { return reducer_; }
+  // What the full reduction delivered: arrivals, waits, values, usage.
+  ReductionLane& reduction() { return reduction_; }
+  // decoupled's preview (null without ReducerOptions::preview).
+  LaneResults* previews() { return previews_; }
   size_t in_flight() const { return in_flight_; }
   size_t bucket_count() const { return bucket_bytes_.size(); }
   const std::vector<double>& bucket_bytes() const { return bucket_bytes_; }
@@ -184,7 +191,9 @@ class LandingGraph : public MarkObserver {
   void resolve(StepGroup& group);
 
   Engine& engine_;
-  Reducer& reducer_;  // read per bucket (Reducer::reduction_results): the graph is in buckets
+  Reducer& reducer_;  // its plan: buckets, pieces, rebuilds
+  ReductionLane& reduction_;  // per bucket: the graph is in buckets
+  LaneResults* previews_;     // ReducerOptions::preview only
   UpdaterOptions options_;
   Device device_;      // the reducer's: every parameter, state and gradient lives there
   size_t in_flight_;   // the reducer's: at most this many iterations are pending

@@ -36,7 +36,7 @@ void PreviewLanding::land(Pending& pending) {
   group.grad_scale = pending.options.preview_scale;
   for (size_t i : chosen) {
     group.indices.push_back(i);
-    group.grads.push_back(graph_.reducer().preview_results()->value(pending.iteration, i).data);
+    group.grads.push_back(graph_.previews()->value(pending.iteration, i).data);
     pending.previewed[i] = 1;
   }
   std::vector<StepGroup> chain{std::move(group)};
@@ -54,7 +54,7 @@ void PreviewLanding::wait(Pending& pending, const std::vector<size_t>& needed) {
     if (!awaits_preview(pending, i)) continue;
     for (size_t b : graph_.buckets_of(i)) {
       if (pending.bucket_previewed[b]) continue;
-      graph_.reducer().preview_results()->wait(pending.iteration, b, nullptr);
+      graph_.previews()->wait(pending.iteration, b, nullptr);
       waited = true;
     }
   }
@@ -72,7 +72,7 @@ bool PreviewLanding::awaits_preview(const Pending& pending, size_t i) const {
 bool PreviewLanding::previewed(Pending& pending, size_t index) const {
   for (size_t b : graph_.buckets_of(index)) {
     if (!pending.bucket_previewed[b]) {
-      if (!graph_.reducer().preview_results()->done(pending.iteration, b)) return false;
+      if (!graph_.previews()->done(pending.iteration, b)) return false;
       pending.bucket_previewed[b] = 1;
     }
   }
