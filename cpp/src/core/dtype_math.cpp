@@ -1,5 +1,6 @@
 #include "core/dtype_math.h"
 
+#include "core/dtype_dispatch.h"
 #include "core/half_cast.h"
 
 #include "hemiola/status.h"
@@ -14,51 +15,42 @@ void sum_native(void* out, const void* a, const void* b, size_t n) {
   const T* y = static_cast<const T*>(b);
   for (size_t i = 0; i < n; ++i) o[i] = x[i] + y[i];
 }
-
-template <float (*ToFloat)(uint16_t), uint16_t (*FromFloat)(float)>
-void scale_half(void* data, size_t n, float factor) {
-  uint16_t* d = static_cast<uint16_t*>(data);
-  for (size_t i = 0; i < n; ++i) d[i] = FromFloat(ToFloat(d[i]) * factor);
-}
 }  // namespace
 
 void sum_into(DType dtype, void* out, const void* a, const void* b, size_t n) {
   switch (dtype) {
-    case DType::kFloat32: return sum_native<float>(out, a, b, n);
-    case DType::kFloat64: return sum_native<double>(out, a, b, n);
-    case DType::kFloat16:
-    case DType::kBFloat16:
-      return sum_halves(dtype, static_cast<uint16_t*>(out), static_cast<const uint16_t*>(a),
-                        static_cast<const uint16_t*>(b), n);
     case DType::kInt32: return sum_native<int32_t>(out, a, b, n);
     case DType::kInt64: return sum_native<int64_t>(out, a, b, n);
     case DType::kUInt8: return sum_native<uint8_t>(out, a, b, n);
+    default: break;
   }
-  HEMIOLA_THROW(ErrorCode::kInvalidArgument, "cannot sum dtype ", dtype_name(dtype));
+  for_floating(
+      dtype,
+      [&](auto e) {
+        using E = decltype(e);
+        if constexpr (E::kHalf) {
+          // The bulk path (half_cast.h): the same bits as E::store(E::load(a) + E::load(b)).
+          sum_halves(E::dtype, static_cast<uint16_t*>(out), static_cast<const uint16_t*>(a),
+                     static_cast<const uint16_t*>(b), n);
+        } else {
+          sum_native<typename E::Storage>(out, a, b, n);
+        }
+      },
+      "cannot sum dtype ", dtype);
 }
 
 void scale_in_place(DType dtype, void* data, size_t n, double factor) {
-  switch (dtype) {
-    case DType::kFloat32: {
-      float* d = static_cast<float*>(data);
-      const float f = static_cast<float>(factor);
-      for (size_t i = 0; i < n; ++i) d[i] *= f;
-      return;
-    }
-    case DType::kFloat64: {
-      double* d = static_cast<double*>(data);
-      for (size_t i = 0; i < n; ++i) d[i] *= factor;
-      return;
-    }
-    case DType::kFloat16:
-      return scale_half<fp16_to_float, float_to_fp16>(data, n, static_cast<float>(factor));
-    case DType::kBFloat16:
-      return scale_half<bf16_to_float, float_to_bf16>(data, n, static_cast<float>(factor));
-    default:
-      break;
-  }
-  HEMIOLA_THROW(ErrorCode::kInvalidArgument, "cannot scale (average) dtype ", dtype_name(dtype),
-                ": only floating dtypes can be averaged");
+  for_floating(
+      dtype,
+      [&](auto e) {
+        using E = decltype(e);
+        // The factor is taken in the compute type once (float for the half
+        // types and float32), each product rounded to the dtype once.
+        auto* d = static_cast<typename E::Storage*>(data);
+        const auto f = static_cast<typename E::Compute>(factor);
+        for (size_t i = 0; i < n; ++i) d[i] = E::store(E::load(d[i]) * f);
+      },
+      "cannot scale (average) dtype ", dtype, ": only floating dtypes can be averaged");
 }
 
 }  // namespace hemiola

@@ -3,9 +3,8 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <type_traits>
 
-#include "core/dtype_math.h"
+#include "core/dtype_dispatch.h"
 #include "hemiola/status.h"
 
 // The loops are inlined into functions compiled twice, for x86-64-v3 (AVX2 and
@@ -25,43 +24,16 @@ namespace hemiola::optim {
 
 namespace {
 
-// How one storage dtype is read, computed in and written. `round` is what
-// storing an intermediate tensor of torch's step does to a value (identity
-// for float32 and float64, whose arithmetic already rounds so); `alpha` is
-// the scalar of a torch add(..., alpha=), which torch rounds to the tensor's
-// dtype first (other ops take their scalar in the arithmetic type).
-struct F32 {
-  using Storage = float;
-  using Math = float;
-  static Math load(Storage s) { return s; }
-  static Storage store(Math m) { return m; }
-  static Math round(Math m) { return m; }
-  static Math alpha(double a) { return static_cast<Math>(a); }
-};
-struct F64 {
-  using Storage = double;
-  using Math = double;
-  static Math load(Storage s) { return s; }
-  static Storage store(Math m) { return m; }
-  static Math round(Math m) { return m; }
-  static Math alpha(double a) { return a; }
-};
-struct BF16 {
-  using Storage = uint16_t;
-  using Math = float;
-  static Math load(Storage s) { return bf16_to_float(s); }
-  static Storage store(Math m) { return float_to_bf16(m); }
-  static Math round(Math m) { return bf16_to_float(float_to_bf16(m)); }
-  static Math alpha(double a) { return round(static_cast<float>(a)); }
-};
-struct F16 {
-  using Storage = uint16_t;
-  using Math = float;
-  static Math load(Storage s) { return fp16_to_float(s); }
-  static Storage store(Math m) { return float_to_fp16(m); }
-  static Math round(Math m) { return fp16_to_float(float_to_fp16(m)); }
-  static Math alpha(double a) { return round(static_cast<float>(a)); }
-};
+// The element types (core/dtype_dispatch.h) say how a storage dtype is read,
+// computed in (float for float32 and the half types, double for float64) and
+// written; C::round is what storing an intermediate tensor of torch's step
+// does to a value. `alpha` is the scalar of a torch add(..., alpha=), which
+// torch rounds to the tensor's dtype first (other ops take their scalar in
+// the arithmetic type).
+template <typename C>
+typename C::Compute alpha(double a) {
+  return C::round(static_cast<typename C::Compute>(a));
+}
 
 // torch's lerp, with the multiply-add fused as its CPU kernels fuse it (as they
 // do for add with alpha and addcmul; addcdiv divides last and is not fused).
@@ -118,17 +90,17 @@ HEMIOLA_INLINE void sgd_loop(const SgdTensors& t, std::int64_t n, const SgdHyper
   constexpr bool kIsFirst = kMomentum == kFirst || kMomentum == kFirstNesterov;
   constexpr bool kIsNesterov = kMomentum == kFirstNesterov || kMomentum == kNesterov;
   using S = typename C::Storage;
-  using M = typename C::Math;
+  using M = typename C::Compute;
   auto* param = static_cast<S*>(t.param);
   auto* shadow = static_cast<S*>(t.shadow);
   auto* buf = static_cast<S*>(t.momentum);
   const auto* grad = static_cast<const S*>(t.grad);
   // torch turns Python floats into the arithmetic type once, per op.
-  const M wd = C::alpha(h.weight_decay);
+  const M wd = alpha<C>(h.weight_decay);
   const M mu = static_cast<M>(h.momentum);  // buf.mul_(momentum)
-  const M mu_alpha = C::alpha(h.momentum);  // grad.add(buf, alpha=momentum)
-  const M keep = C::alpha(1.0 - h.dampening);
-  const M neg_lr = C::alpha(-h.lr);
+  const M mu_alpha = alpha<C>(h.momentum);  // grad.add(buf, alpha=momentum)
+  const M keep = alpha<C>(1.0 - h.dampening);
+  const M neg_lr = alpha<C>(-h.lr);
   // grad * coef (a float32 coefficient), negated under maximize: exact when
   // the coefficient is 1, and rounding is symmetric, so one multiply does both.
   const float coef = static_cast<float>(h.grad_scale);
@@ -173,12 +145,11 @@ enum Decay : int { kNoDecay = 0, kL2 = 1, kDecoupled = 2 };
 
 // The square root of `n` values into `out`: the step's injected one for
 // float32 and float64 when there is one (VectorSqrt), else std::sqrt.
-template <typename C>
-HEMIOLA_INLINE void take_sqrt(const typename C::Math* in, typename C::Math* out, std::int64_t n,
-                              const VectorSqrt& vector_sqrt) {
-  if constexpr (std::is_same_v<C, F32>) {
+template <typename C, typename M = typename C::Compute>
+HEMIOLA_INLINE void take_sqrt(const M* in, M* out, std::int64_t n, const VectorSqrt& vector_sqrt) {
+  if constexpr (C::dtype == DType::kFloat32) {
     if (vector_sqrt.f32) return vector_sqrt.f32(&n, in, out);
-  } else if constexpr (std::is_same_v<C, F64>) {
+  } else if constexpr (C::dtype == DType::kFloat64) {
     if (vector_sqrt.f64) return vector_sqrt.f64(&n, in, out);
   }
   for (std::int64_t i = 0; i < n; ++i) out[i] = C::round(std::sqrt(in[i]));
@@ -194,7 +165,7 @@ template <typename C, int kDecay, bool kAmsgrad, int kWrite>
 HEMIOLA_INLINE void adam_loop(const AdamTensors& t, std::int64_t n, const AdamHyper& h) {
   constexpr bool kCommit = kWrite != kLive;
   using S = typename C::Storage;
-  using M = typename C::Math;
+  using M = typename C::Compute;
   auto* param = static_cast<S*>(t.param);
   auto* shadow = static_cast<S*>(t.shadow);
   auto* exp_avg = static_cast<S*>(t.exp_avg);
@@ -208,7 +179,7 @@ HEMIOLA_INLINE void adam_loop(const AdamTensors& t, std::int64_t n, const AdamHy
   const M neg_step_size = static_cast<M>(-(h.lr / bias1));
   const M bias2_sqrt = static_cast<M>(std::pow(bias2, 0.5));  // Python's ** 0.5
   const M decay = static_cast<M>(1.0 - h.lr * h.weight_decay);
-  const M wd = C::alpha(h.weight_decay);
+  const M wd = alpha<C>(h.weight_decay);
   const M one_minus_beta1 = static_cast<M>(1.0 - h.beta1);
   const M beta2 = static_cast<M>(h.beta2);
   const M one_minus_beta2 = static_cast<M>(1.0 - h.beta2);
@@ -269,44 +240,20 @@ HEMIOLA_INLINE void adam(const AdamTensors& t, std::int64_t n, const AdamHyper& 
   });
 }
 
-template <template <typename> class Step, typename... Args>
-HEMIOLA_INLINE void dispatch(DType dtype, Args&&... args) {
-  switch (dtype) {
-    case DType::kFloat32: return Step<F32>::run(args...);
-    case DType::kFloat64: return Step<F64>::run(args...);
-    case DType::kBFloat16: return Step<BF16>::run(args...);
-    case DType::kFloat16: return Step<F16>::run(args...);
-    default:
-      HEMIOLA_THROW(ErrorCode::kInvalidArgument, "optimizer step: dtype ", dtype_name(dtype),
-                    " is not a floating dtype");
-  }
-}
-
-template <typename C>
-struct SgdStep {
-  HEMIOLA_INLINE static void run(const SgdTensors& t, std::int64_t n, const SgdHyper& h,
-                                 bool commit) {
-    sgd<C>(t, n, h, commit);
-  }
-};
-template <typename C>
-struct AdamStep {
-  HEMIOLA_INLINE static void run(const AdamTensors& t, std::int64_t n, const AdamHyper& h,
-                                 bool commit) {
-    adam<C>(t, n, h, commit);
-  }
-};
-
 }  // namespace
 
 HEMIOLA_OPTIM_CLONES void cpu_sgd_step(const SgdTensors& t, std::int64_t numel, DType dtype,
                                        const SgdHyper& hyper, bool commit) {
-  dispatch<SgdStep>(dtype, t, numel, hyper, commit);
+  for_floating(
+      dtype, [&](auto c) HEMIOLA_INLINE_LAMBDA { sgd<decltype(c)>(t, numel, hyper, commit); },
+      "optimizer step: dtype ", dtype, " is not a floating dtype");
 }
 
 HEMIOLA_OPTIM_CLONES void cpu_adam_step(const AdamTensors& t, std::int64_t numel, DType dtype,
                    const AdamHyper& hyper, bool commit) {
-  dispatch<AdamStep>(dtype, t, numel, hyper, commit);
+  for_floating(
+      dtype, [&](auto c) HEMIOLA_INLINE_LAMBDA { adam<decltype(c)>(t, numel, hyper, commit); },
+      "optimizer step: dtype ", dtype, " is not a floating dtype");
 }
 
 }  // namespace hemiola::optim

@@ -4,7 +4,7 @@
 #include <cstdint>
 #include <limits>
 
-#include "core/dtype_math.h"
+#include "core/dtype_dispatch.h"
 #include "hemiola/status.h"
 
 namespace hemiola::optim {
@@ -14,31 +14,14 @@ namespace {
 // Calls f(value as double) for every element.
 template <typename F>
 void for_each(const void* data, std::int64_t n, DType dtype, F&& f) {
-  switch (dtype) {
-    case DType::kFloat32: {
-      const auto* x = static_cast<const float*>(data);
-      for (std::int64_t i = 0; i < n; ++i) f(static_cast<double>(x[i]));
-      return;
-    }
-    case DType::kFloat64: {
-      const auto* x = static_cast<const double*>(data);
-      for (std::int64_t i = 0; i < n; ++i) f(x[i]);
-      return;
-    }
-    case DType::kBFloat16: {
-      const auto* x = static_cast<const uint16_t*>(data);
-      for (std::int64_t i = 0; i < n; ++i) f(static_cast<double>(bf16_to_float(x[i])));
-      return;
-    }
-    case DType::kFloat16: {
-      const auto* x = static_cast<const uint16_t*>(data);
-      for (std::int64_t i = 0; i < n; ++i) f(static_cast<double>(fp16_to_float(x[i])));
-      return;
-    }
-    default:
-      HEMIOLA_THROW(ErrorCode::kInvalidArgument, "gradient norm: dtype ", dtype_name(dtype),
-                    " is not a floating dtype");
-  }
+  for_floating(
+      dtype,
+      [&](auto e) {
+        using E = decltype(e);
+        const auto* x = static_cast<const typename E::Storage*>(data);
+        for (std::int64_t i = 0; i < n; ++i) f(static_cast<double>(E::load(x[i])));
+      },
+      "gradient norm: dtype ", dtype, " is not a floating dtype");
 }
 
 }  // namespace
@@ -72,12 +55,15 @@ double finish_norm(double acc, double p) {
 }
 
 double round_to(DType dtype, double x) {
-  switch (dtype) {
-    case DType::kFloat64: return x;
-    case DType::kBFloat16: return bf16_to_float(float_to_bf16(static_cast<float>(x)));
-    case DType::kFloat16: return fp16_to_float(float_to_fp16(static_cast<float>(x)));
-    default: return static_cast<float>(x);
-  }
+  // A norm of a non-floating tensor is float32's, as torch computes it.
+  if (!is_floating(dtype)) return static_cast<float>(x);
+  return for_floating(
+      dtype,
+      [x](auto e) -> double {
+        using E = decltype(e);
+        return E::round(static_cast<typename E::Compute>(x));
+      },
+      "gradient norm: dtype ", dtype, " is not a floating dtype");
 }
 
 bool all_finite(const void* data, std::int64_t numel, DType dtype) {

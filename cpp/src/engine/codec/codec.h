@@ -1,18 +1,21 @@
 // How a bucket travels: the one seam between a bucket's memory (its storage,
 // engine/buckets/bucket_storage.h) and the wire. One implementation per
-// coding (ReducerOptions::compression), each for the devices it runs on:
+// coding (ReducerOptions::compression):
 //   - none (none.cpp): the bucket as it is, summed (host: then scaled by
 //     1/world when averaging; device: averaged by the collective);
-//   - half (half.cpp): kFp16 / kBf16, two bytes per float32 element, host
-//     and CUDA;
-//   - int8 (int8.cpp): one byte per element with error feedback, host;
-//   - int4 (int4.cpp): half a byte per element with error feedback, host,
-//     at most 7 ranks;
-//   - PowerSGD (powersgd.cpp): low rank with error feedback, host.
-// Buckets a coding does not apply to (not float32, empty, or in PowerSGD's
-// warm-up) travel as none sends them. Which coding runs on which device is
-// the factory's table (factory.cpp, hemiola::codings()); make_codec refuses
-// any other pairing, naming what works there.
+//   - half (half.cpp): kFp16 / kBf16, two bytes per float32 element;
+//   - int8 (int8.cpp): one byte per element with error feedback;
+//   - int4 (int4.cpp): half a byte per element with error feedback, at most
+//     7 ranks;
+//   - PowerSGD (powersgd.cpp): low rank with error feedback.
+// Every coding shares one frame (Codec::reduce, codec.cpp): await the
+// bucket's copies, send(), copy the result out. Buckets a coding does not
+// apply to (not float32, empty, or in PowerSGD's warm-up) travel as none
+// sends them (codec.cpp's plain sends). Every other fact about a coding
+// (which devices it runs on, whether streaming may send with it, whether it
+// keeps residuals) is the factory's table (factory.cpp, hemiola::codings()),
+// and code that needs one asks coding(c); make_codec refuses any pairing
+// the table does not list, naming what works there.
 //
 // Threads: reduce() runs on the engine's scheduler thread only, one bucket at
 // a time, in iteration order (so iteration t's residual is written before
@@ -21,7 +24,9 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "comm/communicator.h"
@@ -62,9 +67,9 @@ class Codec {
   virtual std::vector<size_t> wire_bytes(const std::vector<PlannedBucket>& plan) const {
     return {};
   }
-  // kInt8, kInt4 and kPowerSgd: tensor `index`'s residual (float32, one per
-  // element; empty for tensors never compressed). Null for the codings
-  // without error feedback.
+  // For a coding whose table row says `residuals`: tensor `index`'s
+  // error-feedback residual (float32, one per element; empty for tensors
+  // never compressed). Null for every other coding.
   virtual std::vector<float>* residual(size_t index) { return nullptr; }
 
  protected:
@@ -81,5 +86,12 @@ class Codec {
 // The one factory: the coding `spec` asks for on `spec.device`, or an error
 // naming what runs there.
 std::unique_ptr<Codec> make_codec(const CodecSpec& spec);
+
+// The names of the codings for which `has` holds, in table order (codings()):
+// a refusal names what works from the table, so it stays true as the table
+// grows.
+std::vector<const char*> coding_names(const std::function<bool(const Coding&)>& has);
+// "a", "a or b", "a, b or c" (`conjunction`: "or", "and").
+std::string listed(const std::vector<const char*>& names, const char* conjunction);
 
 }  // namespace hemiola

@@ -36,25 +36,15 @@ namespace {
 
 bool runs_on(const Coding& coding, bool cuda) { return cuda ? coding.cuda : coding.host; }
 
-// "a and b" / "a or b", for the refusal.
-std::string listed(const std::vector<const char*>& names, const char* conjunction) {
-  std::string out;
-  for (size_t i = 0; i < names.size(); ++i) {
-    if (i > 0) out += i + 1 == names.size() ? std::string(" ") + conjunction + " " : ", ";
-    out += names[i];
-  }
-  return out;
-}
-
 // What a reducer on that kind of device compresses with, and what it does
 // not: "a CUDA reducer compresses with fp16 or bf16; int8 and powersgd are
 // implemented for CPU reducers only".
 std::string refusal(bool cuda) {
-  std::vector<const char*> here, elsewhere;
-  for (const Coding& coding : codings()) {
-    if (coding.compression == Compression::kNone) continue;
-    (runs_on(coding, cuda) ? here : elsewhere).push_back(coding.name);
-  }
+  const auto compresses = [](const Coding& c) { return c.compression != Compression::kNone; };
+  const std::vector<const char*> here =
+      coding_names([&](const Coding& c) { return compresses(c) && runs_on(c, cuda); });
+  const std::vector<const char*> elsewhere =
+      coding_names([&](const Coding& c) { return compresses(c) && !runs_on(c, cuda); });
   return std::string("a ") + (cuda ? "CUDA" : "CPU") + " reducer compresses with " +
          listed(here, "or") + "; " + listed(elsewhere, "and") +
          (elsewhere.size() == 1 ? " is" : " are") + " implemented for " +

@@ -1,28 +1,8 @@
-// The frame every coding shares (Codec::reduce) and the coding "none": a
-// bucket travels as it is, on the host or on a CUDA device.
+// The coding "none": a bucket travels as it is (codec.cpp's plain sends), on
+// the host or on a CUDA device.
 #include "engine/codec/codings.h"
 
 namespace hemiola {
-
-void Codec::reduce(BucketStorage& storage, size_t b, uint64_t iteration,
-                   const std::vector<void*>& outs, Communicator& host) {
-  storage.await_copies(b);
-  const double scale = send(storage, b, iteration, host);
-  storage.copy_out(b, outs, scale);
-}
-
-double send_plain_host(BucketStorage& storage, size_t b, Communicator& host, double scale) {
-  const PlannedBucket& plan = storage.layout().plan[b];
-  host.all_reduce_sum(TensorRef{storage.buffer(b), plan.dtype, plan.numel, Device{}});
-  return scale;
-}
-
-double send_plain_device(BucketStorage& storage, size_t b, const Device& here, bool average) {
-  const PlannedBucket& plan = storage.layout().plan[b];
-  storage.device_comm()->all_reduce(TensorRef{storage.buffer(b), plan.dtype, plan.numel, here},
-                                    average, storage.stream());
-  return 1.0;  // averaged in the reduction itself
-}
 
 namespace {
 

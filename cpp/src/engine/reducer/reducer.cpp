@@ -213,9 +213,9 @@ void ReducerImpl::wait_all() {
 TensorRef ReducerImpl::residual(size_t index) {
   HEMIOLA_CHECK(index < plan_.specs.size(), "gradient index ", index, " is out of range");
   std::vector<float>* r = reduction_->codec().residual(index);  // null: no error feedback
-  HEMIOLA_CHECK(r != nullptr,
-                "residual() needs ReducerOptions::compression int8, int4 or powersgd (error "
-                "feedback)");
+  HEMIOLA_CHECK(r != nullptr, "residual() needs ReducerOptions::compression ",
+                listed(coding_names([](const Coding& c) { return c.residuals; }), "or"),
+                " (error feedback)");
   HEMIOLA_CHECK(!marking(), "residual() while gradients are being marked");
   wait_all();  // every reduction submitted so far has written its residual
   return TensorRef{r->data(), DType::kFloat32, r->size(), Device{}};

@@ -81,8 +81,9 @@ class ReducerImpl {
   ReductionLane& reduction() { return *reduction_; }
   LaneResults* preview() { return preview_.get(); }
   double preview_error() const { return preview_ ? preview_->error() : 0.0; }
-  // Compression::kInt8 / kInt4 / kPowerSgd: tensor `index`'s error-feedback residual
-  // (float32, in the reducer; read and write it only between iterations).
+  // A coding that keeps residuals (coding(c).residuals): tensor `index`'s
+  // error-feedback residual (float32, in the reducer; read and write it only
+  // between iterations).
   TensorRef residual(size_t index);
   // Before the first iteration only (Reducer::set_compression).
   void set_compression(Compression compression, size_t powersgd_rank,

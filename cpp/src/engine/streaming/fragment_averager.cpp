@@ -12,16 +12,7 @@ namespace {
 
 // "none, fp16, bf16, int8 or int4": the codings streaming may send with.
 std::string streaming_codings() {
-  std::vector<const char*> names;
-  for (const Coding& c : codings()) {
-    if (c.streams) names.push_back(c.name);
-  }
-  std::string out;
-  for (size_t i = 0; i < names.size(); ++i) {
-    if (i > 0) out += i + 1 == names.size() ? " or " : ", ";
-    out += names[i];
-  }
-  return out;
+  return listed(coding_names([](const Coding& c) { return c.streams; }), "or");
 }
 
 }  // namespace
@@ -77,7 +68,10 @@ const unsigned char* FragmentAverager::averaged(size_t f) const {
 
 std::vector<float>& FragmentAverager::residual(size_t index) {
   std::vector<float>* r = codec_->residual(index);
-  HEMIOLA_CHECK(r != nullptr, "residual() needs compression int8 or int4 (error feedback)");
+  HEMIOLA_CHECK(r != nullptr, "residual() needs compression ",
+                listed(coding_names([](const Coding& c) { return c.streams && c.residuals; }),
+                       "or"),
+                " (error feedback)");
   return *r;
 }
 

@@ -42,8 +42,8 @@ class FragmentAverager {
   // Once average(f)'s handle is done: the average, laid out as the
   // fragment's plan (valid until the next average of `f`).
   const unsigned char* averaged(size_t f) const;
-  // Compression::kInt8 / kInt4: tensor `index`'s residual (read and write it only
-  // while nothing is in flight).
+  // A streaming coding that keeps residuals (coding(c).residuals): tensor
+  // `index`'s residual (read and write it only while nothing is in flight).
   std::vector<float>& residual(size_t index);
 
  private:

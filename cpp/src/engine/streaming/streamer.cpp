@@ -7,7 +7,7 @@
 #include <chrono>
 #include <cstring>
 
-#include "core/dtype_math.h"
+#include "core/dtype_dispatch.h"
 #include "hemiola/optimizer.h"
 #include "hemiola/status.h"
 
@@ -15,61 +15,45 @@ namespace hemiola {
 
 namespace {
 
-// Element-wise arithmetic in a floating dtype: computed in float (double for
-// float64) and rounded to the dtype once per result, as torch's ops on
-// tensors of that dtype round.
-template <typename T>
-struct Elem {
-  static double load(const void* p, size_t i) { return static_cast<const T*>(p)[i]; }
-  static void store(void* p, size_t i, double v) { static_cast<T*>(p)[i] = static_cast<T>(v); }
-};
-struct Fp16 {
-  static double load(const void* p, size_t i) {
-    return fp16_to_float(static_cast<const uint16_t*>(p)[i]);
-  }
-  static void store(void* p, size_t i, double v) {
-    static_cast<uint16_t*>(p)[i] = float_to_fp16(static_cast<float>(v));
-  }
-};
-struct Bf16 {
-  static double load(const void* p, size_t i) {
-    return bf16_to_float(static_cast<const uint16_t*>(p)[i]);
-  }
-  static void store(void* p, size_t i, double v) {
-    static_cast<uint16_t*>(p)[i] = float_to_bf16(static_cast<float>(v));
-  }
-};
-
-template <typename F>
-void for_dtype(DType dtype, F&& body) {
-  switch (dtype) {
-    case DType::kFloat32: body(Elem<float>{}); return;
-    case DType::kFloat64: body(Elem<double>{}); return;
-    case DType::kFloat16: body(Fp16{}); return;
-    case DType::kBFloat16: body(Bf16{}); return;
-    default: HEMIOLA_THROW(ErrorCode::kInvalidArgument, "streaming: not a floating dtype");
-  }
+// Element-wise arithmetic in a floating dtype (core/dtype_dispatch.h):
+// computed in double and rounded to the dtype once per result (through its
+// compute type: float for float32 and the half types). For these sums of two
+// values of the dtype that is what torch's ops on tensors of that dtype give:
+// the double result is exact for the half types, and rounds as float's own
+// arithmetic would for float32.
+template <typename E>
+double wide(const void* p, size_t i) {
+  return static_cast<double>(E::at(p, i));
+}
+template <typename E>
+void narrow(void* p, size_t i, double v) {
+  E::put(p, i, static_cast<typename E::Compute>(v));
 }
 
-// out = a - b. float32 in float arithmetic (a float difference is exact
-// in double and rounds once either way).
+// out = a - b.
 void subtract(DType dtype, void* out, const void* a, const void* b, size_t n) {
-  for_dtype(dtype, [&](auto e) {
-    using E = decltype(e);
-    for (size_t i = 0; i < n; ++i) E::store(out, i, E::load(a, i) - E::load(b, i));
-  });
+  for_floating(
+      dtype,
+      [&](auto e) {
+        using E = decltype(e);
+        for (size_t i = 0; i < n; ++i) narrow<E>(out, i, wide<E>(a, i) - wide<E>(b, i));
+      },
+      "streaming: not a floating dtype");
 }
 
 // live = shared + (live - base), with the difference rounded first, as
 // torch's `shared + (live - base)` does.
 void merge(DType dtype, void* live, const void* shared, const void* base, size_t n) {
-  for_dtype(dtype, [&](auto e) {
-    using E = decltype(e);
-    for (size_t i = 0; i < n; ++i) {
-      E::store(live, i, E::load(live, i) - E::load(base, i));
-      E::store(live, i, E::load(shared, i) + E::load(live, i));
-    }
-  });
+  for_floating(
+      dtype,
+      [&](auto e) {
+        using E = decltype(e);
+        for (size_t i = 0; i < n; ++i) {
+          narrow<E>(live, i, wide<E>(live, i) - wide<E>(base, i));
+          narrow<E>(live, i, wide<E>(shared, i) + wide<E>(live, i));
+        }
+      },
+      "streaming: not a floating dtype");
 }
 
 }  // namespace
