@@ -87,6 +87,24 @@ void bind_engine(py::module_& m) {
       py::arg("device_type"),
       "The Config.compression names a model on that device type ('cpu' or 'cuda') can use, "
       "'none' included, in code order.");
+  m.def(
+      "coding_table",
+      [] {
+        py::list out;
+        for (const Coding& coding : codings()) {
+          py::dict row;
+          row["name"] = coding.name;
+          row["code"] = static_cast<int>(coding.compression);
+          row["host"] = coding.host;
+          row["cuda"] = coding.cuda;
+          row["streams"] = coding.streams;
+          row["residuals"] = coding.residuals;
+          out.append(row);
+        }
+        return out;
+      },
+      "Every fact about every coding, in code order: name, code, host, cuda (where it runs), "
+      "streams (streaming may send with it), residuals (it keeps error feedback).");
   py::enum_<DType>(m, "DType")
       .value("float32", DType::kFloat32)
       .value("float64", DType::kFloat64)
