@@ -21,7 +21,7 @@
 #include <utility>
 #include <vector>
 
-#include "device.h"
+#include "cuda/device.h"
 #include "engine/updater/device_clip.h"
 #include "engine/reducer/lane.h"
 #include "hemiola/reducer.h"
