@@ -1,16 +1,17 @@
-// hemiola._C.cuda: the fusion and wire kernels of cuda/kernels.h, compiled in
-// only when the build has CUDA (the optimizer steps are _C.optim's, with a
-// device index). Like the engine bindings, tensors cross as integers
-// (device pointers, element counts, dtype codes) and streams as the integer
-// handle torch gives (torch.cuda.current_stream().cuda_stream; 0 = legacy
-// default stream). Every call only enqueues work; the GIL is released around
+// hemiola._C.cuda: the fusion and wire kernels (engine/buckets/unpack_kernel.h,
+// engine/codec/cast_kernels.h), compiled in only when the build has CUDA (the
+// optimizer steps are _C.optim's, with a device index). Like the engine
+// bindings, tensors cross as integers (device pointers, element counts, dtype
+// codes) and streams as the integer handle torch gives
+// (torch.cuda.current_stream().cuda_stream; 0 = legacy default stream). Every call only enqueues work; the GIL is released around
 // it because the first CUDA call of a process may initialise a context.
 #include <pybind11/pybind11.h>
 
 #include <cstdint>
 
 #include "bindings.h"
-#include "kernels.h"
+#include "engine/buckets/unpack_kernel.h"
+#include "engine/codec/cast_kernels.h"
 
 namespace py = pybind11;
 

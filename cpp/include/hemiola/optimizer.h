@@ -1,7 +1,7 @@
 // The engine's optimizer: torch.optim's SGD (momentum, dampening, Nesterov,
 // weight decay, maximize) and Adam / AdamW (amsgrad on the CPU), one step over
 // one tensor, on the CPU (plain loops the compiler vectorises) or on a GPU (the
-// fused kernels of cuda/kernels.h, enqueued on a stream). One implementation
+// fused kernels of optim/step_kernels.h, enqueued on a stream). One implementation
 // serves the parameter server and the schedules.
 //
 // Parameters, gradients and state share one floating dtype (float32, float64,

@@ -1,7 +1,7 @@
 // The value types of one optimizer step: hyper-parameters and tensors, no
 // functions. Shared by the optimizer's steps (hemiola/optimizer.h, where the
-// formulas are) and the CUDA kernels that take them (cuda/kernels.h), which
-// therefore need nothing of the floors above them.
+// formulas are) and the CUDA kernels that take them (optim/step_kernels.h),
+// which therefore need nothing of the floors above them.
 #pragma once
 
 #include <cstdint>

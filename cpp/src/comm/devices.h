@@ -9,7 +9,7 @@
 
 #include "comm/communicator.h"
 #include "comm/device_communicator.h"
-#include "device.h"
+#include "cuda/device.h"
 #include "hemiola/config.h"
 #include "hemiola/store.h"
 

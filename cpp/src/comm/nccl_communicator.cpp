@@ -2,7 +2,7 @@
 
 #include <cstring>
 
-#include "device.h"
+#include "cuda/device.h"
 #include "hemiola/status.h"
 
 namespace hemiola {

@@ -15,8 +15,8 @@
 #include <array>
 
 #include "comm/device_communicator.h"
-#include "device.h"
 #include "core/dtype_math.h"
+#include "cuda/device.h"
 #include "hemiola/status.h"
 
 namespace hemiola {

@@ -2,7 +2,7 @@
 #include "hemiola/hemiola.h"
 
 #if HEMIOLA_CUDA_ENABLED
-#include "device.h"
+#include "cuda/device.h"
 #endif
 #if HEMIOLA_NCCL_ENABLED
 #include "comm/nccl_library.h"

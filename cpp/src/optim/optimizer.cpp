@@ -3,8 +3,8 @@
 #include "hemiola/optimizer.h"
 
 #include "hemiola/status.h"
-#include "kernels.h"
 #include "optim/cpu_optimizer.h"
+#include "optim/step_kernels.h"
 
 namespace hemiola {
 

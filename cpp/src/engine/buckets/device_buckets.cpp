@@ -14,10 +14,10 @@
 
 #include "comm/devices.h"
 #include "core/dtype_math.h"
-#include "device.h"
+#include "cuda/device.h"
 #include "engine/buckets/bucket_storage.h"
+#include "engine/buckets/unpack_kernel.h"
 #include "hemiola/status.h"
-#include "kernels.h"
 
 namespace hemiola {
 

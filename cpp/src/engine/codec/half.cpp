@@ -9,9 +9,9 @@
 #include <vector>
 
 #include "core/half_cast.h"
+#include "engine/codec/cast_kernels.h"
 #include "engine/codec/codings.h"
 #include "hemiola/status.h"
-#include "kernels.h"
 
 namespace hemiola {
 

@@ -16,9 +16,9 @@
 #include <optional>
 #include <vector>
 
-#include "device.h"
+#include "cuda/device.h"
 #include "hemiola/tensor.h"
-#include "kernels.h"
+#include "optim/norm_kernels.h"
 
 namespace hemiola {
 

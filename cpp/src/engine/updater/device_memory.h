@@ -7,7 +7,7 @@
 #include <memory>
 #include <vector>
 
-#include "device.h"
+#include "cuda/device.h"
 #include "hemiola/tensor.h"
 
 namespace hemiola {

@@ -21,6 +21,7 @@
 #include <utility>
 #include <vector>
 
+#include "cuda/device.h"
 #include "engine/reducer/lane.h"
 #include "engine/reducer/reduction_lane.h"
 #include "engine/updater/device_clip.h"

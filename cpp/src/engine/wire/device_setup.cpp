@@ -4,7 +4,7 @@
 #include <string>
 
 #include "comm/devices.h"
-#include "device.h"
+#include "cuda/device.h"
 #include "engine/wire/scheduler.h"
 
 namespace hemiola {

@@ -1,9 +1,11 @@
+// device.h over the CUDA runtime, compiled with nvcc (device_unavailable.cpp
+// stands in for it in a build without CUDA).
 #include <cuda_runtime.h>
 
 #include <algorithm>
 #include <thread>
 
-#include "device.h"
+#include "cuda/device.h"
 #include "hemiola/status.h"
 
 namespace hemiola::cuda {

@@ -3,8 +3,8 @@
 // Streams and events travel as void* (a cudaStream_t / cudaEvent_t); nullptr
 // is the legacy default stream. Every failure throws hemiola::Error naming the
 // call and CUDA's message. In a build without CUDA the same functions exist
-// (cpp/src/engine/device_unavailable.cpp) and throw, saying the build lacks
-// CUDA; device_count() then returns 0.
+// (device_unavailable.cpp) and throw, saying the build lacks CUDA;
+// device_count() then returns 0.
 #pragma once
 
 #include <chrono>
