@@ -142,7 +142,7 @@ def bare(work: Workload, repeats: int, sync: Callable[[], None] = lambda: None) 
 
 
 def _specs(params: list[torch.Tensor]) -> list[tuple[int, int, str, int]]:
-    from hemiola.tensors import dtype_code
+    from hemiola.engine_tensors import dtype_code
 
     return [(dtype_code(p.dtype), p.numel(), f"p{i}", p.shape[0] if p.dim() > 1 else 0)
             for i, p in enumerate(params)]
@@ -473,7 +473,7 @@ def agree(profile: Profile, engine: Any | None, steps: Bare | None = None) -> Pr
     between syncs), ``meta["slowest_rank"]`` the job's over rank 0's."""
     if engine is None or engine.world_size == 1:
         return profile
-    from hemiola.tensors import all_gather_rows, broadcast_tensors
+    from hemiola.engine_tensors import all_gather_rows, broadcast_tensors
 
     def every(times: list[float]) -> torch.Tensor:
         return all_gather_rows(engine, torch.tensor(times, dtype=torch.float64))
@@ -519,7 +519,7 @@ def job_pace(times: dict[str, float], engine: Any | None) -> dict[str, float]:
     numbers and returns the same advice."""
     if engine is None or engine.world_size == 1 or not times:
         return dict(times)
-    from hemiola.tensors import all_gather_rows
+    from hemiola.engine_tensors import all_gather_rows
 
     names = sorted(times)  # the same on every rank: the agreed profile's predictions
     rows = all_gather_rows(engine, torch.tensor([times[n] for n in names], dtype=torch.float64))
@@ -582,7 +582,7 @@ def bare_step(factory: Factory, iterations: int, engine: Any) -> float:
     `engine`'s ranks takes it (every rank begins each step together; the
     median over steps of the slowest rank's time): what the computation
     costs under the machine's present load."""
-    from hemiola.tensors import all_gather_rows
+    from hemiola.engine_tensors import all_gather_rows
 
     work = make_workload(factory)
     optimizer = work.make_optimizer(work.model.parameters())

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from hemiola.tensors import dtype_code
+from hemiola.engine_tensors import dtype_code
 
 if TYPE_CHECKING:
     from hemiola.config import Config
@@ -57,7 +57,7 @@ def slots(kind: str | None, optimizer: torch.optim.Optimizer, names: list[str],
     """Each parameter with its optimizer state, as the updater takes them,
     the state created as torch creates it on the first step (an SGD momentum
     buffer the engine has not initialised yet is kept out of state_dict(),
-    see ``EngineUpdate.optimizer_state_dict``). `kind` is ``native_kind``'s;
+    see ``UpdaterSchedule.optimizer_state_dict``). `kind` is ``native_kind``'s;
     None (the external stepper keeps the state in the optimizer): none is
     handed over."""
     if kind is None:

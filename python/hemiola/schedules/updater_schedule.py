@@ -1,4 +1,4 @@
-"""What ``priority`` and ``decoupled`` share: ``EngineUpdate``, the schedule
+"""What ``priority`` and ``decoupled`` share: ``UpdaterSchedule``, the schedule
 whose updates the engine's updater lands (``hemiola._C.Updater``,
 cpp/include/hemiola/updater.h): which parameter waits for which reduction,
 where in the next forward it lands, and the optimizer step that lands it.
@@ -37,6 +37,7 @@ import torch
 
 from hemiola._native import C
 from hemiola.deferred_norm import DeferredNorm
+from hemiola.engine_tensors import engine_view
 from hemiola.forward_gate import ForwardGate
 from hemiola.hyper import group_hyper
 from hemiola.schedules.base import Schedule
@@ -44,11 +45,10 @@ from hemiola.schedules.buffers import BufferBroadcast
 from hemiola.schedules.engine_optimizer import native_kind, slots
 from hemiola.schedules.takeover import take_over_optimizer
 from hemiola.schedules.torch_step import TorchStep, dense
-from hemiola.tensors import engine_view
-from hemiola.torch_math import torch_sqrt
+from hemiola.torch_sqrt import torch_sqrt
 
 if TYPE_CHECKING:
-    from hemiola.replica import Replica
+    from hemiola.bound_model import BoundModel
 
 
 class Clip(NamedTuple):
@@ -96,7 +96,7 @@ def _torch_total_norm(params: list[torch.Tensor]) -> Callable[..., float]:
     return norm
 
 
-class EngineUpdate(Schedule):
+class UpdaterSchedule(Schedule):
     """The part of ``priority`` and ``decoupled`` that is the same: the
     engine's updater lands each update where the forward gate learnt it is
     first read, and steps the optimizer (see the module docstring). A
@@ -105,18 +105,18 @@ class EngineUpdate(Schedule):
 
     in_flight = 1
 
-    def __init__(self, replica: Replica, optimizer: Any = None,
+    def __init__(self, bound: BoundModel, optimizer: Any = None,
                  grad_scaler: torch.amp.GradScaler | None = None) -> None:
-        super().__init__(replica, optimizer, grad_scaler)
+        super().__init__(bound, optimizer, grad_scaler)
         self._optimizer: torch.optim.Optimizer | None = None
         self._inner_step: Any = None
         # The iteration whose marking closed and whose step is not taken yet.
         self._finished: int | None = None
         self._unmarked: dict[int, list[int]] = {}
-        self._buffers = BufferBroadcast(replica)
+        self._buffers = BufferBroadcast(bound)
         #: this backward's buffers broadcast started when it began
         self._buffers_early = False
-        self._gate = ForwardGate(replica.module, replica.params, self.land, self.landers_learnt)
+        self._gate = ForwardGate(bound.module, bound.params, self.land, self.landers_learnt)
         # The local gradients as backward left them (object, version), to
         # catch code that edits .grad before optimizer.step(): that edit would
         # not reach the reduced gradient the update uses.
@@ -128,10 +128,10 @@ class EngineUpdate(Schedule):
         self._clip: dict[int, Clip] = {}
         # 1 / the GradScaler's scale in the backward being marked
         self._inv_scale: float | None = None
-        for name, p in zip(replica.names, replica.params):
+        for name, p in zip(bound.names, bound.params):
             if not dense(p):
                 raise ValueError(
-                    f"schedule={replica.config.schedule!r}: parameter {name!r} is not dense in "
+                    f"schedule={bound.config.schedule!r}: parameter {name!r} is not dense in "
                     f"memory (shape {tuple(p.shape)}, strides {p.stride()}: a view into a larger "
                     "tensor, or with gaps), and the engine's updater copies parameters as "
                     "blocks. Make it a tensor of its own before wrapping (e.g. "
@@ -139,18 +139,18 @@ class EngineUpdate(Schedule):
                     "schedule='wfbp'.")
         #: the engine's own step ("sgd", "adam", "adamw"), or None: torch's
         #: step through the external stepper
-        self._kind = native_kind(replica.config, optimizer, replica.params)
+        self._kind = native_kind(bound.config, optimizer, bound.params)
         self._torch_step: TorchStep | None = None  # the external stepper, if any
         self._updater: Any = None  # C.Updater, made by wrap_optimizer (none without parameters)
         # contiguous copies of non-contiguous local gradients (the engine
         # reads gradients in logical order), refreshed in step()
         self._local: dict[int, torch.Tensor] = {}
-        self._cuda = replica.device.type == "cuda"
+        self._cuda = bound.device.type == "cuda"
 
     def wrap_optimizer(self, optimizer: Any) -> Any:
         self._inner_step = take_over_optimizer(self, optimizer, self.step)
         self._optimizer = optimizer
-        m = self.replica
+        m = self.bound
         if not m.params:
             return optimizer  # nothing to reduce: step() is the optimizer's
         if self._kind is None:
@@ -162,9 +162,9 @@ class EngineUpdate(Schedule):
         return optimizer
 
     def _make_updater(self) -> None:
-        """The engine's updater on the replica's reducer (see the module
+        """The engine's updater on the bound model's reducer (see the module
         docstring)."""
-        m = self.replica
+        m = self.bound
         external = None if self._torch_step is None else self._torch_step.callback()
         roots = torch_sqrt()  # the engine's Adam takes torch's square root
         self._updater = C.Updater(
@@ -190,7 +190,7 @@ class EngineUpdate(Schedule):
     def _slots(self) -> list[tuple[Any, ...]]:
         """Each parameter with its optimizer state, for the updater."""
         assert self._optimizer is not None
-        return slots(self._kind, self._optimizer, self.replica.names, self.replica.params)
+        return slots(self._kind, self._optimizer, self.bound.names, self.bound.params)
 
     # ---- the forward -------------------------------------------------------
 
@@ -224,7 +224,7 @@ class EngineUpdate(Schedule):
         parameters `indices` are first read."""
         if self._updater is None:
             return
-        stream = self.replica.stream() if self._cuda else 0  # self._stream(), inlined
+        stream = self.bound.stream() if self._cuda else 0  # self._stream(), inlined
         self._updater.land(lander, torch.is_grad_enabled(), stream)
 
     def landers_learnt(self, landers: list[list[int]]) -> None:
@@ -238,10 +238,10 @@ class EngineUpdate(Schedule):
         """The stream the engine's work of this call goes on (0 on the CPU,
         without asking torch). The per-gradient and per-lander calls inline
         it: a Python call there is paid per parameter."""
-        return self.replica.stream() if self._cuda else 0
+        return self.bound.stream() if self._cuda else 0
 
     def mark(self, index: int, grad: torch.Tensor) -> None:
-        stream = self.replica.stream() if self._cuda else 0  # self._stream(), inlined
+        stream = self.bound.stream() if self._cuda else 0  # self._stream(), inlined
         if grad.is_contiguous() and self.grad_scaler is None:  # the common case
             self._updater.mark(index, grad.data_ptr(), grad.data_ptr(), stream)
             return
@@ -295,7 +295,7 @@ class EngineUpdate(Schedule):
         if self._buffers.wanted and not self._buffers_early:
             self._buffers.start()
         self._buffers_early = False
-        params = self.replica.params
+        params = self.bound.params
         for i in unmarked:  # contributed as zeros; torch steps them if .grad exists
             grad = params[i].grad
             self._updater.set_local_grad(i, 0 if grad is None else self._local_pointer(i, grad))
@@ -334,7 +334,7 @@ class EngineUpdate(Schedule):
         recorded = self.recorded_clip_norm(iteration)
         if recorded is not None:
             return recorded
-        m = self.replica
+        m = self.bound
         if iteration == self._finished:
             # Read before optimizer.step(): wait for the reduction and take
             # the norm of what it delivered, as the update will.
@@ -356,7 +356,7 @@ class EngineUpdate(Schedule):
 
     def _grad_versions(self) -> list[tuple[int, int]]:
         return [(id(p.grad), p.grad._version) if p.grad is not None else (0, 0)
-                for p in self.replica.params]
+                for p in self.bound.params]
 
     def check_grads_untouched(self) -> None:
         """Raises if .grad was modified in place since backward (clipping,
@@ -365,7 +365,7 @@ class EngineUpdate(Schedule):
         seen, self._grads_seen = self._grads_seen, None
         if seen is None:
             return
-        m = self.replica
+        m = self.bound
         for (grad_id, version), p, name in zip(seen, m.params, m.names):
             if grad_id and id(p.grad) == grad_id and p.grad._version != version:
                 raise RuntimeError(
@@ -401,7 +401,7 @@ class EngineUpdate(Schedule):
         found_inf = getattr(opt, "found_inf", None)
         if found_inf is None:
             return False
-        name = self.replica.config.schedule
+        name = self.bound.config.schedule
         if not self.scaling:
             message = (
                 f"schedule={name!r}: optimizer.step() is driven by a torch.amp.GradScaler that "
@@ -409,12 +409,12 @@ class EngineUpdate(Schedule):
                 "Pass it when wrapping: hemiola.wrap(model, optimizer, schedule=..., "
                 "grad_scaler=scaler)."
             )
-            self.replica.reducer.abort(message)
+            self.bound.reducer.abort(message)
             raise RuntimeError(message)
         grad_scale = getattr(opt, "grad_scale", None)
         opt.grad_scale = opt.found_inf = None  # GradScaler deletes them after the step
         if grad_scale is not None:  # unscale_() was not called: .grad is still scaled
-            grads = [p.grad for p in self.replica.params if p.grad is not None]
+            grads = [p.grad for p in self.bound.params if p.grad is not None]
             if grads:
                 torch._foreach_mul_(grads, grad_scale.double().reciprocal().float())
         return bool(found_inf.item())
@@ -438,7 +438,7 @@ class EngineUpdate(Schedule):
             hyper, key = [], self._torch_step.remember()
         iteration, self._finished = self._finished, None
         self._before_update()
-        params = self.replica.params
+        params = self.bound.params
         if iteration is None:  # no synchronised backward since the last step
             grads = [p.grad if p.grad is None or p.grad.is_contiguous() else
                      p.grad.contiguous() for p in params]  # (alive during the call)
@@ -468,7 +468,7 @@ class EngineUpdate(Schedule):
         the ranks' models differ. Refused, saying what to do. (After
         ``zero_grad()``, or a backward inside ``no_sync()``, ``.grad`` holds
         something else, and a step from it is what DDP would take.)"""
-        m = self.replica
+        m = self.bound
         again = [name for (ref, version), p, name in zip(self._stepped_grads, m.params, m.names)
                  if ref is not None and p.grad is not None and ref() is p.grad
                  and p.grad._version == version]
@@ -504,7 +504,7 @@ class EngineUpdate(Schedule):
             return inner()
         # A momentum buffer the first step has not filled is not torch's state.
         hidden = {}
-        for p, initialised in zip(self.replica.params, self._updater.momentum_initialised()):
+        for p, initialised in zip(self.bound.params, self._updater.momentum_initialised()):
             if not initialised and "momentum_buffer" in opt.state.get(p, {}):
                 hidden[p] = opt.state[p].pop("momentum_buffer")
         try:
