@@ -70,7 +70,7 @@ def take_over_optimizer(schedule: Schedule, optimizer: Any, step: Callable[[], N
         # wrapper; this one records the call as that wrapper does.
         wrapped_step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
     optimizer.step = types.MethodType(wrapped_step, optimizer)
-    # GradScaler then always calls step (see UpdaterSchedule.take_scaler_state).
+    # GradScaler then always calls step (see scaler_handshake.take_scaler_state).
     optimizer._step_supports_amp_scaling = True
     optimizer.state_dict = types.MethodType(state_dict, optimizer)
     optimizer.load_state_dict = types.MethodType(load_state_dict, optimizer)
