@@ -25,9 +25,9 @@ from pathlib import Path
 
 from hemiola.advise import model
 from hemiola.advise.collective import Network
-from hemiola.advise.measure import rate_beside
 from hemiola.advise.model import local_network
 from hemiola.advise.profile import Profile
+from hemiola.advise.wire import rate_beside
 
 RESULTS = Path(__file__).resolve().parent.parent / "docs" / "results"
 GRIDS = ("advise-grid-2026-11-27", "advise-grid-quiet-2026-11-27", "advise-grid-slowest-2026-11-27",
@@ -56,7 +56,7 @@ def predict(profile: Profile, contention: float | None, schedule: str, coding: s
 
 def rederived(profile: Profile) -> Profile:
     """The profile with ``wire_rate_beside`` derived as hemiola derives it
-    now (``measure.rate_beside``: the link's bandwidth times the all-reduce's
+    now (``wire.rate_beside``: the link's bandwidth times the all-reduce's
     seconds alone over beside) from the two medians it kept in
     ``meta["wire_beside"]``; the fourth grid measured with a first
     definition (the bytes over the seconds beside, past a 5% threshold)."""

@@ -13,9 +13,9 @@ from collections.abc import Callable
 import torch
 
 from hemiola._native import C
+from hemiola.engine_tensors import dtype_code
 from hemiola.hyper import group_hyper
-from hemiola.tensors import dtype_code
-from hemiola.torch_math import torch_sqrt
+from hemiola.torch_sqrt import torch_sqrt
 
 
 def _time(step: Callable[[int], None], steps: int) -> float:

@@ -17,12 +17,12 @@ import torch
 from torch import nn
 
 from hemiola._native import C
+from hemiola.bound_model import BoundModel
 from hemiola.comm_hooks import compression_of
 from hemiola.config import COMPRESSIONS, Config, compression_code
+from hemiola.engine_tensors import all_gather_rows, broadcast_tensors
 from hemiola.hooks import weak_hook
-from hemiola.replica import Replica
 from hemiola.schedules import Schedule, choose_schedule
-from hemiola.tensors import all_gather_rows, broadcast_tensors
 from hemiola.timeline import Recorder
 from hemiola.validate import check_module, check_same_model
 
@@ -57,12 +57,12 @@ class DataParallel(nn.Module):
         check_same_model(engine, store, module, config)
         broadcast_tensors(engine, [*module.parameters(), *module.buffers()])
         # The schedule's kind decides what its reducer must hold, so it is
-        # chosen first; the replica (parameters, reducer, results) is built
-        # for it, and the schedule from the replica, each complete when made.
+        # chosen first; the bound model (parameters, reducer, results) is built
+        # for it, and the schedule from the bound model, each complete when made.
         kind = choose_schedule(config)
         in_flight, preview = kind.reducer_needs(config, optimizer, self.device)
-        self._replica = Replica(module, engine, config, self.device, in_flight, preview)
-        self._schedule: Schedule = kind(self._replica, optimizer, grad_scaler)
+        self._bound = BoundModel(module, engine, config, self.device, in_flight, preview)
+        self._schedule: Schedule = kind(self._bound, optimizer, grad_scaler)
         # Checkpoints are exact however they are taken (model.state_dict(),
         # model.module.state_dict(), a reference to the module kept from
         # before): pending updates land first; a load replaces them.
@@ -78,18 +78,18 @@ class DataParallel(nn.Module):
         self.timeline_recorder.watch_modules(module)
         self._hook_handles = [
             p.register_post_accumulate_grad_hook(weak_hook(self._on_grad, i))
-            for i, p in enumerate(self._replica.params)
+            for i, p in enumerate(self._bound.params)
         ]
 
     @property
     def config(self) -> Config:
         """The configuration the model was wrapped with (:class:`hemiola.Config`)."""
-        return self._replica.config
+        return self._bound.config
 
     @property
     def timeline_recorder(self) -> Recorder:
         """Records forward, backward and waits on the engine's timeline."""
-        return self._replica.timeline
+        return self._bound.timeline
 
     # ---- user API ----------------------------------------------------------
 
@@ -105,7 +105,7 @@ class DataParallel(nn.Module):
                 # module (torch.compile(model) before wrapping).
                 module = getattr(module, "_orig_mod", module)
             out = module(*args, **kwargs)
-        self._replica.require_forward_param_sync = (torch.is_grad_enabled()
+        self._bound.require_forward_param_sync = (torch.is_grad_enabled()
                                                     and self.require_backward_grad_sync)
         return out
 
@@ -138,7 +138,7 @@ class DataParallel(nn.Module):
         naming them.
         """
         compression, options = compression_of(state, hook)
-        reducer = self._replica.reducer
+        reducer = self._bound.reducer
         if reducer is not None and reducer.iterations_started > 0:
             raise RuntimeError("register_comm_hook must be called before the first backward "
                                "(as with DDP)")
@@ -146,7 +146,7 @@ class DataParallel(nn.Module):
         code = compression_code(compression)
         config = dataclasses.replace(self.config, compression=compression, **options)
         chosen = [code, config.powersgd_rank, config.powersgd_start_iter]
-        rows = all_gather_rows(self._replica.engine,
+        rows = all_gather_rows(self._bound.engine,
                                torch.tensor(chosen, dtype=torch.float64)).tolist()
         if any(row != rows[0] for row in rows):
             names = {v: k for k, v in COMPRESSIONS.items()}
@@ -156,7 +156,7 @@ class DataParallel(nn.Module):
             raise RuntimeError(f"register_comm_hook: the ranks registered different hooks "
                                f"(compression per rank: {seen}); register the same on every rank")
         replan = config.partition_bytes != self.config.partition_bytes
-        self._replica.config = config
+        self._bound.config = config
         if replan:
             # priority's 4 MiB partitions, planned at wrap time, would cut
             # large matrices into pieces PowerSGD cannot compress: plan the
@@ -188,7 +188,7 @@ class DataParallel(nn.Module):
         (PowerSGD's warm-start matrices are not in it, and its iteration count
         starts again with the new wrap: a resumed run travels uncompressed for
         ``powersgd_start_iter`` iterations, then starts the matrices afresh.)"""
-        r = self._replica
+        r = self._bound
         if self.config.compression not in ("int8", "int4", "powersgd") or r.reducer is None:
             return {}
         self.synchronize()
@@ -209,9 +209,9 @@ class DataParallel(nn.Module):
             if tensor.shape != mine[name].shape:
                 raise ValueError(f"comm state {name!r} has shape {tuple(tensor.shape)}, this "
                                  f"model's is {tuple(mine[name].shape)}")
-        reducer = self._replica.reducer
+        reducer = self._bound.reducer
         assert reducer is not None or not mine
-        for i, name in enumerate(self._replica.names):
+        for i, name in enumerate(self._bound.names):
             if name in state:
                 view = torch.frombuffer(reducer.residual_view(i), dtype=torch.float32)  # type: ignore[union-attr]
                 view.copy_(state[name].reshape(-1))
@@ -254,11 +254,11 @@ class DataParallel(nn.Module):
 
     @property
     def rank(self) -> int:
-        return self._replica.rank
+        return self._bound.rank
 
     @property
     def world_size(self) -> int:
-        return self._replica.world_size
+        return self._bound.world_size
 
     def stats(self) -> dict[str, float]:
         """Counters of the schedule. ``decoupled``: ``approximate_read_fraction``,
@@ -275,7 +275,7 @@ class DataParallel(nn.Module):
         """The current fusion plan: parameter names per bucket, in issue order
         (``priority`` sends the buckets holding the front layers last,
         front-most first, so its order is not backward's)."""
-        r = self._replica
+        r = self._bound
         if r.reducer is None:
             return []
         buckets = r.reducer.buckets()
@@ -283,7 +283,7 @@ class DataParallel(nn.Module):
 
     def timeline(self) -> str:
         """Chrome trace JSON of engine events (``timeline=True`` to record)."""
-        return self._replica.engine.timeline_json()
+        return self._bound.engine.timeline_json()
 
     # ---- autograd plumbing -------------------------------------------------
 
@@ -301,7 +301,7 @@ class DataParallel(nn.Module):
             torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
             self._schedule.backward_started()
         if grad.is_sparse:
-            name = self._replica.names[index]
+            name = self._bound.names[index]
             raise ValueError(f"parameter {name!r} got a sparse gradient; hemiola reduces "
                              "dense gradients only")
         self._schedule.mark(index, grad)
@@ -309,12 +309,12 @@ class DataParallel(nn.Module):
     def _finish_backward(self) -> None:
         self._in_backward = False
         self.timeline_recorder.record("compute", "backward", "backward", self._backward_start)
-        reducer = self._replica.reducer
+        reducer = self._bound.reducer
         assert reducer is not None
         unmarked = reducer.unmarked()
         if unmarked:
             if not self.config.find_unused_parameters:
-                names = [self._replica.names[i] for i in unmarked]
+                names = [self._bound.names[i] for i in unmarked]
                 message = (
                     f"hemiola: {len(names)} parameter(s) received no gradient in this "
                     f"backward pass: {', '.join(names[:10])}"
@@ -326,5 +326,5 @@ class DataParallel(nn.Module):
                 reducer.abort(message)
                 raise RuntimeError(message)
             for i in unmarked:
-                reducer.mark_unused(i, stream=self._replica.stream())
+                reducer.mark_unused(i, stream=self._bound.stream())
         self._schedule.backward_done(reducer.finish_marking(), unmarked)

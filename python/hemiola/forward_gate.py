@@ -19,8 +19,8 @@ A module compiled before wrapping (``torch.compile(model)``) runs its whole
 forward as compiled graphs, with no place in between for a landing, so
 everything lands in its own pre-hook, which runs eagerly.
 
-The gate hands its result over as integers: lander 0 is "every parameter"
-(the start of the forward), landers 1.. are the modules' pre-hooks, each with
+The forward gate hands its result over as integers: gate 0 is "every parameter"
+(the start of the forward), gates 1.. are the modules' pre-hooks, each with
 the parameter indices it lands. The engine's updater keeps that table and the
 per-iteration work; a pre-hook makes one call.
 """
@@ -35,9 +35,9 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-#: called as land(lander, indices) when a forward reaches a lander
+#: called as land(gate, indices) when a forward reaches a gate
 Land = Callable[[int, list[int]], None]
-#: called with the landers (indices per lander) whenever they change
+#: called with the gates (indices per gate) whenever they change
 Learnt = Callable[[list[list[int]]], None]
 
 
@@ -74,10 +74,10 @@ def _tensors(value: Any) -> Iterator[torch.Tensor]:
 
 
 class ForwardGate:
-    """Calls ``land(lander, indices)`` in the forward pre-hook of the module
+    """Calls ``land(gate, indices)`` in the forward pre-hook of the module
     that reads parameters ``indices`` first (learnt in the first forward with
-    gradients enabled; until then the root module lands everything as lander
-    0), and ``learnt(landers)`` when the landers change."""
+    gradients enabled; until then the root module lands everything as gate
+    0), and ``learnt(gates)`` when the gates change."""
 
     def __init__(self, root: nn.Module, params: list[torch.Tensor], land: Land,
                  learnt: Learnt | None = None) -> None:
@@ -90,9 +90,9 @@ class ForwardGate:
         self._learnt = isinstance(root, torch._dynamo.eval_frame.OptimizedModule)
         self._compiled = False  # the wrapper's forward is compiled
         #: per parameter index: the module whose pre-hook lands it
-        self.lander: dict[int, nn.Module] = dict.fromkeys(self._all, root)
-        #: per lander: the parameter indices it lands (0: all of them)
-        self.landers: list[list[int]] = [self._all]
+        self.gate_of: dict[int, nn.Module] = dict.fromkeys(self._all, root)
+        #: per gate: the parameter indices it lands (0: all of them)
+        self.gates: list[list[int]] = [self._all]
         self._handles: list[Any] = [root.register_forward_pre_hook(self._land_all)]
 
     @property
@@ -107,11 +107,11 @@ class ForwardGate:
             return
         self._compiled = True
         self._learnt = True
-        self.lander = dict.fromkeys(self._all, self._root)
-        self.landers = [self._all]
+        self.gate_of = dict.fromkeys(self._all, self._root)
+        self.gates = [self._all]
         self.remove()
         if self._learnt_callback is not None:
-            self._learnt_callback(self.landers)
+            self._learnt_callback(self.gates)
 
     def land_now(self) -> None:
         """Lands everything (the forward starts, compiled)."""
@@ -151,22 +151,22 @@ class ForwardGate:
         by_module: dict[nn.Module, list[int]] = {}
         for i in self._all:
             module = reader.get(i, self._root)
-            self.lander[i] = module
+            self.gate_of[i] = module
             by_module.setdefault(module, []).append(i)
         for h in self._handles:
             h.remove()
-        self.landers = [self._all, *by_module.values()]
-        self._handles = [module.register_forward_pre_hook(self._hook(lander, indices))
-                         for lander, (module, indices) in enumerate(by_module.items(), 1)]
+        self.gates = [self._all, *by_module.values()]
+        self._handles = [module.register_forward_pre_hook(self._hook(gate, indices))
+                         for gate, (module, indices) in enumerate(by_module.items(), 1)]
         self._learnt = True
         if self._learnt_callback is not None:
-            self._learnt_callback(self.landers)
+            self._learnt_callback(self.gates)
 
-    def _hook(self, lander: int, indices: list[int]) -> Callable[[nn.Module, Any], None]:
+    def _hook(self, gate: int, indices: list[int]) -> Callable[[nn.Module, Any], None]:
         land = self._land
 
         def hook(module: nn.Module, args: Any) -> None:
-            land(lander, indices)
+            land(gate, indices)
         return hook
 
     def _land_all(self, module: nn.Module, args: Any) -> None:

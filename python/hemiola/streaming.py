@@ -33,7 +33,7 @@ from torch import nn
 
 from hemiola._native import C
 from hemiola.config import Config, compression_code
-from hemiola.tensors import broadcast_tensors, dtype_code
+from hemiola.engine_tensors import broadcast_tensors, dtype_code
 from hemiola.validate import check_module, check_same_model
 
 #: the optimizer state_dict key that holds the streaming state

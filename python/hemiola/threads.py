@@ -21,7 +21,7 @@ import warnings
 import torch
 
 from hemiola._native import C
-from hemiola.tensors import all_gather_rows
+from hemiola.engine_tensors import all_gather_rows
 
 
 def host_id() -> int:

@@ -11,7 +11,7 @@ from torch import nn
 
 from hemiola._native import C
 from hemiola.config import Config
-from hemiola.tensors import GRAD_DTYPES, all_gather_rows, model_device
+from hemiola.engine_tensors import GRAD_DTYPES, all_gather_rows, model_device
 
 
 def check_module(module: nn.Module) -> torch.device:

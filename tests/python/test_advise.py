@@ -19,8 +19,9 @@ from hemiola import advise
 from hemiola.advise import choice, collective, model
 from hemiola.advise.cli import advise_rank, report, scale_report
 from hemiola.advise.collective import Network, Piece
-from hemiola.advise.model import Job, Prediction
+from hemiola.advise.model import Prediction
 from hemiola.advise.profile import Link, Param, Profile, front_first
+from hemiola.advise.simulation import Job, Span, simulate
 from hemiola.launch import run_local
 
 
@@ -50,8 +51,8 @@ def test_advise_measures_agrees_predicts_tries_and_chooses(tmp_path: Path) -> No
     assert set(profile.plans) == set(model.SCHEDULES)
     assert profile.link is not None and profile.link.world == 2
     assert profile.link.bandwidth > 0 and set(profile.reduce) == set(model.CODINGS)
-    assert set(profile.meeting) == set(model.CODINGS)
-    assert all(v >= 0 for v in profile.meeting.values())
+    assert set(profile.peer_wait) == set(model.CODINGS)
+    assert all(v >= 0 for v in profile.peer_wait.values())
     # the wire beside training: the link slowed by the measured ratio, where slower
     alone, beside = profile.meta["wire_beside"]
     assert alone > 0 and beside > 0
@@ -88,7 +89,7 @@ def test_advise_measures_agrees_predicts_tries_and_chooses(tmp_path: Path) -> No
 def test_training_beside_a_wait_ends_with_it_and_raises_its_error() -> None:
     import time
 
-    from hemiola.advise.measure import train_until
+    from hemiola.advise.wire import train_until
 
     steps: list[int] = []
     seconds = train_until(lambda: time.sleep(0.05), lambda: steps.append(1) or time.sleep(0.001))
@@ -108,7 +109,8 @@ def _agree_on_uneven_ranks(rank: int, world: int, steps: bool = False) -> dict[s
     `steps`: both ranks' forward is 0.1 s, and of three steps in lockstep
     each rank was slow (0.4 s instead of 0.3) in a different one. Rank r
     measured an overhead of 0.01 * (1 + 2r) s."""
-    from hemiola.advise.measure import Bare, agree
+    from hemiola.advise.agreement import agree
+    from hemiola.advise.instruments import Bare
     from hemiola.distributed import new_engine
 
     engine, _ = new_engine(timeout_s=60.0)
@@ -171,7 +173,7 @@ def test_the_profiles_priority_plan_is_the_engines_issue_order() -> None:
     """priority sends its buckets in another order than backward makes them
     (the front layers' last, front first): the profile reads the order the
     engine sends them in, and the model derives the same order itself."""
-    from hemiola.advise.measure import free_wire_step
+    from hemiola.advise.instruments import free_wire_step
 
     _, _, plan = free_wire_step(deep_model, "priority", "none", 1)
     params = [Param(512 * 512) for _ in range(16)]
@@ -211,7 +213,7 @@ def _profile(**kw: object) -> Profile:
 
 def _period(schedule: str, jobs: list[Job], contention: float = 0.0, **kw: object) -> float:
     p = _profile(**kw)
-    return model.simulate(model._program(p, p.plans[schedule], schedule), jobs, contention)
+    return simulate(model._program(p, p.plans[schedule], schedule), jobs, contention)
 
 
 def test_the_iteration_model_against_hand_computed_timelines() -> None:
@@ -266,8 +268,8 @@ def test_the_predicted_timeline_is_the_simulated_iteration() -> None:
     # The hand-computed wfbp case above, span by span.
     jobs = [Job(0.0, 0.10), Job(0.0, 0.05)]
     p = _profile()
-    trace: list[model.Span] = []
-    period = model.simulate(model._program(p, p.plans["wfbp"], "wfbp"), jobs, 0.0, trace=trace)
+    trace: list[Span] = []
+    period = simulate(model._program(p, p.plans["wfbp"], "wfbp"), jobs, 0.0, trace=trace)
     assert period == pytest.approx(0.21)
     spans: dict[tuple[str, str], list[tuple[float, float]]] = {}
     for s in trace:
@@ -434,12 +436,12 @@ def test_streaming_is_advised_only_where_per_step_wastes_the_computation() -> No
     assert advice is not None and advice.options["sync_every"] == 100
 
 
-def test_the_ranks_meeting_is_what_a_measured_reduction_takes_beyond_the_model() -> None:
-    """The meeting of a coding is its reduction measured on the link less the
+def test_the_ranks_peer_wait_is_what_a_measured_reduction_takes_beyond_the_model() -> None:
+    """The peer wait of a coding is its reduction measured on the link less the
     model's (coding CPU, then the collectives), at least 0; it is spent on
     the lane of every bucket by its collectives (the ranks meet at each),
     and only where there are ranks to meet."""
-    from hemiola.advise.measure import with_meeting
+    from hemiola.advise.measure import with_peer_wait
 
     link = Link(2, 1e-4, 1e8)
     p = _profile(link=link, coding_cpu={"none": 0.004, "powersgd": 0.008})
@@ -449,39 +451,39 @@ def test_the_ranks_meeting_is_what_a_measured_reduction_takes_beyond_the_model()
     wire = sum(collective.all_reduce(net, 4 * n) for n in (300, 100))
     assert alone["none"] == pytest.approx(0.004 + wire)
     p.reduce = {"none": alone["none"] - 0.001, "powersgd": alone["powersgd"] + 0.006}
-    p = with_meeting(p)
-    met = p.meeting
-    assert met["none"] == 0.0  # a reduction faster than the model is no negative meeting
+    p = with_peer_wait(p)
+    met = p.peer_wait
+    assert met["none"] == 0.0  # a reduction faster than the model is no negative peer wait
     assert met["powersgd"] == pytest.approx(0.006)
     jobs = model.jobs_for(p, net, "wfbp", "powersgd")
-    bare = model.jobs_for(p, net, "wfbp", "powersgd", meeting=False)
-    # two buckets of one vector each: one collective each, half the meeting each
+    bare = model.jobs_for(p, net, "wfbp", "powersgd", peer_wait=False)
+    # two buckets of one vector each: one collective each, half the peer wait each
     assert [j.cpu - b.cpu for j, b in zip(jobs, bare)] == pytest.approx([0.003, 0.003])
     # p1 as a 30 x 10 matrix: PowerSGD's P and Q, two collectives for bucket 0
     # and one for bucket 1, so the measured reduction met three times
     m = replace(p, params=[p.params[0], replace(p.params[1], rows=30)])
     met = [j.cpu - b.cpu for j, b in zip(model.jobs_for(m, net, "wfbp", "powersgd"),
                                            model.jobs_for(m, net, "wfbp", "powersgd",
-                                                          meeting=False))]
+                                                          peer_wait=False))]
     assert met == pytest.approx([0.004, 0.002])
     # priority's plan of the same buckets meets as often
     assert sum(j.cpu for j in model.jobs_for(p, net, "priority", "powersgd")) == \
         pytest.approx(sum(j.cpu for j in jobs))
     assert model.jobs_for(p, Network(1, 1e8), "wfbp", "powersgd") == \
-        model.jobs_for(p, Network(1, 1e8), "wfbp", "powersgd", meeting=False)
-    # wfbp waits for every bucket at the end of backward: the meeting adds there
+        model.jobs_for(p, Network(1, 1e8), "wfbp", "powersgd", peer_wait=False)
+    # wfbp waits for every bucket at the end of backward: the peer wait adds there
     # (the last bucket's share: the first one's meets under the computation)
     assert model.predict_one(p, net, "wfbp", "powersgd") > \
-        model.predict_one(replace(p, meeting={}), net, "wfbp", "powersgd")
+        model.predict_one(replace(p, peer_wait={}), net, "wfbp", "powersgd")
     # streaming's syncs meet too: int8 met 4 ms over the plan's four
     # collectives (two buckets, a scale all-gather and a code all-reduce each),
     # and a fragment's sync is two of them, however large the fragment
-    s8 = replace(p, meeting={"int8": 0.004})
+    s8 = replace(p, peer_wait={"int8": 0.004})
     for fragments in (1, 2):
         assert model._sync(s8, net, fragments, "int8")[2] == pytest.approx(
-            model._sync(replace(s8, meeting={}), net, fragments, "int8")[2] + 0.002)
+            model._sync(replace(s8, peer_wait={}), net, fragments, "int8")[2] + 0.002)
     # a slower machine meets more slowly too (Gloo's waiting threads spin on the CPU)
-    assert p.scaled(2.0).meeting["powersgd"] == pytest.approx(0.012)
+    assert p.scaled(2.0).peer_wait["powersgd"] == pytest.approx(0.012)
 
 
 def test_profiles_round_trip_and_bad_ones_are_refused(tmp_path: Path) -> None:
@@ -497,13 +499,31 @@ def test_profiles_round_trip_and_bad_ones_are_refused(tmp_path: Path) -> None:
     for change, words in [({"version": 99}, "version 99"), ({"forward": -1}, "forward"),
                           ({"params": []}, "params is empty"),
                           ({"plans": {"wfbp": [[0]]}}, "wfbp plan must hold every"),
-                          ({"meeting": {"int8": -0.1}}, r"meeting\['int8'\] is negative")]:
+                          ({"peer_wait": {"int8": -0.1}}, r"peer_wait\['int8'\] is negative")]:
         path.write_text(json.dumps({**data, **change}))
         with pytest.raises(ValueError, match=words):
             Profile.load(path)
     path.write_text(json.dumps({"forward": 1}))
     with pytest.raises(ValueError, match="not a hemiola advise profile"):
         Profile.load(path)
+
+
+def test_a_profile_written_before_peer_wait_was_named_so_still_loads(tmp_path: Path) -> None:
+    """Committed profiles (docs/results) call ``peer_wait`` ``meeting``: it
+    is read under that name, with the same numbers, and saved under the new
+    one; a profile giving both names is refused."""
+    results = Path(__file__).resolve().parents[2] / "docs" / "results"
+    path = results / "advise-worlds-2026-11-28-mlp-small-150mbit.profile.json"
+    data = json.loads(path.read_text())
+    profile = Profile.load(path)
+    assert data["meeting"] and profile.peer_wait == data["meeting"]
+    written = tmp_path / "p.json"
+    profile.save(written)
+    again = json.loads(written.read_text())
+    assert "meeting" not in again and again["peer_wait"] == data["meeting"]
+    written.write_text(json.dumps({**again, "meeting": data["meeting"]}))
+    with pytest.raises(ValueError, match="both peer_wait and meeting"):
+        Profile.load(written)
 
 
 def test_predicting_a_cluster_from_a_written_profile(tmp_path: Path,

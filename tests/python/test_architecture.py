@@ -1,6 +1,6 @@
 """The shape of the Python package: its modules stand on floors and import
 only from their own floor or below, without a cycle (data_parallel ->
-schedules -> replica, never back), and the schedules touch no private member
+schedules -> bound_model, never back), and the schedules touch no private member
 of the wrapper. The benchmark package (bench/hemiola/bench, installed as
 hemiola.bench) is part of the walk."""
 
@@ -19,12 +19,12 @@ BENCH = ROOT / "bench" / "hemiola" / "bench"
 #: specific name goes before its package's prefix).
 FLOORS: list[tuple[str, tuple[str, ...]]] = [
     ("leaves", ("hemiola._C", "hemiola._native", "hemiola.config", "hemiola.comm_hooks",
-                "hemiola.torch_math", "hemiola.deferred_norm", "hemiola.forward_gate",
+                "hemiola.torch_sqrt", "hemiola.deferred_norm", "hemiola.forward_gate",
                 "hemiola.hooks", "hemiola.cluster.config", "hemiola.ps.config",
                 "hemiola.ps.ahead")),
-    ("services", ("hemiola.tensors", "hemiola.timeline", "hemiola.hyper",
+    ("services", ("hemiola.engine_tensors", "hemiola.timeline", "hemiola.hyper",
                   "hemiola.distributed", "hemiola.validate", "hemiola.threads")),
-    ("replica", ("hemiola.replica",)),
+    ("bound model", ("hemiola.bound_model",)),
     ("schedules", ("hemiola.schedules",)),
     ("wrappers", ("hemiola.data_parallel", "hemiola.streaming")),
     ("wrap", ("hemiola.wrapping", "hemiola.clipping")),
@@ -137,7 +137,7 @@ def test_no_module_imports_a_floor_above_its_own() -> None:
 
 def test_the_floor_rule_catches_an_upward_import() -> None:
     assert _floor("hemiola.schedules.wfbp") < _floor("hemiola.data_parallel")
-    assert _floor("hemiola.tensors") < _floor("hemiola.replica")
+    assert _floor("hemiola.engine_tensors") < _floor("hemiola.bound_model")
     assert _floor("hemiola.bench.tasks.runner") == len(FLOORS) - 1
 
 
@@ -147,8 +147,8 @@ def test_the_cycle_finder_finds_a_cycle() -> None:
 
 
 def test_schedules_never_see_the_wrapper() -> None:
-    """Schedules work on a Replica: they neither import nor name the wrapper,
-    and read no private member of the replica (``replica._x``)."""
+    """Schedules work on a BoundModel: they neither import nor name the wrapper,
+    and read no private member of the bound model (``bound._x``)."""
     offending = []
     for path in sorted((PACKAGE / "schedules").glob("*.py")):
         tree = ast.parse(path.read_text())
@@ -160,8 +160,8 @@ def test_schedules_never_see_the_wrapper() -> None:
                 offending.append(f"{where}: {node.id}")
             if isinstance(node, ast.Attribute) and node.attr.startswith("_"):
                 owner = node.value
-                replica = (isinstance(owner, ast.Name) and owner.id in ("replica", "m")) or (
-                    isinstance(owner, ast.Attribute) and owner.attr == "replica")
-                if replica:
-                    offending.append(f"{where}: .{node.attr} of the replica")
+                bound = (isinstance(owner, ast.Name) and owner.id in ("bound", "m")) or (
+                    isinstance(owner, ast.Attribute) and owner.attr == "bound")
+                if bound:
+                    offending.append(f"{where}: .{node.attr} of the bound model")
     assert offending == []

@@ -86,7 +86,7 @@ def test_the_staged_chunk_size_comes_from_the_environment(monkeypatch) -> None:
 
 
 def test_packed_bytes_come_back_as_the_tensors() -> None:
-    from hemiola.tensors import pack_bytes, unpack_bytes
+    from hemiola.engine_tensors import pack_bytes, unpack_bytes
 
     torch.manual_seed(0)
     tensors = [torch.randn(3, 5), torch.arange(7), torch.randn(11).half(), torch.tensor(5),

@@ -14,7 +14,7 @@ def _gate(model: nn.Module) -> tuple[ForwardGate, list[tuple[int, list[int]]], d
     params = [p for p in model.parameters() if p.requires_grad]
     index = {n: i for i, (n, _) in enumerate(model.named_parameters())}
     calls: list[tuple[int, list[int]]] = []
-    return ForwardGate(model, params, lambda lander, indices: calls.append((lander, indices))), \
+    return ForwardGate(model, params, lambda g, indices: calls.append((g, indices))), \
         calls, index
 
 
@@ -26,23 +26,23 @@ def test_landing_points_follow_the_first_read_not_the_module_tree() -> None:
         model(tokens)
     # MultiheadAttention reads out_proj.weight without calling out_proj.
     attention = model.blocks.layers[0].self_attn
-    assert gate.lander[index["blocks.layers.0.self_attn.out_proj.weight"]] is attention
+    assert gate.gate_of[index["blocks.layers.0.self_attn.out_proj.weight"]] is attention
     # The tied output weight is read first by the embedding.
-    assert gate.lander[index["embed.weight"]] is model.embed
+    assert gate.gate_of[index["embed.weight"]] is model.embed
     # A parameter the outer forward reads itself lands at the very start.
-    assert gate.lander[index["pos"]] is model
-    assert gate.lander[index["blocks.layers.1.linear2.weight"]] is model.blocks.layers[1].linear2
+    assert gate.gate_of[index["pos"]] is model
+    assert gate.gate_of[index["blocks.layers.1.linear2.weight"]] is model.blocks.layers[1].linear2
 
     # From then on each landing point asks for its parameters before its
-    # forward, by its lander number, every parameter once per forward.
+    # forward, by its gate number, every parameter once per forward.
     calls.clear()
     with gate.scope():
         model(tokens)
     landed = sorted(i for _, indices in calls for i in indices)
     assert landed == list(range(len(index)))
-    assert all(gate.landers[lander] == indices for lander, indices in calls)
-    assert gate.landers[0] == list(range(len(index)))  # lander 0: everything
-    assert sorted(lander for lander, _ in calls) == list(range(1, len(gate.landers)))
+    assert all(gate.gates[g] == indices for g, indices in calls)
+    assert gate.gates[0] == list(range(len(index)))  # gate 0: everything
+    assert sorted(g for g, _ in calls) == list(range(1, len(gate.gates)))
 
 
 def test_parameters_not_read_in_the_first_forward_land_at_its_start() -> None:
@@ -59,8 +59,8 @@ def test_parameters_not_read_in_the_first_forward_land_at_its_start() -> None:
     gate, calls, index = _gate(model)
     with gate.scope():
         model(torch.randn(2, 4), False)
-    assert gate.lander[index["a.weight"]] is model.a
-    assert gate.lander[index["b.weight"]] is model
+    assert gate.gate_of[index["a.weight"]] is model.a
+    assert gate.gate_of[index["b.weight"]] is model
 
 
 def test_no_learning_without_gradients() -> None:
@@ -68,5 +68,5 @@ def test_no_learning_without_gradients() -> None:
     gate, calls, _ = _gate(model)
     with torch.no_grad(), gate.scope():
         model(torch.randn(1, 3))
-    assert all(m is model for m in gate.lander.values())  # not learnt: the root
-    assert calls == [(0, [0, 1])]  # until learnt, the root lands everything (lander 0)
+    assert all(m is model for m in gate.gate_of.values())  # not learnt: the root
+    assert calls == [(0, [0, 1])]  # until learnt, the root lands everything (gate 0)

@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from hemiola._native import C
+from hemiola.engine_tensors import device_view, model_device
 from hemiola.launch import run_local
-from hemiola.tensors import device_view, model_device
 
 import workers
 
@@ -305,7 +305,7 @@ def test_decoupled_on_the_gpu_equals_wfbp_when_every_rank_sees_the_same_data(
 def test_buffers_are_packed_on_the_gpu_and_come_back() -> None:
     """pack_bytes packs GPU tensors on the device and copies them off once;
     unpack_bytes copies the bytes on once: the same bytes as the CPU path."""
-    from hemiola.tensors import pack_bytes, unpack_bytes
+    from hemiola.engine_tensors import pack_bytes, unpack_bytes
 
     torch.manual_seed(0)
     cpu = [torch.randn(3, 5), torch.arange(7), torch.randn(11).half(), torch.tensor(5),

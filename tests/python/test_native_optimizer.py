@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from hemiola._native import C
+from hemiola.engine_tensors import dtype_code
 from hemiola.hyper import group_hyper
-from hemiola.tensors import dtype_code
-from hemiola.torch_math import torch_sqrt
+from hemiola.torch_sqrt import torch_sqrt
 
 DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16]
 SGD_OPTIONS = [
@@ -85,7 +85,7 @@ def test_sgd_matches_torch(options: dict[str, Any], dtype: torch.dtype) -> None:
 @pytest.mark.parametrize("kind,options", ADAM_OPTIONS, ids=str)
 def test_adam_and_adamw_match_torch(kind: str, options: dict[str, Any],
                                     dtype: torch.dtype) -> None:
-    """Bitwise: the engine takes torch's square root (hemiola.torch_math)."""
+    """Bitwise: the engine takes torch's square root (hemiola.torch_sqrt)."""
     roots = torch_sqrt()
     start, grads = _problem(dtype, n=4099)
     ref = start.clone().requires_grad_()

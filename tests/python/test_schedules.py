@@ -22,7 +22,7 @@ def test_equals_wfbp_when_every_rank_sees_the_same_data(model: str, optimizer: s
                                                         partition_mb: float | None) -> None:
     # Then the local gradient is the average, the approximation is exact, and
     # decoupled must follow wfbp's trajectory bit for bit (LR scheduler
-    # included; the engine's Adam is torch's, hemiola.torch_math).
+    # included; the engine's Adam is torch's, hemiola.torch_sqrt).
     results = run_local(workers.schedules_agree, 2, model, optimizer, 8, partition_mb,
                         timeout_s=240)
     for r in results.values():

@@ -775,7 +775,7 @@ def striped_equals_one_connection(rank: int, world: int, schedule: str) -> dict[
             opt.step()
         model.synchronize()
         runs.append([p.detach().clone() for p in m.parameters()])
-        names.append(model._replica.engine.transport)
+        names.append(model._bound.engine.transport)
     os.environ.pop("HEMIOLA_GLOO_STRIPES")
     return {"max_diff": max((a - b).abs().max().item() for a, b in zip(*runs)),
             "moved": max((a - b).abs().max().item()

@@ -215,7 +215,7 @@ def worker(config: dict[str, Any]) -> dict[str, Any]:
     import hemiola
     from hemiola._native import C
     from hemiola.distributed import new_engine
-    from hemiola.tensors import dtype_code
+    from hemiola.engine_tensors import dtype_code
 
     torch.set_num_threads(1)
     hemiola.init()

@@ -4,9 +4,14 @@ another network (``--world N --rate GBIT``), from a profile measured once.
 
 - :mod:`~hemiola.advise.profile`: what is measured, kept as JSON;
 - :mod:`~hemiola.advise.collective`: collectives at N ranks (alpha-beta);
-- :mod:`~hemiola.advise.model`: one iteration of each configuration;
+- :mod:`~hemiola.advise.model`: one iteration of each configuration, on
+  :mod:`~hemiola.advise.simulation` (the event simulation);
 - :mod:`~hemiola.advise.models`: the model measured (``--model`` or the MLP);
-- :mod:`~hemiola.advise.measure`: the measurements, on the job's ranks;
+- :mod:`~hemiola.advise.measure`: a profile measured on the job's ranks, with
+  :mod:`~hemiola.advise.instruments` (one machine), :mod:`~hemiola.advise.wire`
+  (the job's link) and :mod:`~hemiola.advise.agreement` (every rank the same
+  profile);
+- :mod:`~hemiola.advise.trials`: short runs of a configuration;
 - :mod:`~hemiola.advise.choice`: trials, the advice, when streaming;
 - :mod:`~hemiola.advise.cli`: the command and its report.
 """

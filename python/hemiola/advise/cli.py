@@ -56,7 +56,9 @@ def advise_rank(rank: int, world: int, spec: str | None, repeats: int, iteration
     configuration's predicted iterations and each tried one's measured
     timeline (Chrome trace JSON)."""
     import hemiola
-    from hemiola.advise.measure import bare, job_pace, measure
+    from hemiola.advise.agreement import job_pace
+    from hemiola.advise.instruments import bare
+    from hemiola.advise.measure import measure
     from hemiola.advise.models import make_workload
     from hemiola.distributed import new_engine
 
@@ -70,7 +72,7 @@ def advise_rank(rank: int, world: int, spec: str | None, repeats: int, iteration
         if rescale:
             import torch
 
-            from hemiola.advise.measure import agree
+            from hemiola.advise.agreement import agree
 
             torch.set_num_threads(1)
             measured = bare(make_workload(factory), 3 * repeats,
@@ -117,7 +119,7 @@ def try_all(factory: Factory, engine: Any, tried: list[model.Prediction], iterat
     the bare step measured around each trial, the mean of the one before and
     the one after (``"bare"``: what the computation cost meanwhile). `folder`:
     the first round's engine timelines go there."""
-    from hemiola.advise.measure import bare_step, trial
+    from hemiola.advise.trials import bare_step, trial
 
     if rounds < 1:
         raise ValueError(f"rounds must be at least 1, not {rounds}")
@@ -202,14 +204,14 @@ def report(result: dict[str, Any]) -> str:
                          "CPU it shares with the computation)")
         net = local_network(profile, world)
         lines.append("all-reduce of all gradients: measured / modelled (coding CPU; the "
-                     "ranks' meeting, added):")
+                     "ranks' wait for each other, added):")
         for coding in model.CODINGS:
             if coding not in profile.reduce:
                 continue
             modelled = model.reduction_alone(profile, net, coding)
             lines.append(f"  {coding:9s} {1e3 * profile.reduce[coding]:8.1f} / "
                          f"{1e3 * modelled:8.1f} ms  ({1e3 * profile.coding_cpu[coding]:.1f}; "
-                         f"{1e3 * profile.meeting.get(coding, 0.0):.1f})")
+                         f"{1e3 * profile.peer_wait.get(coding, 0.0):.1f})")
     measured = result.get("measured", {})
     lines.append("Predicted time per iteration (measured where tried):")
     for p in result["predictions"]:

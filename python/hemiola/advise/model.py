@@ -19,9 +19,10 @@ The schedules differ in what waits for what:
   issued front first once backward is done); the step waits for nothing;
 - ``decoupled``: the step of iteration t+1 waits for iteration t's buckets.
 
-The simulation runs a few iterations and takes the steady period; then the
-configuration's measured ``overhead`` (its wrapped step on a free wire minus
-this model of it: hooks, Python, landings) is added.
+The simulation (:mod:`hemiola.advise.simulation`) runs a few iterations
+and takes the steady period; then the configuration's measured ``overhead``
+(its wrapped step on a free wire minus this model of it: hooks, Python,
+landings) is added.
 
 ``streaming`` (DiLoCo): H inner steps at the computation's speed (the ranks
 meet only at syncs, so at the slowest rank's own pace, not the lockstep
@@ -47,6 +48,7 @@ from hemiola.advise.collective import (
     wire,
 )
 from hemiola.advise.profile import Param, Profile, front_first
+from hemiola.advise.simulation import Job, Segment, Span, simulate
 
 SCHEDULES = ("wfbp", "priority", "decoupled")
 CODINGS = ("none", "fp16", "int8", "powersgd")
@@ -56,19 +58,6 @@ FIRST_BUCKET = 1 << 20
 #: streaming's sync periods and the fragment counts tried for each
 STREAMING_H = (10, 20, 50, 100)
 STREAMING_FRAGMENTS = (1, 2, 4)
-
-
-@dataclass(frozen=True)
-class Job:
-    """One bucket's reduction on the engine's lane."""
-
-    cpu: float
-    wire: float
-    #: CPU seconds the engine spends while on the wire
-    wire_cpu: float = 0.0
-    #: the wire's seconds while the computation runs beside it (>= wire;
-    #: 0: as `wire`)
-    wire_beside: float = 0.0
 
 
 @dataclass
@@ -86,29 +75,6 @@ class Prediction:
         if self.options:
             base += "/" + ",".join(f"{k}={v}" for k, v in self.options.items())
         return base
-
-
-@dataclass(frozen=True)
-class _Segment:
-    """A stretch of the computation: it starts once `waits` (iteration
-    offset, bucket) are reduced, and makes `emits` ready when it ends."""
-
-    work: float
-    waits: tuple[tuple[int, int], ...] = ()
-    emits: tuple[int, ...] = ()
-    #: what it is, for a predicted timeline
-    name: str = ""
-
-
-@dataclass(frozen=True)
-class Span:
-    """One stretch of a predicted iteration (:func:`simulate`'s `trace`):
-    `lane` ``compute`` or ``comm``, seconds from the simulation's start."""
-
-    lane: str
-    name: str
-    start: float
-    end: float
 
 
 def ddp_plan(params: Sequence[Param], cap: int, first: int = FIRST_BUCKET) -> list[list[int]]:
@@ -136,14 +102,14 @@ def plan_of(profile: Profile, schedule: str) -> list[list[int]]:
     return front_first(profile.params, plan) if schedule == "priority" else plan
 
 
-def _program(profile: Profile, plan: list[list[int]], schedule: str) -> list[_Segment]:
+def _program(profile: Profile, plan: list[list[int]], schedule: str) -> list[Segment]:
     """One iteration of the computation as segments."""
     params = profile.params
     holding: dict[int, list[int]] = {}
     for k, bucket in enumerate(plan):
         for i in bucket:
             holding.setdefault(i, []).append(k)
-    program: list[_Segment] = []
+    program: list[Segment] = []
     # Forward: each module's first read of its parameters, in time order.
     reads: dict[float, list[int]] = {}
     for i, p in enumerate(params):
@@ -151,11 +117,11 @@ def _program(profile: Profile, plan: list[list[int]], schedule: str) -> list[_Se
     at = 0.0
     for point in sorted(reads):
         if point > at:
-            program.append(_Segment(point - at, name="forward"))
+            program.append(Segment(point - at, name="forward"))
             at = point
         waits = tuple(sorted({(-1, k) for i in reads[point] for k in holding[i]}))
-        program.append(_Segment(0.0, waits if schedule == "priority" else ()))
-    program.append(_Segment(profile.forward - at, name="forward"))
+        program.append(Segment(0.0, waits if schedule == "priority" else ()))
+    program.append(Segment(profile.forward - at, name="forward"))
     # Backward: a bucket is ready once its last gradient is.
     ready: dict[float, list[int]] = {}
     for k, bucket in enumerate(plan):
@@ -163,125 +129,37 @@ def _program(profile: Profile, plan: list[list[int]], schedule: str) -> list[_Se
         ready.setdefault(point, []).append(k)
     at = 0.0
     for point in sorted(ready):
-        program.append(_Segment(point - at, (), tuple(ready[point]), name="backward"))
+        program.append(Segment(point - at, (), tuple(ready[point]), name="backward"))
         at = point
-    program.append(_Segment(profile.backward - at, name="backward"))
+    program.append(Segment(profile.backward - at, name="backward"))
     everything = tuple(range(len(plan)))
     if schedule == "wfbp":
-        program.append(_Segment(0.0, tuple((0, k) for k in everything)))
-        program.append(_Segment(profile.step, name="step"))
+        program.append(Segment(0.0, tuple((0, k) for k in everything)))
+        program.append(Segment(profile.step, name="step"))
     elif schedule == "decoupled":
-        program.append(_Segment(profile.step, tuple((-1, k) for k in everything), name="step"))
+        program.append(Segment(profile.step, tuple((-1, k) for k in everything), name="step"))
     elif schedule == "priority":
-        program.append(_Segment(profile.step, name="step"))
+        program.append(Segment(profile.step, name="step"))
     else:
         raise ValueError(f"unknown schedule {schedule!r}; known: {', '.join(SCHEDULES)}")
     return program
 
 
-def simulate(program: Sequence[_Segment], jobs: Sequence[Job], contention: float,
-             iterations: int = 6, trace: list[Span] | None = None) -> float:
-    """Steady seconds per iteration of `program` with the lane reducing
-    `jobs` (one per bucket, in issue order) every iteration. `trace`: the
-    spans of every iteration are appended to it (the predicted timeline)."""
-    eps = 1e-12
-    now = 0.0
-    starts = [0.0]
-    it, seg = 0, 0
-    started, rem_c = False, 0.0
-    ready: set[tuple[int, int]] = set()
-    done: set[tuple[int, int]] = set()
-    job_it, job_k, phase, rem_m, busy = 0, 0, 0, 0.0, False
-    phases = [(j.cpu / 2, max(j.wire, j.wire_cpu), j.cpu / 2) for j in jobs]
-    seg_start = phase_start = idle_since = 0.0
-
-    def satisfied(waits: tuple[tuple[int, int], ...]) -> bool:
-        return all(it + off < 0 or (it + off, k) in done for off, k in waits)
-
-    def record(lane: str, name: str, start: float) -> None:
-        if trace is not None and now - start > eps:
-            trace.append(Span(lane, name, start, now))
-
-    while it < iterations:
-        moved = True
-        while moved and it < iterations:
-            moved = False
-            if not started and satisfied(program[seg].waits):
-                record("compute", f"wait ({it})", idle_since)
-                started, rem_c, moved, seg_start = True, program[seg].work, True, now
-            if started and rem_c <= eps:
-                record("compute", f"{program[seg].name} ({it})", seg_start)
-                ready.update((it, k) for k in program[seg].emits)
-                started, seg, moved, idle_since = False, seg + 1, True, now
-                if seg == len(program):
-                    it, seg = it + 1, 0
-                    starts.append(now)
-            if not jobs:
-                continue
-            if not busy and (job_it, job_k) in ready:
-                busy, phase, rem_m, moved, phase_start = True, 0, phases[job_k][0], True, now
-            while busy and rem_m <= eps:
-                moved = True
-                record("comm", f"bucket {job_k} ({job_it}) "
-                       f"{('cpu before', 'wire', 'cpu after')[phase]}", phase_start)
-                phase_start = now
-                phase += 1
-                if phase < 3:
-                    rem_m = phases[job_k][phase]
-                    continue
-                done.add((job_it, job_k))
-                busy = False
-                job_k += 1
-                if job_k == len(jobs):
-                    job_it, job_k = job_it + 1, 0
-        if it >= iterations:
-            break
-        computing = started
-        lane_cpu = busy and phase != 1
-        on_wire = busy and phase == 1
-        rate_m = 1.0
-        if computing and lane_cpu:
-            rate_m = 1 / (1 + contention)
-        elif computing and on_wire and jobs[job_k].wire_beside > phases[job_k][1]:
-            rate_m = phases[job_k][1] / jobs[job_k].wire_beside
-        share = 0.0
-        if on_wire and phases[job_k][1] > 0:
-            # the wire's CPU, spread over the phase as long as it lasts at rate_m
-            share = jobs[job_k].wire_cpu / phases[job_k][1] * rate_m
-        rate_c = 1 / (1 + contention) if lane_cpu else 1 / (1 + contention * share)
-        steps = []
-        if computing:
-            steps.append(rem_c / rate_c)
-        if busy:
-            steps.append(rem_m / rate_m)
-        if not steps:
-            raise RuntimeError("the iteration model waits for a reduction that never starts "
-                               "(a bucket no backward segment makes ready)")
-        dt = min(steps)
-        now += dt
-        if computing:
-            rem_c -= dt * rate_c
-        if busy:
-            rem_m -= dt * rate_m
-    last = min(3, iterations - 1)
-    return (starts[iterations] - starts[iterations - last]) / last
-
-
 def jobs_for(profile: Profile, net: Network, schedule: str, coding: str,
              plan: list[list[int]] | None = None, powersgd_rank: int = 2,
-             meeting: bool = True) -> list[Job]:
+             peer_wait: bool = True) -> list[Job]:
     """One Job per bucket of the schedule's plan under `coding` on `net`.
-    `meeting`: with the profile's measured meeting of the ranks wherever
-    there are ranks to meet, spent as the coding's CPU: the ranks meet once
-    per collective, so each collective of the bucket holds an equal part of
-    what the measured reduction's collectives met for (a plan of more,
-    smaller buckets meets more often)."""
+    `peer_wait`: with the profile's measured wait of the ranks for each
+    other wherever there are ranks to meet, spent as the coding's CPU: the
+    ranks meet once per collective, so each collective of the bucket holds an
+    equal part of what the measured reduction's collectives waited for (a
+    plan of more, smaller buckets meets more often)."""
     plan = plan_of(profile, schedule) if plan is None else plan
     buckets = pieces(profile.params, plan)
     total = sum(p.numel for p in profile.params)
     preview = schedule == "decoupled" and profile.optimizer in ("Adam", "AdamW")
-    per_collective = meeting_per_collective(profile, net, coding, powersgd_rank) \
-        if meeting else 0.0
+    per_collective = peer_wait_per_collective(profile, net, coding, powersgd_rank) \
+        if peer_wait else 0.0
     out = []
     for bucket in buckets:
         share = sum(p.numel for p in bucket) / total
@@ -297,16 +175,17 @@ def jobs_for(profile: Profile, net: Network, schedule: str, coding: str,
     return out
 
 
-def meeting_per_collective(profile: Profile, net: Network, coding: str,
-                           powersgd_rank: int = 2) -> float:
-    """Seconds the ranks meet for at each collective of `coding`: the
-    profile's measured meeting over the collectives of the reduction that
-    measured it (DDP's plan); 0 where there are no ranks to meet."""
-    if net.world == 1 or profile.meeting.get(coding, 0.0) <= 0:
+def peer_wait_per_collective(profile: Profile, net: Network, coding: str,
+                             powersgd_rank: int = 2) -> float:
+    """Seconds the ranks wait for each other at each collective of `coding`:
+    the profile's measured ``peer_wait`` over the collectives of the
+    reduction that measured it (DDP's plan); 0 where there are no ranks to
+    meet."""
+    if net.world == 1 or profile.peer_wait.get(coding, 0.0) <= 0:
         return 0.0
     measured = sum(len(payloads(coding, bucket, net.world, powersgd_rank))
                    for bucket in pieces(profile.params, plan_of(profile, "wfbp")))
-    return profile.meeting[coding] / max(measured, 1)
+    return profile.peer_wait[coding] / max(measured, 1)
 
 
 def local_network(profile: Profile, world: int) -> Network:
@@ -320,10 +199,10 @@ def local_network(profile: Profile, world: int) -> Network:
 def reduction_alone(profile: Profile, net: Network, coding: str) -> float:
     """Seconds of one reduction of every gradient (DDP's buckets) under
     `coding` on `net` with nothing beside it, as the model sees it before the
-    ranks' meeting: each bucket's coding CPU, then its collectives (or the
+    ranks' wait for each other: each bucket's coding CPU, then its collectives (or the
     wire's CPU work where that is longer)."""
     return sum(j.cpu + max(j.wire, j.wire_cpu)
-               for j in jobs_for(profile, net, "wfbp", coding, meeting=False))
+               for j in jobs_for(profile, net, "wfbp", coding, peer_wait=False))
 
 
 def wire_beside(profile: Profile, seconds: float, nbytes: float) -> float:
@@ -403,8 +282,8 @@ def _sync(profile: Profile, net: Network, fragments: int,
     # per fragment; measured for the whole model
     cpu = (profile.overhead.get("streaming-sync", 0.0)
            + profile.coding_cpu.get(coding, 0.0)) / fragments
-    # and the ranks' meeting at each of its collectives (measured per coding)
-    cpu += meeting_per_collective(profile, net, coding) * len(payload)
+    # and the ranks' wait for each other at each of its collectives (measured per coding)
+    cpu += peer_wait_per_collective(profile, net, coding) * len(payload)
     seconds = wire(net, payload)
     return seconds + cpu, wire_beside(profile, seconds, sent(net, payload)) + cpu, cpu
 

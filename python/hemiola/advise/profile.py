@@ -97,14 +97,15 @@ class Profile:
     #: per coding: one all-reduce of every gradient measured on `link`
     reduce: dict[str, float] = field(default_factory=dict)
     #: per coding: what `reduce` takes beyond the model of it (the coding's
-    #: CPU and its collectives on `link`), at least 0: the ranks meeting.
-    #: Each collective waits for every rank to have coded its part, so a
-    #: coding of several rounds a bucket (PowerSGD's three, int8's two) waits
-    #: that often for whichever rank is slower then, and Gloo's waiting threads
-    #: spin on the CPU. Seconds per iteration for the whole model (its DDP
-    #: plan's collectives), spent on the engine's lane like the coding's CPU,
-    #: an equal part per collective; measured at `link`'s world
-    meeting: dict[str, float] = field(default_factory=dict)
+    #: CPU and its collectives on `link`), at least 0: the ranks waiting for
+    #: each other. Each collective waits for every rank to have coded its
+    #: part, so a coding of several rounds a bucket (PowerSGD's three, int8's
+    #: two) waits that often for whichever rank is slower then, and Gloo's
+    #: waiting threads spin on the CPU. Seconds per iteration for the whole
+    #: model (its DDP plan's collectives), spent on the engine's lane like the
+    #: coding's CPU, an equal part per collective; measured at `link`'s world
+    #: (profiles written before the name changed call it ``meeting``)
+    peer_wait: dict[str, float] = field(default_factory=dict)
     #: the optimizer's class name (Adam and AdamW turn decoupled's preview on)
     optimizer: str = "SGD"
     #: provenance: date, host, cpus, torch, hemiola, model, ...
@@ -133,7 +134,7 @@ class Profile:
         the rate of the machine the profile was measured on."""
         return replace(self.computation_scaled(factor),
                        coding_cpu={k: v * factor for k, v in self.coding_cpu.items()},
-                       meeting={k: v * factor for k, v in self.meeting.items()},
+                       peer_wait={k: v * factor for k, v in self.peer_wait.items()},
                        overhead={k: v * factor for k, v in self.overhead.items()},
                        wire_cpu_per_byte=self.wire_cpu_per_byte * factor)
 
@@ -155,6 +156,10 @@ class Profile:
     def from_json(cls, data: dict[str, Any]) -> Profile:
         data = dict(data)
         version = data.pop("version", VERSION)
+        if "meeting" in data:  # peer_wait's name in profiles written before 2026-11-29
+            if "peer_wait" in data:
+                raise ValueError("profile: both peer_wait and meeting (its old name) are given")
+            data["peer_wait"] = data.pop("meeting")
         if version not in (1, VERSION):
             raise ValueError(f"this profile is of version {version}; this hemiola reads version "
                              f"{VERSION}: measure it again with hemiola advise --save-profile")
@@ -202,7 +207,7 @@ class Profile:
             if seen != list(range(len(self.params))):
                 raise ValueError(f"profile: the {schedule} plan must hold every parameter "
                                  f"index 0..{len(self.params) - 1} and no other")
-        for name in ("coding_cpu", "meeting"):
+        for name in ("coding_cpu", "peer_wait"):
             for coding, seconds in getattr(self, name).items():
                 if seconds < 0:
                     raise ValueError(f"profile: {name}[{coding!r}] is negative")

@@ -152,7 +152,7 @@ class ParameterServerModel(nn.Module):
         if torch.is_grad_enabled():
             self._grad_forward = True
 
-    def _take_pulls(self, lander: int, indices: list[int]) -> None:
+    def _take_pulls(self, gate: int, indices: list[int]) -> None:
         for i in indices:
             self._take_pull(i)
 

@@ -11,10 +11,10 @@
   own gradient); the exact step lands as soon as it has arrived and no forward
   still needs the approximate value, at the latest in ``optimizer.step()``.
 
-Schedules work on a ``hemiola.replica.Replica`` (parameters, reducer,
+Schedules work on a ``hemiola.bound_model.BoundModel`` (parameters, reducer,
 stream, results), never on the wrapper; ``hemiola.forward_gate`` learns where
 in the forward each parameter must be up to date. ``priority`` and
-``decoupled`` run in the engine: what they share is ``engine_update`` (its
+``decoupled`` run in the engine: what they share is ``updater_schedule`` (its
 updater lands the updates and steps SGD / Adam / AdamW itself,
 ``engine_optimizer``, and any other optimizer through torch's own step,
 ``torch_step``, the updater's external stepper), with the optimizer's
@@ -36,7 +36,7 @@ SCHEDULE_CLASSES: dict[str, type[Schedule]] = {
 
 def choose_schedule(config: Config) -> type[Schedule]:
     """The schedule class for `config.schedule`. Build it with its
-    ``reducer_needs`` first, then ``cls(replica, optimizer, grad_scaler)``."""
+    ``reducer_needs`` first, then ``cls(bound, optimizer, grad_scaler)``."""
     return SCHEDULE_CLASSES[config.schedule]
 
 

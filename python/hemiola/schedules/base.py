@@ -10,8 +10,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 if TYPE_CHECKING:
+    from hemiola.bound_model import BoundModel
     from hemiola.config import Config
-    from hemiola.replica import Replica
 
 
 class Schedule:
@@ -22,14 +22,16 @@ class Schedule:
     #: the reducer takes a preview of every bucket (``Config.preview``)
     preview = False
 
-    def __init__(self, replica: Replica, optimizer: Any = None,
+    def __init__(self, bound: BoundModel, optimizer: Any = None,
                  grad_scaler: torch.amp.GradScaler | None = None) -> None:
-        self.replica = replica
+        #: the model bound to this rank's engine (parameters, reducer, stream,
+        #: results; hemiola.bound_model)
+        self.bound = bound
         #: the GradScaler given to hemiola.wrap (None: no loss scaling)
         self.grad_scaler = grad_scaler
-        # What the replica's reducer was built for (see reducer_needs).
-        self.in_flight = replica.in_flight
-        self.preview = replica.preview
+        # What the bound model's reducer was built for (see reducer_needs).
+        self.in_flight = bound.in_flight
+        self.preview = bound.preview
 
     @classmethod
     def reducer_needs(cls, config: Config, optimizer: Any,
@@ -71,7 +73,7 @@ class Schedule:
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float) -> torch.Tensor:
         """``model.clip_grad_norm_``: clips what the optimizer will apply."""
-        params = [p for p in self.replica.params if p.grad is not None]
+        params = [p for p in self.bound.params if p.grad is not None]
         return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type)
 
     def wrap_optimizer(self, optimizer: Any) -> Any:
@@ -82,10 +84,10 @@ class Schedule:
         """Lands everything pending, so parameters are exact."""
 
     def replan(self) -> None:
-        """The replica's ``config`` changed how buckets are planned (before
+        """The bound model's ``config`` changed how buckets are planned (before
         the first backward): the reducer, and what is built on it, are made
         again."""
-        self.replica.plan()
+        self.bound.plan()
 
     def stats(self) -> dict[str, float]:
         """Schedule-specific counters (see ``DataParallel.stats``)."""

@@ -7,10 +7,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from hemiola.tensors import UINT8, pack_bytes, unpack_bytes
+from hemiola.engine_tensors import UINT8, pack_bytes, unpack_bytes
 
 if TYPE_CHECKING:
-    from hemiola.replica import Replica
+    from hemiola.bound_model import BoundModel
 
 
 class BufferBroadcast:
@@ -18,15 +18,15 @@ class BufferBroadcast:
     and applied later (never during a backward: autograd may have saved the
     buffers), so that a forward never waits behind an in-flight reduction."""
 
-    def __init__(self, replica: Replica) -> None:
-        self.replica = replica
+    def __init__(self, bound: BoundModel) -> None:
+        self.bound = bound
         self._stage: torch.Tensor | None = None
         self._offsets: list[int] = []
         self._handle: Any = None
 
     @property
     def wanted(self) -> bool:
-        m = self.replica
+        m = self.bound
         return bool(m.config.broadcast_buffers and m.buffers and m.world_size > 1)
 
     @property
@@ -38,9 +38,9 @@ class BufferBroadcast:
         self.finish()
         # Host memory: the engine's broadcast reads it from its own thread.
         # Only rank 0's bytes are read: the others copy nothing off the GPU.
-        self._stage, self._offsets = pack_bytes(self.replica.buffers,
-                                                fill=self.replica.rank == 0)
-        self._handle = self.replica.engine.broadcast(self._stage.data_ptr(), UINT8,
+        self._stage, self._offsets = pack_bytes(self.bound.buffers,
+                                                fill=self.bound.rank == 0)
+        self._handle = self.bound.engine.broadcast(self._stage.data_ptr(), UINT8,
                                                      self._stage.numel(), 0)
 
     def finish(self) -> None:
@@ -49,6 +49,6 @@ class BufferBroadcast:
         handle, stage = self._handle, self._stage
         self._handle = self._stage = None
         handle.wait()
-        if self.replica.rank == 0:
+        if self.bound.rank == 0:
             return
-        unpack_bytes(stage, self._offsets, self.replica.buffers)
+        unpack_bytes(stage, self._offsets, self.bound.buffers)

@@ -13,18 +13,18 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from hemiola.schedules.engine_optimizer import KINDS
-from hemiola.schedules.engine_update import EngineUpdate
+from hemiola.schedules.updater_schedule import UpdaterSchedule
 
 if TYPE_CHECKING:
+    from hemiola.bound_model import BoundModel
     from hemiola.config import Config
-    from hemiola.replica import Replica
 
 #: the optimizers ``decoupled`` takes a preview for when ``Config.preview`` is None
 PREVIEW_BY_DEFAULT = ("adam", "adamw")
 
 
-class Decoupled(EngineUpdate):
-    """``decoupled`` on the engine's updater: ``EngineUpdate`` plus what the
+class Decoupled(UpdaterSchedule):
+    """``decoupled`` on the engine's updater: ``UpdaterSchedule`` plus what the
     local step and the preview need. Buffers land at the end of the next
     backward or in ``synchronize()``, not in ``optimizer.step()``
     (docs/schedules.md#buffers)."""
@@ -42,9 +42,9 @@ class Decoupled(EngineUpdate):
                           "in_flight=1 only; this model takes no preview", stacklevel=6)
         return in_flight, takes
 
-    def __init__(self, replica: Replica, optimizer: Any = None,
+    def __init__(self, bound: BoundModel, optimizer: Any = None,
                  grad_scaler: torch.amp.GradScaler | None = None) -> None:
-        super().__init__(replica, optimizer, grad_scaler)
+        super().__init__(bound, optimizer, grad_scaler)
         #: this rank's gradient norm of the newest clipped iterations
         self._local_norms: dict[int, float] = {}
 
@@ -55,7 +55,7 @@ class Decoupled(EngineUpdate):
         # needs a copy here: refuse one.
         if self._kind is not None and not grad.is_contiguous():
             raise ValueError(
-                f"parameter {self.replica.names[index]!r} has a non-contiguous gradient; the "
+                f"parameter {self.bound.names[index]!r} has a non-contiguous gradient; the "
                 "engine's own optimizer step reads it in place. Make the parameter's gradient "
                 "contiguous or pass native_optimizer=False to hemiola.wrap.")
         return super()._local_pointer(index, grad)
@@ -88,5 +88,5 @@ class Decoupled(EngineUpdate):
         stats = {"approximate_read_fraction": self._updater.approximate_read_fraction()}
         if self.preview:
             stats["preview_read_fraction"] = self._updater.preview_read_fraction()
-            stats["preview_error"] = self.replica.reducer.preview_error()
+            stats["preview_error"] = self.bound.reducer.preview_error()
         return stats

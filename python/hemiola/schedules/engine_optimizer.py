@@ -5,16 +5,18 @@ step (``hemiola.schedules.torch_step``).
 
 The state stays in the optimizer's own tensors, in torch's format, so
 ``optimizer.state_dict()`` and ``load_state_dict()`` are torch's; the engine
-reads and writes those tensors in place.
+reads and writes those tensors in place (``state_dict`` leaves out what the
+engine has not filled yet: ``state_dict_without_unfilled_momentum``).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from hemiola.tensors import dtype_code
+from hemiola.engine_tensors import dtype_code
 
 if TYPE_CHECKING:
     from hemiola.config import Config
@@ -57,7 +59,7 @@ def slots(kind: str | None, optimizer: torch.optim.Optimizer, names: list[str],
     """Each parameter with its optimizer state, as the updater takes them,
     the state created as torch creates it on the first step (an SGD momentum
     buffer the engine has not initialised yet is kept out of state_dict(),
-    see ``EngineUpdate.optimizer_state_dict``). `kind` is ``native_kind``'s;
+    see :func:`state_dict_without_unfilled_momentum`). `kind` is ``native_kind``'s;
     None (the external stepper keeps the state in the optimizer): none is
     handed over."""
     if kind is None:
@@ -106,3 +108,21 @@ def _state_pointer(state: dict[str, Any], key: str, p: torch.Tensor) -> int:
             t.device != p.device:
         t = state[key] = t.to(device=p.device, dtype=p.dtype).reshape(p.shape).contiguous()
     return int(t.data_ptr())
+
+
+def state_dict_without_unfilled_momentum(optimizer: torch.optim.Optimizer,
+                                         params: list[torch.Tensor], initialised: list[bool],
+                                         inner: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+    """``optimizer.state_dict()``, made by `inner` (torch's own), without the
+    SGD momentum buffers the engine has not filled yet (`initialised`, the
+    updater's, per parameter): :func:`slots` created them for the engine, and
+    before its first step a buffer is not torch's state."""
+    hidden = {}
+    for p, filled in zip(params, initialised):
+        if not filled and "momentum_buffer" in optimizer.state.get(p, {}):
+            hidden[p] = optimizer.state[p].pop("momentum_buffer")
+    try:
+        return inner()
+    finally:
+        for p, buf in hidden.items():
+            optimizer.state[p]["momentum_buffer"] = buf

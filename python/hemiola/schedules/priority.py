@@ -5,12 +5,12 @@ backward (the engine's priority policy; docs/schedules.md)."""
 
 from __future__ import annotations
 
-from hemiola.schedules.engine_update import EngineUpdate
+from hemiola.schedules.updater_schedule import UpdaterSchedule
 
 
-class Priority(EngineUpdate):
+class Priority(UpdaterSchedule):
     """``priority`` on the engine's updater: everything but the buffers'
-    timing is ``EngineUpdate``'s (the policy is the engine's, chosen by
+    timing is ``UpdaterSchedule``'s (the policy is the engine's, chosen by
     ``config.schedule``)."""
 
     def _before_update(self) -> None:

@@ -29,7 +29,7 @@ def take_over_optimizer(schedule: Schedule, optimizer: Any, step: Callable[[], N
     """Makes ``optimizer.step()`` call `step` (the schedule decides when and
     with which gradients the real step runs), and ``state_dict`` /
     ``load_state_dict`` synchronize first. Returns the original bound step."""
-    name = schedule.replica.config.schedule
+    name = schedule.bound.config.schedule
     if not isinstance(optimizer, torch.optim.Optimizer):
         got = "None" if optimizer is None else type(optimizer).__name__
         raise ValueError(
@@ -39,7 +39,7 @@ def take_over_optimizer(schedule: Schedule, optimizer: Any, step: Callable[[], N
             "hemiola.wrap(model, optimizer, ...). (Only schedule='wfbp' accepts None and an "
             "optimizer built after wrapping.)"
         )
-    _check_coverage(name, optimizer, schedule.replica.names, schedule.replica.params)
+    _check_coverage(name, optimizer, schedule.bound.names, schedule.bound.params)
     inner_step = optimizer.step
     inner_state_dict = optimizer.state_dict
     inner_load = optimizer.load_state_dict
@@ -70,7 +70,7 @@ def take_over_optimizer(schedule: Schedule, optimizer: Any, step: Callable[[], N
         # wrapper; this one records the call as that wrapper does.
         wrapped_step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
     optimizer.step = types.MethodType(wrapped_step, optimizer)
-    # GradScaler then always calls step (see EngineUpdate.take_scaler_state).
+    # GradScaler then always calls step (see scaler_handshake.take_scaler_state).
     optimizer._step_supports_amp_scaling = True
     optimizer.state_dict = types.MethodType(state_dict, optimizer)
     optimizer.load_state_dict = types.MethodType(load_state_dict, optimizer)

@@ -29,8 +29,8 @@ from typing import Any
 
 import torch
 
+from hemiola.engine_tensors import device_view
 from hemiola.schedules.takeover import hyper_parameters
-from hemiola.tensors import device_view
 
 #: ExternalStepper's StepMode
 COMMIT, LOCAL, LOCAL_AGAIN = 0, 1, 2

@@ -6,9 +6,9 @@ from typing import Any
 
 import torch
 
-from hemiola.replica import Replica
+from hemiola.bound_model import BoundModel
+from hemiola.engine_tensors import raise_if_not_finite
 from hemiola.schedules.base import Schedule
-from hemiola.tensors import raise_if_not_finite
 
 
 class Wfbp(Schedule):
@@ -17,17 +17,17 @@ class Wfbp(Schedule):
 
     in_flight = 0
 
-    def __init__(self, replica: Replica, optimizer: Any = None,
+    def __init__(self, bound: BoundModel, optimizer: Any = None,
                  grad_scaler: torch.amp.GradScaler | None = None) -> None:
-        super().__init__(replica, optimizer, grad_scaler)
+        super().__init__(bound, optimizer, grad_scaler)
         # Gradients handed to the engine stay referenced until it wrote back.
         self._inflight: list[torch.Tensor] = []
         # Non-contiguous gradients are reduced through a contiguous copy.
         self._staged: list[tuple[torch.Tensor, torch.Tensor]] = []
-        self._rebuilt = not replica.config.rebuild_buckets
+        self._rebuilt = not bound.config.rebuild_buckets
 
     def before_forward(self) -> None:
-        m = self.replica
+        m = self.bound
         if m.config.broadcast_buffers and m.require_forward_param_sync and m.buffers:
             m.sync_buffers()
 
@@ -37,19 +37,19 @@ class Wfbp(Schedule):
             self._staged.append((grad, staged))
             grad = staged
         self._inflight.append(grad)
-        self.replica.reducer.mark_ready(index, grad.data_ptr(), stream=self.replica.stream())
+        self.bound.reducer.mark_ready(index, grad.data_ptr(), stream=self.bound.stream())
 
     def backward_done(self, iteration: int, unmarked: list[int]) -> None:
-        reducer = self.replica.reducer
+        reducer = self.bound.reducer
         try:
-            with self.replica.timeline.span("compute", f"wait reduction {iteration}",
+            with self.bound.timeline.span("compute", f"wait reduction {iteration}",
                                             "wait"):
-                reducer.wait(iteration, stream=self.replica.stream())
+                reducer.wait(iteration, stream=self.bound.stream())
             if unmarked:
                 self._write_back_unused(iteration, unmarked)
             for grad, staged in self._staged:
                 grad.copy_(staged)
-            m = self.replica
+            m = self.bound
             if m.config.check_finite:
                 raise_if_not_finite([(n, p.grad) for n, p in zip(m.names, m.params)
                                      if p.grad is not None], iteration)
@@ -63,12 +63,12 @@ class Wfbp(Schedule):
     def _write_back_unused(self, iteration: int, unmarked: list[int]) -> None:
         # A parameter this rank did not use but another did gets the average;
         # one no rank used keeps its .grad as it was (as in DDP).
-        usage = self.replica.reducer.usage(iteration)
+        usage = self.bound.reducer.usage(iteration)
         for i in unmarked:
             if usage[i] == 0:
                 continue
-            p = self.replica.params[i]
-            reduced = self.replica.reduced(iteration, i)
+            p = self.bound.params[i]
+            reduced = self.bound.reduced(iteration, i)
             if p.grad is None:
                 p.grad = reduced.clone()
             else:

@@ -1,19 +1,19 @@
-"""The ranks' meeting of ``hemiola advise``: what a coding's reduction takes at
-2 ranks beyond its CPU work alone, and what modelling it does to the
-committed grids.
+"""The ranks' wait for each other (``peer_wait``) of ``hemiola advise``: what a
+coding's reduction takes at 2 ranks beyond its CPU work alone, and what
+modelling it does to the committed grids.
 
-    python bench/advise_meeting.py measure [--model lm] [--repeats 7] [--caps 25,4,1]
-    python bench/advise_meeting.py replay
+    python bench/advise_peer_wait.py measure [--model lm] [--repeats 7] [--caps 25,4,1]
+    python bench/advise_peer_wait.py replay
 
 ``measure``: on 2 local ranks (loopback), one reduction of every gradient of
 the model per coding, through an engine of one rank (every collective
 returns at once) and through the 2-rank engine, alternately twice; prints
 each one's median wall time and the process's CPU time (every thread) over
 it, per rank; ``--caps``: with buckets of each of these MiB (25: DDP's
-plan; 4: ``priority``'s), to see the meeting grow with the collectives.
+plan; 4: ``priority``'s), to see the wait grow with the collectives.
 ``replay``: re-predicts every per-step row of the committed
 advise grids (docs/results) at the trials' computation from the grid's own
-profiles, with the profile's ``meeting`` derived from its measured
+profiles, with the profile's ``peer_wait`` derived from its measured
 reductions and without it, and counts the rows within 10%. Nothing is
 measured there.
 """
@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from hemiola.advise import model
-from hemiola.advise.measure import with_meeting
+from hemiola.advise.measure import with_peer_wait
 from hemiola.advise.model import local_network
 from hemiola.advise.profile import Profile
 from hemiola.bench.record import read_lines
@@ -41,19 +41,19 @@ def _reductions(rank: int, world: int, spec: str, repeats: int,
     import torch
 
     import hemiola
-    from hemiola.advise import measure
+    from hemiola.advise import instruments
     from hemiola.advise.models import load_factory, make_workload
     from hemiola.distributed import new_engine
 
     torch.set_num_threads(1)
     hemiola.init()
     engine, _ = new_engine(timeout_s=600.0)
-    params = measure.params_of(make_workload(load_factory(spec)).model)
-    free, _ = measure.free_engine()
+    params = instruments.params_of(make_workload(load_factory(spec)).model)
+    free, _ = instruments.free_engine()
     out: dict[str, list[float]] = {}
     for coding, cap in ((c, cap) for c in model.CODINGS for cap in caps):
         for label, eng in (("1 rank", free), ("2 ranks", engine)) * 2:
-            reduction = measure.Reduction(eng, params, coding, cap << 20)
+            reduction = instruments.Reduction(eng, params, coding, cap << 20)
             engine.barrier().wait()
             reduction.run()
             walls, cpus = [], []
@@ -96,7 +96,7 @@ def _errors(rows: list[dict[str, Any]], profiles: dict[str, Profile]) -> list[fl
 
 def replay() -> None:
     print("grid: per-step rows within 10% at the trials' computation (median error), "
-          "without the meeting -> with it")
+          "without the peer wait -> with it")
     for rows_file in sorted(RESULTS.glob("advise-grid-*.jsonl")):
         folder = RESULTS / f"{rows_file.stem}-profiles"
         if not folder.is_dir():
@@ -110,8 +110,8 @@ def replay() -> None:
         if not rows:
             continue
         cells = []
-        for meeting in (False, True):
-            each = {cell: with_meeting(p) if meeting else replace(p, meeting={})
+        for peer_wait in (False, True):
+            each = {cell: with_peer_wait(p) if peer_wait else replace(p, peer_wait={})
                     for cell, p in profiles.items()}
             errors = _errors(rows, each)
             within = sum(abs(e) <= 0.1 for e in errors)

@@ -1,12 +1,13 @@
-"""This rank's replica of the data-parallel model, as the schedules see it.
+"""The model bound to this rank's engine, as the schedules see it (not a copy
+of the model: the wrapped module's own parameters, tied to what reduces them).
 
-A :class:`Replica` owns what a schedule works with: the trainable parameters
+A :class:`BoundModel` owns what a schedule works with: the trainable parameters
 and their names, the buffers kept in sync with rank 0, the device and its
 current stream, the engine and the gradient reducer, the timeline recorder,
 and the views of the reduced gradients.
 :class:`hemiola.data_parallel.DataParallel` builds
 one and hands it to its schedule; schedules never see the wrapper, so the
-dependency runs one way: data_parallel -> schedules -> replica.
+dependency runs one way: data_parallel -> schedules -> bound_model.
 """
 
 from __future__ import annotations
@@ -16,11 +17,11 @@ from torch import nn
 
 from hemiola._native import C
 from hemiola.config import Config, compression_code
-from hemiola.tensors import broadcast_tensors, device_view, dtype_code, stream_of
+from hemiola.engine_tensors import broadcast_tensors, device_view, dtype_code, stream_of
 from hemiola.timeline import Recorder
 
 
-class Replica:
+class BoundModel:
     """See the module docstring. `in_flight` and `preview` are what the
     schedule needs of the reducer (its ``reducer_needs``)."""
 

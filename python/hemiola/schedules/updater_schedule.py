@@ -1,4 +1,4 @@
-"""What ``priority`` and ``decoupled`` share: ``EngineUpdate``, the schedule
+"""What ``priority`` and ``decoupled`` share: ``UpdaterSchedule``, the schedule
 whose updates the engine's updater lands (``hemiola._C.Updater``,
 cpp/include/hemiola/updater.h): which parameter waits for which reduction,
 where in the next forward it lands, and the optimizer step that lands it.
@@ -10,7 +10,7 @@ docs/schedules.md for what each schedule does; ``priority`` and
 ``decoupled`` hold only what differs.
 
 Python's part per iteration is one native call per gradient (the autograd
-hook), one per lander (a module's forward pre-hook) and one per
+hook), one per gate (a module's forward pre-hook) and one per
 ``optimizer.step()`` with the hyper-parameters of each param group, read
 every step so LR schedulers keep working. The optimizer's state lives in the
 optimizer's own tensors, in torch's format, so ``optimizer.state_dict()`` and
@@ -28,10 +28,8 @@ memory (contiguous, channels_last, ...): the updater copies them as blocks.
 from __future__ import annotations
 
 import contextlib
-import os
-import weakref
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -41,66 +39,28 @@ from hemiola.forward_gate import ForwardGate
 from hemiola.hyper import group_hyper
 from hemiola.schedules.base import Schedule
 from hemiola.schedules.buffers import BufferBroadcast
-from hemiola.schedules.engine_optimizer import native_kind, slots
+from hemiola.schedules.engine_optimizer import (
+    native_kind,
+    slots,
+    state_dict_without_unfilled_momentum,
+)
+from hemiola.schedules.refusals import GradWatch, refuse_scattered_parameters
+from hemiola.schedules.scaler_handshake import take_scaler_state
 from hemiola.schedules.takeover import take_over_optimizer
-from hemiola.schedules.torch_step import TorchStep, dense
-from hemiola.tensors import engine_view
-from hemiola.torch_math import torch_sqrt
+from hemiola.schedules.torch_step import TorchStep
+from hemiola.schedules.updater_clipping import Clip, averaged_norm_before_step, torch_total_norm
+from hemiola.schedules.updater_switches import device_clip_norms, multi_tensor_steps
+from hemiola.torch_sqrt import torch_sqrt
 
 if TYPE_CHECKING:
-    from hemiola.replica import Replica
-
-
-class Clip(NamedTuple):
-    """``model.clip_grad_norm_(max_norm, norm_type)`` of one iteration, and
-    the coefficient decoupled's preview step scales its estimate of the
-    averaged gradient by (1.0 without a preview; see
-    ``Decoupled._preview_clip``)."""
-
-    max_norm: float
-    norm_type: float
-    preview_coef: float
-
-
-def _flag(name: str) -> bool:
-    """An on/off switch of the GPU path that waits for a GPU run before it
-    becomes the default (docs/gpu.md):
-
-    - ``HEMIOLA_MULTI_TENSOR_STEPS=1``: the engine steps a landing group's
-      parameters in multi-tensor calls (on a GPU one launch per up to 24
-      parameters; UpdaterOptions::multi_tensor_steps; on the CPU the same
-      result);
-    - ``HEMIOLA_DEVICE_CLIP=1``: on a GPU, clipping's coefficient is
-      computed on the device and read there by the steps, so the host never
-      waits for a reduction to clip (UpdaterOptions::device_clip_norms).
-    """
-    raw = os.environ.get(name, "").strip()
-    if raw not in ("", "0", "1"):
-        raise ValueError(f"{name}={raw!r}: use 1 (on) or 0 (off)")
-    return raw == "1"
-
-
-def _torch_total_norm(params: list[torch.Tensor]) -> Callable[..., float]:
-    """The total norm the engine clips by (UpdaterOptions::clip_norm):
-    torch's ``get_total_norm`` over the averaged gradients, in parameter
-    order, as ``torch.nn.utils.clip_grad_norm_`` sums them under DDP, so
-    that the coefficient, and the run, are DDP's bit for bit. (The engine's
-    own norm is accumulated in double, and can differ in the last bit.)"""
-
-    def norm(indices: list[int], grads: list[memoryview], norm_type: float) -> float:
-        views = [torch.frombuffer(g, dtype=params[i].dtype).view(params[i].shape)
-                 if params[i].numel() else params[i].new_zeros(params[i].shape)
-                 for i, g in zip(indices, grads)]
-        return float(torch.nn.utils.get_total_norm(views, norm_type))
-
-    return norm
+    from hemiola.bound_model import BoundModel
 
 
 def _no_mark(*args: int) -> None:
     raise RuntimeError("hemiola: a gradient was marked before the optimizer was wrapped")
 
 
-class EngineUpdate(Schedule):
+class UpdaterSchedule(Schedule):
     """The part of ``priority`` and ``decoupled`` that is the same: the
     engine's updater lands each update where the forward gate learnt it is
     first read, and steps the optimizer (see the module docstring). A
@@ -109,53 +69,43 @@ class EngineUpdate(Schedule):
 
     in_flight = 1
 
-    def __init__(self, replica: Replica, optimizer: Any = None,
+    def __init__(self, bound: BoundModel, optimizer: Any = None,
                  grad_scaler: torch.amp.GradScaler | None = None) -> None:
-        super().__init__(replica, optimizer, grad_scaler)
+        super().__init__(bound, optimizer, grad_scaler)
         self._optimizer: torch.optim.Optimizer | None = None
         self._inner_step: Any = None
         # The iteration whose marking closed and whose step is not taken yet.
         self._finished: int | None = None
         self._unmarked: dict[int, list[int]] = {}
-        self._buffers = BufferBroadcast(replica)
+        self._buffers = BufferBroadcast(bound)
         #: this backward's buffers broadcast started when it began
         self._buffers_early = False
-        self._gate = ForwardGate(replica.module, replica.params, self.land, self.landers_learnt)
-        # The local gradients as backward left them (object, version), to
-        # catch code that edits .grad before optimizer.step(): that edit would
-        # not reach the reduced gradient the update uses.
-        self._grads_seen: list[tuple[int, int]] | None = None
-        # The .grad tensors (and versions) the last synchronised step was
-        # given, to refuse a second step from them (see _refuse_second_step).
-        self._stepped_grads: list[tuple[Any, int]] = []
+        self._gate = ForwardGate(bound.module, bound.params, self.land, self.gates_learnt)
+        # .grad as backward left it and as the last step took it: an edit in
+        # place would not reach the reduced gradient the update uses, and a
+        # second step from it would make the ranks differ (refusals)
+        self._grads = GradWatch(bound)
         #: per clipped iteration: its model.clip_grad_norm_
         self._clip: dict[int, Clip] = {}
         # 1 / the GradScaler's scale in the backward being marked
         self._inv_scale: float | None = None
-        for name, p in zip(replica.names, replica.params):
-            if not dense(p):
-                raise ValueError(
-                    f"schedule={replica.config.schedule!r}: parameter {name!r} is not dense in "
-                    f"memory (shape {tuple(p.shape)}, strides {p.stride()}: a view into a larger "
-                    "tensor, or with gaps), and the engine's updater copies parameters as "
-                    "blocks. Make it a tensor of its own before wrapping (e.g. "
-                    "module.weight = nn.Parameter(module.weight.detach().clone())), or use "
-                    "schedule='wfbp'.")
+        refuse_scattered_parameters(bound)
         #: the engine's own step ("sgd", "adam", "adamw"), or None: torch's
         #: step through the external stepper
-        self._kind = native_kind(replica.config, optimizer, replica.params)
+        self._kind = native_kind(bound.config, optimizer, bound.params)
         self._torch_step: TorchStep | None = None  # the external stepper, if any
         self._updater: Any = None  # C.Updater, made by wrap_optimizer (none without parameters)
-        self._mark: Callable[..., None] = _no_mark  # the reducer's mark, once the updater observes it
+        # the reducer's mark, once the updater observes its marks
+        self._mark: Callable[..., None] = _no_mark
         # contiguous copies of non-contiguous local gradients (the engine
         # reads gradients in logical order), refreshed in step()
         self._local: dict[int, torch.Tensor] = {}
-        self._cuda = replica.device.type == "cuda"
+        self._cuda = bound.device.type == "cuda"
 
     def wrap_optimizer(self, optimizer: Any) -> Any:
         self._inner_step = take_over_optimizer(self, optimizer, self.step)
         self._optimizer = optimizer
-        m = self.replica
+        m = self.bound
         if not m.params:
             return optimizer  # nothing to reduce: step() is the optimizer's
         if self._kind is None:
@@ -167,9 +117,9 @@ class EngineUpdate(Schedule):
         return optimizer
 
     def _make_updater(self) -> None:
-        """The engine's updater on the replica's reducer (see the module
+        """The engine's updater on the bound model's reducer (see the module
         docstring)."""
-        m = self.replica
+        m = self.bound
         external = None if self._torch_step is None else self._torch_step.callback()
         roots = torch_sqrt()  # the engine's Adam takes torch's square root
         self._updater = C.Updater(
@@ -178,10 +128,9 @@ class EngineUpdate(Schedule):
             priority_front_fraction=m.config.priority_front_fraction,
             rebuild_buckets=m.config.rebuild_buckets, raise_if_not_finite=m.config.check_finite,
             stream=m.stream(), sqrt_f32=roots.f32, sqrt_f64=roots.f64, external=external,
-            multi_tensor_steps=_flag("HEMIOLA_MULTI_TENSOR_STEPS"),
-            device_clip_norms=_flag("HEMIOLA_DEVICE_CLIP"),
-            clip_norm=None if self._cuda else _torch_total_norm(m.params))
-        self._updater.set_gates(self._gate.landers)
+            multi_tensor_steps=multi_tensor_steps(), device_clip_norms=device_clip_norms(),
+            clip_norm=None if self._cuda else torch_total_norm(m.params))
+        self._updater.set_gates(self._gate.gates)
         # Marks go straight to the reducer, whose observer the updater is.
         self._mark = m.reducer.mark
 
@@ -197,7 +146,7 @@ class EngineUpdate(Schedule):
     def _slots(self) -> list[tuple[Any, ...]]:
         """Each parameter with its optimizer state, for the updater."""
         assert self._optimizer is not None
-        return slots(self._kind, self._optimizer, self.replica.names, self.replica.params)
+        return slots(self._kind, self._optimizer, self.bound.names, self.bound.params)
 
     # ---- the forward -------------------------------------------------------
 
@@ -226,29 +175,29 @@ class EngineUpdate(Schedule):
         else:
             self._gate.land_now()
 
-    def land(self, lander: int, indices: list[int]) -> None:
-        """A forward reaches lander `lander` (see ForwardGate), before which
+    def land(self, gate: int, indices: list[int]) -> None:
+        """A forward reaches gate `gate` (see ForwardGate), before which
         parameters `indices` are first read."""
         if self._updater is None:
             return
-        stream = self.replica.stream() if self._cuda else 0  # self._stream(), inlined
-        self._updater.land(lander, torch.is_grad_enabled(), stream)
+        stream = self.bound.stream() if self._cuda else 0  # self._stream(), inlined
+        self._updater.land(gate, torch.is_grad_enabled(), stream)
 
-    def landers_learnt(self, landers: list[list[int]]) -> None:
-        """The gate learnt (or reset) its landers; lander 0 is everything."""
+    def gates_learnt(self, gates: list[list[int]]) -> None:
+        """The gate learnt (or reset) its gates; gate 0 is everything."""
         if self._updater is not None:
-            self._updater.set_gates(landers)
+            self._updater.set_gates(gates)
 
     # ---- backward ----------------------------------------------------------
 
     def _stream(self) -> int:
         """The stream the engine's work of this call goes on (0 on the CPU,
-        without asking torch). The per-gradient and per-lander calls inline
+        without asking torch). The per-gradient and per-gate calls inline
         it: a Python call there is paid per parameter."""
-        return self.replica.stream() if self._cuda else 0
+        return self.bound.stream() if self._cuda else 0
 
     def mark(self, index: int, grad: torch.Tensor) -> None:
-        stream = self.replica.stream() if self._cuda else 0  # self._stream(), inlined
+        stream = self.bound.stream() if self._cuda else 0  # self._stream(), inlined
         if grad.is_contiguous() and self.grad_scaler is None:  # the common case
             self._mark(index, grad.data_ptr(), grad.data_ptr(), stream)
             return
@@ -296,18 +245,18 @@ class EngineUpdate(Schedule):
             self._clip.pop(self._finished, None)
         self._finished = iteration
         self._inv_scale = None
-        self._grads_seen = self._grad_versions()
+        self._grads.remember_backward()
         if unmarked:
             self._unmarked[iteration] = unmarked
         if self._buffers.wanted and not self._buffers_early:
             self._buffers.start()
         self._buffers_early = False
-        params = self.replica.params
+        params = self.bound.params
         for i in unmarked:  # contributed as zeros; torch steps them if .grad exists
             grad = params[i].grad
             self._updater.set_local_grad(i, 0 if grad is None else self._local_pointer(i, grad))
 
-    # ---- clipping, and edits of .grad --------------------------------------
+    # ---- clipping ----------------------------------------------------------
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float) -> torch.Tensor:
         # The local gradients are clipped now (decoupled's local step uses
@@ -320,7 +269,7 @@ class EngineUpdate(Schedule):
         local = super().clip_grad_norm_(max_norm, norm_type)
         coef = self._preview_clip(iteration, local, float(max_norm))
         self._clip[iteration] = Clip(float(max_norm), float(norm_type), coef)
-        self._grads_seen = self._grad_versions()
+        self._grads.remember_backward()
         # What clip_grad_norm_ returns under wfbp and DDP: the norm of the
         # averaged gradient, the same on every rank, read when it is known.
         return DeferredNorm(lambda: self._averaged_norm(iteration, float(norm_type)))
@@ -341,17 +290,8 @@ class EngineUpdate(Schedule):
         recorded = self.recorded_clip_norm(iteration)
         if recorded is not None:
             return recorded
-        m = self.replica
-        if iteration == self._finished:
-            # Read before optimizer.step(): wait for the reduction and take
-            # the norm of what it delivered, as the update will.
-            assert m.reducer is not None
-            m.reducer.wait(iteration, stream=m.stream())
-            # The updater's view: a parameter partitioned over several buckets
-            # has no single view in the reducer.
-            averaged = [engine_view(self._updater.averaged_ptr(iteration, i), p)
-                        for i, p in enumerate(m.params)]
-            return float(torch.nn.utils.get_total_norm(averaged, norm_type))
+        if iteration == self._finished:  # read before optimizer.step()
+            return averaged_norm_before_step(self.bound, self._updater, iteration, norm_type)
         self.synchronize()  # the update computes it when it lands
         recorded = self.recorded_clip_norm(iteration)
         if recorded is None:
@@ -360,28 +300,6 @@ class EngineUpdate(Schedule):
                 "backward before optimizer.step() superseded that iteration (accumulate "
                 "inside model.no_sync(), or read the norm before the next backward)")
         return recorded
-
-    def _grad_versions(self) -> list[tuple[int, int]]:
-        return [(id(p.grad), p.grad._version) if p.grad is not None else (0, 0)
-                for p in self.replica.params]
-
-    def check_grads_untouched(self) -> None:
-        """Raises if .grad was modified in place since backward (clipping,
-        unscaling): under this schedule the update applies the reduced
-        gradient, which such an edit never reaches."""
-        seen, self._grads_seen = self._grads_seen, None
-        if seen is None:
-            return
-        m = self.replica
-        for (grad_id, version), p, name in zip(seen, m.params, m.names):
-            if grad_id and id(p.grad) == grad_id and p.grad._version != version:
-                raise RuntimeError(
-                    f"parameter {name!r}: its .grad was modified in place between backward() "
-                    f"and optimizer.step(). schedule={m.config.schedule!r} updates with the "
-                    "reduced gradient, which such an edit does not reach. To clip, call "
-                    "model.clip_grad_norm_(max_norm) instead of torch.nn.utils."
-                    "clip_grad_norm_; for other gradient edits use schedule='wfbp'."
-                )
 
     def take_clip(self, iteration: int) -> Clip | None:
         """How `iteration`'s gradients were clipped, if they were."""
@@ -395,47 +313,16 @@ class EngineUpdate(Schedule):
         scaler = self.grad_scaler
         return scaler is not None and scaler.is_enabled()
 
-    def take_scaler_state(self) -> bool:
-        """Under ``scaler.step(optimizer)``: what GradScaler handed the
-        optimizer (it calls our step always, with ``grad_scale`` and
-        ``found_inf`` set, since take_over_optimizer declares
-        ``_step_supports_amp_scaling``). Unscales the local ``.grad`` if
-        ``unscale_`` was not called, hides both attributes from the inner
-        optimizer (a fused Adam would apply them to the reduced gradient,
-        which is unscaled already), and returns whether this rank's own
-        gradient overflowed."""
-        opt = self._optimizer
-        found_inf = getattr(opt, "found_inf", None)
-        if found_inf is None:
-            return False
-        name = self.replica.config.schedule
-        if not self.scaling:
-            message = (
-                f"schedule={name!r}: optimizer.step() is driven by a torch.amp.GradScaler that "
-                "hemiola does not know, so the reduced gradients would be applied still scaled. "
-                "Pass it when wrapping: hemiola.wrap(model, optimizer, schedule=..., "
-                "grad_scaler=scaler)."
-            )
-            self.replica.reducer.abort(message)
-            raise RuntimeError(message)
-        grad_scale = getattr(opt, "grad_scale", None)
-        opt.grad_scale = opt.found_inf = None  # GradScaler deletes them after the step
-        if grad_scale is not None:  # unscale_() was not called: .grad is still scaled
-            grads = [p.grad for p in self.replica.params if p.grad is not None]
-            if grads:
-                torch._foreach_mul_(grads, grad_scale.double().reciprocal().float())
-        return bool(found_inf.item())
-
     # ---- optimizer.step() --------------------------------------------------
 
     def step(self) -> None:
         """``optimizer.step()``: the engine lands and steps (see updater.h)."""
         if self._finished is None:
-            self._refuse_second_step()
-        self.check_grads_untouched()
-        overflow = self.take_scaler_state()
+            self._grads.refuse_second_step()
+        self._grads.check_untouched()
         opt = self._optimizer
         assert opt is not None
+        overflow = take_scaler_state(opt, self.bound, self.scaling)
         if self._updater is None:  # no trainable parameters
             self._inner_step()
             return
@@ -445,7 +332,7 @@ class EngineUpdate(Schedule):
             hyper, key = [], self._torch_step.remember()
         iteration, self._finished = self._finished, None
         self._before_update()
-        params = self.replica.params
+        params = self.bound.params
         if iteration is None:  # no synchronised backward since the last step
             grads = [p.grad if p.grad is None or p.grad.is_contiguous() else
                      p.grad.contiguous() for p in params]  # (alive during the call)
@@ -464,32 +351,7 @@ class EngineUpdate(Schedule):
             stream=self._stream(), preview_scale=1.0 if clip is None else clip.preview_coef,
             hyper_key=key)
         self._local.clear()
-        self._stepped_grads = [(None, 0) if p.grad is None else
-                               (weakref.ref(p.grad), p.grad._version) for p in params]
-
-    def _refuse_second_step(self) -> None:
-        """``optimizer.step()`` with no synchronised backward since the last
-        step, while ``.grad`` still holds what that step was given: under DDP
-        that is the averaged gradient, applied again on every rank alike;
-        here it is this rank's own gradient, and stepping from it would make
-        the ranks' models differ. Refused, saying what to do. (After
-        ``zero_grad()``, or a backward inside ``no_sync()``, ``.grad`` holds
-        something else, and a step from it is what DDP would take.)"""
-        m = self.replica
-        again = [name for (ref, version), p, name in zip(self._stepped_grads, m.params, m.names)
-                 if ref is not None and p.grad is not None and ref() is p.grad
-                 and p.grad._version == version]
-        if again:
-            schedule = m.config.schedule
-            raise RuntimeError(
-                f"optimizer.step() was called again with no backward() since the last step "
-                f"(.grad of {again[0]!r}{' and others' if len(again) > 1 else ''} is the one "
-                f"already stepped). Under schedule={schedule!r} .grad holds this rank's own "
-                "gradient (the averaged one is applied inside hemiola), so a second step from "
-                "it would make the ranks' models differ. Step once per backward: to accumulate "
-                "micro-batches, call backward() on each (inside model.no_sync() for all but "
-                "the last) and optimizer.step() once; to apply the same averaged gradient "
-                "twice, use schedule='wfbp' (as DDP does).")
+        self._grads.remember_step()
 
     def _before_update(self) -> None:
         """In ``optimizer.step()``, before the engine is handed the update."""
@@ -509,13 +371,5 @@ class EngineUpdate(Schedule):
         opt = self._optimizer
         if self._kind != "sgd" or opt is None or self._updater is None:
             return inner()
-        # A momentum buffer the first step has not filled is not torch's state.
-        hidden = {}
-        for p, initialised in zip(self.replica.params, self._updater.momentum_initialised()):
-            if not initialised and "momentum_buffer" in opt.state.get(p, {}):
-                hidden[p] = opt.state[p].pop("momentum_buffer")
-        try:
-            return inner()
-        finally:
-            for p, buf in hidden.items():
-                opt.state[p]["momentum_buffer"] = buf
+        return state_dict_without_unfilled_momentum(
+            opt, self.bound.params, self._updater.momentum_initialised(), inner)
