@@ -13,6 +13,20 @@ SCHEDULES = ("wfbp", "priority", "decoupled", "streaming")
 #: each: the engine's own table (``hemiola/config.h``), so neither is spelled here.
 _CODES = C.compressions()
 COMPRESSIONS = {name: code for name, code in _CODES.items() if name != "none"}
+#: Every fact about every coding, by name ("none" included), from the same
+#: table: where it runs, whether streaming may send with it, whether it keeps
+#: error-feedback residuals.
+CODINGS: dict[str, dict[str, object]] = {row["name"]: row for row in C.coding_table()}
+#: The codings that keep a residual per tensor (``comm_state_dict`` saves them).
+RESIDUAL_CODINGS = frozenset(name for name, row in CODINGS.items() if row["residuals"])
+#: The codings streaming's fragments may travel with (None: "none").
+STREAMING_CODINGS = tuple(name for name, row in CODINGS.items() if row["streams"])
+
+
+def _spelled(names: tuple[str, ...]) -> str:
+    """'None, 'fp16', 'bf16', 'int8' or 'int4'': as Config.compression takes them."""
+    shown = ["None" if name == "none" else repr(name) for name in names]
+    return ", ".join(shown[:-1]) + " or " + shown[-1] if len(shown) > 1 else shown[0]
 
 
 #: The largest size option (``fusion_mb``, ``first_bucket_mb``,
@@ -238,9 +252,9 @@ class Config:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
         if not (isinstance(self.overlap, int) and self.overlap >= 0):
             raise ValueError(f"overlap must be an integer >= 0, got {self.overlap!r}")
-        if self.schedule == "streaming" and self.compression == "powersgd":
+        if self.schedule == "streaming" and (self.compression or "none") not in STREAMING_CODINGS:
             raise ValueError("schedule='streaming' sends its pseudo-gradients with compression "
-                             "None, 'fp16', 'bf16', 'int8' or 'int4'")
+                             + _spelled(STREAMING_CODINGS))
         if not 0.0 <= self.priority_front_fraction <= 1.0:
             raise ValueError("priority_front_fraction must be in [0, 1], got "
                              f"{self.priority_front_fraction!r}")

@@ -19,7 +19,7 @@ from torch import nn
 from hemiola._native import C
 from hemiola.bound_model import BoundModel
 from hemiola.comm_hooks import compression_of
-from hemiola.config import COMPRESSIONS, Config, compression_code
+from hemiola.config import COMPRESSIONS, RESIDUAL_CODINGS, Config, compression_code
 from hemiola.engine_tensors import all_gather_rows, broadcast_tensors
 from hemiola.hooks import weak_hook
 from hemiola.schedules import Schedule, choose_schedule
@@ -189,7 +189,7 @@ class DataParallel(nn.Module):
         starts again with the new wrap: a resumed run travels uncompressed for
         ``powersgd_start_iter`` iterations, then starts the matrices afresh.)"""
         r = self._bound
-        if self.config.compression not in ("int8", "int4", "powersgd") or r.reducer is None:
+        if self.config.compression not in RESIDUAL_CODINGS or r.reducer is None:
             return {}
         self.synchronize()
         out = {}

@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 from hemiola._native import C
-from hemiola.config import Config, compression_code
+from hemiola.config import RESIDUAL_CODINGS, Config, compression_code
 from hemiola.engine_tensors import broadcast_tensors, dtype_code
 from hemiola.validate import check_module, check_same_model
 
@@ -165,7 +165,7 @@ class StreamingParallel(nn.Module):
         return self._params[self._streamer.fragments()[f][0]].dtype
 
     def _residuals(self) -> list[torch.Tensor] | None:
-        if self._config.compression not in ("int8", "int4"):
+        if self._config.compression not in RESIDUAL_CODINGS:
             return None
         out = []
         for i, p in enumerate(self._params):
