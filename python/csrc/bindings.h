@@ -26,7 +26,7 @@ pybind11::object keeping_alive(T&& result, pybind11::handle owner) {
 }
 
 // The square roots of the CPU Adam step from their addresses (0: std::sqrt),
-// as hemiola.torch_math finds them in torch.
+// as hemiola.torch_sqrt finds them in torch.
 inline VectorSqrt vector_sqrt(std::uintptr_t f32, std::uintptr_t f64) {
   VectorSqrt roots;
   roots.f32 = reinterpret_cast<VectorSqrtF32>(f32);

@@ -63,7 +63,7 @@ using VectorSqrtF64 = void (*)(const std::int64_t* n, const double* in, double* 
 // sqrt is not always that one (x86-64 wheels take MKL's, which differs in the
 // last bit for about one input in six), so to be torch's step bit for bit the
 // step must take torch's: the Python layer finds it and checks it
-// (hemiola.torch_math).
+// (hemiola.torch_sqrt).
 struct VectorSqrt {
   VectorSqrtF32 f32 = nullptr;
   VectorSqrtF64 f64 = nullptr;

@@ -28,7 +28,7 @@
 #include <cstdint>
 #include <type_traits>
 
-#include "core/dtype_math.h"
+#include "core/half.h"
 #include "hemiola/status.h"
 #include "hemiola/tensor.h"
 

@@ -1,6 +1,6 @@
 #include "core/half_cast.h"
 
-#include "core/dtype_math.h"
+#include "core/half.h"
 #include "hemiola/status.h"
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))

@@ -22,7 +22,7 @@
 
 #include "comm/device_communicator.h"
 #include "engine/buckets/bucket_plan.h"
-#include "hemiola/reducer.h"
+#include "hemiola/tensor.h"
 
 namespace hemiola {
 

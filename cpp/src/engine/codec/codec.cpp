@@ -1,9 +1,6 @@
-// The frame every coding shares (Codec::reduce), the plain sends a coding
-// falls back to for a bucket it does not compress, and the names of the
+// The frame every coding shares (Codec::reduce), and the names of the
 // codings as the table (factory.cpp, codings()) gives them.
 #include "engine/codec/codec.h"
-
-#include "engine/codec/codings.h"
 
 namespace hemiola {
 
@@ -15,19 +12,6 @@ void Codec::reduce(BucketStorage& storage, size_t b, uint64_t iteration,
   storage.await_copies(b);
   const double scale = send(storage, b, iteration, host);
   storage.copy_out(b, outs, scale);
-}
-
-double send_plain_host(BucketStorage& storage, size_t b, Communicator& host, double scale) {
-  const PlannedBucket& plan = storage.layout().plan[b];
-  host.all_reduce_sum(TensorRef{storage.buffer(b), plan.dtype, plan.numel, Device{}});
-  return scale;
-}
-
-double send_plain_device(BucketStorage& storage, size_t b, const Device& here, bool average) {
-  const PlannedBucket& plan = storage.layout().plan[b];
-  storage.device_comm()->all_reduce(TensorRef{storage.buffer(b), plan.dtype, plan.numel, here},
-                                    average, storage.stream());
-  return 1.0;  // averaged in the reduction itself
 }
 
 std::vector<const char*> coding_names(const std::function<bool(const Coding&)>& has) {

@@ -1,8 +1,22 @@
-// The coding "none": a bucket travels as it is (codec.cpp's plain sends), on
-// the host or on a CUDA device.
+// The coding "none": a bucket travels as it is, on the host or on a CUDA
+// device; its plain sends are also what every other coding falls back to for
+// a bucket it does not compress (codings.h).
 #include "engine/codec/codings.h"
 
 namespace hemiola {
+
+double send_plain_host(BucketStorage& storage, size_t b, Communicator& host, double scale) {
+  const PlannedBucket& plan = storage.layout().plan[b];
+  host.all_reduce_sum(TensorRef{storage.buffer(b), plan.dtype, plan.numel, Device{}});
+  return scale;
+}
+
+double send_plain_device(BucketStorage& storage, size_t b, const Device& here, bool average) {
+  const PlannedBucket& plan = storage.layout().plan[b];
+  storage.device_comm()->all_reduce(TensorRef{storage.buffer(b), plan.dtype, plan.numel, here},
+                                    average, storage.stream());
+  return 1.0;  // averaged in the reduction itself
+}
 
 namespace {
 

@@ -5,7 +5,6 @@
 #include <algorithm>
 #include <sstream>
 
-#include "engine/reducer/lane.h"
 #include "hemiola/status.h"
 
 namespace hemiola {
@@ -19,7 +18,7 @@ IterationRing::IterationRing(const ReducerPlan& plan, size_t in_flight, bool rec
   observed_.assign(plan_.specs.size(), 0);
 }
 
-void IterationRing::add_lane(Lane& lane) {
+void IterationRing::add_lane(RingListener& lane) {
   lanes_.push_back(&lane);
   lane.rebuild(flights_.size());
 }
@@ -40,7 +39,7 @@ void IterationRing::build(const MakeStorage& make_storage) {
     flight->usage.assign(tensors, 0.0f);
     flights_.push_back(std::move(flight));
   }
-  for (Lane* lane : lanes_) lane->rebuild(flights_.size());
+  for (RingListener* lane : lanes_) lane->rebuild(flights_.size());
 }
 
 void IterationRing::replace_storage(const MakeStorage& make_storage) {
@@ -54,7 +53,7 @@ InFlightIteration& IterationRing::begin_iteration() {
   InFlightIteration& flight = *flights_[iteration % flights_.size()];
   // The in-flight bound: every lane must be done with the iteration that
   // used this flight last before its buffers are reused.
-  for (const Lane* lane : lanes_) lane->release(flight, iteration);
+  for (const RingListener* lane : lanes_) lane->release(flight, iteration);
   for (size_t b = 0; b < plan_.buckets.size(); ++b) {
     flight.pending[b].store(static_cast<int64_t>(plan_.buckets[b].tensors.size()),
                             std::memory_order_relaxed);
@@ -67,7 +66,7 @@ InFlightIteration& IterationRing::begin_iteration() {
   flight.iteration = iteration;
   // In the order the lanes were added: a lane's work may wait on the
   // handles of the lanes before it.
-  for (Lane* lane : lanes_) lane->begin(flight);
+  for (RingListener* lane : lanes_) lane->begin(flight);
   started_.store(iteration + 1, std::memory_order_release);
   marking_.store(&flight, std::memory_order_release);
   return flight;
@@ -121,7 +120,7 @@ void IterationRing::mark(size_t index, const void* source, const void* local, vo
     // The last piece of a bucket publishes it. acq_rel: the lanes, which
     // read the buffer after popping, must see every producer's copy.
     if (flight.pending[piece.bucket].fetch_sub(1, std::memory_order_acq_rel) == 1) {
-      for (Lane* lane : lanes_) lane->packed(flight, piece.bucket);
+      for (RingListener* lane : lanes_) lane->packed(flight, piece.bucket);
     }
   }
 }
@@ -163,7 +162,7 @@ void IterationRing::abort(const std::string& reason) {
     if (!aborted_.load()) abort_reason_ = reason;
     aborted_.store(true, std::memory_order_release);
   }
-  for (Lane* lane : lanes_) lane->wake();
+  for (RingListener* lane : lanes_) lane->wake();
 }
 
 std::string IterationRing::abort_reason() const {

@@ -30,7 +30,27 @@
 
 namespace hemiola {
 
-class Lane;
+struct InFlightIteration;
+
+// What the ring tells each of its lanes (engine/reducer/lane.h implements
+// it), in the order they were added: the ring knows no more of a lane.
+class RingListener {
+ public:
+  virtual ~RingListener() = default;
+  // New in-flight iterations (no work in flight): per-iteration state for
+  // `flights` of them.
+  virtual void rebuild(size_t flights) = 0;
+  // Under the ring's mutex: blocks until no work of this listener reads
+  // `flight` any more, since iteration `next` is about to take it (rethrows
+  // a failure of that work).
+  virtual void release(const InFlightIteration& flight, uint64_t next) const = 0;
+  // Under the ring's mutex, once `flight` was reset for a new iteration.
+  virtual void begin(InFlightIteration& flight) = 0;
+  // Producer threads: bucket `bucket` of `flight` is packed.
+  virtual void packed(const InFlightIteration& flight, size_t bucket) = 0;
+  // The ring was aborted: stop waiting for packed buckets.
+  virtual void wake() = 0;
+};
 
 // What every part of a reducer reads: the gradients, their buckets and the
 // issue order. Replaced only by a rebuild, with no iteration in flight.
@@ -68,7 +88,7 @@ class IterationRing {
 
   // Lanes are told of each iteration in the order they were added: a lane
   // that gates on another (Lane::gate_on) must be added after it.
-  void add_lane(Lane& lane);
+  void add_lane(RingListener& lane);
   // New flights for the current plan (none may be in flight), each with
   // storage from `make_storage`; every lane rebuilds its state with them.
   void build(const MakeStorage& make_storage);
@@ -130,7 +150,7 @@ class IterationRing {
 
   const ReducerPlan& plan_;
   const size_t ring_size_;
-  std::vector<Lane*> lanes_;  // in the order they are told of an iteration
+  std::vector<RingListener*> lanes_;  // in the order they are told of an iteration
   std::vector<MarkObserver*> observers_;  // in the order they are told of a mark
   std::vector<std::unique_ptr<InFlightIteration>> flights_;
 

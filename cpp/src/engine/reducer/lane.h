@@ -62,7 +62,7 @@ class LaneResults {
   virtual TensorRef value(uint64_t iteration, size_t index) const = 0;
 };
 
-class Lane : public LaneResults {
+class Lane : public LaneResults, public RingListener {
  public:
   using Observer = std::function<void(InFlightIteration&, size_t bucket)>;
 
@@ -80,20 +80,16 @@ class Lane : public LaneResults {
   // counts as done.
   void observe(Observer observer) { observers_.push_back(std::move(observer)); }
 
-  // ---- the ring's calls
-  // New flights (no work in flight): per-flight state for `flights` of them.
-  void rebuild(size_t flights);
-  // Under the ring's mutex, once `flight` was reset for a new iteration:
-  // resets this lane's state for it and submits its work, if it takes it.
-  void begin(InFlightIteration& flight);
-  // Producer threads: bucket `bucket` of `flight` is packed.
-  void packed(const InFlightIteration& flight, size_t bucket);
-  // Blocks until no work of this lane reads `flight` any more: iteration
-  // `next` is about to take it (rethrows a failure of that work). By
-  // default, the lane's work of the iteration that used it last.
-  virtual void release(const InFlightIteration& flight, uint64_t next) const;
-  // Wakes this lane's waits for packed buckets (the ring was aborted).
-  void wake();
+  // ---- the ring's calls (RingListener, iteration_ring.h)
+  void rebuild(size_t flights) override;
+  // Resets this lane's state for the iteration and submits its work, if it
+  // takes it.
+  void begin(InFlightIteration& flight) override;
+  void packed(const InFlightIteration& flight, size_t bucket) override;
+  // By default, waits for the lane's work of the iteration that used
+  // `flight` last.
+  void release(const InFlightIteration& flight, uint64_t next) const override;
+  void wake() override;
 
   // Under the ring's mutex: this lane's work on the flight in `slot`.
   const Handle& handle(size_t slot) const { return state(slot).handle; }

@@ -30,7 +30,7 @@
 #include "hemiola/reducer.h"
 #include "hemiola/engine.h"
 #include "hemiola/status.h"
-#include "hemiola/updater.h"
+#include "hemiola/update_types.h"
 
 namespace hemiola {
 

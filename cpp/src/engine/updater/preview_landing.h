@@ -13,7 +13,7 @@
 #include <vector>
 
 #include "engine/updater/landing_graph.h"
-#include "hemiola/updater.h"
+#include "hemiola/update_types.h"
 
 namespace hemiola {
 

@@ -16,7 +16,7 @@
 #include <memory>
 #include <vector>
 
-#include "hemiola/updater.h"
+#include "hemiola/update_types.h"
 
 namespace hemiola {
 

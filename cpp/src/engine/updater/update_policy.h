@@ -20,7 +20,7 @@
 
 #include "engine/reducer/mark_observer.h"
 #include "engine/updater/landing_graph.h"
-#include "hemiola/updater.h"
+#include "hemiola/update_types.h"
 
 namespace hemiola {
 
