@@ -23,8 +23,24 @@ RESIDUAL_CODINGS = frozenset(name for name, row in CODINGS.items() if row["resid
 STREAMING_CODINGS = tuple(name for name, row in CODINGS.items() if row["streams"])
 
 
-def _spelled(names: tuple[str, ...]) -> str:
-    """'None, 'fp16', 'bf16', 'int8' or 'int4'': as Config.compression takes them."""
+#: The longest timeout taken, in seconds (about 31 years): longer ones overflow
+#: the engine's clocks (nanoseconds in 64 bits reach 9.2e9 s).
+MAX_TIMEOUT_S = 1e9
+
+
+def check_timeout_s(name: str, value: object) -> None:
+    """Refuses, naming option `name`, a timeout that is not a number of
+    seconds in (0, MAX_TIMEOUT_S]: NaN, infinity and values the engine's
+    clocks cannot hold included."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
+            0 < value <= MAX_TIMEOUT_S):
+        raise ValueError(f"{name} must be a number of seconds above 0 and at most "
+                         f"{MAX_TIMEOUT_S:.0e}, got {value!r}")
+
+
+def spelled(names: tuple[str, ...]) -> str:
+    """Coding names as Config.compression takes them, for messages:
+    "None, 'fp16', 'bf16', 'int8' or 'int4'"."""
     shown = ["None" if name == "none" else repr(name) for name in names]
     return ", ".join(shown[:-1]) + " or " + shown[-1] if len(shown) > 1 else shown[0]
 
@@ -231,8 +247,7 @@ class Config:
         check_size_mb("first_bucket_mb", self.first_bucket_mb)
         if self.partition_mb is not None:
             check_size_mb("partition_mb", self.partition_mb, zero_allowed=True)
-        if not self.timeout_s > 0:
-            raise ValueError(f"timeout_s must be positive, got {self.timeout_s!r}")
+        check_timeout_s("timeout_s", self.timeout_s)
         if not (isinstance(self.in_flight, int) and self.in_flight >= 1):
             raise ValueError(f"in_flight must be an integer >= 1, got {self.in_flight!r}")
         if self.gpu_backend not in ("auto", "nccl", "gloo"):
@@ -254,7 +269,7 @@ class Config:
             raise ValueError(f"overlap must be an integer >= 0, got {self.overlap!r}")
         if self.schedule == "streaming" and (self.compression or "none") not in STREAMING_CODINGS:
             raise ValueError("schedule='streaming' sends its pseudo-gradients with compression "
-                             + _spelled(STREAMING_CODINGS))
+                             + spelled(STREAMING_CODINGS))
         if not 0.0 <= self.priority_front_fraction <= 1.0:
             raise ValueError("priority_front_fraction must be in [0, 1], got "
                              f"{self.priority_front_fraction!r}")

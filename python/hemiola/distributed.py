@@ -10,6 +10,7 @@ import os
 import torch.distributed as dist
 
 from hemiola._native import C
+from hemiola.config import check_timeout_s
 
 _engine_ids = itertools.count()
 
@@ -48,6 +49,7 @@ def init(timeout_s: float = 300.0) -> None:
     the default group's store; their collectives use hemiola's own Gloo
     connections, not the process group.
     """
+    check_timeout_s("hemiola.init's timeout_s", timeout_s)
     if dist.is_initialized():
         return
     timeout = datetime.timedelta(seconds=timeout_s)
@@ -117,6 +119,10 @@ def new_engine(timeout_s: float, timeline: bool = False,
     return engine, engine_store
 
 
+#: The largest HEMIOLA_STAGED_CHUNK_MB: 1 TiB, above any bucket.
+_MAX_CHUNK_MB = 1 << 20
+
+
 def staged_chunk_bytes() -> int:
     """``HEMIOLA_STAGED_CHUNK_MB``: the Gloo backend with CUDA tensors
     pipelines each reduction in chunks of this many MiB through three pinned
@@ -132,6 +138,9 @@ def staged_chunk_bytes() -> int:
         raise ValueError(f"HEMIOLA_STAGED_CHUNK_MB={raw!r} is not a number of MiB") from None
     if mib < 0:
         raise ValueError(f"HEMIOLA_STAGED_CHUNK_MB={raw!r} is negative")
+    if not mib <= _MAX_CHUNK_MB:  # NaN and infinity too
+        raise ValueError(f"HEMIOLA_STAGED_CHUNK_MB={raw!r} must be a finite number of MiB, at "
+                         f"most {_MAX_CHUNK_MB} (1 TiB)")
     return int(mib * (1 << 20))
 
 

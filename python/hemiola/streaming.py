@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 from hemiola._native import C
-from hemiola.config import RESIDUAL_CODINGS, Config, compression_code
+from hemiola.config import RESIDUAL_CODINGS, STREAMING_CODINGS, Config, compression_code, spelled
 from hemiola.engine_tensors import broadcast_tensors, dtype_code
 from hemiola.validate import check_module, check_same_model
 
@@ -107,6 +107,19 @@ class StreamingParallel(nn.Module):
     def no_sync(self) -> Iterator[None]:
         """DDP's accumulation idiom: nothing travels per step here anyway."""
         yield
+
+    def register_comm_hook(self, state: object, hook: Any) -> None:
+        """DDP's ``register_comm_hook`` does not apply: no gradient travels
+        under ``streaming`` (each rank steps alone; the parameters' progress
+        is averaged every ``sync_every`` steps). Refused, saying what to use."""
+        raise RuntimeError(
+            "register_comm_hook: schedule='streaming' reduces no gradients (each rank takes its "
+            "inner steps alone and the parameters' progress is averaged every sync_every "
+            "steps), so DDP's communication hooks do not apply. To compress the averages, "
+            "wrap with compression="
+            + spelled(tuple(name for name in STREAMING_CODINGS if name != "none"))
+            + "; to keep a hook, use a per-step schedule (schedule='wfbp', 'priority' or "
+            "'decoupled').")
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clips this rank's gradients by their global norm: the inner step is

@@ -82,7 +82,7 @@ def wrap(
     if model_only:
         if config.schedule != "wfbp":
             raise TypeError(
-                f"schedule={config.schedule!r} applies the averaged gradients itself, so it "
+                f"schedule={config.schedule!r} {_STEPS_ITSELF[config.schedule]}, so it "
                 "needs your optimizer: model, optimizer = hemiola.wrap(model, optimizer, "
                 f"schedule={config.schedule!r}) (build the optimizer over model.parameters() "
                 "first). schedule='wfbp' wraps without one: model = hemiola.wrap(model)")
@@ -106,6 +106,15 @@ def wrap(
     if optimizer is not None:
         object.__setattr__(optimizer, WRAPPED_MARK, True)
     return wrapped if model_only else (wrapped, optimizer)
+
+
+#: Why a schedule other than wfbp cannot wrap without the optimizer.
+_STEPS_ITSELF = {
+    "priority": "applies the averaged gradients itself (each layer's update as it arrives)",
+    "decoupled": "applies the averaged gradients itself (an approximate step, then the exact one)",
+    "streaming": ("takes your optimizer's inner steps and averages the parameters' progress "
+                  "every sync_every steps"),
+}
 
 
 def _refuse_double_wrapping(model: nn.Module, optimizer: object) -> None:

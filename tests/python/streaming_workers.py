@@ -187,3 +187,18 @@ def refusals(rank: int, world: int) -> list[str]:
         except (TypeError, ValueError) as e:
             out.append(str(e))
     return out
+
+
+def comm_hook_refused(rank: int, world: int) -> str:
+    """DDP's register_comm_hook on a streaming model: what it raises."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    hemiola.init()
+    model = make_model("mlp")
+    model, _ = hemiola.wrap(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                            schedule="streaming")
+    try:
+        model.register_comm_hook(None, default_hooks.fp16_compress_hook)
+        return "accepted"
+    except RuntimeError as e:
+        return str(e)

@@ -79,10 +79,22 @@ def test_the_staged_chunk_size_comes_from_the_environment(monkeypatch) -> None:
     assert staged_chunk_bytes() == 4 << 20
     monkeypatch.setenv("HEMIOLA_STAGED_CHUNK_MB", "0.5")
     assert staged_chunk_bytes() == 1 << 19
-    for bad, why in (("four", "not a number"), ("-1", "negative")):
+    for bad, why in (("four", "not a number"), ("-1", "negative"), ("nan", "finite number"),
+                     ("inf", "finite number"), ("1e30", "finite number")):
         monkeypatch.setenv("HEMIOLA_STAGED_CHUNK_MB", bad)
         with pytest.raises(ValueError, match=why):
             staged_chunk_bytes()
+
+
+def test_a_timeout_the_clocks_cannot_hold_is_refused_naming_the_option() -> None:
+    import hemiola
+
+    for bad in (float("inf"), float("nan"), 9.3e9, 0, -1.0, "300"):
+        with pytest.raises(ValueError, match=r"timeout_s must be a number of seconds"):
+            hemiola.Config(timeout_s=bad)
+        with pytest.raises(ValueError, match=r"hemiola.init's timeout_s must be a number"):
+            hemiola.init(timeout_s=bad)
+    assert hemiola.Config(timeout_s=1e9).timeout_s == 1e9
 
 
 def test_packed_bytes_come_back_as_the_tensors() -> None:

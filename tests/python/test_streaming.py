@@ -80,6 +80,15 @@ def test_a_gpu_model_streams_as_the_cpu_model() -> None:
         assert r["syncs"] >= 5 and r["moved"] > 1e-3, r
 
 
+def test_a_comm_hook_is_refused_on_every_rank_saying_what_to_use() -> None:
+    messages = run_local(streaming_workers.comm_hook_refused, 2)
+    assert sorted(messages) == [0, 1]
+    for message in messages.values():
+        assert "reduces no gradients" in message, message
+        assert "compression='fp16', 'bf16', 'int8' or 'int4'" in message, message
+        assert "schedule='wfbp'" in message, message
+
+
 def test_refuses_with_a_message_that_says_what_to_do() -> None:
     messages = run_local(streaming_workers.refusals, 1)[0]
     assert "needs a torch.optim.Optimizer" in messages[0] or "needs your optimizer" in messages[0]
