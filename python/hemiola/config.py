@@ -267,6 +267,13 @@ class Config:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
         if not (isinstance(self.overlap, int) and self.overlap >= 0):
             raise ValueError(f"overlap must be an integer >= 0, got {self.overlap!r}")
+        for name in ("outer_lr", "outer_momentum"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
+                    0 <= value < math.inf):
+                raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
+        if not isinstance(self.outer_nesterov, bool):
+            raise ValueError(f"outer_nesterov must be True or False, got {self.outer_nesterov!r}")
         if self.schedule == "streaming" and (self.compression or "none") not in STREAMING_CODINGS:
             raise ValueError("schedule='streaming' sends its pseudo-gradients with compression "
                              + spelled(STREAMING_CODINGS))

@@ -202,3 +202,16 @@ def comm_hook_refused(rank: int, world: int) -> str:
         return "accepted"
     except RuntimeError as e:
         return str(e)
+
+
+def mismatched_options(rank: int, world: int, option: str, values: list[object]) -> str:
+    """Rank r wraps with `option` = values[r]: what wrap raises."""
+    hemiola.init()
+    model = make_model("mlp")
+    try:
+        options = {"sync_every": 8, option: values[rank]}
+        hemiola.wrap(model, torch.optim.SGD(model.parameters(), lr=0.1), schedule="streaming",
+                     **options)
+        return "accepted"
+    except ValueError as e:
+        return str(e)

@@ -89,6 +89,24 @@ def test_a_comm_hook_is_refused_on_every_rank_saying_what_to_use() -> None:
         assert "schedule='wfbp'" in message, message
 
 
+@pytest.mark.parametrize("option, values", [("fragments", [1, 2]), ("outer_lr", [0.7, 0.5]),
+                                            ("sync_every", [8, 9])])
+def test_options_that_differ_across_ranks_are_refused_on_every_rank(
+        option: str, values: list[object]) -> None:
+    messages = run_local(streaming_workers.mismatched_options, 2, option, values)
+    for message in messages.values():
+        assert "differs from rank 0's" in message and "'streaming'" in message, message
+
+
+def test_an_outer_step_that_is_not_finite_is_refused() -> None:
+    import hemiola
+
+    for option, bad in (("outer_lr", float("inf")), ("outer_lr", float("nan")),
+                        ("outer_momentum", -0.1), ("outer_lr", "0.7")):
+        with pytest.raises(ValueError, match=f"{option} must be a finite number"):
+            hemiola.Config(schedule="streaming", **{option: bad})
+
+
 def test_refuses_with_a_message_that_says_what_to_do() -> None:
     messages = run_local(streaming_workers.refusals, 1)[0]
     assert "needs a torch.optim.Optimizer" in messages[0] or "needs your optimizer" in messages[0]
