@@ -34,6 +34,14 @@ def launch(out: Path, trainer: str, *args: str) -> subprocess.CompletedProcess[s
 def train(tmp_path: Path, trainer: str, *args: str) -> dict[str, Any]:
     out = tmp_path / trainer
     run = launch(out, trainer, *args)
+    if trainer == "stock" and run.returncode != 0 and "Signal 6 (SIGABRT)" in run.stderr:
+        # The peer (transformers' own DDP over torch's Gloo; hemiola takes no
+        # part in it) aborts after training in about one run in five here,
+        # "terminate called without an active exception", at 0f4cc9a as well
+        # (5 runs: 1 abort; ending the script with destroy_process_group()
+        # did not stop it: 8 runs, 1 abort). Its reference is taken again.
+        out = tmp_path / "stock-again"
+        run = launch(out, trainer, *args)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-5000:]
     result: dict[str, Any] = torch.load(out / "result.pt")
     assert result["steps"] == 6 and result["rank_spread"] == 0.0
