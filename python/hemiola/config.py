@@ -5,18 +5,19 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
+from typing import Any
 
 from hemiola._native import C
 
 SCHEDULES = ("wfbp", "priority", "decoupled", "streaming")
 #: Values of ``Config.compression`` besides None, with the engine's code of
 #: each: the engine's own table (``hemiola/config.h``), so neither is spelled here.
-_CODES = C.compressions()
-COMPRESSIONS = {name: code for name, code in _CODES.items() if name != "none"}
 #: Every fact about every coding, by name ("none" included), from the same
-#: table: where it runs, whether streaming may send with it, whether it keeps
-#: error-feedback residuals.
-CODINGS: dict[str, dict[str, object]] = {row["name"]: row for row in C.coding_table()}
+#: table: its code, where it runs, whether streaming may send with it, whether
+#: it keeps error-feedback residuals.
+CODINGS: dict[str, dict[str, Any]] = {row["name"]: row for row in C.coding_table()}
+_CODES: dict[str, int] = {name: row["code"] for name, row in CODINGS.items()}
+COMPRESSIONS = {name: code for name, code in _CODES.items() if name != "none"}
 #: The codings that keep a residual per tensor (``comm_state_dict`` saves them).
 RESIDUAL_CODINGS = frozenset(name for name, row in CODINGS.items() if row["residuals"])
 #: The codings streaming's fragments may travel with (None: "none").

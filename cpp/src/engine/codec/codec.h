@@ -11,7 +11,7 @@
 // Every coding shares one frame (Codec::reduce, codec.cpp): await the
 // bucket's copies, send(), copy the result out. Buckets a coding does not
 // apply to (not float32, empty, or in PowerSGD's warm-up) travel as none
-// sends them (codec.cpp's plain sends). Every other fact about a coding
+// sends them (none.cpp's plain sends). Every other fact about a coding
 // (which devices it runs on, whether streaming may send with it, whether it
 // keeps residuals) is the factory's table (factory.cpp, hemiola::codings()),
 // and code that needs one asks coding(c); make_codec refuses any pairing

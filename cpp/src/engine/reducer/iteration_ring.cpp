@@ -73,7 +73,9 @@ InFlightIteration& IterationRing::begin_iteration() {
 }
 
 void IterationRing::observe(MarkObserver& observer) {
-  HEMIOLA_CHECK(!marking(), "internal: a mark observer added while gradients are marked");
+  // The marking threads read the observers without a lock.
+  HEMIOLA_CHECK(!marking(), "a mark observer (an Updater) is added while gradients are being "
+                "marked; add it between iterations");
   observers_.push_back(&observer);
 }
 

@@ -2,7 +2,7 @@
 // "bucket b of iteration t is packed" is published to the lanes
 // (engine/reducer/lane.h) that act on it.
 //
-// Each iteration k owns a InFlightIteration: its bucket storage, pending counts, slot
+// Each iteration k owns an InFlightIteration: its bucket storage, pending counts, slot
 // states and outputs. Iteration k uses flight k % (in_flight + 1); before a
 // flight is reused, every lane must be done with the iteration that used it
 // last (that is the in-flight bound). A flight's per-iteration state is reset

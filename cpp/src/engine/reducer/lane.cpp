@@ -227,7 +227,7 @@ void Lane::wait_for(uint64_t iteration, const std::vector<size_t>& indices, void
   }
 }
 
-void Lane::wait_all(uint64_t iteration, void* stream) {
+void Lane::wait_iteration(uint64_t iteration, void* stream) {
   Handle handle;
   const InFlightIteration* flight = nullptr;
   {
@@ -241,7 +241,7 @@ void Lane::wait_all(uint64_t iteration, void* stream) {
     handle = state(flight->slot).handle;
   }
   handle.wait();
-  wait_all_on_device(*flight, stream);
+  wait_iteration_on_device(*flight, stream);
 }
 
 }  // namespace hemiola

@@ -55,7 +55,7 @@ class LaneResults {
   // last bucket too (returns at once for an iteration it skips or whose
   // flight was reused); throws as that work failed. On CUDA, `stream` waits
   // on the device for all of it. Not while `iteration` is being marked.
-  virtual void wait_all(uint64_t iteration, void* stream) = 0;
+  virtual void wait_iteration(uint64_t iteration, void* stream) = 0;
   // Once done(): the lane's value of tensor `index` in `iteration`, inside
   // the lane's buffers (valid until iteration + in_flight + 1 starts
   // marking). Not for a tensor partitioned across buckets.
@@ -106,7 +106,7 @@ class Lane : public LaneResults, public RingListener {
   bool done(uint64_t iteration, size_t bucket) const override;
   void wait(uint64_t iteration, size_t bucket, void* stream) override;
   void wait_for(uint64_t iteration, const std::vector<size_t>& indices, void* stream) override;
-  void wait_all(uint64_t iteration, void* stream) override;
+  void wait_iteration(uint64_t iteration, void* stream) override;
 
  protected:
   // The ring made `flights` new flights (a new plan; nothing in flight).
@@ -131,7 +131,7 @@ class Lane : public LaneResults, public RingListener {
   }
   virtual void wait_on_device(const InFlightIteration& flight, size_t bucket, void* stream) const {}
   // On a device: making `stream` wait for the whole iteration's results.
-  virtual void wait_all_on_device(const InFlightIteration& flight, void* stream) const {}
+  virtual void wait_iteration_on_device(const InFlightIteration& flight, void* stream) const {}
 
   // Whether this lane's step on bucket `bucket` of `flight` has run (on a
   // device: is enqueued), for the iteration that holds the flight now.

@@ -153,7 +153,7 @@ std::chrono::milliseconds ReducerImpl::timeout() const {
 }
 
 void ReducerImpl::wait(uint64_t iteration, void* stream) {
-  reduction_->wait_all(iteration, stream);
+  reduction_->wait_iteration(iteration, stream);
 }
 
 void ReducerImpl::wait_for(uint64_t iteration, const std::vector<size_t>& indices,

@@ -48,7 +48,7 @@ void ReductionLane::wait_on_device(const InFlightIteration& flight, size_t bucke
   flight.storage->block_until_reduced(bucket, stream);
 }
 
-void ReductionLane::wait_all_on_device(const InFlightIteration& flight, void* stream) const {
+void ReductionLane::wait_iteration_on_device(const InFlightIteration& flight, void* stream) const {
   flight.storage->block_until_done(stream);
 }
 

@@ -23,7 +23,7 @@ class ReductionLane final : public Lane {
 
   TensorRef value(uint64_t iteration, size_t index) const override;
   // ReducerOptions::track_usage: how many ranks used each tensor in
-  // `iteration` (once its whole work is done: wait_all).
+  // `iteration` (once its whole work is done: wait_iteration).
   std::vector<int> usage(uint64_t iteration) const;
   // How its buckets travel (ReducerOptions::compression): set before the
   // first iteration; used on the lane's thread only, one bucket at a time in
@@ -40,7 +40,7 @@ class ReductionLane final : public Lane {
   std::string where(const InFlightIteration& flight, size_t position) const override;
   bool complete_on_device(const InFlightIteration& flight, size_t bucket) const override;
   void wait_on_device(const InFlightIteration& flight, size_t bucket, void* stream) const override;
-  void wait_all_on_device(const InFlightIteration& flight, void* stream) const override;
+  void wait_iteration_on_device(const InFlightIteration& flight, void* stream) const override;
 
  private:
   const Device device_;

@@ -62,7 +62,7 @@ class DecoupledPolicy final : public UpdatePolicy {
       // checkpoint repeats the run that saved it; only its timing differs:
       // the reduction is waited for so that the buckets can be rebuilt, and
       // its results were written to the updater's own buffers.
-      graph_.reduction().wait_all(iteration, graph_.stream().handle);
+      graph_.reduction().wait_iteration(iteration, graph_.stream().handle);
       if (options.has_unused) usage = graph_.reduction().usage(iteration);
       graph_.rebuild_buckets();
       gathered = true;

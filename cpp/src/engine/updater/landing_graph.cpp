@@ -129,8 +129,9 @@ bool LandingGraph::gathers(size_t index) const {
   return partitioned_[index] || (!rebuilt_ && gather_until_rebuilt_);
 }
 
+// The ring has checked mark.index against its gradients, which are this
+// graph's parameters (refresh_buckets).
 void LandingGraph::on_mark(Mark& mark) {
-  check_index(mark.index);
   use_stream(StreamRef{mark.stream});
   if (!gathers(mark.index)) return;
   auto& buffer = gathered_[mark.iteration % gathered_.size()];
@@ -198,7 +199,7 @@ void LandingGraph::wait_for(const Pending& pending, const std::vector<size_t>& i
   if (pending.gathered) return;
   const int64_t start = now_us();
   if (pending.needs_whole()) {
-    reduction_.wait_all(pending.iteration, stream_.handle);
+    reduction_.wait_iteration(pending.iteration, stream_.handle);
     record("wait", start, "wait reduction ", pending.iteration);
     return;
   }

@@ -46,8 +46,6 @@ class UpdaterImpl {
     graph_.refresh_buckets();
     // The marks come straight to the reducer; the policy hears of each
     // first (priority may refuse it), then the graph (where it lands).
-    HEMIOLA_CHECK(!reducer.marking(), "updater: made while the reducer marks gradients; make "
-                  "it between iterations");
     reducer.observe_marks(*policy_);
     reducer.observe_marks(graph_);
   }
