@@ -74,7 +74,7 @@ void bind_streamer(py::module_& m) {
       [](py::handle engine, const std::vector<py::tuple>& params, size_t sync_every,
          size_t fragments,
          size_t overlap, double outer_lr, double outer_momentum, bool outer_nesterov,
-         int compression) {
+         int compression, py::handle group) {
         std::vector<StreamedParameter> refs;
         for (const py::tuple& p : params) {
           HEMIOLA_CHECK(p.size() == 4, "a streamed parameter is (name, data_ptr, dtype, numel)");
@@ -93,16 +93,23 @@ void bind_streamer(py::module_& m) {
         options.outer.nesterov = outer_nesterov;
         options.compression = compression_of(compression);
         Engine& e = engine.cast<Engine&>();
+        Engine* g = group.is_none() ? nullptr : &group.cast<Engine&>();
         std::unique_ptr<Streamer> streamer;
         {
-          py::gil_scoped_release release;  // connects the outer wire (a rendezvous)
-          streamer = e.make_streamer(std::move(refs), options);
+          py::gil_scoped_release release;  // connects the outer wires (a rendezvous)
+          streamer = e.make_streamer(std::move(refs), options, g);
         }
-        return keeping_alive(std::move(streamer), engine);  // the streamer uses the engine
+        // The streamer uses the engines: both live as long as it does.
+        py::object out = keeping_alive(std::move(streamer), engine);
+        if (g != nullptr) py::detail::keep_alive_impl(out, group);
+        return out;
       },
       py::arg("engine"), py::arg("params"), py::arg("sync_every"), py::arg("fragments") = 1,
       py::arg("overlap") = 0, py::arg("outer_lr") = 0.7, py::arg("outer_momentum") = 0.9,
-      py::arg("outer_nesterov") = true, py::arg("compression") = 0);
+      py::arg("outer_nesterov") = true, py::arg("compression") = 0,
+      py::arg("group") = py::none(),
+      "The streaming schedule over `params` across `engine`'s ranks; `group`: the engine of "
+      "this rank's replica group (ranks a per-step schedule keeps equal), or None.");
 }
 
 }  // namespace hemiola::python

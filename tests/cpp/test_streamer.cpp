@@ -6,6 +6,9 @@
 #include <cmath>
 #include <cstring>
 #include <map>
+#include <memory>
+#include <string>
+#include <thread>
 #include <vector>
 
 #include "hemiola/hemiola.h"
@@ -178,6 +181,101 @@ TEST_P(StreamerCoding, KeepsTheSharedCopyBitIdenticalAcrossRanks) {
 
 INSTANTIATE_TEST_SUITE_P(Codings, StreamerCoding,
                          ::testing::Values(Compression::kInt8, Compression::kInt4));
+
+// Replica groups: `groups` groups of `ranks` ranks each (threads), every
+// rank of group g drifting as rank g of run() does (a per-step schedule
+// keeps a group's ranks equal). Each rank makes its group's engine and the
+// engine across groups (the ranks of its place in every group).
+Result run_groups(int groups, int ranks, const StreamerOptions& options, uint64_t steps) {
+  Result result;
+  const int world = groups * ranks;
+  result.live.resize(world);
+  result.shared.resize(world);
+  std::vector<uint64_t> syncs(world);
+  std::vector<std::shared_ptr<MemoryStore>> group_stores, cross_stores;
+  for (int g = 0; g < groups; ++g) group_stores.push_back(std::make_shared<MemoryStore>());
+  for (int j = 0; j < ranks; ++j) cross_stores.push_back(std::make_shared<MemoryStore>());
+  std::vector<std::string> failures(world);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < world; ++r) {
+    threads.emplace_back([&, r] {
+      try {
+        const int g = r / ranks, j = r % ranks;
+        auto options_for = [](int rank, int size) {
+          EngineOptions o;
+          o.rank = rank;
+          o.world_size = size;
+          o.hostname = "127.0.0.1";
+          o.timeout_s = 30;
+          return o;
+        };
+        Engine group(options_for(j, ranks), group_stores[g]);
+        Engine across(options_for(g, groups), cross_stores[j]);
+        std::vector<float> a(40, 1.0f), b(24, -0.5f);
+        auto streamer = across.make_streamer(
+            {{"a", TensorRef{a.data(), DType::kFloat32, a.size(), {}}},
+             {"b", TensorRef{b.data(), DType::kFloat32, b.size(), {}}}},
+            options, &group);
+        for (uint64_t s = 1; s <= steps; ++s) {
+          for (size_t i = 0; i < a.size(); ++i) a[i] += drift(g, s, i);
+          for (size_t i = 0; i < b.size(); ++i) b[i] += drift(g, s, 100 + i);
+          streamer->after_inner_step();
+        }
+        streamer->wait_in_flight();
+        result.live[r] = a;
+        result.live[r].insert(result.live[r].end(), b.begin(), b.end());
+        for (size_t f = 0; f < streamer->fragments().size(); ++f) {
+          const TensorRef shared = streamer->shared(f);
+          const float* data = static_cast<const float*>(shared.data);
+          result.shared[r].insert(result.shared[r].end(), data, data + shared.numel);
+        }
+        syncs[r] = streamer->syncs();
+      } catch (const std::exception& e) {
+        failures[r] = e.what();
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  for (int r = 0; r < world; ++r) EXPECT_EQ(failures[r], "") << "rank " << r;
+  result.syncs = syncs[0];
+  return result;
+}
+
+// Two groups average exactly what two single-rank replicas average: each
+// element's average is the same two values summed (whichever rank of a group
+// carries its piece), so every rank of every group ends bitwise equal to the
+// single-rank run, with pieces of uneven length (64 elements in 3 pieces of
+// 22) and with fragments in flight.
+TEST(Streamer, ReplicaGroupsAverageAsOneRankPerGroup) {
+  StreamerOptions options;
+  options.sync_every = 6;
+  options.fragments = 2;
+  options.overlap = 2;
+  const uint64_t steps = 14;
+  const Result alone = run(2, options, steps);
+  for (int ranks : {2, 3}) {
+    const Result grouped = run_groups(2, ranks, options, steps);
+    EXPECT_EQ(grouped.syncs, alone.syncs);
+    for (int r = 0; r < 2 * ranks; ++r) {
+      ASSERT_EQ(grouped.live[r], alone.live[r / ranks]) << ranks << " ranks a group, rank " << r;
+      ASSERT_EQ(grouped.shared[r], alone.shared[0]) << ranks << " ranks a group, rank " << r;
+    }
+  }
+}
+
+// With a coding, the pieces are coded apart (their own blocks), so the result
+// is not the single-rank run's; it stays bitwise equal on every rank.
+TEST(Streamer, ReplicaGroupsKeepTheSharedCopyBitIdenticalUnderACoding) {
+  StreamerOptions options;
+  options.sync_every = 3;
+  options.compression = Compression::kInt8;
+  const Result got = run_groups(2, 2, options, 9);
+  EXPECT_EQ(got.syncs, 3u);
+  for (int r = 1; r < 4; ++r) {
+    EXPECT_EQ(got.shared[r], got.shared[0]) << "rank " << r;
+    EXPECT_EQ(got.live[r], got.shared[0]) << "rank " << r;
+  }
+}
 
 // next_step_fragments() names, before each step, exactly the fragments that
 // step sends or lands (a GPU model's host copy moves only those).

@@ -54,10 +54,16 @@ class HEMIOLA_API Engine {
   std::unique_ptr<Reducer> make_reducer(const std::vector<GradSpec>& specs,
                                         const ReducerOptions& options);
 
-  // The `streaming` schedule over `params` (see streamer.h). Connects its
-  // wire: every rank makes it at the same point.
+  // The `streaming` schedule over `params` (see streamer.h), averaging
+  // across this engine's ranks. Connects its wire: every rank makes it at
+  // the same point. `group`: the engine of this rank's replica group (ranks
+  // whose parameters a per-step schedule keeps equal), or null when each
+  // rank is a replica alone. With a group of L ranks this engine's ranks
+  // are the ranks of the same place in every group; each averages 1/L of
+  // every fragment, and the group gathers the pieces on its own wire.
   std::unique_ptr<Streamer> make_streamer(std::vector<StreamedParameter> params,
-                                          const StreamerOptions& options);
+                                          const StreamerOptions& options,
+                                          Engine* group = nullptr);
 
   // Chrome trace-event JSON ("traceEvents") of what the engine recorded since
   // construction, when EngineOptions::timeline is on.

@@ -220,9 +220,11 @@ std::unique_ptr<Reducer> Engine::make_reducer(const std::vector<GradSpec>& specs
 }
 
 std::unique_ptr<Streamer> Engine::make_streamer(std::vector<StreamedParameter> params,
-                                                const StreamerOptions& options) {
-  return std::make_unique<Streamer>(
-      std::make_unique<StreamerImpl>(*impl_, std::move(params), options));
+                                                const StreamerOptions& options, Engine* group) {
+  HEMIOLA_CHECK(group != this, "make_streamer: the group engine must be another engine (the "
+                "replica group's ranks), not the one that averages across groups");
+  return std::make_unique<Streamer>(std::make_unique<StreamerImpl>(
+      *impl_, std::move(params), options, group == nullptr ? nullptr : &group->impl()));
 }
 
 std::string Engine::timeline_json() const { return impl_->timeline().json(rank()); }

@@ -1,7 +1,10 @@
 // The fragment averager: one fragment's average per unit of work on the
-// "outer" wire.
+// "outer" wire, and in a replica group the gather of its pieces on the
+// group's "outer-gather" wire.
 #include "engine/streaming/fragment_averager.h"
 
+#include <algorithm>
+#include <cstring>
 #include <string>
 
 #include "hemiola/status.h"
@@ -15,7 +18,33 @@ std::string streaming_codings() {
   return listed(coding_names([](const Coding& c) { return c.streams; }), "or");
 }
 
+size_t largest_bytes(const std::vector<PlannedBucket>& plan) {
+  size_t out = 1;
+  for (const auto& bucket : plan) out = std::max(out, bucket.nbytes());
+  return out;
+}
+
 }  // namespace
+
+PlannedBucket slice_bucket(const PlannedBucket& bucket, size_t begin, size_t count) {
+  HEMIOLA_CHECK(begin + count <= bucket.numel, "slice_bucket: [", begin, ", ", begin + count,
+                ") is outside a bucket of ", bucket.numel, " elements");
+  PlannedBucket out;
+  out.dtype = bucket.dtype;
+  const size_t end = begin + count;
+  for (size_t k = 0; k < bucket.tensors.size(); ++k) {
+    // Entry k covers bucket elements [offsets[k], offsets[k] + counts[k]).
+    const size_t lo = std::max(begin, bucket.offsets[k]);
+    const size_t hi = std::min(end, bucket.offsets[k] + bucket.counts[k]);
+    if (lo >= hi) continue;
+    out.tensors.push_back(bucket.tensors[k]);
+    out.begins.push_back(bucket.begins[k] + (lo - bucket.offsets[k]));
+    out.counts.push_back(hi - lo);
+    out.offsets.push_back(lo - begin);
+  }
+  out.numel = count;
+  return out;
+}
 
 class FragmentAverager::Average final : public Work {
  public:
@@ -23,6 +52,9 @@ class FragmentAverager::Average final : public Work {
       : averager_(averager), fragment_(fragment), round_(round) {}
 
   void run(Communicator& comm, Timeline& timeline) override {
+    // An empty piece (a fragment of fewer elements than the group has
+    // ranks) is empty on every rank that shares it: nothing to send.
+    if (averager_.storage_->layout().plan[fragment_].numel == 0) return;
     const int64_t start_us = timeline.now_us();
     averager_.codec_->reduce(*averager_.storage_, fragment_, round_, averager_.outs_, comm);
     if (timeline.enabled()) {
@@ -40,30 +72,99 @@ class FragmentAverager::Average final : public Work {
   const uint64_t round_;
 };
 
+// Waits for this rank's piece of the fragment to be averaged across groups,
+// then all-gathers the group's pieces: the whole fragment's average.
+class FragmentAverager::Gather final : public Work {
+ public:
+  Gather(FragmentAverager& averager, size_t fragment, Handle piece)
+      : averager_(averager), fragment_(fragment), piece_(std::move(piece)) {}
+
+  void run(Communicator& comm, Timeline& timeline) override {
+    piece_.wait();  // rethrows the average's failure (a replica that died)
+    const int64_t start_us = timeline.now_us();
+    const PlannedBucket& piece = averager_.pieces_[fragment_];
+    const size_t padded = averager_.piece_numel(fragment_);
+    const size_t elem = dtype_size(piece.dtype);
+    std::memcpy(averager_.piece_out_.get(), averager_.storage_->buffer(fragment_),
+                piece.nbytes());
+    std::memset(averager_.piece_out_.get() + piece.nbytes(), 0, (padded - piece.numel) * elem);
+    const size_t ranks = static_cast<size_t>(averager_.group_->options().world_size);
+    comm.all_gather(TensorRef{averager_.piece_out_.get(), piece.dtype, padded, Device{}},
+                    TensorRef{averager_.gathered_.get(), piece.dtype, padded * ranks, Device{}});
+    if (timeline.enabled()) {
+      timeline.record("outer-gather", describe(), "outer", start_us, timeline.now_us());
+    }
+  }
+  std::string describe() const override {
+    return "gather of fragment " + std::to_string(fragment_) + "'s averaged pieces in the group";
+  }
+
+ private:
+  FragmentAverager& averager_;
+  const size_t fragment_;
+  const Handle piece_;
+};
+
 FragmentAverager::FragmentAverager(Scheduler& scheduler, const BucketLayout& fragments,
-                                   Compression compression)
+                                   Compression compression, Scheduler* group)
     : scheduler_(scheduler),
+      fragments_(fragments.plan),
+      group_(group),
       wire_(scheduler.connect_wire("outer")),
-      storage_(make_host_buckets(fragments)),
       outs_(fragments.specs.size(), nullptr) {
   HEMIOLA_CHECK(coding(compression).streams, "streaming sends its pseudo-gradients with "
                 "compression ", streaming_codings());
+  if (grouped()) {
+    group_wire_ = group_->connect_wire("outer-gather");
+    const size_t ranks = static_cast<size_t>(group_->options().world_size);
+    const size_t me = static_cast<size_t>(group_->options().rank);
+    size_t largest_piece = 1;
+    for (size_t f = 0; f < fragments_.size(); ++f) {
+      const size_t each = piece_numel(f);
+      const size_t begin = std::min(fragments_[f].numel, me * each);
+      const size_t end = std::min(fragments_[f].numel, begin + each);
+      pieces_.push_back(slice_bucket(fragments_[f], begin, end - begin));
+      largest_piece = std::max(largest_piece, each * dtype_size(fragments_[f].dtype));
+    }
+    piece_placement_ = place_pieces(pieces_, fragments.specs.size());
+    storage_ = make_host_buckets(BucketLayout{pieces_, piece_placement_, fragments.specs});
+    staging_.reset(new unsigned char[largest_bytes(fragments_)]());
+    piece_out_.reset(new unsigned char[largest_piece]());
+    gathered_.reset(new unsigned char[largest_piece * ranks]());
+  } else {
+    storage_ = make_host_buckets(fragments);
+  }
   codec_ = make_codec(CodecSpec{fragments.specs, Device{}, compression, /*average=*/true,
                                 scheduler.options().world_size});
 }
 
+size_t FragmentAverager::piece_numel(size_t f) const {
+  const size_t ranks = static_cast<size_t>(group_->options().world_size);
+  return (fragments_[f].numel + ranks - 1) / ranks;
+}
+
 unsigned char* FragmentAverager::sending(size_t f) const {
-  HEMIOLA_CHECK(f < storage_->layout().plan.size(), "fragment ", f, " is out of range");
-  return storage_->buffer(f);
+  HEMIOLA_CHECK(f < fragments_.size(), "fragment ", f, " is out of range");
+  return grouped() ? staging_.get() : storage_->buffer(f);
 }
 
 Handle FragmentAverager::submit(size_t f, uint64_t round) {
-  return scheduler_.submit(wire_, std::make_shared<Average>(*this, f, round));
+  if (!grouped()) return scheduler_.submit(wire_, std::make_shared<Average>(*this, f, round));
+  // This rank's piece of the filled fragment, into the bucket the coding
+  // reduces (the piece's elements are contiguous in the fragment).
+  const size_t begin = std::min(fragments_[f].numel, static_cast<size_t>(group_->options().rank) *
+                                                         piece_numel(f));
+  std::memcpy(storage_->buffer(f), staging_.get() + begin * dtype_size(fragments_[f].dtype),
+              pieces_[f].nbytes());
+  Handle piece = scheduler_.submit(wire_, std::make_shared<Average>(*this, f, round));
+  return group_->submit(group_wire_, std::make_shared<Gather>(*this, f, std::move(piece)));
 }
 
 const unsigned char* FragmentAverager::averaged(size_t f) const {
-  HEMIOLA_CHECK(f < storage_->layout().plan.size(), "fragment ", f, " is out of range");
-  return storage_->buffer(f);
+  HEMIOLA_CHECK(f < fragments_.size(), "fragment ", f, " is out of range");
+  // The gathered pieces are the fragment's elements in order: piece j is
+  // block j of P elements, and only the last blocks carry padding.
+  return grouped() ? gathered_.get() : storage_->buffer(f);
 }
 
 std::vector<float>& FragmentAverager::residual(size_t index) {

@@ -1,13 +1,26 @@
 // Streaming's outer synchronisation (hemiola/streamer.h): a fragment's
-// pseudo-gradient averaged over the ranks on a wire of its own ("outer"),
+// pseudo-gradient averaged over the replicas on a wire of its own ("outer"),
 // through the coding, while the inner steps go on. One fragment at a time,
 // in the order they are sent, which is the same on every rank.
 //
 // The averager receives a bucket (the fragment's pseudo-gradient, in the
 // fragment's plan layout) and hands one back (its average); its buffers are
-// a host BucketStorage over the fragments, so the codings are the reducer's.
-// It needs nothing of the iteration ring: fragments are sent by the
-// Streamer's step count, not by gradients becoming ready.
+// a host BucketStorage, so the codings are the reducer's. It needs nothing
+// of the iteration ring: fragments are sent by the Streamer's step count,
+// not by gradients becoming ready.
+//
+// Replica groups. When a replica is a group of L ranks that hold the same
+// parameters (a per-step schedule keeps them equal), their pseudo-gradients
+// are equal too, so no rank of a group needs to send a whole fragment: rank
+// j of the group averages only piece j of it (elements [j*P, min((j+1)*P, n))
+// of the fragment's n, P = ceil(n / L)) with the j-th ranks of the other
+// groups (`scheduler`'s ranks), and the group all-gathers the averaged pieces
+// on its own wire (`group`'s). A group so puts one fragment's bytes on the
+// link between groups however many ranks it holds. The reduce-scatter inside
+// the group that this would otherwise need is a plain slice: every rank of a
+// group holds the whole pseudo-gradient already. Every rank ends with the
+// same average, bitwise: the j-th ranks of all groups hold piece j's same
+// result, and the all-gather copies it.
 #pragma once
 
 #include <cstddef>
@@ -26,9 +39,12 @@ namespace hemiola {
 class FragmentAverager {
  public:
   // `fragments`: the parameters (specs) and the plan the fragments are laid
-  // out in; it must outlive the averager. Connects the wire (a rendezvous:
-  // at the same point on every rank).
-  FragmentAverager(Scheduler& scheduler, const BucketLayout& fragments, Compression compression);
+  // out in; it must outlive the averager. `scheduler`: the wire between
+  // replicas. `group`: this rank's replica group (null: the rank is a
+  // replica alone). Connects the wires (a rendezvous: at the same point on
+  // every rank).
+  FragmentAverager(Scheduler& scheduler, const BucketLayout& fragments, Compression compression,
+                   Scheduler* group = nullptr);
 
   // Starts averaging fragment `f`'s pseudo-gradient (`round`: the
   // how-many-th sync, for the coding): `fill` writes it, laid out as the
@@ -40,25 +56,46 @@ class FragmentAverager {
     return submit(f, round);
   }
   // Once average(f)'s handle is done: the average, laid out as the
-  // fragment's plan (valid until the next average of `f`).
+  // fragment's plan (valid until the next average).
   const unsigned char* averaged(size_t f) const;
   // A streaming coding that keeps residuals (coding(c).residuals): tensor
   // `index`'s residual (read and write it only while nothing is in flight).
+  // In a group, only this rank's pieces of it are ever non-zero.
   std::vector<float>& residual(size_t index);
 
  private:
   class Average;
+  class Gather;
 
+  bool grouped() const { return group_ != nullptr; }
+  // Elements per piece of fragment `f` (P), in a group.
+  size_t piece_numel(size_t f) const;
   unsigned char* sending(size_t f) const;
   Handle submit(size_t f, uint64_t round);
 
   Scheduler& scheduler_;
+  const std::vector<PlannedBucket>& fragments_;
+  Scheduler* const group_;
   const size_t wire_;
+  // In a group: the group's wire, and this rank's piece of each fragment
+  // (the plan the coding reduces; otherwise the fragments' own).
+  size_t group_wire_ = 0;
+  std::vector<PlannedBucket> pieces_;
+  std::vector<std::vector<Placement>> piece_placement_;
   std::unique_ptr<BucketStorage> storage_;
+  // In a group: the whole fragment's pseudo-gradient as filled, this rank's
+  // averaged piece padded to P, and the group's pieces gathered (L * P).
+  std::unique_ptr<unsigned char[]> staging_;
+  std::unique_ptr<unsigned char[]> piece_out_;
+  std::unique_ptr<unsigned char[]> gathered_;
   // Used on the wire's thread only, one fragment at a time in send order,
   // so a residual is written before it is read again.
   std::unique_ptr<Codec> codec_;
   const std::vector<void*> outs_;  // none: the average stays in the buffer
 };
+
+// Piece [begin, begin + count) of `bucket`'s elements, as a bucket of its
+// own (the tensors' pieces it covers, offsets from 0).
+PlannedBucket slice_bucket(const PlannedBucket& bucket, size_t begin, size_t count);
 
 }  // namespace hemiola

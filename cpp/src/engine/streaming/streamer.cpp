@@ -59,7 +59,7 @@ void merge(DType dtype, void* live, const void* shared, const void* base, size_t
 }  // namespace
 
 StreamerImpl::StreamerImpl(Scheduler& scheduler, std::vector<StreamedParameter> params,
-                           const StreamerOptions& options)
+                           const StreamerOptions& options, Scheduler* group)
     : scheduler_(scheduler), params_(std::move(params)), options_(options) {
   HEMIOLA_CHECK(!params_.empty(), "streaming needs at least one parameter");
   HEMIOLA_CHECK(options_.sync_every >= 1, "streaming: sync_every must be at least 1");
@@ -101,8 +101,8 @@ StreamerImpl::StreamerImpl(Scheduler& scheduler, std::vector<StreamedParameter> 
   for (size_t f = 0; f < plan_.size(); ++f) pack(f, fragments_[f].shared.get());
   base_.reset(new unsigned char[largest]());
   average_.reset(new unsigned char[largest]());
-  averager_ = std::make_unique<FragmentAverager>(scheduler_, BucketLayout{plan_, placement_, specs_},
-                                      options_.compression);
+  averager_ = std::make_unique<FragmentAverager>(
+      scheduler_, BucketLayout{plan_, placement_, specs_}, options_.compression, group);
 }
 
 StreamerImpl::~StreamerImpl() {

@@ -19,8 +19,9 @@ namespace hemiola {
 
 class StreamerImpl {
  public:
+  // `group`: this rank's replica group, or null (fragment_averager.h).
   StreamerImpl(Scheduler& scheduler, std::vector<StreamedParameter> params,
-               const StreamerOptions& options);
+               const StreamerOptions& options, Scheduler* group = nullptr);
   ~StreamerImpl();
 
   void after_inner_step();
