@@ -210,6 +210,13 @@ class Config:
             every rank then holds the same parameters.
         outer_lr, outer_momentum, outer_nesterov: ``streaming`` only: the
             outer optimizer (SGD; DiLoCo's 0.7, 0.9, Nesterov).
+        replica_ranks: ``streaming`` only: ranks per replica. A replica is a
+            group of this many consecutive ranks (a node's, as torchrun numbers
+            them) that averages its gradients every inner step as ``wfbp``
+            does, over the fast link inside it; only the outer sync travels
+            between replicas, each rank of a group carrying 1/replica_ranks of
+            every fragment. None: the ranks of one node (``LOCAL_WORLD_SIZE``)
+            when the run spans several nodes, else 1 (every rank a replica).
     """
 
     schedule: str = "wfbp"
@@ -237,6 +244,7 @@ class Config:
     outer_lr: float = 0.7
     outer_momentum: float = 0.9
     outer_nesterov: bool = True
+    replica_ranks: int | None = None
 
     def __post_init__(self) -> None:
         if self.schedule not in SCHEDULES:
@@ -275,6 +283,11 @@ class Config:
                 raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
         if not isinstance(self.outer_nesterov, bool):
             raise ValueError(f"outer_nesterov must be True or False, got {self.outer_nesterov!r}")
+        if self.replica_ranks is not None and not (
+                isinstance(self.replica_ranks, int) and not isinstance(self.replica_ranks, bool)
+                and self.replica_ranks >= 1):
+            raise ValueError(f"replica_ranks must be an integer >= 1 or None, got "
+                             f"{self.replica_ranks!r}")
         if self.schedule == "streaming" and (self.compression or "none") not in STREAMING_CODINGS:
             raise ValueError("schedule='streaming' sends its pseudo-gradients with compression "
                              + spelled(STREAMING_CODINGS))

@@ -98,15 +98,44 @@ def new_engine(timeout_s: float, timeline: bool = False,
     Returns the engine and the (prefixed) store it rendezvoused through.
     """
     init(timeout_s)
+    return _engine(f"hemiola/engine{next(_engine_ids)}", dist.get_rank(),
+                   dist.get_world_size(), timeout_s, timeline, gpu_backend)
+
+
+def new_subgroup_engines(size: int, timeout_s: float, timeline: bool = False,
+                         gpu_backend: str = "auto") -> tuple[C.Engine, C.Store, C.Engine,
+                                                             C.Store]:
+    """Cuts the default process group into groups of `size` consecutive
+    ranks (torchrun numbers a node's ranks consecutively) and creates two
+    engines on every rank (a collective call): one over its group (its rank
+    there: ``rank % size``), and one across the groups, over the ranks of
+    the same place in every group (its rank there: ``rank // size``).
+
+    Returns ``(group engine, its store, across engine, its store)``.
+    """
+    init(timeout_s)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if size < 1 or world % size:
+        raise ValueError(f"groups of {size} ranks do not divide the {world} ranks")
+    # Every rank draws both ids, so the n-th engine keeps the same prefix
+    # everywhere; the group's number keeps the groups' keys apart.
+    group_id, across_id = next(_engine_ids), next(_engine_ids)
+    group, place = divmod(rank, size)
+    inside = _engine(f"hemiola/engine{group_id}/group{group}", place, size, timeout_s,
+                     timeline, gpu_backend)
+    across = _engine(f"hemiola/engine{across_id}/place{place}", group, world // size,
+                     timeout_s, timeline, gpu_backend)
+    return (*inside, *across)
+
+
+def _engine(prefix: str, rank: int, world: int, timeout_s: float, timeline: bool,
+            gpu_backend: str) -> tuple[C.Engine, C.Store]:
     store = dist.distributed_c10d._get_default_store()
-    # Every rank creates engines in the same program order, so the n-th engine
-    # has the same key prefix everywhere.
-    prefix = f"hemiola/engine{next(_engine_ids)}"
     master = os.environ.get("MASTER_ADDR", "")
     engine_store = TorchStore(dist.PrefixStore(prefix, store))
     engine = C.Engine(
-        rank=dist.get_rank(),
-        world_size=dist.get_world_size(),
+        rank=rank,
+        world_size=world,
         store=engine_store,
         iface=bind_interface(master),
         master_addr=master,

@@ -16,6 +16,12 @@ fragments a step sends or lands cross the bus, around that step (one
 fragment per ``sync_every / fragments`` steps), so the shared copy, the outer
 momentum and the coding all live on the host and take no GPU memory.
 
+A replica may be a group of ranks (``replica_ranks``; hemiola.replica_groups):
+inside it every inner step's gradients are averaged as ``wfbp`` averages
+them, by a :class:`~hemiola.DataParallel` over the group's engine, and the
+streamer averages across groups, each rank carrying its piece of every
+fragment.
+
 The optimizer's ``state_dict()`` carries the streaming state (the shared
 copy, the outer momentum, the coding's residuals, the step count and the
 fragment in flight) under ``"hemiola_streaming"``, so a checkpoint of the
@@ -25,6 +31,7 @@ model and the optimizer resumes the run exactly.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Iterator
 from typing import Any
 
@@ -33,6 +40,7 @@ from torch import nn
 
 from hemiola._native import C
 from hemiola.config import RESIDUAL_CODINGS, STREAMING_CODINGS, Config, compression_code, spelled
+from hemiola.data_parallel import DataParallel
 from hemiola.engine_tensors import broadcast_tensors, dtype_code
 from hemiola.validate import check_module, check_same_model
 
@@ -47,10 +55,13 @@ class StreamingParallel(nn.Module):
     engine after the optimizer's steps. ``state_dict()`` is the module's own."""
 
     def __init__(self, module: nn.Module, config: Config, engine: C.Engine, store: C.Store,
-                 optimizer: torch.optim.Optimizer, host_copy: bool | None = None) -> None:
-        """`host_copy`: keep a host copy of the parameters for the engine
-        (None: when the model is not on the CPU; True on a CPU model runs the
-        GPU path's copies on the CPU, for tests)."""
+                 optimizer: torch.optim.Optimizer, host_copy: bool | None = None,
+                 group: tuple[C.Engine, C.Store] | None = None) -> None:
+        """`engine`: across the replicas. `group`: this rank's replica group's
+        engine and store (None: the rank is a replica alone). `host_copy`:
+        keep a host copy of the parameters for the engine (None: when the
+        model is not on the CPU; True on a CPU model runs the GPU path's
+        copies on the CPU, for tests)."""
         super().__init__()
         device = check_module(module)
         if not isinstance(optimizer, torch.optim.Optimizer):
@@ -60,7 +71,19 @@ class StreamingParallel(nn.Module):
         self._config = config
         self._engine = engine
         check_same_model(engine, store, module, config)
+        # Across the groups first: then the first rank of every group holds
+        # rank 0's values, and the group's broadcast (DataParallel's) hands
+        # them to the rest.
         broadcast_tensors(engine, [*module.parameters(), *module.buffers()])
+        #: what forward runs: inside a group, the group's per-step schedule
+        #: (kept out of the module registry: the module's state is self.module's)
+        inner: nn.Module = module
+        if group is not None:
+            check_same_model(group[0], group[1], module, config)
+            per_step = dataclasses.replace(config, schedule="wfbp", compression=None)
+            inner = DataParallel(module, per_step, group[0], group[1], None, optimizer)
+        object.__setattr__(self, "_inner", inner)
+        self._group = None if group is None else group[0]
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         covered = {id(p) for group in optimizer.param_groups for p in group["params"]}
         missing = [n for n, p in named if id(p) not in covered]
@@ -84,7 +107,7 @@ class StreamingParallel(nn.Module):
             sync_every=config.sync_every, fragments=config.fragments, overlap=config.overlap,
             outer_lr=config.outer_lr, outer_momentum=config.outer_momentum,
             outer_nesterov=config.outer_nesterov,
-            compression=compression_code(config.compression))
+            compression=compression_code(config.compression), group=self._group)
         self._hooks = [
             optimizer.register_step_post_hook(lambda *_: self._after_inner_step()),
             optimizer.register_state_dict_post_hook(self._save_into),
@@ -101,12 +124,22 @@ class StreamingParallel(nn.Module):
         return self._config
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        return self.module(*args, **kwargs)
+        return self._inner(*args, **kwargs)
+
+    @property
+    def replica_ranks(self) -> int:
+        """Ranks per replica (1: every rank a replica of its own)."""
+        return 1 if self._group is None else self._group.world_size
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
-        """DDP's accumulation idiom: nothing travels per step here anyway."""
-        yield
+        """DDP's accumulation idiom: in a replica group, the group's gradients
+        are not averaged inside it; alone, nothing travels per step anyway."""
+        if isinstance(self._inner, DataParallel):
+            with self._inner.no_sync():
+                yield
+        else:
+            yield
 
     def register_comm_hook(self, state: object, hook: Any) -> None:
         """DDP's ``register_comm_hook`` does not apply: no gradient travels
@@ -133,10 +166,11 @@ class StreamingParallel(nn.Module):
         self._streamer.wait_in_flight()
 
     def stats(self) -> dict[str, float]:
-        """Inner steps, syncs so far, and how long steps waited for averages."""
+        """Inner steps, syncs so far, how long steps waited for averages, and
+        the ranks per replica."""
         s = self._streamer
         return {"inner_steps": float(s.inner_steps), "syncs": float(s.syncs),
-                "waited_ms": float(s.waited_ms)}
+                "waited_ms": float(s.waited_ms), "replica_ranks": float(self.replica_ranks)}
 
     def timeline(self) -> str:
         """Chrome trace JSON of engine events (``timeline=True`` to record):

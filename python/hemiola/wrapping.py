@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, TypeVar, overload
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from hemiola.config import Config
 from hemiola.data_parallel import WRAPPED_MARK, DataParallel
-from hemiola.distributed import new_engine
+from hemiola.distributed import init, new_engine, new_subgroup_engines
+from hemiola.replica_groups import replica_ranks
 from hemiola.streaming import StreamingParallel
 from hemiola.threads import fit_threads
 
@@ -88,17 +91,17 @@ def wrap(
                 "first). schedule='wfbp' wraps without one: model = hemiola.wrap(model)")
         optimizer = None
     _refuse_double_wrapping(model, optimizer)
-    engine, store = new_engine(config.timeout_s, timeline=config.timeline,
-                               gpu_backend=config.gpu_backend)
-    fit_threads(engine)
     wrapped: DataParallel | StreamingParallel
     if config.schedule == "streaming":
         if grad_scaler is not None:
             raise ValueError("schedule='streaming' leaves the inner step to your optimizer: use "
                              "your GradScaler as without hemiola (scaler.step(optimizer)) and "
                              "do not pass it to hemiola.wrap")
-        wrapped = StreamingParallel(model, config, engine, store, optimizer)
+        wrapped = _streaming(model, optimizer, config)
     else:
+        engine, store = new_engine(config.timeout_s, timeline=config.timeline,
+                                   gpu_backend=config.gpu_backend)
+        fit_threads(engine)
         wrapped = DataParallel(model, config, engine, store, grad_scaler, optimizer)
         optimizer = wrapped._schedule.wrap_optimizer(optimizer)
     # Plain attributes, outside nn.Module's registries (no state_dict entry).
@@ -106,6 +109,24 @@ def wrap(
     if optimizer is not None:
         object.__setattr__(optimizer, WRAPPED_MARK, True)
     return wrapped if model_only else (wrapped, optimizer)
+
+
+def _streaming(model: nn.Module, optimizer: Any, config: Config) -> StreamingParallel:
+    """``schedule="streaming"``: every rank a replica, or replica groups of
+    ``config.replica_ranks`` ranks (hemiola.replica_groups)."""
+    init(config.timeout_s)
+    ranks = replica_ranks(config.replica_ranks, dist.get_world_size())
+    config = dataclasses.replace(config, replica_ranks=ranks)
+    engine_options = {"timeline": config.timeline, "gpu_backend": config.gpu_backend}
+    if ranks == 1:
+        engine, store = new_engine(config.timeout_s, **engine_options)
+        fit_threads(engine)
+        return StreamingParallel(model, config, engine, store, optimizer)
+    group, group_store, across, store = new_subgroup_engines(ranks, config.timeout_s,
+                                                             **engine_options)
+    fit_threads(group)
+    return StreamingParallel(model, config, across, store, optimizer,
+                             group=(group, group_store))
 
 
 #: Why a schedule other than wfbp cannot wrap without the optimizer.

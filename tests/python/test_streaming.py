@@ -113,3 +113,52 @@ def test_refuses_with_a_message_that_says_what_to_do() -> None:
     assert "must cover every trainable parameter" in messages[1]
     assert "overlap" in messages[2] and "one fragment is on the wire" in messages[2]
     assert "'int8'" in messages[3]
+
+
+@pytest.mark.parametrize("name", ["mlp", "transformer"])
+def test_replica_groups_are_diloco_over_groups_that_average_every_step(name: str) -> None:
+    # 2 groups of 2 ranks: DDP inside each group, DiLoCo across the groups,
+    # each rank of a group averaging half of every fragment.
+    results = run_local(streaming_workers.groups_equal_diloco, 4, 2, name, 9, 3, timeout_s=300)
+    for r in results.values():
+        assert r["max_diff"] <= 1e-6, r
+        assert r["rank_spread"] == 0.0, r  # all four ranks hold the shared copy
+        assert r["stats"]["syncs"] == 3, r
+        assert r["stats"]["replica_ranks"] == 2, r
+
+
+@pytest.mark.parametrize("options", [
+    {"sync_every": 4, "fragments": 2, "overlap": 1, "compression": "int8", "replica_ranks": 2},
+    {"sync_every": 6, "fragments": 3, "overlap": 1, "replica_ranks": 2},
+])
+def test_replica_groups_keep_the_shared_copy_identical_in_flight(
+        options: dict[str, object]) -> None:
+    results = run_local(streaming_workers.overlap_keeps_shared_identical, 4, options, 13,
+                        timeout_s=300)
+    for r in results.values():
+        assert r["shared_spread"] == 0.0, r
+        assert r["shared_changes"] >= 2 * int(options["fragments"]) - 1, r
+
+
+def test_replica_groups_resume_exactly(tmp_path: Path) -> None:
+    options = {"sync_every": 6, "fragments": 2, "overlap": 2, "compression": "int8",
+               "replica_ranks": 2}
+    results = run_local(streaming_workers.resume_repeats_the_run, 4, options, 4, 13,
+                        str(tmp_path), timeout_s=300)
+    for r in results.values():
+        assert r["max_diff"] == 0.0, r
+
+
+def test_replica_ranks_default_to_a_node_when_the_run_spans_nodes() -> None:
+    from hemiola.replica_groups import replica_ranks
+    assert replica_ranks(None, 8, {"LOCAL_WORLD_SIZE": "4"}) == 4  # two nodes of four
+    assert replica_ranks(None, 4, {"LOCAL_WORLD_SIZE": "4"}) == 1  # one node: a replica each
+    assert replica_ranks(None, 4, {}) == 1
+    assert replica_ranks(2, 4, {}) == 2
+    with pytest.raises(ValueError, match="does not divide the 4 ranks"):
+        replica_ranks(3, 4, {})
+    with pytest.raises(ValueError, match="one replica"):
+        replica_ranks(4, 4, {})
+    from hemiola.config import Config
+    with pytest.raises(ValueError, match="replica_ranks must be an integer"):
+        Config(schedule="streaming", replica_ranks=0)
