@@ -163,14 +163,14 @@ class Config:
             precision, each rank's bucket divided by the world size first so
             the sum cannot overflow (what DDP's ``fp16_compress_hook`` /
             ``bf16_compress_hook`` do; half the bytes); ``"int8"``: one byte
-            per element with a scale per block of 256 agreed by all ranks,
-            and error feedback: what a rank's coding dropped is added to its
-            next gradient (a quarter of the bytes, plus 1.6% for the
-            scales; ``model.comm_state_dict()`` holds the residuals for a
-            checkpoint); ``"int4"``: the same in half a byte per element
-            (two 4-bit codes a byte, each rank's codes in [-L, L] with
-            L = floor(15 / (2 * world)): 7 levels at 2 ranks, 5 at 3, 3 at
-            4-7; more than 7 ranks are refused: use ``"int8"``);
+            per element with a scale per block of 256 (codes in [-127, 127]
+            at any number of ranks: each rank's blocks are sent to their
+            owner, who averages them in float32 and codes the average again
+            for the all-gather), and error feedback on both codings: what a
+            coding dropped is added next time (a quarter of the bytes, plus
+            1.6% for the scales; ``model.comm_state_dict()`` holds the
+            residuals for a checkpoint); ``"int4"``: the same in half a byte
+            per element (codes in [-7, 7], two a byte), at any number of ranks;
             ``"powersgd"``: each gradient matrix (viewed as
             first dimension x the rest) sent as a rank-``powersgd_rank``
             approximation with error feedback and warm start, as torch's

@@ -181,8 +181,8 @@ class DataParallel(nn.Module):
     def comm_state_dict(self) -> dict[str, torch.Tensor]:
         """The communication state a checkpoint must carry to resume exactly:
         with ``compression="int8"``, ``"int4"`` or ``"powersgd"``, each compressed
-        parameter's error-feedback residual (what this rank's coding has
-        dropped and will add to its next gradient), by parameter name; empty
+        parameter's error-feedback residuals (what this rank's codings have
+        dropped and will add next time), flat, by parameter name; empty
         otherwise. Per rank: save it from every rank (torch.save to a per-rank
         file) and load it into the same rank with :meth:`load_comm_state_dict`.
         (PowerSGD's warm-start matrices are not in it, and its iteration count
@@ -196,7 +196,9 @@ class DataParallel(nn.Module):
         for i, (name, p) in enumerate(zip(r.names, r.params)):
             view = r.reducer.residual_view(i)
             if p.dtype == torch.float32 and view.nbytes > 0:
-                out[name] = torch.frombuffer(view, dtype=torch.float32).clone().view_as(p)
+                # int8/int4 keep two residuals per element (their own coding's
+                # and the owner's), PowerSGD one: flat, as the coding holds it.
+                out[name] = torch.frombuffer(view, dtype=torch.float32).clone()
         return out
 
     def load_comm_state_dict(self, state: dict[str, torch.Tensor]) -> None:

@@ -319,23 +319,24 @@ def test_payloads_follow_the_codecs() -> None:
     n = 512 * 256 + 512
     assert collective.payloads("none", bucket, 2) == [("all_reduce", 4 * n)]
     assert collective.payloads("fp16", bucket, 2) == [("all_reduce", 2 * n)]
-    assert collective.payloads("int8", bucket, 2) == [("all_gather", 4 * math.ceil(n / 256)),
-                                                      ("all_reduce", n)]
-    assert collective.payloads("int4", bucket, 2) == [("all_gather", 4 * math.ceil(n / 256)),
-                                                      ("all_reduce", math.ceil(n / 2))]
-    with pytest.raises(ValueError, match="at most 7 ranks"):
-        collective.payloads("int4", bucket, 8)
+    # int8 and int4: a ring all-reduce's bytes of the codes and one scale per
+    # 256, at any number of ranks (the preview's summed codes: at most 127)
+    scales = 4 * math.ceil(n / 256)
+    for world in (2, 8, 256):
+        assert collective.payloads("int8", bucket, world) == [("all_reduce", n + scales)]
+        assert collective.payloads("int4", bucket, world) == [
+            ("all_reduce", math.ceil(n / 2) + scales)]
     # PowerSGD (rank 2): the bias uncompressed, then P (512 x 2) and Q (256 x 2)
     assert collective.payloads("powersgd", bucket, 2) == [
         ("all_reduce", 4 * 512), ("all_reduce", 4 * 512 * 2), ("all_reduce", 4 * 256 * 2)]
     # a matrix too small to gain from low rank travels whole
     assert collective.payloads("powersgd", [Piece(4 * 3, 4, 4)], 2) == [("all_reduce", 48)]
     with pytest.raises(ValueError, match="at most 127 ranks"):
-        collective.payloads("int8", bucket, 128)
-    # beyond 127 ranks int8 is left out of the predictions
+        collective.payloads("preview", bucket, 128)
+    # int8 is predicted at 256 ranks too
     p = _profile()
     names = {x.coding for x in model.predict(p, Network(256, 1e9))}
-    assert names == {"none", "fp16", "powersgd"}
+    assert names == {"none", "fp16", "int8", "powersgd"}
 
 
 def test_streaming_prediction() -> None:
@@ -384,9 +385,12 @@ def test_streaming_prediction() -> None:
     # a profile that measured other codings but not int4 is not offered it
     assert model.streaming_codings(_profile(coding_cpu={"int8": 0.004}), 2) == ["int8"]
     assert model.streaming_codings(_profile(), 2) == ["int8", "int4"]
-    # beyond 7 ranks int4 cannot sum; beyond 127, int8 neither
-    assert {x.coding for x in model.predict_streaming(p, Network(8, 1e3))} == {"int8"}
-    assert {x.coding for x in model.predict_streaming(p, Network(128, 1e3))} == {"fp16"}
+    # int8 and int4 at any number of ranks (their codes are not summed on the
+    # wire): on the slow link int4 is the faster at 8 and at 128 ranks too
+    assert model.streaming_codings(p, 128) == ["int8", "int4"]
+    for world in (8, 128):
+        many = Network(world, bandwidth=100.0, latency=0.0)
+        assert model.predict_streaming(p, many)[0].coding == "int4", world
 
 
 def test_choice_tries_near_predictions_and_picks_by_measurement() -> None:

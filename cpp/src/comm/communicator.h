@@ -22,6 +22,10 @@ class Communicator {
   virtual void broadcast(const TensorRef& tensor, int root) = 0;
   // output = concat over ranks of input (output.numel == size() * input.numel).
   virtual void all_gather(const TensorRef& input, const TensorRef& output) = 0;
+  // input and output hold size() chunks of equal length: chunk r of input
+  // goes to rank r, chunk r of output came from rank r (a reduce-scatter's
+  // traffic, (size - 1) / size of the input leaving each rank).
+  virtual void all_to_all(const TensorRef& input, const TensorRef& output) = 0;
   virtual void barrier() = 0;
   // After a failure: closes this rank's connections, so that peers blocked
   // on it fail now rather than at their timeout (and reach the failure's

@@ -1,12 +1,14 @@
 #include "comm/gloo_communicator.h"
 
 #include <condition_variable>
+#include <cstring>
 #include <exception>
 #include <functional>
 #include <mutex>
 #include <thread>
 
 #include <gloo/allgather.h>
+#include <gloo/alltoall.h>
 #include <gloo/allreduce.h>
 #include <gloo/barrier.h>
 #include <gloo/broadcast.h>
@@ -271,6 +273,27 @@ void GlooCommunicator::all_gather(const TensorRef& input, const TensorRef& outpu
     opts.setInput(static_cast<uint8_t*>(input.data), input.nbytes());
     opts.setOutput(static_cast<uint8_t*>(output.data), output.nbytes());
     gloo::allgather(opts);
+  });
+}
+
+void GlooCommunicator::all_to_all(const TensorRef& input, const TensorRef& output) {
+  require_cpu(input, "all_to_all");
+  require_cpu(output, "all_to_all");
+  HEMIOLA_CHECK(input.dtype == output.dtype && input.numel == output.numel,
+                "all_to_all: input and output differ in dtype or size");
+  HEMIOLA_CHECK(input.numel % static_cast<size_t>(size_) == 0, "all_to_all: ", input.numel,
+                " elements are not ", size_, " equal chunks");
+  if (input.numel == 0) return;
+  if (size_ == 1) {
+    std::memcpy(output.data, input.data, input.nbytes());
+    return;
+  }
+  translate_gloo_errors("all_to_all", &input, rank_, [&] {
+    gloo::AlltoallOptions opts(context("all_to_all"));
+    opts.setTimeout(timeout_);
+    opts.setInput(static_cast<uint8_t*>(input.data), input.nbytes());
+    opts.setOutput(static_cast<uint8_t*>(output.data), output.nbytes());
+    gloo::alltoall(opts);
   });
 }
 

@@ -41,6 +41,7 @@ class GlooCommunicator final : public Communicator {
   void all_reduce_sum(const TensorRef& tensor) override;
   void broadcast(const TensorRef& tensor, int root) override;
   void all_gather(const TensorRef& input, const TensorRef& output) override;
+  void all_to_all(const TensorRef& input, const TensorRef& output) override;
   void barrier() override;
   void abort() override;
 

@@ -31,18 +31,15 @@ from dataclasses import dataclass
 from hemiola.advise.profile import Param, cut_into
 from hemiola.cluster.config import ClusterConfig
 
-#: the engine's int8 coding: one scale per this many elements
+#: the engine's int8 and int4 codings: one scale per this many elements
 INT8_BLOCK = 256
-#: int8 sums every rank's codes in one byte
-INT8_MAX_WORLD = 127
-#: int4 sums every rank's 4-bit codes in four bits (cpp/src/engine/codec/int4.cpp)
-INT4_MAX_WORLD = 7
-#: the block-scaled codings (the preview's codes are int8's): the coding's
-#: name, at most this many ranks, what their codes are summed in, and the
-#: elements per byte on the wire
-BLOCK_CODED = {"int8": ("int8", INT8_MAX_WORLD, "one byte", 1),
-               "preview": ("int8", INT8_MAX_WORLD, "one byte", 1),
-               "int4": ("int4", INT4_MAX_WORLD, "four bits", 2)}
+#: the block-scaled codings with error feedback, and their elements per byte
+#: on the wire: at any number of ranks, a ring all-reduce's bytes of their
+#: codes and scales (an all-to-all to each block's owner, then an all-gather
+#: of the owners' averages coded again: cpp/src/engine/codec/block_coding.h)
+BLOCK_CODED = {"int8": 1, "int4": 2}
+#: decoupled's preview sums every rank's int8 codes in one byte
+PREVIEW_MAX_WORLD = 127
 #: the algorithms of all_reduce; "best" takes the fastest for each message
 ALGORITHMS = ("ring", "tree", "hierarchical", "best")
 
@@ -168,14 +165,18 @@ def payloads(coding: str, bucket: Sequence[Piece], world: int,
     elif coding in ("fp16", "bf16"):
         out.append(("all_reduce", plain + 2 * floats))
     elif coding in BLOCK_CODED:
-        name, max_world, width, per_byte = BLOCK_CODED[coding]
-        if world > max_world:
-            raise ValueError(f"{name} sums the ranks' codes in {width}: at most "
-                             f"{max_world} ranks, not {world}")
+        if plain:
+            out.append(("all_reduce", plain))
+        out.append(("all_reduce", math.ceil(floats / BLOCK_CODED[coding])
+                    + 4 * math.ceil(floats / INT8_BLOCK)))
+    elif coding == "preview":
+        if world > PREVIEW_MAX_WORLD:
+            raise ValueError(f"the preview sums the ranks' int8 codes in one byte: at most "
+                             f"{PREVIEW_MAX_WORLD} ranks, not {world}")
         if plain:
             out.append(("all_reduce", plain))
         out += [("all_gather", 4 * math.ceil(floats / INT8_BLOCK)),
-                ("all_reduce", math.ceil(floats / per_byte))]
+                ("all_reduce", floats)]
     elif coding == "powersgd":
         uncompressed, p_size, q_size = float(plain), 0.0, 0.0
         for p in bucket:

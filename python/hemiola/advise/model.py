@@ -38,8 +38,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from hemiola.advise.collective import (
-    INT4_MAX_WORLD,
-    INT8_MAX_WORLD,
     Network,
     Piece,
     payloads,
@@ -263,10 +261,6 @@ def predict(profile: Profile, net: Network, schedules: Sequence[str] = SCHEDULES
     (`codings`: a subset), fastest first."""
     out = []
     for coding in codings_on(profile) if codings is None else codings:
-        try:
-            payloads(coding, [Piece(1, 4, 0)], net.world)
-        except ValueError:
-            continue  # int8 beyond 127 ranks
         for schedule in schedules:
             out.append(Prediction(schedule, coding, predict_one(profile, net, schedule, coding)))
     return sorted(out, key=lambda p: p.seconds)
@@ -322,12 +316,11 @@ def streaming_options(profile: Profile, net: Network, sync_every: int,
 
 
 def streaming_codings(profile: Profile, world: int) -> list[str]:
-    """The outer wire's codings for `world` ranks, in order of preference
-    where equally fast: int8 (fp16 beyond its 127 ranks), then int4 (half
-    int8's bytes for a coarser sum) up to 7 ranks where the profile measured
-    its CPU cost (or measured no coding's)."""
-    codings = ["int8" if world <= INT8_MAX_WORLD else "fp16"]
-    if world <= INT4_MAX_WORLD and ("int4" in profile.coding_cpu or not profile.coding_cpu):
+    """The outer wire's codings, in order of preference where equally fast:
+    int8, then int4 (half int8's bytes, coarser codes) where the profile
+    measured its CPU cost (or measured no coding's); both at any `world`."""
+    codings = ["int8"]
+    if "int4" in profile.coding_cpu or not profile.coding_cpu:
         codings.append("int4")
     return codings
 

@@ -34,11 +34,22 @@ double send_plain_host(BucketStorage& storage, size_t b, Communicator& host, dou
 // `average`) by the storage's device communicator on its stream.
 double send_plain_device(BucketStorage& storage, size_t b, const Device& here, bool average);
 
+// Scratch of the block-scaled codings, reused by every bucket
+// (block_coding.h): the records sent, received, owned and gathered, and the
+// owned chunk's average.
+struct BlockScratch {
+  std::vector<uint8_t> send, received, mine, gathered;
+  std::vector<float> average;
+};
+
 // The block-scaled codings with error feedback (int8, int4; blocks.cpp):
 // what they share. A float32 host bucket is coded with this rank's residuals
-// and averaged by the coding's reduce(); any other bucket travels plain.
+// and averaged by the coding's reduce() (block_coding.h); any other bucket
+// travels plain.
 class BlockCodedHost : public Codec {
  public:
+  // Per tensor, 2 x its elements: what this rank's coding dropped, then what
+  // the second coding dropped of the elements this rank owns (block_coding.h).
   std::vector<float>* residual(size_t index) override { return &residuals_[index]; }
 
  protected:
@@ -53,12 +64,8 @@ class BlockCodedHost : public Codec {
   virtual void reduce(const PlannedBucket& plan, float* data, Communicator& comm,
                       const std::vector<uint8_t>& used) = 0;
 
-  const int world_;
   std::vector<std::vector<float>> residuals_;  // per tensor
-  // Scratch, reused by every bucket: the wire buffer and the block maxima.
-  std::vector<uint8_t> codes_;
-  std::vector<float> maxima_;
-  std::vector<float> gathered_;
+  BlockScratch scratch_;
 
  private:
   const double scale_;  // an uncompressed bucket's: 1/world when averaging
@@ -66,20 +73,14 @@ class BlockCodedHost : public Codec {
 
 // v = gradient + residual, in the bucket `data` (laid out as `plan`): a
 // tensor this rank did not use (`used[t]` 0) contributes zeros and keeps its
-// residual for later.
+// residual for later. Reads the first half of each residual vector.
 void add_residuals(const PlannedBucket& plan, float* data,
                    const std::vector<std::vector<float>>& residuals,
                    const std::vector<uint8_t>& used);
-// The residuals of the used tensors become what `data` holds now.
+// The residuals (first halves) of the used tensors become what `data` holds now.
 void keep_residuals(const PlannedBucket& plan, const float* data,
                     std::vector<std::vector<float>>& residuals,
                     const std::vector<uint8_t>& used);
-// maxima[blk]: the max over all ranks of block blk's max |v| (kInt8Block
-// elements per block), NaN where any rank's block holds a non-finite value;
-// the same on every rank (agreed by an all-gather of 4 bytes per block).
-// `gathered`: scratch.
-void agree_block_maxima(const float* data, size_t n, Communicator& comm, int world,
-                        std::vector<float>& maxima, std::vector<float>& gathered);
 
 std::unique_ptr<Codec> make_none_codec(const CodecSpec& spec);
 std::unique_ptr<Codec> make_half_codec(const CodecSpec& spec);  // host or CUDA

@@ -1,0 +1,210 @@
+// The block-scaled codings with error feedback (int8.cpp, int4.cpp): one
+// algorithm, whose precision does not depend on the number of ranks.
+//
+// A float32 bucket of n elements is cut into blocks of kInt8Block elements,
+// and the blocks into N chunks of K = ceil(blocks / N) blocks each (rank c
+// owns chunk c; the last chunks may be short or empty). A block travels as a
+// record: its float32 scale s, then its codes q in [-L, L] (int8: L = 127,
+// one byte each; int4: L = 7, q + 7 in a nibble, two to a byte), standing for
+// s * q. Coding a block: s = max |v| / L, q = rint(v / s), and v - s * q is
+// what the coding dropped (the residual, fed back next time).
+//
+//   1. every rank adds its residual to its gradient (v) and codes every block
+//      with its own scale; an all-to-all sends chunk c's records to rank c
+//      (a reduce-scatter's traffic);
+//   2. rank c decodes the N ranks' records of its chunk and averages them in
+//      float32 (in rank order), adds its owner's residual, and codes the
+//      average again with fresh scales (keeping the new owner's residual);
+//   3. an all-gather of the owners' records; every rank decodes all blocks.
+//
+// Each rank sends 2 (N-1)/N of the coded bucket: a ring all-reduce of the
+// codes. The codes are never summed on the wire, so L, and the precision,
+// is the same at 2 ranks and at 200. Both codings are fed back: what the
+// first coding drops waits in the sender's residual, what the second drops
+// in the owner's, so over iterations nothing is lost (the sum of the
+// delivered averages is the sum of the exact ones less what the residuals
+// still hold). Every rank decodes the same records: the averages are
+// bitwise identical across ranks.
+//
+// A non-finite value makes its block's scale NaN: the block's average is NaN
+// on every rank (as an uncompressed all-reduce would carry it), and the
+// residual that held it is reset. A block whose scale has no finite inverse
+// (values below about 1e-37) is sent as zeros and kept in the residual.
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#include "engine/codec/codings.h"
+
+namespace hemiola {
+
+// int8: codes in [-127, 127], one byte each.
+struct Int8Codes {
+  static constexpr int kLevels = 127;
+  static constexpr size_t kBlockBytes = kInt8Block;
+  static void put(uint8_t* codes, size_t j, int q) {
+    codes[j] = static_cast<uint8_t>(static_cast<int8_t>(q));
+  }
+  static int get(const uint8_t* codes, size_t j) { return static_cast<int8_t>(codes[j]); }
+};
+
+// int4: codes in [-7, 7] as the nibble q + 7, element 2i in the low nibble of
+// byte i (the codes must be zeroed before they are put).
+struct Int4Codes {
+  static constexpr int kLevels = 7;
+  static constexpr size_t kBlockBytes = kInt8Block / 2;
+  static void put(uint8_t* codes, size_t j, int q) {
+    codes[j / 2] |= static_cast<uint8_t>((q + kLevels) << (4 * (j & 1)));
+  }
+  static int get(const uint8_t* codes, size_t j) {
+    return ((codes[j / 2] >> (4 * (j & 1))) & 0xF) - kLevels;
+  }
+};
+
+namespace block_coding {
+
+// Bytes of one block's record: the scale, then the codes.
+template <typename Codes>
+constexpr size_t record_bytes() {
+  return sizeof(float) + Codes::kBlockBytes;
+}
+
+// Codes the `count` values at `v` into `record` (zero-filled), leaving in `v`
+// what the coding dropped.
+template <typename Codes>
+void code(float* v, size_t count, uint8_t* record) {
+  float m = 0.0f;
+  float bad = 0.0f;  // stays 0 while every value is finite
+  for (size_t i = 0; i < count; ++i) {
+    const float a = std::fabs(v[i]);
+    m = std::max(m, a);
+    bad += a - a;  // NaN for an infinite or NaN value
+  }
+  const float limit = static_cast<float>(Codes::kLevels);
+  const float s = bad == 0.0f ? m / limit : std::numeric_limits<float>::quiet_NaN();
+  std::memcpy(record, &s, sizeof s);
+  uint8_t* codes = record + sizeof s;
+  const float inverse = 1.0f / s;
+  if (std::isfinite(s) && s > 0.0f && std::isfinite(inverse)) {
+    const float magic = 12582912.0f;  // 1.5 * 2^23: (x + magic) - magic == rint(x) for small x
+    for (size_t i = 0; i < count; ++i) {
+      const float x = std::min(limit, std::max(-limit, v[i] * inverse));
+      const float q = (x + magic) - magic;
+      Codes::put(codes, i, static_cast<int>(q));
+      v[i] -= s * q;
+    }
+  } else {
+    // Zero or tiny scale: codes 0, and v stays in the residual. NaN: the
+    // block decodes to NaN everywhere; the residual that held it is reset.
+    const bool drop = std::isnan(s);
+    for (size_t i = 0; i < count; ++i) {
+      Codes::put(codes, i, 0);
+      if (drop) v[i] = 0.0f;
+    }
+  }
+}
+
+// The value of element i of a record.
+template <typename Codes>
+float decoded(const uint8_t* record, size_t i) {
+  float s;
+  std::memcpy(&s, record, sizeof s);
+  return s * static_cast<float>(Codes::get(record + sizeof s, i));
+}
+
+// Calls fn(residual, values, count) for each piece of the bucket's elements
+// [first, last) (`data` holds them from `first`), with the matching slice of
+// the owner's residual (the second half of each tensor's residual vector).
+template <typename Fn>
+void for_owned(const PlannedBucket& plan, size_t first, size_t last, float* data,
+               std::vector<std::vector<float>>& residuals, Fn&& fn) {
+  for (size_t k = 0; k < plan.tensors.size(); ++k) {
+    const size_t lo = std::max(first, plan.offsets[k]);
+    const size_t hi = std::min(last, plan.offsets[k] + plan.counts[k]);
+    if (lo >= hi) continue;
+    std::vector<float>& r = residuals[plan.tensors[k]];
+    const size_t numel = r.size() / 2;
+    fn(r.data() + numel + plan.begins[k] + (lo - plan.offsets[k]), data + (lo - first), hi - lo);
+  }
+}
+
+}  // namespace block_coding
+
+// All-reduces (averages) the float32 bucket at `data`, laid out as `plan`,
+// in place (see above). `residuals[t]`: tensor t's error feedback, 2 x its
+// elements (this rank's coding's, then the owner's); `used[t]`: whether this
+// rank produced tensor t's gradient (an unused one sends zeros and keeps its
+// residual). `scratch`: reused buffers.
+template <typename Codes>
+void reduce_in_blocks(const PlannedBucket& plan, float* data, Communicator& comm,
+                      const std::vector<uint8_t>& used,
+                      std::vector<std::vector<float>>& residuals, BlockScratch& scratch) {
+  using namespace block_coding;
+  constexpr size_t kRecord = record_bytes<Codes>();
+  const size_t n = plan.numel;
+  const size_t ranks = static_cast<size_t>(comm.size());
+  const size_t me = static_cast<size_t>(comm.rank());
+  const size_t blocks = (n + kInt8Block - 1) / kInt8Block;
+  const size_t per_rank = (blocks + ranks - 1) / ranks;  // K
+  auto block_count = [&](size_t blk) { return std::min(n, (blk + 1) * kInt8Block) -
+                                              blk * kInt8Block; };
+  // 1. v = gradient + residual, coded block by block with this rank's scales.
+  add_residuals(plan, data, residuals, used);
+  scratch.send.assign(ranks * per_rank * kRecord, 0);
+  for (size_t blk = 0; blk < blocks; ++blk) {
+    code<Codes>(data + blk * kInt8Block, block_count(blk), scratch.send.data() + blk * kRecord);
+  }
+  keep_residuals(plan, data, residuals, used);
+  scratch.received.resize(scratch.send.size());
+  comm.all_to_all(TensorRef{scratch.send.data(), DType::kUInt8, scratch.send.size(), Device{}},
+                  TensorRef{scratch.received.data(), DType::kUInt8, scratch.received.size(),
+                            Device{}});
+  // 2. This rank's chunk: the ranks' records decoded and averaged in
+  // float32, the owner's residual added, coded again.
+  const size_t first_block = std::min(blocks, me * per_rank);
+  const size_t last_block = std::min(blocks, first_block + per_rank);
+  const size_t first = std::min(n, first_block * kInt8Block);
+  const size_t last = std::min(n, last_block * kInt8Block);
+  scratch.average.assign(last - first, 0.0f);
+  const float inverse_ranks = 1.0f / static_cast<float>(ranks);
+  for (size_t blk = first_block; blk < last_block; ++blk) {
+    float* average = scratch.average.data() + (blk - first_block) * kInt8Block;
+    const size_t count = block_count(blk);
+    for (size_t r = 0; r < ranks; ++r) {
+      const uint8_t* record =
+          scratch.received.data() + (r * per_rank + (blk - first_block)) * kRecord;
+      for (size_t i = 0; i < count; ++i) average[i] += decoded<Codes>(record, i);
+    }
+    for (size_t i = 0; i < count; ++i) average[i] *= inverse_ranks;
+  }
+  for_owned(plan, first, last, scratch.average.data(), residuals,
+            [](float* residual, float* v, size_t count) {
+              for (size_t i = 0; i < count; ++i) v[i] += residual[i];
+            });
+  scratch.mine.assign(per_rank * kRecord, 0);
+  for (size_t blk = first_block; blk < last_block; ++blk) {
+    code<Codes>(scratch.average.data() + (blk - first_block) * kInt8Block, block_count(blk),
+                scratch.mine.data() + (blk - first_block) * kRecord);
+  }
+  for_owned(plan, first, last, scratch.average.data(), residuals,
+            [](float* residual, float* v, size_t count) { std::copy(v, v + count, residual); });
+  // 3. Every owner's records, decoded on every rank alike.
+  scratch.gathered.resize(ranks * per_rank * kRecord);
+  comm.all_gather(TensorRef{scratch.mine.data(), DType::kUInt8, scratch.mine.size(), Device{}},
+                  TensorRef{scratch.gathered.data(), DType::kUInt8, scratch.gathered.size(),
+                            Device{}});
+  for (size_t blk = 0; blk < blocks; ++blk) {
+    const uint8_t* record = scratch.gathered.data() + blk * kRecord;
+    float* out = data + blk * kInt8Block;
+    const size_t count = block_count(blk);
+    for (size_t i = 0; i < count; ++i) out[i] = decoded<Codes>(record, i);
+  }
+}
+
+}  // namespace hemiola
