@@ -10,7 +10,8 @@
 //   average           d   = mean over ranks of d_r (through the wire's coding)
 //   outer step        shared' = outer SGD step of `shared` with gradient d
 //                     (default lr 0.7, momentum 0.9, Nesterov, as DiLoCo)
-//   merge             live_r  = shared' + (live_r(now) - live_r(sent))
+//   merge             live_r  = shared' + (live_r(now) - live_r(sent))   (eager)
+//                  or live_r  = shared' + a * (live_r(now) - shared')  (mix, a = mix)
 // The fragments are the buckets of a plan over the parameters capped at
 // 1/fragments of the model; fragment p syncs after inner steps s with
 // s % H == ((p + 1) * H / fragments) % H, so they are spread evenly over the
@@ -59,6 +60,12 @@ struct StreamerOptions {
   // How the pseudo-gradients travel (float32 parameters; others as they are):
   // kNone, kFp16, kBf16, kInt8 or kInt4 (with error feedback).
   Compression compression = Compression::kNone;
+  // The merge when a fragment lands. Negative: eager (the progress made since
+  // the send stays on top of the new shared copy). In [0, 1]: Streaming
+  // DiLoCo's mix, live = mix * live + (1 - mix) * shared', computed as
+  // torch's shared'.lerp_(live, mix) (torchft's fragment_update_alpha; 0
+  // replaces the live values by the shared copy).
+  double mix = -1.0;
 
   static OptimizerHyper default_outer() {
     OptimizerHyper hyper;

@@ -44,26 +44,39 @@
 
 namespace hemiola {
 
+// How a coding's codes sit in its bytes: pack() writes `count` codes (each
+// in [-kLevels, kLevels]) and unpack() reads them back, whole blocks at a
+// time, in loops plain enough to vectorise.
+
 // int8: codes in [-127, 127], one byte each.
 struct Int8Codes {
   static constexpr int kLevels = 127;
   static constexpr size_t kBlockBytes = kInt8Block;
-  static void put(uint8_t* codes, size_t j, int q) {
-    codes[j] = static_cast<uint8_t>(static_cast<int8_t>(q));
+  static void pack(const int8_t* __restrict q, size_t count, uint8_t* __restrict codes) {
+    std::memcpy(codes, q, count);
   }
-  static int get(const uint8_t* codes, size_t j) { return static_cast<int8_t>(codes[j]); }
+  static void unpack(const uint8_t* __restrict codes, size_t count, int8_t* __restrict q) {
+    std::memcpy(q, codes, count);
+  }
 };
 
 // int4: codes in [-7, 7] as the nibble q + 7, element 2i in the low nibble of
-// byte i (the codes must be zeroed before they are put).
+// byte i (an odd count's last high nibble is 0).
 struct Int4Codes {
   static constexpr int kLevels = 7;
   static constexpr size_t kBlockBytes = kInt8Block / 2;
-  static void put(uint8_t* codes, size_t j, int q) {
-    codes[j / 2] |= static_cast<uint8_t>((q + kLevels) << (4 * (j & 1)));
+  static void pack(const int8_t* __restrict q, size_t count, uint8_t* __restrict codes) {
+    for (size_t k = 0; k < count / 2; ++k) {
+      codes[k] = static_cast<uint8_t>((q[2 * k] + kLevels) | ((q[2 * k + 1] + kLevels) << 4));
+    }
+    if (count % 2) codes[count / 2] = static_cast<uint8_t>(q[count - 1] + kLevels);
   }
-  static int get(const uint8_t* codes, size_t j) {
-    return ((codes[j / 2] >> (4 * (j & 1))) & 0xF) - kLevels;
+  static void unpack(const uint8_t* __restrict codes, size_t count, int8_t* __restrict q) {
+    for (size_t k = 0; k < count / 2; ++k) {
+      q[2 * k] = static_cast<int8_t>((codes[k] & 0xF) - kLevels);
+      q[2 * k + 1] = static_cast<int8_t>((codes[k] >> 4) - kLevels);
+    }
+    if (count % 2) q[count - 1] = static_cast<int8_t>((codes[count / 2] & 0xF) - kLevels);
   }
 };
 
@@ -75,47 +88,87 @@ constexpr size_t record_bytes() {
   return sizeof(float) + Codes::kBlockBytes;
 }
 
-// Codes the `count` values at `v` into `record` (zero-filled), leaving in `v`
+// Codes the `count` (at most kInt8Block) values at `v` into `record`, leaving in `v`
 // what the coding dropped.
 template <typename Codes>
-void code(float* v, size_t count, uint8_t* record) {
-  float m = 0.0f;
-  float bad = 0.0f;  // stays 0 while every value is finite
-  for (size_t i = 0; i < count; ++i) {
+void code(float* __restrict v, size_t count, uint8_t* __restrict record) {
+  // max |v| and whether any value is infinite or NaN, over kLanes
+  // independent lanes (no lane's result depends on another's order, so the
+  // compiler may keep them in one vector register).
+  constexpr size_t kLanes = 8;
+  float lane_max[kLanes] = {};
+  uint32_t lane_bad[kLanes] = {};
+  size_t i = 0;
+  for (; i + kLanes <= count; i += kLanes) {
+    for (size_t l = 0; l < kLanes; ++l) {
+      const float a = std::fabs(v[i + l]);
+      lane_max[l] = lane_max[l] < a ? a : lane_max[l];
+      uint32_t bits;
+      std::memcpy(&bits, &v[i + l], sizeof bits);
+      lane_bad[l] |= static_cast<uint32_t>((bits & 0x7f800000u) == 0x7f800000u);
+    }
+  }
+  for (; i < count; ++i) {
     const float a = std::fabs(v[i]);
-    m = std::max(m, a);
-    bad += a - a;  // NaN for an infinite or NaN value
+    lane_max[0] = lane_max[0] < a ? a : lane_max[0];
+    uint32_t bits;
+    std::memcpy(&bits, &v[i], sizeof bits);
+    lane_bad[0] |= static_cast<uint32_t>((bits & 0x7f800000u) == 0x7f800000u);
+  }
+  float m = 0.0f;
+  uint32_t bad = 0;
+  for (size_t l = 0; l < kLanes; ++l) {
+    m = std::max(m, lane_max[l]);
+    bad |= lane_bad[l];
   }
   const float limit = static_cast<float>(Codes::kLevels);
-  const float s = bad == 0.0f ? m / limit : std::numeric_limits<float>::quiet_NaN();
+  const float s = bad == 0 ? m / limit : std::numeric_limits<float>::quiet_NaN();
   std::memcpy(record, &s, sizeof s);
-  uint8_t* codes = record + sizeof s;
+  // Restrict: the codes never alias the values (a byte pointer could, as far
+  // as the compiler knows, and it would not vectorise).
+  uint8_t* __restrict codes = record + sizeof s;
+  int8_t qs[kInt8Block];
   const float inverse = 1.0f / s;
   if (std::isfinite(s) && s > 0.0f && std::isfinite(inverse)) {
+    // |v * inverse| <= L (1 + 6e-7) < L + 1/2: s = m / L rounds by at most
+    // 5e-7 relative even where it is subnormal (a finite inverse means s >=
+    // 2.9e-39), so rint lands in [-L, L]. The integer clamp only guards that
+    // bound; it is branch-free, so the loop vectorises (int8.cpp and int4.cpp
+    // are built with -fno-trapping-math for the conversion: cpp/CMakeLists.txt).
     const float magic = 12582912.0f;  // 1.5 * 2^23: (x + magic) - magic == rint(x) for small x
-    for (size_t i = 0; i < count; ++i) {
-      const float x = std::min(limit, std::max(-limit, v[i] * inverse));
-      const float q = (x + magic) - magic;
-      Codes::put(codes, i, static_cast<int>(q));
-      v[i] -= s * q;
+    for (size_t j = 0; j < count; ++j) {
+      const float x = v[j] * inverse;
+      int q = static_cast<int>((x + magic) - magic);
+      q = q < -Codes::kLevels ? -Codes::kLevels : q;
+      q = q > Codes::kLevels ? Codes::kLevels : q;
+      qs[j] = static_cast<int8_t>(q);
+      v[j] -= s * static_cast<float>(q);
     }
   } else {
     // Zero or tiny scale: codes 0, and v stays in the residual. NaN: the
     // block decodes to NaN everywhere; the residual that held it is reset.
     const bool drop = std::isnan(s);
-    for (size_t i = 0; i < count; ++i) {
-      Codes::put(codes, i, 0);
-      if (drop) v[i] = 0.0f;
+    for (size_t j = 0; j < count; ++j) {
+      qs[j] = 0;
+      if (drop) v[j] = 0.0f;
     }
   }
+  Codes::pack(qs, count, codes);
 }
 
-// The value of element i of a record.
-template <typename Codes>
-float decoded(const uint8_t* record, size_t i) {
+// Decodes the `count` values of a record into `out` (Add: adds them to what
+// `out` holds). The scale is read once; the loop is plain enough for the
+// compiler to vectorise.
+template <typename Codes, bool Add>
+void decode(const uint8_t* __restrict record, size_t count, float* __restrict out) {
   float s;
   std::memcpy(&s, record, sizeof s);
-  return s * static_cast<float>(Codes::get(record + sizeof s, i));
+  int8_t qs[kInt8Block];
+  Codes::unpack(record + sizeof s, count, qs);
+  for (size_t i = 0; i < count; ++i) {
+    const float value = s * static_cast<float>(qs[i]);
+    out[i] = Add ? out[i] + value : value;
+  }
 }
 
 // Calls fn(residual, values, count) for each piece of the bucket's elements
@@ -177,9 +230,8 @@ void reduce_in_blocks(const PlannedBucket& plan, float* data, Communicator& comm
     float* average = scratch.average.data() + (blk - first_block) * kInt8Block;
     const size_t count = block_count(blk);
     for (size_t r = 0; r < ranks; ++r) {
-      const uint8_t* record =
-          scratch.received.data() + (r * per_rank + (blk - first_block)) * kRecord;
-      for (size_t i = 0; i < count; ++i) average[i] += decoded<Codes>(record, i);
+      decode<Codes, true>(scratch.received.data() + (r * per_rank + (blk - first_block)) * kRecord,
+                          count, average);
     }
     for (size_t i = 0; i < count; ++i) average[i] *= inverse_ranks;
   }
@@ -200,10 +252,8 @@ void reduce_in_blocks(const PlannedBucket& plan, float* data, Communicator& comm
                   TensorRef{scratch.gathered.data(), DType::kUInt8, scratch.gathered.size(),
                             Device{}});
   for (size_t blk = 0; blk < blocks; ++blk) {
-    const uint8_t* record = scratch.gathered.data() + blk * kRecord;
-    float* out = data + blk * kInt8Block;
-    const size_t count = block_count(blk);
-    for (size_t i = 0; i < count; ++i) out[i] = decoded<Codes>(record, i);
+    decode<Codes, false>(scratch.gathered.data() + blk * kRecord, block_count(blk),
+                         data + blk * kInt8Block);
   }
 }
 

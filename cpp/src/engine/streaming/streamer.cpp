@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstring>
 
 #include "core/dtype_dispatch.h"
@@ -56,6 +57,26 @@ void merge(DType dtype, void* live, const void* shared, const void* base, size_t
       "streaming: not a floating dtype");
 }
 
+// live = lerp(shared, live, a) = shared + a * (live - shared), as torch's
+// `shared.lerp_(live, a)` computes it (torchft's merge): in the compute
+// type, from whichever end is nearer the weight, rounded to the dtype once.
+void mix(DType dtype, void* live, const void* shared, double a, size_t n) {
+  for_floating(
+      dtype,
+      [&](auto e) {
+        using E = decltype(e);
+        using T = typename E::Compute;
+        const T w = static_cast<T>(a);
+        for (size_t i = 0; i < n; ++i) {
+          const T start = E::at(shared, i);
+          const T end = E::at(live, i);
+          const T diff = end - start;
+          E::put(live, i, std::abs(w) < T(0.5) ? start + w * diff : end - diff * (T(1) - w));
+        }
+      },
+      "streaming: not a floating dtype");
+}
+
 }  // namespace
 
 StreamerImpl::StreamerImpl(Scheduler& scheduler, std::vector<StreamedParameter> params,
@@ -66,6 +87,8 @@ StreamerImpl::StreamerImpl(Scheduler& scheduler, std::vector<StreamedParameter> 
   HEMIOLA_CHECK(options_.fragments >= 1 && options_.fragments <= options_.sync_every,
                 "streaming: fragments must be between 1 and sync_every (", options_.sync_every,
                 "), got ", options_.fragments);
+  HEMIOLA_CHECK(options_.mix < 0.0 || options_.mix <= 1.0, "streaming: mix must be in [0, 1] "
+                "(or negative for the eager merge), got ", options_.mix);
   HEMIOLA_CHECK(options_.overlap * options_.fragments < options_.sync_every,
                 "streaming: overlap (", options_.overlap, ") must be less than sync_every / "
                 "fragments (", options_.sync_every, " / ", options_.fragments,
@@ -194,7 +217,9 @@ void StreamerImpl::land() {
     auto* live = static_cast<unsigned char*>(params_[bucket.tensors[k]].param.data) +
                  bucket.begins[k] * elem;
     const size_t at = bucket.offsets[k] * elem;
-    if (options_.overlap == 0) {
+    if (options_.mix >= 0.0) {
+      mix(bucket.dtype, live, fragment.shared.get() + at, options_.mix, bucket.counts[k]);
+    } else if (options_.overlap == 0) {
       std::memcpy(live, fragment.shared.get() + at, bucket.counts[k] * elem);
     } else {
       merge(bucket.dtype, live, fragment.shared.get() + at, base_.get() + at, bucket.counts[k]);
