@@ -210,6 +210,11 @@ class Config:
             every rank then holds the same parameters.
         outer_lr, outer_momentum, outer_nesterov: ``streaming`` only: the
             outer optimizer (SGD; DiLoCo's 0.7, 0.9, Nesterov).
+        mix: ``streaming`` only: the merge when a fragment's average lands.
+            None (default): eager, the rank's progress since the send kept on
+            top of the new shared copy. A number a in [0, 1]: Streaming
+            DiLoCo's mix, ``a * local + (1 - a) * shared`` (torchft's
+            ``fragment_update_alpha``; 0 takes the shared copy as it is).
         replica_ranks: ``streaming`` only: ranks per replica. A replica is a
             group of this many consecutive ranks (a node's, as torchrun numbers
             them) that averages its gradients every inner step as ``wfbp``
@@ -244,6 +249,7 @@ class Config:
     outer_lr: float = 0.7
     outer_momentum: float = 0.9
     outer_nesterov: bool = True
+    mix: float | None = None
     replica_ranks: int | None = None
 
     def __post_init__(self) -> None:
@@ -283,6 +289,10 @@ class Config:
                 raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
         if not isinstance(self.outer_nesterov, bool):
             raise ValueError(f"outer_nesterov must be True or False, got {self.outer_nesterov!r}")
+        if self.mix is not None and (isinstance(self.mix, bool) or not isinstance(
+                self.mix, (int, float)) or not 0 <= self.mix <= 1):
+            raise ValueError(f"mix must be None (the eager merge) or a number in [0, 1], got "
+                             f"{self.mix!r}")
         if self.replica_ranks is not None and not (
                 isinstance(self.replica_ranks, int) and not isinstance(self.replica_ranks, bool)
                 and self.replica_ranks >= 1):

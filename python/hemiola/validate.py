@@ -47,7 +47,7 @@ def signature(module: nn.Module, config: Config) -> list[list[object]]:
         # different outer steps would fail inside Gloo or train apart silently.
         rows.append(["streaming", config.sync_every, config.fragments, config.overlap,
                      config.outer_lr, config.outer_momentum, config.outer_nesterov,
-                     config.replica_ranks])
+                     config.mix, config.replica_ranks])
     for name, p in module.named_parameters():
         rows.append(["parameter", name, list(p.shape), str(p.dtype), p.requires_grad])
     for name, b in module.named_buffers():

@@ -27,7 +27,7 @@ def _inner_step(model: torch.nn.Module, opt: torch.optim.Optimizer, name: str, s
 
 
 def _diloco_reference(rank: int, world: int, name: str, opt_name: str, steps: int,
-                      sync_every: int) -> list[torch.Tensor]:
+                      sync_every: int, mix: float | None = None) -> list[torch.Tensor]:
     torch.manual_seed(0)
     model = make_model(name)
     opt = make_optimizer(opt_name, model.parameters())
@@ -43,18 +43,20 @@ def _diloco_reference(rank: int, world: int, name: str, opt_name: str, steps: in
                     s.grad /= world
                 outer.step()
                 for s, p in zip(shared.parameters(), model.parameters()):
-                    p.copy_(s)
+                    # Streaming DiLoCo's mix as torchft merges: the shared
+                    # copy lerped toward the local parameters.
+                    p.copy_(s if mix is None else s.detach().lerp(p, mix))
     return [p.detach().clone() for p in model.parameters()]
 
 
 def equals_diloco(rank: int, world: int, name: str, opt_name: str, steps: int,
-                  sync_every: int) -> dict[str, Any]:
+                  sync_every: int, mix: float | None = None) -> dict[str, Any]:
     hemiola.init()
-    reference = _diloco_reference(rank, world, name, opt_name, steps, sync_every)
+    reference = _diloco_reference(rank, world, name, opt_name, steps, sync_every, mix)
     torch.manual_seed(0)
     model = make_model(name)
     opt = make_optimizer(opt_name, model.parameters())
-    model, opt = hemiola.wrap(model, opt, schedule="streaming", sync_every=sync_every)
+    model, opt = hemiola.wrap(model, opt, schedule="streaming", sync_every=sync_every, mix=mix)
     for step in range(1, steps + 1):
         _inner_step(model, opt, name, step, rank, world)
     ours = [p.detach().clone() for p in model.parameters()]

@@ -24,6 +24,17 @@ def test_blocking_sync_is_diloco(name: str, opt_name: str) -> None:
         assert r["stats"]["syncs"] == 3, r
 
 
+def test_the_mixing_merge_is_torchfts_lerp() -> None:
+    # Streaming DiLoCo's merge (torchft's fragment_update_alpha): the new
+    # shared copy lerped toward the local parameters; the ranks then differ.
+    results = run_local(streaming_workers.equals_diloco, 2, "mlp", "adamw", 12, 4, 0.5,
+                        timeout_s=240)
+    for r in results.values():
+        assert r["max_diff"] <= 1e-6, r
+        assert r["rank_spread"] > 0.0, r  # each keeps half of its own progress
+        assert r["stats"]["syncs"] == 3, r
+
+
 @pytest.mark.parametrize("options", [
     {"sync_every": 6, "fragments": 3, "overlap": 1},
     {"sync_every": 4, "fragments": 2, "overlap": 1, "compression": "int8"},
@@ -105,6 +116,9 @@ def test_an_outer_step_that_is_not_finite_is_refused() -> None:
                         ("outer_momentum", -0.1), ("outer_lr", "0.7")):
         with pytest.raises(ValueError, match=f"{option} must be a finite number"):
             hemiola.Config(schedule="streaming", **{option: bad})
+    for bad in (1.5, -0.1, float("nan"), True, "0.5"):
+        with pytest.raises(ValueError, match="mix must be None"):
+            hemiola.Config(schedule="streaming", mix=bad)
 
 
 def test_refuses_with_a_message_that_says_what_to_do() -> None:

@@ -8,16 +8,19 @@ A contender is named (``parse``):
 - ``ddp``: torch DistributedDataParallel over Gloo;
 - a :class:`~hemiola.bench.contender.Contender` with a per-step schedule, e.g.
   ``decoupled+int8``;
-- ``streaming-hH[-fFtT][+CODING][@lrLmM]``: ``hemiola.wrap(schedule="streaming",
-  sync_every=H, fragments=F, overlap=T, compression=CODING)``;
-- ``torchft-hH[@lrLmM]``: torchft's ``torchft.local_sgd.DiLoCo`` (one fragment,
+- ``streaming-hH[-fFtT][+CODING][@lrLmM][~mixA]``: ``hemiola.wrap(schedule="streaming",
+  sync_every=H, fragments=F, overlap=T, compression=CODING, mix=A)``;
+- ``torchft-hH[@lrLmM][~mixA]``: torchft's ``torchft.local_sgd.DiLoCo`` (one fragment,
   blocking), each rank a replica group of one with its own TCPStore, a
   ``torchft.Manager`` and rank 0 hosting the ``LighthouseServer``.
 
 Every inner optimizer is the task's (AdamW, warmup + cosine); every outer one
 is SGD, by default DiLoCo's (lr 0.7, momentum 0.9, Nesterov); ``@lrLmM`` sets
 its learning rate L and momentum M (Nesterov when M > 0): ``@lr1m0`` is plain
-averaging of the models (local SGD).
+averaging of the models (local SGD). ``~mixA`` merges a landed fragment as
+Streaming DiLoCo does, ``A * local + (1 - A) * shared`` (torchft's
+``fragment_update_alpha``); without it hemiola's merge is its eager one and
+torchft's its default (alpha 0: the shared copy).
 """
 
 from __future__ import annotations
@@ -38,7 +41,7 @@ from torch import nn
 #: ``streaming-h20-f2t1+int8`` / ``torchft-h20``
 LOW_COMM = re.compile(r"(?P<kind>streaming|torchft)-h(?P<h>\d+)"
                       r"(?:-f(?P<f>\d+)t(?P<t>\d+))?(?:\+(?P<coding>\w+))?"
-                      r"(?:@lr(?P<lr>[0-9.]+)m(?P<m>[0-9.]+))?")
+                      r"(?:@lr(?P<lr>[0-9.]+)m(?P<m>[0-9.]+))?(?:~mix(?P<mix>[0-9.]+))?")
 #: bytes per element on the wire of each coding (int8 and int4: one float32
 #: scale per 256 elements)
 CODING_BYTES = {"": 4.0, "fp16": 2.0, "bf16": 2.0, "int8": 1.0 + 4.0 / 256,
@@ -61,6 +64,7 @@ class Spec:
     coding: str = ""
     outer_lr: float = OUTER["lr"]  # type: ignore[assignment]
     outer_momentum: float = OUTER["momentum"]  # type: ignore[assignment]
+    mix: float | None = None  # the merge's alpha; None: the library's default merge
 
     @property
     def outer(self) -> dict[str, Any]:
@@ -88,8 +92,9 @@ class Spec:
             outer = (", averaging (outer lr 1, no momentum)"
                      if (self.outer_lr, self.outer_momentum) == (1.0, 0.0) else
                      f", outer lr {self.outer_lr:g} momentum {self.outer_momentum:g}")
+        mix = "" if self.mix is None else f", mix {self.mix:g}"
         return (f"{lib} H={self.h}{shape}" + (f" + {self.coding}" if self.coding else "")
-                + outer)
+                + outer + mix)
 
 
 def parse(name: str) -> Spec:
@@ -114,7 +119,11 @@ def parse(name: str) -> Spec:
         momentum = float(m["m"]) if m["m"] else OUTER["momentum"]
         if not (0 < lr and 0 <= momentum < 1):  # type: ignore[operator]
             raise ValueError(f"{name}: the outer lr must be positive and its momentum in [0, 1)")
-        return Spec(name, m["kind"], h, f, t, coding, lr, momentum)  # type: ignore[arg-type]
+        mix = float(m["mix"]) if m["mix"] else None
+        if mix is not None and not 0 <= mix <= 1:
+            raise ValueError(f"{name}: the mix must be in [0, 1]")
+        return Spec(name, m["kind"], h, f, t, coding, lr, momentum,  # type: ignore[arg-type]
+                    mix)
     from hemiola.bench.contender import Contender
 
     contender = Contender.parse(name)  # raises ValueError on unknown names
@@ -211,7 +220,7 @@ class TorchFT:
         self.managers = 0
 
     def wrap(self, model: nn.Module, inner: torch.optim.Optimizer, h: int,
-             outer_hyper: dict[str, Any]) -> list[Any]:
+             outer_hyper: dict[str, Any], mix: float = 0.0) -> list[Any]:
         """A Manager and an entered ``DiLoCo`` around `model` and `inner`;
         returns what closes them, in order."""
         from torchft import Manager
@@ -230,7 +239,8 @@ class TorchFT:
             hostname=self.addr, init_sync=False, timeout=timedelta(seconds=300),
             quorum_timeout=timedelta(seconds=300))
         outer = torch.optim.SGD(model.parameters(), **outer_hyper)
-        diloco = DiLoCo(manager, [model], inner, outer, sync_every=h, pin_memory=False)
+        diloco = DiLoCo(manager, [model], inner, outer, sync_every=h, pin_memory=False,
+                        fragment_update_alpha=mix)
         diloco.__enter__()
         return [lambda: diloco.__exit__(None, None, None), lambda: manager.shutdown(wait=False)]
 
@@ -271,11 +281,11 @@ def build(spec: Spec, task: Any, total: int, seed: int, ft: TorchFT | None) -> R
             model, optimizer, schedule="streaming", sync_every=spec.h,
             fragments=spec.fragments, overlap=spec.overlap, compression=spec.coding or None,
             outer_lr=spec.outer_lr, outer_momentum=spec.outer_momentum,
-            outer_nesterov=spec.outer_momentum > 0)
+            outer_nesterov=spec.outer_momentum > 0, mix=spec.mix)
     elif spec.kind == "torchft":
         if ft is None:
             raise RuntimeError("torchft is not set up on this rank")
-        closers = ft.wrap(model, optimizer, spec.h, spec.outer)
+        closers = ft.wrap(model, optimizer, spec.h, spec.outer, spec.mix or 0.0)
     return Run(spec, model, optimizer, task.lr_scheduler(optimizer, total), closers=closers)
 
 
