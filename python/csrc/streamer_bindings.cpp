@@ -74,7 +74,7 @@ void bind_streamer(py::module_& m) {
       [](py::handle engine, const std::vector<py::tuple>& params, size_t sync_every,
          size_t fragments,
          size_t overlap, double outer_lr, double outer_momentum, bool outer_nesterov,
-         int compression, double mix, py::handle group) {
+         int compression, double mix, bool check_finite, py::handle group) {
         std::vector<StreamedParameter> refs;
         for (const py::tuple& p : params) {
           HEMIOLA_CHECK(p.size() == 4, "a streamed parameter is (name, data_ptr, dtype, numel)");
@@ -93,6 +93,7 @@ void bind_streamer(py::module_& m) {
         options.outer.nesterov = outer_nesterov;
         options.compression = compression_of(compression);
         options.mix = mix;
+        options.check_finite = check_finite;
         Engine& e = engine.cast<Engine&>();
         Engine* g = group.is_none() ? nullptr : &group.cast<Engine&>();
         std::unique_ptr<Streamer> streamer;
@@ -108,6 +109,7 @@ void bind_streamer(py::module_& m) {
       py::arg("engine"), py::arg("params"), py::arg("sync_every"), py::arg("fragments") = 1,
       py::arg("overlap") = 0, py::arg("outer_lr") = 0.7, py::arg("outer_momentum") = 0.9,
       py::arg("outer_nesterov") = true, py::arg("compression") = 0, py::arg("mix") = -1.0,
+      py::arg("check_finite") = false,
       py::arg("group") = py::none(),
       "The streaming schedule over `params` across `engine`'s ranks; `group`: the engine of "
       "this rank's replica group (ranks a per-step schedule keeps equal), or None.");

@@ -153,8 +153,9 @@ class Config:
             per rank), ``"gloo"`` (through pinned host memory; no NCCL needed,
             and several ranks may share one GPU) or ``"auto"`` (NCCL when
             ``libnccl.so.2`` loads, else Gloo).
-        check_finite: Check every averaged gradient for NaN and infinity and
-            raise, on every rank alike, naming the first parameter that holds
+        check_finite: Check every averaged gradient (under ``streaming``,
+            every fragment's averaged pseudo-gradient) for NaN and infinity
+            and raise, on every rank alike, naming a parameter that holds
             one, instead of applying it. Costs one pass over the gradients
             per iteration. With a GradScaler (``grad_scaler``), overflows skip
             the step instead, as GradScaler does.

@@ -108,7 +108,8 @@ class StreamingParallel(nn.Module):
             outer_lr=config.outer_lr, outer_momentum=config.outer_momentum,
             outer_nesterov=config.outer_nesterov,
             compression=compression_code(config.compression),
-            mix=-1.0 if config.mix is None else float(config.mix), group=self._group)
+            mix=-1.0 if config.mix is None else float(config.mix),
+            check_finite=config.check_finite, group=self._group)
         self._hooks = [
             optimizer.register_step_post_hook(lambda *_: self._after_inner_step()),
             optimizer.register_state_dict_post_hook(self._save_into),

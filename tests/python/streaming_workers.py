@@ -268,3 +268,24 @@ def groups_equal_diloco(rank: int, world: int, ranks: int, name: str, steps: int
     return {"max_diff": float((ours - expected).abs().max()),
             "rank_spread": max(float((g - gathered[0]).abs().max()) for g in gathered),
             "stats": model.stats()}
+
+
+def a_nan_is_refused(rank: int, world: int, compression: str | None) -> str:
+    """Rank 1's parameters turn NaN after inner step 1; the sync after step 2
+    (check_finite=True) must raise on every rank, before anything is applied."""
+    hemiola.init()
+    torch.manual_seed(0)
+    base = make_model("mlp")
+    model, opt = hemiola.wrap(base, make_optimizer("adamw", base.parameters()),
+                              schedule="streaming", sync_every=2, check_finite=True,
+                              compression=compression)
+    _inner_step(model, opt, "mlp", 1, rank, world)
+    if rank == 1:
+        with torch.no_grad():
+            next(model.parameters())[0, 0] = float("nan")
+    before = [p.detach().clone() for p in model.parameters()]
+    try:
+        _inner_step(model, opt, "mlp", 2, rank, world)
+    except FloatingPointError as e:
+        return str(e)
+    return f"no error; parameters finite: {all(bool(torch.isfinite(p).all()) for p in before)}"

@@ -24,6 +24,14 @@ def test_blocking_sync_is_diloco(name: str, opt_name: str) -> None:
         assert r["stats"]["syncs"] == 3, r
 
 
+@pytest.mark.parametrize("compression", [None, "int8"])
+def test_check_finite_refuses_a_nan_average_on_every_rank(compression: str | None) -> None:
+    results = run_local(streaming_workers.a_nan_is_refused, 2, compression, timeout_s=240)
+    for message in results.values():
+        assert "holds NaN or infinity in parameter" in message, message
+        assert "check_finite=True" in message and "not applied" in message, message
+
+
 def test_the_mixing_merge_is_torchfts_lerp() -> None:
     # Streaming DiLoCo's merge (torchft's fragment_update_alpha): the new
     # shared copy lerped toward the local parameters; the ranks then differ.

@@ -198,7 +198,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="steps per block; rank 0 evaluates after each (default 50)")
     parser.add_argument("--eval-windows", type=int, default=256,
                         help="held-out windows per evaluation (default 256)")
-    parser.add_argument("--seeds", type=int, default=1, help="seeds 0..N-1 (default 1)")
+    parser.add_argument("--seeds", type=int, default=1,
+                        help="how many seeds, from --first-seed (default 1)")
+    parser.add_argument("--first-seed", type=int, default=0,
+                        help="the first seed (default 0): tune on some seeds, report on others")
     parser.add_argument("--target", type=float,
                         help="target held-out loss (default: the highest final held-out loss "
                              "among the communicating contenders)")
@@ -241,7 +244,7 @@ def run(args: argparse.Namespace) -> int:
         for rate in args.rates.split(","):
             net = Loopback(args.world_size) if rate == "none" else Network(args.world_size, rate)
             with net:
-                for seed in range(args.seeds):
+                for seed in range(args.first_seed, args.first_seed + args.seeds):
                     progress = Path(tmp) / f"progress-{rate}-{seed}"
                     config = {"task": args.task, "seed": seed, "steps": args.steps,
                               "eval_every": args.eval_every,

@@ -66,6 +66,10 @@ struct StreamerOptions {
   // torch's shared'.lerp_(live, mix) (torchft's fragment_update_alpha; 0
   // replaces the live values by the shared copy).
   double mix = -1.0;
+  // Check every fragment's average for NaN and infinity when it lands, and
+  // throw (ErrorCode::kNotFinite, naming a parameter it holds) instead of
+  // applying it: the average is the same on every rank, so every rank throws.
+  bool check_finite = false;
 
   static OptimizerHyper default_outer() {
     OptimizerHyper hyper;

@@ -200,6 +200,7 @@ void StreamerImpl::land() {
   const size_t f = sent_;
   const PlannedBucket& bucket = plan_[f];
   Fragment& fragment = fragments_[f];
+  if (options_.check_finite) check_finite(f);
   // The outer step: shared -= lr * (Nesterov) momentum of the average, the
   // same on every rank since the averages and the state are.
   SgdHyper hyper;
@@ -228,6 +229,29 @@ void StreamerImpl::land() {
   in_flight_ = false;
   averaged_ = false;
   ++syncs_;
+}
+
+void StreamerImpl::check_finite(size_t f) const {
+  const PlannedBucket& bucket = plan_[f];
+  for (size_t k = 0; k < bucket.tensors.size(); ++k) {
+    bool finite = true;
+    for_floating(
+        bucket.dtype,
+        [&](auto e) {
+          using E = decltype(e);
+          for (size_t i = 0; i < bucket.counts[k] && finite; ++i) {
+            finite = std::isfinite(wide<E>(average_.get(), bucket.offsets[k] + i));
+          }
+        },
+        "streaming: not a floating dtype");
+    if (finite) continue;
+    HEMIOLA_THROW(ErrorCode::kNotFinite, "streaming: the average of fragment ", f,
+                  " holds NaN or infinity in parameter '", params_[bucket.tensors[k]].name,
+                  "' (sync ", syncs_ + 1, ", after inner step ", steps_,
+                  "; check_finite=True); it was not applied, and every rank stops here alike. "
+                  "Some replica's parameters diverged since the last sync: lower the inner "
+                  "learning rate, check the inputs, or scale fp16 losses with a GradScaler.");
+  }
 }
 
 TensorRef StreamerImpl::buffer(size_t f, unsigned char* data) const {

@@ -60,6 +60,8 @@ class StreamerImpl {
   void send(size_t f);
   // Waits for the fragment in flight; its outer step and merge.
   void land();
+  // check_finite: throws unless fragment f's average (in average_) is finite.
+  void check_finite(size_t f) const;
   // Fragment `f`'s values in `data` (laid out as its plan).
   TensorRef buffer(size_t f, unsigned char* data) const;
 
