@@ -36,6 +36,17 @@ void bind_streamer(py::module_& m) {
       .def_property_readonly("waited_ms", &Streamer::waited_ms)
       .def_property_readonly("syncs", &Streamer::syncs)
       .def("fragments", &Streamer::fragments)
+      .def(
+          "options",
+          [](const Streamer& s) {
+            const StreamerOptions& o = s.options();
+            py::dict out;
+            out["sync_every"] = o.sync_every;
+            out["fragments"] = o.fragments;
+            out["overlap"] = o.overlap;
+            return out;
+          },
+          "sync_every, fragments and overlap, as made.")
       .def("shared_view", [](Streamer& s, size_t f) { return view_of(s.shared(f)); },
            py::arg("fragment"), "Fragment `fragment`'s shared copy (writable, no copy).")
       .def("outer_momentum_view", [](Streamer& s, size_t f) { return view_of(s.outer_momentum(f)); },

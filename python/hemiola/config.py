@@ -208,7 +208,13 @@ class Config:
             to arrive (tau; less than ``sync_every / fragments``); meanwhile
             the rank's own progress stands in, and is kept on top of the new
             shared copy when it lands. 0: each sync waits for its average and
-            every rank then holds the same parameters.
+            every rank then holds the same parameters. With both
+            ``fragments`` and ``overlap`` left out (None), the run starts
+            blocking with one fragment and, after the first sync, chooses
+            them from that sync's measured time (hemiola.streaming_shape:
+            blocking where a sync costs at most 5% of ``sync_every`` steps,
+            else fragments and an overlap that hide it); with one left out,
+            it is 1 fragment or 0 overlap.
         outer_lr, outer_momentum, outer_nesterov: ``streaming`` only: the
             outer optimizer (SGD; DiLoCo's 0.7, 0.9, Nesterov).
         mix: ``streaming`` only: the merge when a fragment's average lands.
@@ -245,8 +251,8 @@ class Config:
     powersgd_rank: int = 2
     powersgd_start_iter: int = 10
     sync_every: int = 100
-    fragments: int = 1
-    overlap: int = 0
+    fragments: int | None = None
+    overlap: int | None = None
     outer_lr: float = 0.7
     outer_momentum: float = 0.9
     outer_nesterov: bool = True
@@ -279,9 +285,10 @@ class Config:
                              f"{', '.join(repr(c) for c in COMPRESSIONS)}")
         for name in ("sync_every", "fragments"):
             value = getattr(self, name)
-            if not (isinstance(value, int) and value >= 1):
+            if not (isinstance(value, int) and value >= 1) and not (
+                    name == "fragments" and value is None):
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
-        if not (isinstance(self.overlap, int) and self.overlap >= 0):
+        if self.overlap is not None and not (isinstance(self.overlap, int) and self.overlap >= 0):
             raise ValueError(f"overlap must be an integer >= 0, got {self.overlap!r}")
         for name in ("outer_lr", "outer_momentum"):
             value = getattr(self, name)

@@ -32,20 +32,25 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 from collections.abc import Iterator
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from hemiola._native import C
 from hemiola.config import RESIDUAL_CODINGS, STREAMING_CODINGS, Config, compression_code, spelled
 from hemiola.data_parallel import DataParallel
 from hemiola.engine_tensors import broadcast_tensors, dtype_code
+from hemiola.streaming_shape import FirstSyncProbe, Shape, announce, choose
 from hemiola.validate import check_module, check_same_model
 
 #: the optimizer state_dict key that holds the streaming state
 STATE_KEY = "hemiola_streaming"
+
+log = logging.getLogger("hemiola")
 
 
 class StreamingParallel(nn.Module):
@@ -101,15 +106,13 @@ class StreamingParallel(nn.Module):
         #: what the engine reads and writes: the parameters, or their host copy
         self._host = ([p.detach().to("cpu", copy=True) for p in self._params] if host_copy
                       else self._params)
-        self._streamer = C.make_streamer(
-            engine, [(n, h.data_ptr(), dtype_code(h.dtype), h.numel())
-                     for (n, _), h in zip(named, self._host)],
-            sync_every=config.sync_every, fragments=config.fragments, overlap=config.overlap,
-            outer_lr=config.outer_lr, outer_momentum=config.outer_momentum,
-            outer_nesterov=config.outer_nesterov,
-            compression=compression_code(config.compression),
-            mix=-1.0 if config.mix is None else float(config.mix),
-            check_finite=config.check_finite, group=self._group)
+        self._streamed = [(n, h.data_ptr(), dtype_code(h.dtype), h.numel())
+                          for (n, _), h in zip(named, self._host)]
+        # Fragments and overlap left out: blocking with one fragment until the
+        # first sync has been timed (streaming_shape.py).
+        self._probe = (FirstSyncProbe(config.sync_every)
+                       if config.fragments is None and config.overlap is None else None)
+        self._streamer = self._make_streamer(config.fragments or 1, config.overlap or 0)
         self._hooks = [
             optimizer.register_step_post_hook(lambda *_: self._after_inner_step()),
             optimizer.register_state_dict_post_hook(self._save_into),
@@ -119,6 +122,18 @@ class StreamingParallel(nn.Module):
             optimizer.register_load_state_dict_post_hook(lambda *_: self._restore()))
         self._pending_load: dict[str, Any] | None = None
         self._fragment_params = self._streamer.fragments()
+        #: waited_ms of a streamer replaced by _reshape
+        self._waited_before_ms = 0.0
+
+    def _make_streamer(self, fragments: int, overlap: int) -> Any:
+        config = self._config
+        return C.make_streamer(
+            self._engine, self._streamed, sync_every=config.sync_every, fragments=fragments,
+            overlap=overlap, outer_lr=config.outer_lr, outer_momentum=config.outer_momentum,
+            outer_nesterov=config.outer_nesterov,
+            compression=compression_code(config.compression),
+            mix=-1.0 if config.mix is None else float(config.mix),
+            check_finite=config.check_finite, group=self._group)
 
     @property
     def config(self) -> Config:
@@ -171,8 +186,11 @@ class StreamingParallel(nn.Module):
         """Inner steps, syncs so far, how long steps waited for averages, and
         the ranks per replica."""
         s = self._streamer
+        options = s.options()
         return {"inner_steps": float(s.inner_steps), "syncs": float(s.syncs),
-                "waited_ms": float(s.waited_ms), "replica_ranks": float(self.replica_ranks)}
+                "waited_ms": float(s.waited_ms) + self._waited_before_ms,
+                "replica_ranks": float(self.replica_ranks),
+                "fragments": float(options["fragments"]), "overlap": float(options["overlap"])}
 
     def timeline(self) -> str:
         """Chrome trace JSON of engine events (``timeline=True`` to record):
@@ -187,6 +205,64 @@ class StreamingParallel(nn.Module):
 
     @torch.no_grad()
     def _after_inner_step(self) -> None:
+        probe = self._probe
+        if probe is not None:
+            probe.before_step(self._streamer.inner_steps + 1)
+        self._count_inner_step()
+        if probe is not None and self._streamer.inner_steps >= probe.sync_every:
+            self._probe = None
+            self._choose_shape(probe)
+
+    def _choose_shape(self, probe: FirstSyncProbe) -> None:
+        """After the first (blocking, one-fragment) sync: the fragments and
+        overlap that hide the measured wire time, rank 0's choice on every
+        rank (streaming_shape.py)."""
+        shape = choose(self._streamer.waited_ms, probe.step_ms(), self._config.sync_every)
+        agreed = torch.tensor([shape.fragments, shape.overlap], dtype=torch.int64)
+        broadcast_tensors(self._engine, [agreed])  # across the replicas
+        if self._group is not None:
+            broadcast_tensors(self._group, [agreed])  # and inside each one
+        fragments, overlap = (int(v) for v in agreed)
+        if (fragments, overlap) != (shape.fragments, shape.overlap):
+            shape = Shape(fragments, overlap, "rank 0's choice")
+        announce(shape, dist.get_rank())
+        if (fragments, overlap) != (1, 0):
+            self._reshape(fragments, overlap)
+
+    def _reshape(self, fragments: int, overlap: int) -> None:
+        """A new streamer with `fragments` and `overlap` in place of the
+        blocking one-fragment one, between syncs (nothing in flight): the
+        shared copy, the outer momentum, the step count and the residuals
+        carried over. The one fragment's layout is the parameters in order,
+        and so is the new fragments' one after another (one dtype)."""
+        old = self._streamer
+        if len({p.dtype for p in self._params}) != 1:
+            log.info("hemiola streaming: the parameters have several dtypes; the fragments "
+                     "and overlap stay as they are")
+            return
+        dtype = self._params[0].dtype
+        shared = torch.frombuffer(old.shared_view(0), dtype=dtype).clone()
+        momentum = torch.frombuffer(old.outer_momentum_view(0), dtype=dtype).clone()
+        started = old.momentum_started()[0]
+        residuals = self._residuals()
+        kept = None if residuals is None else [r.clone() for r in residuals]
+        steps, waited = old.inner_steps, old.waited_ms
+        self._streamer = new = self._make_streamer(fragments, overlap)
+        self._waited_before_ms += waited
+        at = 0
+        for f in range(len(new.fragments())):
+            s_view, m_view = self._views(f)
+            s_view.copy_(shared[at:at + s_view.numel()])
+            m_view.copy_(momentum[at:at + m_view.numel()])
+            at += s_view.numel()
+        new.restore(steps, [started] * len(new.fragments()), -1, 0)
+        mine = self._residuals()
+        if kept is not None and mine is not None:
+            for ours, theirs in zip(mine, kept):
+                ours.copy_(theirs)
+        self._fragment_params = new.fragments()
+
+    def _count_inner_step(self) -> None:
         if self._host is self._params:
             self._streamer.after_inner_step()
             return
@@ -235,7 +311,9 @@ class StreamingParallel(nn.Module):
                 "base": torch.frombuffer(s.in_flight_base_view(), dtype=dtype).clone(),
             }
         residuals = self._residuals()
+        options = s.options()
         state[STATE_KEY] = {
+            "fragments": options["fragments"], "overlap": options["overlap"],
             "inner_steps": s.inner_steps,
             "momentum_started": list(s.momentum_started()),
             "shared": [self._views(f)[0].clone() for f in range(len(s.fragments()))],
@@ -253,6 +331,11 @@ class StreamingParallel(nn.Module):
         saved, self._pending_load = self._pending_load, None
         if saved is None:
             return
+        if (self._probe is not None and "fragments" in saved
+                and (saved["fragments"], saved["overlap"]) != (1, 0)):
+            # Saved after the fragments and overlap were chosen: take them.
+            self._probe = None
+            self._reshape(saved["fragments"], saved["overlap"])
         s = self._streamer
         count = len(s.fragments())
         if len(saved["shared"]) != count:

@@ -52,7 +52,7 @@ def _wrap(kind: str, model: nn.Module, optimizer: torch.optim.Optimizer,
     if kind == "decoupled-late":
         kind, options = "decoupled", {"correct_on_arrival": False}
     if kind.startswith("streaming"):
-        options = {"sync_every": 3}
+        options = {"sync_every": 3, "fragments": 1, "overlap": 0}  # blocking: equal ranks
         if kind == "streaming-avg":
             options |= {"outer_lr": 1.0, "outer_momentum": 0.0, "outer_nesterov": False}
         kind, grad_scaler = "streaming", None

@@ -56,7 +56,8 @@ def equals_diloco(rank: int, world: int, name: str, opt_name: str, steps: int,
     torch.manual_seed(0)
     model = make_model(name)
     opt = make_optimizer(opt_name, model.parameters())
-    model, opt = hemiola.wrap(model, opt, schedule="streaming", sync_every=sync_every, mix=mix)
+    model, opt = hemiola.wrap(model, opt, schedule="streaming", sync_every=sync_every, mix=mix,
+                              fragments=1, overlap=0)  # blocking: DiLoCo itself
     for step in range(1, steps + 1):
         _inner_step(model, opt, name, step, rank, world)
     ours = [p.detach().clone() for p in model.parameters()]
@@ -112,9 +113,9 @@ def overlap_keeps_shared_identical(rank: int, world: int, options: dict[str, Any
     every inner step (so after each sync lands), and how many steps changed it."""
     hemiola.init()
     model, opt = _run("transformer", rank, world, options, range(1, 2))
-    s = model._streamer
 
     def shared() -> torch.Tensor:
+        s = model._streamer  # read anew: a shape chosen after the first sync replaces it
         return torch.cat([torch.frombuffer(s.shared_view(f), dtype=torch.float32).clone()
                           for f in range(len(s.fragments()))])
 
@@ -131,7 +132,7 @@ def overlap_keeps_shared_identical(rank: int, world: int, options: dict[str, Any
         changed += int(not torch.equal(now, last))
         last = now
     return {"shared_spread": spread, "shared_changes": changed,
-            "stats": model.stats(), "fragments": len(s.fragments())}
+            "stats": model.stats(), "fragments": len(model._streamer.fragments())}
 
 
 def _host_copied(name: str, options: dict[str, Any], device: str,
@@ -259,8 +260,8 @@ def groups_equal_diloco(rank: int, world: int, ranks: int, name: str, steps: int
     reference; with the ranks' spread and what each averaged on the wire."""
     hemiola.init()
     reference = _groups_reference(rank, world, ranks, name, steps, sync_every)
-    model, _ = _run(name, rank, world, {"sync_every": sync_every, "replica_ranks": ranks},
-                    range(1, steps + 1))
+    model, _ = _run(name, rank, world, {"sync_every": sync_every, "replica_ranks": ranks,
+                                        "fragments": 1, "overlap": 0}, range(1, steps + 1))
     ours = torch.cat([p.detach().flatten() for p in model.parameters()])
     gathered = [torch.empty_like(ours) for _ in range(world)]
     dist.all_gather(gathered, ours)
@@ -289,3 +290,26 @@ def a_nan_is_refused(rank: int, world: int, compression: str | None) -> str:
     except FloatingPointError as e:
         return str(e)
     return f"no error; parameters finite: {all(bool(torch.isfinite(p).all()) for p in before)}"
+
+
+def _force_shape(forced: tuple[int, int] | None) -> None:
+    """Makes the choice after the first sync `forced` (fragments, overlap)
+    whatever the wire measured, so a test does not depend on the machine."""
+    if forced is None:
+        return
+    import hemiola.streaming as streaming
+    from hemiola.streaming_shape import Shape
+
+    streaming.choose = lambda *_: Shape(forced[0], forced[1], "forced by the test")
+
+
+def auto_shape_keeps_shared_identical(rank: int, world: int, forced: tuple[int, int] | None,
+                                      steps: int) -> dict[str, Any]:
+    _force_shape(forced)
+    return overlap_keeps_shared_identical(rank, world, {"sync_every": 6}, steps)
+
+
+def auto_shape_resumes(rank: int, world: int, forced: tuple[int, int], stop: int, steps: int,
+                       tmp: str) -> dict[str, Any]:
+    _force_shape(forced)
+    return resume_repeats_the_run(rank, world, {"sync_every": 6}, stop, steps, tmp)

@@ -32,6 +32,45 @@ def test_check_finite_refuses_a_nan_average_on_every_rank(compression: str | Non
         assert "check_finite=True" in message and "not applied" in message, message
 
 
+def test_the_shape_is_chosen_from_the_first_syncs_time() -> None:
+    from hemiola.streaming_shape import choose
+    blocking = choose(wire_ms=10.0, step_ms=100.0, sync_every=20)  # 0.1 steps: 0.5% of H
+    assert (blocking.fragments, blocking.overlap) == (1, 0)
+    # 3 steps on the wire: 4 fragments of 0.75 steps, each landing 2 steps later
+    four = choose(wire_ms=300.0, step_ms=100.0, sync_every=20)
+    assert (four.fragments, four.overlap, four.keeps_up) == (4, 2, True)
+    # 12 steps: 4 fragments would need 5 steps of overlap (5 * 4 >= 20), 2 need 9
+    two = choose(wire_ms=1200.0, step_ms=100.0, sync_every=20)
+    assert (two.fragments, two.overlap) == (2, 9)
+    slow = choose(wire_ms=5000.0, step_ms=100.0, sync_every=20)  # 50 steps: cannot hide
+    assert (slow.fragments, slow.overlap, slow.keeps_up) == (1, 19, False)
+    assert "compression='int8'" in slow.reason
+
+
+@pytest.mark.parametrize("forced", [None, (2, 1), (3, 0)])
+def test_left_out_fragments_and_overlap_are_chosen_after_the_first_sync(
+        forced: tuple[int, int] | None) -> None:
+    results = run_local(streaming_workers.auto_shape_keeps_shared_identical, 2, forced, 20,
+                        timeout_s=240)
+    shapes = {(r["stats"]["fragments"], r["stats"]["overlap"]) for r in results.values()}
+    assert len(shapes) == 1, results  # rank 0's choice on every rank
+    fragments, overlap = shapes.pop()
+    if forced is not None:
+        assert (fragments, overlap) == forced
+    else:  # it depends on the machine's load: any shape the rule allows
+        assert overlap * fragments < 6 and fragments in (1, 2, 4), results
+    for r in results.values():
+        assert r["shared_spread"] == 0.0, r
+        assert r["fragments"] == fragments, r
+
+
+def test_a_chosen_shape_resumes_exactly(tmp_path: Path) -> None:
+    results = run_local(streaming_workers.auto_shape_resumes, 2, (2, 1), 9, 16, str(tmp_path),
+                        timeout_s=240)
+    for r in results.values():
+        assert r["max_diff"] == 0.0, r
+
+
 def test_the_mixing_merge_is_torchfts_lerp() -> None:
     # Streaming DiLoCo's merge (torchft's fragment_update_alpha): the new
     # shared copy lerped toward the local parameters; the ranks then differ.
@@ -59,7 +98,7 @@ def test_overlapped_fragments_keep_the_shared_copy_identical(options: dict[str, 
 
 
 @pytest.mark.parametrize("options,stop", [
-    ({"sync_every": 4}, 6),
+    ({"sync_every": 4, "fragments": 1, "overlap": 0}, 6),
     ({"sync_every": 6, "fragments": 2, "overlap": 2, "compression": "int8"}, 4),
     ({"sync_every": 6, "fragments": 2, "overlap": 2, "compression": "int4"}, 4),
 ])

@@ -8,8 +8,9 @@ A contender is named (``parse``):
 - ``ddp``: torch DistributedDataParallel over Gloo;
 - a :class:`~hemiola.bench.contender.Contender` with a per-step schedule, e.g.
   ``decoupled+int8``;
-- ``streaming-hH[-fFtT][+CODING][@lrLmM][~mixA]``: ``hemiola.wrap(schedule="streaming",
-  sync_every=H, fragments=F, overlap=T, compression=CODING, mix=A)``;
+- ``streaming-hH[-fFtT|-auto][+CODING][@lrLmM][~mixA]``: ``hemiola.wrap(schedule="streaming",
+  sync_every=H, fragments=F, overlap=T, compression=CODING, mix=A)`` (``-auto``:
+  fragments and overlap left out, chosen after the first sync);
 - ``torchft-hH[@lrLmM][~mixA]``: torchft's ``torchft.local_sgd.DiLoCo`` (one fragment,
   blocking), each rank a replica group of one with its own TCPStore, a
   ``torchft.Manager`` and rank 0 hosting the ``LighthouseServer``.
@@ -40,7 +41,7 @@ from torch import nn
 
 #: ``streaming-h20-f2t1+int8`` / ``torchft-h20``
 LOW_COMM = re.compile(r"(?P<kind>streaming|torchft)-h(?P<h>\d+)"
-                      r"(?:-f(?P<f>\d+)t(?P<t>\d+))?(?:\+(?P<coding>\w+))?"
+                      r"(?:-f(?P<f>\d+)t(?P<t>\d+)|(?P<auto>-auto))?(?:\+(?P<coding>\w+))?"
                       r"(?:@lr(?P<lr>[0-9.]+)m(?P<m>[0-9.]+))?(?:~mix(?P<mix>[0-9.]+))?")
 #: bytes per element on the wire of each coding (int8 and int4: one float32
 #: scale per 256 elements)
@@ -59,8 +60,8 @@ class Spec:
     name: str
     kind: str
     h: int = 1
-    fragments: int = 1
-    overlap: int = 0
+    fragments: int | None = 1  # None (with overlap None): left to hemiola (-auto)
+    overlap: int | None = 0
     coding: str = ""
     outer_lr: float = OUTER["lr"]  # type: ignore[assignment]
     outer_momentum: float = OUTER["momentum"]  # type: ignore[assignment]
@@ -85,7 +86,9 @@ class Spec:
             return Contender.parse(self.name).label + " (per step)"
         lib = "torchft DiLoCo" if self.kind == "torchft" else "hemiola streaming"
         shape = ""
-        if self.fragments > 1 or self.overlap:
+        if self.fragments is None:
+            shape = ", F and τ chosen after the first sync"
+        elif self.fragments > 1 or self.overlap:
             shape = f", F={self.fragments} τ={self.overlap}"
         outer = ""
         if (self.outer_lr, self.outer_momentum) != (OUTER["lr"], OUTER["momentum"]):
@@ -104,11 +107,12 @@ def parse(name: str) -> Spec:
     m = LOW_COMM.fullmatch(name)
     if m:
         h, f, t = int(m["h"]), int(m["f"] or 1), int(m["t"] or 0)
+        auto = bool(m["auto"])
         coding = m["coding"] or ""
         if coding not in CODING_BYTES:
             raise ValueError(f"{name}: unknown coding {coding!r}; known: "
                              f"{', '.join(c for c in CODING_BYTES if c)}")
-        if m["kind"] == "torchft" and (f > 1 or t or coding):  # (@lrLmM is allowed)
+        if m["kind"] == "torchft" and (f > 1 or t or coding or auto):  # (@lrLmM is allowed)
             raise ValueError(f"{name}: the torchft contender is its blocking one-fragment "
                              "DiLoCo (torchft-hH): its should_quantize needs triton (GPU "
                              "kernels) and sends float32 without it, and its fragments "
@@ -122,8 +126,8 @@ def parse(name: str) -> Spec:
         mix = float(m["mix"]) if m["mix"] else None
         if mix is not None and not 0 <= mix <= 1:
             raise ValueError(f"{name}: the mix must be in [0, 1]")
-        return Spec(name, m["kind"], h, f, t, coding, lr, momentum,  # type: ignore[arg-type]
-                    mix)
+        return Spec(name, m["kind"], h, None if auto else f,  # type: ignore[arg-type]
+                    None if auto else t, coding, lr, momentum, mix)
     from hemiola.bench.contender import Contender
 
     contender = Contender.parse(name)  # raises ValueError on unknown names
