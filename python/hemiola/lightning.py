@@ -143,8 +143,14 @@ class HemiolaStrategy:
                 f"{len(self.optimizers)}); with several, use schedule='wfbp'")
         scaler = getattr(self.precision_plugin, "scaler", None) if deferred else None
         optimizer = self.optimizers[0] if needs_optimizer else None
-        wrapped, _ = wrap(module, optimizer, self._schedule, grad_scaler=scaler,
-                          **self._options)
+        options = dict(self._options)
+        if (self._schedule == "streaming" and options.get("replica_ranks") is None
+                and self.num_nodes > 1):
+            # A replica per node (Lightning need not set LOCAL_WORLD_SIZE,
+            # which hemiola's own default reads): each node's ranks average
+            # every step, the nodes every sync_every steps.
+            options["replica_ranks"] = len(self.parallel_devices or [None])
+        wrapped, _ = wrap(module, optimizer, self._schedule, grad_scaler=scaler, **options)
         self.model = wrapped
         if deferred:
             self._clip_through(wrapped)

@@ -33,6 +33,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import warnings
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -51,6 +53,16 @@ from hemiola.validate import check_module, check_same_model
 STATE_KEY = "hemiola_streaming"
 
 log = logging.getLogger("hemiola")
+
+
+def _warn_if_never_synced(streamer: Any, sync_every: int, rank: int) -> None:
+    steps = streamer.inner_steps
+    if steps and not streamer.syncs and rank == 0:
+        warnings.warn(
+            f"hemiola streaming: {steps} inner steps and no sync (sync_every={sync_every}): "
+            "each rank ended with its own parameters. Set sync_every below the run's length "
+            "(it counts optimizer steps), or use a per-step schedule for a run this short.",
+            stacklevel=1)
 
 
 class StreamingParallel(nn.Module):
@@ -124,6 +136,11 @@ class StreamingParallel(nn.Module):
         self._fragment_params = self._streamer.fragments()
         #: waited_ms of a streamer replaced by _reshape
         self._waited_before_ms = 0.0
+        # A run shorter than sync_every never synchronises: say so when the
+        # model goes (or the interpreter ends), rather than end apart silently.
+        self._never_synced = weakref.finalize(
+            self, _warn_if_never_synced, self._streamer, config.sync_every,
+            dist.get_rank() if dist.is_initialized() else 0)
 
     def _make_streamer(self, fragments: int, overlap: int) -> Any:
         config = self._config
@@ -236,6 +253,7 @@ class StreamingParallel(nn.Module):
         carried over. The one fragment's layout is the parameters in order,
         and so is the new fragments' one after another (one dtype)."""
         old = self._streamer
+        self._never_synced.detach()  # it has synced; and the old streamer may go
         if len({p.dtype for p in self._params}) != 1:
             log.info("hemiola streaming: the parameters have several dtypes; the fragments "
                      "and overlap stay as they are")

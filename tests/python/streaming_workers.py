@@ -313,3 +313,17 @@ def auto_shape_resumes(rank: int, world: int, forced: tuple[int, int], stop: int
                        tmp: str) -> dict[str, Any]:
     _force_shape(forced)
     return resume_repeats_the_run(rank, world, {"sync_every": 6}, stop, steps, tmp)
+
+
+def a_run_shorter_than_sync_every(rank: int, world: int) -> list[str]:
+    """5 inner steps at the default sync_every=100: no sync ever happens."""
+    import gc
+    import warnings
+
+    hemiola.init()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model, opt = _run("mlp", rank, world, {}, range(1, 6))
+        del model, opt
+        gc.collect()
+    return [str(w.message) for w in caught if "no sync" in str(w.message)]

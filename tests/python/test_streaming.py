@@ -71,6 +71,12 @@ def test_a_chosen_shape_resumes_exactly(tmp_path: Path) -> None:
         assert r["max_diff"] == 0.0, r
 
 
+def test_a_run_that_never_syncs_says_so() -> None:
+    results = run_local(streaming_workers.a_run_shorter_than_sync_every, 2, timeout_s=240)
+    assert len(results[0]) == 1 and "5 inner steps and no sync" in results[0][0], results
+    assert results[1] == []  # said once, by rank 0
+
+
 def test_the_mixing_merge_is_torchfts_lerp() -> None:
     # Streaming DiLoCo's merge (torchft's fragment_update_alpha): the new
     # shared copy lerped toward the local parameters; the ranks then differ.
