@@ -216,12 +216,19 @@ class Config:
             else fragments and an overlap that hide it); with one left out,
             it is 1 fragment or 0 overlap.
         outer_lr, outer_momentum, outer_nesterov: ``streaming`` only: the
-            outer optimizer (SGD; DiLoCo's 0.7, 0.9, Nesterov).
+            outer optimizer (SGD). Default: lr 1, no momentum, so the outer
+            step is the average of the replicas' models (local SGD), which
+            measured best at tens of syncs (docs/streaming.md); DiLoCo's,
+            made for hundreds of syncs, is 0.7, 0.9, Nesterov.
+            ``outer_nesterov`` None: Nesterov whenever ``outer_momentum`` > 0.
         mix: ``streaming`` only: the merge when a fragment's average lands.
-            None (default): eager, the rank's progress since the send kept on
-            top of the new shared copy. A number a in [0, 1]: Streaming
-            DiLoCo's mix, ``a * local + (1 - a) * shared`` (torchft's
-            ``fragment_update_alpha``; 0 takes the shared copy as it is).
+            None (default): Streaming DiLoCo's mix with a = 0.5 for a fragment
+            that travelled under later steps (``overlap`` > 0), and the
+            shared copy itself after a blocking sync. ``"eager"``: the
+            rank's progress since the send kept on top of the new shared
+            copy. A number a in [0, 1]: ``a * local + (1 - a) * shared`` on
+            every sync (torchft's ``fragment_update_alpha``; 0 takes the
+            shared copy as it is).
         replica_ranks: ``streaming`` only: ranks per replica. A replica is a
             group of this many consecutive ranks (a node's, as torchrun numbers
             them) that averages its gradients every inner step as ``wfbp``
@@ -253,10 +260,10 @@ class Config:
     sync_every: int = 100
     fragments: int | None = None
     overlap: int | None = None
-    outer_lr: float = 0.7
-    outer_momentum: float = 0.9
-    outer_nesterov: bool = True
-    mix: float | None = None
+    outer_lr: float = 1.0
+    outer_momentum: float = 0.0
+    outer_nesterov: bool | None = None
+    mix: float | str | None = None
     replica_ranks: int | None = None
 
     def __post_init__(self) -> None:
@@ -295,12 +302,14 @@ class Config:
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
                     0 <= value < math.inf):
                 raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
-        if not isinstance(self.outer_nesterov, bool):
-            raise ValueError(f"outer_nesterov must be True or False, got {self.outer_nesterov!r}")
-        if self.mix is not None and (isinstance(self.mix, bool) or not isinstance(
-                self.mix, (int, float)) or not 0 <= self.mix <= 1):
-            raise ValueError(f"mix must be None (the eager merge) or a number in [0, 1], got "
-                             f"{self.mix!r}")
+        if self.outer_nesterov is not None and not isinstance(self.outer_nesterov, bool):
+            raise ValueError("outer_nesterov must be True, False or None (Nesterov whenever "
+                             f"outer_momentum > 0), got {self.outer_nesterov!r}")
+        if self.mix is not None and self.mix != "eager" and (
+                isinstance(self.mix, bool) or not isinstance(self.mix, (int, float))
+                or not 0 <= self.mix <= 1):
+            raise ValueError(f"mix must be None (0.5 where fragments overlap), 'eager' or a "
+                             f"number in [0, 1], got {self.mix!r}")
         if self.replica_ranks is not None and not (
                 isinstance(self.replica_ranks, int) and not isinstance(self.replica_ranks, bool)
                 and self.replica_ranks >= 1):

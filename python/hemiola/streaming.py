@@ -55,6 +55,19 @@ STATE_KEY = "hemiola_streaming"
 log = logging.getLogger("hemiola")
 
 
+#: the default merge's a for a fragment that travelled under later steps
+#: (Streaming DiLoCo's; it measured ahead of the eager merge: docs/streaming.md)
+DEFAULT_MIX = 0.5
+
+
+def merge_mix(mix: float | str | None, overlap: int) -> float:
+    """The engine's ``StreamerOptions::mix`` for ``Config.mix`` (negative:
+    the eager merge, which after a blocking sync is the shared copy)."""
+    if mix is None:
+        return DEFAULT_MIX if overlap > 0 else -1.0
+    return -1.0 if mix == "eager" else float(mix)
+
+
 def _warn_if_never_synced(streamer: Any, sync_every: int, rank: int) -> None:
     steps = streamer.inner_steps
     if steps and not streamer.syncs and rank == 0:
@@ -147,9 +160,9 @@ class StreamingParallel(nn.Module):
         return C.make_streamer(
             self._engine, self._streamed, sync_every=config.sync_every, fragments=fragments,
             overlap=overlap, outer_lr=config.outer_lr, outer_momentum=config.outer_momentum,
-            outer_nesterov=config.outer_nesterov,
-            compression=compression_code(config.compression),
-            mix=-1.0 if config.mix is None else float(config.mix),
+            outer_nesterov=(config.outer_momentum > 0 if config.outer_nesterov is None
+                            else config.outer_nesterov),
+            compression=compression_code(config.compression), mix=merge_mix(config.mix, overlap),
             check_finite=config.check_finite, group=self._group)
 
     @property

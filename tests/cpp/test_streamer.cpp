@@ -77,6 +77,7 @@ Result run(int world, const StreamerOptions& options, uint64_t steps) {
 TEST(Streamer, OneFragmentBlockingIsDiLoCo) {
   const int world = 3;
   StreamerOptions options;
+  options.outer = StreamerOptions::diloco_outer();
   options.sync_every = 4;
   const uint64_t steps = 10;  // syncs after steps 4 and 8; 2 inner steps after
   const Result got = run(world, options, steps);
@@ -108,6 +109,7 @@ TEST(Streamer, OneFragmentBlockingIsDiLoCo) {
 TEST(Streamer, FragmentsAreStaggeredAndOverlapKeepsTheLocalProgress) {
   const int world = 2;
   StreamerOptions options;
+  options.outer = StreamerOptions::diloco_outer();
   options.sync_every = 6;
   options.fragments = 2;
   options.overlap = 2;

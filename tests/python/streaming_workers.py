@@ -57,7 +57,8 @@ def equals_diloco(rank: int, world: int, name: str, opt_name: str, steps: int,
     model = make_model(name)
     opt = make_optimizer(opt_name, model.parameters())
     model, opt = hemiola.wrap(model, opt, schedule="streaming", sync_every=sync_every, mix=mix,
-                              fragments=1, overlap=0)  # blocking: DiLoCo itself
+                              fragments=1, overlap=0,  # blocking, with DiLoCo's outer step
+                              outer_lr=0.7, outer_momentum=0.9)
     for step in range(1, steps + 1):
         _inner_step(model, opt, name, step, rank, world)
     ours = [p.detach().clone() for p in model.parameters()]
@@ -261,7 +262,8 @@ def groups_equal_diloco(rank: int, world: int, ranks: int, name: str, steps: int
     hemiola.init()
     reference = _groups_reference(rank, world, ranks, name, steps, sync_every)
     model, _ = _run(name, rank, world, {"sync_every": sync_every, "replica_ranks": ranks,
-                                        "fragments": 1, "overlap": 0}, range(1, steps + 1))
+                                        "fragments": 1, "overlap": 0, "outer_lr": 0.7,
+                                        "outer_momentum": 0.9}, range(1, steps + 1))
     ours = torch.cat([p.detach().flatten() for p in model.parameters()])
     gathered = [torch.empty_like(ours) for _ in range(world)]
     dist.all_gather(gathered, ours)

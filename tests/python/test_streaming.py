@@ -77,6 +77,17 @@ def test_a_run_that_never_syncs_says_so() -> None:
     assert results[1] == []  # said once, by rank 0
 
 
+def test_the_defaults_average_and_mix_overlapped_fragments() -> None:
+    # chosen on tuning seeds (docs/streaming.md, "Choosing the options")
+    from hemiola import Config
+    from hemiola.streaming import merge_mix
+    config = Config(schedule="streaming")
+    assert (config.outer_lr, config.outer_momentum) == (1.0, 0.0)
+    assert merge_mix(None, 0) < 0  # blocking: the shared copy itself
+    assert merge_mix(None, 5) == 0.5  # overlapped: Streaming DiLoCo's mix
+    assert merge_mix("eager", 5) < 0 and merge_mix(0.25, 0) == 0.25
+
+
 def test_the_mixing_merge_is_torchfts_lerp() -> None:
     # Streaming DiLoCo's merge (torchft's fragment_update_alpha): the new
     # shared copy lerped toward the local parameters; the ranks then differ.
@@ -169,7 +180,7 @@ def test_an_outer_step_that_is_not_finite_is_refused() -> None:
                         ("outer_momentum", -0.1), ("outer_lr", "0.7")):
         with pytest.raises(ValueError, match=f"{option} must be a finite number"):
             hemiola.Config(schedule="streaming", **{option: bad})
-    for bad in (1.5, -0.1, float("nan"), True, "0.5"):
+    for bad in (1.5, -0.1, float("nan"), True, "0.5", "lazy"):
         with pytest.raises(ValueError, match="mix must be None"):
             hemiola.Config(schedule="streaming", mix=bad)
 

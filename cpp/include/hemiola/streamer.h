@@ -9,7 +9,8 @@
 //                                                    minus this rank's progress)
 //   average           d   = mean over ranks of d_r (through the wire's coding)
 //   outer step        shared' = outer SGD step of `shared` with gradient d
-//                     (default lr 0.7, momentum 0.9, Nesterov, as DiLoCo)
+//                     (default lr 1, no momentum: the average; DiLoCo's is
+//                     lr 0.7, Nesterov momentum 0.9: diloco_outer())
 //   merge             live_r  = shared' + (live_r(now) - live_r(sent))   (eager)
 //                  or live_r  = shared' + a * (live_r(now) - shared')  (mix, a = mix)
 // The fragments are the buckets of a plan over the parameters capped at
@@ -55,7 +56,7 @@ struct StreamerOptions {
   // at a time).
   size_t overlap = 0;
   // The outer optimizer: SGD (lr, momentum, dampening, nesterov,
-  // weight_decay of OptimizerHyper).
+  // weight_decay of OptimizerHyper); default_outer() or diloco_outer().
   OptimizerHyper outer = default_outer();
   // How the pseudo-gradients travel (float32 parameters; others as they are):
   // kNone, kFp16, kBf16, kInt8 or kInt4 (with error feedback).
@@ -71,7 +72,17 @@ struct StreamerOptions {
   // applying it: the average is the same on every rank, so every rank throws.
   bool check_finite = false;
 
+  // The outer step by default: the average itself (lr 1, no momentum: the
+  // models averaged, local SGD), which measured best at tens of syncs
+  // (docs/streaming.md, "Choosing the options").
   static OptimizerHyper default_outer() {
+    OptimizerHyper hyper;
+    hyper.lr = 1.0;
+    return hyper;
+  }
+  // DiLoCo's outer step (lr 0.7, Nesterov momentum 0.9), made for hundreds
+  // of inner steps per sync and hundreds of syncs.
+  static OptimizerHyper diloco_outer() {
     OptimizerHyper hyper;
     hyper.lr = 0.7;
     hyper.momentum = 0.9;
