@@ -43,32 +43,40 @@ struct Result {
   uint64_t syncs = 0;
 };
 
+// `steps` inner steps of the two tensors drifting as rank `replica` does,
+// streamed across `engine`'s ranks (and `group`'s, if any); the live values
+// and shared copies into `result` at `slot`. Returns the syncs.
+uint64_t train(Engine& engine, Engine* group, int replica, const StreamerOptions& options,
+               uint64_t steps, Result& result, int slot) {
+  std::vector<float> a(40, 1.0f), b(24, -0.5f);
+  auto streamer = engine.make_streamer(
+      {{"a", TensorRef{a.data(), DType::kFloat32, a.size(), {}}},
+       {"b", TensorRef{b.data(), DType::kFloat32, b.size(), {}}}},
+      options, group);
+  for (uint64_t s = 1; s <= steps; ++s) {
+    for (size_t i = 0; i < a.size(); ++i) a[i] += drift(replica, s, i);
+    for (size_t i = 0; i < b.size(); ++i) b[i] += drift(replica, s, 100 + i);
+    streamer->after_inner_step();
+  }
+  streamer->wait_in_flight();
+  result.live[slot] = a;
+  result.live[slot].insert(result.live[slot].end(), b.begin(), b.end());
+  for (size_t f = 0; f < streamer->fragments().size(); ++f) {
+    const TensorRef shared = streamer->shared(f);
+    const float* data = static_cast<const float*>(shared.data);
+    result.shared[slot].insert(result.shared[slot].end(), data, data + shared.numel);
+  }
+  return streamer->syncs();
+}
+
 Result run(int world, const StreamerOptions& options, uint64_t steps) {
   Result result;
   result.live.resize(world);
   result.shared.resize(world);
   std::vector<uint64_t> syncs(world);
   run_ranks(world, [&](Engine& engine) {
-    const int r = engine.rank();
-    std::vector<float> a(40, 1.0f), b(24, -0.5f);
-    auto streamer = engine.make_streamer(
-        {{"a", TensorRef{a.data(), DType::kFloat32, a.size(), {}}},
-         {"b", TensorRef{b.data(), DType::kFloat32, b.size(), {}}}},
-        options);
-    for (uint64_t s = 1; s <= steps; ++s) {
-      for (size_t i = 0; i < a.size(); ++i) a[i] += drift(r, s, i);
-      for (size_t i = 0; i < b.size(); ++i) b[i] += drift(r, s, 100 + i);
-      streamer->after_inner_step();
-    }
-    streamer->wait_in_flight();
-    result.live[r] = a;
-    result.live[r].insert(result.live[r].end(), b.begin(), b.end());
-    for (size_t f = 0; f < streamer->fragments().size(); ++f) {
-      const TensorRef shared = streamer->shared(f);
-      const float* data = static_cast<const float*>(shared.data);
-      result.shared[r].insert(result.shared[r].end(), data, data + shared.numel);
-    }
-    syncs[r] = streamer->syncs();
+    syncs[engine.rank()] = train(engine, nullptr, engine.rank(), options, steps, result,
+                                 engine.rank());
   });
   result.syncs = syncs[0];
   return result;
@@ -213,25 +221,7 @@ Result run_groups(int groups, int ranks, const StreamerOptions& options, uint64_
         };
         Engine group(options_for(j, ranks), group_stores[g]);
         Engine across(options_for(g, groups), cross_stores[j]);
-        std::vector<float> a(40, 1.0f), b(24, -0.5f);
-        auto streamer = across.make_streamer(
-            {{"a", TensorRef{a.data(), DType::kFloat32, a.size(), {}}},
-             {"b", TensorRef{b.data(), DType::kFloat32, b.size(), {}}}},
-            options, &group);
-        for (uint64_t s = 1; s <= steps; ++s) {
-          for (size_t i = 0; i < a.size(); ++i) a[i] += drift(g, s, i);
-          for (size_t i = 0; i < b.size(); ++i) b[i] += drift(g, s, 100 + i);
-          streamer->after_inner_step();
-        }
-        streamer->wait_in_flight();
-        result.live[r] = a;
-        result.live[r].insert(result.live[r].end(), b.begin(), b.end());
-        for (size_t f = 0; f < streamer->fragments().size(); ++f) {
-          const TensorRef shared = streamer->shared(f);
-          const float* data = static_cast<const float*>(shared.data);
-          result.shared[r].insert(result.shared[r].end(), data, data + shared.numel);
-        }
-        syncs[r] = streamer->syncs();
+        syncs[r] = train(across, &group, g, options, steps, result, r);
       } catch (const std::exception& e) {
         failures[r] = e.what();
       }
