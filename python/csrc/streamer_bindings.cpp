@@ -34,6 +34,7 @@ void bind_streamer(py::module_& m) {
       .def_property_readonly("inner_steps", &Streamer::inner_steps)
       .def("wait_in_flight", &Streamer::wait_in_flight, py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("waited_ms", &Streamer::waited_ms)
+      .def_property_readonly("host_ms", &Streamer::host_ms)
       .def_property_readonly("syncs", &Streamer::syncs)
       .def("fragments", &Streamer::fragments)
       .def(

@@ -147,8 +147,9 @@ class StreamingParallel(nn.Module):
             optimizer.register_load_state_dict_post_hook(lambda *_: self._restore()))
         self._pending_load: dict[str, Any] | None = None
         self._fragment_params = self._streamer.fragments()
-        #: waited_ms of a streamer replaced by _reshape
+        #: waited_ms and host_ms of a streamer replaced by _reshape
         self._waited_before_ms = 0.0
+        self._host_before_ms = 0.0
         # A run shorter than sync_every never synchronises: say so when the
         # model goes (or the interpreter ends), rather than end apart silently.
         self._never_synced = weakref.finalize(
@@ -213,12 +214,14 @@ class StreamingParallel(nn.Module):
         self._streamer.wait_in_flight()
 
     def stats(self) -> dict[str, float]:
-        """Inner steps, syncs so far, how long steps waited for averages, and
-        the ranks per replica."""
+        """Inner steps, syncs so far, how long steps waited for averages
+        (``waited_ms``) and worked on the syncs besides (``host_ms``), the
+        ranks per replica, and the fragments and overlap in use."""
         s = self._streamer
         options = s.options()
         return {"inner_steps": float(s.inner_steps), "syncs": float(s.syncs),
                 "waited_ms": float(s.waited_ms) + self._waited_before_ms,
+                "host_ms": float(s.host_ms) + self._host_before_ms,
                 "replica_ranks": float(self.replica_ranks),
                 "fragments": float(options["fragments"]), "overlap": float(options["overlap"])}
 
@@ -277,9 +280,10 @@ class StreamingParallel(nn.Module):
         started = old.momentum_started()[0]
         residuals = self._residuals()
         kept = None if residuals is None else [r.clone() for r in residuals]
-        steps, waited = old.inner_steps, old.waited_ms
+        steps, waited, host = old.inner_steps, old.waited_ms, old.host_ms
         self._streamer = new = self._make_streamer(fragments, overlap)
         self._waited_before_ms += waited
+        self._host_before_ms += host
         at = 0
         for f in range(len(new.fragments())):
             s_view, m_view = self._views(f)

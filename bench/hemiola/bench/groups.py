@@ -20,8 +20,9 @@ contenders on the same task, seed and batches, in alternating blocks of
 Per contender: ms per step (the slowest rank's), the bytes each site's link
 sent per sync (its veth counter over the contender's blocks, divided by its
 syncs) beside one fragment's coded bytes, the shared copies' largest
-difference across all ranks at the end, and rank 0's held-out loss. Writes
-OUT/NAME.jsonl.
+difference across all ranks at the end, rank 0's held-out loss, and the
+syncs' work on rank 0's training thread (packing, the outer step, the merge:
+``stats()["host_ms"]``) as a share of its training time. Writes OUT/NAME.jsonl.
 """
 
 from __future__ import annotations
@@ -96,7 +97,7 @@ def run(args: argparse.Namespace) -> int:
     write_lines(args.out / f"{args.name}.jsonl", rows)
     print(f"{'contender':<9} {'ms/step':>8} {'x inside':>8} {'syncs':>6} "
           f"{'link bytes/sync/site':>21} {'x fragment':>10} {'shared spread':>13} "
-          f"{'held-out':>8}")
+          f"{'held-out':>8} {'sync host':>9}")
     inside = result["runs"]["inside"]["ms_per_step"]
     fragment = result["fragment_coded_bytes"]
     for row in rows:
@@ -106,7 +107,7 @@ def run(args: argparse.Namespace) -> int:
               f"{'-' if per_sync is None else f'{per_sync:,.0f}':>21} "
               f"{'-' if per_sync is None else f'{per_sync / fragment:.2f}':>10} "
               f"{'-' if row['shared_spread'] is None else row['shared_spread']:>13} "
-              f"{row['heldout_loss']:>8.4f}")
+              f"{row['heldout_loss']:>8.4f} {row['host_share']:>9.2%}")
     print(f"one fragment coded ({args.compression}): {fragment:,.0f} bytes; "
           f"results in {args.out / (args.name + '.jsonl')}")
     return 0
@@ -186,7 +187,7 @@ def worker(config: dict[str, Any]) -> dict[str, Any]:
     for name in CONTENDERS:
         model, _ = runs[name]
         spread = None
-        syncs = 0.0
+        syncs, host = 0.0, 0.0
         if name != "inside":
             s = model._streamer
             s.wait_in_flight()
@@ -196,6 +197,7 @@ def worker(config: dict[str, Any]) -> dict[str, Any]:
             dist.all_gather(gathered, shared)
             spread = max(float((t - gathered[0]).abs().max()) for t in gathered)
             syncs = float(model.stats()["syncs"])
+            host = float(model.stats()["host_ms"])
         heldout = float("nan")
         if rank == 0:
             with torch.no_grad():
@@ -204,7 +206,9 @@ def worker(config: dict[str, Any]) -> dict[str, Any]:
             "ms_per_step": 1e3 * max(s[name] for s in slowest) / steps,
             "syncs": syncs, "link_bytes": sent[name] if iface != "lo" else None,
             "link_bytes_per_sync": (sent[name] / syncs if iface != "lo" and syncs else None),
-            "shared_spread": spread, "heldout_loss": heldout}
+            "shared_spread": spread, "heldout_loss": heldout,
+            # the syncs' work on the training thread, as a share of its time
+            "host_share": host / (1e3 * seconds[name]) if seconds[name] else 0.0}
     params = [p for p in runs["inside"][0].module.parameters() if p.requires_grad]
     out["params"] = sum(p.numel() for p in params)
     out["fragment_coded_bytes"] = (out["params"] / config["fragments"]

@@ -120,6 +120,10 @@ class HEMIOLA_API Streamer {
   // How long after_inner_step() waited for averages so far (ms), and how
   // many fragments were synchronised.
   double waited_ms() const;
+  // How long after_inner_step() worked on the calling thread so far (ms),
+  // the waits excluded: packing, coding's share on this thread, the outer
+  // step and the merge.
+  double host_ms() const;
   uint64_t syncs() const;
 
   // ---- state (for checkpoints), per fragment in its plan layout (the

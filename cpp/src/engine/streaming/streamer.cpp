@@ -151,6 +151,8 @@ void StreamerImpl::pack(size_t f, unsigned char* out) const {
 }
 
 void StreamerImpl::after_inner_step() {
+  const auto start = std::chrono::steady_clock::now();
+  const double waited_before = waited_ms_;
   const uint64_t step = ++steps_;
   if (in_flight_ && step >= sent_step_ + options_.overlap) land();
   for (size_t f = 0; f < plan_.size(); ++f) {
@@ -159,6 +161,11 @@ void StreamerImpl::after_inner_step() {
     send(f);
     if (options_.overlap == 0) land();
   }
+  // The sync's cost on the training thread: packing, subtracting, the outer
+  // step and the merge (the waits for the wire are waited_ms).
+  host_ms_ += std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() -
+                                                        start).count() -
+              (waited_ms_ - waited_before);
 }
 
 std::vector<size_t> StreamerImpl::next_step_fragments() const {
@@ -333,6 +340,7 @@ std::vector<size_t> Streamer::next_step_fragments() const {
 uint64_t Streamer::inner_steps() const { return impl_->inner_steps(); }
 void Streamer::wait_in_flight() { impl_->wait_in_flight(); }
 double Streamer::waited_ms() const { return impl_->waited_ms(); }
+double Streamer::host_ms() const { return impl_->host_ms(); }
 uint64_t Streamer::syncs() const { return impl_->syncs(); }
 TensorRef Streamer::shared(size_t fragment) { return impl_->shared(fragment); }
 TensorRef Streamer::outer_momentum(size_t fragment) { return impl_->outer_momentum(fragment); }

@@ -29,6 +29,7 @@ class StreamerImpl {
   uint64_t inner_steps() const { return steps_; }
   void wait_in_flight();
   double waited_ms() const { return waited_ms_; }
+  double host_ms() const { return host_ms_; }
   uint64_t syncs() const { return syncs_; }
   TensorRef shared(size_t fragment);
   TensorRef outer_momentum(size_t fragment);
@@ -77,6 +78,7 @@ class StreamerImpl {
   uint64_t steps_ = 0;
   uint64_t syncs_ = 0;
   double waited_ms_ = 0.0;
+  double host_ms_ = 0.0;  // in after_inner_step(), less the waits
   // The fragment in flight (one at a time): its number, the step it was sent
   // after, the live values it was sent from and, once the averager handed it
   // back, its averaged pseudo-gradient (each the largest fragment's size).
