@@ -46,6 +46,7 @@ from hemiola._native import C
 from hemiola.config import RESIDUAL_CODINGS, STREAMING_CODINGS, Config, compression_code, spelled
 from hemiola.data_parallel import DataParallel
 from hemiola.engine_tensors import broadcast_tensors, dtype_code
+from hemiola.streaming_checkpoint import agree_across_ranks, check_layout, warn_if_resized
 from hemiola.streaming_shape import FirstSyncProbe, Shape, announce, choose
 from hemiola.validate import check_module, check_same_model
 
@@ -349,6 +350,7 @@ class StreamingParallel(nn.Module):
         options = s.options()
         state[STATE_KEY] = {
             "fragments": options["fragments"], "overlap": options["overlap"],
+            "replicas": self._engine.world_size, "replica_ranks": self.replica_ranks,
             "inner_steps": s.inner_steps,
             "momentum_started": list(s.momentum_started()),
             "shared": [self._views(f)[0].clone() for f in range(len(s.fragments()))],
@@ -373,16 +375,25 @@ class StreamingParallel(nn.Module):
             self._reshape(saved["fragments"], saved["overlap"])
         s = self._streamer
         count = len(s.fragments())
-        if len(saved["shared"]) != count:
-            raise ValueError(f"the checkpoint's streaming state has {len(saved['shared'])} "
-                             f"fragments, this model {count}: resume with the same model, "
-                             "fragments and world size")
         s.wait_in_flight()
+        # Everything is checked, on every rank alike, before anything is written.
+        views = [self._views(f)[0] for f in range(count)]
+        mine = self._residuals()
+        refused = None
+        try:
+            check_layout(saved, [v.numel() for v in views], [v.dtype for v in views],
+                         None if mine is None else [r.numel() for r in mine])
+        except (ValueError, KeyError, TypeError) as e:
+            refused = str(e) if isinstance(e, ValueError) else (
+                f"the checkpoint's streaming state is not one hemiola saved ({e!r})")
+        agree_across_ranks([self._engine] + ([self._group] if self._group else []), saved,
+                           refused)
+        if dist.get_rank() == 0:
+            warn_if_resized(saved, self._engine.world_size, self.replica_ranks)
         for f in range(count):
             shared, momentum = self._views(f)
             shared.copy_(saved["shared"][f])
             momentum.copy_(saved["outer_momentum"][f])
-        mine = self._residuals()
         if mine is not None and saved["residuals"] is not None:
             for ours, theirs in zip(mine, saved["residuals"]):
                 ours.copy_(theirs)

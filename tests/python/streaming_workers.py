@@ -329,3 +329,45 @@ def a_run_shorter_than_sync_every(rank: int, world: int) -> list[str]:
         del model, opt
         gc.collect()
     return [str(w.message) for w in caught if "no sync" in str(w.message)]
+
+
+def hostile_loads(rank: int, world: int, tmp: str) -> dict[str, str]:
+    """Checkpoints saved per rank after inner steps 5 and 6 (a fragment in
+    flight), then loaded wrongly into a fresh model; each case's message on
+    this rank ("" where the load went through)."""
+    import warnings
+
+    hemiola.init()
+    options = {"sync_every": 4, "fragments": 2, "overlap": 1}
+    model, opt = _run("mlp", rank, world, options, range(1, 6))
+    at5 = copy.deepcopy(opt.state_dict())
+    _run("mlp", rank, world, options, range(6, 7), model, opt)
+    at6 = copy.deepcopy(opt.state_dict())
+    torch.manual_seed(1)
+    base = make_model("mlp")
+    fresh, opt2 = hemiola.wrap(base, make_optimizer("adamw", base.parameters()),
+                               schedule="streaming", **options)
+
+    def attempt(state: dict[str, Any]) -> str:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            try:
+                opt2.load_state_dict(copy.deepcopy(state))
+            except ValueError as e:
+                return str(e)
+        return " | ".join(str(w.message) for w in caught if "checkpoint" in str(w.message))
+
+    out = {}
+    nan = copy.deepcopy(at6)
+    if rank == 1:
+        nan["hemiola_streaming"]["shared"][0][3] = float("nan")
+    out["nan on rank 1"] = attempt(nan)
+    out["rank 1 a step later"] = attempt(at5 if rank == 0 else at6)
+    small = copy.deepcopy(at6)
+    small["hemiola_streaming"]["outer_momentum"][1] = torch.zeros(1)
+    out["one element"] = attempt(small)
+    resized = copy.deepcopy(at6)
+    resized["hemiola_streaming"]["replicas"] = 3
+    out["saved by 3"] = attempt(resized)
+    out["good"] = attempt(at6)
+    return out

@@ -71,6 +71,19 @@ def test_a_chosen_shape_resumes_exactly(tmp_path: Path) -> None:
         assert r["max_diff"] == 0.0, r
 
 
+def test_a_streaming_checkpoint_is_checked_before_anything_is_restored(tmp_path: Path) -> None:
+    results = run_local(streaming_workers.hostile_loads, 2, str(tmp_path), timeout_s=240)
+    nan = [results[r]["nan on rank 1"] for r in (0, 1)]
+    assert "holds NaN or infinity" in nan[1] and "shared[0] (fragment 0)" in nan[1], nan
+    assert "another rank refused" in nan[0], nan  # rank 0 raises too, not a hang
+    for r in (0, 1):
+        assert "step count differs" in results[r]["rank 1 a step later"], results[r]
+        assert "outer_momentum[1] (fragment 1) has 1 elements" in results[r]["one element"]
+        assert results[r]["good"] == "", results[r]
+    assert "saved by 3 replicas" in results[0]["saved by 3"], results[0]  # resumes, loudly
+    assert results[1]["saved by 3"] == "", results[1]
+
+
 def test_a_run_that_never_syncs_says_so() -> None:
     results = run_local(streaming_workers.a_run_shorter_than_sync_every, 2, timeout_s=240)
     assert len(results[0]) == 1 and "5 inner steps and no sync" in results[0][0], results
