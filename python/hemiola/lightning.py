@@ -29,6 +29,7 @@ are refused, saying why, under the schedules that run the update themselves.
 
 from __future__ import annotations
 
+import abc
 import atexit
 import importlib
 import inspect
@@ -52,7 +53,22 @@ __all__ = ["HemiolaStrategy", "strategy_class"]
 PACKAGES = ("lightning.pytorch", "pytorch_lightning")
 
 
-class HemiolaStrategy:
+class _OnePackage(abc.ABCMeta):
+    """Calling :class:`HemiolaStrategy` makes its class for one Lightning
+    package (:func:`strategy_class`). Done here, not in ``__new__``, so that
+    the signature tools read (LightningCLI's jsonargparse) is ``__init__``'s.
+    An ABCMeta: the package classes also derive from Lightning's ABCs."""
+
+    def __call__(cls, *args: Any, lightning_package: str | None = None, **kwargs: Any) -> Any:
+        if cls is HemiolaStrategy:
+            cls = strategy_class(lightning_package or caller_package())
+        elif lightning_package not in (None, cls.package):  # type: ignore[attr-defined]
+            raise ValueError(f"{cls.__name__} is {cls.package}'s strategy, "  # type: ignore[attr-defined]
+                             f"not {lightning_package}'s")
+        return super().__call__(*args, lightning_package=lightning_package, **kwargs)
+
+
+class HemiolaStrategy(metaclass=_OnePackage):
     """Data-parallel training under Lightning with a hemiola schedule.
 
     An instance is an instance of Lightning's ``DDPStrategy`` too, of the
@@ -74,15 +90,6 @@ class HemiolaStrategy:
     #: the package this class belongs to (set on each package's class)
     package = ""
     _lightning: types.SimpleNamespace  # what the package's class uses of it
-
-    def __new__(cls, *args: Any, lightning_package: str | None = None,
-                **kwargs: Any) -> Any:
-        if cls is HemiolaStrategy:
-            cls = strategy_class(lightning_package or caller_package())
-        elif lightning_package not in (None, cls.package):
-            raise ValueError(f"{cls.__name__} is {cls.package}'s strategy, not "
-                             f"{lightning_package}'s")
-        return super().__new__(cls)
 
     def __init__(self, schedule: str = "wfbp", *, start_method: str = "popen",
                  process_group_backend: str | None = None, timeout: Any = None,
@@ -241,6 +248,11 @@ def strategy_class(package: str) -> type:
                     "__doc__": HemiolaStrategy.__doc__, "package": package,
                     "_lightning": lightning})
         cls.register_strategies(strategies.StrategyRegistry)
+        # HemiolaStrategy itself makes this package's class when called, so
+        # it counts as this package's Strategy too (an ABC's virtual
+        # subclass): LightningCLI's --trainer.strategy=hemiola.lightning.
+        # HemiolaStrategy checks issubclass before it instantiates.
+        strategies.Strategy.register(HemiolaStrategy)
         globals()[name] = _CLASSES[package] = cls
     return _CLASSES[package]
 

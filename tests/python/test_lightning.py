@@ -205,3 +205,35 @@ def test_lightning_pytorch_takes_the_names_and_an_instance() -> None:
         assert trainer.strategy.schedule == "priority"
         assert getattr(trainer.optimizers[0], "_hemiola_wrapped", False)  # taken over
         assert not torch.equal(module.a.weight, before)
+
+
+@pytest.mark.parametrize("package", ["lightning.pytorch", "pytorch_lightning"])
+def test_lightning_cli_takes_the_strategy_by_its_class_path(package: str) -> None:
+    """``--trainer.strategy=hemiola.lightning.HemiolaStrategy`` in either
+    package's LightningCLI (jsonargparse checks that the path is a Strategy
+    and reads its options from ``__init__``)."""
+    pytest.importorskip("jsonargparse")
+    import importlib
+
+    lightning = importlib.import_module(package)
+    cli_module = importlib.import_module(f"{package}.cli")
+
+    class Module(lightning.LightningModule):  # type: ignore[name-defined,misc]
+        def __init__(self) -> None:
+            super().__init__()
+            self.a = torch.nn.Linear(2, 1)
+
+        def training_step(self, batch: Any, index: int) -> torch.Tensor:
+            return self.a(batch[0]).pow(2).sum()
+
+        def configure_optimizers(self) -> Any:
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    cli = cli_module.LightningCLI(
+        Module, run=False, save_config_callback=None,
+        args=["--trainer.strategy=hemiola.lightning.HemiolaStrategy",
+              "--trainer.strategy.schedule=priority", "--trainer.strategy.fusion_mb=2",
+              "--trainer.accelerator=cpu", "--trainer.devices=1", "--trainer.logger=false"])
+    strategy = cli.trainer.strategy
+    assert isinstance(strategy, hemiola.lightning.strategy_class(package))
+    assert strategy.schedule == "priority" and strategy._options["fusion_mb"] == 2.0
