@@ -294,3 +294,17 @@ def test_a_dropped_wrapped_model_is_freed(schedule: str) -> None:
     results = run_local(workers.dropped_models_freed, 2, schedule, timeout_s=240)
     for freed in results.values():
         assert freed == [True, True, True]
+
+
+@pytest.mark.parametrize("schedule", ["priority", "decoupled"])
+def test_an_evaluation_and_a_checkpoint_on_rank_0_only_change_nothing(schedule: str) -> None:
+    # Rank 0's extra synchronize() (an evaluation, a state_dict) once decided,
+    # on rank 0 alone, where the next buffer broadcast went in the engine's
+    # order: the ranks then waited on different collectives until timeout_s.
+    plain = run_local(workers.rank0_only_evaluation, 2, schedule, False, timeout_s=120)
+    evaluated = run_local(workers.rank0_only_evaluation, 2, schedule, True, timeout_s=120)
+    assert torch.equal(evaluated[0], evaluated[1])
+    if schedule == "priority":  # exact SGD: as if nothing had happened
+        assert torch.equal(evaluated[0], plain[0])
+    else:  # the evaluation landed the exact step, so the next forward read it
+        assert float((evaluated[0] - plain[0]).abs().max()) < 0.05

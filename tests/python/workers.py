@@ -812,3 +812,30 @@ def dropped_models_freed(rank: int, world: int, schedule: str) -> list[bool]:
         gc.collect()
         freed.append(all(r() is None for r in refs))
     return freed
+
+
+def rank0_only_evaluation(rank: int, world: int, schedule: str, evaluate: bool) -> torch.Tensor:
+    """A BatchNorm model trained 3 epochs of 3 steps; with `evaluate`, rank 0
+    alone evaluates through the wrapped model and takes a state_dict after
+    every epoch (the habit ``if rank == 0: evaluate(model)``). Returns the
+    final parameters."""
+    hemiola.init()
+    torch.manual_seed(0)
+    module = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 2))
+    model, opt = hemiola.wrap(module, torch.optim.SGD(module.parameters(), lr=0.1, momentum=0.9),
+                              schedule=schedule, timeout_s=30)
+    g = torch.Generator().manual_seed(rank)
+    for _ in range(3):
+        for _ in range(3):
+            x, y = torch.randn(4, 8, generator=g), torch.randint(0, 2, (4,), generator=g)
+            opt.zero_grad()
+            nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
+        if evaluate and rank == 0:
+            model.eval()
+            with torch.no_grad():
+                model(torch.randn(4, 8))
+            model.train()
+            model.state_dict()
+    model.synchronize()
+    return torch.cat([p.detach().flatten() for p in module.parameters()])

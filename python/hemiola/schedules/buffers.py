@@ -23,6 +23,11 @@ class BufferBroadcast:
         self._stage: torch.Tensor | None = None
         self._offsets: list[int] = []
         self._handle: Any = None
+        # Started and not yet landed at one of the points every rank passes
+        # (start() again, or land()). finish() alone may run on one rank only
+        # (an evaluation or a checkpoint on rank 0 synchronizes there), so it
+        # must not decide where the next broadcast goes in the engine's order.
+        self._outstanding = False
 
     @property
     def wanted(self) -> bool:
@@ -31,11 +36,14 @@ class BufferBroadcast:
 
     @property
     def pending(self) -> bool:
-        """A broadcast is started and not yet copied into the buffers."""
-        return self._handle is not None
+        """A broadcast is started and has not landed at a point every rank
+        passes (it may be copied already: see finish). The same on every
+        rank, so decisions on it keep the engine's order the same."""
+        return self._outstanding
 
     def start(self) -> None:
         self.finish()
+        self._outstanding = True
         # Host memory: the engine's broadcast reads it from its own thread.
         # Only rank 0's bytes are read: the others copy nothing off the GPU.
         self._stage, self._offsets = pack_bytes(self.bound.buffers,
@@ -43,7 +51,14 @@ class BufferBroadcast:
         self._handle = self.bound.engine.broadcast(self._stage.data_ptr(), UINT8,
                                                      self._stage.numel(), 0)
 
+    def land(self) -> None:
+        """finish(), at a point every rank passes (priority's optimizer.step())."""
+        self.finish()
+        self._outstanding = False
+
     def finish(self) -> None:
+        """Waits for the broadcast started last, if not yet, and copies it
+        into the buffers (rank 0's are its own). May run on one rank only."""
         if self._handle is None:
             return
         handle, stage = self._handle, self._stage

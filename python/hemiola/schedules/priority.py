@@ -17,4 +17,4 @@ class Priority(UpdaterSchedule):
         # The buffers' broadcast that backward started lands in
         # optimizer.step(), so the next forward starts from rank 0's buffers
         # (DDP's order; docs/schedules.md#buffers).
-        self._buffers.finish()
+        self._buffers.land()
