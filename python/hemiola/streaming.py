@@ -211,8 +211,29 @@ class StreamingParallel(nn.Module):
         return nn.utils.clip_grad_norm_(self._params, max_norm, norm_type)
 
     def synchronize(self) -> None:
-        """Waits for the fragment on the wire (it still lands after its step)."""
+        """Waits for the fragment on the wire (it still lands after its
+        step). The ranks' parameters stay their own: between syncs they
+        differ. For the same parameters on every rank now (an evaluation or a
+        save mid-run), call :meth:`average_parameters`."""
         self._streamer.wait_in_flight()
+
+    @torch.no_grad()
+    def average_parameters(self) -> None:
+        """Collective: every rank's parameters become the replicas' average,
+        now, so that every rank holds the same model (the blocking sync a DDP
+        user expects before an evaluation or a save mid-run). Nothing of the
+        schedule changes: the shared copy and the outer momentum stay, the
+        fragment in flight still lands after its step (merged onto the
+        averaged values), and the syncs go on as before."""
+        self._streamer.wait_in_flight()
+        average = C.ReduceOp.average
+        for param, host in zip(self._params, self._host):
+            if host is not param:
+                host.copy_(param)
+            self._engine.all_reduce(host.data_ptr(), dtype_code(host.dtype), host.numel(),
+                                    average).wait()
+            if host is not param:
+                param.copy_(host)
 
     def stats(self) -> dict[str, float]:
         """Inner steps, syncs so far, how long steps waited for averages

@@ -371,3 +371,31 @@ def hostile_loads(rank: int, world: int, tmp: str) -> dict[str, str]:
     out["saved by 3"] = attempt(resized)
     out["good"] = attempt(at6)
     return out
+
+
+def average_now(rank: int, world: int) -> dict[str, float]:
+    """Between syncs the ranks differ; average_parameters() makes them equal
+    (to the mean of what they held), and training goes on."""
+    hemiola.init()
+    options = {"sync_every": 4, "fragments": 2, "overlap": 1}
+    model, opt = _run("mlp", rank, world, options, range(1, 7))
+
+    def flat() -> torch.Tensor:
+        return torch.cat([p.detach().flatten() for p in model.parameters()])
+
+    def spread(t: torch.Tensor) -> float:
+        every = [torch.empty_like(t) for _ in range(world)]
+        dist.all_gather(every, t)
+        return max(float((e - every[0]).abs().max()) for e in every)
+
+    before = flat()
+    mean = before.clone()
+    dist.all_reduce(mean)
+    mean /= world
+    model.average_parameters()
+    after = flat()
+    out = {"before": spread(before), "after": spread(after),
+           "off_mean": float((after - mean).abs().max())}
+    _run("mlp", rank, world, options, range(7, 12), model, opt)
+    out["syncs"] = model.stats()["syncs"]
+    return out

@@ -84,6 +84,14 @@ def test_a_streaming_checkpoint_is_checked_before_anything_is_restored(tmp_path:
     assert results[1]["saved by 3"] == "", results[1]
 
 
+def test_average_parameters_gives_every_rank_the_same_model_now() -> None:
+    results = run_local(streaming_workers.average_now, 2, timeout_s=240)
+    for r in results.values():
+        assert r["before"] > 0.0, r  # between syncs the ranks differ
+        assert r["after"] == 0.0 and r["off_mean"] <= 1e-6, r
+        assert r["syncs"] >= 4, r  # the schedule goes on
+
+
 def test_a_run_that_never_syncs_says_so() -> None:
     results = run_local(streaming_workers.a_run_shorter_than_sync_every, 2, timeout_s=240)
     assert len(results[0]) == 1 and "5 inner steps and no sync" in results[0][0], results
