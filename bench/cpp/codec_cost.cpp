@@ -13,15 +13,7 @@
 #include <vector>
 
 #include "hemiola/hemiola.h"
-
-namespace {
-
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v[v.size() / 2];
-}
-
-}  // namespace
+#include "median.h"
 
 int main(int argc, char** argv) {
   using namespace hemiola;
