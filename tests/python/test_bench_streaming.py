@@ -114,3 +114,23 @@ def test_streaming_suite_on_loopback(tmp_path: Path) -> None:
     table = report.render(rows, "streaming.jsonl")
     assert "hemiola streaming H=3" in table and "torch DDP" in table
     assert ("torchft DiLoCo H=3" in table) if HAVE_TORCHFT else ("skipped" in table)
+
+
+def test_groups_suite_on_loopback(tmp_path: Path) -> None:
+    """Two sites of two ranks on loopback (LOCAL_WORLD_SIZE 2: the groups
+    contender's replica_ranks left to its default): the three contenders
+    run, and the streaming ones' shared copies are bitwise equal on all four
+    ranks."""
+    out = subprocess.run(
+        [sys.executable, "-m", "hemiola", "bench", "groups", "--rate", "none", "--steps", "6",
+         "--block", "3", "--sync-every", "3", "--fragments", "1", "--overlap", "0",
+         "--port", "29880", "--out", str(tmp_path)],
+        capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert out.returncode == 0, out.stdout + out.stderr
+    rows = {r["contender"]: r for r in read_lines(tmp_path / "groups.jsonl")}
+    assert set(rows) == {"inside", "groups", "each"}
+    for name in ("groups", "each"):
+        assert rows[name]["syncs"] == 2 and rows[name]["shared_spread"] == 0.0, rows[name]
+        assert rows[name]["link_bytes_per_sync"] is None  # loopback: no link to count
+    assert rows["inside"]["syncs"] == 0
+    assert all(r["ms_per_step"] > 0 for r in rows.values())
