@@ -566,3 +566,11 @@ def test_a_flop_clock_profile_places_reads_and_gradients() -> None:
     assert w0.need == 0.0 and 0 < w1.need < p.forward
     assert 0 < w1.ready < w0.ready <= p.backward
     assert p.meta["device"] == "cuda" and [q.rows for q in p.params] == [200, 0, 10, 0]
+
+
+def test_measuring_says_what_it_measures(capsys: pytest.CaptureFixture[str]) -> None:
+    from hemiola.advise.measure import Progress
+    Progress(3, 0).step("the bare steps")
+    Progress(3, 1).step("the bare steps")  # other ranks stay quiet
+    err = capsys.readouterr().err
+    assert err.count("hemiola advise: measuring the bare steps (1/3, ") == 1

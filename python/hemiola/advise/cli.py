@@ -119,14 +119,17 @@ def try_all(factory: Factory, engine: Any, tried: list[model.Prediction], iterat
     the bare step measured around each trial, the mean of the one before and
     the one after (``"bare"``: what the computation cost meanwhile). `folder`:
     the first round's engine timelines go there."""
+    from hemiola.advise.measure import Progress
     from hemiola.advise.trials import bare_step, trial
 
     if rounds < 1:
         raise ValueError(f"rounds must be at least 1, not {rounds}")
     times: dict[str, list[float]] = {p.name: [] for p in tried}
     bare_times: dict[str, list[float]] = {p.name: [] for p in tried} if bare_around else {}
+    progress = Progress(rounds * len(tried), engine.rank, verb="trying")
     for round_ in range(rounds):
         for p in (tried if round_ % 2 == 0 else tried[::-1]):
+            progress.step(f"{p.name} for {iterations} iterations (round {round_ + 1})")
             engine.barrier().wait()
             before = bare_step(factory, iterations // 2 + 1, engine) if bare_around else 0.0
             engine.barrier().wait()

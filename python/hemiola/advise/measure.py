@@ -32,6 +32,8 @@ from __future__ import annotations
 import datetime
 import os
 import platform
+import sys
+import time
 from dataclasses import replace
 from typing import Any
 
@@ -54,12 +56,33 @@ from hemiola.advise.profile import Profile
 from hemiola.advise.wire import link, wire_rate_beside
 
 
+class Progress:
+    """A line on stderr as each measurement (or trial) starts, rank 0 only:
+    they take minutes on a large model, and a silent command looks hung."""
+
+    def __init__(self, total: int, rank: int, verb: str = "measuring") -> None:
+        self.total, self.rank, self.done, self.verb = total, rank, 0, verb
+        self.start = time.perf_counter()
+
+    def step(self, what: str) -> None:
+        self.done += 1
+        if self.rank == 0:
+            print(f"hemiola advise: {self.verb} {what} ({self.done}/{self.total}, "
+                  f"{time.perf_counter() - self.start:.0f} s so far)", file=sys.stderr,
+                  flush=True)
+
+
 def measure(factory: Factory, repeats: int, engine: Any | None) -> Profile:
     """Every rank measures (collectively where `engine`, the job's, is given);
     the profile of rank 0 (with every rank's mean overheads, :func:`agree`)
     is returned on every rank."""
     torch.set_num_threads(1)
     sync = (lambda: engine.barrier().wait()) if engine is not None else (lambda: None)
+    multi = engine is not None and engine.world_size > 1
+    progress = Progress(4 + len(model.CODINGS) + len(model.SCHEDULES) * len(model.CODINGS)
+                        + (2 + len(model.CODINGS) if multi else 0),
+                        engine.rank if engine is not None else 0)
+    progress.step("the bare steps")
     work = make_workload(factory)
     # the bare steps in lockstep, and thrice as many as other measurements:
     # a synchronous job's step is the slowest rank's each time (agree)
@@ -69,12 +92,14 @@ def measure(factory: Factory, repeats: int, engine: Any | None) -> Profile:
     free, _ = free_engine()
     coding_cpu = {}
     for coding in (*model.CODINGS, "int4"):  # int4: streaming's outer wire
+        progress.step(f"the CPU cost of coding {coding}")
         sync()
         reduction = Reduction(free, params_of(work.model), coding)
         reduction.run()
         coding_cpu[coding] = median_time(reduction.run, repeats)
     # the contention of the per-step codings (int4 runs only on streaming's wire)
     costliest = max(model.CODINGS, key=lambda c: coding_cpu[c])
+    progress.step("how coding slows the computation beside it")
     sync()
     share = contention(work, free, costliest, repeats, sync)
     profile = Profile(forward, backward, step, params, coding_cpu=coding_cpu, contention=share,
@@ -83,12 +108,14 @@ def measure(factory: Factory, repeats: int, engine: Any | None) -> Profile:
     extra: dict[str, float] = {}
     for schedule in model.SCHEDULES:
         for coding in model.CODINGS:
+            progress.step(f"{schedule} + {coding}'s step on a free wire")
             sync()
             # thrice the repeats: each overhead is a small difference of two
             # medians of steps whose speed jitters by ±12% from one to the next
             seconds, alone, plan = free_wire_step(factory, schedule, coding, 3 * repeats, sync)
             extra[f"{schedule}+{coding}"] = seconds - alone
             profile.plans.setdefault(schedule, plan)
+    progress.step("a streaming sync's step on a free wire")
     sync()
     seconds, alone, _ = free_wire_step(factory, "streaming", "int8", repeats, sync)
     free_net = Network(world=1, bandwidth=1.0)
@@ -98,14 +125,17 @@ def measure(factory: Factory, repeats: int, engine: Any | None) -> Profile:
         profile.overhead[name] = seconds_beyond - modelled
     profile.overhead["streaming-sync"] = max(0.0, seconds - alone - coding_cpu["int8"])
     wire_beside_seconds: list[float] = []
-    if engine is not None and engine.world_size > 1:
+    if multi:
+        progress.step("the link between the ranks")
         sync()
         profile.link, profile.wire_cpu_per_byte = link(engine, repeats)
         for coding in model.CODINGS:
+            progress.step(f"the model's all-reduce with coding {coding}")
             reduction = Reduction(engine, params_of(work.model), coding)
             reduction.run()
             sync()
             profile.reduce[coding] = median_time(reduction.run, repeats)
+        progress.step("the link's rate beside the computation")
         sync()
         profile.wire_rate_beside, alone, beside = wire_rate_beside(
             work, engine, profile.link.bandwidth, repeats)
