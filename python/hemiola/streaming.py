@@ -47,7 +47,7 @@ from hemiola.config import RESIDUAL_CODINGS, STREAMING_CODINGS, Config, compress
 from hemiola.data_parallel import DataParallel
 from hemiola.engine_tensors import broadcast_tensors, dtype_code
 from hemiola.streaming_checkpoint import agree_across_ranks, check_layout, warn_if_resized
-from hemiola.streaming_shape import FirstSyncProbe, Shape, announce, choose
+from hemiola.streaming_shape import FirstSyncProbe, announce, choose
 from hemiola.validate import check_module, check_same_model
 
 #: the optimizer state_dict key that holds the streaming state
@@ -278,9 +278,7 @@ class StreamingParallel(nn.Module):
         if self._group is not None:
             broadcast_tensors(self._group, [agreed])  # and inside each one
         fragments, overlap = (int(v) for v in agreed)
-        if (fragments, overlap) != (shape.fragments, shape.overlap):
-            shape = Shape(fragments, overlap, "rank 0's choice")
-        announce(shape, dist.get_rank())
+        announce(shape, dist.get_rank())  # rank 0's, which every rank now has
         if (fragments, overlap) != (1, 0):
             self._reshape(fragments, overlap)
 

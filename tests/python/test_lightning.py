@@ -168,15 +168,10 @@ def test_value_clipping_works_under_wfbp_and_is_refused_otherwise() -> None:
                     gradient_clip_val=0.5)
 
 
-def test_lightning_pytorch_takes_the_names_and_an_instance() -> None:
-    """Lightning's own examples import lightning.pytorch (the `lightning`
-    package), a copy of Lightning whose classes are not pytorch_lightning's:
-    both the registered name and HemiolaStrategy(...) made in code that
-    uses it must be accepted by its Trainer and train through hemiola (one
-    process; the two-rank runs above are pytorch_lightning's)."""
-    L = pytest.importorskip("lightning.pytorch")  # noqa: N806 - Lightning's own name for it
+def _one_layer_module(lightning: Any) -> type:
+    """A one-layer LightningModule of `lightning` (either package) with SGD."""
 
-    class Module(L.LightningModule):
+    class Module(lightning.LightningModule):  # type: ignore[misc]
         def __init__(self) -> None:
             super().__init__()
             self.a = torch.nn.Linear(2, 1)
@@ -186,6 +181,18 @@ def test_lightning_pytorch_takes_the_names_and_an_instance() -> None:
 
         def configure_optimizers(self) -> Any:
             return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    return Module
+
+
+def test_lightning_pytorch_takes_the_names_and_an_instance() -> None:
+    """Lightning's own examples import lightning.pytorch (the `lightning`
+    package), a copy of Lightning whose classes are not pytorch_lightning's:
+    both the registered name and HemiolaStrategy(...) made in code that
+    uses it must be accepted by its Trainer and train through hemiola (one
+    process; the two-rank runs above are pytorch_lightning's)."""
+    L = pytest.importorskip("lightning.pytorch")  # noqa: N806 - Lightning's own name for it
+    Module = _one_layer_module(L)  # noqa: N806 - a class
 
     assert L.strategies.StrategyRegistry["hemiola_priority"]["strategy"] is \
         hemiola.lightning.strategy_class("lightning.pytorch")
@@ -215,22 +222,9 @@ def test_lightning_cli_takes_the_strategy_by_its_class_path(package: str) -> Non
     pytest.importorskip("jsonargparse")
     import importlib
 
-    lightning = importlib.import_module(package)
     cli_module = importlib.import_module(f"{package}.cli")
-
-    class Module(lightning.LightningModule):  # type: ignore[name-defined,misc]
-        def __init__(self) -> None:
-            super().__init__()
-            self.a = torch.nn.Linear(2, 1)
-
-        def training_step(self, batch: Any, index: int) -> torch.Tensor:
-            return self.a(batch[0]).pow(2).sum()
-
-        def configure_optimizers(self) -> Any:
-            return torch.optim.SGD(self.parameters(), lr=0.1)
-
     cli = cli_module.LightningCLI(
-        Module, run=False, save_config_callback=None,
+        _one_layer_module(importlib.import_module(package)), run=False, save_config_callback=None,
         args=["--trainer.strategy=hemiola.lightning.HemiolaStrategy",
               "--trainer.strategy.schedule=priority", "--trainer.strategy.fusion_mb=2",
               "--trainer.accelerator=cpu", "--trainer.devices=1", "--trainer.logger=false"])

@@ -117,11 +117,10 @@ FragmentAverager::FragmentAverager(Scheduler& scheduler, const BucketLayout& fra
   if (grouped()) {
     group_wire_ = group_->connect_wire("outer-gather");
     const size_t ranks = static_cast<size_t>(group_->options().world_size);
-    const size_t me = static_cast<size_t>(group_->options().rank);
     size_t largest_piece = 1;
     for (size_t f = 0; f < fragments_.size(); ++f) {
       const size_t each = piece_numel(f);
-      const size_t begin = std::min(fragments_[f].numel, me * each);
+      const size_t begin = piece_begin(f);
       const size_t end = std::min(fragments_[f].numel, begin + each);
       pieces_.push_back(slice_bucket(fragments_[f], begin, end - begin));
       largest_piece = std::max(largest_piece, each * dtype_size(fragments_[f].dtype));
@@ -143,6 +142,11 @@ size_t FragmentAverager::piece_numel(size_t f) const {
   return (fragments_[f].numel + ranks - 1) / ranks;
 }
 
+size_t FragmentAverager::piece_begin(size_t f) const {
+  return std::min(fragments_[f].numel,
+                  static_cast<size_t>(group_->options().rank) * piece_numel(f));
+}
+
 unsigned char* FragmentAverager::sending(size_t f) const {
   HEMIOLA_CHECK(f < fragments_.size(), "fragment ", f, " is out of range");
   return grouped() ? staging_.get() : storage_->buffer(f);
@@ -152,9 +156,8 @@ Handle FragmentAverager::submit(size_t f, uint64_t round) {
   if (!grouped()) return scheduler_.submit(wire_, std::make_shared<Average>(*this, f, round));
   // This rank's piece of the filled fragment, into the bucket the coding
   // reduces (the piece's elements are contiguous in the fragment).
-  const size_t begin = std::min(fragments_[f].numel, static_cast<size_t>(group_->options().rank) *
-                                                         piece_numel(f));
-  std::memcpy(storage_->buffer(f), staging_.get() + begin * dtype_size(fragments_[f].dtype),
+  std::memcpy(storage_->buffer(f),
+              staging_.get() + piece_begin(f) * dtype_size(fragments_[f].dtype),
               pieces_[f].nbytes());
   Handle piece = scheduler_.submit(wire_, std::make_shared<Average>(*this, f, round));
   return group_->submit(group_wire_, std::make_shared<Gather>(*this, f, std::move(piece)));

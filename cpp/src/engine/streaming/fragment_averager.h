@@ -68,8 +68,11 @@ class FragmentAverager {
   class Gather;
 
   bool grouped() const { return group_ != nullptr; }
-  // Elements per piece of fragment `f` (P), in a group.
+  // Elements per piece of fragment `f` (P), and where this rank's piece
+  // starts in it (its rank in the group times P, at most the fragment's
+  // size), in a group.
   size_t piece_numel(size_t f) const;
+  size_t piece_begin(size_t f) const;
   unsigned char* sending(size_t f) const;
   Handle submit(size_t f, uint64_t round);
 

@@ -10,6 +10,7 @@
 
 #include "core/dtype_dispatch.h"
 #include "hemiola/optimizer.h"
+#include "optim/grad_norm.h"
 #include "hemiola/status.h"
 
 namespace hemiola {
@@ -240,18 +241,12 @@ void StreamerImpl::land() {
 
 void StreamerImpl::check_finite(size_t f) const {
   const PlannedBucket& bucket = plan_[f];
+  const size_t elem = dtype_size(bucket.dtype);
   for (size_t k = 0; k < bucket.tensors.size(); ++k) {
-    bool finite = true;
-    for_floating(
-        bucket.dtype,
-        [&](auto e) {
-          using E = decltype(e);
-          for (size_t i = 0; i < bucket.counts[k] && finite; ++i) {
-            finite = std::isfinite(wide<E>(average_.get(), bucket.offsets[k] + i));
-          }
-        },
-        "streaming: not a floating dtype");
-    if (finite) continue;
+    if (optim::all_finite(average_.get() + bucket.offsets[k] * elem,
+                          static_cast<int64_t>(bucket.counts[k]), bucket.dtype)) {
+      continue;
+    }
     HEMIOLA_THROW(ErrorCode::kNotFinite, "streaming: the average of fragment ", f,
                   " holds NaN or infinity in parameter '", params_[bucket.tensors[k]].name,
                   "' (sync ", syncs_ + 1, ", after inner step ", steps_,
