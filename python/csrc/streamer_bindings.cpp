@@ -29,6 +29,20 @@ void bind_streamer(py::module_& m) {
            py::call_guard<py::gil_scoped_release>(),
            "After each inner optimizer step: lands the fragment whose overlap ends and sends "
            "the fragments due.")
+      .def("finish_step", &Streamer::finish_step, py::call_guard<py::gil_scoped_release>(),
+           "The rest of an inner step whose after_inner_step() raised (elastic membership).")
+      .def("rejoin", &Streamer::rejoin, py::arg("across"), py::arg("redo"),
+           py::call_guard<py::gil_scoped_release>(),
+           "Moves the averages to engine `across` (a rendezvous); `redo`: average the failed "
+           "fragment in flight again there, else keep its average. The caller keeps `across` "
+           "alive as long as the streamer uses it.")
+      .def("adopt", &Streamer::adopt, py::arg("inner_steps"), py::arg("syncs"),
+           py::arg("momentum_started"),
+           "A joining group takes the run's counts; its live values become the shared copy.")
+      .def_property_readonly("in_flight_averaged", &Streamer::in_flight_averaged)
+      .def_property_readonly("in_flight_round", &Streamer::in_flight_round)
+      .def("offer", &Streamer::offer, py::arg("epoch"))
+      .def_property_readonly("agreed_offer", &Streamer::agreed_offer)
       .def("next_step_fragments", &Streamer::next_step_fragments,
            "The fragments the next after_inner_step() reads or writes the live values of.")
       .def_property_readonly("inner_steps", &Streamer::inner_steps)
@@ -86,7 +100,7 @@ void bind_streamer(py::module_& m) {
       [](py::handle engine, const std::vector<py::tuple>& params, size_t sync_every,
          size_t fragments,
          size_t overlap, double outer_lr, double outer_momentum, bool outer_nesterov,
-         int compression, double mix, bool check_finite, py::handle group) {
+         int compression, double mix, bool check_finite, py::handle group, bool confirm) {
         std::vector<StreamedParameter> refs;
         for (const py::tuple& p : params) {
           HEMIOLA_CHECK(p.size() == 4, "a streamed parameter is (name, data_ptr, dtype, numel)");
@@ -106,6 +120,7 @@ void bind_streamer(py::module_& m) {
         options.compression = compression_of(compression);
         options.mix = mix;
         options.check_finite = check_finite;
+        options.confirm = confirm;
         Engine& e = engine.cast<Engine&>();
         Engine* g = group.is_none() ? nullptr : &group.cast<Engine&>();
         std::unique_ptr<Streamer> streamer;
@@ -122,7 +137,7 @@ void bind_streamer(py::module_& m) {
       py::arg("overlap") = 0, py::arg("outer_lr") = 0.7, py::arg("outer_momentum") = 0.9,
       py::arg("outer_nesterov") = true, py::arg("compression") = 0, py::arg("mix") = -1.0,
       py::arg("check_finite") = false,
-      py::arg("group") = py::none(),
+      py::arg("group") = py::none(), py::arg("confirm") = false,
       "The streaming schedule over `params` across `engine`'s ranks; `group`: the engine of "
       "this rank's replica group (ranks a per-step schedule keeps equal), or None.");
 }

@@ -43,6 +43,9 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
         from hemiola.ps import cli as ps_cli
 
         ps_cli.register(commands)
+    from hemiola.elastic import coordinator
+
+    coordinator.register(commands)
     return parser
 
 

@@ -236,6 +236,16 @@ class Config:
             between replicas, each rank of a group carrying 1/replica_ranks of
             every fragment. None: the ranks of one node (``LOCAL_WORLD_SIZE``)
             when the run spans several nodes, else 1 (every rank a replica).
+        coordinator: ``streaming`` only: ``"HOST:PORT"`` of a running
+            ``hemiola coordinator`` makes the run elastic (docs/streaming.md,
+            "Elastic membership"): each process is a replica of its own,
+            started on its own (no torchrun needed), a replica that dies is
+            dropped without the others losing an inner step, and one that
+            starts later joins at a sync, handed the shared copy by a peer.
+            None (default): the replicas are the ranks of this launch.
+        group_name: with ``coordinator``: this replica's name in the run
+            (unique among the live ones; a restarted replica may take its old
+            name). None: ``HEMIOLA_GROUP``, else host name and process id.
     """
 
     schedule: str = "wfbp"
@@ -265,6 +275,8 @@ class Config:
     outer_nesterov: bool | None = None
     mix: float | str | None = None
     replica_ranks: int | None = None
+    coordinator: str | None = None
+    group_name: str | None = None
 
     def __post_init__(self) -> None:
         if self.schedule not in SCHEDULES:
@@ -295,6 +307,17 @@ class Config:
             if not (isinstance(value, int) and value >= 1) and not (
                     name == "fragments" and value is None):
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if self.coordinator is not None:
+            if self.schedule != "streaming":
+                raise ValueError(f"coordinator= makes a streaming run elastic; schedule="
+                                 f"{self.schedule!r} has no elastic membership (use "
+                                 "schedule='streaming', or leave coordinator out)")
+            host, sep, port = str(self.coordinator).rpartition(":")
+            if not (isinstance(self.coordinator, str) and sep and host and port.isdigit()):
+                raise ValueError(f"coordinator must be 'HOST:PORT', got {self.coordinator!r}")
+        if self.group_name is not None and not (isinstance(self.group_name, str)
+                                                and self.group_name.strip()):
+            raise ValueError(f"group_name must be a non-empty string, got {self.group_name!r}")
         if self.overlap is not None and not (isinstance(self.overlap, int) and self.overlap >= 0):
             raise ValueError(f"overlap must be an integer >= 0, got {self.overlap!r}")
         for name in ("outer_lr", "outer_momentum"):

@@ -131,12 +131,20 @@ def new_subgroup_engines(size: int, timeout_s: float, timeline: bool = False,
 def _engine(prefix: str, rank: int, world: int, timeout_s: float, timeline: bool,
             gpu_backend: str) -> tuple[C.Engine, C.Store]:
     store = dist.distributed_c10d._get_default_store()
-    master = os.environ.get("MASTER_ADDR", "")
     engine_store = TorchStore(dist.PrefixStore(prefix, store))
-    engine = C.Engine(
+    return engine_over(engine_store, os.environ.get("MASTER_ADDR", ""), rank, world, timeout_s,
+                       timeline, gpu_backend), engine_store
+
+
+def engine_over(store: C.Store, master: str, rank: int, world: int, timeout_s: float,
+                timeline: bool = False, gpu_backend: str = "auto") -> C.Engine:
+    """An engine of `world` ranks that rendezvous through `store` (a
+    collective call); `master`: an address every rank reaches, to pick the
+    interface to bind."""
+    return C.Engine(
         rank=rank,
         world_size=world,
-        store=engine_store,
+        store=store,
         iface=bind_interface(master),
         master_addr=master,
         timeout_s=timeout_s,
@@ -145,7 +153,6 @@ def _engine(prefix: str, rank: int, world: int, timeout_s: float, timeline: bool
         staged_chunk_bytes=staged_chunk_bytes(),
         gloo_stripes=gloo_stripes(),
     )
-    return engine, engine_store
 
 
 #: The largest HEMIOLA_STAGED_CHUNK_MB: 1 TiB, above any bucket.

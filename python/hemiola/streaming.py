@@ -45,6 +45,7 @@ from torch import nn
 from hemiola._native import C
 from hemiola.config import RESIDUAL_CODINGS, STREAMING_CODINGS, Config, compression_code, spelled
 from hemiola.data_parallel import DataParallel
+from hemiola.elastic.replica import ElasticReplica
 from hemiola.engine_tensors import broadcast_tensors, dtype_code
 from hemiola.streaming_checkpoint import agree_across_ranks, check_layout, warn_if_resized
 from hemiola.streaming_shape import FirstSyncProbe, announce, choose
@@ -87,9 +88,11 @@ class StreamingParallel(nn.Module):
 
     def __init__(self, module: nn.Module, config: Config, engine: C.Engine, store: C.Store,
                  optimizer: torch.optim.Optimizer, host_copy: bool | None = None,
-                 group: tuple[C.Engine, C.Store] | None = None) -> None:
+                 group: tuple[C.Engine, C.Store] | None = None,
+                 elastic: ElasticReplica | None = None) -> None:
         """`engine`: across the replicas. `group`: this rank's replica group's
-        engine and store (None: the rank is a replica alone). `host_copy`:
+        engine and store (None: the rank is a replica alone). `elastic`: the
+        membership of an elastic run (`engine` is its epoch's). `host_copy`:
         keep a host copy of the parameters for the engine (None: when the
         model is not on the CPU; True on a CPU model runs the GPU path's
         copies on the CPU, for tests)."""
@@ -101,11 +104,14 @@ class StreamingParallel(nn.Module):
         self.module = module
         self._config = config
         self._engine = engine
+        self._elastic = elastic
         check_same_model(engine, store, module, config)
-        # Across the groups first: then the first rank of every group holds
-        # rank 0's values, and the group's broadcast (DataParallel's) hands
-        # them to the rest.
-        broadcast_tensors(engine, [*module.parameters(), *module.buffers()])
+        if elastic is None or not elastic.joining:
+            # Across the groups first: then the first rank of every group
+            # holds rank 0's values, and the group's broadcast (DataParallel's)
+            # hands them to the rest. (A group joining an elastic run is
+            # handed the shared copy instead, once its streamer exists.)
+            broadcast_tensors(engine, [*module.parameters(), *module.buffers()])
         #: what forward runs: inside a group, the group's per-step schedule
         #: (kept out of the module registry: the module's state is self.module's)
         inner: nn.Module = module
@@ -136,8 +142,12 @@ class StreamingParallel(nn.Module):
                           for (n, _), h in zip(named, self._host)]
         # Fragments and overlap left out: blocking with one fragment until the
         # first sync has been timed (streaming_shape.py).
+        shape_left_out = config.fragments is None and config.overlap is None
         self._probe = (FirstSyncProbe(config.sync_every)
-                       if config.fragments is None and config.overlap is None else None)
+                       if shape_left_out and elastic is None else None)
+        if shape_left_out and elastic is not None:
+            log.info("hemiola streaming: elastic, so fragments=1 and overlap=0 (choosing them "
+                     "takes every replica at the first sync; set them to overlap the wire)")
         self._streamer = self._make_streamer(config.fragments or 1, config.overlap or 0)
         self._hooks = [
             optimizer.register_step_post_hook(lambda *_: self._after_inner_step()),
@@ -156,6 +166,8 @@ class StreamingParallel(nn.Module):
         self._never_synced = weakref.finalize(
             self, _warn_if_never_synced, self._streamer, config.sync_every,
             dist.get_rank() if dist.is_initialized() else 0)
+        if elastic is not None:
+            elastic.attach(self)
 
     def _make_streamer(self, fragments: int, overlap: int) -> Any:
         config = self._config
@@ -165,7 +177,8 @@ class StreamingParallel(nn.Module):
             outer_nesterov=(config.outer_momentum > 0 if config.outer_nesterov is None
                             else config.outer_nesterov),
             compression=compression_code(config.compression), mix=merge_mix(config.mix, overlap),
-            check_finite=config.check_finite, group=self._group)
+            check_finite=config.check_finite, group=self._group,
+            confirm=self._elastic is not None)
 
     @property
     def config(self) -> Config:
@@ -241,7 +254,12 @@ class StreamingParallel(nn.Module):
         ranks per replica, and the fragments and overlap in use."""
         s = self._streamer
         options = s.options()
-        return {"inner_steps": float(s.inner_steps), "syncs": float(s.syncs),
+        elastic = {} if self._elastic is None else {
+            "epoch": float(self._elastic.epoch.number),
+            "replicas": float(self._elastic.epoch.world),
+            "membership_changes": float(len(self._elastic.recoveries)),
+            "stall_s": float(sum(r.stall_s for r in self._elastic.recoveries))}
+        return {**elastic, "inner_steps": float(s.inner_steps), "syncs": float(s.syncs),
                 "waited_ms": float(s.waited_ms) + self._waited_before_ms,
                 "host_ms": float(s.host_ms) + self._host_before_ms,
                 "replica_ranks": float(self.replica_ranks),
@@ -317,9 +335,20 @@ class StreamingParallel(nn.Module):
                 ours.copy_(theirs)
         self._fragment_params = new.fragments()
 
+    def _step_streamer(self) -> None:
+        if self._elastic is None:
+            self._streamer.after_inner_step()
+        else:
+            self._elastic.step(self)
+
+    def _copy_host_to_params(self) -> None:
+        if self._host is not self._params:
+            for param, host in zip(self._params, self._host):
+                param.copy_(host)
+
     def _count_inner_step(self) -> None:
         if self._host is self._params:
-            self._streamer.after_inner_step()
+            self._step_streamer()
             return
         # Only the fragments this step sends or lands are read or written:
         # those cross (whole parameters: a parameter cut across two
@@ -329,7 +358,7 @@ class StreamingParallel(nn.Module):
                           for i in self._fragment_params[f]})
         for i in touched:
             self._host[i].copy_(self._params[i])
-        self._streamer.after_inner_step()
+        self._step_streamer()
         for i in touched:
             self._params[i].copy_(self._host[i])
 

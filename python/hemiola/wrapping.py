@@ -12,6 +12,7 @@ from torch import nn
 from hemiola.config import Config
 from hemiola.data_parallel import WRAPPED_MARK, DataParallel
 from hemiola.distributed import init, new_engine, new_subgroup_engines
+from hemiola.elastic.replica import ElasticReplica
 from hemiola.replica_groups import replica_ranks
 from hemiola.streaming import StreamingParallel
 from hemiola.threads import fit_threads
@@ -115,6 +116,8 @@ def _streaming(model: nn.Module, optimizer: Any, config: Config) -> StreamingPar
     """``schedule="streaming"``: every rank a replica, or replica groups of
     ``config.replica_ranks`` ranks (hemiola.replica_groups)."""
     init(config.timeout_s)
+    if config.coordinator is not None:
+        return _elastic_streaming(model, optimizer, config)
     ranks = replica_ranks(config.replica_ranks, dist.get_world_size())
     config = dataclasses.replace(config, replica_ranks=ranks)
     engine_options = {"timeline": config.timeline, "gpu_backend": config.gpu_backend}
@@ -127,6 +130,23 @@ def _streaming(model: nn.Module, optimizer: Any, config: Config) -> StreamingPar
     fit_threads(group)
     return StreamingParallel(model, config, across, store, optimizer,
                              group=(group, group_store))
+
+
+def _elastic_streaming(model: nn.Module, optimizer: Any, config: Config) -> StreamingParallel:
+    """``streaming`` with ``coordinator``: this process is one replica of an
+    elastic run (hemiola.elastic)."""
+    if dist.get_world_size() != 1 or config.replica_ranks not in (None, 1):
+        raise ValueError("coordinator= runs one process per replica for now: start each "
+                         "replica as its own process (python train.py, or torchrun "
+                         "--nproc_per_node=1), not several ranks in one launch "
+                         f"(this launch has {dist.get_world_size()} ranks, replica_ranks="
+                         f"{config.replica_ranks})")
+    config = dataclasses.replace(config, replica_ranks=1)
+    replica = ElasticReplica(config)
+    if not replica.joining:  # a collective: the members of a running run are not in it
+        fit_threads(replica.engine)
+    return StreamingParallel(model, config, replica.engine, replica.store, optimizer,
+                             elastic=replica)
 
 
 #: Why a schedule other than wfbp cannot wrap without the optimizer.

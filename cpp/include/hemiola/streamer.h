@@ -71,6 +71,11 @@ struct StreamerOptions {
   // throw (ErrorCode::kNotFinite, naming a parameter it holds) instead of
   // applying it: the average is the same on every rank, so every rank throws.
   bool check_finite = false;
+  // Elastic membership (python/hemiola/elastic): every average ends with a
+  // confirmation, an all-gather of one word per rank, so that a failure
+  // leaves each survivor knowing whether the average may be kept
+  // (fragment_averager.h). One rank per replica.
+  bool confirm = false;
 
   // The outer step by default: the average itself (lr 1, no momentum: the
   // models averaged, local SGD), which measured best at tens of syncs
@@ -96,6 +101,7 @@ struct StreamedParameter {
   TensorRef param;   // the live values the inner optimizer steps
 };
 
+class Engine;
 class StreamerImpl;
 
 class HEMIOLA_API Streamer {
@@ -114,6 +120,37 @@ class HEMIOLA_API Streamer {
   std::vector<size_t> next_step_fragments() const;
   // Inner steps counted so far.
   uint64_t inner_steps() const;
+
+  // ---- elastic membership (options().confirm) ---------------------------
+  // When after_inner_step() threw because a replica failed (the wire's
+  // error), the step is counted and the fragment in flight kept; the caller
+  // agrees on the survivors, then rejoin()s them and finish_step()s.
+  //
+  // Moves the averages to `across` (the survivors' or the grown membership's
+  // engine; a rendezvous). With a fragment in flight whose average failed:
+  // `redo` averages it again over `across` from the live values it was sent
+  // from (no inner step is lost); otherwise its average is kept (every rank
+  // completed it: averaged_before_failure() on all). The coding's residuals
+  // start again from zero (the pieces' owners change with the membership).
+  void rejoin(Engine& across, bool redo);
+  // The rest of the inner step whose after_inner_step() threw: lands the
+  // fragment due and sends those due after it (no-op if it had finished).
+  void finish_step();
+  // A group joining a running run, after its shared copy and outer
+  // momentum were written (shared(), outer_momentum()) from a member's:
+  // takes the run's step count, sync count and momentum flags, and its live
+  // values become the shared copy. Nothing may be in flight.
+  void adopt(uint64_t inner_steps, uint64_t syncs, const std::vector<uint8_t>& momentum_started);
+  // This rank has the in-flight fragment's average (its confirmation may
+  // have failed; the coordinator keeps it only if every survivor has it).
+  bool in_flight_averaged() const;
+  // The sync the fragment in flight belongs to (0, 1, ...: syncs() at its send).
+  uint64_t in_flight_round() const;
+  // What this rank offers in its next confirmations (a membership epoch the
+  // coordinator announced; any thread), and the largest offer confirmed
+  // with the last landed average (the same on every rank).
+  void offer(uint64_t epoch);
+  uint64_t agreed_offer() const;
   // Waits until the fragment on the wire (if any) has its average; it still
   // lands after its step (a checkpoint then holds it: pending_*).
   void wait_in_flight();

@@ -227,6 +227,9 @@ std::unique_ptr<Streamer> Engine::make_streamer(std::vector<StreamedParameter> p
       *impl_, std::move(params), options, group == nullptr ? nullptr : &group->impl()));
 }
 
+// Here, not in streamer.cpp: the streaming floor does not see the engine.
+void Streamer::rejoin(Engine& across, bool redo) { impl_->rejoin(across.impl(), redo); }
+
 std::string Engine::timeline_json() const { return impl_->timeline().json(rank()); }
 
 void Engine::timeline_record(const std::string& lane, const std::string& name,

@@ -52,11 +52,14 @@ class FragmentAverager::Average final : public Work {
       : averager_(averager), fragment_(fragment), round_(round) {}
 
   void run(Communicator& comm, Timeline& timeline) override {
+    averager_.averaged_.store(false);
     // An empty piece (a fragment of fewer elements than the group has
     // ranks) is empty on every rank that shares it: nothing to send.
     if (averager_.storage_->layout().plan[fragment_].numel == 0) return;
     const int64_t start_us = timeline.now_us();
     averager_.codec_->reduce(*averager_.storage_, fragment_, round_, averager_.outs_, comm);
+    averager_.averaged_.store(true);
+    if (averager_.confirm_) averager_.confirm(comm);
     if (timeline.enabled()) {
       timeline.record("outer", describe(), "outer", start_us, timeline.now_us());
     }
@@ -106,14 +109,17 @@ class FragmentAverager::Gather final : public Work {
 };
 
 FragmentAverager::FragmentAverager(Scheduler& scheduler, const BucketLayout& fragments,
-                                   Compression compression, Scheduler* group)
+                                   Compression compression, Scheduler* group, bool confirm)
     : scheduler_(scheduler),
       fragments_(fragments.plan),
       group_(group),
       wire_(scheduler.connect_wire("outer")),
-      outs_(fragments.specs.size(), nullptr) {
+      outs_(fragments.specs.size(), nullptr),
+      confirm_(confirm) {
   HEMIOLA_CHECK(coding(compression).streams, "streaming sends its pseudo-gradients with "
                 "compression ", streaming_codings());
+  HEMIOLA_CHECK(!(confirm && group != nullptr), "elastic membership runs one rank per replica "
+                "for now (replica_ranks=1); replica groups of several ranks are not elastic yet");
   if (grouped()) {
     group_wire_ = group_->connect_wire("outer-gather");
     const size_t ranks = static_cast<size_t>(group_->options().world_size);
@@ -135,6 +141,16 @@ FragmentAverager::FragmentAverager(Scheduler& scheduler, const BucketLayout& fra
   }
   codec_ = make_codec(CodecSpec{fragments.specs, Device{}, compression, /*average=*/true,
                                 scheduler.options().world_size});
+}
+
+void FragmentAverager::confirm(Communicator& comm) {
+  // One word per rank, exact in a double (epochs stay far below 2^53).
+  const size_t ranks = static_cast<size_t>(comm.size());
+  double mine = static_cast<double>(offered_.load());
+  std::vector<double> all(ranks, 0.0);
+  comm.all_gather(TensorRef{&mine, DType::kFloat64, 1, Device{}},
+                  TensorRef{all.data(), DType::kFloat64, ranks, Device{}});
+  agreed_.store(static_cast<uint64_t>(*std::max_element(all.begin(), all.end())));
 }
 
 size_t FragmentAverager::piece_numel(size_t f) const {

@@ -23,6 +23,7 @@
 // result, and the all-gather copies it.
 #pragma once
 
+#include <atomic>
 #include <cstddef>
 #include <cstdint>
 #include <memory>
@@ -43,8 +44,10 @@ class FragmentAverager {
   // replicas. `group`: this rank's replica group (null: the rank is a
   // replica alone). Connects the wires (a rendezvous: at the same point on
   // every rank).
+  // `confirm`: after each average, every rank says it has it and what it
+  // was offered (offer()); an elastic run's commit point (below).
   FragmentAverager(Scheduler& scheduler, const BucketLayout& fragments, Compression compression,
-                   Scheduler* group = nullptr);
+                   Scheduler* group = nullptr, bool confirm = false);
 
   // Starts averaging fragment `f`'s pseudo-gradient (`round`: the
   // how-many-th sync, for the coding): `fill` writes it, laid out as the
@@ -63,11 +66,31 @@ class FragmentAverager {
   // In a group, only this rank's pieces of it are ever non-zero.
   std::vector<float>& residual(size_t index);
 
+  // ---- elastic membership (confirm) -------------------------------------
+  // A confirmed average is one every rank has: after the average, the ranks
+  // all-gather one word each (what they were offered), and a rank whose
+  // confirmation completed knows every rank entered it, so every rank
+  // completed the average. A rank whose confirmation failed does not know
+  // whether the others have the average; averaged_before_failure() says
+  // whether it has (the coordinator decides, from every survivor's answer,
+  // whether the average is kept or done again: python/hemiola/elastic).
+  //
+  // What this rank offers in its next confirmations (a membership epoch the
+  // coordinator announced; 0: none). Any thread.
+  void offer(uint64_t epoch) { offered_.store(epoch); }
+  // The largest offer of the last confirmed average (the same on every rank).
+  uint64_t agreed() const { return agreed_.load(); }
+  // Whether the last average completed on this rank (its confirmation may
+  // still have failed).
+  bool averaged_before_failure() const { return averaged_.load(); }
+
  private:
   class Average;
   class Gather;
 
   bool grouped() const { return group_ != nullptr; }
+  // The confirmation after an average (on the wire's thread).
+  void confirm(Communicator& comm);
   // Elements per piece of fragment `f` (P), and where this rank's piece
   // starts in it (its rank in the group times P, at most the fragment's
   // size), in a group.
@@ -95,6 +118,10 @@ class FragmentAverager {
   // so a residual is written before it is read again.
   std::unique_ptr<Codec> codec_;
   const std::vector<void*> outs_;  // none: the average stays in the buffer
+  const bool confirm_;
+  std::atomic<uint64_t> offered_{0};
+  std::atomic<uint64_t> agreed_{0};
+  std::atomic<bool> averaged_{false};
 };
 
 // Piece [begin, begin + count) of `bucket`'s elements, as a bucket of its

@@ -82,7 +82,7 @@ void mix(DType dtype, void* live, const void* shared, double a, size_t n) {
 
 StreamerImpl::StreamerImpl(Scheduler& scheduler, std::vector<StreamedParameter> params,
                            const StreamerOptions& options, Scheduler* group)
-    : scheduler_(scheduler), params_(std::move(params)), options_(options) {
+    : scheduler_(&scheduler), group_(group), params_(std::move(params)), options_(options) {
   HEMIOLA_CHECK(!params_.empty(), "streaming needs at least one parameter");
   HEMIOLA_CHECK(options_.sync_every >= 1, "streaming: sync_every must be at least 1");
   HEMIOLA_CHECK(options_.fragments >= 1 && options_.fragments <= options_.sync_every,
@@ -125,8 +125,12 @@ StreamerImpl::StreamerImpl(Scheduler& scheduler, std::vector<StreamedParameter> 
   for (size_t f = 0; f < plan_.size(); ++f) pack(f, fragments_[f].shared.get());
   base_.reset(new unsigned char[largest]());
   average_.reset(new unsigned char[largest]());
-  averager_ = std::make_unique<FragmentAverager>(
-      scheduler_, BucketLayout{plan_, placement_, specs_}, options_.compression, group);
+  averager_ = make_averager(*scheduler_);
+}
+
+std::unique_ptr<FragmentAverager> StreamerImpl::make_averager(Scheduler& scheduler) const {
+  return std::make_unique<FragmentAverager>(scheduler, BucketLayout{plan_, placement_, specs_},
+                                            options_.compression, group_, options_.confirm);
 }
 
 StreamerImpl::~StreamerImpl() {
@@ -154,19 +158,82 @@ void StreamerImpl::pack(size_t f, unsigned char* out) const {
 void StreamerImpl::after_inner_step() {
   const auto start = std::chrono::steady_clock::now();
   const double waited_before = waited_ms_;
-  const uint64_t step = ++steps_;
-  if (in_flight_ && step >= sent_step_ + options_.overlap) land();
-  for (size_t f = 0; f < plan_.size(); ++f) {
-    if (!due(f, step)) continue;
-    HEMIOLA_CHECK(!in_flight_, "internal: a fragment was sent while another is in flight");
-    send(f);
-    if (options_.overlap == 0) land();
-  }
+  HEMIOLA_CHECK(step_finished_, "streaming: inner step ", steps_, " did not finish (a replica "
+                "failed during it); rejoin() and finish_step() before the next step");
+  ++steps_;
+  step_finished_ = false;
+  finish_step();
   // The sync's cost on the training thread: packing, subtracting, the outer
   // step and the merge (the waits for the wire are waited_ms).
   host_ms_ += std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() -
                                                         start).count() -
               (waited_ms_ - waited_before);
+}
+
+void StreamerImpl::finish_step() {
+  // Re-entrant: after a throw (a replica failed) and a rejoin(), what was
+  // done at this step is not done again (a fragment landed is no longer in
+  // flight; one sent at this step has sent_step_ == steps_).
+  const uint64_t step = steps_;
+  if (in_flight_ && step >= sent_step_ + options_.overlap) land();
+  for (size_t f = 0; f < plan_.size(); ++f) {
+    if (!due(f, step) || (sent_ == f && sent_step_ == step)) continue;
+    HEMIOLA_CHECK(!in_flight_, "internal: a fragment was sent while another is in flight");
+    send(f);
+    if (options_.overlap == 0) land();
+  }
+  step_finished_ = true;
+}
+
+void StreamerImpl::rejoin(Scheduler& across, bool redo) {
+  if (in_flight_) {
+    // Its handle is done (it failed), or is waited for here: nothing runs
+    // on the old wire after this.
+    bool have_average = averaged_;
+    if (!averaged_) {
+      try {
+        handle_.wait();
+        have_average = true;
+      } catch (const std::exception&) {
+        have_average = averager_->averaged_before_failure();
+      }
+    }
+    if (redo) {
+      averaged_ = false;  // averaged again below, from the values it was sent from
+    } else {
+      HEMIOLA_CHECK(have_average, "streaming: rejoin() was told to keep the average of "
+                    "fragment ", sent_, ", which this rank does not have");
+      if (!averaged_) {
+        std::memcpy(average_.get(), averager_->averaged(sent_), plan_[sent_].nbytes());
+        averaged_ = true;
+      }
+    }
+  }
+  handle_ = Handle();
+  averager_ = make_averager(across);
+  scheduler_ = &across;
+  if (in_flight_ && !averaged_) submit_in_flight();
+}
+
+void StreamerImpl::adopt(uint64_t inner_steps, uint64_t syncs,
+                         const std::vector<uint8_t>& momentum_started) {
+  HEMIOLA_CHECK(!in_flight_, "streaming: adopt() with a fragment in flight");
+  HEMIOLA_CHECK(momentum_started.size() == fragments_.size(), "streaming: adopt() got ",
+                momentum_started.size(), " momentum flags for ", fragments_.size(),
+                " fragments");
+  steps_ = inner_steps;
+  syncs_ = syncs;
+  for (size_t f = 0; f < fragments_.size(); ++f) {
+    Fragment& fragment = fragments_[f];
+    fragment.momentum_started = momentum_started[f] != 0;
+    const PlannedBucket& bucket = plan_[f];
+    const size_t elem = dtype_size(bucket.dtype);
+    for (size_t k = 0; k < bucket.tensors.size(); ++k) {
+      std::memcpy(static_cast<unsigned char*>(params_[bucket.tensors[k]].param.data) +
+                      bucket.begins[k] * elem,
+                  fragment.shared.get() + bucket.offsets[k] * elem, bucket.counts[k] * elem);
+    }
+  }
 }
 
 std::vector<size_t> StreamerImpl::next_step_fragments() const {
@@ -181,14 +248,18 @@ std::vector<size_t> StreamerImpl::next_step_fragments() const {
 }
 
 void StreamerImpl::send(size_t f) {
-  const PlannedBucket& bucket = plan_[f];
   pack(f, base_.get());
   in_flight_ = true;
   averaged_ = false;
   sent_ = f;
   sent_step_ = steps_;
-  handle_ = averager_->average(f, syncs_, [&](unsigned char* pseudo_gradient) {
-    subtract(bucket.dtype, pseudo_gradient, fragments_[f].shared.get(), base_.get(),
+  submit_in_flight();
+}
+
+void StreamerImpl::submit_in_flight() {
+  const PlannedBucket& bucket = plan_[sent_];
+  handle_ = averager_->average(sent_, syncs_, [&](unsigned char* pseudo_gradient) {
+    subtract(bucket.dtype, pseudo_gradient, fragments_[sent_].shared.get(), base_.get(),
              bucket.numel);
   });
 }
@@ -201,6 +272,7 @@ void StreamerImpl::wait_in_flight() {
                                                           start).count();
   std::memcpy(average_.get(), averager_->averaged(sent_), plan_[sent_].nbytes());
   averaged_ = true;
+  agreed_ = averager_->agreed();
 }
 
 void StreamerImpl::land() {
@@ -329,6 +401,15 @@ std::vector<std::vector<size_t>> StreamerImpl::fragments() const {
 Streamer::Streamer(std::unique_ptr<StreamerImpl> impl) : impl_(std::move(impl)) {}
 Streamer::~Streamer() = default;
 void Streamer::after_inner_step() { impl_->after_inner_step(); }
+void Streamer::finish_step() { impl_->finish_step(); }
+bool Streamer::in_flight_averaged() const { return impl_->in_flight_averaged(); }
+uint64_t Streamer::in_flight_round() const { return impl_->in_flight_round(); }
+void Streamer::adopt(uint64_t inner_steps, uint64_t syncs,
+                     const std::vector<uint8_t>& momentum_started) {
+  impl_->adopt(inner_steps, syncs, momentum_started);
+}
+void Streamer::offer(uint64_t epoch) { impl_->offer(epoch); }
+uint64_t Streamer::agreed_offer() const { return impl_->agreed_offer(); }
 std::vector<size_t> Streamer::next_step_fragments() const {
   return impl_->next_step_fragments();
 }

@@ -25,6 +25,15 @@ class StreamerImpl {
   ~StreamerImpl();
 
   void after_inner_step();
+  void finish_step();
+  void rejoin(Scheduler& across, bool redo);
+  void adopt(uint64_t inner_steps, uint64_t syncs, const std::vector<uint8_t>& momentum_started);
+  bool in_flight_averaged() const {
+    return in_flight_ && (averaged_ || averager_->averaged_before_failure());
+  }
+  uint64_t in_flight_round() const { return syncs_; }
+  void offer(uint64_t epoch) { averager_->offer(epoch); }
+  uint64_t agreed_offer() const { return agreed_; }
   std::vector<size_t> next_step_fragments() const;
   uint64_t inner_steps() const { return steps_; }
   void wait_in_flight();
@@ -59,6 +68,9 @@ class StreamerImpl {
   void pack(size_t f, unsigned char* out) const;
   // Sends fragment `f`'s pseudo-gradient (shared - live) to be averaged.
   void send(size_t f);
+  // Submits the fragment in flight's pseudo-gradient (shared - base).
+  void submit_in_flight();
+  std::unique_ptr<FragmentAverager> make_averager(Scheduler& scheduler) const;
   // Waits for the fragment in flight; its outer step and merge.
   void land();
   // check_finite: throws unless fragment f's average (in average_) is finite.
@@ -66,7 +78,8 @@ class StreamerImpl {
   // Fragment `f`'s values in `data` (laid out as its plan).
   TensorRef buffer(size_t f, unsigned char* data) const;
 
-  Scheduler& scheduler_;
+  Scheduler* scheduler_;  // the wire between replicas (rejoin() moves it)
+  Scheduler* const group_;  // this rank's replica group, or null
   const std::vector<StreamedParameter> params_;
   const StreamerOptions options_;
   std::vector<GradSpec> specs_;
@@ -76,7 +89,9 @@ class StreamerImpl {
   std::unique_ptr<FragmentAverager> averager_;
 
   uint64_t steps_ = 0;
+  bool step_finished_ = true;  // after_inner_step(steps_) ran to its end
   uint64_t syncs_ = 0;
+  uint64_t agreed_ = 0;  // the last landed average's agreed offer
   double waited_ms_ = 0.0;
   double host_ms_ = 0.0;  // in after_inner_step(), less the waits
   // The fragment in flight (one at a time): its number, the step it was sent

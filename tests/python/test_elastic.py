@@ -1,0 +1,126 @@
+"""Elastic streaming (hemiola.elastic): replicas as separate processes joined
+through a real coordinator over TCP, killed with SIGKILL and started late."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from hemiola.elastic.coordinator import Coordinator
+
+sys.path.insert(0, str(Path(__file__).parent))
+import elastic_worker  # noqa: E402
+
+WORKER = str(Path(__file__).parent / "elastic_worker.py")
+
+
+@pytest.fixture
+def coordinator():
+    started = []
+
+    def start(min_replicas: int, start_replicas: int | None = None,
+              timeout_s: float = 10.0) -> Coordinator:
+        c = Coordinator("127.0.0.1", 0, min_replicas=min_replicas, timeout_s=timeout_s,
+                        start_replicas=start_replicas)
+        c.start()
+        started.append(c)
+        return c
+
+    yield start
+    for c in started:
+        c.close()
+
+
+def launch(c: Coordinator, tmp_path: Path, name: str, index: int, **options) -> tuple:
+    out = tmp_path / f"{name}.json"
+    args = {"coordinator": "127.0.0.1:%d" % c.address[1], "name": name, "index": index,
+            "steps": 40, "sync_every": 10, "fragments": 1, "overlap": 0, "out": str(out),
+            **options}
+    log = open(tmp_path / f"{name}.log", "w")
+    proc = subprocess.Popen([sys.executable, WORKER, json.dumps(args)], stdout=log,
+                            stderr=subprocess.STDOUT)
+    return proc, out
+
+
+def finish(tmp_path: Path, runs: list[tuple], timeout_s: float = 120.0) -> list[dict]:
+    results = []
+    for proc, out in runs:
+        code = proc.wait(timeout=timeout_s)
+        log = Path(str(out).replace(".json", ".log")).read_text()
+        assert code == 0, f"{out.name} exited {code}:\n{log[-3000:]}"
+        results.append(json.loads(out.read_text()))
+    return results
+
+
+def reference(steps: int, sync_every: int, alive_until: dict[int, int]) -> list[torch.Tensor]:
+    """DiLoCo with the default outer step (the average) in plain torch: each
+    replica `index` takes steps 1..alive_until[index]; a sync averages the
+    replicas alive at it, and every one of them continues from the average."""
+    models = {i: elastic_worker.make_model() for i in alive_until}
+    for step in range(1, steps + 1):
+        for i, model in models.items():
+            if step > alive_until[i]:
+                continue
+            x, y = elastic_worker.batch(i, step)
+            model.zero_grad()
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            with torch.no_grad():
+                for p in model.parameters():
+                    p -= elastic_worker.LR * p.grad
+        if step % sync_every == 0:
+            alive = [m for i, m in models.items() if step <= alive_until[i]]
+            with torch.no_grad():
+                for ps in zip(*(m.parameters() for m in alive)):
+                    mean = torch.stack([p for p in ps]).mean(0)
+                    for p in ps:
+                        p.copy_(mean)
+    survivor = next(m for i, m in models.items() if alive_until[i] == steps)
+    return [p.detach().flatten() for p in survivor.parameters()]
+
+
+def test_a_killed_replica_is_dropped_and_the_survivors_lose_no_step(coordinator, tmp_path):
+    c = coordinator(min_replicas=2, start_replicas=3)
+    runs = [launch(c, tmp_path, f"g{i}", i, die_at=15 if i == 2 else None) for i in range(3)]
+    assert runs[2][0].wait(timeout=120) == -9  # SIGKILL, after its inner step 15
+    survivors = finish(tmp_path, runs[:2])
+    for r in survivors:
+        assert r["stats"]["inner_steps"] == 40  # none lost
+        assert r["stats"]["syncs"] == 4
+        assert r["stats"]["replicas"] == 2
+        (change,) = r["recoveries"]
+        # The next sync (step 20) failed on the dead peer's closed sockets and
+        # was averaged again over the two survivors.
+        assert change["inner_step"] == 20 and change["what"] == "failure, averaged again"
+        assert change["stall_s"] < c.timeout_s + 1
+    assert survivors[0]["shared_sha256"] == survivors[1]["shared_sha256"]
+    assert survivors[0]["params"] == survivors[1]["params"]
+    expected = reference(40, 10, {0: 40, 1: 40, 2: 15})
+    for got, want in zip(survivors[0]["params"], expected):
+        torch.testing.assert_close(torch.tensor(got), want, atol=2e-6, rtol=0)
+    assert [len(members) for _, members, _ in c.history] == [3, 2]
+
+
+def test_a_late_group_joins_at_a_sync_with_the_shared_copy(coordinator, tmp_path):
+    c = coordinator(min_replicas=2)
+    runs = [launch(c, tmp_path, f"g{i}", i, step_s=0.2) for i in range(2)]
+    while c.epoch < 1:
+        time.sleep(0.05)
+    time.sleep(0.5)  # the two are training
+    runs.append(launch(c, tmp_path, "g2", 2, step_s=0.2))
+    results = finish(tmp_path, runs)
+    joiner = results[2]
+    assert joiner["joined_at_step"] is not None and joiner["joined_at_step"] % 10 == 0
+    assert joiner["joined_at_step"] < 40
+    assert {r["stats"]["replicas"] for r in results} == {3}
+    assert {r["stats"]["inner_steps"] for r in results} == {40}
+    assert len({r["shared_sha256"] for r in results}) == 1
+    # after the last (blocking) sync every replica holds the shared copy
+    assert results[0]["params"] == results[1]["params"] == joiner["params"]
+    for r in results[:2]:
+        assert [x["what"] for x in r["recoveries"]] == ["admit"]
