@@ -228,7 +228,10 @@ class StreamingParallel(nn.Module):
         step). The ranks' parameters stay their own: between syncs they
         differ. For the same parameters on every rank now (an evaluation or a
         save mid-run), call :meth:`average_parameters`."""
-        self._streamer.wait_in_flight()
+        if self._elastic is not None:
+            self._elastic.wait(self)
+        else:
+            self._streamer.wait_in_flight()
 
     @torch.no_grad()
     def average_parameters(self) -> None:

@@ -39,7 +39,7 @@ def coordinator():
 
 def launch(c: Coordinator, tmp_path: Path, name: str, index: int, **options) -> tuple:
     out = tmp_path / f"{name}.json"
-    args = {"coordinator": "127.0.0.1:%d" % c.address[1], "name": name, "index": index,
+    args = {"coordinator": f"127.0.0.1:{c.address[1]}", "name": name, "index": index,
             "steps": 40, "sync_every": 10, "fragments": 1, "overlap": 0, "out": str(out),
             **options}
     log = open(tmp_path / f"{name}.log", "w")
@@ -124,3 +124,28 @@ def test_a_late_group_joins_at_a_sync_with_the_shared_copy(coordinator, tmp_path
     assert results[0]["params"] == results[1]["params"] == joiner["params"]
     for r in results[:2]:
         assert [x["what"] for x in r["recoveries"]] == ["admit"]
+
+
+def test_below_min_replicas_training_pauses_until_a_restarted_group_joins(coordinator,
+                                                                        tmp_path):
+    # Two fragments under two later steps: the survivor finds the death when
+    # the fragment sent after step 25 lands (step 27), averages it again
+    # alone, and waits there for the restarted group.
+    c = coordinator(min_replicas=2)
+    options = {"steps": 60, "fragments": 2, "overlap": 2, "step_s": 0.05}
+    survivor = launch(c, tmp_path, "g0", 0, **options)
+    doomed, _ = launch(c, tmp_path, "g1", 1, die_at=23, **options)
+    assert doomed.wait(timeout=120) == -9
+    while c.epoch < 2:  # the survivor's epoch of one, paused
+        time.sleep(0.05)
+    time.sleep(1.0)
+    restarted = launch(c, tmp_path, "g1", 1, **options)  # the same name comes back
+    first, second = finish(tmp_path, [survivor, restarted])
+    assert [x["what"] for x in first["recoveries"]] == ["failure, averaged again", "admit"]
+    assert first["recoveries"][0]["inner_step"] == 27
+    assert first["recoveries"][1]["inner_step"] == 27  # it waited there: no step taken alone
+    assert first["recoveries"][1]["stall_s"] >= 1.0
+    assert second["joined_at_step"] == 27
+    assert first["stats"]["inner_steps"] == second["stats"]["inner_steps"] == 60
+    assert first["shared_sha256"] == second["shared_sha256"]
+    assert [len(m) for _, m, _ in c.history] == [2, 1, 2]

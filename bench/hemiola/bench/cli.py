@@ -13,6 +13,7 @@ SUITES = {
     "convergence": "every schedule trained to the end on the same tasks and seeds",
     "streaming": "DiLoCo-style training (hemiola streaming, torchft) against DDP, over a slow link",
     "groups": "streaming's replica groups: sites of several ranks joined by a slow link",
+    "elastic": "elastic streaming: replicas killed at random steps and restarted",
     "ps": "the parameter server's schemes with a straggler",
     "cluster": "LWF-κ and Ada-SRSF against first-fit and SRSF in the event simulator",
     "advise": "hemiola advise's predicted time against the time of its choice (root)",

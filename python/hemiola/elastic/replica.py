@@ -34,6 +34,7 @@ import logging
 import os
 import socket
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -122,11 +123,24 @@ class ElasticReplica:
         except C.HemiolaError as e:
             if streamer.in_flight_fragment < 0:
                 raise  # not an average that failed
-            self._recover(model, e)
+            self._recover(model, e, streamer.finish_step)
         if streamer.agreed_offer > self.epoch.number:
             self._admit(model, time.monotonic())
 
-    def _recover(self, model: StreamingParallel, error: Exception) -> None:
+    def wait(self, model: StreamingParallel) -> None:
+        """``wait_in_flight`` (``synchronize()``), through a peer's failure."""
+        streamer = model._streamer
+        try:
+            streamer.wait_in_flight()
+        except C.HemiolaError as e:
+            if streamer.in_flight_fragment < 0:
+                raise
+            self._recover(model, e, streamer.wait_in_flight)
+
+    def _recover(self, model: StreamingParallel, error: Exception,
+                 then: Callable[[], None]) -> None:
+        """The survivors' epoch; the failed average kept or done again over
+        it; then `then` (the rest of the step, or the wait)."""
         streamer = model._streamer
         start = time.monotonic()
         step = streamer.inner_steps
@@ -138,7 +152,7 @@ class ElasticReplica:
                                        streamer.in_flight_averaged)
             try:
                 self._switch(model, epoch, redo=not epoch.keep)
-                streamer.finish_step()
+                then()
                 break
             except C.HemiolaError as e:  # another replica failed meanwhile
                 log.warning("hemiola elastic: group %s: epoch %d failed too (%s)", self.name,

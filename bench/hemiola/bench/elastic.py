@@ -1,0 +1,226 @@
+"""Elastic ``streaming``: replicas killed at random inner steps and restarted.
+
+    hemiola bench elastic                    # 3 groups, 10 kills, ByteLM, loopback
+    hemiola bench elastic --kills 3 --steps 200 --task digits   # a quick look
+
+A coordinator (hemiola.elastic) runs in this process; ``--groups`` replicas
+run as processes of their own (``python -m hemiola.bench.elastic --worker``),
+each training ``--task`` on its own batches towards the run's inner step
+``--steps``. ``--kills`` times, one group SIGKILLs itself right after an
+inner step (at least ``--in-flight`` of them while a fragment it sent is in
+flight: sent, not landed), and is started again at once under the same name;
+it joins at a sync and is handed the shared copy. The kill steps are drawn
+from ``--seed``.
+
+Printed and written (OUT/NAME.jsonl): per failure, the inner steps each
+survivor lost (the steps it took more than the run's length less the step it
+started at: 0 when nothing was rolled back or redone), the survivors' stall
+(from the failed average to training again), whether the failed sync's
+average was kept or averaged again; per join, the steps from the joiner's
+admission to its first send; and at the end whether every live replica's
+shared copy and outer momentum are bitwise equal (SHA-256).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import random
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from hemiola.bench.record import DEFAULT_OUT, write_lines
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--groups", type=int, default=3)
+    parser.add_argument("--kills", type=int, default=10)
+    parser.add_argument("--in-flight", type=int, default=3,
+                        help="kills while a fragment is in flight (sent, not landed)")
+    parser.add_argument("--task", default="lm", help="a convergence task (default lm: ByteLM)")
+    parser.add_argument("--steps", type=int, default=600, help="the run's inner steps")
+    parser.add_argument("--sync-every", type=int, default=20)
+    parser.add_argument("--fragments", type=int, default=2)
+    parser.add_argument("--overlap", type=int, default=3)
+    parser.add_argument("--timeout", type=float, default=10.0,
+                        help="the coordinator's failure-detection timeout (s)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    parser.add_argument("--name", default="elastic")
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.worker:
+        worker(json.loads(args.worker))
+        return 0
+    from hemiola.elastic.coordinator import Coordinator
+
+    coordinator = Coordinator("127.0.0.1", 0, min_replicas=1, timeout_s=args.timeout,
+                              start_replicas=args.groups)
+    coordinator.start()
+    rng = random.Random(args.seed)
+    # One kill at a time, each after the last victim is back in the run:
+    # which group, after how many of its steps from then, and whether while
+    # a fragment is in flight.
+    plans = [{"after": rng.randint(5, 40), "in_flight": k < args.in_flight}
+             for k in range(args.kills)]
+    rng.shuffle(plans)
+    common = {"coordinator": f"127.0.0.1:{coordinator.address[1]}", "task": args.task,
+              "steps": args.steps, "sync_every": args.sync_every,
+              "fragments": args.fragments, "overlap": args.overlap, "seed": args.seed}
+    work = Path(tempfile.mkdtemp(prefix="hemiola-elastic-"))
+    procs: dict[int, tuple[subprocess.Popen[bytes], Path]] = {}
+    outputs: list[Path] = []
+    started = time.monotonic()
+
+    def start(group: int) -> None:
+        out = work / f"g{group}-{len(outputs)}.json"
+        outputs.append(out)
+        config = {**common, "name": f"g{group}", "index": group, "out": str(out),
+                  "arm": str(work / f"arm-g{group}.json")}
+        log = open(work / f"{out.stem}.log", "w")
+        procs[group] = (subprocess.Popen(
+            [sys.executable, "-m", "hemiola.bench.elastic", "--worker", json.dumps(config)],
+            stdout=log, stderr=subprocess.STDOUT), out)
+
+    def everyone_in() -> bool:
+        return bool(coordinator.history) and len(coordinator.history[-1][1]) == args.groups
+
+    for group in range(args.groups):
+        start(group)
+    kills = 0
+    armed: int | None = None
+    while procs:
+        time.sleep(0.1)
+        if armed is None and plans and everyone_in():
+            armed = rng.randrange(args.groups)
+            (work / f"arm-g{armed}.json").write_text(json.dumps(plans.pop()))
+        for group, (proc, out) in list(procs.items()):
+            code = proc.poll()
+            if code is None:
+                continue
+            del procs[group]
+            if code == -9:
+                kills += 1
+                armed = None
+                print(f"[{time.monotonic() - started:6.1f} s] kill {kills}: group g{group} "
+                      "killed itself; starting it again", file=sys.stderr, flush=True)
+                start(group)
+            elif code != 0:
+                raise RuntimeError(f"group g{group} failed ({code}): see {out.with_suffix('.log')}")
+    coordinator.close()
+    results = [json.loads(p.read_text()) for p in outputs if p.exists()]
+    rows = summarise(results, coordinator.history, kills, args)
+    write_lines(args.out / f"{args.name}.jsonl", rows)
+    print(f"logs and results: {work}", file=sys.stderr)
+    return 0
+
+
+def summarise(results: list[dict[str, Any]], history: list[Any], kills: int,
+              args: argparse.Namespace) -> list[dict[str, Any]]:
+    failures = [r for res in results for r in res["recoveries"] if r["what"] != "admit"]
+    admits = [r for res in results for r in res["recoveries"] if r["what"] == "admit"]
+    lost = [res["executed"] - (res["inner_steps"] - (res["joined_at_step"] or 0))
+            for res in results]
+    contribute = [res["first_send_after"] for res in results if res["joined_at_step"] is not None]
+    finals = {res["shared_sha256"] for res in results if res["finished"]}
+    row = {
+        "suite": "elastic", "task": args.task, "groups": args.groups, "kills": kills,
+        "steps": args.steps, "sync_every": args.sync_every, "fragments": args.fragments,
+        "overlap": args.overlap, "timeout_s": args.timeout, "epochs": len(history),
+        "survivor_failures": len(failures),
+        "kept": sum(r["what"] == "failure" for r in failures),
+        "averaged_again": sum(r["what"] != "failure" for r in failures),
+        "steps_lost_max": max(lost) if lost else None,
+        "stall_s_max": max((r["stall_s"] for r in failures), default=None),
+        "stall_s_mean": (sum(r["stall_s"] for r in failures) / len(failures)) if failures
+        else None,
+        "admit_stall_s_max": max((r["stall_s"] for r in admits), default=None),
+        "steps_to_contribute_max": max(contribute) if contribute else None,
+        "fragment_period": args.sync_every // args.fragments,
+        "finished_replicas": sum(res["finished"] for res in results),
+        "final_shared_bitwise_equal": len(finals) == 1,
+    }
+    print(json.dumps(row, indent=1))
+    return [row]
+
+
+def worker(config: dict[str, Any]) -> None:
+    """One replica: trains to the run's last step, or kills itself as planned."""
+    import os
+    import signal
+
+    import torch
+
+    import hemiola
+    from hemiola.bench.tasks import TASKS
+
+    torch.set_num_threads(1)
+    task = TASKS[config["task"]]()
+    torch.manual_seed(config["seed"])
+    model = task.model()
+    optimizer = task.optimizer(model)
+    wrapped, optimizer = hemiola.wrap(
+        model, optimizer, schedule="streaming", sync_every=config["sync_every"],
+        fragments=config["fragments"], overlap=config["overlap"],
+        coordinator=config["coordinator"], group_name=config["name"], timeout_s=120.0)
+    streamer = wrapped._streamer
+    elastic = wrapped._elastic
+    x_all, y_all = task.epoch_samples(config["seed"], 0)
+    g = torch.Generator().manual_seed(config["seed"] * 1000 + config["index"])
+    mine = torch.randperm(len(x_all), generator=g)
+    die: dict[str, Any] | None = None
+    armed_at = 0
+    executed = 0
+    syncs_at_start = streamer.syncs
+    first_send_after = None
+
+    def snapshot(finished: bool) -> None:
+        # Written at every membership change too: a group killed later
+        # leaves what it went through as a survivor.
+        digest = hashlib.sha256()
+        for f in range(len(streamer.fragments())):
+            for view in wrapped._views(f):
+                digest.update(view.view(torch.uint8).numpy().tobytes())
+        result = {"name": config["name"], "executed": executed, "finished": finished,
+                  "inner_steps": streamer.inner_steps, "joined_at_step": elastic.joined_at_step,
+                  "first_send_after": first_send_after, "shared_sha256": digest.hexdigest(),
+                  "stats": wrapped.stats(), "recoveries": [vars(r) for r in elastic.recoveries]}
+        Path(config["out"]).write_text(json.dumps(result))
+
+    seen = 0
+    while (step := streamer.inner_steps + 1) <= config["steps"]:
+        at = (step * task.batch_size) % max(1, len(mine) - task.batch_size)
+        idx = mine[at:at + task.batch_size]
+        optimizer.zero_grad()
+        task.loss(wrapped, x_all[idx], y_all[idx]).backward()
+        optimizer.step()
+        executed += 1
+        if first_send_after is None and (streamer.in_flight_fragment >= 0
+                                         or streamer.syncs > syncs_at_start):
+            first_send_after = executed
+        if len(elastic.recoveries) != seen:
+            seen = len(elastic.recoveries)
+            snapshot(finished=False)
+        if die is None and os.path.exists(config["arm"]):
+            die = json.loads(Path(config["arm"]).read_text())
+            os.remove(config["arm"])
+            armed_at = executed
+        if (die is not None and executed - armed_at >= die["after"]
+                and (streamer.in_flight_fragment >= 0) == die["in_flight"]):
+            os.kill(os.getpid(), signal.SIGKILL)
+    wrapped.synchronize()
+    snapshot(finished=True)
+    elastic.close()
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    sys.exit(run(parser.parse_args()))
