@@ -149,3 +149,32 @@ def test_below_min_replicas_training_pauses_until_a_restarted_group_joins(coordi
     assert first["stats"]["inner_steps"] == second["stats"]["inner_steps"] == 60
     assert first["shared_sha256"] == second["shared_sha256"]
     assert [len(m) for _, m, _ in c.history] == [2, 1, 2]
+
+
+def test_a_frozen_replica_is_dropped_after_the_timeout(coordinator, tmp_path):
+    # SIGSTOP: its sockets stay open and its heartbeat stops, as when a
+    # machine vanishes. The others wait out the timeout, then go on.
+    import os
+    import signal
+
+    c = coordinator(min_replicas=2, start_replicas=3, timeout_s=3.0)
+    options = {"steps": 60, "step_s": 0.05}
+    runs = [launch(c, tmp_path, f"g{i}", i, **options) for i in range(3)]
+    while c.epoch < 1:
+        time.sleep(0.05)
+    time.sleep(2.0)
+    frozen = runs[2][0]
+    os.kill(frozen.pid, signal.SIGSTOP)
+    try:
+        survivors = finish(tmp_path, runs[:2])
+    finally:
+        os.kill(frozen.pid, signal.SIGCONT)
+    # Woken, it finds itself counted out and says how to come back.
+    assert frozen.wait(timeout=60) != 0
+    assert "start it again to rejoin the run" in (tmp_path / "g2.log").read_text()
+    for r in survivors:
+        assert r["stats"]["inner_steps"] == 60
+        (change,) = r["recoveries"]
+        assert change["what"] == "failure, averaged again"
+        assert 2.5 < change["stall_s"] < c.timeout_s + 1 + 3.0
+    assert survivors[0]["shared_sha256"] == survivors[1]["shared_sha256"]

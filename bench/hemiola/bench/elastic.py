@@ -89,8 +89,13 @@ def run(args: argparse.Namespace) -> int:
             [sys.executable, "-m", "hemiola.bench.elastic", "--worker", json.dumps(config)],
             stdout=log, stderr=subprocess.STDOUT), out)
 
+    # The next kill waits for an epoch after the last one's with every group in it.
+    epoch_at_kill = 0
+
     def everyone_in() -> bool:
-        return bool(coordinator.history) and len(coordinator.history[-1][1]) == args.groups
+        history = coordinator.history
+        return (bool(history) and history[-1][0] > epoch_at_kill
+                and len(history[-1][1]) == args.groups)
 
     for group in range(args.groups):
         start(group)
@@ -109,6 +114,7 @@ def run(args: argparse.Namespace) -> int:
             if code == -9:
                 kills += 1
                 armed = None
+                epoch_at_kill = coordinator.epoch
                 print(f"[{time.monotonic() - started:6.1f} s] kill {kills}: group g{group} "
                       "killed itself; starting it again", file=sys.stderr, flush=True)
                 start(group)

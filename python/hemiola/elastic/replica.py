@@ -62,7 +62,8 @@ class Recovery:
     inner_step: int
     #: "failure" (the failed sync's average kept), "failure, averaged again", or "admit"
     what: str
-    #: seconds from the failure (or the admit request) to training again
+    #: seconds from the call that met the failure (its wait for the dead
+    #: peer included), or from the admit request, to training again
     stall_s: float
 
 
@@ -118,31 +119,33 @@ class ElasticReplica:
     def step(self, model: StreamingParallel) -> None:
         """``after_inner_step`` with the membership changes it may need."""
         streamer = model._streamer
+        start = time.monotonic()
         try:
             streamer.after_inner_step()
         except C.HemiolaError as e:
             if streamer.in_flight_fragment < 0:
                 raise  # not an average that failed
-            self._recover(model, e, streamer.finish_step)
+            self._recover(model, e, streamer.finish_step, start)
         if streamer.agreed_offer > self.epoch.number:
             self._admit(model, time.monotonic())
 
     def wait(self, model: StreamingParallel) -> None:
         """``wait_in_flight`` (``synchronize()``), through a peer's failure."""
         streamer = model._streamer
+        start = time.monotonic()
         try:
             streamer.wait_in_flight()
         except C.HemiolaError as e:
             if streamer.in_flight_fragment < 0:
                 raise
-            self._recover(model, e, streamer.wait_in_flight)
+            self._recover(model, e, streamer.wait_in_flight, start)
 
     def _recover(self, model: StreamingParallel, error: Exception,
-                 then: Callable[[], None]) -> None:
+                 then: Callable[[], None], start: float) -> None:
         """The survivors' epoch; the failed average kept or done again over
-        it; then `then` (the rest of the step, or the wait)."""
+        it; then `then` (the rest of the step, or the wait). `start`: when
+        the call that failed began (the stall counts the detection too)."""
         streamer = model._streamer
-        start = time.monotonic()
         step = streamer.inner_steps
         log.warning("hemiola elastic: group %s: the average of sync %d failed at inner step %d "
                     "(%s); asking the coordinator who is left", self.name,
