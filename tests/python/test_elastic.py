@@ -178,3 +178,45 @@ def test_a_frozen_replica_is_dropped_after_the_timeout(coordinator, tmp_path):
         assert change["what"] == "failure, averaged again"
         assert 2.5 < change["stall_s"] < c.timeout_s + 1 + 3.0
     assert survivors[0]["shared_sha256"] == survivors[1]["shared_sha256"]
+
+
+def test_the_coordinator_refuses_strangers_and_garbage(coordinator, monkeypatch):
+    import socket
+
+    from hemiola.elastic.client import CoordinatorClient
+
+    c = coordinator(min_replicas=1)
+    address = f"127.0.0.1:{c.address[1]}"
+    # Garbage, an endless line and a bad hello: each connection is closed,
+    # and the coordinator goes on serving.
+    for junk in (b"\x00\xff" * 100 + b"\n", b"x" * (2 << 20), b'{"op": "beat"}\n'):
+        with socket.create_connection(c.address) as s:
+            s.sendall(junk)
+            s.shutdown(socket.SHUT_WR)
+            s.settimeout(10)
+            try:
+                while s.recv(4096):
+                    pass
+            except ConnectionResetError:
+                pass  # closed with our bytes unread: closed all the same
+    first = CoordinatorClient(address, "a")
+    with pytest.raises(ValueError, match="taken by a live group"):
+        CoordinatorClient(address, "a")
+    epoch = first.join()
+    assert (epoch.number, epoch.rank, epoch.world, epoch.fresh) == (1, 0, 1, True)
+    first.close()
+    late = CoordinatorClient(address, "b")
+    with pytest.raises(RuntimeError, match="no live member left"):
+        late.join()
+    late.close()
+
+    guarded = Coordinator("127.0.0.1", 0, token="s3cret")
+    guarded.start()
+    try:
+        monkeypatch.delenv("HEMIOLA_JOB_TOKEN", raising=False)
+        with pytest.raises(ConnectionError, match="wrong job token"):
+            CoordinatorClient(f"127.0.0.1:{guarded.address[1]}", "c")
+        monkeypatch.setenv("HEMIOLA_JOB_TOKEN", "s3cret")
+        CoordinatorClient(f"127.0.0.1:{guarded.address[1]}", "c").close()
+    finally:
+        guarded.close()

@@ -35,7 +35,7 @@ import os
 import socket
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
@@ -47,9 +47,21 @@ from hemiola.validate import check_same_model
 
 if TYPE_CHECKING:
     from hemiola.config import Config
-    from hemiola.streaming import StreamingParallel
 
 log = logging.getLogger("hemiola")
+
+
+class StreamingParallel(Protocol):
+    """What of the wrapped model (hemiola.streaming) a replica works on."""
+
+    _streamer: Any
+    _engine: C.Engine
+    module: torch.nn.Module
+    config: Config
+
+    def _views(self, fragment: int) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def _copy_host_to_params(self) -> None: ...
 
 
 @dataclasses.dataclass(frozen=True)
