@@ -6,7 +6,8 @@ tests and ``hemiola bench elastic`` start several).
 ``sync_every``, ``fragments``, ``overlap``, ``out`` (where to write the
 result as JSON), and optionally ``die_at`` (SIGKILL itself right after that
 inner step) and ``step_s`` (seconds of sleep per step, to stand for
-computation). The result: counts, membership changes, a SHA-256 of the
+computation), ``save_at`` and ``save_to`` (a checkpoint of the model and
+the optimizer after that step) and ``load`` (one to start from). The result: counts, membership changes, a SHA-256 of the
 shared copy and outer momentum, and the final parameters.
 """
 
@@ -46,6 +47,10 @@ def main() -> None:
         model, optimizer, schedule="streaming", sync_every=args["sync_every"],
         fragments=args["fragments"], overlap=args["overlap"],
         coordinator=args["coordinator"], group_name=args["name"], timeout_s=60.0)
+    if args.get("load"):
+        state = torch.load(args["load"])
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
     started = time.monotonic()
     while (step := int(wrapped.stats()["inner_steps"]) + 1) <= args["steps"]:
         x, y = batch(args["index"], step)
@@ -53,6 +58,9 @@ def main() -> None:
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
+        if args.get("save_at") == step:
+            torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()},
+                       args["save_to"])
         if args.get("die_at") == step:
             os.kill(os.getpid(), signal.SIGKILL)
         if args.get("step_s"):

@@ -220,3 +220,24 @@ def test_the_coordinator_refuses_strangers_and_garbage(coordinator, monkeypatch)
         CoordinatorClient(f"127.0.0.1:{guarded.address[1]}", "c").close()
     finally:
         guarded.close()
+
+
+def test_a_checkpoint_of_one_group_restarts_the_whole_run(coordinator, tmp_path):
+    # After a blocking sync every replica holds the shared copy, so one
+    # group's checkpoint is the run's: two fresh groups (and a fresh
+    # coordinator) resumed from it end where the run would have.
+    c = coordinator(min_replicas=2)
+    whole = finish(tmp_path, [launch(c, tmp_path, f"w{i}", i) for i in range(2)])
+    c2 = coordinator(min_replicas=2)
+    ckpt = tmp_path / "g0.pt"
+    first = finish(tmp_path, [launch(c2, tmp_path, "a0", 0, steps=20, save_at=20,
+                                     save_to=str(ckpt)),
+                              launch(c2, tmp_path, "a1", 1, steps=20)])
+    assert first[0]["stats"]["inner_steps"] == 20
+    c3 = coordinator(min_replicas=2)
+    resumed = finish(tmp_path, [launch(c3, tmp_path, f"r{i}", i, load=str(ckpt))
+                                for i in range(2)])
+    for r in resumed:
+        assert r["stats"]["inner_steps"] == 40
+        assert r["params"] == whole[0]["params"]
+        assert r["shared_sha256"] == whole[0]["shared_sha256"]
