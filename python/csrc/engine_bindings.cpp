@@ -265,7 +265,7 @@ void bind_engine(py::module_& m) {
                        const std::string& iface, const std::string& hostname,
                        const std::string& master_addr, double timeout_s, bool timeline,
                        const std::string& gpu_backend, size_t staged_chunk_bytes,
-                       int gloo_stripes) {
+                       int gloo_stripes, bool diagnose_failures) {
              EngineOptions options;
              options.rank = rank;
              options.world_size = world_size;
@@ -277,13 +277,15 @@ void bind_engine(py::module_& m) {
              options.gpu_backend = gpu_backend;
              options.staged_chunk_bytes = staged_chunk_bytes;
              options.gloo_stripes = gloo_stripes;
+             options.diagnose_failures = diagnose_failures;
              py::gil_scoped_release release;  // rendezvous blocks; the store re-acquires
              return std::make_unique<Engine>(options, std::move(store));
            }),
            py::arg("rank"), py::arg("world_size"), py::arg("store"), py::arg("iface") = "",
            py::arg("hostname") = "", py::arg("master_addr") = "", py::arg("timeout_s") = 300.0,
            py::arg("timeline") = false, py::arg("gpu_backend") = "auto",
-           py::arg("staged_chunk_bytes") = 0, py::arg("gloo_stripes") = 1)
+           py::arg("staged_chunk_bytes") = 0, py::arg("gloo_stripes") = 1,
+           py::arg("diagnose_failures") = true)
       .def_property_readonly("rank", &Engine::rank)
       .def_property_readonly("world_size", &Engine::world_size)
       .def_property_readonly("transport", &Engine::transport,

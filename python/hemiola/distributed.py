@@ -137,10 +137,12 @@ def _engine(prefix: str, rank: int, world: int, timeout_s: float, timeline: bool
 
 
 def engine_over(store: C.Store, master: str, rank: int, world: int, timeout_s: float,
-                timeline: bool = False, gpu_backend: str = "auto") -> C.Engine:
+                timeline: bool = False, gpu_backend: str = "auto",
+                diagnose_failures: bool = True) -> C.Engine:
     """An engine of `world` ranks that rendezvous through `store` (a
     collective call); `master`: an address every rank reaches, to pick the
-    interface to bind."""
+    interface to bind. `diagnose_failures`: name the missing ranks after a
+    transport failure (a wait of up to min(timeout_s, 10) s)."""
     return C.Engine(
         rank=rank,
         world_size=world,
@@ -152,6 +154,7 @@ def engine_over(store: C.Store, master: str, rank: int, world: int, timeout_s: f
         gpu_backend=gpu_backend,
         staged_chunk_bytes=staged_chunk_bytes(),
         gloo_stripes=gloo_stripes(),
+        diagnose_failures=diagnose_failures,
     )
 
 

@@ -50,6 +50,12 @@ struct EngineOptions {
   // value (checked at connection). Experimental: 1 until measured on a GPU
   // machine (docs/gpu.md).
   int gloo_stripes = 1;
+  // After a transport failure, find which ranks are missing (each survivor
+  // announces itself through the store and waits up to min(timeout_s, 10)
+  // seconds for the others) and name them in the error. Off where someone
+  // else knows who died and the wait would only delay recovery (an elastic
+  // run's coordinator).
+  bool diagnose_failures = true;
 };
 
 // How a bucket travels on the wire (engine/codec/codec.h). Applies to float32

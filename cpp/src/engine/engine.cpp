@@ -125,6 +125,9 @@ std::unique_ptr<WireThread> EngineImpl::make_wire_thread(Communicator& comm,
                                                       const std::string& lane) {
   // Weak: handles may outlive the engine, and must not keep a (possibly
   // Python-implemented) store alive from an engine thread.
+  if (!options_.diagnose_failures) {
+    return std::make_unique<WireThread>(comm, timeline_, [](uint64_t) { return std::string(); });
+  }
   std::weak_ptr<Store> diag_store = store_;
   const int rank = options_.rank, world = options_.world_size;
   const double timeout_s = options_.timeout_s;

@@ -115,7 +115,9 @@ class ElasticReplica:
         store = self.client.store(f"epoch{epoch.number}/")
         engine = engine_over(store, self._host, epoch.rank, epoch.world, self.client.timeout_s,
                              timeline=self._config.timeline,
-                             gpu_backend=self._config.gpu_backend)
+                             gpu_backend=self._config.gpu_backend,
+                             # the coordinator knows who died: no wait to find out
+                             diagnose_failures=False)
         return engine, store
 
     def attach(self, model: StreamingParallel) -> None:
