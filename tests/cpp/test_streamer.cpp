@@ -315,5 +315,102 @@ TEST(Streamer, RefusesWhatItCannotDo) {
   });
 }
 
+// Elastic membership (options.confirm): rank 2 dies between two syncs (its
+// engine goes, closing its sockets). The survivors' next sync fails; they
+// move to an engine of their own, average that sync again from the values
+// it was sent from, finish the step and go on: no step is lost, and the run
+// is DiLoCo whose second sync averages the two survivors.
+TEST(Streamer, SurvivorsAverageTheFailedSyncAgainOverThemselves) {
+  const int world = 3;
+  const uint64_t steps = 10, dies_after = 6;
+  StreamerOptions options;
+  options.sync_every = 4;  // syncs after steps 4 and 8; the one at 8 fails
+  options.confirm = true;
+  auto survivors_store = std::make_shared<MemoryStore>();
+  Result got;
+  got.live.resize(2);
+  got.shared.resize(2);
+  std::vector<int> failures_met(2, 0);
+  run_ranks(world, [&](Engine& engine) {
+    const int rank = engine.rank();
+    std::vector<float> a(40, 1.0f), b(24, -0.5f);
+    auto streamer = engine.make_streamer(
+        {{"a", TensorRef{a.data(), DType::kFloat32, a.size(), {}}},
+         {"b", TensorRef{b.data(), DType::kFloat32, b.size(), {}}}},
+        options);
+    std::unique_ptr<Engine> survivors;
+    for (uint64_t s = 1; s <= steps; ++s) {
+      for (size_t i = 0; i < a.size(); ++i) a[i] += drift(rank, s, i);
+      for (size_t i = 0; i < b.size(); ++i) b[i] += drift(rank, s, 100 + i);
+      if (rank == 2 && s == dies_after) return;  // the streamer, then the engine, go
+      try {
+        streamer->after_inner_step();
+      } catch (const Error&) {
+        ++failures_met[rank];
+        EXPECT_EQ(streamer->inner_steps(), s);      // the step is counted
+        EXPECT_EQ(streamer->in_flight_round(), 1u);  // the second sync
+        EXPECT_FALSE(streamer->in_flight_averaged());
+        EngineOptions o;
+        o.rank = rank;
+        o.world_size = 2;
+        o.hostname = "127.0.0.1";
+        o.timeout_s = 30;
+        o.diagnose_failures = false;
+        survivors = std::make_unique<Engine>(o, survivors_store);
+        streamer->rejoin(*survivors, /*redo=*/true);
+        streamer->finish_step();
+      }
+    }
+    got.live[rank] = a;
+    got.live[rank].insert(got.live[rank].end(), b.begin(), b.end());
+    for (size_t f = 0; f < streamer->fragments().size(); ++f) {
+      const TensorRef shared = streamer->shared(f);
+      const float* data = static_cast<const float*>(shared.data);
+      got.shared[rank].insert(got.shared[rank].end(), data, data + shared.numel);
+    }
+    EXPECT_EQ(streamer->inner_steps(), steps);
+    EXPECT_EQ(streamer->syncs(), 2u);
+  }, 30, [](EngineOptions& o) { o.diagnose_failures = false; });  // no wait to name rank 2
+  EXPECT_EQ(failures_met, (std::vector<int>{1, 1}));
+  for (size_t i = 0; i < 64; ++i) {
+    const size_t key = i < 40 ? i : 100 + (i - 40);
+    const float start = i < 40 ? 1.0f : -0.5f;
+    std::vector<float> live(world, start);
+    for (uint64_t s = 1; s <= steps; ++s) {
+      const int alive = s < dies_after ? 3 : 2;
+      for (int r = 0; r < alive; ++r) live[r] += drift(r, s, key);
+      if (s % options.sync_every == 0) {
+        float sum = 0.0f;
+        for (int r = 0; r < alive; ++r) sum += live[r];
+        for (int r = 0; r < alive; ++r) live[r] = sum / alive;
+      }
+    }
+    for (int r = 0; r < 2; ++r) EXPECT_NEAR(got.live[r][i], live[r], 1e-5f) << "element " << i;
+    EXPECT_EQ(got.shared[0][i], got.shared[1][i]) << "the shared copy differs";
+  }
+}
+
+// A joining replica takes the run's counts and its live values become the
+// shared copy (written first, as a peer's broadcast does).
+TEST(Streamer, AdoptTakesTheRunsStateAndTheSharedCopy) {
+  run_ranks(1, [](Engine& engine) {
+    std::vector<float> a(8, 3.0f);
+    StreamerOptions options;
+    options.sync_every = 4;
+    options.fragments = 2;
+    auto streamer = engine.make_streamer(
+        {{"a", TensorRef{a.data(), DType::kFloat32, a.size(), {}}}}, options);
+    for (size_t f = 0; f < 2; ++f) {
+      const TensorRef shared = streamer->shared(f);
+      for (size_t i = 0; i < shared.numel; ++i) static_cast<float*>(shared.data)[i] = 7.0f + f;
+    }
+    streamer->adopt(42, 9, {1, 0});
+    EXPECT_EQ(streamer->inner_steps(), 42u);
+    EXPECT_EQ(streamer->syncs(), 9u);
+    EXPECT_EQ(streamer->momentum_started(), (std::vector<uint8_t>{1, 0}));
+    EXPECT_EQ(a, (std::vector<float>{7, 7, 7, 7, 8, 8, 8, 8}));
+  });
+}
+
 }  // namespace
 }  // namespace hemiola

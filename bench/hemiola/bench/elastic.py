@@ -1,7 +1,7 @@
 """Elastic ``streaming``: replicas killed at random inner steps and restarted.
 
     hemiola bench elastic                    # 3 groups, 10 kills, ByteLM, loopback
-    hemiola bench elastic --kills 3 --steps 200 --task digits   # a quick look
+    hemiola bench elastic --kills 3 --steps 300 --task digits   # a quick look
 
 A coordinator (hemiola.elastic) runs in this process; ``--groups`` replicas
 run as processes of their own (``python -m hemiola.bench.elastic --worker``),
@@ -43,7 +43,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--in-flight", type=int, default=3,
                         help="kills while a fragment is in flight (sent, not landed)")
     parser.add_argument("--task", default="lm", help="a convergence task (default lm: ByteLM)")
-    parser.add_argument("--steps", type=int, default=600, help="the run's inner steps")
+    parser.add_argument("--steps", type=int, default=1500,
+                        help="the run's inner steps (long enough for every kill and restart)")
     parser.add_argument("--sync-every", type=int, default=20)
     parser.add_argument("--fragments", type=int, default=2)
     parser.add_argument("--overlap", type=int, default=3)
@@ -154,6 +155,9 @@ def summarise(results: list[dict[str, Any]], history: list[Any], kills: int,
         "final_shared_bitwise_equal": len(finals) == 1,
     }
     print(json.dumps(row, indent=1))
+    if kills < args.kills:
+        print(f"only {kills} of {args.kills} kills happened before the run's {args.steps} "
+              "steps ended: give it more --steps", file=sys.stderr)
     return [row]
 
 

@@ -10,42 +10,46 @@ goes on with the survivors; join and heartbeat timeouts ``--timeout``);
 ``--groups`` replica groups of one process each (``python -m
 hemiola.bench.elastic_torchft --worker JSON``) each run a ``torchft.Manager``
 (ProcessGroupGloo, ``min_replica_size`` 1, synchronous quorum, its own
-TCPStore) and ``DiLoCo`` around ``--task``'s model and inner optimizer, with an
-outer SGD (``--outer-lr``, ``--outer-momentum``; by default lr 1, no momentum:
-plain averaging, hemiola's default). ``--fragments`` 1 and ``--overlap`` 0
-(the defaults) are torchft's blocking DiLoCo; more fragments cut the model's
-parameters into that many contiguous pieces of about equal size (torchft's
-Streaming DiLoCo, ``fragment_sync_delay`` = overlap), which runs on CPU
-without triton as long as nothing is quantized.
+TCPStore; operation timeout ``--timeout``) and ``DiLoCo`` around ``--task``'s
+model and inner optimizer, with an outer SGD (``--outer-lr``,
+``--outer-momentum``; by default lr 1, no momentum: plain averaging, hemiola's
+default). ``--fragments`` 1 and ``--overlap`` 0 (the defaults) are torchft's
+blocking DiLoCo; more fragments cut the model's parameters into that many
+contiguous pieces of about equal size (torchft's Streaming DiLoCo,
+``fragment_sync_delay`` = overlap), which runs on CPU without triton as long
+as nothing is quantized.
 
-Every group waits until all are up (a Manager each), so the first quorum has
+Every group waits with its Manager up until all are, so the first quorum has
 them all. ``--kills`` times, one group, armed through a file once the last
 victim is back in the run (it has committed a sync with every group in the
 quorum), SIGKILLs itself ``after`` (5 to 40, drawn from ``--seed``) of its own
-inner steps from then; ``--in-flight`` of the kills happen while a sync it
-takes part in is in progress: right after its all-reduce of the
-pseudo-gradients was posted (quorum formed, not waited for) -- with overlap 0
-inside the optimizer step that syncs, else at an inner step between the
-fragment's prepare and its sync. The others at an inner step with nothing on
-the wire. The victim is started again at once under the same name (a new
-torchft replica id: torchft appends a UUID); it trains from its seed's
-parameters until its first quorum, where the Manager heals it from a survivor
-(the ``load_state_dict``/``state_dict`` given to the Manager carry the model's
-state and the inner optimizer's, DiLoCo's own carry its backup and outer
-optimizer).
+inner steps from then; ``--in-flight`` of the kills while a sync it takes part
+in is in progress: its all-reduce of the pseudo-gradients posted (quorum
+formed), not yet waited for -- with overlap 0 inside the optimizer step that
+syncs, right after posting, else at an inner step between the fragment's
+prepare and its sync (where on a small model Gloo may well have landed it
+already). The others at an inner step with nothing posted. A kill is left out
+when fewer than ``after`` + 3 H inner steps of the run are left. The victim is
+started again at once under the same name (torchft appends a UUID to the
+replica id); it trains from its seed's parameters until its first quorum,
+where the Manager heals it from a survivor: the ``load_state_dict`` and
+``state_dict`` given to the Manager carry the model's state and the inner
+optimizer's, DiLoCo's own carry its backup and outer optimizer.
 
-Per group (a JSON file each, rewritten at each sync and before a kill):
-its own executed inner steps, the run's inner step it healed at, every sync
+Per group (a JSON file each, rewritten at each sync and before a kill): its
+own executed inner steps, the run's inner step it healed at, every sync
 (quorum id, participants, committed or not, time blocked), and per failure it
-survived (a sync whose commit failed, or whose quorum lost a member): the
-inner steps whose progress was discarded -- measured from the parameters: a
-failed sync restores the fragment to its backup, whose SHA-256 is matched
-against the backups recorded at each commit -- and the stall (wall time spent
-blocked in syncs, from the failing one to the first sync committed without
-the dead member). For a restarted group, the inner steps from its start to
-its first committed sync. The row (OUT/NAME.jsonl) adds whether the finished
-groups' shared copies (DiLoCo's backups after the last sync) are bitwise
-equal.
+survived -- a sync whose commit failed ("failure": DiLoCo restores its
+backup), or whose quorum lost a member ("shrink") -- the inner steps whose
+progress was discarded, measured from the parameters (the restored fragment's
+SHA-256 matched against the backups recorded at each commit; with fragments,
+the steps of that fragment's progress), and the stall: the wall time blocked
+in syncs from the failing one to the first sync committed without the dead
+member. For a restarted group, the inner steps from its start to its first
+committed sync (whose pseudo-gradient is the healer's: its own steps first
+count at its next commit, ``own``). The row (OUT/NAME.jsonl) adds whether the
+finished groups' shared copies (DiLoCo's backups after the last sync) are
+bitwise equal.
 """
 
 from __future__ import annotations
@@ -256,6 +260,8 @@ def summarise(results: list[dict[str, Any]], kills: int, kills_in_flight: int,
               for res in finished]
     contribute = [res["first_commit_after"] for res in results
                   if res["restarted"] and res["first_commit_after"] is not None]
+    own = [res["own_commit_after"] for res in results
+           if res["restarted"] and res["own_commit_after"] is not None]
     discarded_by_heal = [res["discarded_by_heal"] for res in results
                          if res["discarded_by_heal"] is not None]
     finals = {res["shared_sha256"] for res in finished}
@@ -279,6 +285,7 @@ def summarise(results: list[dict[str, Any]], kills: int, kills_in_flight: int,
         "admit_stall_s_max": max((r["stall_s"] for r in admits), default=None),
         "steps_to_contribute_max": max(contribute) if contribute else None,
         "steps_to_contribute_mean": _mean(contribute),
+        "steps_to_own_contribution_max": max(own) if own else None,
         "discarded_by_heal_max": max(discarded_by_heal) if discarded_by_heal else None,
         "redone_steps_max": max(redone) if redone else None,
         "fragment_period": args.sync_every // args.fragments,
@@ -405,6 +412,7 @@ def worker(config: dict[str, Any]) -> None:
     joined_at_step: int | None = None
     discarded_by_heal: int | None = None
     first_commit_after: int | None = None
+    own_commit_after: int | None = None  # its first commit with its own steps in it
     die: dict[str, Any] | None = None
     armed_at = 0
 
@@ -416,6 +424,7 @@ def worker(config: dict[str, Any]) -> None:
                   "executed": executed, "finished": finished, "inner_steps": inner_steps(),
                   "joined_at_step": joined_at_step, "discarded_by_heal": discarded_by_heal,
                   "first_commit_after": first_commit_after,
+                  "own_commit_after": own_commit_after,
                   "shared_sha256": digest.hexdigest(), "syncs": syncs,
                   "recoveries": recoveries}
         out = Path(config["out"])
@@ -468,7 +477,7 @@ def worker(config: dict[str, Any]) -> None:
         frag.perform_sync = timed_perform  # type: ignore[method-assign]
 
     def record_sync(f: int, committed: bool) -> None:
-        nonlocal episode, prev_members, first_commit_after
+        nonlocal episode, prev_members, first_commit_after, own_commit_after
         quorum = recorder.last
         members = set(quorum.replica_ids) if quorum is not None else set()
         short = sorted(m.split(":")[0] for m in members)
@@ -484,6 +493,10 @@ def worker(config: dict[str, Any]) -> None:
             backups[f] = {backup_sha(f): executed}
             if first_commit_after is None:
                 first_commit_after = executed
+            # a healing sync sends the pseudo-gradient healed from: our own
+            # steps count from the next commit on
+            if own_commit_after is None and not sync.get("healed", False):
+                own_commit_after = executed
         entry = {"at": sync["at"], "fragment": f, "quorum_id": manager._quorum_id,
                  "participants": short, "committed": committed,
                  "blocked_s": sync["blocked_s"], "healed": sync.get("healed", False),
