@@ -7,8 +7,9 @@ tests and ``hemiola bench elastic`` start several).
 result as JSON), and optionally ``die_at`` (SIGKILL itself right after that
 inner step) and ``step_s`` (seconds of sleep per step, to stand for
 computation), ``save_at`` and ``save_to`` (a checkpoint of the model and
-the optimizer after that step) and ``load`` (one to start from). The result: counts, membership changes, a SHA-256 of the
-shared copy and outer momentum, and the final parameters.
+the optimizer after that step) and ``load`` (one to start from). The
+result: counts, membership changes, a SHA-256 of the shared copy and outer
+momentum, and the final parameters.
 """
 
 from __future__ import annotations
