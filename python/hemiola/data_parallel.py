@@ -239,6 +239,23 @@ class DataParallel(nn.Module):
         """
         return self._schedule.clip_grad_norm_(max_norm, norm_type)
 
+    def averaged_gradients(self) -> dict[str, torch.Tensor]:
+        """The gradient every rank's optimizer applies, by parameter name (a
+        copy): the average over the ranks, what ``.grad`` holds under DDP and
+        ``wfbp``. Under ``priority`` and ``decoupled`` ``.grad`` keeps this
+        rank's own gradient, so read this instead to log or inspect the
+        gradient; it waits for the reduction. Call it between ``backward()``
+        and ``optimizer.step()``; it is the gradient before clipping."""
+        grads = self._schedule.averaged_gradients()
+        return dict(zip(self._bound.names, grads))
+
+    def grad_norm(self, norm_type: float = 2.0) -> torch.Tensor:
+        """The norm of :meth:`averaged_gradients` (what a DDP script logs from
+        ``.grad``; ``clip_grad_norm_`` returns the same while it clips), the
+        same on every rank. Between ``backward()`` and ``optimizer.step()``."""
+        return torch.nn.utils.get_total_norm(list(self.averaged_gradients().values()),
+                                             norm_type)
+
     def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:  # type: ignore[override]
         """The wrapped module's state dict (no ``module.`` prefix), exact:
         pending updates land first. ``model.module.state_dict()`` is the same."""

@@ -839,3 +839,29 @@ def rank0_only_evaluation(rank: int, world: int, schedule: str, evaluate: bool) 
             model.state_dict()
     model.synchronize()
     return torch.cat([p.detach().flatten() for p in module.parameters()])
+
+
+def averaged_gradients_per_schedule(rank: int, world: int) -> dict[str, Any]:
+    """Every schedule trained alike from the same start on rank-own batches:
+    after each backward, model.averaged_gradients() and grad_norm(), and
+    wfbp's .grad (DDP's) for reference."""
+    hemiola.init()
+    out: dict[str, Any] = {}
+    for schedule in ("wfbp", "priority", "decoupled"):
+        torch.manual_seed(0)
+        m = make_model("mlp")
+        model, opt = hemiola.wrap(m, _optimizer("sgd", m.parameters()), schedule=schedule,
+                                  fusion_mb=1 / 64, timeout_s=60)
+        grads, norms, local = [], [], []
+        for step in range(4):
+            x, y = make_batch("mlp", step, rank, world)
+            opt.zero_grad()
+            loss_of("mlp", model(x), y).backward()
+            averaged = model.averaged_gradients()
+            grads.append({n: g.clone() for n, g in averaged.items()})
+            norms.append(float(model.grad_norm()))
+            local.append({n: p.grad.clone() for n, p in m.named_parameters()})
+            opt.step()
+        model.synchronize()
+        out[schedule] = {"grads": grads, "norms": norms, "local": local}
+    return out

@@ -76,6 +76,12 @@ class Schedule:
         params = [p for p in self.bound.params if p.grad is not None]
         return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type)
 
+    def averaged_gradients(self) -> list[torch.Tensor]:
+        """``model.averaged_gradients``: each parameter's averaged gradient
+        (``bound.params`` order), a copy; here ``.grad`` holds it."""
+        return [torch.zeros_like(p) if p.grad is None else p.grad.detach().clone()
+                for p in self.bound.params]
+
     def wrap_optimizer(self, optimizer: Any) -> Any:
         """Returns the optimizer users step (possibly the same object)."""
         return optimizer

@@ -43,15 +43,21 @@ def torch_total_norm(params: list[torch.Tensor]) -> Callable[..., float]:
     return norm
 
 
-def averaged_norm_before_step(bound: BoundModel, updater: Any, iteration: int,
-                              norm_type: float) -> float:
-    """The norm of `iteration`'s averaged gradient read before its
-    ``optimizer.step()``: waits for the reduction and takes the norm of what
-    it delivered, as the update will."""
+def averaged_before_step(bound: BoundModel, updater: Any, iteration: int) -> list[torch.Tensor]:
+    """`iteration`'s averaged gradient of each parameter, read before its
+    ``optimizer.step()``: waits for the reduction; views of the engine's
+    memory, valid until that step."""
     assert bound.reducer is not None
     bound.reducer.wait(iteration, stream=bound.stream())
     # The updater's view: a parameter partitioned over several buckets has
     # no single view in the reducer.
-    averaged = [engine_view(updater.averaged_ptr(iteration, i), p)
-                for i, p in enumerate(bound.params)]
+    return [engine_view(updater.averaged_ptr(iteration, i), p)
+            for i, p in enumerate(bound.params)]
+
+
+def averaged_norm_before_step(bound: BoundModel, updater: Any, iteration: int,
+                              norm_type: float) -> float:
+    """The norm of `iteration`'s averaged gradient read before its
+    ``optimizer.step()``, as the update will take it."""
+    averaged = averaged_before_step(bound, updater, iteration)
     return float(torch.nn.utils.get_total_norm(averaged, norm_type))

@@ -48,7 +48,8 @@ from hemiola.schedules.refusals import GradWatch, refuse_scattered_parameters
 from hemiola.schedules.scaler_handshake import take_scaler_state
 from hemiola.schedules.takeover import take_over_optimizer
 from hemiola.schedules.torch_step import TorchStep
-from hemiola.schedules.updater_clipping import Clip, averaged_norm_before_step, torch_total_norm
+from hemiola.schedules.updater_clipping import (Clip, averaged_before_step,
+                                               averaged_norm_before_step, torch_total_norm)
 from hemiola.schedules.updater_switches import device_clip_norms, multi_tensor_steps
 from hemiola.torch_sqrt import torch_sqrt
 
@@ -273,6 +274,15 @@ class UpdaterSchedule(Schedule):
         # What clip_grad_norm_ returns under wfbp and DDP: the norm of the
         # averaged gradient, the same on every rank, read when it is known.
         return DeferredNorm(lambda: self._averaged_norm(iteration, float(norm_type)))
+
+    def averaged_gradients(self) -> list[torch.Tensor]:
+        # .grad holds this rank's own gradient here: the averaged one is the
+        # engine's (what the update applies, before any clipping).
+        if self._finished is None:
+            raise RuntimeError("model.averaged_gradients() goes between backward() and "
+                               "optimizer.step()")
+        return [g.detach().clone()
+                for g in averaged_before_step(self.bound, self._updater, self._finished)]
 
     def _preview_clip(self, iteration: int, local_norm: torch.Tensor, max_norm: float) -> float:
         """The clipping coefficient the preview of `iteration` steps with,
