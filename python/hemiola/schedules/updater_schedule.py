@@ -48,8 +48,12 @@ from hemiola.schedules.refusals import GradWatch, refuse_scattered_parameters
 from hemiola.schedules.scaler_handshake import take_scaler_state
 from hemiola.schedules.takeover import take_over_optimizer
 from hemiola.schedules.torch_step import TorchStep
-from hemiola.schedules.updater_clipping import (Clip, averaged_before_step,
-                                               averaged_norm_before_step, torch_total_norm)
+from hemiola.schedules.updater_clipping import (
+    Clip,
+    averaged_before_step,
+    averaged_norm_before_step,
+    torch_total_norm,
+)
 from hemiola.schedules.updater_switches import device_clip_norms, multi_tensor_steps
 from hemiola.torch_sqrt import torch_sqrt
 
