@@ -40,6 +40,9 @@ class BoundModel:
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         #: the trainable parameters, in the reducer's order, and their names
         self.names = [n for n, _ in named]
+        #: a backward produced gradients since the last optimizer.step()
+        #: (set by DataParallel's gradient hook, cleared by the step)
+        self.backward_since_step = False
         self.params = [p for _, p in named]
         #: the buffers kept equal to rank 0's
         self.buffers = [b for b in module.buffers() if b.numel() > 0]

@@ -308,6 +308,7 @@ class DataParallel(nn.Module):
 
     def _on_grad(self, index: int, param: torch.Tensor) -> None:
         """Parameter `index`'s gradient is complete for this backward."""
+        self._bound.backward_since_step = True
         if not self.require_backward_grad_sync:
             return
         grad = param.grad

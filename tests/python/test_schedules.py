@@ -249,6 +249,16 @@ def test_multi_tensor_steps_equal_steps_one_at_a_time(schedule: str, model: str,
         assert r["max_loss_diff"] == 0.0, (rank, r)
 
 
+def test_a_step_from_an_edited_grad_with_no_backward_is_refused() -> None:
+    results = run_local(workers.edited_grad_then_step_again, 2, timeout_s=120)
+    for rank in (0, 1):
+        assert results[rank]["wfbp"] == "stepped"  # DDP's: the edited average, alike
+        for schedule in ("priority", "decoupled"):
+            message = results[rank][schedule]
+            assert "was changed since the last step" in message, (schedule, message)
+            assert "schedule='wfbp'" in message
+
+
 def test_a_second_step_after_one_backward_is_refused_and_ranks_stay_equal() -> None:
     """Under DDP a second optimizer.step() re-applies the averaged .grad;
     here .grad is the rank's own gradient, so the step is refused saying what

@@ -865,3 +865,30 @@ def averaged_gradients_per_schedule(rank: int, world: int) -> dict[str, Any]:
         model.synchronize()
         out[schedule] = {"grads": grads, "norms": norms, "local": local}
     return out
+
+
+def edited_grad_then_step_again(rank: int, world: int) -> dict[str, str]:
+    """backward, step, .grad edited in place (p.grad.mul_(0.5)), step again:
+    DDP applies the edited average on every rank; under priority and
+    decoupled .grad is local, so the second step must be refused (it used to
+    train the ranks apart: max relative difference 0.68 to 1.1)."""
+    hemiola.init()
+    out = {}
+    for schedule in ("wfbp", "priority", "decoupled"):
+        torch.manual_seed(0)
+        m = make_model("mlp")
+        model, opt = hemiola.wrap(m, _optimizer("sgd", m.parameters()), schedule=schedule,
+                                  timeout_s=60)
+        x, y = make_batch("mlp", 0, rank, world)
+        opt.zero_grad()
+        loss_of("mlp", model(x), y).backward()
+        opt.step()
+        for p in m.parameters():
+            p.grad.mul_(0.5)
+        try:
+            opt.step()
+            out[schedule] = "stepped"
+        except RuntimeError as e:
+            out[schedule] = str(e)
+        model.synchronize()
+    return out

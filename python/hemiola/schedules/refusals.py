@@ -73,24 +73,32 @@ class GradWatch:
 
     def refuse_second_step(self) -> None:
         """``optimizer.step()`` with no synchronised backward since the last
-        step, while ``.grad`` still holds what that step was given: under DDP
-        that is the averaged gradient, applied again on every rank alike;
-        here it is this rank's own gradient, and stepping from it would make
-        the ranks' models differ. Refused, saying what to do. (After
-        ``zero_grad()``, or a backward inside ``no_sync()``, ``.grad`` holds
-        something else, and a step from it is what DDP would take.)"""
+        step. Under DDP ``.grad`` is then the averaged gradient (or what the
+        user made of it, the same on every rank), and the step applies it on
+        every rank alike; here it is this rank's own gradient, and a step
+        from it, as it is or edited in place (``p.grad.mul_(0.5)``), would
+        make the ranks' models differ. Refused, saying what to do, unless a
+        backward ran since the last step (inside ``no_sync()``: DDP steps
+        from those local gradients too) or every ``.grad`` is None or zero
+        (``zero_grad()``: the same step on every rank)."""
         m = self.bound
-        again = [name for (ref, version), p, name in zip(self._stepped, m.params, m.names)
-                 if ref is not None and p.grad is not None and ref() is p.grad
-                 and p.grad._version == version]
-        if again:
-            schedule = m.config.schedule
-            raise RuntimeError(
-                f"optimizer.step() was called again with no backward() since the last step "
-                f"(.grad of {again[0]!r}{' and others' if len(again) > 1 else ''} is the one "
-                f"already stepped). Under schedule={schedule!r} .grad holds this rank's own "
-                "gradient (the averaged one is applied inside hemiola), so a second step from "
-                "it would make the ranks' models differ. Step once per backward: to accumulate "
-                "micro-batches, call backward() on each (inside model.no_sync() for all but "
-                "the last) and optimizer.step() once; to apply the same averaged gradient "
-                "twice, use schedule='wfbp' (as DDP does).")
+        if m.backward_since_step:
+            return
+        stepped = self._stepped or [(None, 0)] * len(m.params)
+        left = [(name, p.grad, record) for p, name, record in zip(m.params, m.names, stepped)
+                if p.grad is not None and bool(p.grad.any())]
+        if not left:
+            return
+        name, grad, (ref, version) = left[0]
+        untouched = ref is not None and ref() is grad and grad._version == version
+        what = "is the one already stepped" if untouched else "was changed since the last step"
+        schedule = m.config.schedule
+        raise RuntimeError(
+            f"optimizer.step() was called again with no backward() since the last step (.grad "
+            f"of {name!r}{' and others' if len(left) > 1 else ''} {what}). Under schedule="
+            f"{schedule!r} .grad holds this rank's own gradient (the averaged one is applied "
+            "inside hemiola), so a second step from it, edited or not, would make the ranks' "
+            "models differ. Step once per backward: to accumulate micro-batches, call "
+            "backward() on each (inside model.no_sync() for all but the last) and "
+            "optimizer.step() once; to apply the same averaged gradient twice, or to edit it "
+            "between steps, use schedule='wfbp' (as DDP does).")

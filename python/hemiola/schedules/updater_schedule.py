@@ -333,6 +333,7 @@ class UpdaterSchedule(Schedule):
         """``optimizer.step()``: the engine lands and steps (see updater.h)."""
         if self._finished is None:
             self._grads.refuse_second_step()
+        self.bound.backward_since_step = False
         self._grads.check_untouched()
         opt = self._optimizer
         assert opt is not None
