@@ -390,6 +390,87 @@ TEST(Streamer, SurvivorsAverageTheFailedSyncAgainOverThemselves) {
   }
 }
 
+// The same with replica groups of two ranks: group 2 dies (both its ranks);
+// the survivors' pieces fail at every place, each group's gather still runs
+// and every rank of it raises alike; each place moves to a survivors' engine
+// of its own and averages its piece again. Every rank ends bitwise where the
+// one-rank-per-group run ends.
+TEST(Streamer, SurvivingGroupsAverageTheFailedSyncAgainPieceByPiece) {
+  const int groups = 3, ranks = 2;
+  const uint64_t steps = 10, dies_after = 6;
+  StreamerOptions options;
+  options.sync_every = 4;
+  options.confirm = true;
+  auto run = [&](int places) {
+    std::vector<std::vector<float>> shared(groups * places);
+    std::vector<std::shared_ptr<MemoryStore>> group_stores, cross_stores, survivor_stores;
+    for (int g = 0; g < groups; ++g) group_stores.push_back(std::make_shared<MemoryStore>());
+    for (int j = 0; j < places; ++j) {
+      cross_stores.push_back(std::make_shared<MemoryStore>());
+      survivor_stores.push_back(std::make_shared<MemoryStore>());
+    }
+    std::vector<std::string> failures(groups * places);
+    std::vector<int> raised(groups * places, 0);
+    std::vector<std::thread> threads;
+    for (int r = 0; r < groups * places; ++r) {
+      threads.emplace_back([&, r] {
+        try {
+          const int g = r / places, j = r % places;
+          auto options_for = [](int rank, int size) {
+            EngineOptions o;
+            o.rank = rank;
+            o.world_size = size;
+            o.hostname = "127.0.0.1";
+            o.timeout_s = 30;
+            o.diagnose_failures = false;
+            return o;
+          };
+          std::unique_ptr<Engine> group;
+          if (places > 1) group = std::make_unique<Engine>(options_for(j, places), group_stores[g]);
+          Engine across(options_for(g, groups), cross_stores[j]);
+          std::vector<float> a(40, 1.0f), b(24, -0.5f);
+          auto streamer = across.make_streamer(
+              {{"a", TensorRef{a.data(), DType::kFloat32, a.size(), {}}},
+               {"b", TensorRef{b.data(), DType::kFloat32, b.size(), {}}}},
+              options, group.get());
+          std::unique_ptr<Engine> survivors;
+          for (uint64_t s = 1; s <= steps; ++s) {
+            for (size_t i = 0; i < a.size(); ++i) a[i] += drift(g, s, i);
+            for (size_t i = 0; i < b.size(); ++i) b[i] += drift(g, s, 100 + i);
+            if (g == 2 && s == dies_after) return;
+            try {
+              streamer->after_inner_step();
+            } catch (const Error&) {
+              ++raised[r];
+              survivors = std::make_unique<Engine>(options_for(g, 2), survivor_stores[j]);
+              streamer->rejoin(*survivors, /*redo=*/true);
+              streamer->finish_step();
+            }
+          }
+          for (size_t f = 0; f < streamer->fragments().size(); ++f) {
+            const TensorRef view = streamer->shared(f);
+            const float* data = static_cast<const float*>(view.data);
+            shared[r].insert(shared[r].end(), data, data + view.numel);
+          }
+        } catch (const std::exception& e) {
+          failures[r] = e.what();
+        }
+      });
+    }
+    for (auto& t : threads) t.join();
+    for (int r = 0; r < groups * places; ++r) {
+      EXPECT_EQ(failures[r], "") << "rank " << r;
+      if (r / places < 2) EXPECT_EQ(raised[r], 1) << "rank " << r;
+    }
+    return shared;
+  };
+  const auto alone = run(1);
+  const auto grouped = run(ranks);
+  ASSERT_EQ(alone[0].size(), 64u);
+  EXPECT_EQ(alone[0], alone[1]);
+  for (int r = 0; r < 2 * ranks; ++r) EXPECT_EQ(grouped[r], alone[0]) << "rank " << r;
+}
+
 // A joining replica takes the run's counts and its live values become the
 // shared copy (written first, as a peer's broadcast does).
 TEST(Streamer, AdoptTakesTheRunsStateAndTheSharedCopy) {

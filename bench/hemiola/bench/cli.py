@@ -14,6 +14,7 @@ SUITES = {
     "streaming": "DiLoCo-style training (hemiola streaming, torchft) against DDP, over a slow link",
     "groups": "streaming's replica groups: sites of several ranks joined by a slow link",
     "elastic": "elastic streaming: replicas killed at random steps and restarted",
+    "elastic_torchft": "the same kills and restarts under torchft's Manager and DiLoCo",
     "ps": "the parameter server's schemes with a straggler",
     "cluster": "LWF-κ and Ada-SRSF against first-fit and SRSF in the event simulator",
     "advise": "hemiola advise's predicted time against the time of its choice (root)",

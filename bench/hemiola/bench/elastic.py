@@ -119,6 +119,9 @@ def run(args: argparse.Namespace) -> int:
                 print(f"[{time.monotonic() - started:6.1f} s] kill {kills}: group g{group} "
                       "killed itself; starting it again", file=sys.stderr, flush=True)
                 start(group)
+            elif code != 0 and "no live member left" in out.with_suffix(".log").read_text():
+                print(f"group g{group} came back after the run had ended (nothing to join)",
+                      file=sys.stderr)
             elif code != 0:
                 raise RuntimeError(f"group g{group} failed ({code}): see {out.with_suffix('.log')}")
     coordinator.close()

@@ -77,23 +77,38 @@ class FragmentAverager::Average final : public Work {
 
 // Waits for this rank's piece of the fragment to be averaged across groups,
 // then all-gathers the group's pieces: the whole fragment's average.
+//
+// Elastic (confirm): the group's wire must outlive a failure between groups
+// (the group stays; only the membership across changes), so a piece whose
+// average failed is gathered all the same (zeros), beside one status row
+// per rank: confirmed, has its piece's average, and the offer it agreed.
+// Every rank of the group then holds the same verdict: the fragment's
+// average stands only if every piece was confirmed, it can be kept only if
+// every piece was averaged, and the agreed offer is the largest.
 class FragmentAverager::Gather final : public Work {
  public:
   Gather(FragmentAverager& averager, size_t fragment, Handle piece)
       : averager_(averager), fragment_(fragment), piece_(std::move(piece)) {}
 
   void run(Communicator& comm, Timeline& timeline) override {
-    piece_.wait();  // rethrows the average's failure (a replica that died)
+    std::string failure;
+    try {
+      piece_.wait();  // rethrows the average's failure (a replica that died)
+    } catch (const std::exception& e) {
+      if (!averager_.confirm_) throw;
+      failure = e.what();
+    }
     const int64_t start_us = timeline.now_us();
     const PlannedBucket& piece = averager_.pieces_[fragment_];
     const size_t padded = averager_.piece_numel(fragment_);
     const size_t elem = dtype_size(piece.dtype);
-    std::memcpy(averager_.piece_out_.get(), averager_.storage_->buffer(fragment_),
-                piece.nbytes());
-    std::memset(averager_.piece_out_.get() + piece.nbytes(), 0, (padded - piece.numel) * elem);
+    const size_t valid = failure.empty() ? piece.nbytes() : 0;
+    std::memcpy(averager_.piece_out_.get(), averager_.storage_->buffer(fragment_), valid);
+    std::memset(averager_.piece_out_.get() + valid, 0, padded * elem - valid);
     const size_t ranks = static_cast<size_t>(averager_.group_->options().world_size);
     comm.all_gather(TensorRef{averager_.piece_out_.get(), piece.dtype, padded, Device{}},
                     TensorRef{averager_.gathered_.get(), piece.dtype, padded * ranks, Device{}});
+    if (averager_.confirm_) agree(comm, failure, ranks);
     if (timeline.enabled()) {
       timeline.record("outer-gather", describe(), "outer", start_us, timeline.now_us());
     }
@@ -103,6 +118,31 @@ class FragmentAverager::Gather final : public Work {
   }
 
  private:
+  void agree(Communicator& comm, const std::string& failure, size_t ranks) {
+    double mine[3] = {failure.empty() ? 1.0 : 0.0, averager_.averaged_.load() ? 1.0 : 0.0,
+                      static_cast<double>(averager_.agreed_.load())};
+    std::vector<double> all(3 * ranks, 0.0);
+    comm.all_gather(TensorRef{mine, DType::kFloat64, 3, Device{}},
+                    TensorRef{all.data(), DType::kFloat64, 3 * ranks, Device{}});
+    bool confirmed = true, averaged = true;
+    double agreed = 0.0;
+    size_t first_failed = ranks;
+    for (size_t r = 0; r < ranks; ++r) {
+      if (all[3 * r] == 0.0 && first_failed == ranks) first_failed = r;
+      confirmed = confirmed && all[3 * r] != 0.0;
+      averaged = averaged && all[3 * r + 1] != 0.0;
+      agreed = std::max(agreed, all[3 * r + 2]);
+    }
+    averager_.averaged_.store(averaged);
+    averager_.agreed_.store(static_cast<uint64_t>(agreed));
+    averager_.group_failure_ =
+        confirmed ? std::string()
+                  : !failure.empty() ? failure
+                                     : "the average of fragment " + std::to_string(fragment_) +
+                                           "'s piece " + std::to_string(first_failed) +
+                                           " failed on that rank of this group";
+  }
+
   FragmentAverager& averager_;
   const size_t fragment_;
   const Handle piece_;
@@ -118,8 +158,6 @@ FragmentAverager::FragmentAverager(Scheduler& scheduler, const BucketLayout& fra
       confirm_(confirm) {
   HEMIOLA_CHECK(coding(compression).streams, "streaming sends its pseudo-gradients with "
                 "compression ", streaming_codings());
-  HEMIOLA_CHECK(!(confirm && group != nullptr), "elastic membership runs one rank per replica "
-                "for now (replica_ranks=1); replica groups of several ranks are not elastic yet");
   if (grouped()) {
     group_wire_ = group_->connect_wire("outer-gather");
     const size_t ranks = static_cast<size_t>(group_->options().world_size);

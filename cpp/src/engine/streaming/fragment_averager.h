@@ -27,6 +27,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "engine/buckets/bucket_storage.h"
@@ -81,8 +82,12 @@ class FragmentAverager {
   // The largest offer of the last confirmed average (the same on every rank).
   uint64_t agreed() const { return agreed_.load(); }
   // Whether the last average completed on this rank (its confirmation may
-  // still have failed).
+  // still have failed); in a group, on every rank of the group.
   bool averaged_before_failure() const { return averaged_.load(); }
+  // In a group: why the last average failed on some rank of the group ("":
+  // it did not), once its handle is done. The group's wire carries on; the
+  // caller raises this on every rank of the group alike.
+  const std::string& group_failure() const { return group_failure_; }
 
  private:
   class Average;
@@ -122,6 +127,7 @@ class FragmentAverager {
   std::atomic<uint64_t> offered_{0};
   std::atomic<uint64_t> agreed_{0};
   std::atomic<bool> averaged_{false};
+  std::string group_failure_;  // written by the gather, read after its handle
 };
 
 // Piece [begin, begin + count) of `bucket`'s elements, as a bucket of its

@@ -193,7 +193,8 @@ void StreamerImpl::rejoin(Scheduler& across, bool redo) {
     if (!averaged_) {
       try {
         handle_.wait();
-        have_average = true;
+        have_average = averager_->group_failure().empty() ||
+                       averager_->averaged_before_failure();
       } catch (const std::exception&) {
         have_average = averager_->averaged_before_failure();
       }
@@ -270,6 +271,11 @@ void StreamerImpl::wait_in_flight() {
   handle_.wait();
   waited_ms_ += std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() -
                                                           start).count();
+  // In an elastic group the group's gather completes even when a piece's
+  // average failed (fragment_averager.h): every rank of the group raises.
+  if (!averager_->group_failure().empty()) {
+    HEMIOLA_THROW(ErrorCode::kCommFailure, averager_->group_failure());
+  }
   std::memcpy(average_.get(), averager_->averaged(sent_), plan_[sent_].nbytes());
   averaged_ = true;
   agreed_ = averager_->agreed();
