@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 from dataclasses import replace
@@ -38,7 +39,7 @@ from hemiola.advise import choice, model
 from hemiola.advise.collective import ALGORITHMS, Network
 from hemiola.advise.model import local_network
 from hemiola.advise.models import Factory, load_factory
-from hemiola.advise.profile import Profile
+from hemiola.advise.profile import MAX_WORLD, Profile, check_writable, number_text
 
 GBIT = 1e9 / 8  # bytes per second
 
@@ -302,6 +303,9 @@ def main(args: argparse.Namespace) -> int:
         return _main(args)
     except ValueError as e:
         raise SystemExit(f"hemiola advise: {e}") from e
+    except ArithmeticError as e:  # an overflow the checks let through: one line still
+        raise SystemExit(f"hemiola advise: the prediction failed ({type(e).__name__}: {e}): "
+                         "check the profile's and the options' numbers") from e
 
 
 def _main(args: argparse.Namespace) -> int:
@@ -312,6 +316,8 @@ def _main(args: argparse.Namespace) -> int:
         raise SystemExit("--world must be at least 1")
     if args.rounds < 1:
         raise SystemExit("--rounds must be at least 1")
+    if getattr(args, "save_profile", None):  # refused now, not after measuring for minutes
+        check_writable(Path(args.save_profile), "the profile")
     if not job and not args.local:
         if args.world is None:
             raise SystemExit("hemiola advise measures on the job's ranks: run it under torchrun "
@@ -331,6 +337,23 @@ def _main(args: argparse.Namespace) -> int:
     return 0
 
 
+def bounded(kind: type, low: float, high: float, unit: str) -> Any:
+    """An argparse type: a `kind` (int or float) from `low` to `high`, finite;
+    else argparse's one-line error naming the option and the value."""
+    def parse(text: str) -> int | float:
+        what = "an integer" if kind is int else "a finite number"
+        must = f"must be {what} from {number_text(low)} to {number_text(high)} {unit}".rstrip()
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number: it {must}") from None
+        if not (math.isfinite(value) and low <= value <= high):
+            raise argparse.ArgumentTypeError(f"{text!r} is out of range: it {must}")
+        return value
+    parse.__name__ = kind.__name__  # argparse's "invalid int value" otherwise
+    return parse
+
+
 def register(commands: Any) -> None:
     """Adds ``hemiola advise`` to the CLI."""
     p = commands.add_parser("advise", help="measure this model on this network and say which "
@@ -342,10 +365,11 @@ def register(commands: Any) -> None:
                         "9.4M-parameter MLP")
     p.add_argument("--local", type=int, metavar="N",
                    help="spawn N local ranks instead of running as one rank of torchrun")
-    p.add_argument("--repeats", type=int, default=5, help="repetitions per measurement")
-    p.add_argument("--iterations", type=int, default=10,
+    p.add_argument("--repeats", type=bounded(int, 1, 10_000, ""), default=5,
+                   help="repetitions per measurement")
+    p.add_argument("--iterations", type=bounded(int, 1, 1_000_000, ""), default=10,
                    help="iterations of each configuration tried")
-    p.add_argument("--rounds", type=int, default=1,
+    p.add_argument("--rounds", type=bounded(int, 1, 1000, ""), default=1,
                    help="try each configuration this many times, in alternating order, and "
                         "take the median (on a machine whose speed drifts: a shared host)")
     p.add_argument("--all", action="store_true",
@@ -363,17 +387,19 @@ def register(commands: Any) -> None:
                    help="with --profile on the job's ranks: scale the profile's CPU times by "
                         "the bare step measured here (validation with more ranks than cores)")
     scale = p.add_argument_group("prediction for a cluster not at hand")
-    scale.add_argument("--world", type=int, metavar="N", help="ranks to predict")
-    scale.add_argument("--rate", type=float, metavar="GBIT",
+    scale.add_argument("--world", type=bounded(int, 1, MAX_WORLD, "ranks"), metavar="N",
+                       help="ranks to predict")
+    scale.add_argument("--rate", type=bounded(float, 1e-6, 1e6, "Gbit/s"), metavar="GBIT",
                        help="what an all-reduce gets of each rank's (node's) link, Gbit/s "
                             "(default: the profile's measured link)")
-    scale.add_argument("--latency-us", type=float, default=25.0,
+    scale.add_argument("--latency-us", type=bounded(float, 0, 1e6, "microseconds"), default=25.0,
                        help="per message between nodes (default 25: TCP over Ethernet)")
-    scale.add_argument("--gpus-per-node", type=int, default=1)
-    scale.add_argument("--intra-rate", type=float, default=1200.0, metavar="GBIT",
+    scale.add_argument("--gpus-per-node", type=bounded(int, 1, 1024, ""), default=1)
+    scale.add_argument("--intra-rate", type=bounded(float, 1e-6, 1e6, "Gbit/s"), default=1200.0,
+                       metavar="GBIT",
                        help="inside a node (default 1200: NVLink-class)")
     scale.add_argument("--algorithm", choices=ALGORITHMS, default="ring")
-    scale.add_argument("--sharing", type=int, default=1, metavar="K",
+    scale.add_argument("--sharing", type=bounded(int, 1, 10_000, ""), default=1, metavar="K",
                        help="jobs whose transfers share each node's link (the cluster "
                             "simulator's contention law)")
     p.set_defaults(run=main)

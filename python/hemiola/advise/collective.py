@@ -68,10 +68,13 @@ class Network:
         if self.world > 1 and self.world % min(self.gpus_per_node, self.world):
             raise ValueError(f"{self.world} ranks do not fill nodes of {self.gpus_per_node} "
                              "GPUs: give a world size that is a multiple of --gpus-per-node")
-        if not (self.bandwidth > 0 and self.intra_bandwidth > 0):
-            raise ValueError("bandwidths must be positive")
-        if self.latency < 0 or self.intra_latency < 0:
-            raise ValueError("latencies must be >= 0")
+        if not (self.bandwidth > 0 and self.intra_bandwidth > 0
+                and math.isfinite(self.bandwidth) and math.isfinite(self.intra_bandwidth)):
+            raise ValueError(f"bandwidths must be positive and finite, not {self.bandwidth!r} "
+                             f"and {self.intra_bandwidth!r} bytes per second")
+        if not (0 <= self.latency < math.inf and 0 <= self.intra_latency < math.inf):
+            raise ValueError(f"latencies must be finite and >= 0, not {self.latency!r} and "
+                             f"{self.intra_latency!r} seconds")
         if self.algorithm not in ALGORITHMS:
             raise ValueError(f"unknown algorithm {self.algorithm!r}; known: "
                              f"{', '.join(ALGORITHMS)}")

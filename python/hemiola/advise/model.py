@@ -220,7 +220,17 @@ def predict_one(profile: Profile, net: Network, schedule: str, coding: str,
     seconds = simulate(_program(profile, plan, schedule),
                        jobs_for(profile, net, schedule, coding, plan), profile.contention,
                        trace=trace)
-    return max(profile.compute, seconds + profile.overhead.get(f"{schedule}+{coding}", 0.0))
+    return _finite(max(profile.compute,
+                       seconds + profile.overhead.get(f"{schedule}+{coding}", 0.0)),
+                   f"{schedule}+{coding}")
+
+
+def _finite(seconds: float, name: str) -> float:
+    """`seconds`, predicted for configuration `name`, if finite."""
+    if not math.isfinite(seconds):
+        raise ValueError(f"the model predicts {seconds!r} seconds per iteration for {name}: "
+                         "the profile or the network holds a time out of range")
+    return seconds
 
 
 def predicted_timeline(profile: Profile, net: Network, schedule: str, coding: str) -> str:
@@ -297,7 +307,7 @@ def streaming_step(profile: Profile, net: Network, sync_every: int, fragments: i
     else:
         left = max(0.0, 1 - overlap * step / beside) if beside > 0 else 0.0
         exposed = left * alone + profile.contention * cpu
-    return step + fragments * exposed / sync_every
+    return _finite(step + fragments * exposed / sync_every, f"streaming+{coding}")
 
 
 def streaming_options(profile: Profile, net: Network, sync_every: int,
@@ -309,7 +319,8 @@ def streaming_options(profile: Profile, net: Network, sync_every: int,
     for f in STREAMING_FRAGMENTS:
         longest = math.ceil(sync_every / f) - 1
         _, beside, _ = _sync(profile, net, f, coding)
-        needed = max(1, math.ceil(beside / max(profile.free_compute, 1e-9)))
+        steps = _finite(beside, f"streaming+{coding}") / max(profile.free_compute, 1e-9)
+        needed = max(1, math.ceil(min(steps, sync_every)))
         if longest >= 1:
             out.append((f, min(needed, longest)))
     return out

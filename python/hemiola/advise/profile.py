@@ -32,7 +32,7 @@ FRONT_FRACTION = 0.25
 # predicted from (an infinite time never ends the model's simulation; an
 # absurd one gives confident advice).
 #: the largest profile file read (a measured one of a model with a thousand
-#: parameter tensors is about 200 KiB)
+#: parameter tensors is about 150 KiB)
 MAX_FILE_BYTES = 16 << 20
 #: any time in a profile, in seconds (one iteration's forward, a coding's
 #: CPU per iteration, a parameter's read or gradient within one): an hour
@@ -47,8 +47,11 @@ MAX_LATENCY = 1.0
 MAX_WIRE_CPU_PER_BYTE = 1e-3
 #: a synchronous step over the slowest rank's own
 MAX_LOCKSTEP = 1000.0
-#: parameter tensors, elements in one, bytes per element, bytes in all
-MAX_PARAMS = 1_000_000
+#: parameter tensors (a model with the most, a mixture of experts, has tens
+#: of thousands; the prediction takes about 0.3 ms each), buckets in a plan,
+#: elements in one tensor, bytes per element, bytes in all
+MAX_PARAMS = 100_000
+MAX_BUCKETS = 100_000
 MAX_NUMEL = 1 << 48
 MAX_ELEMENT_SIZE = 16
 MAX_MODEL_BYTES = 1 << 50
@@ -58,7 +61,7 @@ MAX_WORLD = 1 << 24
 DEVICES = ("cpu", "cuda")
 #: what to do about a profile refused
 REMEDY = ("measure it again (hemiola advise --save-profile FILE, without --profile) or "
-          "correct that field")
+          "correct it")
 
 
 @dataclass
@@ -321,6 +324,14 @@ class Profile:
                 raise ValueError(f"{where}: plans[{schedule!r}] is {_show(plan)}: it must be "
                                  "a list of buckets, each a non-empty list of parameter "
                                  "indices")
+            # each bucket after the first cuts at most one parameter in two
+            entries = sum(len(bucket) for bucket in plan)
+            if len(plan) > MAX_BUCKETS or entries > len(self.params) + len(plan) or any(
+                    len(set(bucket)) < len(bucket) for bucket in plan):
+                raise ValueError(f"{where}: plans[{schedule!r}] holds {len(plan)} buckets of "
+                                 f"{entries} pieces for {len(self.params)} parameters: at most "
+                                 f"{MAX_BUCKETS} buckets, a parameter at most once in each, "
+                                 "and pieces no more than parameters plus buckets")
             seen = sorted({i for bucket in plan for i in bucket})
             if seen != list(range(len(self.params))):
                 raise ValueError(f"{where}: the {schedule} plan must hold every parameter "
@@ -364,13 +375,20 @@ def _show(value: Any, limit: int = 60) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
+def number_text(value: float) -> str:
+    """A bound for a message: 16777216, 3600, 0.001, 1e+15."""
+    if isinstance(value, int) or (value.is_integer() and abs(value) < 1e7):
+        return str(int(value))
+    return f"{value:g}"
+
+
 def _bounded(where: str, name: str, value: Any, low: float, high: float, unit: str,
              integer: bool = False) -> None:
     """ValueError unless `value` is a finite number (an integer where
     `integer`) from `low` to `high`; the message names `name`, `value` and
     the bounds."""
     kind = "an integer" if integer else "a finite number"
-    must = f"it must be {kind} from {low:g} to {high:g} {unit}".rstrip()
+    must = f"it must be {kind} from {number_text(low)} to {number_text(high)} {unit}".rstrip()
     if isinstance(value, bool) or not isinstance(value, (int, float)) \
             or (integer and not isinstance(value, int)):
         raise ValueError(f"{where}: {name} is {_show(value)}, not {kind}: {must}")
@@ -392,22 +410,30 @@ def read_bounded(path: Path, limit: int, what: str) -> str:
         fd = os.open(path, flags)
     except OSError as e:
         raise ValueError(f"cannot read {what}: {e.strerror or e}") from e
-    with os.fdopen(fd, "rb") as f:
-        try:
-            st = os.fstat(fd)
-            if stat.S_ISDIR(st.st_mode):
-                raise ValueError(f"cannot read {what}: it is a directory")
-            if not stat.S_ISREG(st.st_mode):
-                raise ValueError(f"cannot read {what}: it is not a regular file (a device, "
-                                 "FIFO or socket, read without end or waiting for a writer): "
-                                 "copy it into a file")
-            if st.st_size > limit:
-                raise ValueError(f"cannot read {what}: it holds {st.st_size} bytes, more than "
-                                 f"the {limit} a profile may (a measured one is well under "
-                                 "1 MiB)")
-            data = f.read(limit + 1)
-        except OSError as e:
-            raise ValueError(f"cannot read {what}: {e.strerror or e}") from e
+    try:
+        st = os.fstat(fd)
+        if stat.S_ISDIR(st.st_mode):
+            raise ValueError(f"cannot read {what}: it is a directory")
+        if not stat.S_ISREG(st.st_mode):
+            raise ValueError(f"cannot read {what}: it is not a regular file (a device, FIFO "
+                             "or socket, read without end or waiting for a writer): copy it "
+                             "into a file")
+        if st.st_size > limit:
+            raise ValueError(f"cannot read {what}: it holds {st.st_size} bytes, more than the "
+                             f"{limit} a profile may (a measured one is well under 1 MiB)")
+        chunks: list[bytes] = []
+        size = 0
+        while size <= limit:
+            chunk = os.read(fd, min(1 << 20, limit + 1 - size))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            size += len(chunk)
+        data = b"".join(chunks)
+    except OSError as e:
+        raise ValueError(f"cannot read {what}: {e.strerror or e}") from e
+    finally:
+        os.close(fd)
     if len(data) > limit:
         raise ValueError(f"cannot read {what}: it holds more than the {limit} bytes a profile "
                          "may (it grew while read)")
@@ -425,7 +451,7 @@ def write_atomically(path: Path, text: str, what: str) -> None:
     symbolic link (never written through), a directory, anything not a
     regular file (a device, a FIFO), an error while writing (a full disk);
     the temporary file is removed."""
-    _writable(path, what)
+    check_writable(path, what)
     name = f".{path.name[:100]}.{secrets.token_hex(4)}.tmp"
     tmp = path.parent / name
     flags = (os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0)
@@ -451,7 +477,7 @@ def write_atomically(path: Path, text: str, what: str) -> None:
         raise
 
 
-def _writable(path: Path, what: str) -> None:
+def check_writable(path: Path, what: str) -> None:
     """ValueError naming `path` if :func:`write_atomically` would refuse it
     (a symbolic link, a directory, not a regular file); a missing folder is
     found when writing."""

@@ -7,6 +7,7 @@ the spans of a predicted timeline.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -51,7 +52,20 @@ def simulate(program: Sequence[Segment], jobs: Sequence[Job], contention: float,
              iterations: int = 6, trace: list[Span] | None = None) -> float:
     """Steady seconds per iteration of `program` with the lane reducing
     `jobs` (one per bucket, in issue order) every iteration. `trace`: the
-    spans of every iteration are appended to it (the predicted timeline)."""
+    spans of every iteration are appended to it (the predicted timeline).
+    ValueError for a time that is not finite (the simulation would never
+    end), and, should it still not end, after a bounded number of events."""
+    for what, values in (("a contention", [contention]),
+                         ("a segment of the computation", [s.work for s in program]),
+                         ("a bucket's reduction", [t for j in jobs for t in
+                                                   (j.cpu, j.wire, j.wire_cpu, j.wire_beside)])):
+        if not all(math.isfinite(v) and v >= 0 for v in values):
+            bad = next(v for v in values if not (math.isfinite(v) and v >= 0))
+            raise ValueError(f"the iteration model cannot simulate {what} of {bad!r} (each "
+                             "must be finite and >= 0)")
+    # Each step of the loop below ends a segment, a phase of a job or (from
+    # rounding) a sliver of one: far fewer than this, unless something is wrong.
+    budget = 16 * (iterations + 1) * (len(program) + 3 * len(jobs) + 1) + 1000
     eps = 1e-12
     now = 0.0
     starts = [0.0]
@@ -126,6 +140,10 @@ def simulate(program: Sequence[Segment], jobs: Sequence[Job], contention: float,
             raise RuntimeError("the iteration model waits for a reduction that never starts "
                                "(a bucket no backward segment makes ready)")
         dt = min(steps)
+        budget -= 1
+        if not (math.isfinite(dt) and dt >= 0) or budget < 0:
+            raise ValueError(f"the iteration model did not settle (a step of {dt!r} seconds at "
+                             f"{now!r}): the times it was given are out of range")
         now += dt
         if computing:
             rem_c -= dt * rate_c
