@@ -117,7 +117,8 @@ class StreamingParallel(nn.Module):
         inner: nn.Module = module
         if group is not None:
             check_same_model(group[0], group[1], module, config)
-            per_step = dataclasses.replace(config, schedule="wfbp", compression=None)
+            per_step = dataclasses.replace(config, schedule="wfbp", compression=None,
+                                           coordinator=None)
             inner = DataParallel(module, per_step, group[0], group[1], None, optimizer)
         object.__setattr__(self, "_inner", inner)
         self._group = None if group is None else group[0]

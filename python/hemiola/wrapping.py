@@ -12,7 +12,7 @@ from torch import nn
 from hemiola.config import Config
 from hemiola.data_parallel import WRAPPED_MARK, DataParallel
 from hemiola.distributed import init, new_engine, new_subgroup_engines
-from hemiola.elastic.replica import ElasticReplica
+from hemiola.elastic.replica import ElasticReplica, group_name
 from hemiola.replica_groups import replica_ranks
 from hemiola.streaming import StreamingParallel
 from hemiola.threads import fit_threads
@@ -133,20 +133,28 @@ def _streaming(model: nn.Module, optimizer: Any, config: Config) -> StreamingPar
 
 
 def _elastic_streaming(model: nn.Module, optimizer: Any, config: Config) -> StreamingParallel:
-    """``streaming`` with ``coordinator``: this process is one replica of an
-    elastic run (hemiola.elastic)."""
-    if dist.get_world_size() != 1 or config.replica_ranks not in (None, 1):
-        raise ValueError("coordinator= runs one process per replica for now: start each "
-                         "replica as its own process (python train.py, or torchrun "
-                         "--nproc_per_node=1), not several ranks in one launch "
-                         f"(this launch has {dist.get_world_size()} ranks, replica_ranks="
-                         f"{config.replica_ranks})")
-    config = dataclasses.replace(config, replica_ranks=1)
-    replica = ElasticReplica(config)
-    if not replica.joining:  # a collective: the members of a running run are not in it
+    """``streaming`` with ``coordinator``: this launch (one process, or the
+    ranks of one ``torchrun``) is one replica group of an elastic run
+    (hemiola.elastic)."""
+    places, place = dist.get_world_size(), dist.get_rank()
+    if config.replica_ranks not in (None, places):
+        raise ValueError(f"coordinator= makes each launch one replica: its {places} rank(s) "
+                         f"are the replica group, so replica_ranks={config.replica_ranks} does "
+                         "not apply (leave it out); start one launch per replica")
+    config = dataclasses.replace(config, replica_ranks=places)
+    name = [group_name(config)]
+    if places > 1:
+        dist.broadcast_object_list(name, src=0)  # the launch's rank 0 names it
+    replica = ElasticReplica(config, name[0], place, places)
+    engine_options = {"timeline": config.timeline, "gpu_backend": config.gpu_backend}
+    group = None
+    if places > 1:
+        group = new_engine(config.timeout_s, **engine_options)  # the launch's ranks
+        fit_threads(group[0])
+    elif not replica.joining:  # a collective: the members of a running run are not in it
         fit_threads(replica.engine)
     return StreamingParallel(model, config, replica.engine, replica.store, optimizer,
-                             elastic=replica)
+                             group=group, elastic=replica)
 
 
 #: Why a schedule other than wfbp cannot wrap without the optimizer.

@@ -1,8 +1,9 @@
 """One replica of an elastic streaming run, as its own process (the elastic
 tests and ``hemiola bench elastic`` start several).
 
-``python elastic_worker.py '<json>'``: keys ``coordinator``, ``name``,
-``index`` (which data it sees: batch ``(index, step)``), ``steps``,
+``python elastic_worker.py '<json>'`` (or under ``torchrun``: a replica
+group of several ranks; ``die_rank`` says which of them ``die_at`` kills):
+keys ``coordinator``, ``name``, ``index`` (which data it sees: batch ``(index, step)``), ``steps``,
 ``sync_every``, ``fragments``, ``overlap``, ``out`` (where to write the
 result as JSON), and optionally ``die_at`` (SIGKILL itself right after that
 inner step) and ``step_s`` (seconds of sleep per step, to stand for
@@ -42,6 +43,14 @@ LR = 0.05
 
 def main() -> None:
     args = json.loads(sys.argv[1])
+    # Under torchrun the launch is one replica group of several ranks: each
+    # rank its own batches, its own result file.
+    rank = int(os.environ.get("RANK", "0"))
+    if "RANK" in os.environ:
+        args["index"] = args["index"] * 100 + rank
+        args["out"] = args["out"].replace(".json", f"-{rank}.json")
+        if args.get("die_at") and rank != args.get("die_rank", 0):
+            args["die_at"] = None
     model = make_model()
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
     wrapped, optimizer = hemiola.wrap(

@@ -4,6 +4,7 @@ through a real coordinator over TCP, killed with SIGKILL and started late."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -35,6 +36,13 @@ def coordinator():
     yield start
     for c in started:
         c.close()
+
+
+def wait_for(condition, timeout_s: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.05)
 
 
 def launch(c: Coordinator, tmp_path: Path, name: str, index: int, **options) -> tuple:
@@ -109,8 +117,7 @@ def test_a_killed_replica_is_dropped_and_the_survivors_lose_no_step(coordinator,
 def test_a_late_group_joins_at_a_sync_with_the_shared_copy(coordinator, tmp_path):
     c = coordinator(min_replicas=2)
     runs = [launch(c, tmp_path, f"g{i}", i, step_s=0.2) for i in range(2)]
-    while c.epoch < 1:
-        time.sleep(0.05)
+    wait_for(lambda: c.epoch >= 1)
     time.sleep(0.5)  # the two are training
     runs.append(launch(c, tmp_path, "g2", 2, step_s=0.2))
     results = finish(tmp_path, runs)
@@ -136,8 +143,7 @@ def test_below_min_replicas_training_pauses_until_a_restarted_group_joins(coordi
     survivor = launch(c, tmp_path, "g0", 0, **options)
     doomed, _ = launch(c, tmp_path, "g1", 1, die_at=23, **options)
     assert doomed.wait(timeout=120) == -9
-    while c.epoch < 2:  # the survivor's epoch of one, paused
-        time.sleep(0.05)
+    wait_for(lambda: c.epoch >= 2)  # the survivor's epoch of one, paused
     time.sleep(1.0)
     restarted = launch(c, tmp_path, "g1", 1, **options)  # the same name comes back
     first, second = finish(tmp_path, [survivor, restarted])
@@ -154,14 +160,12 @@ def test_below_min_replicas_training_pauses_until_a_restarted_group_joins(coordi
 def test_a_frozen_replica_is_dropped_after_the_timeout(coordinator, tmp_path):
     # SIGSTOP: its sockets stay open and its heartbeat stops, as when a
     # machine vanishes. The others wait out the timeout, then go on.
-    import os
     import signal
 
     c = coordinator(min_replicas=2, start_replicas=3, timeout_s=3.0)
     options = {"steps": 60, "step_s": 0.05}
     runs = [launch(c, tmp_path, f"g{i}", i, **options) for i in range(3)]
-    while c.epoch < 1:
-        time.sleep(0.05)
+    wait_for(lambda: c.epoch >= 1)
     time.sleep(2.0)
     frozen = runs[2][0]
     os.kill(frozen.pid, signal.SIGSTOP)
@@ -241,3 +245,48 @@ def test_a_checkpoint_of_one_group_restarts_the_whole_run(coordinator, tmp_path)
         assert r["stats"]["inner_steps"] == 40
         assert r["params"] == whole[0]["params"]
         assert r["shared_sha256"] == whole[0]["shared_sha256"]
+
+
+def launch_group(c: Coordinator, tmp_path: Path, name: str, index: int, ranks: int,
+                 port: int, **options) -> tuple:
+    """A replica group of `ranks` ranks: one torchrun launch of its own."""
+    out = tmp_path / f"{name}.json"
+    args = {"coordinator": f"127.0.0.1:{c.address[1]}", "name": name, "index": index,
+            "steps": 40, "sync_every": 10, "fragments": 1, "overlap": 0, "out": str(out),
+            **options}
+    log = open(tmp_path / f"{name}.log", "w")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks),
+         "--master_addr", "127.0.0.1", "--master_port", str(port), WORKER, json.dumps(args)],
+        stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    return proc, out
+
+
+def test_replica_groups_of_two_ranks_die_and_join_as_groups(coordinator, tmp_path):
+    # Three launches of two ranks each; one rank of g2 dies: its group is
+    # dead (its own per-step averaging cannot go on), the two others go on
+    # without losing a step, and g2 started again joins as a group.
+    c = coordinator(min_replicas=2, start_replicas=3)
+    options = {"steps": 200, "step_s": 0.1}
+    base = 29600 + (os.getpid() % 50) * 4
+    survivors = [launch_group(c, tmp_path, f"g{i}", i, 2, base + i, **options) for i in range(2)]
+    doomed, _ = launch_group(c, tmp_path, "g2", 2, 2, base + 2, die_at=15, die_rank=0,
+                             **options)
+    assert doomed.wait(timeout=120) != 0
+    wait_for(lambda: c.epoch >= 2)
+    assert c.history[1][1] == ["g0", "g1"] or sorted(c.history[1][1]) == ["g0", "g1"]
+    again = launch_group(c, tmp_path, "g2", 2, 2, base + 3, **options)
+    for proc, out in [*survivors, again]:
+        code = proc.wait(timeout=180)
+        log = Path(str(out).replace(".json", ".log")).read_text()
+        assert code == 0, log[-3000:]
+    results = {p.name: json.loads(p.read_text()) for p in tmp_path.glob("g?-?.json")}
+    assert len(results) == 6
+    assert len({r["shared_sha256"] for r in results.values()}) == 1
+    for name, r in results.items():
+        assert r["stats"]["inner_steps"] == 200, name
+        assert r["stats"]["replica_ranks"] == 2.0
+    for name in ("g0-0.json", "g0-1.json", "g1-0.json", "g1-1.json"):
+        whats = [x["what"] for x in results[name]["recoveries"]]
+        assert whats[0] == "failure, averaged again" and "admit" in whats, (name, whats)
+    assert results["g2-0.json"]["joined_at_step"] == results["g2-1.json"]["joined_at_step"]

@@ -69,7 +69,13 @@ def run(args: argparse.Namespace) -> int:
     # One kill at a time, each after the last victim is back in the run:
     # which group, after how many of its steps from then, and whether while
     # a fragment is in flight.
-    plans = [{"after": rng.randint(5, 40), "in_flight": k < args.in_flight}
+    # With overlap 0 a fragment is sent and landed inside one step: between
+    # steps nothing is in flight, so every kill is between syncs.
+    in_flight = args.in_flight if args.overlap > 0 else 0
+    if in_flight < args.in_flight:
+        print("overlap 0: no fragment is in flight between steps, so every kill is between "
+              "syncs", file=sys.stderr)
+    plans = [{"after": rng.randint(5, 40), "in_flight": k < in_flight}
              for k in range(args.kills)]
     rng.shuffle(plans)
     common = {"coordinator": f"127.0.0.1:{coordinator.address[1]}", "task": args.task,
@@ -100,13 +106,15 @@ def run(args: argparse.Namespace) -> int:
 
     for group in range(args.groups):
         start(group)
-    kills = 0
+    kills = kills_in_flight = 0
     armed: int | None = None
+    armed_plan: dict[str, Any] = {}
     while procs:
         time.sleep(0.1)
         if armed is None and plans and everyone_in():
             armed = rng.randrange(args.groups)
-            (work / f"arm-g{armed}.json").write_text(json.dumps(plans.pop()))
+            armed_plan = plans.pop()
+            (work / f"arm-g{armed}.json").write_text(json.dumps(armed_plan))
         for group, (proc, out) in list(procs.items()):
             code = proc.poll()
             if code is None:
@@ -114,6 +122,7 @@ def run(args: argparse.Namespace) -> int:
             del procs[group]
             if code == -9:
                 kills += 1
+                kills_in_flight += bool(armed_plan["in_flight"])
                 armed = None
                 epoch_at_kill = coordinator.epoch
                 print(f"[{time.monotonic() - started:6.1f} s] kill {kills}: group g{group} "
@@ -126,14 +135,14 @@ def run(args: argparse.Namespace) -> int:
                 raise RuntimeError(f"group g{group} failed ({code}): see {out.with_suffix('.log')}")
     coordinator.close()
     results = [json.loads(p.read_text()) for p in outputs if p.exists()]
-    rows = summarise(results, coordinator.history, kills, args)
+    rows = summarise(results, coordinator.history, kills, kills_in_flight, args)
     write_lines(args.out / f"{args.name}.jsonl", rows)
     print(f"logs and results: {work}", file=sys.stderr)
     return 0
 
 
 def summarise(results: list[dict[str, Any]], history: list[Any], kills: int,
-              args: argparse.Namespace) -> list[dict[str, Any]]:
+              kills_in_flight: int, args: argparse.Namespace) -> list[dict[str, Any]]:
     failures = [r for res in results for r in res["recoveries"] if r["what"] != "admit"]
     admits = [r for res in results for r in res["recoveries"] if r["what"] == "admit"]
     lost = [res["executed"] - (res["inner_steps"] - (res["joined_at_step"] or 0))
@@ -142,6 +151,7 @@ def summarise(results: list[dict[str, Any]], history: list[Any], kills: int,
     finals = {res["shared_sha256"] for res in results if res["finished"]}
     row = {
         "suite": "elastic", "task": args.task, "groups": args.groups, "kills": kills,
+        "kills_in_flight": kills_in_flight,
         "steps": args.steps, "sync_every": args.sync_every, "fragments": args.fragments,
         "overlap": args.overlap, "timeout_s": args.timeout, "epochs": len(history),
         "survivor_failures": len(failures),

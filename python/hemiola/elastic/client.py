@@ -31,8 +31,11 @@ class Epoch:
     """One membership epoch as the coordinator announced it to this group."""
 
     number: int
+    #: this group's rank among the epoch's groups, and how many there are
     rank: int
     world: int
+    #: this rank's place in its group (each place averages over its own engine)
+    place: int
     members: list[str]
     #: groups that join in this epoch (a member hands them the shared copy)
     joiners: list[str]
@@ -117,21 +120,25 @@ class CoordinatorStore(C.Store):
 
 
 class CoordinatorClient:
-    """A group's connections to the coordinator at `address` ('HOST:PORT').
+    """One rank's connections to the coordinator at `address` ('HOST:PORT'):
+    rank `place` of the `places` ranks of group `group`.
 
     A heartbeat thread beats every half second on a connection of its own
-    (its closing is how the coordinator learns this group died) and hands
+    (its closing is how the coordinator learns this rank died) and hands
     every offer it hears to `on_offer`.
     """
 
-    def __init__(self, address: str, group: str) -> None:
+    def __init__(self, address: str, group: str, place: int = 0, places: int = 1) -> None:
         self.group = group
+        self.place = place
+        self._whoami = {"group": group, "place": place}
         self._address = parse_address(address)
         self._beats = _Connection(self._address, 30.0)
         self.timeout_s = self._beats.timeout_s
         self._control = _Connection(self._address, 30.0)
         self._store = _Connection(self._address, 30.0)
-        first = self._beats.request({"op": "beat", "group": group})
+        first = self._beats.request({"op": "beat", **self._whoami, "places": places})
+        self._places = places
         if "error" in first:
             raise ValueError(f"the coordinator refused group {group!r}: {first['error']}")
         self.on_offer: Callable[[int], None] = lambda _offer: None
@@ -142,7 +149,8 @@ class CoordinatorClient:
     def _beat(self) -> None:
         while not self._stop.wait(BEAT_EVERY_S):
             try:
-                answer = self._beats.request({"op": "beat", "group": self.group})
+                answer = self._beats.request({"op": "beat", **self._whoami,
+                                              "places": self._places})
             except (OSError, ConnectionError, protocol.ProtocolError) as e:
                 if not self._stop.is_set():
                     log.warning("hemiola elastic: lost the coordinator (%s)", e)
@@ -154,19 +162,18 @@ class CoordinatorClient:
 
     def join(self) -> Epoch:
         """Blocks until an epoch admits this group."""
-        return self._epoch({"op": "join", "group": self.group})
+        return self._epoch({"op": "join", **self._whoami})
 
     def reform(self, epoch: int, round_: int, averaged: bool) -> Epoch:
         """This member's average of sync `round_` failed: blocks until the
         survivors' epoch forms."""
-        return self._epoch({"op": "reform", "group": self.group, "epoch": epoch,
-                            "round": round_, "averaged": averaged})
+        return self._epoch({"op": "reform", **self._whoami, "epoch": epoch, "round": round_,
+                            "averaged": averaged})
 
     def admit(self, epoch: int, round_: int) -> Epoch:
         """At sync `round_` (landed), the members agreed to admit the groups
         waiting (or wait for them, paused): blocks until the epoch forms."""
-        return self._epoch({"op": "admit", "group": self.group, "epoch": epoch,
-                            "round": round_})
+        return self._epoch({"op": "admit", **self._whoami, "epoch": epoch, "round": round_})
 
     def _epoch(self, message: dict[str, Any]) -> Epoch:
         answer = self._control.request(
@@ -177,7 +184,8 @@ class CoordinatorClient:
         if "error" in answer:
             raise RuntimeError(f"the coordinator refused {message['op']}: {answer['error']}")
         return Epoch(number=int(answer["epoch"]), rank=int(answer["rank"]),
-                     world=int(answer["world"]), members=list(answer["members"]),
+                     world=int(answer["world"]), place=int(answer["place"]),
+                     members=list(answer["members"]),
                      joiners=list(answer["joiners"]), fresh=bool(answer.get("fresh", False)),
                      keep=bool(answer.get("keep", True)), pause=bool(answer.get("pause", False)))
 

@@ -56,9 +56,15 @@ WAITING_EVERY_S = 5.0
 
 
 @dataclasses.dataclass
-class _Group:
+class _Rank:
+    """One rank of a group ("GROUP/PLACE"), as its heartbeat shows it."""
+
     last_beat: float
     connected: bool = True
+
+
+#: ranks per group the coordinator accepts
+MAX_PLACES = 4096
 
 
 @dataclasses.dataclass
@@ -99,14 +105,16 @@ class Coordinator:
         self._server = socket.create_server((host, port), reuse_port=False)
         self._cv = threading.Condition()
         self._kv: dict[str, bytes] = {}
-        self._groups: dict[str, _Group] = {}
+        self._ranks: dict[str, _Rank] = {}  # "GROUP/PLACE" -> heartbeat
+        self._places: dict[str, int] = {}  # group -> its ranks (places)
         self._epoch = 0
         self._members: list[str] = []
         self._left: list[str] = []  # who the last epoch lost
-        self._joiners: list[str] = []
-        self._requests: dict[str, _Request] = {}
+        self._joiners: list[str] = []  # groups waiting to join, in order
+        self._joining: dict[str, set[int]] = {}  # their places that asked
+        self._requests: dict[str, dict[int, _Request]] = {}  # group -> place -> request
         self._first_request_at = 0.0
-        self._answers: dict[str, dict[str, Any]] = {}
+        self._answers: dict[str, dict[str, Any]] = {}  # "GROUP/PLACE" -> answer
         self._closed = False
         #: the epochs formed so far: (epoch, members, why), for tests and logs
         self.history: list[tuple[int, list[str], str]] = []
@@ -166,7 +174,7 @@ class Coordinator:
             while (message := protocol.receive(reader)) is not None:
                 op = message["op"]
                 if op == "beat":
-                    beating = self._beat(conn, str(message.get("group", "")), beating)
+                    beating = self._beat(conn, message, beating)
                 elif op in ("set", "get", "check"):
                     self._store(conn, message)
                 elif op in ("join", "reform", "admit"):
@@ -179,29 +187,44 @@ class Coordinator:
             conn.close()
             if beating is not None:
                 with self._cv:
-                    group = self._groups.get(beating)
-                    if group is not None:
-                        group.connected = False
-                        log.warning("coordinator: group %s is gone (its connection closed)",
-                                    beating)
+                    rank = self._ranks.get(beating)
+                    if rank is not None:
+                        rank.connected = False
+                        log.warning("coordinator: %s is gone (its connection closed)",
+                                    _describe(beating))
                     self._advance()
                     self._cv.notify_all()
 
-    def _beat(self, conn: socket.socket, name: str, beating: str | None) -> str:
+    def _beat(self, conn: socket.socket, message: dict[str, Any], beating: str | None) -> str:
+        name = str(message.get("group", ""))
+        place, places = message.get("place", 0), message.get("places", 1)
+        if not (isinstance(place, int) and isinstance(places, int)
+                and 0 <= place < places <= MAX_PLACES):
+            protocol.send(conn, {"error": f"place {place!r} of {places!r} ranks is not a rank "
+                                          f"of a group (at most {MAX_PLACES})"})
+            raise ValueError("bad place")
+        key = f"{name}/{place}"
         with self._cv:
             if beating is None:
-                old = self._groups.get(name)
-                if not name or (old is not None and self._alive(name)):
-                    protocol.send(conn, {"error": f"group name {name!r} is taken by a live "
-                                                  "group (each group needs its own name)"})
+                if not name or "/" in name or self._alive_rank(key):
+                    protocol.send(conn, {"error": f"group name {name!r} (rank {place}) is taken "
+                                                  "by a live group, or not a name (each group "
+                                                  "needs its own, without '/')"})
                     raise ValueError("duplicate group")
-                log.info("coordinator: group %s connected", name)
-            elif name != beating:
-                raise ValueError("a heartbeat connection beats for one group")
-            self._groups[name] = _Group(last_beat=time.monotonic())
+                known = self._places.get(name)
+                if known not in (None, places) and any(
+                        self._alive_rank(f"{name}/{j}") for j in range(known)):
+                    protocol.send(conn, {"error": f"group {name!r} has {known} ranks, this rank "
+                                                  f"says {places}"})
+                    raise ValueError("places differ")
+                self._places[name] = places
+                log.info("coordinator: %s connected", _describe(key))
+            elif key != beating:
+                raise ValueError("a heartbeat connection beats for one rank")
+            self._ranks[key] = _Rank(last_beat=time.monotonic())
             offer = self._epoch + 1 if self._epoch and self._waiting_joiners() else 0
             protocol.send(conn, {"epoch": self._epoch, "offer": offer})
-            return name
+            return key
 
     def _store(self, conn: socket.socket, message: dict[str, Any]) -> None:
         op, key = message["op"], str(message.get("key", ""))
@@ -226,19 +249,33 @@ class Coordinator:
 
     # ---- membership ---------------------------------------------------------
 
+    def _alive_rank(self, key: str) -> bool:
+        rank = self._ranks.get(key)
+        return (rank is not None and rank.connected
+                and time.monotonic() - rank.last_beat <= self.timeout_s)
+
     def _alive(self, name: str) -> bool:
-        group = self._groups.get(name)
-        return (group is not None and group.connected
-                and time.monotonic() - group.last_beat <= self.timeout_s)
+        """Every rank of group `name` is alive (a group with a dead rank is dead:
+        its own per-step schedule cannot go on)."""
+        places = self._places.get(name)
+        return places is not None and all(self._alive_rank(f"{name}/{j}")
+                                          for j in range(places))
 
     def _waiting_joiners(self) -> list[str]:
-        return [j for j in self._joiners if self._alive(j)]
+        """Groups all of whose ranks asked to join, and are alive."""
+        return [j for j in self._joiners if self._alive(j)
+                and len(self._joining.get(j, ())) == self._places[j]]
+
+    def _reported(self, name: str) -> bool:
+        return len(self._requests.get(name, {})) == self._places.get(name, 0)
 
     def _membership(self, conn: socket.socket, message: dict[str, Any]) -> None:
         op, name = message["op"], str(message.get("group", ""))
+        place = message.get("place", 0)
+        key = f"{name}/{place}"
         with self._cv:
-            if not self._alive(name):
-                protocol.send(conn, {"error": f"group {name!r} has no heartbeat: beat first"})
+            if not self._alive_rank(key):
+                protocol.send(conn, {"error": f"{_describe(key)} has no heartbeat: beat first"})
                 return
             if op == "join":
                 if name in self._members:
@@ -246,26 +283,28 @@ class Coordinator:
                     log.info("coordinator: group %s rejoins", name)
                 if name not in self._joiners:
                     self._joiners.append(name)
+                self._joining.setdefault(name, set()).add(int(place))
             else:
                 if message.get("epoch") != self._epoch or name not in self._members:
                     protocol.send(conn, {"dropped": (
                         f"group {name!r} is not a member of epoch {self._epoch} (it did not "
-                        f"report within {self.timeout_s} s of the others, or came back after "
-                        "being counted dead); start it again to rejoin the run")})
+                        f"report within {self.timeout_s} s of the others, one of its ranks "
+                        "died, or it came back after being counted dead); start it again to "
+                        "rejoin the run")})
                     return
                 if not self._requests:
                     self._first_request_at = time.monotonic()
-                self._requests[name] = _Request(op, int(message["round"]),
-                                                bool(message.get("averaged", True)))
-            self._answers.pop(name, None)
+                self._requests.setdefault(name, {})[int(place)] = _Request(
+                    op, int(message["round"]), bool(message.get("averaged", True)))
+            self._answers.pop(key, None)
             self._advance()
             last_said = time.monotonic()
-            while name not in self._answers and not self._closed:
+            while key not in self._answers and not self._closed:
                 self._cv.wait(0.5)
                 if time.monotonic() - last_said >= WAITING_EVERY_S:
                     protocol.send(conn, {"waiting": self._waiting_for(name)})
                     last_said = time.monotonic()
-            answer = self._answers.pop(name, {"error": "the coordinator is closing"})
+            answer = self._answers.pop(key, {"error": "the coordinator is closing"})
         protocol.send(conn, answer)
 
     def _waiting_for(self, name: str) -> str:
@@ -276,10 +315,10 @@ class Coordinator:
         if name in self._joiners:
             return (f"waiting for the members of epoch {self._epoch} to reach their next sync "
                     "and admit it")
-        missing = [m for m in self._members if m not in self._requests and self._alive(m)]
+        missing = [m for m in self._members if not self._reported(m) and self._alive(m)]
         if missing:
             return f"waiting for groups {missing} to report (at most {self.timeout_s:.0f} s)"
-        alive = len(self._requests) + len(self._waiting_joiners())
+        alive = sum(self._reported(m) for m in self._members) + len(self._waiting_joiners())
         return (f"paused: {alive} replicas, min_replicas={self.min_replicas}; lost: "
                 f"{self._left}; start groups to resume")
 
@@ -288,37 +327,41 @@ class Coordinator:
         if self._epoch == 0:
             ready = self._waiting_joiners()
             if len(ready) >= self.start_replicas:
-                self._form(ready, [], "start", lambda m: {"fresh": True})
+                self._form(ready, [], "start", lambda m, place: {"fresh": True})
             return
         if not any(self._alive(m) for m in self._members):
             # No member left to hand a joiner the state: the run is over (or
             # every member died: restart it from a checkpoint).
-            for j in self._waiting_joiners():
-                self._answers[j] = {"error": (
-                    f"the run has no live member left (epoch {self._epoch}: {self._members} "
-                    "finished or died), so none can hand this group the shared copy; if it "
-                    "died, restart every group from a checkpoint")}
+            for j in self._joiners:
+                for place in self._joining.get(j, ()):
+                    self._answers[f"{j}/{place}"] = {"error": (
+                        f"the run has no live member left (epoch {self._epoch}: "
+                        f"{self._members} finished or died), so none can hand this group the "
+                        "shared copy; if it died, restart every group from a checkpoint")}
             self._joiners.clear()
+            self._joining.clear()
             self._requests.clear()
             self._cv.notify_all()
             return
         if not self._requests:
             return
         # (A name among the joiners is a restarted group: its old self is gone.)
-        outstanding = [m for m in self._members if m not in self._requests and self._alive(m)
+        outstanding = [m for m in self._members if not self._reported(m) and self._alive(m)
                        and m not in self._joiners]
         if outstanding and time.monotonic() - self._first_request_at < self.timeout_s:
             return
-        reports = {m: r for m, r in self._requests.items() if self._alive(m)}
+        reports = {m: self._requests[m] for m in self._members
+                   if self._reported(m) and self._alive(m)}
         if not reports:
             self._requests.clear()
             return
-        top = max(r.round for r in reports.values())
-        failed = any(r.kind == "reform" for r in reports.values())
-        keep_top = all(r.averaged for r in reports.values() if r.round == top)
+        every = [r for places in reports.values() for r in places.values()]
+        top = max(r.round for r in every)
+        failed = any(r.kind == "reform" for r in every)
+        keep_top = all(r.averaged for r in every if r.round == top)
         # Joiners need every member at the same sync, its average kept: then
         # the members' shared copies are the ones a joiner is handed.
-        same_point = keep_top and all(r.round == top for r in reports.values())
+        same_point = keep_top and all(r.round == top for r in every)
         survivors = [m for m in self._members if m in reports]
         joiners = [j for j in self._waiting_joiners() if j not in survivors] if same_point else []
         if len(survivors) + len(joiners) < self.min_replicas and not failed:
@@ -328,10 +371,10 @@ class Coordinator:
             f"{joiners} joined" if joiners else "")
         world = len(survivors) + len(joiners)
 
-        def answer(m: str) -> dict[str, Any]:
+        def answer(m: str, place: int) -> dict[str, Any]:
             if m in joiners:
                 return {"fresh": False}
-            r = reports[m]
+            r = reports[m][place]
             return {"keep": r.round < top or keep_top, "pause": world < self.min_replicas}
 
         self._form(survivors + joiners, joiners, why or "same members", answer)
@@ -339,16 +382,33 @@ class Coordinator:
     def _form(self, members: list[str], joiners: list[str], why: str, answer: Any) -> None:
         self._epoch += 1
         self._left = [m for m in self._members if m not in members]
+        # A rank still waiting that is not in the new epoch (its group lost a
+        # rank, or reported too late) is told so, rather than left waiting.
+        for m, places in self._requests.items():
+            if m not in members:
+                for place in places:
+                    self._answers[f"{m}/{place}"] = {"dropped": (
+                        f"group {m!r} is not a member of epoch {self._epoch} (one of its ranks "
+                        "died, or it reported too late); start it again to rejoin the run")}
         self._members = list(members)
         self._joiners = [j for j in self._joiners if j not in members]
+        for j in members:
+            self._joining.pop(j, None)
         self._requests.clear()
         for rank, m in enumerate(members):
-            self._answers[m] = {"epoch": self._epoch, "rank": rank, "world": len(members),
-                                "members": members, "joiners": joiners, **answer(m)}
+            for place in range(self._places[m]):
+                self._answers[f"{m}/{place}"] = {
+                    "epoch": self._epoch, "rank": rank, "world": len(members), "place": place,
+                    "members": members, "joiners": joiners, **answer(m, place)}
         self.history.append((self._epoch, list(members), why))
         log.warning("coordinator: epoch %d: %d replicas %s (%s)", self._epoch, len(members),
                     members, why)
         self._cv.notify_all()
+
+
+def _describe(key: str) -> str:
+    name, _, place = key.rpartition("/")
+    return f"group {name}" if place == "0" else f"group {name}'s rank {place}"
 
 
 def register(commands: Any) -> None:

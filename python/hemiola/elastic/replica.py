@@ -80,31 +80,38 @@ class Recovery:
 
 
 def group_name(config: Config) -> str:
+    """This launch's name in the run (its rank 0's choice, for a launch of
+    several ranks): ``group_name``, else ``HEMIOLA_GROUP``, else host name
+    and process id."""
     return config.group_name or os.environ.get("HEMIOLA_GROUP") or (
         f"{socket.gethostname()}-{os.getpid()}")
 
 
 class ElasticReplica:
-    """This process's membership in the run at ``config.coordinator``;
-    blocks until an epoch admits it."""
+    """This rank's membership in the run at ``config.coordinator``: rank
+    `place` of the `places` ranks of replica group `name` (one launch); blocks
+    until an epoch admits the group."""
 
-    def __init__(self, config: Config) -> None:
+    def __init__(self, config: Config, name: str, place: int = 0, places: int = 1) -> None:
         assert config.coordinator is not None
         self._config = config
         self._host = parse_address(config.coordinator)[0]
-        self.name = group_name(config)
-        self.client = CoordinatorClient(config.coordinator, self.name)
+        self.name = name
+        self._speaks = place == 0  # one log line per group, from its first rank
+        self.client = CoordinatorClient(config.coordinator, name, place, places)
         #: what this replica went through, in order
         self.recoveries: list[Recovery] = []
         #: the inner step at which this replica first sent (a joiner: after joining)
         self.joined_at_step: int | None = None
-        log.warning("hemiola elastic: group %s joins the run at %s", self.name,
-                    config.coordinator)
+        if place == 0:
+            log.warning("hemiola elastic: group %s (%d rank%s) joins the run at %s", name,
+                        places, "s" if places > 1 else "", config.coordinator)
         self.epoch = self.client.join()
         self.engine, self.store = self._engine_for(self.epoch)
-        log.warning("hemiola elastic: group %s is rank %d of %d in epoch %d%s", self.name,
-                    self.epoch.rank, self.epoch.world, self.epoch.number,
-                    "" if self.epoch.fresh else " (joining a running run)")
+        if place == 0:
+            log.warning("hemiola elastic: group %s is replica %d of %d in epoch %d%s", name,
+                        self.epoch.rank, self.epoch.world, self.epoch.number,
+                        "" if self.epoch.fresh else " (joining a running run)")
 
     @property
     def joining(self) -> bool:
@@ -112,7 +119,8 @@ class ElasticReplica:
         return not self.epoch.fresh and self.epoch.joining
 
     def _engine_for(self, epoch: Epoch) -> tuple[C.Engine, CoordinatorStore]:
-        store = self.client.store(f"epoch{epoch.number}/")
+        # Each place of the groups averages its pieces over an engine of its own.
+        store = self.client.store(f"epoch{epoch.number}/place{epoch.place}/")
         engine = engine_over(store, self._host, epoch.rank, epoch.world, self.client.timeout_s,
                              timeline=self._config.timeline,
                              gpu_backend=self._config.gpu_backend,
@@ -161,9 +169,10 @@ class ElasticReplica:
         the call that failed began (the stall counts the detection too)."""
         streamer = model._streamer
         step = streamer.inner_steps
-        log.warning("hemiola elastic: group %s: the average of sync %d failed at inner step %d "
-                    "(%s); asking the coordinator who is left", self.name,
-                    streamer.in_flight_round, step, str(error).splitlines()[0][:200])
+        if self._speaks:
+            log.warning("hemiola elastic: group %s: the average of sync %d failed at inner step "
+                        "%d (%s); asking the coordinator who is left", self.name,
+                        streamer.in_flight_round, step, str(error).splitlines()[0][:200])
         while True:
             epoch = self.client.reform(self.epoch.number, streamer.in_flight_round,
                                        streamer.in_flight_averaged)
@@ -208,6 +217,8 @@ class ElasticReplica:
         recovery = Recovery(self.epoch.number, self.epoch.world, step, what,
                             time.monotonic() - start)
         self.recoveries.append(recovery)
+        if not self._speaks:
+            return
         log.warning("hemiola elastic: group %s: epoch %d, %d replicas %s (%s at inner step %d; "
                     "%.2f s without training)", self.name, self.epoch.number, self.epoch.world,
                     self.epoch.members, what, step, recovery.stall_s)
@@ -237,8 +248,9 @@ class ElasticReplica:
             values = [int(v) for v in meta]
             streamer.adopt(values[0], values[1], values[2:])
             model._copy_host_to_params()
-            log.warning("hemiola elastic: group %s took the run's state at inner step %d "
-                        "(sync %d) from rank 0", self.name, values[0], values[1])
+            if self._speaks:
+                log.warning("hemiola elastic: group %s took the run's state at inner step "
+                            "%d (sync %d) from replica 0", self.name, values[0], values[1])
 
     def close(self) -> None:
         self.client.close()
