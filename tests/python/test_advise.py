@@ -574,3 +574,26 @@ def test_measuring_says_what_it_measures(capsys: pytest.CaptureFixture[str]) -> 
     Progress(3, 1).step("the bare steps")  # other ranks stay quiet
     err = capsys.readouterr().err
     assert err.count("hemiola advise: measuring the bare steps (1/3, ") == 1
+
+
+def test_streaming_prediction_with_a_replica_per_node() -> None:
+    # Two nodes of four GPUs: a replica is a node. Its inner step is wfbp
+    # over the node's link (NVLink-class: its all-reduce hides), and the
+    # outer sync crosses the nodes' link once per fragment, as one rank per
+    # node would: the same as a run of 2 ranks on that link, plus the inner
+    # step's own cost.
+    p = _profile(coding_cpu={"int8": 0.004}, overhead={"streaming-sync": 0.006})
+    nodes = Network(8, bandwidth=1e6, latency=0.0, gpus_per_node=4)
+    inside, across = model.replica_networks(nodes)
+    assert inside is not None and (inside.world, inside.bandwidth) == (4, nodes.intra_bandwidth)
+    assert (across.world, across.bandwidth) == (2, 1e6)
+    alone = Network(2, bandwidth=1e6, latency=0.0)
+    inner = model.predict_one(p, inside, "wfbp", "none")
+    assert inner >= p.free_compute
+    for f, tau in ((1, 0), (2, 1)):
+        assert model.streaming_step(p, nodes, 10, f, tau) == pytest.approx(
+            model.streaming_step(p, alone, 10, f, tau) - p.free_compute + inner)
+    # one node, or one GPU per node: every rank a replica, as before
+    assert model.replica_networks(Network(4, 1e6, gpus_per_node=4)) == (
+        None, Network(4, 1e6, gpus_per_node=4))
+    assert model.replica_networks(alone)[0] is None

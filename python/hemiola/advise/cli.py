@@ -268,6 +268,10 @@ def scale_report(profile: Profile, net: Network) -> str:
     best = choice.choose_predicted(predictions)
     lines.append(f"Use: hemiola.wrap(model, optimizer, {_label(vars(best))})  (predicted; "
                  f"predictions err by up to {100 * choice.PREDICTION_ERROR:.0f}%: docs/scale.md)")
+    if model.replica_networks(net)[0] is not None:
+        lines.append(f"streaming: a replica is a node's {net.gpus_per_node} ranks (their inner "
+                     f"steps wfbp over the node's link; the outer sync between the {net.nodes} "
+                     "nodes, one fragment per node's link)")
     lines += _streaming_lines(profile, best.seconds, [vars(s) for s in streaming], {})
     return "\n".join(lines)
 

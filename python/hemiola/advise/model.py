@@ -276,6 +276,23 @@ def predict(profile: Profile, net: Network, schedules: Sequence[str] = SCHEDULES
     return sorted(out, key=lambda p: p.seconds)
 
 
+def replica_networks(net: Network) -> tuple[Network | None, Network]:
+    """``streaming``'s two networks on `net`: inside a replica and across
+    replicas. On several nodes of several GPUs a replica is a node's ranks
+    (``replica_ranks``' default; hemiola.replica_groups): their inner steps
+    are ``wfbp`` over the node's link, and the outer sync runs between the
+    nodes, each rank carrying 1/L of every fragment, so a node's link
+    carries one fragment per sync, as one rank per node would. Otherwise
+    every rank is a replica: (None, `net`)."""
+    if net.gpus_per_node > 1 and net.nodes > 1:
+        inside = Network(world=net.gpus_per_node, bandwidth=net.intra_bandwidth,
+                         latency=net.intra_latency, algorithm=net.algorithm)
+        across = Network(world=net.nodes, bandwidth=net.bandwidth, latency=net.latency,
+                         algorithm=net.algorithm, sharing=net.sharing)
+        return inside, across
+    return None, net
+
+
 def _sync(profile: Profile, net: Network, fragments: int,
           coding: str) -> tuple[float, float, float]:
     """(seconds one fragment's sync takes alone, the same under inner steps
@@ -299,9 +316,14 @@ def streaming_step(profile: Profile, net: Network, sync_every: int, fragments: i
     reduction less what hides under `overlap` inner steps (the lane's CPU
     work slowing the computation by the profile's contention while it
     does). Under the steps the sync goes at its pace beside them; what is
-    left when they end, with nothing computing, at its pace alone."""
-    step = profile.free_compute + profile.overhead.get("streaming", 0.0)
-    alone, beside, cpu = _sync(profile, net, fragments, coding)
+    left when they end, with nothing computing, at its pace alone. A replica
+    of a node's ranks (:func:`replica_networks`) steps as ``wfbp`` over the
+    node's link and syncs between the nodes."""
+    inside, across = replica_networks(net)
+    inner = (profile.free_compute if inside is None
+             else predict_one(profile, inside, "wfbp", "none"))
+    step = inner + profile.overhead.get("streaming", 0.0)
+    alone, beside, cpu = _sync(profile, across, fragments, coding)
     if overlap == 0:
         exposed = alone
     else:
@@ -316,9 +338,10 @@ def streaming_options(profile: Profile, net: Network, sync_every: int,
     fragment count the shortest overlap that hides a fragment's sync, within
     what the schedule allows (overlap < H / fragments)."""
     out = [(1, 0)]
+    across = replica_networks(net)[1]
     for f in STREAMING_FRAGMENTS:
         longest = math.ceil(sync_every / f) - 1
-        _, beside, _ = _sync(profile, net, f, coding)
+        _, beside, _ = _sync(profile, across, f, coding)
         steps = _finite(beside, f"streaming+{coding}") / max(profile.free_compute, 1e-9)
         needed = max(1, math.ceil(min(steps, sync_every)))
         if longest >= 1:
