@@ -290,3 +290,11 @@ def test_replica_groups_of_two_ranks_die_and_join_as_groups(coordinator, tmp_pat
         whats = [x["what"] for x in results[name]["recoveries"]]
         assert whats[0] == "failure, averaged again" and "admit" in whats, (name, whats)
     assert results["g2-0.json"]["joined_at_step"] == results["g2-1.json"]["joined_at_step"]
+
+
+def test_the_coordinator_will_not_serve_the_network_without_a_token():
+    env = {k: v for k, v in os.environ.items() if k != "HEMIOLA_JOB_TOKEN"}
+    done = subprocess.run([sys.executable, "-m", "hemiola", "coordinator", "--port", "0"],
+                          env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2
+    assert "without HEMIOLA_JOB_TOKEN" in done.stderr and "--host 127.0.0.1" in done.stderr

@@ -429,8 +429,17 @@ def register(commands: Any) -> None:
 
 def _run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
-    coordinator = Coordinator(args.host, args.port, args.min_replicas, args.timeout,
-                              os.environ.get("HEMIOLA_JOB_TOKEN", ""), args.start_replicas)
+    token = os.environ.get("HEMIOLA_JOB_TOKEN", "")
+    if not token and not args.host.startswith("127."):
+        # A group is handed the shared copy when it joins, and its averages
+        # go into everyone's model: an open port would give both to anyone.
+        log.error("coordinator: listening on %s without HEMIOLA_JOB_TOKEN would let anyone "
+                  "who reaches the port join the run, read the model and move it; set "
+                  "HEMIOLA_JOB_TOKEN to a secret (the same in every group's environment), or "
+                  "serve one machine with --host 127.0.0.1", args.host)
+        return 2
+    coordinator = Coordinator(args.host, args.port, args.min_replicas, args.timeout, token,
+                              args.start_replicas)
     coordinator.start()
     host, port = coordinator.address
     log.warning("coordinator: serving on %s:%d (min_replicas=%d, timeout %.0f s); groups "
