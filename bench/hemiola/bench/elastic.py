@@ -48,6 +48,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sync-every", type=int, default=20)
     parser.add_argument("--fragments", type=int, default=2)
     parser.add_argument("--overlap", type=int, default=3)
+    parser.add_argument("--rate", default="none",
+                        help="the link of each group (tc tbf rate, e.g. 100mbit; namespaces, "
+                             "root), or 'none': loopback")
     parser.add_argument("--timeout", type=float, default=10.0,
                         help="the coordinator's failure-detection timeout (s)")
     parser.add_argument("--seed", type=int, default=0)
@@ -60,11 +63,83 @@ def run(args: argparse.Namespace) -> int:
     if args.worker:
         worker(json.loads(args.worker))
         return 0
-    from hemiola.elastic.coordinator import Coordinator
+    if args.rate == "none":
+        return _run(args, _Loopback(args))
+    from hemiola.bench.netlab import Network
 
-    coordinator = Coordinator("127.0.0.1", 0, min_replicas=1, timeout_s=args.timeout,
-                              start_replicas=args.groups)
-    coordinator.start()
+    with Network(args.groups + 1, rate=args.rate) as net:
+        return _run(args, _Namespaces(args, net))
+
+
+class _Loopback:
+    """The coordinator in this process, the groups on this machine's loopback."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        from hemiola.elastic.coordinator import Coordinator
+
+        self._coordinator = Coordinator("127.0.0.1", 0, min_replicas=1, timeout_s=args.timeout,
+                                        start_replicas=args.groups)
+        self._coordinator.start()
+        self.address = f"127.0.0.1:{self._coordinator.address[1]}"
+
+    def history(self) -> list[Any]:
+        return list(self._coordinator.history)
+
+    def popen(self, group: int, command: list[str], log: Any) -> Any:
+        return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+
+    def close(self) -> None:
+        self._coordinator.close()
+
+
+class _Namespaces:
+    """Every group in a network namespace of its own behind a `--rate` link
+    (:mod:`hemiola.bench.netlab`, root), the coordinator in one more: its
+    ``hemiola coordinator`` process's epochs read from its log."""
+
+    PORT = 29400
+
+    def __init__(self, args: argparse.Namespace, net: Any) -> None:
+        import os
+        import secrets
+        import threading
+
+        self._net = net
+        self._env = {"HEMIOLA_JOB_TOKEN": os.environ.get("HEMIOLA_JOB_TOKEN")
+                     or secrets.token_hex(16)}
+        self._history: list[Any] = []
+        self._proc = net.popen(0, [sys.executable, "-m", "hemiola", "coordinator", "--host",
+                                   net.addrs[0], "--port", str(self.PORT), "--min-replicas", "1",
+                                   "--start-replicas", str(args.groups), "--timeout",
+                                   str(args.timeout)],
+                               env=self._env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        self.address = f"{net.addrs[0]}:{self.PORT}"
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        import re
+
+        epoch = re.compile(r"coordinator: epoch (\d+): \d+ replicas (\[.*?\])")
+        for line in self._proc.stdout:
+            print(line, end="", file=sys.stderr)
+            m = epoch.search(line)
+            if m:
+                self._history.append((int(m.group(1)), json.loads(m.group(2).replace("'", '"')),
+                                      line.strip()))
+
+    def history(self) -> list[Any]:
+        return list(self._history)
+
+    def popen(self, group: int, command: list[str], log: Any) -> Any:
+        env = {**self._env, "GLOO_SOCKET_IFNAME": self._net.ifaces[group + 1]}
+        return self._net.popen(group + 1, command, env=env, stdout=log,
+                               stderr=subprocess.STDOUT)
+
+    def close(self) -> None:
+        self._proc.terminate()
+
+
+def _run(args: argparse.Namespace, place: Any) -> int:
     rng = random.Random(args.seed)
     # One kill at a time, each after the last victim is back in the run:
     # which group, after how many of its steps from then, and whether while
@@ -78,11 +153,11 @@ def run(args: argparse.Namespace) -> int:
     plans = [{"after": rng.randint(5, 40), "in_flight": k < in_flight}
              for k in range(args.kills)]
     rng.shuffle(plans)
-    common = {"coordinator": f"127.0.0.1:{coordinator.address[1]}", "task": args.task,
+    common = {"coordinator": place.address, "task": args.task,
               "steps": args.steps, "sync_every": args.sync_every,
               "fragments": args.fragments, "overlap": args.overlap, "seed": args.seed}
     work = Path(tempfile.mkdtemp(prefix="hemiola-elastic-"))
-    procs: dict[int, tuple[subprocess.Popen[bytes], Path]] = {}
+    procs: dict[int, tuple[Any, Path]] = {}
     outputs: list[Path] = []
     started = time.monotonic()
 
@@ -92,15 +167,15 @@ def run(args: argparse.Namespace) -> int:
         config = {**common, "name": f"g{group}", "index": group, "out": str(out),
                   "arm": str(work / f"arm-g{group}.json")}
         log = open(work / f"{out.stem}.log", "w")
-        procs[group] = (subprocess.Popen(
-            [sys.executable, "-m", "hemiola.bench.elastic", "--worker", json.dumps(config)],
-            stdout=log, stderr=subprocess.STDOUT), out)
+        procs[group] = (place.popen(
+            group, [sys.executable, "-m", "hemiola.bench.elastic", "--worker",
+                    json.dumps(config)], log), out)
 
     # The next kill waits for an epoch after the last one's with every group in it.
     epoch_at_kill = 0
 
     def everyone_in() -> bool:
-        history = coordinator.history
+        history = place.history()
         return (bool(history) and history[-1][0] > epoch_at_kill
                 and len(history[-1][1]) == args.groups)
 
@@ -109,33 +184,40 @@ def run(args: argparse.Namespace) -> int:
     kills = kills_in_flight = 0
     armed: int | None = None
     armed_plan: dict[str, Any] = {}
-    while procs:
-        time.sleep(0.1)
-        if armed is None and plans and everyone_in():
-            armed = rng.randrange(args.groups)
-            armed_plan = plans.pop()
-            (work / f"arm-g{armed}.json").write_text(json.dumps(armed_plan))
-        for group, (proc, out) in list(procs.items()):
-            code = proc.poll()
-            if code is None:
-                continue
-            del procs[group]
-            if code == -9:
-                kills += 1
-                kills_in_flight += bool(armed_plan["in_flight"])
-                armed = None
-                epoch_at_kill = coordinator.epoch
-                print(f"[{time.monotonic() - started:6.1f} s] kill {kills}: group g{group} "
-                      "killed itself; starting it again", file=sys.stderr, flush=True)
-                start(group)
-            elif code != 0 and "no live member left" in out.with_suffix(".log").read_text():
-                print(f"group g{group} came back after the run had ended (nothing to join)",
-                      file=sys.stderr)
-            elif code != 0:
-                raise RuntimeError(f"group g{group} failed ({code}): see {out.with_suffix('.log')}")
-    coordinator.close()
+    try:
+        while procs:
+            time.sleep(0.1)
+            if armed is None and plans and everyone_in():
+                armed = rng.randrange(args.groups)
+                armed_plan = plans.pop()
+                (work / f"arm-g{armed}.json").write_text(json.dumps(armed_plan))
+            for group, (proc, out) in list(procs.items()):
+                code = proc.poll()
+                if code is None:
+                    continue
+                del procs[group]
+                log_text = out.with_suffix(".log").read_text()
+                if code == -9:
+                    kills += 1
+                    kills_in_flight += bool(armed_plan["in_flight"])
+                    armed = None
+                    history = place.history()
+                    epoch_at_kill = history[-1][0] if history else 0
+                    when = "in flight" if armed_plan["in_flight"] else "between syncs"
+                    print(f"[{time.monotonic() - started:6.1f} s] kill {kills}: group g{group} "
+                          f"killed itself ({when}); starting it again", file=sys.stderr,
+                          flush=True)
+                    start(group)
+                elif code != 0 and "no live member left" in log_text:
+                    print(f"group g{group} came back after the run had ended (nothing to join)",
+                          file=sys.stderr)
+                elif code != 0:
+                    raise RuntimeError(f"group g{group} failed ({code}): see "
+                                       f"{out.with_suffix('.log')}")
+    finally:
+        place.close()
     results = [json.loads(p.read_text()) for p in outputs if p.exists()]
-    rows = summarise(results, coordinator.history, kills, kills_in_flight, args)
+    rows = summarise(results, place.history(), kills, kills_in_flight, args)
     write_lines(args.out / f"{args.name}.jsonl", rows)
     print(f"logs and results: {work}", file=sys.stderr)
     return 0
