@@ -19,6 +19,14 @@ contiguous pieces of about equal size (torchft's Streaming DiLoCo,
 ``fragment_sync_delay`` = overlap), which runs on CPU without triton as long
 as nothing is quantized.
 
+``--rate`` (e.g. ``100mbit``; root) puts every group in a network namespace
+of its own behind a ``tc tbf`` link of that rate (:mod:`hemiola.bench.netlab`,
+as ``elastic --rate``), and the lighthouse in one more: torchft's
+``torchft_lighthouse`` as a process there, its log in the work folder. Each
+group's Manager, TCPStore, checkpoint server and Gloo (``GLOO_SOCKET_IFNAME``)
+then use its namespace's address. ``none`` (the default): everything on this
+machine's loopback, the lighthouse in this process.
+
 Every group waits with its Manager up until all are, so the first quorum has
 them all. ``--kills`` times, one group, armed through a file once the last
 victim is back in the run (it has committed a sync with every group in the
@@ -88,6 +96,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--outer-lr", type=float, default=1.0)
     parser.add_argument("--outer-momentum", type=float, default=0.0,
                         help="outer SGD momentum (Nesterov when > 0)")
+    parser.add_argument("--rate", default="none",
+                        help="the link of each group (tc tbf rate, e.g. 100mbit; namespaces, "
+                             "root), or 'none': loopback")
     parser.add_argument("--timeout", type=float, default=10.0,
                         help="failure detection (s): the lighthouse's heartbeat and join "
                         "timeouts, the Manager's and Gloo's operation timeout")
@@ -113,15 +124,90 @@ def run(args: argparse.Namespace) -> int:
     if args.sync_every % args.fragments or args.overlap >= args.sync_every // args.fragments:
         raise SystemExit("--sync-every must be a multiple of --fragments and "
                          "--overlap less than sync_every / fragments")
-    # The lighthouse logs every quorum tick at INFO on this process's stderr;
-    # the groups keep torchft's default logging (in their log files).
-    child_env = dict(os.environ)
-    os.environ.setdefault("RUST_LOG", "warn")
-    from torchft.coordination import LighthouseServer
+    work = Path(tempfile.mkdtemp(prefix="hemiola-elastic-torchft-"))
+    if args.rate == "none":
+        return _run(args, _Loopback(args), work)
+    from hemiola.bench.netlab import Network
 
-    timeout_ms = int(args.timeout * 1000)
-    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=timeout_ms,
-                                  quorum_tick_ms=100, heartbeat_timeout_ms=timeout_ms)
+    with Network(args.groups + 1, rate=args.rate) as net:
+        return _run(args, _Namespaces(args, net, work), work)
+
+
+class _Loopback:
+    """The lighthouse in this process, the groups on this machine's loopback."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        # The lighthouse logs every quorum tick at INFO on this process's
+        # stderr; the groups keep torchft's default logging (in their log files).
+        self._env = dict(os.environ)
+        os.environ.setdefault("RUST_LOG", "warn")
+        from torchft.coordination import LighthouseServer
+
+        timeout_ms = int(args.timeout * 1000)
+        self._lighthouse = LighthouseServer(bind="[::]:0", min_replicas=1,
+                                            join_timeout_ms=timeout_ms, quorum_tick_ms=100,
+                                            heartbeat_timeout_ms=timeout_ms)
+        self.address = self._lighthouse.address()
+
+    def host(self, group: int) -> str:
+        return "127.0.0.1"
+
+    def popen(self, group: int, command: list[str], log: Any) -> Any:
+        return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=self._env)
+
+    def close(self) -> None:
+        self._lighthouse.shutdown()
+
+
+class _Namespaces:
+    """Every group in a network namespace of its own behind a `--rate` link
+    (:mod:`hemiola.bench.netlab`, root), torchft's lighthouse in one more
+    (namespace 0), its log in the work folder."""
+
+    PORT = 29510
+
+    def __init__(self, args: argparse.Namespace, net: Any, work: Path) -> None:
+        import shutil
+
+        self._net = net
+        script = Path(sys.executable).with_name("torchft_lighthouse")
+        found = str(script) if script.exists() else shutil.which("torchft_lighthouse")
+        if found is None:
+            raise SystemExit("torchft's `torchft_lighthouse` entry point is not installed")
+        timeout_ms = str(int(args.timeout * 1000))
+        log_path = work / "lighthouse.log"
+        with open(log_path, "w") as log:
+            self._proc = net.popen(0, [sys.executable, found, "--bind",
+                                       f"{net.addrs[0]}:{self.PORT}", "--min_replicas", "1",
+                                       "--join_timeout_ms", timeout_ms, "--quorum_tick_ms",
+                                       "100", "--heartbeat_timeout_ms", timeout_ms],
+                                   stdout=log, stderr=subprocess.STDOUT)
+        self.address = f"http://{net.addrs[0]}:{self.PORT}"
+        deadline = time.monotonic() + 60
+        while "listening on" not in log_path.read_text():
+            if self._proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"the lighthouse did not start: see {log_path}")
+            time.sleep(0.1)
+
+    def host(self, group: int) -> str:
+        return str(self._net.addrs[group + 1])
+
+    def popen(self, group: int, command: list[str], log: Any) -> Any:
+        return self._net.popen(group + 1, command,
+                               env={"GLOO_SOCKET_IFNAME": self._net.ifaces[group + 1]},
+                               stdout=log, stderr=subprocess.STDOUT)
+
+    def close(self) -> None:
+        self._proc.terminate()
+        try:
+            self._proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self._proc.kill()
+            self._proc.wait()
+
+
+def _run(args: argparse.Namespace, place: Any, work: Path) -> int:
+    """The controller, with the lighthouse and the groups where `place` puts them."""
     rng = random.Random(args.seed)
     # One kill at a time, each after the last victim is back in the run:
     # which group, after how many of its steps from then, and whether while
@@ -129,13 +215,12 @@ def run(args: argparse.Namespace) -> int:
     plans = [{"after": rng.randint(5, 40), "in_flight": k < args.in_flight}
              for k in range(args.kills)]
     rng.shuffle(plans)
-    work = Path(tempfile.mkdtemp(prefix="hemiola-elastic-torchft-"))
-    common = {"lighthouse": lighthouse.address(), "task": args.task, "steps": args.steps,
+    common = {"lighthouse": place.address, "task": args.task, "steps": args.steps,
               "sync_every": args.sync_every, "fragments": args.fragments,
               "overlap": args.overlap, "outer_lr": args.outer_lr,
               "outer_momentum": args.outer_momentum, "timeout": args.timeout,
               "seed": args.seed, "go": str(work / "go")}
-    procs: dict[int, tuple[subprocess.Popen[bytes], Path]] = {}
+    procs: dict[int, tuple[Any, Path]] = {}
     current: dict[int, Path] = {}  # each group's latest incarnation's file
     outputs: list[Path] = []
     started = time.monotonic()
@@ -148,13 +233,13 @@ def run(args: argparse.Namespace) -> int:
         outputs.append(out)
         current[group] = out
         config = {**common, "name": f"g{group}", "index": group, "out": str(out),
+                  "host": place.host(group), "namespaced": args.rate != "none",
                   "arm": str(work / f"arm-g{group}.json"), "restarted": restarted,
                   "ready": str(out.with_suffix(".ready"))}
         with open(work / f"{out.stem}.log", "w") as log_file:
-            procs[group] = (subprocess.Popen(
-                [sys.executable, "-m", "hemiola.bench.elastic_torchft", "--worker",
-                 json.dumps(config)], stdout=log_file, stderr=subprocess.STDOUT,
-                env=child_env), out)
+            procs[group] = (place.popen(
+                group, [sys.executable, "-m", "hemiola.bench.elastic_torchft", "--worker",
+                        json.dumps(config)], log_file), out)
 
     def everyone_in() -> bool:
         # Every group's latest incarnation has committed a sync whose quorum
@@ -234,7 +319,7 @@ def run(args: argparse.Namespace) -> int:
         for proc, _ in procs.values():
             proc.kill()
             proc.wait()
-        lighthouse.shutdown()
+        place.close()
     results = [r for p in outputs if (r := _read(p)) is not None]
     rows = summarise(results, kills, kills_in_flight, stranded, args)
     write_lines(args.out / f"{args.name}.jsonl", rows)
@@ -272,6 +357,7 @@ def summarise(results: list[dict[str, Any]], kills: int, kills_in_flight: int,
         "steps": args.steps, "sync_every": args.sync_every, "fragments": args.fragments,
         "overlap": args.overlap, "outer_lr": args.outer_lr,
         "outer_momentum": args.outer_momentum, "timeout_s": args.timeout,
+        "rate": args.rate,
         "epochs": len(quorums),
         "survivor_failures": len(failures),
         # a sync whose commit failed: DiLoCo restored its backup
@@ -364,13 +450,27 @@ def worker(config: dict[str, Any]) -> None:
         optimizer.load_state_dict(sd["inner"])
         state["healed"] = True
 
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    host = config["host"]
+    transport = None
+    if config["namespaced"]:
+        from torchft.checkpointing.http_transport import HTTPTransport
+
+        class Transport(HTTPTransport[dict[str, Any]]):
+            """torchft's checkpoint server, advertised at this namespace's
+            address (not the machine's hostname's, which is not reachable)."""
+
+            def address(self) -> str:
+                port = self._server.socket.getsockname()[1]
+                return f"http://{host}:{port}/checkpoint/"
+
+        transport = Transport(timeout=timeout, num_chunks=0)
+    store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False)
     manager = Manager(
         pg=ProcessGroupGloo(timeout=timeout), load_state_dict=load_state_dict,
         state_dict=state_dict, min_replica_size=1, use_async_quorum=False,
-        replica_id=config["name"], store_addr="127.0.0.1", store_port=store.port,
+        replica_id=config["name"], store_addr=host, store_port=store.port,
         lighthouse_addr=config["lighthouse"], rank=0, world_size=1, port=0,
-        hostname="127.0.0.1", init_sync=False, timeout=timeout,
+        hostname=host, init_sync=False, timeout=timeout, checkpoint_transport=transport,
         quorum_timeout=timedelta(seconds=max(60.0, 6 * config["timeout"])),
         connect_timeout=timeout)
     recorder = _QuorumRecorder(manager._client)
