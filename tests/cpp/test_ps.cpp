@@ -2,6 +2,7 @@
 // Gloo TCP connections on loopback, rendezvousing through a MemoryStore.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <array>
 #include <chrono>
 #include <cmath>
@@ -28,6 +29,7 @@
 #include "ps/connect.h"
 #include "ps/log_limit.h"
 #include "ps/optimizer.h"
+#include "ps/protocol.h"
 #include "ps/snapshot.h"
 #include "ps/table.h"
 
@@ -1264,6 +1266,126 @@ TEST(ParameterServer, JobTokenAdmitsTheJobAndRefusesStrangers) {
   EXPECT_EQ(stats.refused, 3);
   EXPECT_EQ(stats.pushes_applied, 1);
   EXPECT_EQ(stats.rejected, 0);
+}
+
+// Guessing the job token: threads send wrong-token hellos as fast as the
+// server answers them. Token checks are rate-limited (20 a second), so the
+// flood learns little, while a worker holding the token, arriving in the
+// middle of it, is admitted at once and trains.
+TEST(ParameterServer, TokenGuessingIsThrottledWhileTheWorkerIsAdmitted) {
+  using Steady = std::chrono::steady_clock;
+  const std::string secret = "s3cret-7f3a";
+  auto store = std::make_shared<MemoryStore>();
+  auto o = server_options(0, 1, 1, Consistency::kAsp);
+  o.token = secret;
+  auto done = std::async(std::launch::async, [o, store] {
+    Server server(o, store);
+    server.serve();
+    return server.stats();
+  });
+  store->get(address_key(0), std::chrono::seconds(20));  // listening
+  constexpr int kGuessers = 3;
+  const auto flood_for = std::chrono::milliseconds(2000);
+  const auto start = Steady::now();
+  std::vector<std::future<std::vector<std::string>>> guessers;
+  for (int t = 0; t < kGuessers; ++t)
+    guessers.push_back(std::async(std::launch::async, [&, t] {
+      std::vector<std::string> answers;
+      for (int i = 0; Steady::now() - start < flood_for; ++i) {
+        Socket s = raw_connect(*store);
+        const std::string guess = "guess-" + std::to_string(t) + "-" + std::to_string(i);
+        const auto hello =
+            frame(hello_header(0, guess), std::vector<char>(guess.begin(), guess.end()));
+        if (::send(s.fd(), hello.data(), hello.size(), MSG_NOSIGNAL) !=
+            static_cast<ssize_t>(hello.size()))
+          continue;
+        answers.push_back(read_refusal(s));
+      }
+      return answers;
+    }));
+  // In the middle of the flood, the worker joins, and trains.
+  std::this_thread::sleep_for(std::chrono::milliseconds(500));
+  auto co = client_options(0, 1, 1, Consistency::kAsp);
+  co.token = secret;
+  const auto joining = Steady::now();
+  Client member(co, {"w"}, {2}, store);
+  const auto joined_after = Steady::now() - joining;
+  EXPECT_LT(joined_after, std::chrono::milliseconds(1000));
+  std::vector<float> x = {1.0f, 2.0f}, g = {1.0f, 1.0f};
+  member.initialize({x.data()}, {sgd(0.5)});
+  int steps = 0;
+  std::vector<double> step_us;
+  while (Steady::now() - start < flood_for) {
+    const auto step_start = Steady::now();
+    member.wait_pull(0, x.data());
+    member.push(0, g.data());
+    member.pull(0);
+    steps += 1;
+    step_us.push_back(
+        std::chrono::duration<double, std::micro>(Steady::now() - step_start).count());
+  }
+  std::sort(step_us.begin(), step_us.end());
+  member.wait_pull(0, x.data());
+  int64_t checks = 0, answered = 0;
+  for (auto& f : guessers)
+    for (const std::string& text : f.get()) {
+      answered += 1;
+      if (text.find("wrong job token") != std::string::npos) checks += 1;
+      EXPECT_EQ(text.find(secret), std::string::npos) << "leaks the token: " << text;
+    }
+  const double seconds = std::chrono::duration<double>(Steady::now() - start).count();
+  member.close();
+  const auto stats = done.get();
+  std::printf("%lld wrong-token answers (%lld answers) in %.2f s: %.1f guesses/s; the worker "
+              "joined after %.3f s and took %d steps (median %.0f us, p99 %.0f us); refused "
+              "%lld\n",
+              static_cast<long long>(checks), static_cast<long long>(answered), seconds,
+              checks / seconds, std::chrono::duration<double>(joined_after).count(), steps,
+              step_us.empty() ? 0.0 : step_us[step_us.size() / 2],
+              step_us.empty() ? 0.0 : step_us[step_us.size() * 99 / 100],
+              static_cast<long long>(stats.refused));
+  EXPECT_GE(checks, 5);  // the flood ran, and was answered
+  EXPECT_LE(checks / seconds, 50.0);
+  EXPECT_LE(stats.refused / seconds, 50.0);
+  EXPECT_GE(steps, 1);
+  EXPECT_FLOAT_EQ(x[0], 1.0f - 0.5f * static_cast<float>(steps));
+  EXPECT_FLOAT_EQ(x[1], 2.0f - 0.5f * static_cast<float>(steps));
+  EXPECT_EQ(stats.pushes_applied, steps);
+  EXPECT_TRUE(stats.dead_workers.empty());
+  for (const std::string& r : stats.rejections)
+    EXPECT_EQ(r.find(secret), std::string::npos) << "leaks the token: " << r;
+}
+
+// 80 connections that never speak, opened before the worker: at most 64 wait
+// to say hello, each newcomer evicting the one waiting longest, so the worker
+// (which says hello at once) is admitted without waiting for them to time out.
+TEST(ParameterServer, SilentConnectionsDoNotLockTheWorkerOut) {
+  auto store = std::make_shared<MemoryStore>();
+  auto o = server_options(0, 1, 1, Consistency::kAsp);
+  o.token = "s3cret";
+  auto done = std::async(std::launch::async, [o, store] {
+    Server server(o, store);
+    server.serve();
+    return server.stats();
+  });
+  std::vector<Socket> silent;
+  for (int i = 0; i < 80; ++i) silent.push_back(raw_connect(*store));
+  std::this_thread::sleep_for(std::chrono::milliseconds(200));  // accepted: they wait
+  auto co = client_options(0, 1, 1, Consistency::kAsp);
+  co.token = "s3cret";
+  const auto joining = std::chrono::steady_clock::now();
+  Client member(co, {"w"}, {2}, store);
+  EXPECT_LT(std::chrono::steady_clock::now() - joining, std::chrono::milliseconds(1000));
+  std::vector<float> x = {1.0f, 2.0f}, g = {1.0f, 1.0f};
+  member.initialize({x.data()}, {sgd(0.5)});
+  member.wait_pull(0, x.data());
+  member.push(0, g.data());
+  member.pull(0);
+  member.wait_pull(0, x.data());
+  EXPECT_EQ(x, (std::vector<float>{0.5f, 1.5f}));
+  member.close();
+  const auto stats = done.get();
+  EXPECT_GE(stats.refused, 80 - 64);
 }
 
 TEST(ParameterServer, AConnectionThatNeverSpeaksIsDroppedAfterTimeout) {

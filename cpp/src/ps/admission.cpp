@@ -21,6 +21,8 @@ using Clock = std::chrono::steady_clock;
 // them is closed to make room for each newcomer, so the server's descriptors
 // stay bounded and silent connections cannot lock real workers out (a worker
 // says hello as soon as it connects; a flood's connections wait to be evicted).
+// A complete hello waiting for its token check is never evicted: when all of
+// them are, newcomers wait in the kernel's queue (see kTokenChecksPerSecond).
 constexpr size_t kMaxPending = 64;
 
 // The first two entries of a poll round; pending connections follow.
@@ -86,12 +88,36 @@ std::string bound_address(int fd) {
 
 }  // namespace
 
+// ---- the budget of token checks ------------------------------------------------
+
+void CheckBudget::refill(Clock::time_point now) {
+  if (started_ && now > last_)
+    units_ = std::min(burst_, units_ + std::chrono::duration<double>(now - last_).count() *
+                                          per_second_);
+  if (!started_ || now > last_) last_ = now;
+  started_ = true;
+}
+
+bool CheckBudget::take(Clock::time_point now) {
+  refill(now);
+  if (units_ < 1) return false;
+  units_ -= 1;
+  return true;
+}
+
+std::chrono::milliseconds CheckBudget::until_next(Clock::time_point now) {
+  refill(now);
+  if (units_ >= 1) return std::chrono::milliseconds(0);
+  return std::chrono::milliseconds(static_cast<int64_t>((1 - units_) / per_second_ * 1000) + 1);
+}
+
 // A connection that has not yet said hello.
 struct Acceptor::Pending {
   Socket socket;
   std::string from;
   Clock::time_point since;
   std::vector<char> bytes;  // the hello so far
+  bool complete = false;    // the whole hello arrived: it waits for its token check
   bool done = false;        // admitted or refused: remove
 
   bool has_header() const { return bytes.size() >= sizeof(Header); }
@@ -149,9 +175,9 @@ void Acceptor::poll_once(std::chrono::milliseconds wait, bool admitting,
   // Hellos first (fds matches pending_ as it was before this round).
   for (size_t i = 0; i < pending_.size(); ++i) {
     Pending& p = *pending_[i];
-    if (fds[kFirstPendingSlot + i].revents != 0 && read_hello(p))
-      admit_or_refuse(p, admitting, admitted);
+    if (fds[kFirstPendingSlot + i].revents != 0 && read_hello(p)) p.complete = true;
   }
+  check_waiting(admitting, admitted);
   drop_silent();
   pending_.erase(std::remove_if(pending_.begin(), pending_.end(),
                                 [](const auto& p) { return p->done; }),
@@ -161,13 +187,26 @@ void Acceptor::poll_once(std::chrono::milliseconds wait, bool admitting,
 }
 
 std::vector<pollfd> Acceptor::wait_for_activity(std::chrono::milliseconds wait) {
-  // No longer than until the first pending connection's hello is overdue.
+  // No longer than until the first pending connection's hello is overdue, or
+  // (when complete hellos wait) the budget allows the next token check.
   const auto now = Clock::now();
-  for (const auto& p : pending_)
+  bool waiting = false, evictable = false;
+  for (const auto& p : pending_) {
+    if (p->complete) {
+      waiting = true;
+      continue;
+    }
+    evictable = true;
     wait = std::min(wait, std::chrono::duration_cast<std::chrono::milliseconds>(
                               p->since + hello_timeout_ - now) + std::chrono::milliseconds(1));
-  std::vector<pollfd> fds = {{listener_.fd(), POLLIN, 0}, {wake_[0], POLLIN, 0}};
-  for (const auto& p : pending_) fds.push_back({p->socket.fd(), POLLIN, 0});
+  }
+  if (waiting) wait = std::min(wait, budget_.until_next(now));
+  // A negative descriptor is not polled: newcomers are not taken while every
+  // slot holds a hello waiting for its check (they wait in the kernel's
+  // queue), nor is a complete hello read further.
+  const bool room = pending_.size() < kMaxPending || evictable;
+  std::vector<pollfd> fds = {{room ? listener_.fd() : -1, POLLIN, 0}, {wake_[0], POLLIN, 0}};
+  for (const auto& p : pending_) fds.push_back({p->complete ? -1 : p->socket.fd(), POLLIN, 0});
   const int ready = ::poll(fds.data(), fds.size(),
                            static_cast<int>(std::max<int64_t>(0, wait.count())));
   if (ready < 0 && errno != EINTR) HEMIOLA_THROW(ErrorCode::kCommFailure, "poll: ", errno_text());
@@ -218,7 +257,15 @@ bool Acceptor::read_hello(Pending& p) {
   return p.bytes.size() >= sizeof(Header) + static_cast<size_t>(h.payload_bytes);
 }
 
-void Acceptor::admit_or_refuse(Pending& p, bool admitting, std::vector<Socket>& admitted) {
+void Acceptor::check_waiting(bool admitting, std::vector<Socket>& admitted) {
+  for (auto& p : pending_) {
+    if (!p->complete || p->done) continue;
+    if (!budget_.take(Clock::now())) return;  // the rest wait their turn
+    if (admit_or_refuse(*p, admitting, admitted)) budget_.give_back();
+  }
+}
+
+bool Acceptor::admit_or_refuse(Pending& p, bool admitting, std::vector<Socket>& admitted) {
   const Header h = p.header();
   const char* token = p.bytes.data() + sizeof(Header);
   const auto token_bytes = static_cast<size_t>(h.payload_bytes);
@@ -230,18 +277,18 @@ void Acceptor::admit_or_refuse(Pending& p, bool admitting, std::vector<Socket>& 
                                  : "wrong job token (HEMIOLA_JOB_TOKEN differs from the "
                                    "server's)",
            true);
-    return;
+    return false;
   }
   if (h.worker < 0 || h.worker >= num_workers_) {
     refuse(p, detail::concat("worker index ", h.worker, " is outside [0, ", num_workers_, ")"),
            true);
-    return;
+    return false;
   }
   if (!admitting || admitted[static_cast<size_t>(h.worker)]) {
     refuse(p, detail::concat("worker ", h.worker, " is already connected (a worker cannot join "
                              "or rejoin a running parameter server)"),
            true);
-    return;
+    return false;
   }
   const Header welcome = welcome_header(h.worker);
   set_blocking(p.socket.fd(), true);
@@ -250,16 +297,17 @@ void Acceptor::admit_or_refuse(Pending& p, bool admitting, std::vector<Socket>& 
                                    sizeof welcome);
       !failed.empty()) {
     refuse(p, detail::concat("it vanished during the handshake: ", failed), false);
-    return;
+    return false;
   }
   admitted[static_cast<size_t>(h.worker)] = std::move(p.socket);
   p.done = true;
+  return true;
 }
 
 // Silent ones: dropped hello_timeout after they connected.
 void Acceptor::drop_silent() {
   for (auto& p : pending_) {
-    if (p->done || Clock::now() - p->since < hello_timeout_) continue;
+    if (p->done || p->complete || Clock::now() - p->since < hello_timeout_) continue;
     refuse(*p, p->bytes.empty()
                    ? detail::concat("it said nothing for ", hello_timeout_.count() / 1000.0, " s")
                    : detail::concat("its hello was incomplete (", p->bytes.size(), " bytes) after ",
@@ -269,20 +317,30 @@ void Acceptor::drop_silent() {
 }
 
 void Acceptor::accept_newcomers() {
+  const auto round = Clock::now();
   for (;;) {
+    // When full, the one waiting longest to say hello makes room: pending_ is
+    // in arrival order. Not a complete hello (it waits for its token check),
+    // nor one accepted in this round (it has not had the chance to speak);
+    // with none to close, newcomers wait in the kernel's queue.
+    auto evict = pending_.end();
+    if (pending_.size() >= kMaxPending) {
+      evict = std::find_if(pending_.begin(), pending_.end(),
+                           [&](const auto& p) { return !p->complete && p->since < round; });
+      if (evict == pending_.end()) break;
+    }
     Socket s(::accept4(listener_.fd(), nullptr, nullptr, SOCK_NONBLOCK | SOCK_CLOEXEC));
     if (!s) break;
     auto p = std::make_unique<Pending>();
     p->from = describe_peer(s.fd());
     p->socket = std::move(s);
     p->since = Clock::now();
-    if (pending_.size() >= kMaxPending) {
-      // pending_ is in arrival order: the front waited longest.
-      refuse(*pending_.front(),
+    if (evict != pending_.end()) {
+      refuse(**evict,
              detail::concat(kMaxPending, " connections were waiting to say hello; the one "
                             "waiting longest is closed to make room"),
              false);
-      pending_.erase(pending_.begin());
+      pending_.erase(evict);
     }
     pending_.push_back(std::move(p));
   }

@@ -11,6 +11,7 @@
 
 #include <poll.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <functional>
@@ -25,6 +26,36 @@ namespace hemiola::ps {
 // How long a server waits for the hello of a connection (at most; less when
 // the job's timeout is shorter).
 constexpr std::chrono::milliseconds kHelloTimeout{10000};
+
+// Token checks a server does at most, a second and at once: each tells the
+// sender whether its token is the job's, so a stranger guessing it gets no
+// more answers than this (a check that admits a worker costs nothing). A
+// complete hello beyond the budget waits, unread past its hello, for its turn
+// in arrival order; while 64 such hellos wait, newcomers wait in the kernel's
+// queue, unaccepted, so a flood costs the server almost nothing.
+constexpr double kTokenChecksPerSecond = 20;
+constexpr double kTokenCheckBurst = 10;
+
+// A token bucket: `per_second` units a second, at most `burst` saved up.
+class CheckBudget {
+ public:
+  using Clock = std::chrono::steady_clock;
+  CheckBudget(double per_second, double burst)
+      : per_second_(per_second), burst_(burst), units_(burst) {}
+  // Takes one unit for a check at `now`; false when none is left.
+  bool take(Clock::time_point now);
+  // The check admitted a worker: it costs nothing.
+  void give_back() { units_ = std::min(burst_, units_ + 1); }
+  // How long from `now` until a unit can be taken (zero when one can).
+  std::chrono::milliseconds until_next(Clock::time_point now);
+
+ private:
+  void refill(Clock::time_point now);
+  const double per_second_, burst_;
+  double units_;
+  Clock::time_point last_{};
+  bool started_ = false;
+};
 
 // Why a connection was refused, for the server's log and statistics.
 using RefusalHandler = std::function<void(const std::string& why)>;
@@ -62,9 +93,11 @@ class Acceptor {
   // Reads what arrived of p's hello; true once it is complete (p is refused,
   // and false returned, as soon as its header is unacceptable).
   bool read_hello(Pending& p);
+  // Checks the complete hellos, in arrival order, while budget_ allows.
+  void check_waiting(bool admitting, std::vector<Socket>& admitted);
   // Admits the connection of a complete hello, or refuses it (a wrong token,
-  // an index outside the job or taken already).
-  void admit_or_refuse(Pending& p, bool admitting, std::vector<Socket>& admitted);
+  // an index outside the job or taken already). True when admitted.
+  bool admit_or_refuse(Pending& p, bool admitting, std::vector<Socket>& admitted);
   void drop_silent();
   void accept_newcomers();
   void refuse(Pending& p, const std::string& why, bool tell);
@@ -78,6 +111,7 @@ class Acceptor {
   std::string server_name_;
   RefusalHandler on_refused_;
   std::vector<std::unique_ptr<Pending>> pending_;  // in arrival order
+  CheckBudget budget_{kTokenChecksPerSecond, kTokenCheckBurst};
   std::atomic<bool> stopped_{false};
 };
 
