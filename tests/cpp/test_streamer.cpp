@@ -43,6 +43,19 @@ struct Result {
   uint64_t syncs = 0;
 };
 
+// The live values (a then b) and the shared copies of `streamer` into
+// `result` at `slot`.
+void record(Streamer& streamer, const std::vector<float>& a, const std::vector<float>& b,
+            Result& result, int slot) {
+  result.live[slot] = a;
+  result.live[slot].insert(result.live[slot].end(), b.begin(), b.end());
+  for (size_t f = 0; f < streamer.fragments().size(); ++f) {
+    const TensorRef shared = streamer.shared(f);
+    const float* data = static_cast<const float*>(shared.data);
+    result.shared[slot].insert(result.shared[slot].end(), data, data + shared.numel);
+  }
+}
+
 // `steps` inner steps of the two tensors drifting as rank `replica` does,
 // streamed across `engine`'s ranks (and `group`'s, if any); the live values
 // and shared copies into `result` at `slot`. Returns the syncs.
@@ -59,13 +72,7 @@ uint64_t train(Engine& engine, Engine* group, int replica, const StreamerOptions
     streamer->after_inner_step();
   }
   streamer->wait_in_flight();
-  result.live[slot] = a;
-  result.live[slot].insert(result.live[slot].end(), b.begin(), b.end());
-  for (size_t f = 0; f < streamer->fragments().size(); ++f) {
-    const TensorRef shared = streamer->shared(f);
-    const float* data = static_cast<const float*>(shared.data);
-    result.shared[slot].insert(result.shared[slot].end(), data, data + shared.numel);
-  }
+  record(*streamer, a, b, result, slot);
   return streamer->syncs();
 }
 
@@ -361,13 +368,7 @@ TEST(Streamer, SurvivorsAverageTheFailedSyncAgainOverThemselves) {
         streamer->finish_step();
       }
     }
-    got.live[rank] = a;
-    got.live[rank].insert(got.live[rank].end(), b.begin(), b.end());
-    for (size_t f = 0; f < streamer->fragments().size(); ++f) {
-      const TensorRef shared = streamer->shared(f);
-      const float* data = static_cast<const float*>(shared.data);
-      got.shared[rank].insert(got.shared[rank].end(), data, data + shared.numel);
-    }
+    record(*streamer, a, b, got, rank);
     EXPECT_EQ(streamer->inner_steps(), steps);
     EXPECT_EQ(streamer->syncs(), 2u);
   }, 30, [](EngineOptions& o) { o.diagnose_failures = false; });  // no wait to name rank 2

@@ -232,8 +232,14 @@ class ElasticReplica:
         count = len(streamer.fragments())
         meta = torch.tensor([streamer.inner_steps, streamer.syncs,
                              *streamer.momentum_started()], dtype=torch.int64)
+        broadcast_tensors(self.engine, [meta])
+        # An outer momentum not started yet is zeros on every rank (the
+        # default outer step, the average, never starts one): not sent.
+        started = [bool(v) for v in meta[2:]]
         views = [view for f in range(count) for view in model._views(f)]
-        broadcast_tensors(self.engine, [meta, *views, *model.module.buffers()])
+        sent = [view for f in range(count)
+                for view, wanted in zip(model._views(f), (True, started[f])) if wanted]
+        broadcast_tensors(self.engine, [*sent, *model.module.buffers()])
         digest = hashlib.sha256(meta.numpy().tobytes())
         for view in views:
             digest.update(view.view(torch.uint8).numpy().tobytes())
