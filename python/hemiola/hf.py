@@ -99,9 +99,9 @@ class Trainer(transformers.Trainer):
                                    "does not know?)")
             # The raw torch optimizer: the Trainer wraps it in accelerate's only
             # after this returns, and accelerate's step calls the one taken over.
-            # streaming only watches the optimizer's step: the scaler stays
-            # accelerate's, as without hemiola.
-            scaler = None if self.hemiola_schedule == "streaming" else self.accelerator.scaler
+            # Under streaming the scaler stays accelerate's (each rank skips
+            # its own overflowed steps); hemiola counts the skipped ones.
+            scaler = self.accelerator.scaler
             wrapped, _ = wrap(model, self.optimizer, schedule=self.hemiola_schedule,
                               grad_scaler=scaler, **self.hemiola_options)
         self.hemiola_model = wrapped

@@ -89,10 +89,13 @@ class StreamingParallel(nn.Module):
     def __init__(self, module: nn.Module, config: Config, engine: C.Engine, store: C.Store,
                  optimizer: torch.optim.Optimizer, host_copy: bool | None = None,
                  group: tuple[C.Engine, C.Store] | None = None,
-                 elastic: ElasticReplica | None = None) -> None:
+                 elastic: ElasticReplica | None = None,
+                 grad_scaler: torch.amp.GradScaler | None = None) -> None:
         """`engine`: across the replicas. `group`: this rank's replica group's
         engine and store (None: the rank is a replica alone). `elastic`: the
-        membership of an elastic run (`engine` is its epoch's). `host_copy`:
+        membership of an elastic run (`engine` is its epoch's).
+        `grad_scaler`: the GradScaler that steps the optimizer, whose skipped
+        steps are counted too (:meth:`_count_skipped_steps`). `host_copy`:
         keep a host copy of the parameters for the engine (None: when the
         model is not on the CPU; True on a CPU model runs the GPU path's
         copies on the CPU, for tests)."""
@@ -151,7 +154,7 @@ class StreamingParallel(nn.Module):
                      "takes every replica at the first sync; set them to overlap the wire)")
         self._streamer = self._make_streamer(config.fragments or 1, config.overlap or 0)
         self._hooks = [
-            optimizer.register_step_post_hook(lambda *_: self._after_inner_step()),
+            optimizer.register_step_post_hook(lambda *_: self._on_optimizer_step()),
             optimizer.register_state_dict_post_hook(self._save_into),
             optimizer.register_load_state_dict_pre_hook(self._take_from),
         ]
@@ -167,6 +170,9 @@ class StreamingParallel(nn.Module):
         self._never_synced = weakref.finalize(
             self, _warn_if_never_synced, self._streamer, config.sync_every,
             dist.get_rank() if dist.is_initialized() else 0)
+        self._stepped_since_update = False
+        if grad_scaler is not None:
+            self._count_skipped_steps(grad_scaler)
         if elastic is not None:
             elastic.attach(self)
 
@@ -279,6 +285,31 @@ class StreamingParallel(nn.Module):
         across two)."""
         names = [n for n, p in self.module.named_parameters() if p.requires_grad]
         return [[names[i] for i in f] for f in self._streamer.fragments()]
+
+    def _on_optimizer_step(self) -> None:
+        self._stepped_since_update = True
+        self._after_inner_step()
+
+    def _count_skipped_steps(self, scaler: torch.amp.GradScaler) -> None:
+        """A GradScaler skips ``optimizer.step()`` on a rank whose gradients
+        overflowed, and here the gradients are each rank's own: one rank
+        would count a step fewer and end at a different sync than the others
+        (after ``timeout_s``, blaming a rank). So the step is counted at
+        ``scaler.update()`` when the optimizer did not step since the last
+        one: the schedule stays in step, that rank's parameters unchanged."""
+        original = scaler.update
+        model = weakref.ref(self)
+
+        def update(new_scale: float | torch.Tensor | None = None) -> None:
+            original(new_scale)
+            me = model()
+            if me is None:
+                return
+            if not me._stepped_since_update:
+                me._after_inner_step()  # the scaler skipped it: counted, nothing moved
+            me._stepped_since_update = False
+
+        scaler.update = update  # type: ignore[method-assign]
 
     @torch.no_grad()
     def _after_inner_step(self) -> None:

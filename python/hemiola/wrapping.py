@@ -65,6 +65,9 @@ def wrap(
             (``wfbp`` works without it, like DDP): each rank reduces its
             gradients unscaled, and a step is skipped on every rank when any
             rank overflowed. ``scaler.step(optimizer)`` without it raises.
+            Under ``"streaming"`` each rank keeps its own scaler and skips
+            its own overflowed steps; pass it so that a skipped step is
+            still counted (else the rank that skipped ends a sync behind).
         **options: Any other field of :class:`hemiola.Config` (``fusion_mb``,
             ``first_bucket_mb``, ``timeout_s``, ``find_unused_parameters``, ...).
 
@@ -94,11 +97,7 @@ def wrap(
     _refuse_double_wrapping(model, optimizer)
     wrapped: DataParallel | StreamingParallel
     if config.schedule == "streaming":
-        if grad_scaler is not None:
-            raise ValueError("schedule='streaming' leaves the inner step to your optimizer: use "
-                             "your GradScaler as without hemiola (scaler.step(optimizer)) and "
-                             "do not pass it to hemiola.wrap")
-        wrapped = _streaming(model, optimizer, config)
+        wrapped = _streaming(model, optimizer, config, grad_scaler)
     else:
         engine, store = new_engine(config.timeout_s, timeline=config.timeline,
                                    gpu_backend=config.gpu_backend)
@@ -112,27 +111,30 @@ def wrap(
     return wrapped if model_only else (wrapped, optimizer)
 
 
-def _streaming(model: nn.Module, optimizer: Any, config: Config) -> StreamingParallel:
+def _streaming(model: nn.Module, optimizer: Any, config: Config,
+               grad_scaler: torch.amp.GradScaler | None) -> StreamingParallel:
     """``schedule="streaming"``: every rank a replica, or replica groups of
     ``config.replica_ranks`` ranks (hemiola.replica_groups)."""
     init(config.timeout_s)
     if config.coordinator is not None:
-        return _elastic_streaming(model, optimizer, config)
+        return _elastic_streaming(model, optimizer, config, grad_scaler)
     ranks = replica_ranks(config.replica_ranks, dist.get_world_size())
     config = dataclasses.replace(config, replica_ranks=ranks)
     engine_options = {"timeline": config.timeline, "gpu_backend": config.gpu_backend}
     if ranks == 1:
         engine, store = new_engine(config.timeout_s, **engine_options)
         fit_threads(engine)
-        return StreamingParallel(model, config, engine, store, optimizer)
+        return StreamingParallel(model, config, engine, store, optimizer,
+                                 grad_scaler=grad_scaler)
     group, group_store, across, store = new_subgroup_engines(ranks, config.timeout_s,
                                                              **engine_options)
     fit_threads(group)
     return StreamingParallel(model, config, across, store, optimizer,
-                             group=(group, group_store))
+                             group=(group, group_store), grad_scaler=grad_scaler)
 
 
-def _elastic_streaming(model: nn.Module, optimizer: Any, config: Config) -> StreamingParallel:
+def _elastic_streaming(model: nn.Module, optimizer: Any, config: Config,
+                       grad_scaler: torch.amp.GradScaler | None) -> StreamingParallel:
     """``streaming`` with ``coordinator``: this launch (one process, or the
     ranks of one ``torchrun``) is one replica group of an elastic run
     (hemiola.elastic)."""
@@ -154,7 +156,7 @@ def _elastic_streaming(model: nn.Module, optimizer: Any, config: Config) -> Stre
     elif not replica.joining:  # a collective: the members of a running run are not in it
         fit_threads(replica.engine)
     return StreamingParallel(model, config, replica.engine, replica.store, optimizer,
-                             group=group, elastic=replica)
+                             group=group, elastic=replica, grad_scaler=grad_scaler)
 
 
 #: Why a schedule other than wfbp cannot wrap without the optimizer.

@@ -399,3 +399,31 @@ def average_now(rank: int, world: int) -> dict[str, float]:
     _run("mlp", rank, world, options, range(7, 12), model, opt)
     out["syncs"] = model.stats()["syncs"]
     return out
+
+
+def streaming_with_a_skipping_scaler(rank: int, world: int, passed: bool) -> dict[str, Any]:
+    """streaming with a GradScaler whose step rank 1 skips once (its loss
+    overflowed at iteration 3): passed to hemiola.wrap, the skipped step is
+    counted, so both ranks sync after the same iterations and end together."""
+    hemiola.init()
+    torch.manual_seed(0)
+    m = make_model("mlp")
+    opt = make_optimizer("sgd", m.parameters())
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8)
+    model, opt = hemiola.wrap(m, opt, schedule="streaming", sync_every=4, fragments=1,
+                              overlap=0, grad_scaler=scaler if passed else None, timeout_s=60)
+    skipped = 0
+    for step in range(12):
+        x, y = make_batch("mlp", step, rank, world)
+        opt.zero_grad()
+        loss = loss_of("mlp", model(x), y)
+        if rank == 1 and step == 3:
+            loss = loss * float("inf")
+        scaler.scale(loss).backward()
+        before = scaler.get_scale()
+        scaler.step(opt)
+        scaler.update()
+        skipped += scaler.get_scale() < before
+    stats = model.stats()
+    return {"skipped": skipped, "inner_steps": stats["inner_steps"], "syncs": stats["syncs"],
+            "params": [p.detach().clone() for p in m.parameters()]}

@@ -261,3 +261,17 @@ def test_replica_ranks_default_to_a_node_when_the_run_spans_nodes() -> None:
     from hemiola.config import Config
     with pytest.raises(ValueError, match="replica_ranks must be an integer"):
         Config(schedule="streaming", replica_ranks=0)
+
+
+def test_a_step_the_grad_scaler_skips_on_one_rank_is_still_counted() -> None:
+    # Each rank's gradients are its own under streaming: rank 1 overflows
+    # once and its scaler skips that step. Passed to hemiola.wrap, the skip
+    # is counted, so both ranks sync after the same iterations (without it
+    # rank 1 would end a sync behind, and rank 0 wait at the last one until
+    # timeout_s).
+    results = run_local(streaming_workers.streaming_with_a_skipping_scaler, 2, True, timeout_s=120)
+    assert results[1]["skipped"] == 1 and results[0]["skipped"] == 0
+    for r in results.values():
+        assert r["inner_steps"] == 12 and r["syncs"] == 3
+    for a, b in zip(results[0]["params"], results[1]["params"]):
+        assert torch.equal(a, b)  # the last sync (after iteration 12) made them equal

@@ -892,3 +892,4 @@ def edited_grad_then_step_again(rank: int, world: int) -> dict[str, str]:
             out[schedule] = str(e)
         model.synchronize()
     return out
+
