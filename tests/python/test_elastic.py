@@ -116,16 +116,17 @@ def test_a_killed_replica_is_dropped_and_the_survivors_lose_no_step(coordinator,
 
 def test_a_late_group_joins_at_a_sync_with_the_shared_copy(coordinator, tmp_path):
     c = coordinator(min_replicas=2)
-    runs = [launch(c, tmp_path, f"g{i}", i, step_s=0.2) for i in range(2)]
+    # 80 steps of 0.2 s: time for the late one to start (importing torch)
+    runs = [launch(c, tmp_path, f"g{i}", i, steps=80, step_s=0.2) for i in range(2)]
     wait_for(lambda: c.epoch >= 1)
     time.sleep(0.5)  # the two are training
-    runs.append(launch(c, tmp_path, "g2", 2, step_s=0.2))
+    runs.append(launch(c, tmp_path, "g2", 2, steps=80, step_s=0.2))
     results = finish(tmp_path, runs)
     joiner = results[2]
     assert joiner["joined_at_step"] is not None and joiner["joined_at_step"] % 10 == 0
-    assert joiner["joined_at_step"] < 40
+    assert joiner["joined_at_step"] < 80
     assert {r["stats"]["replicas"] for r in results} == {3}
-    assert {r["stats"]["inner_steps"] for r in results} == {40}
+    assert {r["stats"]["inner_steps"] for r in results} == {80}
     assert len({r["shared_sha256"] for r in results}) == 1
     # after the last (blocking) sync every replica holds the shared copy
     assert results[0]["params"] == results[1]["params"] == joiner["params"]
