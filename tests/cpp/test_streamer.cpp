@@ -19,6 +19,18 @@ namespace {
 
 using test::run_ranks;
 
+// Options of rank `rank` of `size` ranks over loopback; `diagnose`: name
+// missing ranks after a failure (a wait the elastic tests do without).
+EngineOptions loopback(int rank, int size, bool diagnose = true) {
+  EngineOptions o;
+  o.rank = rank;
+  o.world_size = size;
+  o.hostname = "127.0.0.1";
+  o.timeout_s = 30;
+  o.diagnose_failures = diagnose;
+  return o;
+}
+
 // What rank r's inner step s does to element i: a drift that differs by rank.
 float drift(int rank, uint64_t step, size_t i) {
   return 0.01f * static_cast<float>((rank + 1) * (1 + (step + i) % 5)) - 0.02f;
@@ -218,16 +230,8 @@ Result run_groups(int groups, int ranks, const StreamerOptions& options, uint64_
     threads.emplace_back([&, r] {
       try {
         const int g = r / ranks, j = r % ranks;
-        auto options_for = [](int rank, int size) {
-          EngineOptions o;
-          o.rank = rank;
-          o.world_size = size;
-          o.hostname = "127.0.0.1";
-          o.timeout_s = 30;
-          return o;
-        };
-        Engine group(options_for(j, ranks), group_stores[g]);
-        Engine across(options_for(g, groups), cross_stores[j]);
+        Engine group(loopback(j, ranks), group_stores[g]);
+        Engine across(loopback(g, groups), cross_stores[j]);
         syncs[r] = train(across, &group, g, options, steps, result, r);
       } catch (const std::exception& e) {
         failures[r] = e.what();
@@ -357,13 +361,7 @@ TEST(Streamer, SurvivorsAverageTheFailedSyncAgainOverThemselves) {
         EXPECT_EQ(streamer->inner_steps(), s);      // the step is counted
         EXPECT_EQ(streamer->in_flight_round(), 1u);  // the second sync
         EXPECT_FALSE(streamer->in_flight_averaged());
-        EngineOptions o;
-        o.rank = rank;
-        o.world_size = 2;
-        o.hostname = "127.0.0.1";
-        o.timeout_s = 30;
-        o.diagnose_failures = false;
-        survivors = std::make_unique<Engine>(o, survivors_store);
+        survivors = std::make_unique<Engine>(loopback(rank, 2, false), survivors_store);
         streamer->rejoin(*survivors, /*redo=*/true);
         streamer->finish_step();
       }
@@ -417,18 +415,9 @@ TEST(Streamer, SurvivingGroupsAverageTheFailedSyncAgainPieceByPiece) {
       threads.emplace_back([&, r] {
         try {
           const int g = r / places, j = r % places;
-          auto options_for = [](int rank, int size) {
-            EngineOptions o;
-            o.rank = rank;
-            o.world_size = size;
-            o.hostname = "127.0.0.1";
-            o.timeout_s = 30;
-            o.diagnose_failures = false;
-            return o;
-          };
           std::unique_ptr<Engine> group;
-          if (places > 1) group = std::make_unique<Engine>(options_for(j, places), group_stores[g]);
-          Engine across(options_for(g, groups), cross_stores[j]);
+          if (places > 1) group = std::make_unique<Engine>(loopback(j, places), group_stores[g]);
+          Engine across(loopback(g, groups, false), cross_stores[j]);
           std::vector<float> a(40, 1.0f), b(24, -0.5f);
           auto streamer = across.make_streamer(
               {{"a", TensorRef{a.data(), DType::kFloat32, a.size(), {}}},
@@ -443,7 +432,7 @@ TEST(Streamer, SurvivingGroupsAverageTheFailedSyncAgainPieceByPiece) {
               streamer->after_inner_step();
             } catch (const Error&) {
               ++raised[r];
-              survivors = std::make_unique<Engine>(options_for(g, 2), survivor_stores[j]);
+              survivors = std::make_unique<Engine>(loopback(g, 2, false), survivor_stores[j]);
               streamer->rejoin(*survivors, /*redo=*/true);
               streamer->finish_step();
             }
