@@ -299,3 +299,32 @@ def test_the_coordinator_will_not_serve_the_network_without_a_token():
                           env=env, capture_output=True, text=True, timeout=60)
     assert done.returncode == 2
     assert "without HEMIOLA_JOB_TOKEN" in done.stderr and "--host 127.0.0.1" in done.stderr
+
+
+def test_the_coordinator_keeps_an_average_every_survivor_has_and_redoes_the_rest(coordinator):
+    # The decision alone, from clients that report as survivors would: a
+    # sync whose average every survivor has is kept; at the latest sync, one
+    # survivor without it makes all redo it; a survivor a sync behind keeps
+    # its own (the other's confirmation of it completed, so all had it).
+    import concurrent.futures
+
+    from hemiola.elastic.client import CoordinatorClient
+
+    def run(reports: dict[str, tuple[int, bool]]) -> dict[str, tuple[int, int, bool]]:
+        c = coordinator(min_replicas=1, start_replicas=3)
+        address = f"127.0.0.1:{c.address[1]}"
+        clients = {name: CoordinatorClient(address, name) for name in ("a", "b", "dead")}
+        with concurrent.futures.ThreadPoolExecutor(3) as pool:
+            first = dict(zip(clients, pool.map(lambda cl: cl.join(), clients.values())))
+        assert {e.number for e in first.values()} == {1}
+        clients.pop("dead").close()  # its heartbeat connection closes: dead at once
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            answers = dict(zip(reports, pool.map(
+                lambda item: clients[item[0]].reform(1, *item[1]), reports.items())))
+        for client in clients.values():
+            client.close()
+        return {n: (e.number, e.world, e.keep) for n, e in answers.items()}
+
+    assert run({"a": (5, True), "b": (5, True)}) == {"a": (2, 2, True), "b": (2, 2, True)}
+    assert run({"a": (5, True), "b": (5, False)}) == {"a": (2, 2, False), "b": (2, 2, False)}
+    assert run({"a": (5, True), "b": (6, False)}) == {"a": (2, 2, True), "b": (2, 2, False)}
