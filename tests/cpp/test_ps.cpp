@@ -49,6 +49,17 @@ ServerOptions server_options(int index, int servers, int workers, Consistency c)
   return o;
 }
 
+// A server with options `o` serving on a thread of its own until its job
+// ends; the future holds its final statistics.
+std::future<ServerStats> serve_in_background(const ServerOptions& o,
+                                             std::shared_ptr<Store> store) {
+  return std::async(std::launch::async, [o, store] {
+    Server server(o, store);
+    server.serve();
+    return server.stats();
+  });
+}
+
 ClientOptions client_options(int index, int servers, int workers, Consistency c) {
   ClientOptions o;
   o.worker_index = index;
@@ -1141,11 +1152,7 @@ TEST(ParameterServer, AWorkerThatFallsSilentIsDeclaredDead) {
   auto store = std::make_shared<MemoryStore>();
   auto o = server_options(0, 1, 2, Consistency::kAsp);
   o.timeout_s = 2;
-  auto done = std::async(std::launch::async, [o, store] {
-    Server server(o, store);
-    server.serve();
-    return server.stats();
-  });
+  auto done = serve_in_background(o, store);
   auto co = client_options(0, 1, 2, Consistency::kAsp);
   co.timeout_s = 2;
   Client healthy(co, {"w"}, {2}, store);
@@ -1227,11 +1234,7 @@ TEST(ParameterServer, JobTokenAdmitsTheJobAndRefusesStrangers) {
   auto store = std::make_shared<MemoryStore>();
   auto o = server_options(0, 1, 1, Consistency::kAsp);
   o.token = "s3cret";
-  auto done = std::async(std::launch::async, [o, store] {
-    Server server(o, store);
-    server.serve();
-    return server.stats();
-  });
+  auto done = serve_in_background(o, store);
   auto co = client_options(0, 1, 1, Consistency::kAsp);
   for (const std::string& token : {std::string("wrong"), std::string("")}) {
     co.token = token;
@@ -1278,11 +1281,7 @@ TEST(ParameterServer, TokenGuessingIsThrottledWhileTheWorkerIsAdmitted) {
   auto store = std::make_shared<MemoryStore>();
   auto o = server_options(0, 1, 1, Consistency::kAsp);
   o.token = secret;
-  auto done = std::async(std::launch::async, [o, store] {
-    Server server(o, store);
-    server.serve();
-    return server.stats();
-  });
+  auto done = serve_in_background(o, store);
   store->get(address_key(0), std::chrono::seconds(20));  // listening
   constexpr int kGuessers = 3;
   const auto flood_for = std::chrono::milliseconds(2000);
@@ -1363,11 +1362,7 @@ TEST(ParameterServer, SilentConnectionsDoNotLockTheWorkerOut) {
   auto store = std::make_shared<MemoryStore>();
   auto o = server_options(0, 1, 1, Consistency::kAsp);
   o.token = "s3cret";
-  auto done = std::async(std::launch::async, [o, store] {
-    Server server(o, store);
-    server.serve();
-    return server.stats();
-  });
+  auto done = serve_in_background(o, store);
   std::vector<Socket> silent;
   for (int i = 0; i < 80; ++i) silent.push_back(raw_connect(*store));
   std::this_thread::sleep_for(std::chrono::milliseconds(200));  // accepted: they wait
@@ -1392,11 +1387,7 @@ TEST(ParameterServer, AConnectionThatNeverSpeaksIsDroppedAfterTimeout) {
   auto store = std::make_shared<MemoryStore>();
   auto o = server_options(0, 1, 1, Consistency::kAsp);
   o.timeout_s = 1;
-  auto done = std::async(std::launch::async, [o, store] {
-    Server server(o, store);
-    server.serve();
-    return server.stats();
-  });
+  auto done = serve_in_background(o, store);
   Socket silent = raw_connect(*store);
   const auto connected = std::chrono::steady_clock::now();
   auto co = client_options(0, 1, 1, Consistency::kAsp);

@@ -74,7 +74,8 @@ struct StreamerOptions {
   // Elastic membership (python/hemiola/elastic): every average ends with a
   // confirmation, an all-gather of one word per rank, so that a failure
   // leaves each survivor knowing whether the average may be kept
-  // (fragment_averager.h). One rank per replica.
+  // (fragment_averager.h). In a replica group the group's gather carries
+  // every rank's verdict, so its ranks raise, keep or redo alike.
   bool confirm = false;
 
   // The outer step by default: the average itself (lr 1, no momentum: the

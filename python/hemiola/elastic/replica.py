@@ -101,7 +101,8 @@ class ElasticReplica:
         self.client = CoordinatorClient(config.coordinator, name, place, places)
         #: what this replica went through, in order
         self.recoveries: list[Recovery] = []
-        #: the inner step at which this replica first sent (a joiner: after joining)
+        #: the run's inner step at which this replica joined it (None: it
+        #: started with the run)
         self.joined_at_step: int | None = None
         if place == 0:
             log.warning("hemiola elastic: group %s (%d rank%s) joins the run at %s", name,
@@ -116,7 +117,7 @@ class ElasticReplica:
     @property
     def joining(self) -> bool:
         """This replica joined a running run: a peer hands it the state."""
-        return not self.epoch.fresh and self.epoch.joining
+        return self.epoch.joining
 
     def _engine_for(self, epoch: Epoch) -> tuple[C.Engine, CoordinatorStore]:
         # Each place of the groups averages its pieces over an engine of its own.
@@ -141,26 +142,26 @@ class ElasticReplica:
     def step(self, model: StreamingParallel) -> None:
         """``after_inner_step`` with the membership changes it may need."""
         streamer = model._streamer
-        start = time.monotonic()
-        try:
-            streamer.after_inner_step()
-        except C.HemiolaError as e:
-            if streamer.in_flight_fragment < 0:
-                raise  # not an average that failed
-            self._recover(model, e, streamer.finish_step, start)
+        self._through_failures(model, streamer.after_inner_step, streamer.finish_step)
         if streamer.agreed_offer > self.epoch.number:
             self._admit(model, time.monotonic())
 
     def wait(self, model: StreamingParallel) -> None:
         """``wait_in_flight`` (``synchronize()``), through a peer's failure."""
         streamer = model._streamer
+        self._through_failures(model, streamer.wait_in_flight, streamer.wait_in_flight)
+
+    def _through_failures(self, model: StreamingParallel, call: Callable[[], None],
+                          then: Callable[[], None]) -> None:
+        """`call`; if the average in flight failed there, the survivors'
+        epoch, then `then` (what of `call` is left)."""
         start = time.monotonic()
         try:
-            streamer.wait_in_flight()
+            call()
         except C.HemiolaError as e:
-            if streamer.in_flight_fragment < 0:
-                raise
-            self._recover(model, e, streamer.wait_in_flight, start)
+            if model._streamer.in_flight_fragment < 0:
+                raise  # not an average that failed
+            self._recover(model, e, then, start)
 
     def _recover(self, model: StreamingParallel, error: Exception,
                  then: Callable[[], None], start: float) -> None:

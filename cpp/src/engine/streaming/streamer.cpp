@@ -155,6 +155,16 @@ void StreamerImpl::pack(size_t f, unsigned char* out) const {
   }
 }
 
+void StreamerImpl::unpack(size_t f, const unsigned char* in) {
+  const PlannedBucket& bucket = plan_[f];
+  const size_t elem = dtype_size(bucket.dtype);
+  for (size_t k = 0; k < bucket.tensors.size(); ++k) {
+    auto* live = static_cast<unsigned char*>(params_[bucket.tensors[k]].param.data);
+    std::memcpy(live + bucket.begins[k] * elem, in + bucket.offsets[k] * elem,
+                bucket.counts[k] * elem);
+  }
+}
+
 void StreamerImpl::after_inner_step() {
   const auto start = std::chrono::steady_clock::now();
   const double waited_before = waited_ms_;
@@ -225,15 +235,8 @@ void StreamerImpl::adopt(uint64_t inner_steps, uint64_t syncs,
   steps_ = inner_steps;
   syncs_ = syncs;
   for (size_t f = 0; f < fragments_.size(); ++f) {
-    Fragment& fragment = fragments_[f];
-    fragment.momentum_started = momentum_started[f] != 0;
-    const PlannedBucket& bucket = plan_[f];
-    const size_t elem = dtype_size(bucket.dtype);
-    for (size_t k = 0; k < bucket.tensors.size(); ++k) {
-      std::memcpy(static_cast<unsigned char*>(params_[bucket.tensors[k]].param.data) +
-                      bucket.begins[k] * elem,
-                  fragment.shared.get() + bucket.offsets[k] * elem, bucket.counts[k] * elem);
-    }
+    fragments_[f].momentum_started = momentum_started[f] != 0;
+    unpack(f, fragments_[f].shared.get());
   }
 }
 

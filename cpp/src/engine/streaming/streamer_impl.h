@@ -64,8 +64,10 @@ class StreamerImpl {
 
   // Whether fragment `f` is sent after inner step `step`.
   bool due(size_t f, uint64_t step) const;
-  // Packs the live values of fragment `f` into `out` (its plan layout).
+  // Packs the live values of fragment `f` into `out` (its plan layout),
+  // and the other way: the live values of fragment `f` from `in`.
   void pack(size_t f, unsigned char* out) const;
+  void unpack(size_t f, const unsigned char* in);
   // Sends fragment `f`'s pseudo-gradient (shared - live) to be averaged.
   void send(size_t f);
   // Submits the fragment in flight's pseudo-gradient (shared - base).
