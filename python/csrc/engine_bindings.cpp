@@ -60,6 +60,32 @@ TensorRef make_ref(uintptr_t data, int dtype, size_t numel) {
 }  // namespace
 
 void bind_engine(py::module_& m) {
+  m.def(
+      "chunk_bounds",
+      [](size_t numel, int dtype, int world_size) {
+        return chunk_bounds(numel, static_cast<DType>(dtype), world_size);
+      },
+      py::arg("numel"), py::arg("dtype"), py::arg("world_size"),
+      "world_size + 1 element offsets: rank r's chunk under Engine.reduce_scatter and "
+      "Engine.all_gather_chunks is [bounds[r], bounds[r + 1]).");
+  m.def(
+      "plan_fusion",
+      [](const std::vector<std::pair<int, size_t>>& specs, const std::vector<size_t>& order,
+         size_t first_bucket_bytes, size_t fusion_bytes) {
+        std::vector<GradSpec> grad_specs;
+        for (const auto& [dtype, numel] : specs) {
+          grad_specs.push_back({static_cast<DType>(dtype), numel, "", 0});
+        }
+        py::list out;
+        for (const FusedBucket& b : plan_fusion(grad_specs, order, first_bucket_bytes,
+                                                fusion_bytes)) {
+          out.append(py::make_tuple(static_cast<int>(b.dtype), b.tensors, b.offsets, b.numel));
+        }
+        return out;
+      },
+      py::arg("specs"), py::arg("order"), py::arg("first_bucket_bytes"), py::arg("fusion_bytes"),
+      "The reducer's fusion plan for (dtype, numel) specs ready in `order`: a list of "
+      "(dtype, tensors, offsets, numel) per bucket, in plan order.");
   // The codings' names and codes, and where each runs, from the engine's one
   // table (hemiola/config.h: codings()): hemiola.config and the wrap's
   // refusals ask these rather than keep lists of their own.
@@ -310,6 +336,19 @@ void bind_engine(py::module_& m) {
           },
           py::arg("input_ptr"), py::arg("output_ptr"), py::arg("dtype"), py::arg("numel"))
       .def("barrier", &Engine::barrier)
+      .def(
+          "reduce_scatter",
+          [](Engine& e, uintptr_t data, int dtype, size_t numel, ReduceOp op) {
+            return e.reduce_scatter(make_ref(data, dtype, numel), op);
+          },
+          py::arg("data_ptr"), py::arg("dtype"), py::arg("numel"),
+          py::arg("op") = ReduceOp::kAverage)
+      .def(
+          "all_gather_chunks",
+          [](Engine& e, uintptr_t data, int dtype, size_t numel) {
+            return e.all_gather_chunks(make_ref(data, dtype, numel));
+          },
+          py::arg("data_ptr"), py::arg("dtype"), py::arg("numel"))
       .def(
           "make_reducer",
           [](py::handle self, const std::vector<py::tuple>& specs,

@@ -11,6 +11,7 @@
 #include <thread>
 
 #include "core/dtype_math.h"
+#include "core/half_cast.h"
 #include "hemiola/hemiola.h"
 #include "run_ranks.h"
 
@@ -470,6 +471,72 @@ TEST(Engine, BuildInfoSaysWhatWasCompiledIn) {
   EXPECT_NE(info.find("gloo: yes"), std::string::npos);
   EXPECT_NE(info.find("cuda: "), std::string::npos);
   EXPECT_NE(info.find("nccl: "), std::string::npos);
+}
+
+}  // namespace
+}  // namespace hemiola
+
+namespace hemiola {
+namespace {
+
+// reduce_scatter is the first half of all_reduce, bit for bit: on each rank's
+// chunk it leaves exactly what all_reduce (sum or average) leaves there, at
+// every rank count, for sizes from a few elements (empty chunks) to several
+// ring segments per rank, in float32 and bfloat16; all_gather_chunks then
+// makes every rank's tensor the all-reduce's.
+class ReduceScatterWorlds : public ::testing::TestWithParam<int> {};
+
+TEST_P(ReduceScatterWorlds, EachChunkIsTheAllReducesBitForBit) {
+  const int world = GetParam();
+  for (const size_t numel : {size_t{1}, size_t{7}, size_t{1000}, size_t{1234567}}) {
+    for (const DType dtype : {DType::kFloat32, DType::kBFloat16}) {
+      for (const ReduceOp op : {ReduceOp::kSum, ReduceOp::kAverage}) {
+        test::run_ranks(world, [&](Engine& e) {
+          const size_t elem = dtype_size(dtype);
+          std::mt19937 rng(static_cast<unsigned>(17 * e.rank() + numel));
+          std::normal_distribution<float> normal;
+          std::vector<float> values(numel);
+          for (float& v : values) v = normal(rng) * 1e3f;
+          std::vector<uint8_t> reference(numel * elem), sharded;
+          if (dtype == DType::kFloat32) {
+            std::memcpy(reference.data(), values.data(), numel * elem);
+          } else {
+            floats_to_halves(dtype, values.data(), reinterpret_cast<uint16_t*>(reference.data()),
+                             numel, 1.0f);
+          }
+          sharded = reference;
+          e.all_reduce({reference.data(), dtype, numel, {}}, op).wait();
+          e.reduce_scatter({sharded.data(), dtype, numel, {}}, op).wait();
+          const std::vector<size_t> bounds = chunk_bounds(numel, dtype, world);
+          ASSERT_EQ(bounds.size(), static_cast<size_t>(world) + 1);
+          EXPECT_EQ(bounds.front(), 0u);
+          EXPECT_EQ(bounds.back(), numel);
+          const size_t lo = bounds[e.rank()] * elem, hi = bounds[e.rank() + 1] * elem;
+          EXPECT_EQ(0, std::memcmp(sharded.data() + lo, reference.data() + lo, hi - lo))
+              << "rank " << e.rank() << " of " << world << ", " << numel << " elements";
+          e.all_gather_chunks({sharded.data(), dtype, numel, {}}).wait();
+          EXPECT_EQ(sharded, reference) << "rank " << e.rank() << ", " << numel << " elements";
+        });
+      }
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Worlds, ReduceScatterWorlds, ::testing::Values(1, 2, 3, 4));
+
+TEST(ChunkBounds, CoverTheTensorInRankOrder) {
+  for (int world : {1, 2, 3, 5, 8}) {
+    for (size_t numel : {size_t{0}, size_t{3}, size_t{100}, size_t{1} << 22}) {
+      const std::vector<size_t> b = chunk_bounds(numel, DType::kFloat32, world);
+      ASSERT_EQ(b.size(), static_cast<size_t>(world) + 1);
+      EXPECT_EQ(b.front(), 0u);
+      EXPECT_EQ(b.back(), numel);
+      for (int r = 0; r < world; ++r) EXPECT_LE(b[r], b[r + 1]);
+    }
+  }
+  // A large tensor is shared out evenly (within a segment per rank).
+  const std::vector<size_t> b = chunk_bounds(size_t{1} << 24, DType::kFloat32, 4);
+  for (int r = 0; r < 4; ++r) EXPECT_NEAR(double(b[r + 1] - b[r]), double(1 << 22), 1 << 18);
 }
 
 }  // namespace

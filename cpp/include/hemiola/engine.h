@@ -26,6 +26,12 @@ enum class ReduceOp : int { kSum = 0, kAverage = 1 };
 
 class EngineImpl;
 
+// world_size + 1 element offsets: rank r's chunk of a tensor of `numel`
+// elements of `dtype` under reduce_scatter and all_gather_chunks is
+// [bounds[r], bounds[r + 1]). Contiguous, in rank order, covering the tensor;
+// the last chunks may be short or empty (Gloo's ring geometry).
+HEMIOLA_API std::vector<size_t> chunk_bounds(size_t numel, DType dtype, int world_size);
+
 class HEMIOLA_API Engine {
  public:
   // Rendezvous with the other `world_size - 1` ranks through `store` and
@@ -48,6 +54,13 @@ class HEMIOLA_API Engine {
   Handle broadcast(const TensorRef& tensor, int root = 0);
   Handle all_gather(const TensorRef& input, const TensorRef& output);
   Handle barrier();
+  // The two halves of an all-reduce, in place over the ring's chunks
+  // (chunk_bounds below): after reduce_scatter this rank's chunk holds the
+  // sum (or average) over ranks, bitwise what all_reduce leaves there, and
+  // the rest of the tensor partial sums; all_gather_chunks then gives every
+  // rank each rank's chunk. CPU tensors (the Gloo wire).
+  Handle reduce_scatter(const TensorRef& tensor, ReduceOp op = ReduceOp::kAverage);
+  Handle all_gather_chunks(const TensorRef& tensor);
 
   // A gradient reducer over `specs` (one per gradient tensor, in registration
   // order). See reducer.h.

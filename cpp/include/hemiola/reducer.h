@@ -43,6 +43,25 @@ class LaneResults;   // engine-internal (engine/reducer/lane.h)
 class ReductionLane;  // engine-internal (engine/reducer/reduction_lane.h)
 class MarkObserver;  // engine-internal (engine/reducer/mark_observer.h)
 
+// A bucket of the fusion plan when no tensor is partitioned: whole tensors,
+// in pack order, tensor tensors[k] at element offsets[k].
+struct FusedBucket {
+  DType dtype = DType::kFloat32;
+  std::vector<size_t> tensors;
+  std::vector<size_t> offsets;
+  size_t numel = 0;
+};
+
+// The reducer's fusion rule (torch DDP's) as a pure function: gradients
+// expected ready in `order`, one open bucket per dtype, the first bucket
+// closing at first_bucket_bytes and the rest at fusion_bytes, buckets in plan
+// order. Every rank computes the same plan from the same inputs; a reducer
+// made with these caps and no partition_bytes plans the same buckets (the
+// `sharded` schedule, which buckets without a reducer, relies on it).
+HEMIOLA_API std::vector<FusedBucket> plan_fusion(const std::vector<GradSpec>& specs,
+                                                 const std::vector<size_t>& order,
+                                                 size_t first_bucket_bytes, size_t fusion_bytes);
+
 class HEMIOLA_API Reducer {
  public:
   explicit Reducer(std::unique_ptr<ReducerImpl> impl);

@@ -26,6 +26,14 @@ class Communicator {
   // goes to rank r, chunk r of output came from rank r (a reduce-scatter's
   // traffic, (size - 1) / size of the input leaving each rank).
   virtual void all_to_all(const TensorRef& input, const TensorRef& output) = 0;
+  // In place, over the ring's chunks (comm/ring_chunks.h): afterwards chunk
+  // rank() holds the sum over ranks, bitwise what all_reduce_sum leaves
+  // there (the same chunks, summed in the same order); the other chunks hold
+  // partial sums. (size - 1) / size of the tensor leaves each rank.
+  virtual void reduce_scatter_sum(const TensorRef& tensor) = 0;
+  // In place: every rank's chunk r becomes rank r's chunk r (the ring's
+  // chunks); reduce_scatter_sum's other half.
+  virtual void all_gather_chunks(const TensorRef& tensor) = 0;
   virtual void barrier() = 0;
   // After a failure: closes this rank's connections, so that peers blocked
   // on it fail now rather than at their timeout (and reach the failure's

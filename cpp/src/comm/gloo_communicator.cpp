@@ -4,6 +4,8 @@
 #include <cstring>
 #include <exception>
 #include <functional>
+#include <memory>
+#include <vector>
 #include <mutex>
 #include <thread>
 
@@ -14,8 +16,11 @@
 #include <gloo/broadcast.h>
 #include <gloo/common/error.h>
 #include <gloo/context.h>
+#include <gloo/transport/unbound_buffer.h>
+#include <gloo/types.h>
 
 #include "comm/gloo_setup.h"
+#include "comm/ring_chunks.h"
 #include "core/dtype_math.h"
 #include "hemiola/status.h"
 
@@ -294,6 +299,80 @@ void GlooCommunicator::all_to_all(const TensorRef& input, const TensorRef& outpu
     opts.setInput(static_cast<uint8_t*>(input.data), input.nbytes());
     opts.setOutput(static_cast<uint8_t*>(output.data), output.nbytes());
     gloo::alltoall(opts);
+  });
+}
+
+namespace {
+
+// Slot prefixes of the ring collectives below (Gloo's own end at 0x08).
+constexpr uint8_t kReduceScatterSlotPrefix = 0x41;
+constexpr uint8_t kAllGatherChunksSlotPrefix = 0x42;
+
+}  // namespace
+
+void GlooCommunicator::reduce_scatter_sum(const TensorRef& t) {
+  require_cpu(t, "reduce_scatter");
+  if (t.numel == 0 || size_ == 1) return;
+  translate_gloo_errors("reduce_scatter", &t, rank_, [&] {
+    const std::shared_ptr<gloo::Context>& ctx = context("reduce_scatter");
+    const size_t elem = dtype_size(t.dtype);
+    const std::vector<size_t> bounds = ring_chunks(t.numel, elem, size_);
+    size_t widest = 0;
+    for (int r = 0; r < size_; ++r) widest = std::max(widest, bounds[r + 1] - bounds[r]);
+    std::vector<uint8_t> received(widest * elem);
+    auto data = ctx->createUnboundBuffer(t.data, t.nbytes());
+    auto scratch = ctx->createUnboundBuffer(received.data(), received.size());
+    const auto slot = gloo::Slot::build(kReduceScatterSlotPrefix, 0);
+    // Gloo's ring: a rank sends to rank - 1 and receives from rank + 1, so
+    // chunk c starts at rank c - 1 and collects c - 2, c - 3, ... c in turn.
+    // At step k this rank passes on the partial sum of chunk rank + 1 + k
+    // (its own value at k = 0, the one it summed at step k - 1 after) and
+    // adds its value to the partial sum of chunk rank + 2 + k; the last is
+    // chunk rank, complete.
+    const int to = (rank_ + size_ - 1) % size_;
+    const int from = (rank_ + 1) % size_;
+    char* base = static_cast<char*>(t.data);
+    for (int k = 0; k + 1 < size_; ++k) {
+      const int send = (rank_ + 1 + k) % size_;
+      const int recv = (rank_ + 2 + k) % size_;
+      const size_t send_n = bounds[send + 1] - bounds[send];
+      const size_t recv_n = bounds[recv + 1] - bounds[recv];
+      if (recv_n > 0) scratch->recv(from, slot, 0, recv_n * elem);
+      if (send_n > 0) data->send(to, slot, bounds[send] * elem, send_n * elem);
+      if (recv_n > 0) {
+        scratch->waitRecv(timeout_);
+        char* mine = base + bounds[recv] * elem;
+        sum_into(t.dtype, mine, mine, received.data(), recv_n);
+      }
+      if (send_n > 0) data->waitSend(timeout_);
+    }
+  });
+}
+
+void GlooCommunicator::all_gather_chunks(const TensorRef& t) {
+  require_cpu(t, "all_gather_chunks");
+  if (t.numel == 0 || size_ == 1) return;
+  translate_gloo_errors("all_gather_chunks", &t, rank_, [&] {
+    const std::shared_ptr<gloo::Context>& ctx = context("all_gather_chunks");
+    const size_t elem = dtype_size(t.dtype);
+    const std::vector<size_t> bounds = ring_chunks(t.numel, elem, size_);
+    auto data = ctx->createUnboundBuffer(t.data, t.nbytes());
+    const auto slot = gloo::Slot::build(kAllGatherChunksSlotPrefix, 0);
+    // The same ring: at step k this rank passes on chunk rank + k (its own
+    // at k = 0, the one it received at step k - 1 after) and receives chunk
+    // rank + k + 1. Sends and receives touch different chunks.
+    const int to = (rank_ + size_ - 1) % size_;
+    const int from = (rank_ + 1) % size_;
+    for (int k = 0; k + 1 < size_; ++k) {
+      const int send = (rank_ + k) % size_;
+      const int recv = (rank_ + k + 1) % size_;
+      const size_t send_n = bounds[send + 1] - bounds[send];
+      const size_t recv_n = bounds[recv + 1] - bounds[recv];
+      if (recv_n > 0) data->recv(from, slot, bounds[recv] * elem, recv_n * elem);
+      if (send_n > 0) data->send(to, slot, bounds[send] * elem, send_n * elem);
+      if (recv_n > 0) data->waitRecv(timeout_);
+      if (send_n > 0) data->waitSend(timeout_);
+    }
   });
 }
 

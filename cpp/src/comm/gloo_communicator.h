@@ -42,6 +42,8 @@ class GlooCommunicator final : public Communicator {
   void broadcast(const TensorRef& tensor, int root) override;
   void all_gather(const TensorRef& input, const TensorRef& output) override;
   void all_to_all(const TensorRef& input, const TensorRef& output) override;
+  void reduce_scatter_sum(const TensorRef& tensor) override;
+  void all_gather_chunks(const TensorRef& tensor) override;
   void barrier() override;
   void abort() override;
 

@@ -5,6 +5,7 @@
 #include <thread>
 
 #include "comm/gloo_communicator.h"
+#include "comm/ring_chunks.h"
 #include "engine/engine_impl.h"
 #include "engine/reducer/reducer_impl.h"
 #include "engine/streaming/streamer_impl.h"
@@ -18,7 +19,7 @@ namespace {
 // A single collective on caller-owned memory.
 class CollectiveWork final : public Work {
  public:
-  enum class Kind { kAllReduce, kBroadcast, kAllGather, kBarrier };
+  enum class Kind { kAllReduce, kBroadcast, kAllGather, kBarrier, kReduceScatter, kAllGatherChunks };
   CollectiveWork(Kind kind, TensorRef a, TensorRef b, ReduceOp op, int root, int world)
       : kind_(kind), a_(a), b_(b), op_(op), root_(root), world_(world) {}
 
@@ -32,6 +33,17 @@ class CollectiveWork final : public Work {
       case Kind::kBroadcast: comm.broadcast(a_, root_); break;
       case Kind::kAllGather: comm.all_gather(a_, b_); break;
       case Kind::kBarrier: comm.barrier(); break;
+      case Kind::kReduceScatter: {
+        comm.reduce_scatter_sum(a_);
+        if (op_ != ReduceOp::kAverage) break;
+        // Only this rank's chunk is the sum: the rest is partial sums.
+        const std::vector<size_t> bounds = ring_chunks(a_.numel, dtype_size(a_.dtype), world_);
+        const size_t lo = bounds[comm.rank()], hi = bounds[comm.rank() + 1];
+        scale_in_place(a_.dtype, static_cast<char*>(a_.data) + lo * dtype_size(a_.dtype),
+                       hi - lo, 1.0 / world_);
+        break;
+      }
+      case Kind::kAllGatherChunks: comm.all_gather_chunks(a_); break;
     }
     timeline.record("comm", describe(), "collective", start, timeline.now_us());
   }
@@ -45,6 +57,10 @@ class CollectiveWork final : public Work {
       case Kind::kBroadcast: out << "broadcast(root " << root_ << ")"; break;
       case Kind::kAllGather: out << "all_gather"; break;
       case Kind::kBarrier: return "barrier";
+      case Kind::kReduceScatter:
+        out << (op_ == ReduceOp::kAverage ? "reduce_scatter(avg)" : "reduce_scatter(sum)");
+        break;
+      case Kind::kAllGatherChunks: out << "all_gather_chunks"; break;
     }
     out << " of " << a_.numel << " " << dtype_name(a_.dtype);
     return out.str();
@@ -202,6 +218,19 @@ Handle EngineImpl::all_gather(const TensorRef& input, const TensorRef& output) {
                                                  ReduceOp::kSum, 0, options_.world_size));
 }
 
+Handle EngineImpl::reduce_scatter(const TensorRef& tensor, ReduceOp op) {
+  HEMIOLA_CHECK(is_floating(tensor.dtype) || op == ReduceOp::kSum, "reduce_scatter average of ",
+                dtype_name(tensor.dtype), ": only floating dtypes can be averaged");
+  return submit(std::make_shared<CollectiveWork>(CollectiveWork::Kind::kReduceScatter, tensor,
+                                                 TensorRef{}, op, 0, options_.world_size));
+}
+
+Handle EngineImpl::all_gather_chunks(const TensorRef& tensor) {
+  return submit(std::make_shared<CollectiveWork>(CollectiveWork::Kind::kAllGatherChunks, tensor,
+                                                 TensorRef{}, ReduceOp::kSum, 0,
+                                                 options_.world_size));
+}
+
 Handle EngineImpl::barrier() {
   return submit(std::make_shared<CollectiveWork>(CollectiveWork::Kind::kBarrier, TensorRef{},
                                                  TensorRef{}, ReduceOp::kSum, 0,
@@ -216,6 +245,16 @@ Handle Engine::all_gather(const TensorRef& input, const TensorRef& output) {
   return impl_->all_gather(input, output);
 }
 Handle Engine::barrier() { return impl_->barrier(); }
+Handle Engine::reduce_scatter(const TensorRef& tensor, ReduceOp op) {
+  return impl_->reduce_scatter(tensor, op);
+}
+Handle Engine::all_gather_chunks(const TensorRef& tensor) {
+  return impl_->all_gather_chunks(tensor);
+}
+
+std::vector<size_t> chunk_bounds(size_t numel, DType dtype, int world_size) {
+  return ring_chunks(numel, dtype_size(dtype), world_size);
+}
 
 std::unique_ptr<Reducer> Engine::make_reducer(const std::vector<GradSpec>& specs,
                                               const ReducerOptions& options) {

@@ -42,6 +42,8 @@ class EngineImpl final : public Scheduler {
   Handle broadcast(const TensorRef& tensor, int root) override;
   Handle all_gather(const TensorRef& input, const TensorRef& output);
   Handle barrier();
+  Handle reduce_scatter(const TensorRef& tensor, ReduceOp op);
+  Handle all_gather_chunks(const TensorRef& tensor);
 
  private:
   EngineOptions options_;

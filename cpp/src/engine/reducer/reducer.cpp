@@ -108,6 +108,18 @@ void ReducerImpl::drain(bool abort_marking) noexcept {
   }
 }
 
+std::vector<FusedBucket> plan_fusion(const std::vector<GradSpec>& specs,
+                                     const std::vector<size_t>& order, size_t first_bucket_bytes,
+                                     size_t fusion_bytes) {
+  check_permutation(order, specs.size());
+  std::vector<FusedBucket> out;
+  for (const PlannedBucket& planned :
+       plan_buckets(specs, order, first_bucket_bytes, fusion_bytes, /*partition_bytes=*/0)) {
+    out.push_back({planned.dtype, planned.tensors, planned.offsets, planned.numel});
+  }
+  return out;
+}
+
 void ReducerImpl::build(const std::vector<size_t>& order) {
   plan_.buckets = plan_buckets(plan_.specs, order, options_.first_bucket_bytes,
                                options_.fusion_bytes, options_.partition_bytes);
