@@ -26,7 +26,8 @@ class BoundModel:
     schedule needs of the reducer (its ``reducer_needs``)."""
 
     def __init__(self, module: nn.Module, engine: C.Engine, config: Config,
-                 device: torch.device, in_flight: int, preview: bool) -> None:
+                 device: torch.device, in_flight: int, preview: bool,
+                 with_reducer: bool = True) -> None:
         self.module = module
         self.engine = engine
         #: the wrap's configuration (register_comm_hook replaces it)
@@ -52,6 +53,8 @@ class BoundModel:
         self.require_forward_param_sync = True
         self.reducer: C.Reducer | None = None
         self._partitioned: set[int] = set()
+        #: the schedule uses the engine's reducer (``sharded`` buckets on its own)
+        self.with_reducer = with_reducer
         self.plan()
 
     def plan(self) -> None:
@@ -60,7 +63,7 @@ class BoundModel:
         backward: register_comm_hook's PowerSGD under priority)."""
         config = self.config
         self.reducer = None  # the old one's memory goes first
-        if self.params:
+        if self.params and self.with_reducer:
             specs = [(dtype_code(p.dtype), p.numel(), n, p.shape[0] if p.dim() > 1 else 0)
                      for n, p in zip(self.names, self.params)]
             self.reducer = self.engine.make_reducer(

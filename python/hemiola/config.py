@@ -9,7 +9,7 @@ from typing import Any
 
 from hemiola._native import C
 
-SCHEDULES = ("wfbp", "priority", "decoupled", "streaming")
+SCHEDULES = ("wfbp", "priority", "decoupled", "streaming", "sharded")
 #: Values of ``Config.compression`` besides None, with the engine's code of
 #: each: the engine's own table (``hemiola/config.h``), so neither is spelled here.
 #: Every fact about every coding, by name ("none" included), from the same
@@ -88,11 +88,18 @@ class Config:
             bucket's update is applied as soon as it is reduced, the next
             forward of a module waits only for its own parameters, and the
             front layers are reduced first once backward is done.
+            ``"sharded"``: wfbp's math with each rank holding 1/N of the
+            gradients and optimizer state: buckets are reduce-scattered
+            during backward, each rank steps its shard with the optimizer
+            (element-wise ones: SGD, Adam, AdamW, ...), and the updated
+            shards are all-gathered under the next forward, each module
+            waiting for its own parameters (docs/sharded.md).
         fusion_mb: Gradients are fused into buckets in the order backward
             produces them; a bucket closes as soon as it holds this many MiB
             (the gradient that reaches the cap is its last), as with DDP's
             ``bucket_cap_mb``. ``None`` (default): 25 MiB, DDP's default,
-            for ``wfbp`` and ``decoupled``; 4 MiB for ``priority``, whose
+            for ``wfbp`` and ``decoupled``; 4 MiB for ``priority`` and
+            ``sharded`` (whose buffers are sized by it), ``priority``'s
             front-first order needs buckets small enough to reorder (on a
             1 Gbit/s link 25 MiB buckets left it 1.07x DDP's time, 4 MiB
             0.88-0.90x: docs/benchmarks.md).
@@ -246,6 +253,11 @@ class Config:
         group_name: with ``coordinator``: this replica's name in the run
             (unique among the live ones; a restarted replica may take its old
             name). None: ``HEMIOLA_GROUP``, else host name and process id.
+        buckets_in_flight: ``sharded``: how many bucket buffers of each
+            kind (gradients being reduce-scattered, parameters being
+            all-gathered) exist at once; backward waits for the oldest
+            reduction beyond it. Bounds the schedule's transient memory to
+            2 x this x ``fusion_mb``.
     """
 
     schedule: str = "wfbp"
@@ -277,6 +289,7 @@ class Config:
     replica_ranks: int | None = None
     coordinator: str | None = None
     group_name: str | None = None
+    buckets_in_flight: int = 2
 
     def __post_init__(self) -> None:
         if self.schedule not in SCHEDULES:
@@ -289,6 +302,10 @@ class Config:
         if self.partition_mb is not None:
             check_size_mb("partition_mb", self.partition_mb, zero_allowed=True)
         check_timeout_s("timeout_s", self.timeout_s)
+        if not (isinstance(self.buckets_in_flight, int) and not isinstance(
+                self.buckets_in_flight, bool) and self.buckets_in_flight >= 1):
+            raise ValueError("buckets_in_flight must be an integer >= 1, got "
+                             f"{self.buckets_in_flight!r}")
         if not (isinstance(self.in_flight, int) and self.in_flight >= 1):
             raise ValueError(f"in_flight must be an integer >= 1, got {self.in_flight!r}")
         if self.gpu_backend not in ("auto", "nccl", "gloo"):
@@ -350,7 +367,7 @@ class Config:
         """Bucket cap in bytes (see ``fusion_mb``)."""
         mb = self.fusion_mb
         if mb is None:
-            mb = 4.0 if self.schedule == "priority" else 25.0
+            mb = 4.0 if self.schedule in ("priority", "sharded") else 25.0
         return max(1, int(mb * (1 << 20)))
 
     @property

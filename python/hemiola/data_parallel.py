@@ -61,7 +61,8 @@ class DataParallel(nn.Module):
         # for it, and the schedule from the bound model, each complete when made.
         kind = choose_schedule(config)
         in_flight, preview = kind.reducer_needs(config, optimizer, self.device)
-        self._bound = BoundModel(module, engine, config, self.device, in_flight, preview)
+        self._bound = BoundModel(module, engine, config, self.device, in_flight, preview,
+                                 with_reducer=kind.uses_reducer)
         self._schedule: Schedule = kind(self._bound, optimizer, grad_scaler)
         # Checkpoints are exact however they are taken (model.state_dict(),
         # model.module.state_dict(), a reference to the module kept from
@@ -294,11 +295,8 @@ class DataParallel(nn.Module):
         """The current fusion plan: parameter names per bucket, in issue order
         (``priority`` sends the buckets holding the front layers last,
         front-most first, so its order is not backward's)."""
-        r = self._bound
-        if r.reducer is None:
-            return []
-        buckets = r.reducer.buckets()
-        return [[r.names[i] for i in buckets[b]] for b in r.reducer.issue_order()]
+        names = self._bound.names
+        return [[names[i] for i in bucket] for bucket in self._schedule.buckets()]
 
     def timeline(self) -> str:
         """Chrome trace JSON of engine events (``timeline=True`` to record)."""
@@ -329,9 +327,8 @@ class DataParallel(nn.Module):
     def _finish_backward(self) -> None:
         self._in_backward = False
         self.timeline_recorder.record("compute", "backward", "backward", self._backward_start)
-        reducer = self._bound.reducer
-        assert reducer is not None
-        unmarked = reducer.unmarked()
+        schedule = self._schedule
+        unmarked = schedule.unmarked()
         if unmarked:
             if not self.config.find_unused_parameters:
                 names = [self._bound.names[i] for i in unmarked]
@@ -343,8 +340,8 @@ class DataParallel(nn.Module):
                     "if they should never be trained, set requires_grad=False before "
                     "wrapping."
                 )
-                reducer.abort(message)
+                schedule.abort_backward(message)
                 raise RuntimeError(message)
             for i in unmarked:
-                reducer.mark_unused(i, stream=self._bound.stream())
-        self._schedule.backward_done(reducer.finish_marking(), unmarked)
+                schedule.mark_unused(i)
+        schedule.backward_done(schedule.finish_marking(), unmarked)

@@ -163,6 +163,8 @@ def _elastic_streaming(model: nn.Module, optimizer: Any, config: Config,
 _STEPS_ITSELF = {
     "priority": "applies the averaged gradients itself (each layer's update as it arrives)",
     "decoupled": "applies the averaged gradients itself (an approximate step, then the exact one)",
+    "sharded": ("steps each rank's shard of the parameters with your optimizer (its state "
+                "exists for the shard only)"),
     "streaming": ("takes your optimizer's inner steps and averages the parameters' progress "
                   "every sync_every steps"),
 }

@@ -10,6 +10,10 @@
   computes on approximate parameters (the exact ones stepped with this rank's
   own gradient); the exact step lands as soon as it has arrived and no forward
   still needs the approximate value, at the latest in ``optimizer.step()``.
+- ``sharded``: exact; buckets are reduce-scattered during backward, each rank
+  steps its shard of the parameters (gradients and optimizer state exist for
+  the shard only), and the updated shards are all-gathered under the next
+  forward, each module waiting for its own parameters.
 
 Schedules work on a ``hemiola.bound_model.BoundModel`` (parameters, reducer,
 stream, results), never on the wrapper; ``hemiola.forward_gate`` learns where
@@ -27,11 +31,12 @@ from hemiola.config import Config
 from hemiola.schedules.base import Schedule
 from hemiola.schedules.decoupled import Decoupled
 from hemiola.schedules.priority import Priority
+from hemiola.schedules.sharded import Sharded
 from hemiola.schedules.wfbp import Wfbp
 
 #: the class of each ``Config.schedule``
 SCHEDULE_CLASSES: dict[str, type[Schedule]] = {
-    "wfbp": Wfbp, "priority": Priority, "decoupled": Decoupled}
+    "wfbp": Wfbp, "priority": Priority, "decoupled": Decoupled, "sharded": Sharded}
 
 
 def choose_schedule(config: Config) -> type[Schedule]:
@@ -40,4 +45,4 @@ def choose_schedule(config: Config) -> type[Schedule]:
     return SCHEDULE_CLASSES[config.schedule]
 
 
-__all__ = ["Decoupled", "Priority", "Schedule", "Wfbp", "choose_schedule"]
+__all__ = ["Decoupled", "Priority", "Schedule", "Sharded", "Wfbp", "choose_schedule"]

@@ -21,6 +21,9 @@ class Schedule:
     in_flight = 0
     #: the reducer takes a preview of every bucket (``Config.preview``)
     preview = False
+    #: the bound model makes the engine's reducer (False: the schedule
+    #: buckets and marks on its own, and implements the marking hooks below)
+    uses_reducer = True
 
     def __init__(self, bound: BoundModel, optimizer: Any = None,
                  grad_scaler: torch.amp.GradScaler | None = None) -> None:
@@ -49,6 +52,32 @@ class Schedule:
     def mark(self, index: int, grad: torch.Tensor) -> None:
         """Autograd produced `grad` for parameter `index` (hook path)."""
         raise NotImplementedError
+
+    # ---- marking: the reducer's, unless the schedule buckets on its own -------
+
+    def unmarked(self) -> list[int]:
+        """Parameters with no gradient yet in the backward being marked."""
+        return self.bound.reducer.unmarked()  # type: ignore[union-attr]
+
+    def abort_backward(self, message: str) -> None:
+        """The backward being marked cannot complete (`message` says why)."""
+        self.bound.reducer.abort(message)  # type: ignore[union-attr]
+
+    def mark_unused(self, index: int) -> None:
+        """Parameter `index` contributes zeros this backward."""
+        self.bound.reducer.mark_unused(index, stream=self.bound.stream())  # type: ignore[union-attr]
+
+    def finish_marking(self) -> int:
+        """Closes the backward's marking; its iteration number (-1: none)."""
+        return self.bound.reducer.finish_marking()  # type: ignore[union-attr]
+
+    def buckets(self) -> list[list[int]]:
+        """Parameter indices per bucket, in issue order."""
+        reducer = self.bound.reducer
+        if reducer is None:
+            return []
+        buckets = reducer.buckets()
+        return [buckets[b] for b in reducer.issue_order()]
 
     def backward_done(self, iteration: int, unmarked: list[int]) -> None:
         """Backward finished; `iteration`'s marking is closed. `unmarked`

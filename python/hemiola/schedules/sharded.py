@@ -1,0 +1,504 @@
+"""``sharded``: DeAR's cut of the all-reduce with ZeRO-2's sharded state.
+
+Backward copies each gradient into its bucket (the reducer's fusion rule:
+``wfbp``'s buckets) and frees ``.grad``; a full bucket is reduce-scattered
+(``Engine.reduce_scatter``: the ring's chunks, each element summed in the
+order ``wfbp``'s all-reduce sums it, so the result is bitwise ``wfbp``'s).
+``optimizer.step()`` copies this rank's chunk of each bucket out into the
+shard's gradients and lets the user's optimizer step the shard (its param
+groups point at views of this rank's pieces: ``sharded_optimizer``); the
+updated pieces are then all-gathered bucket by bucket, front layers first,
+and the next forward waits at each module for its own parameters only
+(``forward_gate``, as ``priority`` lands its updates). Gradients and
+optimizer state exist for this rank's shard only; at most
+``Config.buckets_in_flight`` bucket buffers of each kind are alive at once,
+so the memory of parameters, gradients, state and buckets is
+4 + 12/N bytes per parameter with AdamW in float32, plus the buffers.
+
+The first iteration learns the order gradients arrive in (rank 0's, as
+``wfbp``'s rebuild does) and plans the buckets from it for the rest of the
+run; that iteration completes each bucket's all-reduce (the all-gather of
+the reduced chunks) to hand the averaged gradients to the new plan's shard.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from hemiola._native import C
+from hemiola.engine_tensors import dtype_code
+from hemiola.forward_gate import ForwardGate
+from hemiola.schedules.base import Schedule
+from hemiola.schedules.buffers import BufferBroadcast
+from hemiola.schedules.sharded_optimizer import (
+    ShardedOptimizer,
+    refuse_non_elementwise,
+    refuse_scattered,
+)
+from hemiola.schedules.sharded_plan import Bucket, ShardPlan
+from hemiola.schedules.takeover import take_over_optimizer
+
+if TYPE_CHECKING:
+    from hemiola.bound_model import BoundModel
+
+INT64 = int(C.DType.int64)
+FLOAT64 = dtype_code(torch.float64)
+
+
+class _Reduction:
+    """One bucket's reduce-scatter in flight: its buffer and handle."""
+
+    def __init__(self, bucket: int, buffer: torch.Tensor, handle: Any) -> None:
+        self.bucket = bucket
+        self.buffer = buffer
+        self.handle = handle
+
+
+class Sharded(Schedule):
+    """See the module docstring."""
+
+    uses_reducer = False
+
+    def __init__(self, bound: BoundModel, optimizer: Any = None,
+                 grad_scaler: torch.amp.GradScaler | None = None) -> None:
+        super().__init__(bound, optimizer, grad_scaler)
+        config = bound.config
+        if bound.device.type != "cpu":
+            raise ValueError(
+                "schedule='sharded' runs on CPU parameters (the Gloo wire) in this build; its "
+                "GPU path over NCCL's reduce-scatter and all-gather has not run on a GPU yet. "
+                "Use schedule='priority' on a GPU.")
+        if config.compression is not None:
+            raise ValueError(
+                f"schedule='sharded' does not compress yet (compression="
+                f"{config.compression!r}); leave compression unset, or use "
+                "schedule='priority' with it")
+        if grad_scaler is not None:
+            raise ValueError(
+                "schedule='sharded' does not take a GradScaler yet; train in float32 or "
+                "bfloat16 autocast (no scaler needed), or use schedule='priority' with it")
+        refuse_scattered(bound.names, bound.params)
+        self._world = bound.world_size
+        self._rank = bound.rank
+        self._order: list[int] = []  # the first iteration's arrival order
+        self._learn_order = config.rebuild_buckets and self._world > 1
+        self.plan = self._make_plan(list(range(len(bound.params)))[::-1])
+        self._optimizer: ShardedOptimizer | None = None
+        self._inner_step: Any = None
+        self._iteration = -1
+        # The backward being marked: per bucket, gradients copied in, and
+        # its buffer; the next bucket to reduce (buckets go in plan order on
+        # every rank).
+        self._filled = [0] * len(self.plan.buckets)
+        self._staging: dict[int, torch.Tensor] = {}
+        self._next = 0
+        self._marking = False
+        self._marked = [False] * len(bound.params)
+        self._reductions: list[_Reduction] = []  # in flight, oldest first
+        # The averaged gradients of this rank's chunk of each bucket, kept
+        # from the reduction to the step (persistent: 4/N bytes a parameter).
+        self._grads = [torch.empty(b.hi - b.lo, dtype=b.dtype) for b in self.plan.buckets]
+        self._reduced = False  # a synchronised backward waits for its step
+        self._usage: torch.Tensor | None = None
+        self._usage_handle: Any = None
+        # All-gathers of the parameters: buckets still to land (front
+        # layers first), and those on the wire with their buffers.
+        self._to_gather: list[int] = []
+        self._gathers: dict[int, tuple[torch.Tensor, Any]] = {}
+        self._unlanded: set[int] = set()  # buckets whose parameters are stale
+        self._free: list[torch.Tensor] = []  # spare bucket buffers
+        self._buffers = BufferBroadcast(bound)
+        self._buffers_early = False
+        self._gate = ForwardGate(bound.module, bound.params, self.land)
+        # The first iteration's whole averages per bucket (see the module
+        # docstring), until its step plans the run's buckets.
+        self._first_averages: dict[int, torch.Tensor] = {}
+        # Buckets the forward before this backward never landed: a gradient
+        # of one of their parameters means it was read stale.
+        self._stale: set[int] = set()
+        #: model.clip_grad_norm_ of this iteration: (max_norm, the norm)
+        self._clip: tuple[float, float] | None = None
+
+    # ---- the plan ------------------------------------------------------------
+
+    def _make_plan(self, order: list[int]) -> ShardPlan:
+        m = self.bound
+        return ShardPlan(m.params, order, m.config.first_bucket_bytes, m.config.fusion_bytes,
+                         self._rank, self._world)
+
+    def buckets(self) -> list[list[int]]:
+        return [b.indices for b in self.plan.buckets]
+
+    # ---- the optimizer -------------------------------------------------------
+
+    def wrap_optimizer(self, optimizer: Any) -> Any:
+        self._inner_step = take_over_optimizer(self, optimizer, self.step)
+        refuse_non_elementwise(optimizer)
+        self._optimizer = ShardedOptimizer(optimizer, self.bound.params)
+        self._optimizer.point_at(self.plan)
+        return optimizer
+
+    # ---- bucket buffers ------------------------------------------------------
+
+    def _buffer(self, bucket: Bucket) -> torch.Tensor:
+        """A bucket-sized buffer: a spare one, or a new one once fewer than
+        buckets_in_flight are alive (else the oldest reduction is waited
+        for, and its buffer reused)."""
+        cap = self.bound.config.buckets_in_flight
+        while len(self._reductions) >= cap:
+            self._harvest(self._reductions[0])
+        for k, spare in enumerate(self._free):
+            if spare.dtype == bucket.dtype and spare.numel() >= bucket.numel:
+                del self._free[k]
+                return spare[:bucket.numel]
+        return torch.empty(bucket.numel, dtype=bucket.dtype)
+
+    def _release(self, buffer: torch.Tensor) -> None:
+        base = buffer._base if buffer._base is not None else buffer
+        self._free.append(base)
+        cap = self.bound.config.buckets_in_flight
+        if len(self._free) > cap:
+            self._free.sort(key=lambda t: t.numel(), reverse=True)
+            del self._free[cap:]
+
+    # ---- backward ------------------------------------------------------------
+
+    def backward_started(self) -> None:
+        # Every all-gather lands before the first reduce-scatter is queued,
+        # so the engine's order is the same on every rank whatever the
+        # forward read.
+        self._stale = set(self._unlanded)
+        self.synchronize()
+        # Rank 0's buffers travel ahead of every bucket (see UpdaterSchedule).
+        self._buffers_early = self._buffers.wanted and not self._buffers.pending
+        if self._buffers_early:
+            self._buffers.start()
+
+    def mark(self, index: int, grad: torch.Tensor) -> None:
+        if self._marked[index]:
+            raise RuntimeError(f"parameter {self.bound.names[index]!r} got two gradients in "
+                               "one backward pass")
+        b, offset = self.plan.where[index]
+        if b in self._stale:
+            self._refuse_stale_read(index)
+        if self._reduced:
+            raise RuntimeError(
+                "schedule='sharded': a second synchronised backward before optimizer.step(); "
+                "accumulate gradients inside model.no_sync() and synchronise only the last "
+                "backward before the step")
+        self._marking = True
+        self._marked[index] = True
+        if self._learn_order:
+            self._order.append(index)
+        p = self.bound.params[index]
+        buffer = self._staging.get(b)
+        if buffer is None:
+            buffer = self._staging[b] = self._buffer(self.plan.buckets[b])
+        buffer[offset:offset + p.numel()].view_as(grad).copy_(grad)
+        p.grad = None  # the bucket holds it now; the shard's gradient comes back
+        self._filled[b] += 1
+        self._reduce_full_buckets()
+
+    def _refuse_stale_read(self, index: int) -> None:
+        raise RuntimeError(
+            f"schedule='sharded': parameter {self.bound.names[index]!r} was read before its "
+            "all-gather landed: the forward read it from a module other than the one it was "
+            "first read in (the first forward learnt where each parameter is landed). "
+            "Read each parameter in the same module every iteration, or use "
+            "schedule='wfbp'.")
+
+    def _reduce_full_buckets(self) -> None:
+        buckets = self.plan.buckets
+        while self._next < len(buckets) and self._filled[self._next] == len(
+                buckets[self._next].indices):
+            b = self._next
+            buffer = self._staging.pop(b)
+            handle = self.bound.engine.reduce_scatter(buffer.data_ptr(),
+                                                      dtype_code(buffer.dtype), buffer.numel())
+            self._reductions.append(_Reduction(b, buffer, handle))
+            self._next += 1
+        while self._reductions and self._reductions[0].handle.done():
+            self._harvest(self._reductions[0])
+
+    def _harvest(self, reduction: _Reduction) -> None:
+        """Waits for a reduce-scatter and keeps this rank's chunk."""
+        with self.bound.timeline.span("compute", f"wait reduce-scatter {reduction.bucket}",
+                                      "wait"):
+            reduction.handle.wait()
+        self._reductions.remove(reduction)
+        bucket = self.plan.buckets[reduction.bucket]
+        if self._learn_order:
+            # The first iteration's plan is replaced at its step: the whole
+            # average is needed there (see the module docstring).
+            self.bound.engine.all_gather_chunks(
+                reduction.buffer.data_ptr(), dtype_code(bucket.dtype), bucket.numel).wait()
+            self._first_averages[reduction.bucket] = reduction.buffer
+            return
+        self._grads[reduction.bucket].copy_(reduction.buffer[bucket.lo:bucket.hi])
+        self._release(reduction.buffer)
+
+    def unmarked(self) -> list[int]:
+        return [i for i, marked in enumerate(self._marked) if not marked]
+
+    def abort_backward(self, message: str) -> None:
+        self._reset_marking()
+
+    def mark_unused(self, index: int) -> None:
+        b, offset = self.plan.where[index]
+        p = self.bound.params[index]
+        buffer = self._staging.get(b)
+        if buffer is None:
+            buffer = self._staging[b] = self._buffer(self.plan.buckets[b])
+        buffer[offset:offset + p.numel()].zero_()
+        self._filled[b] += 1
+        self._reduce_full_buckets()
+
+    def finish_marking(self) -> int:
+        if not self._marking:
+            return -1
+        assert self._next == len(self.plan.buckets), "a bucket was never reduced"
+        if self.bound.config.find_unused_parameters:
+            # How many ranks used each parameter: one no rank used is not
+            # stepped, as torch skips a parameter without a gradient.
+            self._usage = torch.tensor([float(m) for m in self._marked], dtype=torch.float64)
+            self._usage_handle = self.bound.engine.all_reduce(
+                self._usage.data_ptr(), FLOAT64, self._usage.numel())
+        self._iteration += 1
+        self._reset_marking()
+        self._reduced = True
+        return self._iteration
+
+    def _reset_marking(self) -> None:
+        self._marking = False
+        self._marked = [False] * len(self.bound.params)
+        self._filled = [0] * len(self.plan.buckets)
+        self._next = 0
+        for buffer in self._staging.values():
+            self._release(buffer)
+        self._staging.clear()
+
+    def backward_done(self, iteration: int, unmarked: list[int]) -> None:
+        if self._buffers.wanted and not self._buffers_early:
+            self._buffers.start()
+        self._buffers_early = False
+
+    # ---- optimizer.step() ----------------------------------------------------
+
+    def step(self) -> None:
+        """``optimizer.step()``: the shard's averaged gradients, torch's step
+        of the shard, and the all-gathers of the updated pieces."""
+        if not self._reduced:
+            raise RuntimeError(
+                "schedule='sharded': optimizer.step() with no synchronised backward since the "
+                "last step; the averaged gradient exists only after a backward outside "
+                "model.no_sync() (call loss.backward() before optimizer.step())")
+        self.bound.backward_since_step = False
+        self._buffers.land()
+        self._finish_reductions()
+        used = self._used()
+        self._reduced = False
+        opt = self._optimizer
+        assert opt is not None
+        grads: dict[int, torch.Tensor | None] = {}
+        for b, bucket in enumerate(self.plan.buckets):
+            for piece in bucket.pieces:
+                if used is None or used[piece.index]:
+                    start = piece.offset - bucket.lo
+                    grads[piece.index] = self._grads[b][start:start + piece.count]
+        opt.set_grads(grads)
+        clip, self._clip = self._clip, None
+        if clip is not None:
+            self._apply_clip(*clip)
+        self._inner_step()
+        opt.set_grads({})
+        self._start_gathers()
+
+    def _finish_reductions(self) -> None:
+        """Waits for every reduce-scatter of the backward; the shard's
+        averaged gradients are in place after it."""
+        while self._reductions:
+            self._harvest(self._reductions[0])
+        if self._learn_order:
+            self._adopt_observed_order()
+
+    def _used(self) -> list[bool] | None:
+        if self._usage_handle is None:
+            return None
+        self._usage_handle.wait()
+        self._usage_handle = None
+        assert self._usage is not None
+        return [u > 0 for u in self._usage.tolist()]
+
+    def _adopt_observed_order(self) -> None:
+        """The first iteration's step: every rank plans from rank 0's arrival
+        order (wfbp's rebuild), and takes the new shard's averaged gradients
+        from the whole averages that iteration gathered."""
+        m = self.bound
+        n = len(m.params)
+        seen = set(self._order)
+        order = torch.tensor(self._order + [i for i in range(n - 1, -1, -1) if i not in seen],
+                             dtype=torch.int64)
+        m.engine.broadcast(order.data_ptr(), INT64, n, 0).wait()
+        old, averages = self.plan, self._first_averages
+        self._learn_order = False
+        self._first_averages = {}
+        self.plan = self._make_plan(order.tolist())
+        self._grads = [torch.empty(b.hi - b.lo, dtype=b.dtype) for b in self.plan.buckets]
+        flat: dict[int, torch.Tensor] = {}
+        for b, bucket in enumerate(old.buckets):
+            for i, offset in zip(bucket.indices, bucket.offsets):
+                flat[i] = averages[b][offset:offset + m.params[i].numel()]
+        for b, bucket in enumerate(self.plan.buckets):
+            for piece in bucket.pieces:
+                start = piece.offset - bucket.lo
+                self._grads[b][start:start + piece.count].copy_(
+                    flat[piece.index][piece.begin:piece.begin + piece.count])
+        self._free.clear()
+        assert self._optimizer is not None
+        if self._optimizer.optimizer.state:
+            raise RuntimeError("schedule='sharded': the optimizer holds state before the "
+                               "first step; load a checkpoint after the first step, or pass "
+                               "rebuild_buckets=False")
+        self._optimizer.point_at(self.plan)
+
+    # ---- the all-gathers and the next forward --------------------------------
+
+    def _start_gathers(self) -> None:
+        """Queues every bucket's all-gather, front layers first (backward's
+        plan order reversed); at most buckets_in_flight are on the wire."""
+        self._to_gather = list(range(len(self.plan.buckets)))[::-1]
+        self._unlanded = set(self._to_gather)
+        self._issue_gathers()
+
+    def _issue_gathers(self) -> None:
+        cap = self.bound.config.buckets_in_flight
+        params = self.bound.params
+        while self._to_gather and len(self._gathers) < cap:
+            b = self._to_gather.pop(0)
+            bucket = self.plan.buckets[b]
+            buffer = self._buffer(bucket)
+            for piece in bucket.pieces:
+                flat = params[piece.index].detach().view(-1)
+                buffer[piece.offset:piece.offset + piece.count].copy_(
+                    flat[piece.begin:piece.begin + piece.count])
+            handle = self.bound.engine.all_gather_chunks(
+                buffer.data_ptr(), dtype_code(bucket.dtype), bucket.numel)
+            self._gathers[b] = (buffer, handle)
+
+    def _land_bucket(self, b: int) -> None:
+        """Waits for bucket b's all-gather and writes its parameters."""
+        while b not in self._gathers:  # queued behind others: land those first
+            self._land_bucket(next(iter(self._gathers)))
+        buffer, handle = self._gathers.pop(b)
+        with self.bound.timeline.span("compute", f"wait all-gather {b}", "wait"):
+            handle.wait()
+        params = self.bound.params
+        bucket = self.plan.buckets[b]
+        with torch.no_grad():
+            for i, offset in zip(bucket.indices, bucket.offsets):
+                p = params[i]
+                p.view(-1).copy_(buffer[offset:offset + p.numel()])
+        self._unlanded.discard(b)
+        self._release(buffer)
+        self._issue_gathers()
+
+    def land(self, gate: int, indices: list[int]) -> None:
+        """A forward reaches gate `gate`: its parameters' buckets land (gate
+        0, the start of the forward: those no later gate lands)."""
+        if not self._unlanded:
+            return
+        if gate == 0:
+            indices = self._at_start()
+        where = self.plan.where
+        for b in sorted({where[i][0] for i in indices} & self._unlanded, reverse=True):
+            self._land_bucket(b)
+
+    def _at_start(self) -> list[int]:
+        gates = self._gate.gates
+        if len(gates) == 1:
+            return gates[0]
+        later = {i for gate in gates[1:] for i in gate}
+        return [i for i in gates[0] if i not in later]
+
+    def forward_scope(self) -> contextlib.AbstractContextManager[None]:
+        return self._gate.scope()
+
+    @property
+    def observing(self) -> bool:
+        return self._gate.learning
+
+    def forward_is_compiled(self) -> None:
+        self._gate.land_at_start_only()
+
+    def before_forward(self) -> None:
+        if not torch.is_grad_enabled():
+            self.synchronize()  # evaluation reads the exact parameters, rank 0's buffers
+        else:
+            self._gate.land_now()
+
+    def synchronize(self) -> None:
+        while self._unlanded:
+            self._land_bucket(max(self._unlanded))
+        self._buffers.finish()
+
+    # ---- gradients, as the user reads them -----------------------------------
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float) -> torch.Tensor:
+        if not self._reduced:
+            raise RuntimeError("model.clip_grad_norm_() goes between backward() and "
+                               "optimizer.step()")
+        self._finish_reductions()
+        norm = self._shard_norm(float(norm_type))
+        self._clip = (float(max_norm), norm)
+        return torch.tensor(norm)
+
+    def _shard_norm(self, norm_type: float) -> float:
+        """The norm of the averaged gradient over every rank's shard: each
+        rank's partial (a sum of |g|^p, or a maximum), all-gathered in
+        float64, combined in rank order, so every rank gets the same."""
+        partial = 0.0
+        for grads in self._grads:
+            g = grads.double()
+            if g.numel() == 0:
+                continue
+            if math.isinf(norm_type):
+                partial = max(partial, float(g.abs().max()))
+            else:
+                partial += float(g.abs().pow(norm_type).sum())
+        mine = torch.tensor([partial], dtype=torch.float64)
+        every = torch.empty(self._world, dtype=torch.float64)
+        self.bound.engine.all_gather(mine.data_ptr(), every.data_ptr(), FLOAT64, 1).wait()
+        if math.isinf(norm_type):
+            return float(every.max())
+        return float(every.sum()) ** (1.0 / norm_type)
+
+    def _apply_clip(self, max_norm: float, total: float) -> None:
+        # torch's rule: coefficient max_norm / (norm + 1e-6), at most 1, as a
+        # float32 tensor multiplying every gradient.
+        norm = torch.tensor(total, dtype=torch.float32)
+        coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+        for g in self._grads:
+            g.mul_(coef)
+
+    def averaged_gradients(self) -> list[torch.Tensor]:
+        if not self._reduced:
+            raise RuntimeError("model.averaged_gradients() goes between backward() and "
+                               "optimizer.step()")
+        self._finish_reductions()
+        m = self.bound
+        out = [torch.zeros_like(p) for p in m.params]
+        for b, bucket in enumerate(self.plan.buckets):
+            whole = torch.zeros(bucket.numel, dtype=bucket.dtype)
+            whole[bucket.lo:bucket.hi].copy_(self._grads[b])
+            m.engine.all_gather_chunks(whole.data_ptr(), dtype_code(bucket.dtype),
+                                       bucket.numel).wait()
+            for i, offset in zip(bucket.indices, bucket.offsets):
+                out[i].view(-1).copy_(whole[offset:offset + m.params[i].numel()])
+        return out
+
+    def stats(self) -> dict[str, float]:
+        return {"shard_elements": float(self.plan.shard_numel)}
