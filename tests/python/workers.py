@@ -893,18 +893,3 @@ def edited_grad_then_step_again(rank: int, world: int) -> dict[str, str]:
         model.synchronize()
     return out
 
-
-
-def sharded_matches_wfbp(rank: int, world: int, model_name: str, opt_name: str, steps: int,
-                         clip: float | None = None, fusion_mb: float = 1 / 64) -> dict[str, float]:
-    """Different data per rank: sharded is exact, so it must follow wfbp.
-    Returns the largest parameter and loss differences."""
-    a = schedule_run(rank, world, "wfbp", model_name, opt_name, steps, False, clip,
-                     fusion_mb=fusion_mb)
-    b = schedule_run(rank, world, "sharded", model_name, opt_name, steps, False, clip,
-                     fusion_mb=fusion_mb)
-    return {"params": max((x - y).abs().max().item() for x, y in zip(a["params"], b["params"])),
-            "losses": max(abs(x - y) for x, y in zip(a["losses"], b["losses"])),
-            "moved": max((x - y).abs().max().item()
-                         for x, y in zip(a["params"], schedule_run(
-                             rank, world, "wfbp", model_name, opt_name, 0, False)["params"]))}

@@ -17,14 +17,17 @@ so the memory of parameters, gradients, state and buckets is
 
 The first iteration learns the order gradients arrive in (rank 0's, as
 ``wfbp``'s rebuild does) and plans the buckets from it for the rest of the
-run; that iteration completes each bucket's all-reduce (the all-gather of
-the reduced chunks) to hand the averaged gradients to the new plan's shard.
+run; its step completes each old bucket's all-reduce (the all-gather of the
+reduced chunks, one bucket at a time) to hand the averaged gradients to the
+new plan's shard.
 """
 
 from __future__ import annotations
 
 import contextlib
 import math
+import types
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -40,6 +43,12 @@ from hemiola.schedules.sharded_optimizer import (
     refuse_scattered,
 )
 from hemiola.schedules.sharded_plan import Bucket, ShardPlan
+from hemiola.schedules.sharded_state import (
+    check_shard,
+    full_state_dict,
+    load_full_state_dict,
+    shard_state_dict,
+)
 from hemiola.schedules.takeover import take_over_optimizer
 
 if TYPE_CHECKING:
@@ -114,9 +123,6 @@ class Sharded(Schedule):
         self._buffers = BufferBroadcast(bound)
         self._buffers_early = False
         self._gate = ForwardGate(bound.module, bound.params, self.land)
-        # The first iteration's whole averages per bucket (see the module
-        # docstring), until its step plans the run's buckets.
-        self._first_averages: dict[int, torch.Tensor] = {}
         # Buckets the forward before this backward never landed: a gradient
         # of one of their parameters means it was read stale.
         self._stale: set[int] = set()
@@ -140,7 +146,53 @@ class Sharded(Schedule):
         refuse_non_elementwise(optimizer)
         self._optimizer = ShardedOptimizer(optimizer, self.bound.params)
         self._optimizer.point_at(self.plan)
+        schedule = self
+
+        def load_state_dict(opt: torch.optim.Optimizer, state: dict[str, Any]) -> None:
+            """Loads the full state optimizer.state_dict() returned (local:
+            each rank keeps its pieces)."""
+            schedule.synchronize()
+            load_full_state_dict(schedule, state)
+
+        def shard(opt: torch.optim.Optimizer) -> dict[str, Any]:
+            """This rank's shard of the optimizer state, with the plan it was
+            cut by (no communication; load it on this rank with
+            load_shard_state_dict)."""
+            return shard_state_dict(schedule, lambda: torch.optim.Optimizer.state_dict(opt))
+
+        def load_shard(opt: torch.optim.Optimizer, state: dict[str, Any]) -> None:
+            """Loads what shard_state_dict() saved on this rank."""
+            schedule.synchronize()
+            schedule.adopt_plan(check_shard(schedule, state))
+            torch.optim.Optimizer.load_state_dict(
+                opt, {k: v for k, v in state.items() if k != "hemiola_shard"})
+
+        optimizer.load_state_dict = types.MethodType(load_state_dict, optimizer)
+        optimizer.shard_state_dict = types.MethodType(shard, optimizer)
+        optimizer.load_shard_state_dict = types.MethodType(load_shard, optimizer)
         return optimizer
+
+    @property
+    def sharded_optimizer(self) -> ShardedOptimizer:
+        assert self._optimizer is not None
+        return self._optimizer
+
+    def optimizer_state_dict(self, inner: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+        # The full state: a collective (every rank calls optimizer.state_dict()).
+        return full_state_dict(self, inner)
+
+    def parameters_replaced(self) -> None:
+        if self._optimizer is not None:
+            self._optimizer.refresh(self.plan)
+
+    def adopt_plan(self, order: list[int]) -> None:
+        """Plans from `order` from now on (a loaded shard's plan)."""
+        self._learn_order = False
+        if order != self.plan.order:
+            self.plan = self._make_plan(order)
+            self._grads = [torch.empty(b.hi - b.lo, dtype=b.dtype) for b in self.plan.buckets]
+            self._free.clear()
+            self.sharded_optimizer.point_at(self.plan)
 
     # ---- bucket buffers ------------------------------------------------------
 
@@ -231,13 +283,6 @@ class Sharded(Schedule):
             reduction.handle.wait()
         self._reductions.remove(reduction)
         bucket = self.plan.buckets[reduction.bucket]
-        if self._learn_order:
-            # The first iteration's plan is replaced at its step: the whole
-            # average is needed there (see the module docstring).
-            self.bound.engine.all_gather_chunks(
-                reduction.buffer.data_ptr(), dtype_code(bucket.dtype), bucket.numel).wait()
-            self._first_averages[reduction.bucket] = reduction.buffer
-            return
         self._grads[reduction.bucket].copy_(reduction.buffer[bucket.lo:bucket.hi])
         self._release(reduction.buffer)
 
@@ -335,35 +380,44 @@ class Sharded(Schedule):
 
     def _adopt_observed_order(self) -> None:
         """The first iteration's step: every rank plans from rank 0's arrival
-        order (wfbp's rebuild), and takes the new shard's averaged gradients
-        from the whole averages that iteration gathered."""
+        order (wfbp's rebuild), and the new shard's averaged gradients are
+        taken from the old plan's chunks, all-gathered one bucket at a time
+        (the first iteration's all-reduce completed, in bounded memory)."""
         m = self.bound
         n = len(m.params)
         seen = set(self._order)
         order = torch.tensor(self._order + [i for i in range(n - 1, -1, -1) if i not in seen],
                              dtype=torch.int64)
         m.engine.broadcast(order.data_ptr(), INT64, n, 0).wait()
-        old, averages = self.plan, self._first_averages
         self._learn_order = False
-        self._first_averages = {}
+        old, old_grads = self.plan, self._grads
         self.plan = self._make_plan(order.tolist())
         self._grads = [torch.empty(b.hi - b.lo, dtype=b.dtype) for b in self.plan.buckets]
-        flat: dict[int, torch.Tensor] = {}
         for b, bucket in enumerate(old.buckets):
+            whole = self._buffer(bucket)
+            whole[bucket.lo:bucket.hi].copy_(old_grads[b])
+            m.engine.all_gather_chunks(whole.data_ptr(), dtype_code(bucket.dtype),
+                                       bucket.numel).wait()
             for i, offset in zip(bucket.indices, bucket.offsets):
-                flat[i] = averages[b][offset:offset + m.params[i].numel()]
-        for b, bucket in enumerate(self.plan.buckets):
-            for piece in bucket.pieces:
-                start = piece.offset - bucket.lo
-                self._grads[b][start:start + piece.count].copy_(
-                    flat[piece.index][piece.begin:piece.begin + piece.count])
-        self._free.clear()
-        assert self._optimizer is not None
-        if self._optimizer.optimizer.state:
-            raise RuntimeError("schedule='sharded': the optimizer holds state before the "
-                               "first step; load a checkpoint after the first step, or pass "
-                               "rebuild_buckets=False")
-        self._optimizer.point_at(self.plan)
+                piece = self.plan.piece_of.get(i)
+                if piece is None:
+                    continue
+                nb, _ = self.plan.where[i]
+                start = piece.offset - self.plan.buckets[nb].lo
+                self._grads[nb][start:start + piece.count].copy_(
+                    whole[offset + piece.begin:offset + piece.begin + piece.count])
+            self._release(whole)
+        opt = self.sharded_optimizer
+        if opt.optimizer.state:
+            # A checkpoint loaded before the first step: its full state is
+            # cut again by the new plan.
+            self.plan = old
+            full = full_state_dict(self, lambda: torch.optim.Optimizer.state_dict(opt.optimizer))
+            self.plan = self._make_plan(order.tolist())
+            opt.point_at(self.plan)
+            load_full_state_dict(self, full)
+        else:
+            opt.point_at(self.plan)
 
     # ---- the all-gathers and the next forward --------------------------------
 

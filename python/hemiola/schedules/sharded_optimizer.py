@@ -75,6 +75,18 @@ class ShardedOptimizer:
             group["params"] = [self.views[i] for i in indices if self.views[i] is not None]
         self.optimizer.state.clear()
 
+    def refresh(self, plan: ShardPlan) -> None:
+        """The parameters' storage changed (``load_state_dict(assign=True)``):
+        new views of the same pieces, each keeping its optimizer state."""
+        old = self.views
+        state = {i: self.optimizer.state[v] for i, v in enumerate(old)
+                 if v is not None and v in self.optimizer.state}
+        self.point_at(plan)
+        for i, entry in state.items():
+            view = self.views[i]
+            assert view is not None
+            self.optimizer.state[view] = entry
+
     def set_grads(self, grads: dict[int, torch.Tensor | None]) -> None:
         """Each view's gradient for the next step (None: not stepped)."""
         for i, view in enumerate(self.views):

@@ -1,0 +1,195 @@
+"""Rank functions of tests/python/test_sharded.py (run by hemiola.launch's
+run_local: one process per rank, real Gloo over loopback)."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+from torch import nn
+
+import hemiola
+
+from models import loss_of, make_batch, make_model
+from workers import _optimizer, schedule_run
+
+
+def max_diff(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
+    return max((x - y).abs().max().item() for x, y in zip(a, b))
+
+
+def sharded_matches_wfbp(rank: int, world: int, model_name: str, opt_name: str, steps: int,
+                         clip: float | None = None) -> dict[str, float]:
+    """Different data per rank: sharded is exact, so it must follow wfbp.
+    The largest parameter and loss differences, and how far training (and
+    clipping, with `clip`) moved the parameters."""
+    a = schedule_run(rank, world, "wfbp", model_name, opt_name, steps, False, clip)
+    b = schedule_run(rank, world, "sharded", model_name, opt_name, steps, False, clip)
+    start = schedule_run(rank, world, "wfbp", model_name, opt_name, 0, False)
+    out = {"params": max_diff(a["params"], b["params"]),
+           "losses": max(abs(x - y) for x, y in zip(a["losses"], b["losses"])),
+           "moved": max_diff(a["params"], start["params"])}
+    if clip is not None:
+        unclipped = schedule_run(rank, world, "wfbp", model_name, opt_name, steps, False)
+        out["clipping_moved"] = max_diff(a["params"], unclipped["params"])
+    return out
+
+
+def state_is_sharded(rank: int, world: int) -> dict[str, Any]:
+    """AdamW on the transformer: after each backward no parameter holds a
+    .grad; after the steps, the elements of optimizer state this rank holds,
+    the model's, and the averaged gradients against wfbp's .grad."""
+    hemiola.init()
+    torch.manual_seed(0)
+    m = make_model("transformer")
+    model, opt = hemiola.wrap(m, _optimizer("adamw", m.parameters()), schedule="sharded",
+                              fusion_mb=1 / 16, timeout_s=60)
+    grads_left = 0
+    for step in range(3):
+        x, y = make_batch("transformer", step, rank, world)
+        opt.zero_grad()
+        loss_of("transformer", model(x), y).backward()
+        grads_left += sum(p.grad is not None for p in m.parameters())
+        averaged = model.averaged_gradients()
+        opt.step()
+    per_element = sum(v.numel() for entry in opt.state.values() for v in entry.values()
+                      if isinstance(v, torch.Tensor) and v.dim() == 1)
+    # wfbp's averaged .grad of the same fourth... the same third backward
+    torch.manual_seed(0)
+    r = make_model("transformer")
+    ref, ref_opt = hemiola.wrap(r, _optimizer("adamw", r.parameters()), schedule="wfbp",
+                                fusion_mb=1 / 16, timeout_s=60)
+    for step in range(3):
+        x, y = make_batch("transformer", step, rank, world)
+        ref_opt.zero_grad()
+        loss_of("transformer", ref(x), y).backward()
+        if step < 2:
+            ref_opt.step()
+    diff = max((averaged[n] - p.grad).abs().max().item() for n, p in r.named_parameters())
+    return {"grads_left": grads_left, "state_elements": per_element,
+            "model_elements": sum(p.numel() for p in m.parameters()),
+            "shard_elements": model.stats()["shard_elements"], "averaged_vs_wfbp": diff}
+
+
+def resumed(rank: int, world: int, how: str) -> dict[str, Any]:
+    """AdamW on the transformer, 3 steps, a checkpoint (`how`: "full", every
+    rank's optimizer.state_dict(), rank 0's loaded by all; "shard", each
+    rank's shard_state_dict()), 3 more steps; then a fresh wrap loads the
+    checkpoint before its first step and takes the same 3 steps. Both ends,
+    and the full state against wfbp's optimizer state at the checkpoint."""
+    hemiola.init()
+
+    def wrapped(schedule: str = "sharded") -> tuple[nn.Module, nn.Module, Any]:
+        torch.manual_seed(0)
+        m = make_model("transformer")
+        model, opt = hemiola.wrap(m, _optimizer("adamw", m.parameters()), schedule=schedule,
+                                  fusion_mb=1 / 16, timeout_s=60)
+        return m, model, opt
+
+    def train(model: nn.Module, opt: Any, steps: range) -> None:
+        for step in steps:
+            x, y = make_batch("transformer", step, rank, world)
+            opt.zero_grad()
+            loss_of("transformer", model(x), y).backward()
+            opt.step()
+
+    m, model, opt = wrapped()
+    train(model, opt, range(3))
+    full = opt.state_dict()  # every rank: a collective
+    # (a state_dict holds references to the live state, as torch's does: a
+    # checkpoint in memory is a deep copy, as one written to a file is)
+    saved = copy.deepcopy({"model": model.state_dict(),
+                           "optimizer": full if how == "full" else opt.shard_state_dict()})
+    train(model, opt, range(3, 6))
+    model.synchronize()
+    straight = [p.detach().clone() for p in m.parameters()]
+
+    # wfbp's state at the checkpoint, for the full state's values
+    w, wmodel, wopt = wrapped("wfbp")
+    train(wmodel, wopt, range(3))
+    reference = wopt.state_dict()
+    state_diff = max(
+        (full["state"][k][key] - v).abs().max().item()
+        for k, entry in reference["state"].items() for key, v in entry.items())
+
+    m2, model2, opt2 = wrapped()
+    model2.load_state_dict(saved["model"])
+    if how == "full":
+        opt2.load_state_dict(saved["optimizer"])
+    else:
+        opt2.load_shard_state_dict(saved["optimizer"])
+    train(model2, opt2, range(3, 6))
+    model2.synchronize()
+    again = [p.detach().clone() for p in m2.parameters()]
+    return {"resume_diff": max_diff(straight, again), "state_vs_wfbp": state_diff,
+            "full_keys": sorted(full["state"][0]), "states": len(full["state"]),
+            "params": len(straight), "moved": max_diff(straight, [
+                v for k, v in saved["model"].items() if k in dict(m.named_parameters())])}
+
+
+def shard_loaded_elsewhere(rank: int, world: int) -> str:
+    """A shard saved by rank 0 loaded on every rank: refused on the others."""
+    hemiola.init()
+    torch.manual_seed(0)
+    m = make_model("mlp")
+    model, opt = hemiola.wrap(m, _optimizer("sgd", m.parameters()), schedule="sharded",
+                              timeout_s=60)
+    x, y = make_batch("mlp", 0, rank, world)
+    loss_of("mlp", model(x), y).backward()
+    opt.step()
+    shard = opt.shard_state_dict()
+    shard["hemiola_shard"]["rank"] = 0
+    try:
+        opt.load_shard_state_dict(shard)
+    except ValueError as e:
+        return str(e)
+    return "loaded"
+
+
+def no_sync_then_step(rank: int, world: int, schedule: str) -> list[torch.Tensor]:
+    """Two micro-batches inside no_sync and one synchronised, then the step,
+    for 3 steps."""
+    hemiola.init()
+    torch.manual_seed(0)
+    m = make_model("mlp")
+    model, opt = hemiola.wrap(m, _optimizer("sgd", m.parameters()), schedule=schedule,
+                              fusion_mb=1 / 64, timeout_s=60)
+    for step in range(3):
+        opt.zero_grad()
+        for micro in range(3):
+            x, y = make_batch("mlp", 3 * step + micro, rank, world)
+            loss = loss_of("mlp", model(x), y) / 3
+            if micro < 2:
+                with model.no_sync():
+                    loss.backward()
+            else:
+                loss.backward()
+        opt.step()
+    model.synchronize()
+    return [p.detach().clone() for p in m.parameters()]
+
+
+def refusal(rank: int, world: int, case: str) -> str:
+    """What a misuse under sharded raises (the message), or "no error"."""
+    hemiola.init()
+    torch.manual_seed(0)
+    m = make_model("mlp")
+    try:
+        if case == "optimizer":
+            hemiola.wrap(m, torch.optim.Adafactor(m.parameters()), schedule="sharded",
+                         timeout_s=30)
+        elif case == "scaler":
+            hemiola.wrap(m, _optimizer("sgd", m.parameters()), schedule="sharded",
+                         grad_scaler=torch.amp.GradScaler("cpu"), timeout_s=30)
+        elif case == "step without backward":
+            model, opt = hemiola.wrap(m, _optimizer("sgd", m.parameters()), schedule="sharded",
+                                      timeout_s=30)
+            opt.step()
+        elif case == "non-contiguous":
+            m.net[0].weight = nn.Parameter(m.net[0].weight.detach().t().contiguous().t())
+            hemiola.wrap(m, _optimizer("sgd", m.parameters()), schedule="sharded",
+                         timeout_s=30)
+    except (ValueError, RuntimeError) as e:
+        return str(e)
+    return "no error"
