@@ -179,9 +179,13 @@ def refusal(rank: int, world: int, case: str) -> str:
         if case == "optimizer":
             hemiola.wrap(m, torch.optim.Adafactor(m.parameters()), schedule="sharded",
                          timeout_s=30)
-        elif case == "scaler":
-            hemiola.wrap(m, _optimizer("sgd", m.parameters()), schedule="sharded",
-                         grad_scaler=torch.amp.GradScaler("cpu"), timeout_s=30)
+        elif case == "scaler":  # a GradScaler given, its step bypassed
+            scaler = torch.amp.GradScaler("cpu")
+            model, opt = hemiola.wrap(m, _optimizer("sgd", m.parameters()), schedule="sharded",
+                                      grad_scaler=scaler, timeout_s=30)
+            x, y = make_batch("mlp", 0, rank, world)
+            scaler.scale(loss_of("mlp", model(x), y)).backward()
+            opt.step()
         elif case == "step without backward":
             model, opt = hemiola.wrap(m, _optimizer("sgd", m.parameters()), schedule="sharded",
                                       timeout_s=30)

@@ -143,8 +143,8 @@ def _nanogpt_pair_agree(out: list[dict[str, Any]], runs: list[tuple[Any, ...]], 
 
 def test_nanogpt_accumulation_clipping_cosine_adamw_bf16() -> None:
     runs = [("ddp", False), ("wfbp", False), ("priority", False), ("ddp", True),
-            ("decoupled", True), ("decoupled", False)]
-    out = _nanogpt_agree(runs, [(0, 1), (0, 2)])
+            ("decoupled", True), ("decoupled", False), ("sharded", False)]
+    out = _nanogpt_agree(runs, [(0, 1), (0, 2), (0, 6)])
     # decoupled's corrections land on parameters the approximate step moved
     # first: 2e-5 measured (the clipping coefficient, summed in double by the
     # engine and in float32 by torch, also differs by an ulp).
@@ -159,8 +159,9 @@ def test_nanogpt_grad_scaler_skips_an_overflow_on_one_rank_everywhere() -> None:
     # so must every schedule (the averaged gradient is not finite).
     runs = [("ddp", False, 6, "", True, 2), ("wfbp", False, 6, "", True, 2),
             ("priority", False, 6, "", True, 2), ("ddp", True, 6, "", True, 2),
-            ("decoupled", True, 6, "", True, 2), ("ddp", False, 6, "", True, -1)]
-    out = _nanogpt_agree(runs, [(0, 1), (0, 2)])
+            ("decoupled", True, 6, "", True, 2), ("ddp", False, 6, "", True, -1),
+            ("sharded", False, 6, "", True, 2)]
+    out = _nanogpt_agree(runs, [(0, 1), (0, 2), (0, 6)])
     # decoupled's corrections land on parameters the approximate step moved
     # first: 2e-5 measured (the clipping coefficient, summed in double by the
     # engine and in float32 by torch, also differs by an ulp).

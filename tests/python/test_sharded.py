@@ -96,7 +96,7 @@ def test_a_parameter_read_before_its_all_gather_is_refused_by_name() -> None:
 
 @pytest.mark.parametrize("case,words", [
     ("optimizer", "Adafactor is not one of the optimizers whose step is element-wise"),
-    ("scaler", "does not take a GradScaler yet"),
+    ("scaler", "step with scaler.step(optimizer), not optimizer.step()"),
     ("step without backward", "no synchronised backward since the last step"),
     ("non-contiguous", "is not contiguous"),
 ])

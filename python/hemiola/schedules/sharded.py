@@ -86,10 +86,6 @@ class Sharded(Schedule):
                 f"schedule='sharded' does not compress yet (compression="
                 f"{config.compression!r}); leave compression unset, or use "
                 "schedule='priority' with it")
-        if grad_scaler is not None:
-            raise ValueError(
-                "schedule='sharded' does not take a GradScaler yet; train in float32 or "
-                "bfloat16 autocast (no scaler needed), or use schedule='priority' with it")
         refuse_scattered(bound.names, bound.params)
         self._world = bound.world_size
         self._rank = bound.rank
@@ -126,6 +122,8 @@ class Sharded(Schedule):
         # Buckets the forward before this backward never landed: a gradient
         # of one of their parameters means it was read stale.
         self._stale: set[int] = set()
+        # 1 / the GradScaler's scale in the backward being marked
+        self._inv_scale: float | None = None
         #: model.clip_grad_norm_ of this iteration: (max_norm, the norm)
         self._clip: tuple[float, float] | None = None
 
@@ -250,7 +248,16 @@ class Sharded(Schedule):
         buffer = self._staging.get(b)
         if buffer is None:
             buffer = self._staging[b] = self._buffer(self.plan.buckets[b])
-        buffer[offset:offset + p.numel()].view_as(grad).copy_(grad)
+        slot = buffer[offset:offset + p.numel()].view_as(grad)
+        if self._scaling:
+            # Each rank contributes its gradient unscaled (GradScaler's scales
+            # are powers of two: exact), so the average is right and not
+            # finite exactly when some rank overflowed.
+            if self._inv_scale is None:
+                self._inv_scale = 1.0 / self.grad_scaler.get_scale()  # type: ignore[union-attr]
+            torch.mul(grad, self._inv_scale, out=slot)
+        else:
+            slot.copy_(grad)
         p.grad = None  # the bucket holds it now; the shard's gradient comes back
         self._filled[b] += 1
         self._reduce_full_buckets()
@@ -313,6 +320,7 @@ class Sharded(Schedule):
             self._usage_handle = self.bound.engine.all_reduce(
                 self._usage.data_ptr(), FLOAT64, self._usage.numel())
         self._iteration += 1
+        self._inv_scale = None
         self._reset_marking()
         self._reduced = True
         return self._iteration
@@ -348,6 +356,9 @@ class Sharded(Schedule):
         self._reduced = False
         opt = self._optimizer
         assert opt is not None
+        clip, self._clip = self._clip, None
+        if self._skipped_by_scaler(opt.optimizer):
+            return
         grads: dict[int, torch.Tensor | None] = {}
         for b, bucket in enumerate(self.plan.buckets):
             for piece in bucket.pieces:
@@ -355,7 +366,6 @@ class Sharded(Schedule):
                     start = piece.offset - bucket.lo
                     grads[piece.index] = self._grads[b][start:start + piece.count]
         opt.set_grads(grads)
-        clip, self._clip = self._clip, None
         if clip is not None:
             self._apply_clip(*clip)
         self._inner_step()
@@ -369,6 +379,38 @@ class Sharded(Schedule):
             self._harvest(self._reductions[0])
         if self._learn_order:
             self._adopt_observed_order()
+
+    @property
+    def _scaling(self) -> bool:
+        return self.grad_scaler is not None and self.grad_scaler.is_enabled()
+
+    def _skipped_by_scaler(self, optimizer: torch.optim.Optimizer) -> bool:
+        """Under ``scaler.step(optimizer)``: whether some rank's gradient
+        overflowed (the averaged shards are not finite on some rank: every
+        rank skips the step), told to the GradScaler so that its update()
+        backs off the scale on every rank alike."""
+        if getattr(optimizer, "found_inf", None) is None:
+            if self._scaling and self.grad_scaler._scale is not None:  # type: ignore[union-attr]
+                raise RuntimeError(
+                    "schedule='sharded' was given a GradScaler: step with "
+                    "scaler.step(optimizer), not optimizer.step()")
+            return False
+        if not self._scaling:
+            raise RuntimeError(
+                "schedule='sharded': optimizer.step() is driven by a torch.amp.GradScaler that "
+                "hemiola does not know, so the reduced gradients would be applied still "
+                "scaled. Pass it when wrapping: hemiola.wrap(model, optimizer, "
+                "schedule='sharded', grad_scaler=scaler).")
+        optimizer.grad_scale = optimizer.found_inf = None  # the gradients are unscaled already
+        mine = float(any(not bool(torch.isfinite(g).all()) for g in self._grads))
+        flag = torch.tensor([mine], dtype=torch.float64)
+        self.bound.engine.all_reduce(flag.data_ptr(), FLOAT64, 1).wait()
+        found = float(flag[0]) > 0
+        scaler = self.grad_scaler
+        assert scaler is not None
+        state = scaler._per_optimizer_states[id(optimizer)]
+        state["found_inf_per_device"] = {torch.device("cpu"): torch.tensor([float(found)])}
+        return found
 
     def _used(self) -> list[bool] | None:
         if self._usage_handle is None:

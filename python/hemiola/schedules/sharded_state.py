@@ -17,14 +17,28 @@
 from __future__ import annotations
 
 import copy
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
 from hemiola.engine_tensors import UINT8, dtype_code
+from hemiola.schedules.sharded_optimizer import ShardedOptimizer
+from hemiola.schedules.sharded_plan import ShardPlan
 
 if TYPE_CHECKING:
-    from hemiola.schedules.sharded import Sharded
+    from hemiola.bound_model import BoundModel
+
+
+class Sharded(Protocol):
+    """What of the ``sharded`` schedule its state's saving reads."""
+
+    bound: BoundModel
+    plan: ShardPlan
+
+    @property
+    def sharded_optimizer(self) -> ShardedOptimizer: ...
+
+    def adopt_plan(self, order: list[int]) -> None: ...
 
 FLOAT64 = dtype_code(torch.float64)
 _KEYS_BYTES = 4096
