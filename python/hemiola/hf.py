@@ -53,8 +53,8 @@ class Trainer(transformers.Trainer):
     """``transformers.Trainer`` whose model is wrapped by :func:`hemiola.wrap`.
 
     Args:
-        schedule: ``"wfbp"`` (DDP's behaviour), ``"priority"`` or
-            ``"decoupled"``; see :class:`hemiola.Config`.
+        schedule: ``"wfbp"`` (DDP's behaviour), ``"priority"``,
+            ``"decoupled"`` or ``"sharded"``; see :class:`hemiola.Config`.
         hemiola_options: other fields of :class:`hemiola.Config` (they may
             also be passed as keyword arguments, e.g. ``fusion_mb=8``).
         Everything else: as ``transformers.Trainer``.
@@ -129,6 +129,14 @@ class Trainer(transformers.Trainer):
             f"the Trainer is not distributed (world_size={self.args.world_size}, "
             f"parallel_mode={self.args.parallel_mode.value}): each rank would train alone on "
             f"the whole dataset. {hint[0].upper()}{hint[1:]}.")
+
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        if self.hemiola_schedule == "sharded" and not self.args.should_save:
+            # The full optimizer state is gathered from every rank's shard (a
+            # collective): the ranks that do not write take part here, the
+            # writing one inside the stock method's optimizer.state_dict().
+            self.optimizer.state_dict()
+        super()._save_optimizer_and_scheduler(output_dir)
 
     def _clip_grad_norm(self, model: nn.Module) -> torch.Tensor:
         if isinstance(model, DataParallel) and self.hemiola_schedule != "wfbp":

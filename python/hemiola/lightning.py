@@ -134,10 +134,10 @@ class HemiolaStrategy(metaclass=_OnePackage):
     def _wrap_for_fitting(self) -> None:
         module = self.lightning_module
         assert module is not None
-        # priority and decoupled take over optimizer.step(); streaming only
+        # priority, decoupled and sharded take over optimizer.step(); streaming only
         # watches it (the inner step is the optimizer's own, and Lightning's
         # clipping and loss scaling stay right as they are).
-        deferred = self._schedule in ("priority", "decoupled")
+        deferred = self._schedule in ("priority", "decoupled", "sharded")
         needs_optimizer = self._schedule != "wfbp"
         if deferred and not module.automatic_optimization:
             raise ValueError(

@@ -27,6 +27,8 @@ parser.add_argument("--out", type=Path, required=True)
 parser.add_argument("--accumulate", type=int, default=1)
 parser.add_argument("--clip", type=float, default=0.0)
 parser.add_argument("--bf16", action="store_true")
+parser.add_argument("--save-every", type=int, default=0,
+                    help="save a checkpoint (model, optimizer, scheduler) every N steps")
 parser.add_argument("--no-use-cpu", action="store_true",
                     help="leave use_cpu off (transformers then does not distribute on a CPU)")
 args = parser.parse_args()
@@ -40,7 +42,8 @@ tokens = torch.randint(0, 64, (128, 16), generator=torch.Generator().manual_seed
 train = [{"input_ids": x, "labels": x.clone()} for x in tokens]
 held_out = [{"input_ids": x, "labels": x.clone()} for x in tokens[:16]]
 training = transformers.TrainingArguments(
-    output_dir=str(args.out / "run"), use_cpu=not args.no_use_cpu, report_to=[], save_strategy="no",
+    output_dir=str(args.out / "run"), use_cpu=not args.no_use_cpu, report_to=[],
+    save_strategy="steps" if args.save_every else "no", save_steps=args.save_every or 500,
     dataloader_num_workers=0, seed=1234, data_seed=1234, per_device_train_batch_size=4,
     per_device_eval_batch_size=4, gradient_accumulation_steps=args.accumulate,
     max_grad_norm=args.clip, max_steps=6, learning_rate=3e-3, warmup_steps=2,
@@ -66,4 +69,8 @@ if dist.get_rank() == 0:
         "rank_spread": max((e - every[0]).abs().max().item() for e in every),
         "wrapped": type(trainer.model_wrapped).__name__,
         "saved": sorted(p.name for p in (args.out / "saved").iterdir()),
+        "optimizer_states": {
+            c.name: len(torch.load(c / "optimizer.pt", weights_only=False)["state"])
+            for c in sorted((args.out / "run").glob("checkpoint-*"))},
+        "parameters": sum(1 for p in trainer.model.parameters() if p.requires_grad),
     }, args.out / "result.pt")

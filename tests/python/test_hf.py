@@ -62,12 +62,26 @@ def test_equals_the_trainers_own_ddp_with_accumulation_and_clipping(tmp_path: Pa
     common = ("--accumulate", "2", "--clip", "0.5")
     stock = train(tmp_path, "stock", *common)
     assert stock["wrapped"] == "DistributedDataParallel"
-    for trainer, tolerance in (("wfbp", 0.0), ("priority", 0.0), ("decoupled", 1e-2)):
+    # sharded clips by a norm summed over the shards in float64: within 1e-6.
+    for trainer, tolerance in (("wfbp", 0.0), ("priority", 0.0), ("decoupled", 1e-2),
+                               ("sharded", 1e-6)):
         ours = train(tmp_path, trainer, *common)
         assert ours["wrapped"] == "DataParallel"
         assert difference(ours, stock) <= tolerance, trainer
         assert ours["eval_loss"] == pytest.approx(stock["eval_loss"], rel=1e-2), trainer
         assert ours["grad_norms"] == pytest.approx(stock["grad_norms"], rel=1e-2), trainer
+
+
+def test_sharded_checkpoints_hold_the_whole_optimizer_state(tmp_path: Path) -> None:
+    """The Trainer writes optimizer.pt from rank 0 alone; under sharded the
+    state is gathered from every rank's shard, and the file holds every
+    parameter's state, as the stock Trainer's does."""
+    stock = train(tmp_path, "stock", "--save-every", "3")
+    ours = train(tmp_path, "sharded", "--save-every", "3")
+    assert list(ours["optimizer_states"]) == ["checkpoint-3", "checkpoint-6"]
+    assert ours["optimizer_states"] == stock["optimizer_states"]
+    assert set(ours["optimizer_states"].values()) == {ours["parameters"]}
+    assert difference(ours, stock) == 0.0
 
 
 def test_a_trainer_left_undistributed_under_torchrun_fails_saying_what_to_pass(

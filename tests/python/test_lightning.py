@@ -42,12 +42,12 @@ def max_difference(a: dict[str, Any], b: dict[str, Any]) -> float:
                for k in a["params"])
 
 
-def test_wfbp_and_priority_equal_lightnings_ddp(tmp_path: Path) -> None:
+def test_wfbp_priority_and_sharded_equal_lightnings_ddp(tmp_path: Path) -> None:
     """Two epochs with gradient accumulation, norm clipping, an LR schedule
     and sync_dist logging: the parameters DDPStrategy reaches."""
     common = ("--accumulate", "2", "--clip", "0.5")
     ddp = fit(tmp_path, "ddp", "ddp", *common)
-    for strategy in ("hemiola", "hemiola_priority"):
+    for strategy in ("hemiola", "hemiola_priority", "hemiola_sharded"):
         ours = fit(tmp_path, strategy, strategy, *common)
         assert ours["steps"] == ddp["steps"] == 8
         assert max_difference(ours, ddp) < 1e-6, strategy
@@ -67,6 +67,7 @@ def test_decoupled_with_accumulation_clipping_and_bf16(tmp_path: Path) -> None:
 @pytest.mark.parametrize(("schedule", "options"), [
     ("hemiola_priority", None),
     ("decoupled", {"correct_on_arrival": False}),
+    ("hemiola_sharded", None),
 ])
 def test_resume_from_a_checkpoint_equals_the_uninterrupted_fit(
         tmp_path: Path, schedule: str, options: dict[str, Any] | None) -> None:
