@@ -58,9 +58,11 @@ def test_advise_measures_agrees_predicts_tries_and_chooses(tmp_path: Path) -> No
     assert alone > 0 and beside > 0
     assert profile.wire_rate_beside == pytest.approx(
         profile.link.bandwidth * alone / beside if beside > alone else 0.0)
-    assert len(profile.overhead) == 3 * 4 + 1
+    # three schedules x four codings, sharded uncompressed only, streaming's sync
+    assert len(profile.overhead) == 3 * 4 + 1 + 1 and "sharded+none" in profile.overhead
+    assert "refused" not in profile.meta
     predictions = r0["predictions"]
-    assert len(predictions) == 3 * 4
+    assert len(predictions) == 3 * 4 + 1
     assert [p["seconds"] for p in predictions] == sorted(p["seconds"] for p in predictions)
     assert [s["options"]["sync_every"] for s in r0["streaming"]] == list(model.STREAMING_H)
     # every candidate was tried, the fastest predicted first, and the choice is one of them
@@ -80,6 +82,7 @@ def test_advise_measures_agrees_predicts_tries_and_chooses(tmp_path: Path) -> No
     text = report(r0)
     assert "Use: hemiola.wrap(model, optimizer, schedule=" in text
     assert "measured against" in text and "Streaming: " in text
+    assert "sharded is for memory" in text
     # the profile predicts another cluster
     path = tmp_path / "p.json"
     profile.save(path)
@@ -288,12 +291,178 @@ def test_the_predicted_timeline_is_the_simulated_iteration() -> None:
     assert any(e.get("cat") == "step" for e in events["traceEvents"])
 
 
+def test_sharded_against_hand_computed_timelines() -> None:
+    """sharded: each bucket's reduce-scatter under backward, the step waits
+    for all of them and steps 1/N, each all-gather is issued after it (front
+    first) and the next forward waits at each module for its own."""
+    # The two buckets' all-reduces of the wfbp case above, cut in halves:
+    # reduce-scatters of bucket 0 (p1) and 1 (p0), then the all-gathers of
+    # bucket 1 (p0, read first) and 0.
+    jobs = [Job(0.0, 0.05), Job(0.0, 0.025), Job(0.0, 0.025), Job(0.0, 0.05)]
+    # From a step's end S: p0's all-gather lands at S+0.025 (the forward
+    # waits for it), p1's at S+0.075 (its module reads at 0.01: waits
+    # 0.04); the forward ends at S+0.095; bucket 0 is reduce-scattered from
+    # S+0.115 to S+0.165, bucket 1 from then (backward filled it at S+0.165)
+    # to S+0.19; the step (0.01 at one rank) ends at S+0.20.
+    assert _period("sharded", jobs) == pytest.approx(0.20)
+    p = _profile()
+    # at two ranks the step is half as long
+    assert simulate(model._program(p, p.plans["sharded"], "sharded", 2), jobs, 0.0) == \
+        pytest.approx(0.195)
+    # on a fast wire: the computation, its step of 1/N
+    fast = [Job(0.0, 0.0)] * 4
+    for world in (1, 2, 4):
+        assert simulate(model._program(p, p.plans["sharded"], "sharded", world), fast,
+                        0.0) == pytest.approx(0.10 + 0.01 / world)
+    # as the engine's timeline names them
+    trace: list[Span] = []
+    simulate(model._program(p, p.plans["sharded"], "sharded"),
+             model.jobs_for(p, Network(2, 1e4, latency=0.0), "sharded", "none"), 0.0,
+             trace=trace)
+    assert {s.name for s in trace if s.lane == "comm" and s.name.endswith("(1) wire")} == {
+        "reduce-scatter 0 (1) wire", "reduce-scatter 1 (1) wire", "all-gather 0 (1) wire",
+        "all-gather 1 (1) wire"}
+
+
+def test_shardeds_buffers_in_flight_hold_back_its_collectives() -> None:
+    """At most BUCKETS_IN_FLIGHT reduce-scatters are in flight: backward
+    waits where a bucket's first gradient arrives for the oldest; the step
+    issues the first BUCKETS_IN_FLIGHT all-gathers, and each landing in the
+    forward issues the next."""
+    assert model.BUCKETS_IN_FLIGHT == 2
+    # four buckets of one parameter each, their gradients at 0.01 ... 0.04,
+    # read in the forward in two pairs, at 0.0 and 0.001, 0.03 and 0.031
+    # (bucket 3 first: the front)
+    params = [Param(1 << 20, need=need, ready=0.01 * (4 - i))
+              for i, need in enumerate((0.0, 0.001, 0.03, 0.031))]
+    p = Profile(0.04, 0.05, 0.02, params)
+    plan = model.plan_of(p, "sharded")  # 4 MiB each: the reducer's rule cuts after each
+    assert plan == [[3], [2], [1], [0]]
+    program = model._sharded_program(p, plan, 2)
+    waits = [s.waits for s in program if s.waits]
+    # the forward lands all-gather j (job 4 + j) in issue order
+    assert waits[:4] == [((-1, 4),), ((-1, 5),), ((-1, 6),), ((-1, 7),)]
+    assert [s.releases for s in program if s.waits][:4] == [((-1, 6),), ((-1, 7),), (), ()]
+    # bucket 2's first gradient waits for reduce-scatter 0, bucket 3's for 1
+    assert waits[4:6] == [((0, 0),), ((0, 1),)]
+    step = program[-1]
+    assert step.name == "step" and step.work == pytest.approx(0.01)
+    assert step.waits == tuple((0, k) for k in range(4)) and step.emits == (4, 5)
+    # the limit costs time where the wire would run ahead of the forward:
+    # all-gathers of 0.01 s; with two in flight the forward waits for the
+    # first (0.01) and the second (to 0.02), the pair after lands under its
+    # 0.029 s between the reads. With one, the fourth is issued only when
+    # the forward lands the third, at 0.049, and read at 0.050: 0.009 more.
+    jobs = [Job(0.0, 0.0)] * 4 + [Job(0.0, 0.01)] * 4
+    two = simulate(program, jobs, 0.0)
+    assert two == pytest.approx(0.02 + 0.039 + p.backward + p.step / 2)
+    one = simulate(model._sharded_program(p, plan, 2, in_flight=1), jobs, 0.0)
+    assert one == pytest.approx(two + 0.009)
+
+
+def _communication_bound() -> Profile:
+    """Sixteen 1 MiB layers, 130 ms of computation (a 20 ms step)."""
+    n = 16
+    params = [Param(1 << 18, rows=512, need=0.0025 * i, ready=0.0045 * (n - i))
+              for i in range(n)]
+    return Profile(forward=0.04, backward=0.07, step=0.02, params=params)
+
+
+def test_sharded_prediction_is_bounded_by_the_wire_and_wfbp() -> None:
+    """Where the wire dominates, sharded sends an all-reduce's bytes per
+    iteration in halves, hiding them under backward and the next forward:
+    never faster than one all-reduce of the model, never slower than wfbp.
+    At one rank, or with a free wire, it is its computation: the bare one
+    with a step of 1/N."""
+    p = _communication_bound()
+    model_bytes = 16 * (1 << 20)
+    for world in (2, 4, 16):
+        for bandwidth in (1e6, 1e7, 3e7):
+            net = Network(world, bandwidth, latency=1e-5)
+            wire = collective.all_reduce(net, model_bytes)
+            assert wire > p.compute
+            sharded = model.predict_one(p, net, "sharded", "none")
+            assert wire <= sharded <= model.predict_one(p, net, "wfbp", "none"), (world,
+                                                                                   bandwidth)
+    for world in (1, 2, 8):
+        free = Network(world, 1e15, latency=0.0)
+        assert model.predict_one(p, free, "sharded", "none") == pytest.approx(
+            p.forward + p.backward + p.step / world)
+        assert model.computation(p, "sharded", world) == pytest.approx(
+            p.forward + p.backward + p.step / world)
+    assert model.predict_one(p, Network(1, 1e6), "sharded", "none") == pytest.approx(p.compute)
+    no_step = replace(p, step=0.0)
+    assert model.predict_one(no_step, Network(8, 1e15, latency=0.0), "sharded", "none") == \
+        pytest.approx(no_step.compute)
+    # the measured overhead is added, and the computation is its floor
+    assert model.predict_one(replace(p, overhead={"sharded+none": 0.005}), Network(1, 1e6),
+                             "sharded", "none") == pytest.approx(p.compute + 0.005)
+    assert model.predict_one(replace(p, overhead={"sharded+none": -1.0}), Network(4, 1e15),
+                             "sharded", "none") == pytest.approx(0.115)
+
+
+def test_sharded_is_predicted_uncompressed_on_cpu_where_it_takes_the_model() -> None:
+    p = _communication_bound()
+    net = Network(4, 1e8)
+    names = {x.name for x in model.predict(p, net)}
+    assert "sharded+none" in names and not {f"sharded+{c}" for c in ("fp16", "int8",
+                                                                      "powersgd")} & names
+    assert len(names) == 3 * 4 + 1
+    assert model.codings_of("sharded") == ("none",) and model.codings_of("wfbp") == \
+        model.CODINGS
+    with pytest.raises(ValueError, match="does not compress"):
+        model.predict_one(p, net, "sharded", "fp16")
+    # a GPU profile: sharded runs on CPU parameters only in this build
+    gpu = replace(p, meta={"device": "cuda"})
+    assert not model.runs(gpu, "sharded", "none") and model.runs(gpu, "wfbp", "none")
+    assert "sharded" not in {x.schedule for x in model.predict(gpu, net, codings=("none",))}
+    # a model it refused when measured (kept in the profile, which saves it)
+    refused = replace(p, meta={"refused": {"sharded": "LBFGS is not element-wise"}})
+    assert "sharded" not in {x.schedule for x in model.predict(refused, net)}
+    assert Profile.from_json(refused.to_json()).meta["refused"] == refused.meta["refused"]
+    with pytest.raises(ValueError, match=r"meta\['refused'\]"):
+        Profile.from_json({**p.to_json(), "meta": {"refused": ["sharded"]}})
+    assert "sharded: not predicted: it refused this model when measured (LBFGS" in \
+        scale_report(refused, net)
+    assert "sharded: not predicted: it runs on CPU" in scale_report(gpu, net)
+    # the report says what it is for: memory, counted from the sizes
+    text = scale_report(p, net)
+    assert "sharded is for memory" in text and "4 + 12/N = 7.0 bytes per parameter" in text
+    assert choice.sharded_bytes_per_param(1) == choice.DDP_BYTES_PER_PARAM
+    assert choice.sharded_bytes_per_param(8) == pytest.approx(5.5)
+
+
+def test_a_model_sharded_refuses_is_refused_when_measured() -> None:
+    """sharded refuses what it cannot shard (here a parameter that is not
+    contiguous); measuring keeps the refusal instead of failing."""
+    from hemiola.advise import measure
+    from hemiola.advise.instruments import free_wire_step
+
+    def scattered() -> tuple[nn.Module, object]:
+        net = nn.Linear(8, 4, bias=False)
+        net.weight = nn.Parameter(torch.randn(8, 4).t())
+        x = torch.randn(2, 8)
+        return net, lambda m: m(x).sum()
+
+    with pytest.raises(ValueError, match="not contiguous"):
+        free_wire_step(scattered, "sharded", "none", 1)
+    assert measure.REFUSING == ("sharded",)
+
+
 def test_collectives_against_the_formulas() -> None:
     m = 8e6
     net = Network(4, bandwidth=1e9, latency=1e-4)
     assert collective.all_reduce(net, m) == pytest.approx(6 * 1e-4 + 1.5 * m / 1e9)
     assert collective.all_gather(net, 1000) == pytest.approx(3 * (1e-4 + 1000 / 1e9))
     assert collective.all_reduce(Network(1, 1e9), m) == 0.0
+    # sharded's halves: a reduce-scatter and an all-gather of the chunks,
+    # each (n-1) alpha + (n-1)/n m / bw, each sending (n-1)/n of the bucket
+    for half in (collective.reduce_scatter, collective.all_gather_chunks):
+        assert half(net, m) == pytest.approx(3 * 1e-4 + 0.75 * m / 1e9)
+    for kind in ("reduce_scatter", "all_gather_chunks"):
+        assert collective.sent_bytes(kind, 4, m) == pytest.approx(0.75 * m)
+        assert collective.wire(net, [(kind, m)]) == pytest.approx(collective.all_reduce(net, m) / 2)
+    assert collective.sent_bytes("all_reduce", 4, m) == pytest.approx(1.5 * m)
     tree = Network(64, bandwidth=1e9, latency=1e-4, algorithm="tree")
     assert collective.all_reduce(tree, m) == pytest.approx(12 * 1e-4 + 2 * m / 1e9)
     nodes = dict(world=32, bandwidth=1e9, latency=1e-4, gpus_per_node=8,
@@ -407,6 +576,15 @@ def test_choice_tries_near_predictions_and_picks_by_measurement() -> None:
     assert choice.choose(measured, preds).name == "wfbp+fp16"
     with pytest.raises(ValueError, match="no configuration"):
         choice.choose({}, preds)
+    # sharded is exact (wfbp's result): after wfbp and priority in a tie,
+    # before decoupled
+    assert set(choice.EXACTNESS) == set(model.SCHEDULES)
+    tie = [Prediction("decoupled", "none", 0.5), Prediction("sharded", "none", 0.5),
+           Prediction("wfbp", "none", 0.5)]
+    even = {"decoupled+none": 0.5, "sharded+none": 0.5, "wfbp+none": 0.5}
+    assert choice.choose(even, tie).name == "wfbp+none"
+    assert choice.choose(even, tie[:2]).name == "sharded+none"
+    assert choice.choose_predicted(tie[:2]).name == "sharded+none"
 
 
 def test_the_bench_scores_the_advice_a_user_without_all_gets() -> None:
@@ -544,7 +722,10 @@ def test_predicting_a_cluster_from_a_written_profile(tmp_path: Path,
     assert advise.cli._predict_elsewhere(args) == 0
     out = capsys.readouterr().out
     assert "Predicted at 64 ranks, 8 per node, 10 Gbit/s" in out
-    assert out.count("utilisation") == 12 + 4 and "Use: hemiola.wrap(" in out
+    assert out.count("utilisation") == 12 + 1 + 4 and "Use: hemiola.wrap(" in out
+    # sharded's memory at 64 ranks, counted: 4 + 12/64 bytes per parameter of 5M
+    assert "4 + 12/N = 4.2 bytes per parameter (20.0 MiB for these 5.00M parameters) " \
+        "against DDP's 16 and more (76.3 MiB" in out
     args.rate = None
     with pytest.raises(ValueError, match="give --rate"):
         advise.cli._predict_elsewhere(args)

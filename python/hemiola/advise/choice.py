@@ -4,7 +4,9 @@
   configuration predicted within that error of the fastest is a candidate;
   the candidates are run for a few iterations each and the advice is the
   fastest *measured*, or, among those measured within NEAR of it, the least
-  compressed and then the least approximate schedule.
+  compressed and then the least approximate schedule (EXACTNESS: the exact
+  ones first, ``sharded`` after ``wfbp`` and ``priority``, whose use is
+  plainer: any optimizer, any device).
 - **Streaming.** ``streaming`` is DiLoCo, not per-step SGD: its quality at
   equal tokens differs (on the byte-level LM after 300 steps its held-out
   loss was 8-14% above per-step training's: docs/streaming.md). So it is
@@ -20,7 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-from hemiola.advise.model import CODINGS, SCHEDULES, Prediction
+from hemiola.advise.model import CODINGS, Prediction
 
 #: how far a prediction may be from its measurement: 67 of the 72 per-step
 #: configurations of docs/benchmarks.md's 2-rank check (1 and 5 Gbit/s, three
@@ -39,10 +41,16 @@ STREAMING_BELOW = 0.5
 #: and at the smallest H predicted to reach this utilisation
 STREAMING_GOOD = 0.9
 
-_CODING_ORDER = {name: k for k, name in enumerate(CODINGS)}
-_SCHEDULE_ORDER = {name: k for k, name in enumerate(SCHEDULES)}
+#: the per-step schedules, least approximate first: wfbp, priority and
+#: sharded are the same synchronous SGD (sharded bitwise wfbp's), decoupled
+#: steps on an approximation between exact corrections
+EXACTNESS = ("wfbp", "priority", "sharded", "decoupled")
 
-#: what each compression costs in accuracy, as measured (docs/benchmarks.md)
+_CODING_ORDER = {name: k for k, name in enumerate(CODINGS)}
+_SCHEDULE_ORDER = {name: k for k, name in enumerate(EXACTNESS)}
+
+#: what each compression costs in accuracy, as measured (docs/benchmarks.md),
+#: and what a schedule asks of the model where it asks more than wfbp
 CAVEATS = {
     "fp16": "fp16: half precision on the wire, as DDP's fp16_compress_hook",
     "int8": "int8: one byte per element with error feedback; on the byte-level LM with "
@@ -53,11 +61,31 @@ CAVEATS = {
     "powersgd": "powersgd: rank-2 approximation with error feedback; on the byte-level LM "
                 "with AdamW +15% held-out loss (torch DDP's PowerSGD hook alike): check "
                 "your model's convergence before adopting it",
+    "sharded": "sharded: wfbp's synchronous SGD (bitwise its result), each rank holding "
+               "the gradients and optimizer state of 1/N of the parameters; it runs on CPU "
+               "parameters, uncompressed, with an element-wise optimizer (SGD, Adam, AdamW, "
+               "...), each parameter read in the same module every iteration",
     "streaming": "streaming is DiLoCo (H local steps, then an outer Nesterov step on the "
                  "averaged pseudo-gradient), not per-step SGD: on the byte-level LM after "
                  "300 steps its held-out loss was 8-14% above per-step training's "
                  "(docs/streaming.md); check your model's convergence",
 }
+
+
+#: bytes per parameter of the parameters, their gradients and AdamW's two
+#: moments in float32 on each rank under DDP (and wfbp, priority, decoupled);
+#: DDP's gradient buckets come on top
+DDP_BYTES_PER_PARAM = 16
+
+
+def sharded_bytes_per_param(world: int) -> float:
+    """The same under ``sharded`` at `world` ranks: the parameters whole, the
+    gradients and both moments of 1/N of them (ZeRO-2): 4 + 12/N; its at
+    most ``buckets_in_flight`` bucket buffers of each kind come on top.
+    Counted from the sizes, not measured."""
+    if world < 1:
+        raise ValueError(f"world must be at least 1, not {world}")
+    return 4 + 12 / world
 
 
 def within_error(predictions: Sequence[Prediction],

@@ -188,6 +188,37 @@ def _streaming_lines(profile: Profile, best: float, streaming: list[dict[str, An
     return lines
 
 
+def _caveats(best: dict[str, Any]) -> list[str]:
+    """What the advised configuration's compression and schedule ask."""
+    return [f"  ({choice.CAVEATS[key]})" for key in (best["coding"], best["schedule"])
+            if key in choice.CAVEATS]
+
+
+def _sharded_lines(profile: Profile, world: int, predicted: bool) -> list[str]:
+    """What ``sharded`` is for (its memory, counted from the sizes), or why
+    it is not predicted."""
+    refused = profile.meta.get("refused", {}).get("sharded")
+    if refused is not None:
+        return [f"sharded: not predicted: it refused this model when measured ({refused})"]
+    if not predicted:
+        return ["sharded: not predicted: it runs on CPU parameters (the Gloo wire), "
+                "uncompressed, in this build"]
+    params = sum(p.numel for p in profile.params)
+    mine = choice.sharded_bytes_per_param(world)
+    ddp = choice.DDP_BYTES_PER_PARAM
+    return [f"sharded is for memory: each rank keeps the gradients and optimizer state of "
+            f"1/{world} of the parameters; with AdamW in float32 that is 4 + 12/N = "
+            f"{mine:.1f} bytes per parameter ({_mib(mine * params)} for these "
+            f"{params / 1e6:.2f}M parameters) against DDP's {ddp} and more "
+            f"({_mib(ddp * params)} and its gradient buckets), plus at most "
+            f"{model.BUCKETS_IN_FLIGHT} bucket buffers of each kind (counted from the sizes, "
+            "not measured)"]
+
+
+def _mib(nbytes: float) -> str:
+    return f"{nbytes / (1 << 20):.1f} MiB"
+
+
 def report(result: dict[str, Any]) -> str:
     """What rank 0 prints."""
     profile = Profile.from_json(result["profile"])
@@ -223,10 +254,11 @@ def report(result: dict[str, Any]) -> str:
         check = "" if seen is None else (f"  measured {1e3 * seen:8.1f} ms "
                                          f"({100 * (p['seconds'] / seen - 1):+.0f}%)")
         lines.append(f"  {1e3 * p['seconds']:8.1f} ms  {_label(p)}{check}")
+    lines += _sharded_lines(profile, world, any(p["schedule"] == "sharded"
+                                                for p in result["predictions"]))
     best = result["choice"]
     lines.append(f"Use: hemiola.wrap(model, optimizer, {_label(best)})")
-    if best["coding"] in choice.CAVEATS:
-        lines.append(f"  ({choice.CAVEATS[best['coding']]})")
+    lines += _caveats(best)
     seconds = result["run_seconds"]
     lines.append(f"Checked: {1e3 * seconds:.1f} ms per iteration measured against "
                  f"{1e3 * best['seconds']:.1f} ms predicted "
@@ -265,9 +297,12 @@ def scale_report(profile: Profile, net: Network) -> str:
     for p in predictions:
         lines.append(f"  {1e3 * p.seconds:9.1f} ms  utilisation "
                      f"{choice.utilisation(compute, p.seconds):4.2f}  {_label(vars(p))}")
+    lines += _sharded_lines(profile, net.world, any(p.schedule == "sharded"
+                                                    for p in predictions))
     best = choice.choose_predicted(predictions)
     lines.append(f"Use: hemiola.wrap(model, optimizer, {_label(vars(best))})  (predicted; "
                  f"predictions err by up to {100 * choice.PREDICTION_ERROR:.0f}%: docs/scale.md)")
+    lines += _caveats(vars(best))
     if model.replica_networks(net)[0] is not None:
         lines.append(f"streaming: a replica is a node's {net.gpus_per_node} ranks (their inner "
                      f"steps wfbp over the node's link; the outer sync between the {net.nodes} "

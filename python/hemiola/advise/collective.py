@@ -15,7 +15,12 @@ node's network interface) sends and receives per second at the same time:
   ring all-reduce of each GPU's 1/G across the nodes (the G rings share the
   node's interface, so m bytes cross it), all-gather inside the node:
   ``2 [(G-1) alpha_in + (G-1)/G m / bw_in] + 2 (M-1) alpha + 2 (M-1)/M m / bw``;
-- ring all-gather of m bytes from each rank: ``(n-1) alpha + (n-1) m / bw``.
+- ring all-gather of m bytes from each rank: ``(n-1) alpha + (n-1) m / bw``;
+- the two halves of an all-reduce of m bytes, ``sharded``'s collectives
+  (``Engine.reduce_scatter`` and ``Engine.all_gather_chunks``: Gloo's ring,
+  (n-1)/n of the bucket leaves each rank in each): a reduce-scatter, then,
+  separately, an all-gather of each rank's chunk, each half the all-reduce's
+  time (``(n-1) alpha + (n-1)/n m / bw`` on the ring).
 
 ``sharing`` k > 1 says k jobs' transfers share every node's link: each runs
 at the cluster simulator's contention law, ``1 / (k beta + (k-1) eta)``
@@ -131,11 +136,33 @@ def all_gather(net: Network, nbytes: float) -> float:
     return (net.world - 1) * (net.latency + nbytes / net.inter_bandwidth)
 
 
+def reduce_scatter(net: Network, nbytes: float) -> float:
+    """Seconds for a reduce-scatter of an `nbytes` bucket (each rank ends
+    with its chunk summed): the first half of :func:`all_reduce`."""
+    return all_reduce(net, nbytes) / 2
+
+
+def all_gather_chunks(net: Network, nbytes: float) -> float:
+    """Seconds for an all-gather of each rank's chunk of an `nbytes` bucket
+    (every rank ends with the whole bucket): the second half of
+    :func:`all_reduce`."""
+    return all_reduce(net, nbytes) / 2
+
+
+#: the collectives a payload names, and their seconds on a network
+COLLECTIVES = {"all_reduce": all_reduce, "all_gather": all_gather,
+               "reduce_scatter": reduce_scatter, "all_gather_chunks": all_gather_chunks}
+
+
 def sent_bytes(kind: str, world: int, nbytes: float) -> float:
     """What one rank sends for a collective of `kind` over `nbytes`."""
     if world <= 1:
         return 0.0
-    return 2 * (world - 1) / world * nbytes if kind == "all_reduce" else (world - 1) * nbytes
+    if kind == "all_reduce":
+        return 2 * (world - 1) / world * nbytes
+    if kind in ("reduce_scatter", "all_gather_chunks"):  # an all-reduce's half
+        return (world - 1) / world * nbytes
+    return (world - 1) * nbytes
 
 
 @dataclass(frozen=True)
@@ -159,7 +186,8 @@ def payloads(coding: str, bucket: Sequence[Piece], world: int,
              powersgd_rank: int = 2) -> list[tuple[str, float]]:
     """The collectives one bucket makes under `coding`, in order, as
     (``"all_reduce"`` or ``"all_gather"``, bytes), as the engine's codecs
-    send them (cpp/src/engine/codec)."""
+    send them (cpp/src/engine/codec). (``sharded``'s halves are made by
+    :func:`hemiola.advise.model.jobs_for`.)"""
     plain = sum(p.numel * p.element_size for p in bucket if p.element_size != 4)
     floats = sum(p.numel for p in bucket if p.element_size == 4)
     out: list[tuple[str, float]] = []
@@ -199,9 +227,9 @@ def payloads(coding: str, bucket: Sequence[Piece], world: int,
 
 
 def wire(net: Network, payload: Sequence[tuple[str, float]]) -> float:
-    """Seconds on the wire for `payload` (see :func:`payloads`)."""
-    return sum(all_reduce(net, b) if kind == "all_reduce" else all_gather(net, b)
-               for kind, b in payload)
+    """Seconds on the wire for `payload` (see :func:`payloads`; a kind of
+    COLLECTIVES each)."""
+    return sum(COLLECTIVES[kind](net, b) for kind, b in payload)
 
 
 def sent(net: Network, payload: Sequence[tuple[str, float]]) -> float:

@@ -15,7 +15,11 @@ rank's mean) so every rank holds the same profile. What is measured
 - each configuration's wrapped step on a *free wire*: an engine of one rank
   (every collective returns at once, every copy and coding still runs), from
   which each schedule's issue order is read too. Its time less the model's
-  prediction of it is the configuration's ``overhead``;
+  prediction of it is the configuration's ``overhead``. ``sharded`` runs
+  uncompressed only, and where it refuses the model (its optimizer's step
+  is not element-wise, a parameter is not contiguous or is read in another
+  module than the first time) the refusal is kept (``meta["refused"]``)
+  and it is not predicted;
 - each coding's CPU cost: one reduction of every gradient on a free wire;
 - the contention: how much that reduction, run beside the bare step, delays
   it, per second of its CPU;
@@ -55,6 +59,11 @@ from hemiola.advise.models import Factory, make_workload
 from hemiola.advise.profile import Profile
 from hemiola.advise.wire import link, wire_rate_beside
 
+#: schedules that refuse some models and optimizers by design (``sharded``:
+#: a step that is not element-wise, a parameter not contiguous or read in
+#: another module): measuring records the refusal instead of failing
+REFUSING = ("sharded",)
+
 
 class Progress:
     """A line on stderr as each measurement (or trial) starts, rank 0 only:
@@ -79,7 +88,9 @@ def measure(factory: Factory, repeats: int, engine: Any | None) -> Profile:
     torch.set_num_threads(1)
     sync = (lambda: engine.barrier().wait()) if engine is not None else (lambda: None)
     multi = engine is not None and engine.world_size > 1
-    progress = Progress(4 + len(model.CODINGS) + len(model.SCHEDULES) * len(model.CODINGS)
+    configurations = [(schedule, coding) for schedule in model.SCHEDULES
+                      for coding in model.codings_of(schedule)]
+    progress = Progress(4 + len(model.CODINGS) + len(configurations)
                         + (2 + len(model.CODINGS) if multi else 0),
                         engine.rank if engine is not None else 0)
     progress.step("the bare steps")
@@ -106,15 +117,25 @@ def measure(factory: Factory, repeats: int, engine: Any | None) -> Profile:
                       optimizer=optimizer_name)
     # Each configuration's wrapped step beyond the bare one, on a free wire.
     extra: dict[str, float] = {}
-    for schedule in model.SCHEDULES:
-        for coding in model.CODINGS:
-            progress.step(f"{schedule} + {coding}'s step on a free wire")
-            sync()
-            # thrice the repeats: each overhead is a small difference of two
-            # medians of steps whose speed jitters by ±12% from one to the next
+    refused: dict[str, str] = {}
+    for schedule, coding in configurations:
+        progress.step(f"{schedule} + {coding}'s step on a free wire")
+        if schedule in refused:
+            continue
+        sync()
+        # thrice the repeats: each overhead is a small difference of two
+        # medians of steps whose speed jitters by ±12% from one to the next
+        try:
             seconds, alone, plan = free_wire_step(factory, schedule, coding, 3 * repeats, sync)
-            extra[f"{schedule}+{coding}"] = seconds - alone
-            profile.plans.setdefault(schedule, plan)
+        except (ValueError, RuntimeError) as e:
+            # every rank refuses alike (the same model and optimizer),
+            # before its first barrier
+            if schedule not in REFUSING:
+                raise
+            refused[schedule] = str(e)
+            continue
+        extra[f"{schedule}+{coding}"] = seconds - alone
+        profile.plans.setdefault(schedule, plan)
     progress.step("a streaming sync's step on a free wire")
     sync()
     seconds, alone, _ = free_wire_step(factory, "streaming", "int8", repeats, sync)
@@ -141,6 +162,8 @@ def measure(factory: Factory, repeats: int, engine: Any | None) -> Profile:
             work, engine, profile.link.bandwidth, repeats)
         wire_beside_seconds = [alone, beside]
     profile.meta = provenance(factory)
+    if refused:
+        profile.meta["refused"] = refused
     if wire_beside_seconds:  # the all-reduce of every gradient alone and beside training
         profile.meta["wire_beside"] = wire_beside_seconds
     return with_peer_wait(agree(profile, engine, measured))

@@ -17,7 +17,21 @@ The schedules differ in what waits for what:
 - ``priority``: the forward of a module waits for the buckets of the last
   iteration that hold the parameters it reads (front layers' buckets are
   issued front first once backward is done); the step waits for nothing;
-- ``decoupled``: the step of iteration t+1 waits for iteration t's buckets.
+- ``decoupled``: the step of iteration t+1 waits for iteration t's buckets;
+- ``sharded``: each bucket is two jobs on the lane, its reduce-scatter
+  (ready when backward has filled it; the buckets go in plan order) and its
+  all-gather (each half an all-reduce's time and bytes). Backward waits
+  where a bucket's first gradient arrives while BUCKETS_IN_FLIGHT
+  reduce-scatters are in flight, for the oldest. The step waits for every
+  reduce-scatter and steps this rank's shard: ``step / N`` (the profile's
+  ``step`` is the optimizer's, element-wise, so a shard of 1/N costs 1/N);
+  then the all-gathers are issued front layers first (plan order
+  reversed), BUCKETS_IN_FLIGHT at once: the next forward waits at each
+  module's first read for the all-gathers of the buckets holding what it
+  reads, landing them in issue order, and each landing issues the next
+  all-gather; the next backward begins once every one has landed. The
+  copies into and out of the buckets run on the training thread: they are
+  in the measured overhead.
 
 The simulation (:mod:`hemiola.advise.simulation`) runs a few iterations
 and takes the steady period; then the configuration's measured ``overhead``
@@ -45,14 +59,24 @@ from hemiola.advise.collective import (
     sent,
     wire,
 )
-from hemiola.advise.profile import Param, Profile, front_first
+from hemiola.advise.profile import DEVICES, Param, Profile, front_first
 from hemiola.advise.simulation import Job, Segment, Span, simulate
 
-SCHEDULES = ("wfbp", "priority", "decoupled")
+SCHEDULES = ("wfbp", "priority", "decoupled", "sharded")
 CODINGS = ("none", "fp16", "int8", "powersgd")
 #: the bucket caps of each schedule's plan (Config.fusion_bytes), in bytes
-FUSION = {"wfbp": 25 << 20, "decoupled": 25 << 20, "priority": 4 << 20}
+FUSION = {"wfbp": 25 << 20, "decoupled": 25 << 20, "priority": 4 << 20, "sharded": 4 << 20}
 FIRST_BUCKET = 1 << 20
+#: ``sharded``'s bucket buffers of each kind alive at once
+#: (Config.buckets_in_flight's default): reduce-scatters in flight under
+#: backward, all-gathers issued after the step
+BUCKETS_IN_FLIGHT = 2
+#: the codings a schedule runs with, where not all of CODINGS (``sharded``
+#: refuses any compression in this build)
+SCHEDULE_CODINGS = {"sharded": ("none",)}
+#: the devices a schedule runs on, where not every one (``sharded``: CPU
+#: parameters over Gloo in this build)
+SCHEDULE_DEVICES = {"sharded": ("cpu",)}
 #: streaming's sync periods and the fragment counts tried for each
 STREAMING_H = (10, 20, 50, 100)
 STREAMING_FRAGMENTS = (1, 2, 4)
@@ -100,8 +124,30 @@ def plan_of(profile: Profile, schedule: str) -> list[list[int]]:
     return front_first(profile.params, plan) if schedule == "priority" else plan
 
 
-def _program(profile: Profile, plan: list[list[int]], schedule: str) -> list[Segment]:
-    """One iteration of the computation as segments."""
+def codings_of(schedule: str, codings: Sequence[str] = CODINGS) -> tuple[str, ...]:
+    """Those of `codings` that `schedule` runs with (SCHEDULE_CODINGS)."""
+    allowed = SCHEDULE_CODINGS.get(schedule)
+    return tuple(c for c in codings if allowed is None or c in allowed)
+
+
+def runs(profile: Profile, schedule: str, coding: str) -> bool:
+    """Whether `schedule` runs with `coding` on the profile's device and
+    model: ``sharded`` only uncompressed, on CPU, and not where measuring
+    the profile found it refusing the model (``meta["refused"]``: its
+    optimizer, a parameter)."""
+    if coding not in codings_of(schedule, (coding,)):
+        return False
+    if profile.meta.get("device", "cpu") not in SCHEDULE_DEVICES.get(schedule, DEVICES):
+        return False
+    return schedule not in profile.meta.get("refused", {})
+
+
+def _program(profile: Profile, plan: list[list[int]], schedule: str,
+             world: int = 1) -> list[Segment]:
+    """One iteration of the computation as segments (`world`: the ranks,
+    which share ``sharded``'s step)."""
+    if schedule == "sharded":
+        return _sharded_program(profile, plan, world)
     params = profile.params
     holding: dict[int, list[int]] = {}
     for k, bucket in enumerate(plan):
@@ -143,6 +189,73 @@ def _program(profile: Profile, plan: list[list[int]], schedule: str) -> list[Seg
     return program
 
 
+def _sharded_program(profile: Profile, plan: list[list[int]], world: int,
+                     in_flight: int = BUCKETS_IN_FLIGHT) -> list[Segment]:
+    """One iteration of ``sharded`` at `world` ranks as segments, its lane's
+    jobs as :func:`jobs_for` makes them: B reduce-scatters (job k: bucket k
+    of `plan`), then B all-gathers (job B + j: bucket B - 1 - j, front
+    layers first). See the module docstring."""
+    params = profile.params
+    n = len(plan)
+    program: list[Segment] = []
+    # Forward: at each module's first read, the all-gathers of the last
+    # step up to the last one it needs (bucket k's is the (n-1-k)th issued)
+    # land, in issue order, each issuing the one `in_flight` behind it.
+    reads: dict[float, set[int]] = {}
+    for k, bucket in enumerate(plan):
+        for i in bucket:
+            reads.setdefault(min(max(params[i].need, 0.0), profile.forward), set()).add(
+                n - 1 - k)
+    landed = 0  # all-gathers landed so far (in issue order)
+
+    def land(upto: int) -> list[Segment]:
+        """Lands all-gathers landed..upto one by one: each waits for its
+        own (issued once the one `in_flight` before it landed) and issues
+        the one `in_flight` after it."""
+        nonlocal landed
+        out = [Segment(0.0, ((-1, n + j),),
+                       releases=((-1, n + j + in_flight),) if j + in_flight < n else ())
+               for j in range(landed, upto + 1)]
+        landed = max(landed, upto + 1)
+        return out
+
+    at = 0.0
+    for point in sorted(reads):
+        if point > at:
+            program.append(Segment(point - at, name="forward"))
+            at = point
+        program += land(max(reads[point]))
+    program.append(Segment(profile.forward - at, name="forward"))
+    program += land(n - 1)  # the backward begins once every all-gather has landed
+    # Backward: bucket k is reduce-scattered once it is full and every
+    # bucket before it is (plan order); where its first gradient arrives,
+    # it waits until fewer than `in_flight` reduce-scatters are in flight.
+    clamp = [min(max(p.ready, 0.0), profile.backward) for p in params]
+    issue: list[float] = []
+    for bucket in plan:
+        issue.append(max([max(clamp[i] for i in bucket), *issue[-1:]]))
+    events: list[tuple[float, int, int]] = []  # (time, bucket, 0: first gradient / 1: full)
+    for k, bucket in enumerate(plan):
+        first = min(clamp[i] for i in bucket)
+        events += [(first, k, 0), (issue[k], k, 1)]
+    at = 0.0
+    for point, k, kind in sorted(events):
+        if kind == 1:
+            program.append(Segment(point - at, (), (k,), name="backward"))
+            at = point
+            continue
+        issued = sum(1 for i in range(k) if issue[i] <= point)
+        if issued >= in_flight:
+            program.append(Segment(point - at, name="backward"))
+            program.append(Segment(0.0, ((0, issued - in_flight),)))
+            at = point
+    program.append(Segment(profile.backward - at, name="backward"))
+    # The step: every reduce-scatter, this rank's shard, the first all-gathers.
+    program.append(Segment(profile.step / world, tuple((0, k) for k in range(n)),
+                           tuple(range(n, n + min(in_flight, n))), name="step"))
+    return program
+
+
 def jobs_for(profile: Profile, net: Network, schedule: str, coding: str,
              plan: list[list[int]] | None = None, powersgd_rank: int = 2,
              peer_wait: bool = True) -> list[Job]:
@@ -158,6 +271,8 @@ def jobs_for(profile: Profile, net: Network, schedule: str, coding: str,
     preview = schedule == "decoupled" and profile.optimizer in ("Adam", "AdamW")
     per_collective = peer_wait_per_collective(profile, net, coding, powersgd_rank) \
         if peer_wait else 0.0
+    if schedule == "sharded":
+        return _sharded_jobs(profile, net, coding, buckets, per_collective)
     out = []
     for bucket in buckets:
         share = sum(p.numel for p in bucket) / total
@@ -171,6 +286,29 @@ def jobs_for(profile: Profile, net: Network, schedule: str, coding: str,
         out.append(Job(cpu, seconds, profile.wire_cpu_per_byte * nbytes,
                        wire_beside(profile, seconds, nbytes)))
     return out
+
+
+def _sharded_jobs(profile: Profile, net: Network, coding: str, buckets: list[list[Piece]],
+                  per_collective: float) -> list[Job]:
+    """``sharded``'s lane per iteration: each bucket's reduce-scatter in plan
+    order, then each bucket's all-gather, front layers first. Each is one
+    collective (where the ranks meet: `per_collective` of CPU on the lane);
+    the copies in and out run on the training thread (the overhead)."""
+    if coding != "none":
+        raise ValueError(f"schedule='sharded' does not compress (coding {coding!r}): it is "
+                         "predicted uncompressed only")
+
+    def job(kind: str, k: int) -> Job:
+        payload = [(kind, sum(p.numel * p.element_size for p in buckets[k]))]
+        nbytes = sent(net, payload)
+        seconds = wire(net, payload)
+        name = f"{'reduce-scatter' if kind == 'reduce_scatter' else 'all-gather'} {k}"
+        return Job(per_collective, seconds, profile.wire_cpu_per_byte * nbytes,
+                   wire_beside(profile, seconds, nbytes), name)
+
+    n = len(buckets)
+    return ([job("reduce_scatter", k) for k in range(n)]
+            + [job("all_gather_chunks", k) for k in reversed(range(n))])
 
 
 def peer_wait_per_collective(profile: Profile, net: Network, coding: str,
@@ -214,15 +352,24 @@ def wire_beside(profile: Profile, seconds: float, nbytes: float) -> float:
 def predict_one(profile: Profile, net: Network, schedule: str, coding: str,
                 trace: list[Span] | None = None) -> float:
     """Seconds per iteration of `schedule` with `coding` on `net`: never less
-    than the bare computation, which every configuration does (a measured
-    overhead below zero is noise). `trace`: see :func:`simulate`."""
+    than the configuration's own computation (:func:`computation`), which it
+    does (a measured overhead below zero is noise). `trace`: see
+    :func:`simulate`."""
     plan = plan_of(profile, schedule)
-    seconds = simulate(_program(profile, plan, schedule),
+    seconds = simulate(_program(profile, plan, schedule, net.world),
                        jobs_for(profile, net, schedule, coding, plan), profile.contention,
                        trace=trace)
-    return _finite(max(profile.compute,
+    return _finite(max(computation(profile, schedule, net.world),
                        seconds + profile.overhead.get(f"{schedule}+{coding}", 0.0)),
                    f"{schedule}+{coding}")
+
+
+def computation(profile: Profile, schedule: str, world: int) -> float:
+    """One iteration's computation under `schedule` at `world` ranks: the
+    bare model's, but ``sharded`` steps a shard of 1/`world` of it."""
+    if schedule == "sharded":
+        return profile.forward + profile.backward + profile.step / world
+    return profile.compute
 
 
 def _finite(seconds: float, name: str) -> float:
@@ -268,10 +415,12 @@ def codings_on(profile: Profile) -> tuple[str, ...]:
 def predict(profile: Profile, net: Network, schedules: Sequence[str] = SCHEDULES,
             codings: Sequence[str] | None = None) -> list[Prediction]:
     """Every schedule x coding that runs on `net` and on the profile's device
-    (`codings`: a subset), fastest first."""
+    and model (`codings`: a subset; :func:`runs`), fastest first."""
     out = []
     for coding in codings_on(profile) if codings is None else codings:
         for schedule in schedules:
+            if not runs(profile, schedule, coding):
+                continue
             out.append(Prediction(schedule, coding, predict_one(profile, net, schedule, coding)))
     return sorted(out, key=lambda p: p.seconds)
 

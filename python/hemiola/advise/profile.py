@@ -149,7 +149,9 @@ class Profile:
     peer_wait: dict[str, float] = field(default_factory=dict)
     #: the optimizer's class name (Adam and AdamW turn decoupled's preview on)
     optimizer: str = "SGD"
-    #: provenance: date, host, cpus, torch, hemiola, model, ...
+    #: provenance: date, host, cpus, torch, hemiola, model, ...; ``device``
+    #: (cpu or cuda); ``refused``: schedule: why it refused the model when
+    #: measured (it is not predicted)
     meta: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -360,6 +362,11 @@ class Profile:
         for key in ("slowest_rank", "rescaled"):
             if key in self.meta:
                 number(f"meta[{key!r}]", self.meta[key], 0.0, MAX_LOCKSTEP, "(a ratio)")
+        refused = self.meta.get("refused", {})
+        if not isinstance(refused, dict) or not all(
+                isinstance(k, str) and isinstance(v, str) for k, v in refused.items()):
+            raise ValueError(f"{where}: meta['refused'] is {_show(refused)}, not an object of "
+                             "schedule: why it refused the model")
 
 
 def _json_kind(value: Any) -> str:

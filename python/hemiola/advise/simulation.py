@@ -3,6 +3,12 @@ as segments that wait for reductions and make buckets ready, and the
 engine's lane, reducing one bucket's job after another, sharing the core by
 the profile's contention; the steady seconds per iteration, and optionally
 the spans of a predicted timeline.
+
+A job is one collective phase of the lane in its issue order: a bucket's
+reduction, or (``sharded``) a bucket's reduce-scatter under backward and,
+as further jobs of the same iteration, its all-gather after the step. The
+lane is one wire (FIFO): a job starts once ready and once the one before it
+is done.
 """
 
 from __future__ import annotations
@@ -23,16 +29,21 @@ class Job:
     #: the wire's seconds while the computation runs beside it (>= wire;
     #: 0: as `wire`)
     wire_beside: float = 0.0
+    #: what it is, for a predicted timeline (default ``bucket K``)
+    name: str = ""
 
 
 @dataclass(frozen=True)
 class Segment:
     """A stretch of the computation: it starts once `waits` (iteration
-    offset, bucket) are reduced, and makes `emits` ready when it ends."""
+    offset, job) are done, and makes `emits` (jobs of its iteration) and
+    `releases` ((iteration offset, job): ``sharded``'s forward issues the
+    last step's next all-gather as it lands one) ready when it ends."""
 
     work: float
     waits: tuple[tuple[int, int], ...] = ()
     emits: tuple[int, ...] = ()
+    releases: tuple[tuple[int, int], ...] = ()
     #: what it is, for a predicted timeline
     name: str = ""
 
@@ -50,8 +61,9 @@ class Span:
 
 def simulate(program: Sequence[Segment], jobs: Sequence[Job], contention: float,
              iterations: int = 6, trace: list[Span] | None = None) -> float:
-    """Steady seconds per iteration of `program` with the lane reducing
-    `jobs` (one per bucket, in issue order) every iteration. `trace`: the
+    """Steady seconds per iteration of `program` with the lane running
+    `jobs` (one per bucket, or per collective of one: ``sharded``'s, in
+    issue order) every iteration. `trace`: the
     spans of every iteration are appended to it (the predicted timeline).
     ValueError for a time that is not finite (the simulation would never
     end), and, should it still not end, after a bounded number of events."""
@@ -94,6 +106,7 @@ def simulate(program: Sequence[Segment], jobs: Sequence[Job], contention: float,
             if started and rem_c <= eps:
                 record("compute", f"{program[seg].name} ({it})", seg_start)
                 ready.update((it, k) for k in program[seg].emits)
+                ready.update((it + off, k) for off, k in program[seg].releases)
                 started, seg, moved, idle_since = False, seg + 1, True, now
                 if seg == len(program):
                     it, seg = it + 1, 0
@@ -104,7 +117,7 @@ def simulate(program: Sequence[Segment], jobs: Sequence[Job], contention: float,
                 busy, phase, rem_m, moved, phase_start = True, 0, phases[job_k][0], True, now
             while busy and rem_m <= eps:
                 moved = True
-                record("comm", f"bucket {job_k} ({job_it}) "
+                record("comm", f"{jobs[job_k].name or f'bucket {job_k}'} ({job_it}) "
                        f"{('cpu before', 'wire', 'cpu after')[phase]}", phase_start)
                 phase_start = now
                 phase += 1
