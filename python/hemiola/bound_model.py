@@ -27,9 +27,11 @@ class BoundModel:
 
     def __init__(self, module: nn.Module, engine: C.Engine, config: Config,
                  device: torch.device, in_flight: int, preview: bool,
-                 with_reducer: bool = True) -> None:
+                 with_reducer: bool = True, store: C.Store | None = None) -> None:
         self.module = module
         self.engine = engine
+        #: the engine's rendezvous store (None where the caller gave none)
+        self.store = store
         #: the wrap's configuration (register_comm_hook replaces it)
         self.config = config
         #: the CPU or one GPU

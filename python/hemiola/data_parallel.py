@@ -62,7 +62,7 @@ class DataParallel(nn.Module):
         kind = choose_schedule(config)
         in_flight, preview = kind.reducer_needs(config, optimizer, self.device)
         self._bound = BoundModel(module, engine, config, self.device, in_flight, preview,
-                                 with_reducer=kind.uses_reducer)
+                                 with_reducer=kind.uses_reducer, store=store)
         self._schedule: Schedule = kind(self._bound, optimizer, grad_scaler)
         # Checkpoints are exact however they are taken (model.state_dict(),
         # model.module.state_dict(), a reference to the module kept from

@@ -197,3 +197,24 @@ def refusal(rank: int, world: int, case: str) -> str:
     except (ValueError, RuntimeError) as e:
         return str(e)
     return "no error"
+
+
+def state_dict_on_rank_0_only(rank: int, world: int) -> str:
+    """DDP's habit, ``if rank == 0: torch.save(optimizer.state_dict())``:
+    under sharded the full state is a collective, so rank 0 alone is told so
+    (within timeout_s here, at most 30 s)."""
+    hemiola.init()
+    torch.manual_seed(0)
+    m = make_model("mlp")
+    model, opt = hemiola.wrap(m, _optimizer("sgd", m.parameters()), schedule="sharded",
+                              timeout_s=5)
+    x, y = make_batch("mlp", 0, rank, world)
+    loss_of("mlp", model(x), y).backward()
+    opt.step()
+    if rank != 0:
+        return "not called"
+    try:
+        opt.state_dict()
+    except RuntimeError as e:
+        return str(e)
+    return "no error"

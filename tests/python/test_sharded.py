@@ -111,3 +111,9 @@ def test_state_dict_of_a_wrapped_model_is_the_modules() -> None:
     plain = run_local(workers.rank0_only_evaluation, 2, "sharded", False, timeout_s=120)
     assert torch.equal(results[0], results[1])
     assert torch.equal(results[0], plain[0])
+
+
+def test_the_full_optimizer_state_asked_on_rank_0_alone_says_every_rank_must_ask() -> None:
+    results = run_local(sharded_workers.state_dict_on_rank_0_only, 2, timeout_s=120)
+    assert results[1] == "not called"
+    assert "every rank must call it: rank(s) [1] did not" in results[0]

@@ -122,6 +122,8 @@ class Sharded(Schedule):
         # Buckets the forward before this backward never landed: a gradient
         # of one of their parameters means it was read stale.
         self._stale: set[int] = set()
+        #: full optimizer states gathered so far (sharded_state)
+        self.state_calls = 0
         # 1 / the GradScaler's scale in the backward being marked
         self._inv_scale: float | None = None
         #: model.clip_grad_norm_ of this iteration: (max_norm, the norm)

@@ -34,6 +34,8 @@ class Sharded(Protocol):
 
     bound: BoundModel
     plan: ShardPlan
+    #: how many full states were gathered (names each gathering in the store)
+    state_calls: int
 
     @property
     def sharded_optimizer(self) -> ShardedOptimizer: ...
@@ -76,9 +78,42 @@ def _by_index(schedule: Sharded) -> dict[int, dict[str, Any]]:
     return {index[id(v)]: s for v, s in opt.optimizer.state.items() if id(v) in index}
 
 
+#: how long a rank waits for the others to ask for the full state too
+CALL_WAIT_S = 30.0
+
+
+def _everyone_asks(schedule: Sharded) -> None:
+    """Every rank called optimizer.state_dict() (a collective): a rank
+    that alone did (``if rank == 0: torch.save(optimizer.state_dict())``,
+    DDP's habit) is told so within CALL_WAIT_S, instead of waiting in a
+    gather the others never join."""
+    m = schedule.bound
+    store = m.store
+    if store is None or m.world_size == 1:
+        return
+    schedule.state_calls += 1
+    key = f"hemiola_sharded_state/{schedule.state_calls}/"
+    store.set(key + str(m.rank), b"1")
+    wait = min(CALL_WAIT_S, m.config.timeout_s)
+    missing = []
+    for r in range(m.world_size):
+        try:
+            store.get(key + str(r), wait if not missing else 0.01)
+        except (RuntimeError, TimeoutError):  # the engine's store, or torch's
+            missing.append(r)
+    if missing:
+        raise RuntimeError(
+            f"optimizer.state_dict() under schedule='sharded' gathers the state from every "
+            f"rank's shard, so every rank must call it: rank(s) {missing} did not within "
+            f"{wait:.0f} s. Call it on every rank and save where rank == 0 (e.g. state = "
+            "optimizer.state_dict(); if rank == 0: torch.save(state, path)), or save each "
+            "rank's own optimizer.shard_state_dict() (no communication).")
+
+
 def full_state_dict(schedule: Sharded, inner: Any) -> dict[str, Any]:
     """The full state (see the module docstring); `inner` is torch's own
     state_dict of the optimizer, whose param groups it keeps."""
+    _everyone_asks(schedule)
     m = schedule.bound
     opt = schedule.sharded_optimizer
     mine = _by_index(schedule)
