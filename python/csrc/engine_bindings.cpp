@@ -345,10 +345,11 @@ void bind_engine(py::module_& m) {
           py::arg("op") = ReduceOp::kAverage)
       .def(
           "all_gather_chunks",
-          [](Engine& e, uintptr_t data, int dtype, size_t numel) {
-            return e.all_gather_chunks(make_ref(data, dtype, numel));
+          [](Engine& e, uintptr_t data, int dtype, size_t numel, std::vector<size_t> bounds) {
+            return e.all_gather_chunks(make_ref(data, dtype, numel), std::move(bounds));
           },
-          py::arg("data_ptr"), py::arg("dtype"), py::arg("numel"))
+          py::arg("data_ptr"), py::arg("dtype"), py::arg("numel"),
+          py::arg("bounds") = std::vector<size_t>{})
       .def(
           "make_reducer",
           [](py::handle self, const std::vector<py::tuple>& specs,

@@ -20,16 +20,23 @@ def max_diff(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
 
 
 def sharded_matches_wfbp(rank: int, world: int, model_name: str, opt_name: str, steps: int,
-                         clip: float | None = None) -> dict[str, float]:
-    """Different data per rank: sharded is exact, so it must follow wfbp.
-    The largest parameter and loss differences, and how far training (and
-    clipping, with `clip`) moved the parameters."""
-    a = schedule_run(rank, world, "wfbp", model_name, opt_name, steps, False, clip)
-    b = schedule_run(rank, world, "sharded", model_name, opt_name, steps, False, clip)
+                         clip: float | None = None,
+                         compression: str | None = None) -> dict[str, float]:
+    """Different data per rank: sharded is exact, so it must follow wfbp
+    (with the same `compression`). The largest parameter and loss
+    differences, and how far training (and clipping, with `clip`) moved the
+    parameters."""
+    a = schedule_run(rank, world, "wfbp", model_name, opt_name, steps, False, clip,
+                     compression=compression)
+    b = schedule_run(rank, world, "sharded", model_name, opt_name, steps, False, clip,
+                     compression=compression)
     start = schedule_run(rank, world, "wfbp", model_name, opt_name, 0, False)
     out = {"params": max_diff(a["params"], b["params"]),
            "losses": max(abs(x - y) for x, y in zip(a["losses"], b["losses"])),
            "moved": max_diff(a["params"], start["params"])}
+    if compression is not None:
+        plain = schedule_run(rank, world, "wfbp", model_name, opt_name, steps, False)
+        out["compression_moved"] = max_diff(a["params"], plain["params"])
     if clip is not None:
         unclipped = schedule_run(rank, world, "wfbp", model_name, opt_name, steps, False)
         out["clipping_moved"] = max_diff(a["params"], unclipped["params"])
@@ -190,6 +197,9 @@ def refusal(rank: int, world: int, case: str) -> str:
             model, opt = hemiola.wrap(m, _optimizer("sgd", m.parameters()), schedule="sharded",
                                       timeout_s=30)
             opt.step()
+        elif case == "int8":
+            hemiola.wrap(m, _optimizer("sgd", m.parameters()), schedule="sharded",
+                         compression="int8", timeout_s=30)
         elif case == "non-contiguous":
             m.net[0].weight = nn.Parameter(m.net[0].weight.detach().t().contiguous().t())
             hemiola.wrap(m, _optimizer("sgd", m.parameters()), schedule="sharded",

@@ -27,6 +27,18 @@ def test_equals_wfbp_bit_for_bit(world: int, model: str, optimizer: str) -> None
         assert r["params"] == 0.0 and r["losses"] == 0.0, f"rank {rank}: {r}"
 
 
+@pytest.mark.parametrize("compression", ["fp16", "bf16"])
+def test_half_precision_reduce_scatters_equal_wfbp_with_the_same_compression(
+        compression: str) -> None:
+    # DDP's fp16/bf16 hook, bit for bit, cut in two; the parameters are
+    # gathered in float32 (every rank holds the same values).
+    results = run_local(sharded_workers.sharded_matches_wfbp, 3, "transformer", "adamw", 4,
+                        None, compression, timeout_s=300)
+    for r in results.values():
+        assert r["compression_moved"] > 0, "the compression changed nothing: no test"
+        assert r["params"] == 0.0 and r["losses"] == 0.0, r
+
+
 @pytest.mark.parametrize("world,model,optimizer", [(2, "mlp", "sgd"), (3, "transformer", "adamw")])
 def test_clipping_follows_wfbp_within_the_norms_rounding(world: int, model: str,
                                                          optimizer: str) -> None:
@@ -99,6 +111,7 @@ def test_a_parameter_read_before_its_all_gather_is_refused_by_name() -> None:
     ("scaler", "step with scaler.step(optimizer), not optimizer.step()"),
     ("step without backward", "no synchronised backward since the last step"),
     ("non-contiguous", "is not contiguous"),
+    ("int8", "compresses its reduce-scatters with 'fp16' or 'bf16'"),
 ])
 def test_misuse_is_refused_saying_what_to_do(case: str, words: str) -> None:
     results = run_local(sharded_workers.refusal, 2, case, timeout_s=120)

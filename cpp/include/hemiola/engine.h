@@ -58,9 +58,11 @@ class HEMIOLA_API Engine {
   // (chunk_bounds below): after reduce_scatter this rank's chunk holds the
   // sum (or average) over ranks, bitwise what all_reduce leaves there, and
   // the rest of the tensor partial sums; all_gather_chunks then gives every
-  // rank each rank's chunk. CPU tensors (the Gloo wire).
+  // rank each rank's chunk. CPU tensors (the Gloo wire). `bounds`
+  // (world_size + 1 element offsets) gathers other chunks: those of a
+  // reduce-scatter of the same elements in another dtype.
   Handle reduce_scatter(const TensorRef& tensor, ReduceOp op = ReduceOp::kAverage);
-  Handle all_gather_chunks(const TensorRef& tensor);
+  Handle all_gather_chunks(const TensorRef& tensor, std::vector<size_t> bounds = {});
 
   // A gradient reducer over `specs` (one per gradient tensor, in registration
   // order). See reducer.h.

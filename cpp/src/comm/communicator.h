@@ -5,6 +5,7 @@
 
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "hemiola/tensor.h"
 
@@ -31,9 +32,13 @@ class Communicator {
   // there (the same chunks, summed in the same order); the other chunks hold
   // partial sums. (size - 1) / size of the tensor leaves each rank.
   virtual void reduce_scatter_sum(const TensorRef& tensor) = 0;
-  // In place: every rank's chunk r becomes rank r's chunk r (the ring's
-  // chunks); reduce_scatter_sum's other half.
-  virtual void all_gather_chunks(const TensorRef& tensor) = 0;
+  // In place: every rank's chunk r becomes rank r's chunk r; reduce_scatter_sum's
+  // other half. Chunk r is elements [bounds[r], bounds[r + 1]) (size() + 1
+  // offsets, contiguous, covering the tensor), or the ring's chunks when
+  // `bounds` is empty (a reduce-scatter on another dtype, e.g. a half-precision
+  // wire, cuts its chunks elsewhere: the caller passes them).
+  virtual void all_gather_chunks(const TensorRef& tensor,
+                                 const std::vector<size_t>& bounds = {}) = 0;
   virtual void barrier() = 0;
   // After a failure: closes this rank's connections, so that peers blocked
   // on it fail now rather than at their timeout (and reach the failure's

@@ -3,6 +3,7 @@
 #include <condition_variable>
 #include <cstring>
 #include <exception>
+#include <algorithm>
 #include <functional>
 #include <memory>
 #include <vector>
@@ -349,13 +350,19 @@ void GlooCommunicator::reduce_scatter_sum(const TensorRef& t) {
   });
 }
 
-void GlooCommunicator::all_gather_chunks(const TensorRef& t) {
+void GlooCommunicator::all_gather_chunks(const TensorRef& t, const std::vector<size_t>& given) {
   require_cpu(t, "all_gather_chunks");
+  if (!given.empty()) {
+    HEMIOLA_CHECK(given.size() == static_cast<size_t>(size_) + 1 && given.front() == 0 &&
+                      given.back() == t.numel && std::is_sorted(given.begin(), given.end()),
+                  "all_gather_chunks: the chunk bounds must be ", size_ + 1,
+                  " non-decreasing offsets from 0 to ", t.numel);
+  }
   if (t.numel == 0 || size_ == 1) return;
   translate_gloo_errors("all_gather_chunks", &t, rank_, [&] {
     const std::shared_ptr<gloo::Context>& ctx = context("all_gather_chunks");
     const size_t elem = dtype_size(t.dtype);
-    const std::vector<size_t> bounds = ring_chunks(t.numel, elem, size_);
+    const std::vector<size_t> bounds = given.empty() ? ring_chunks(t.numel, elem, size_) : given;
     auto data = ctx->createUnboundBuffer(t.data, t.nbytes());
     const auto slot = gloo::Slot::build(kAllGatherChunksSlotPrefix, 0);
     // The same ring: at step k this rank passes on chunk rank + k (its own

@@ -20,8 +20,10 @@ namespace {
 class CollectiveWork final : public Work {
  public:
   enum class Kind { kAllReduce, kBroadcast, kAllGather, kBarrier, kReduceScatter, kAllGatherChunks };
-  CollectiveWork(Kind kind, TensorRef a, TensorRef b, ReduceOp op, int root, int world)
-      : kind_(kind), a_(a), b_(b), op_(op), root_(root), world_(world) {}
+  CollectiveWork(Kind kind, TensorRef a, TensorRef b, ReduceOp op, int root, int world,
+                 std::vector<size_t> bounds = {})
+      : kind_(kind), a_(a), b_(b), op_(op), root_(root), world_(world),
+        bounds_(std::move(bounds)) {}
 
   void run(Communicator& comm, Timeline& timeline) override {
     const int64_t start = timeline.now_us();
@@ -43,7 +45,7 @@ class CollectiveWork final : public Work {
                        hi - lo, 1.0 / world_);
         break;
       }
-      case Kind::kAllGatherChunks: comm.all_gather_chunks(a_); break;
+      case Kind::kAllGatherChunks: comm.all_gather_chunks(a_, bounds_); break;
     }
     timeline.record("comm", describe(), "collective", start, timeline.now_us());
   }
@@ -72,6 +74,7 @@ class CollectiveWork final : public Work {
   ReduceOp op_;
   int root_;
   int world_;
+  std::vector<size_t> bounds_;  // all_gather_chunks: the chunks (empty: the ring's)
 };
 
 // After a transport failure: every surviving rank announces through the store
@@ -225,10 +228,10 @@ Handle EngineImpl::reduce_scatter(const TensorRef& tensor, ReduceOp op) {
                                                  TensorRef{}, op, 0, options_.world_size));
 }
 
-Handle EngineImpl::all_gather_chunks(const TensorRef& tensor) {
+Handle EngineImpl::all_gather_chunks(const TensorRef& tensor, std::vector<size_t> bounds) {
   return submit(std::make_shared<CollectiveWork>(CollectiveWork::Kind::kAllGatherChunks, tensor,
                                                  TensorRef{}, ReduceOp::kSum, 0,
-                                                 options_.world_size));
+                                                 options_.world_size, std::move(bounds)));
 }
 
 Handle EngineImpl::barrier() {
@@ -248,8 +251,8 @@ Handle Engine::barrier() { return impl_->barrier(); }
 Handle Engine::reduce_scatter(const TensorRef& tensor, ReduceOp op) {
   return impl_->reduce_scatter(tensor, op);
 }
-Handle Engine::all_gather_chunks(const TensorRef& tensor) {
-  return impl_->all_gather_chunks(tensor);
+Handle Engine::all_gather_chunks(const TensorRef& tensor, std::vector<size_t> bounds) {
+  return impl_->all_gather_chunks(tensor, std::move(bounds));
 }
 
 std::vector<size_t> chunk_bounds(size_t numel, DType dtype, int world_size) {

@@ -55,6 +55,9 @@ if TYPE_CHECKING:
     from hemiola.bound_model import BoundModel
 
 INT64 = int(C.DType.int64)
+#: compression -> the dtype float32 gradients travel in
+HALVES: dict[str | None, torch.dtype | None] = {
+    None: None, "fp16": torch.float16, "bf16": torch.bfloat16}
 FLOAT64 = dtype_code(torch.float64)
 
 
@@ -81,11 +84,13 @@ class Sharded(Schedule):
                 "schedule='sharded' runs on CPU parameters (the Gloo wire) in this build; its "
                 "GPU path over NCCL's reduce-scatter and all-gather has not run on a GPU yet. "
                 "Use schedule='priority' on a GPU.")
-        if config.compression is not None:
+        if config.compression not in HALVES:
             raise ValueError(
-                f"schedule='sharded' does not compress yet (compression="
-                f"{config.compression!r}); leave compression unset, or use "
-                "schedule='priority' with it")
+                f"schedule='sharded' compresses its reduce-scatters with 'fp16' or 'bf16' "
+                f"(compression={config.compression!r} is not available to it yet); use one of "
+                "those, or schedule='priority' with it")
+        #: the half type float32 gradients travel in (None: as they are)
+        self._half = HALVES[config.compression]
         refuse_scattered(bound.names, bound.params)
         self._world = bound.world_size
         self._rank = bound.rank
@@ -134,7 +139,7 @@ class Sharded(Schedule):
     def _make_plan(self, order: list[int]) -> ShardPlan:
         m = self.bound
         return ShardPlan(m.params, order, m.config.first_bucket_bytes, m.config.fusion_bytes,
-                         self._rank, self._world)
+                         self._rank, self._world, self._half)
 
     def buckets(self) -> list[list[int]]:
         return [b.indices for b in self.plan.buckets]
@@ -196,18 +201,19 @@ class Sharded(Schedule):
 
     # ---- bucket buffers ------------------------------------------------------
 
-    def _buffer(self, bucket: Bucket) -> torch.Tensor:
-        """A bucket-sized buffer: a spare one, or a new one once fewer than
-        buckets_in_flight are alive (else the oldest reduction is waited
-        for, and its buffer reused)."""
+    def _buffer(self, bucket: Bucket, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """A bucket-sized buffer of `dtype` (the bucket's): a spare one, or
+        a new one once fewer than buckets_in_flight are alive (else the
+        oldest reduction is waited for, and its buffer reused)."""
+        dtype = dtype or bucket.dtype
         cap = self.bound.config.buckets_in_flight
         while len(self._reductions) >= cap:
             self._harvest(self._reductions[0])
         for k, spare in enumerate(self._free):
-            if spare.dtype == bucket.dtype and spare.numel() >= bucket.numel:
+            if spare.dtype == dtype and spare.numel() >= bucket.numel:
                 del self._free[k]
                 return spare[:bucket.numel]
-        return torch.empty(bucket.numel, dtype=bucket.dtype)
+        return torch.empty(bucket.numel, dtype=dtype)
 
     def _release(self, buffer: torch.Tensor) -> None:
         base = buffer._base if buffer._base is not None else buffer
@@ -247,9 +253,10 @@ class Sharded(Schedule):
         if self._learn_order:
             self._order.append(index)
         p = self.bound.params[index]
+        bucket = self.plan.buckets[b]
         buffer = self._staging.get(b)
         if buffer is None:
-            buffer = self._staging[b] = self._buffer(self.plan.buckets[b])
+            buffer = self._staging[b] = self._buffer(bucket, bucket.wire)
         slot = buffer[offset:offset + p.numel()].view_as(grad)
         if self._scaling:
             # Each rank contributes its gradient unscaled (GradScaler's scales
@@ -257,9 +264,13 @@ class Sharded(Schedule):
             # finite exactly when some rank overflowed.
             if self._inv_scale is None:
                 self._inv_scale = 1.0 / self.grad_scaler.get_scale()  # type: ignore[union-attr]
-            torch.mul(grad, self._inv_scale, out=slot)
-        else:
-            slot.copy_(grad)
+            grad = grad * self._inv_scale
+        slot.copy_(grad)
+        if bucket.wire != bucket.dtype:
+            # DDP's fp16/bf16 hook: cast, then divide by the ranks in the
+            # half type (the sum then cannot overflow where the gradients
+            # did not); the wire sums the halves.
+            slot.div_(self._world)
         p.grad = None  # the bucket holds it now; the shard's gradient comes back
         self._filled[b] += 1
         self._reduce_full_buckets()
@@ -278,8 +289,10 @@ class Sharded(Schedule):
                 buckets[self._next].indices):
             b = self._next
             buffer = self._staging.pop(b)
-            handle = self.bound.engine.reduce_scatter(buffer.data_ptr(),
-                                                      dtype_code(buffer.dtype), buffer.numel())
+            halved = buffer.dtype != buckets[b].dtype  # averaged already (see mark)
+            handle = self.bound.engine.reduce_scatter(
+                buffer.data_ptr(), dtype_code(buffer.dtype), buffer.numel(),
+                C.ReduceOp.sum if halved else C.ReduceOp.average)
             self._reductions.append(_Reduction(b, buffer, handle))
             self._next += 1
         while self._reductions and self._reductions[0].handle.done():
@@ -304,9 +317,10 @@ class Sharded(Schedule):
     def mark_unused(self, index: int) -> None:
         b, offset = self.plan.where[index]
         p = self.bound.params[index]
+        bucket = self.plan.buckets[b]
         buffer = self._staging.get(b)
         if buffer is None:
-            buffer = self._staging[b] = self._buffer(self.plan.buckets[b])
+            buffer = self._staging[b] = self._buffer(bucket, bucket.wire)
         buffer[offset:offset + p.numel()].zero_()
         self._filled[b] += 1
         self._reduce_full_buckets()
@@ -441,7 +455,7 @@ class Sharded(Schedule):
             whole = self._buffer(bucket)
             whole[bucket.lo:bucket.hi].copy_(old_grads[b])
             m.engine.all_gather_chunks(whole.data_ptr(), dtype_code(bucket.dtype),
-                                       bucket.numel).wait()
+                                       bucket.numel, bucket.bounds).wait()
             for i, offset in zip(bucket.indices, bucket.offsets):
                 piece = self.plan.piece_of.get(i)
                 if piece is None:
@@ -484,7 +498,7 @@ class Sharded(Schedule):
                 buffer[piece.offset:piece.offset + piece.count].copy_(
                     flat[piece.begin:piece.begin + piece.count])
             handle = self.bound.engine.all_gather_chunks(
-                buffer.data_ptr(), dtype_code(bucket.dtype), bucket.numel)
+                buffer.data_ptr(), dtype_code(bucket.dtype), bucket.numel, bucket.bounds)
             self._gathers[b] = (buffer, handle)
 
     def _land_bucket(self, b: int) -> None:
@@ -593,7 +607,7 @@ class Sharded(Schedule):
             whole = torch.zeros(bucket.numel, dtype=bucket.dtype)
             whole[bucket.lo:bucket.hi].copy_(self._grads[b])
             m.engine.all_gather_chunks(whole.data_ptr(), dtype_code(bucket.dtype),
-                                       bucket.numel).wait()
+                                       bucket.numel, bucket.bounds).wait()
             for i, offset in zip(bucket.indices, bucket.offsets):
                 out[i].view(-1).copy_(whole[offset:offset + m.params[i].numel()])
         return out

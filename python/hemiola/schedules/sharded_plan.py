@@ -37,25 +37,35 @@ class Bucket:
     numel: int
     lo: int
     hi: int
+    #: the dtype gradients travel in (a half type under compression)
+    wire: torch.dtype
+    #: every rank's chunk: world_size + 1 element offsets (the wire's ring)
+    bounds: list[int] = field(default_factory=list)
     pieces: list[Piece] = field(default_factory=list)
 
 
 class ShardPlan:
     """The buckets of `params` ready in `order`, and this rank's shard of
-    each (see the module docstring)."""
+    each (see the module docstring). `half`: float32 gradients travel in
+    that dtype (``compression``), which sets where the chunks fall."""
 
     def __init__(self, params: list[torch.Tensor], order: list[int], first_bucket_bytes: int,
-                 fusion_bytes: int, rank: int, world_size: int) -> None:
+                 fusion_bytes: int, rank: int, world_size: int,
+                 half: torch.dtype | None = None) -> None:
         self.order = list(order)
         specs = [(dtype_code(p.dtype), p.numel()) for p in params]
         self.buckets: list[Bucket] = []
         #: per parameter: (bucket, element offset in it)
         self.where: list[tuple[int, int]] = [(0, 0)] * len(params)
-        for b, (code, indices, offsets, numel) in enumerate(
+        for b, (_code, indices, offsets, numel) in enumerate(
                 C.plan_fusion(specs, self.order, first_bucket_bytes, fusion_bytes)):
-            bounds = C.chunk_bounds(numel, code, world_size)
+            dtype = params[indices[0]].dtype
+            # A float32 bucket travels in `half` when given (compression):
+            # the ring's chunks are the half buffer's.
+            wire = half if half is not None and dtype == torch.float32 else dtype
+            bounds = list(C.chunk_bounds(numel, dtype_code(wire), world_size))
             lo, hi = bounds[rank], bounds[rank + 1]
-            bucket = Bucket(params[indices[0]].dtype, list(indices), list(offsets), numel, lo, hi)
+            bucket = Bucket(dtype, list(indices), list(offsets), numel, lo, hi, wire, bounds)
             for i, offset in zip(indices, offsets):
                 self.where[i] = (b, offset)
                 first, last = max(offset, lo), min(offset + params[i].numel(), hi)

@@ -151,7 +151,7 @@ def full_state_dict(schedule: Sharded, inner: Any) -> dict[str, Any]:
                 if value is not None:
                     whole[piece.offset:piece.offset + piece.count].copy_(value)
             m.engine.all_gather_chunks(whole.data_ptr(), dtype_code(bucket.dtype),
-                                       bucket.numel).wait()
+                                       bucket.numel, bucket.bounds).wait()
             for i, offset in zip(bucket.indices, bucket.offsets):
                 if i in full:
                     p = m.params[i]
