@@ -351,6 +351,22 @@ void bind_engine(py::module_& m) {
           py::arg("data_ptr"), py::arg("dtype"), py::arg("numel"),
           py::arg("bounds") = std::vector<size_t>{})
       .def(
+          "all_gather_segments",
+          [](Engine& e, const std::vector<uintptr_t>& data, const std::vector<size_t>& numels,
+             int dtype, std::vector<size_t> bounds) {
+            HEMIOLA_CHECK(data.size() == numels.size(), "all_gather_segments: ", data.size(),
+                          " pointers and ", numels.size(), " sizes");
+            std::vector<TensorRef> segments;
+            for (size_t i = 0; i < data.size(); ++i) {
+              segments.push_back(make_ref(data[i], dtype, numels[i]));
+            }
+            return e.all_gather_chunks(std::move(segments), std::move(bounds));
+          },
+          py::arg("data_ptrs"), py::arg("numels"), py::arg("dtype"),
+          py::arg("bounds") = std::vector<size_t>{},
+          "all_gather_chunks over the concatenation of the segments (each a data pointer with "
+          "its element count, one dtype), each written where it lies.")
+      .def(
           "make_reducer",
           [](py::handle self, const std::vector<py::tuple>& specs,
              size_t fusion_bytes, size_t first_bucket_bytes, bool average, bool track_usage,

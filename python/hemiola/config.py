@@ -253,11 +253,10 @@ class Config:
         group_name: with ``coordinator``: this replica's name in the run
             (unique among the live ones; a restarted replica may take its old
             name). None: ``HEMIOLA_GROUP``, else host name and process id.
-        buckets_in_flight: ``sharded``: how many bucket buffers of each
-            kind (gradients being reduce-scattered, parameters being
-            all-gathered) exist at once; backward waits for the oldest
+        buckets_in_flight: ``sharded``: how many gradient buckets being
+            reduce-scattered exist at once; backward waits for the oldest
             reduction beyond it. Bounds the schedule's transient memory to
-            2 x this x ``fusion_mb``.
+            this x ``fusion_mb`` (the parameters are all-gathered in place).
     """
 
     schedule: str = "wfbp"

@@ -544,6 +544,37 @@ TEST_P(ReduceScatterWorlds, GathersTheChunksItIsGiven) {
   });
 }
 
+// all_gather_chunks over segments in separate memory gathers what it gathers
+// over their concatenation: pieces of chunks land in the right segment, a
+// chunk spanning several segments and an empty segment included.
+TEST_P(ReduceScatterWorlds, GathersIntoSegmentsInPlace) {
+  const int world = GetParam();
+  const std::vector<size_t> sizes = {5, 70001, 0, 3, 130000, 17};
+  size_t numel = 0;
+  for (size_t n : sizes) numel += n;
+  test::run_ranks(world, [&](Engine& e) {
+    const std::vector<size_t> bounds = chunk_bounds(numel, DType::kFloat32, world);
+    std::vector<float> whole(numel, -1.0f);
+    for (size_t i = bounds[e.rank()]; i < bounds[e.rank() + 1]; ++i) whole[i] = float(i % 977);
+    std::vector<std::vector<float>> parts;
+    std::vector<TensorRef> segments;
+    size_t at = 0;
+    for (size_t n : sizes) {
+      parts.emplace_back(whole.begin() + at, whole.begin() + at + n);
+      at += n;
+    }
+    for (auto& part : parts) segments.push_back({part.data(), DType::kFloat32, part.size(), {}});
+    e.all_gather_chunks(segments).wait();
+    e.all_gather_chunks({whole.data(), DType::kFloat32, numel, {}}).wait();
+    at = 0;
+    for (const auto& part : parts) {
+      for (size_t i = 0; i < part.size(); ++i) ASSERT_EQ(part[i], whole[at + i]) << at + i;
+      at += part.size();
+    }
+    for (size_t i = 0; i < numel; ++i) ASSERT_EQ(whole[i], float(i % 977)) << i;
+  });
+}
+
 INSTANTIATE_TEST_SUITE_P(Worlds, ReduceScatterWorlds, ::testing::Values(1, 2, 3, 4));
 
 TEST(ChunkBounds, CoverTheTensorInRankOrder) {

@@ -63,6 +63,9 @@ class HEMIOLA_API Engine {
   // reduce-scatter of the same elements in another dtype.
   Handle reduce_scatter(const TensorRef& tensor, ReduceOp op = ReduceOp::kAverage);
   Handle all_gather_chunks(const TensorRef& tensor, std::vector<size_t> bounds = {});
+  // The same over the concatenation of `segments` (one dtype), each written
+  // where it lies: a bucket's parameters gathered in place, with no buffer.
+  Handle all_gather_chunks(std::vector<TensorRef> segments, std::vector<size_t> bounds = {});
 
   // A gradient reducer over `specs` (one per gradient tensor, in registration
   // order). See reducer.h.

@@ -33,12 +33,17 @@ class Communicator {
   // partial sums. (size - 1) / size of the tensor leaves each rank.
   virtual void reduce_scatter_sum(const TensorRef& tensor) = 0;
   // In place: every rank's chunk r becomes rank r's chunk r; reduce_scatter_sum's
-  // other half. Chunk r is elements [bounds[r], bounds[r + 1]) (size() + 1
-  // offsets, contiguous, covering the tensor), or the ring's chunks when
-  // `bounds` is empty (a reduce-scatter on another dtype, e.g. a half-precision
-  // wire, cuts its chunks elsewhere: the caller passes them).
-  virtual void all_gather_chunks(const TensorRef& tensor,
-                                 const std::vector<size_t>& bounds = {}) = 0;
+  // other half. The tensor is the concatenation of `segments` (one dtype;
+  // separate memory, e.g. the parameters of a bucket, each written where it
+  // lies). Chunk r is elements [bounds[r], bounds[r + 1]) of it (size() + 1
+  // offsets, contiguous, covering it), or the ring's chunks when `bounds` is
+  // empty (a reduce-scatter on another dtype, e.g. a half-precision wire,
+  // cuts its chunks elsewhere: the caller passes them).
+  virtual void all_gather_chunks(const std::vector<TensorRef>& segments,
+                                 const std::vector<size_t>& bounds) = 0;
+  void all_gather_chunks(const TensorRef& tensor, const std::vector<size_t>& bounds = {}) {
+    all_gather_chunks(std::vector<TensorRef>{tensor}, bounds);
+  }
   virtual void barrier() = 0;
   // After a failure: closes this rank's connections, so that peers blocked
   // on it fail now rather than at their timeout (and reach the failure's

@@ -350,35 +350,64 @@ void GlooCommunicator::reduce_scatter_sum(const TensorRef& t) {
   });
 }
 
-void GlooCommunicator::all_gather_chunks(const TensorRef& t, const std::vector<size_t>& given) {
-  require_cpu(t, "all_gather_chunks");
+void GlooCommunicator::all_gather_chunks(const std::vector<TensorRef>& segments,
+                                         const std::vector<size_t>& given) {
+  HEMIOLA_CHECK(!segments.empty(), "all_gather_chunks: no segments");
+  const DType dtype = segments.front().dtype;
+  size_t numel = 0;
+  // starts[i]: segment i's first element in the concatenation.
+  std::vector<size_t> starts;
+  for (const TensorRef& segment : segments) {
+    require_cpu(segment, "all_gather_chunks");
+    HEMIOLA_CHECK(segment.dtype == dtype, "all_gather_chunks: segments of ", dtype_name(dtype),
+                  " and ", dtype_name(segment.dtype));
+    starts.push_back(numel);
+    numel += segment.numel;
+  }
   if (!given.empty()) {
     HEMIOLA_CHECK(given.size() == static_cast<size_t>(size_) + 1 && given.front() == 0 &&
-                      given.back() == t.numel && std::is_sorted(given.begin(), given.end()),
+                      given.back() == numel && std::is_sorted(given.begin(), given.end()),
                   "all_gather_chunks: the chunk bounds must be ", size_ + 1,
-                  " non-decreasing offsets from 0 to ", t.numel);
+                  " non-decreasing offsets from 0 to ", numel);
   }
-  if (t.numel == 0 || size_ == 1) return;
-  translate_gloo_errors("all_gather_chunks", &t, rank_, [&] {
+  if (numel == 0 || size_ == 1) return;
+  translate_gloo_errors("all_gather_chunks", &segments.front(), rank_, [&] {
     const std::shared_ptr<gloo::Context>& ctx = context("all_gather_chunks");
-    const size_t elem = dtype_size(t.dtype);
-    const std::vector<size_t> bounds = given.empty() ? ring_chunks(t.numel, elem, size_) : given;
-    auto data = ctx->createUnboundBuffer(t.data, t.nbytes());
+    const size_t elem = dtype_size(dtype);
+    const std::vector<size_t> bounds = given.empty() ? ring_chunks(numel, elem, size_) : given;
+    std::vector<std::unique_ptr<gloo::transport::UnboundBuffer>> buffers;
+    for (const TensorRef& segment : segments) {
+      buffers.push_back(ctx->createUnboundBuffer(segment.data, segment.nbytes()));
+    }
+    // The pieces of chunk c, one per segment it overlaps, in order: the same
+    // on every rank (the same segments), so each send meets its receive.
+    struct Piece {
+      size_t segment, offset, bytes;
+    };
+    auto pieces = [&](int c) {
+      std::vector<Piece> out;
+      const size_t lo = bounds[c], hi = bounds[c + 1];
+      for (size_t i = 0; i < segments.size(); ++i) {
+        const size_t first = std::max(lo, starts[i]);
+        const size_t last = std::min(hi, starts[i] + segments[i].numel);
+        if (first < last) out.push_back({i, (first - starts[i]) * elem, (last - first) * elem});
+      }
+      return out;
+    };
     const auto slot = gloo::Slot::build(kAllGatherChunksSlotPrefix, 0);
-    // The same ring: at step k this rank passes on chunk rank + k (its own
-    // at k = 0, the one it received at step k - 1 after) and receives chunk
-    // rank + k + 1. Sends and receives touch different chunks.
+    // The ring of reduce_scatter_sum: at step k this rank passes on chunk
+    // rank + k (its own at k = 0, the one it received at step k - 1 after)
+    // and receives chunk rank + k + 1. Sends and receives touch different
+    // chunks; a segment holds at most one piece of a chunk.
     const int to = (rank_ + size_ - 1) % size_;
     const int from = (rank_ + 1) % size_;
     for (int k = 0; k + 1 < size_; ++k) {
-      const int send = (rank_ + k) % size_;
-      const int recv = (rank_ + k + 1) % size_;
-      const size_t send_n = bounds[send + 1] - bounds[send];
-      const size_t recv_n = bounds[recv + 1] - bounds[recv];
-      if (recv_n > 0) data->recv(from, slot, bounds[recv] * elem, recv_n * elem);
-      if (send_n > 0) data->send(to, slot, bounds[send] * elem, send_n * elem);
-      if (recv_n > 0) data->waitRecv(timeout_);
-      if (send_n > 0) data->waitSend(timeout_);
+      const std::vector<Piece> sends = pieces((rank_ + k) % size_);
+      const std::vector<Piece> recvs = pieces((rank_ + k + 1) % size_);
+      for (const Piece& p : recvs) buffers[p.segment]->recv(from, slot, p.offset, p.bytes);
+      for (const Piece& p : sends) buffers[p.segment]->send(to, slot, p.offset, p.bytes);
+      for (const Piece& p : recvs) buffers[p.segment]->waitRecv(timeout_);
+      for (const Piece& p : sends) buffers[p.segment]->waitSend(timeout_);
     }
   });
 }

@@ -43,7 +43,9 @@ class GlooCommunicator final : public Communicator {
   void all_gather(const TensorRef& input, const TensorRef& output) override;
   void all_to_all(const TensorRef& input, const TensorRef& output) override;
   void reduce_scatter_sum(const TensorRef& tensor) override;
-  void all_gather_chunks(const TensorRef& tensor, const std::vector<size_t>& bounds) override;
+  using Communicator::all_gather_chunks;
+  void all_gather_chunks(const std::vector<TensorRef>& segments,
+                         const std::vector<size_t>& bounds) override;
   void barrier() override;
   void abort() override;
 

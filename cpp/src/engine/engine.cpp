@@ -21,9 +21,9 @@ class CollectiveWork final : public Work {
  public:
   enum class Kind { kAllReduce, kBroadcast, kAllGather, kBarrier, kReduceScatter, kAllGatherChunks };
   CollectiveWork(Kind kind, TensorRef a, TensorRef b, ReduceOp op, int root, int world,
-                 std::vector<size_t> bounds = {})
+                 std::vector<size_t> bounds = {}, std::vector<TensorRef> segments = {})
       : kind_(kind), a_(a), b_(b), op_(op), root_(root), world_(world),
-        bounds_(std::move(bounds)) {}
+        bounds_(std::move(bounds)), segments_(std::move(segments)) {}
 
   void run(Communicator& comm, Timeline& timeline) override {
     const int64_t start = timeline.now_us();
@@ -45,7 +45,7 @@ class CollectiveWork final : public Work {
                        hi - lo, 1.0 / world_);
         break;
       }
-      case Kind::kAllGatherChunks: comm.all_gather_chunks(a_, bounds_); break;
+      case Kind::kAllGatherChunks: comm.all_gather_chunks(segments_, bounds_); break;
     }
     timeline.record("comm", describe(), "collective", start, timeline.now_us());
   }
@@ -75,6 +75,7 @@ class CollectiveWork final : public Work {
   int root_;
   int world_;
   std::vector<size_t> bounds_;  // all_gather_chunks: the chunks (empty: the ring's)
+  std::vector<TensorRef> segments_;  // all_gather_chunks: what the tensor is made of
 };
 
 // After a transport failure: every surviving rank announces through the store
@@ -228,10 +229,17 @@ Handle EngineImpl::reduce_scatter(const TensorRef& tensor, ReduceOp op) {
                                                  TensorRef{}, op, 0, options_.world_size));
 }
 
-Handle EngineImpl::all_gather_chunks(const TensorRef& tensor, std::vector<size_t> bounds) {
-  return submit(std::make_shared<CollectiveWork>(CollectiveWork::Kind::kAllGatherChunks, tensor,
+Handle EngineImpl::all_gather_chunks(std::vector<TensorRef> segments,
+                                     std::vector<size_t> bounds) {
+  HEMIOLA_CHECK(!segments.empty(), "all_gather_chunks: no segments");
+  size_t numel = 0;
+  for (const TensorRef& segment : segments) numel += segment.numel;
+  TensorRef whole = segments.front();
+  whole.numel = numel;  // (for the description)
+  return submit(std::make_shared<CollectiveWork>(CollectiveWork::Kind::kAllGatherChunks, whole,
                                                  TensorRef{}, ReduceOp::kSum, 0,
-                                                 options_.world_size, std::move(bounds)));
+                                                 options_.world_size, std::move(bounds),
+                                                 std::move(segments)));
 }
 
 Handle EngineImpl::barrier() {
@@ -252,7 +260,10 @@ Handle Engine::reduce_scatter(const TensorRef& tensor, ReduceOp op) {
   return impl_->reduce_scatter(tensor, op);
 }
 Handle Engine::all_gather_chunks(const TensorRef& tensor, std::vector<size_t> bounds) {
-  return impl_->all_gather_chunks(tensor, std::move(bounds));
+  return impl_->all_gather_chunks({tensor}, std::move(bounds));
+}
+Handle Engine::all_gather_chunks(std::vector<TensorRef> segments, std::vector<size_t> bounds) {
+  return impl_->all_gather_chunks(std::move(segments), std::move(bounds));
 }
 
 std::vector<size_t> chunk_bounds(size_t numel, DType dtype, int world_size) {

@@ -43,7 +43,7 @@ class EngineImpl final : public Scheduler {
   Handle all_gather(const TensorRef& input, const TensorRef& output);
   Handle barrier();
   Handle reduce_scatter(const TensorRef& tensor, ReduceOp op);
-  Handle all_gather_chunks(const TensorRef& tensor, std::vector<size_t> bounds);
+  Handle all_gather_chunks(std::vector<TensorRef> segments, std::vector<size_t> bounds);
 
  private:
   EngineOptions options_;

@@ -8,12 +8,13 @@ order ``wfbp``'s all-reduce sums it, so the result is bitwise ``wfbp``'s).
 shard's gradients and lets the user's optimizer step the shard (its param
 groups point at views of this rank's pieces: ``sharded_optimizer``); the
 updated pieces are then all-gathered bucket by bucket, front layers first,
-and the next forward waits at each module for its own parameters only
-(``forward_gate``, as ``priority`` lands its updates). Gradients and
-optimizer state exist for this rank's shard only; at most
-``Config.buckets_in_flight`` bucket buffers of each kind are alive at once,
-so the memory of parameters, gradients, state and buckets is
-4 + 12/N bytes per parameter with AdamW in float32, plus the buffers.
+straight into the parameters (``Engine.all_gather_chunks`` over the bucket's
+parameters as segments: no buffer), and the next forward waits at each
+module for its own parameters only (``forward_gate``, as ``priority`` lands
+its updates). Gradients and optimizer state exist for this rank's shard
+only; at most ``Config.buckets_in_flight`` gradient buckets are alive at
+once, so the memory of parameters, gradients, state and buckets is
+4 + 12/N bytes per parameter with AdamW in float32, plus those buffers.
 
 The first iteration learns the order gradients arrive in (rank 0's, as
 ``wfbp``'s rebuild does) and plans the buckets from it for the rest of the
@@ -115,12 +116,10 @@ class Sharded(Schedule):
         self._reduced = False  # a synchronised backward waits for its step
         self._usage: torch.Tensor | None = None
         self._usage_handle: Any = None
-        # All-gathers of the parameters: buckets still to land (front
-        # layers first), and those on the wire with their buffers.
-        self._to_gather: list[int] = []
-        self._gathers: dict[int, tuple[torch.Tensor, Any]] = {}
+        # The all-gathers of the parameters on the wire, by bucket.
+        self._gathers: dict[int, Any] = {}
         self._unlanded: set[int] = set()  # buckets whose parameters are stale
-        self._free: list[torch.Tensor] = []  # spare bucket buffers
+        self._free: list[torch.Tensor] = []  # spare gradient bucket buffers
         self._buffers = BufferBroadcast(bound)
         self._buffers_early = False
         self._gate = ForwardGate(bound.module, bound.params, self.land)
@@ -480,43 +479,26 @@ class Sharded(Schedule):
     # ---- the all-gathers and the next forward --------------------------------
 
     def _start_gathers(self) -> None:
-        """Queues every bucket's all-gather, front layers first (backward's
-        plan order reversed); at most buckets_in_flight are on the wire."""
-        self._to_gather = list(range(len(self.plan.buckets)))[::-1]
-        self._unlanded = set(self._to_gather)
-        self._issue_gathers()
-
-    def _issue_gathers(self) -> None:
-        cap = self.bound.config.buckets_in_flight
+        """Every bucket's all-gather, front layers first (backward's plan
+        order reversed), straight into the parameters: each rank's chunk of
+        a bucket is its updated pieces, and the others' land where they lie,
+        with no buffer."""
         params = self.bound.params
-        while self._to_gather and len(self._gathers) < cap:
-            b = self._to_gather.pop(0)
+        engine = self.bound.engine
+        for b in range(len(self.plan.buckets) - 1, -1, -1):
             bucket = self.plan.buckets[b]
-            buffer = self._buffer(bucket)
-            for piece in bucket.pieces:
-                flat = params[piece.index].detach().view(-1)
-                buffer[piece.offset:piece.offset + piece.count].copy_(
-                    flat[piece.begin:piece.begin + piece.count])
-            handle = self.bound.engine.all_gather_chunks(
-                buffer.data_ptr(), dtype_code(bucket.dtype), bucket.numel, bucket.bounds)
-            self._gathers[b] = (buffer, handle)
+            flats = [params[i].detach().view(-1) for i in bucket.indices]
+            self._gathers[b] = engine.all_gather_segments(
+                [f.data_ptr() for f in flats], [f.numel() for f in flats],
+                dtype_code(bucket.dtype), bucket.bounds)
+        self._unlanded = set(self._gathers)
 
     def _land_bucket(self, b: int) -> None:
-        """Waits for bucket b's all-gather and writes its parameters."""
-        while b not in self._gathers:  # queued behind others: land those first
-            self._land_bucket(next(iter(self._gathers)))
-        buffer, handle = self._gathers.pop(b)
+        """Waits for bucket b's all-gather: its parameters are up to date."""
+        handle = self._gathers.pop(b)
         with self.bound.timeline.span("compute", f"wait all-gather {b}", "wait"):
             handle.wait()
-        params = self.bound.params
-        bucket = self.plan.buckets[b]
-        with torch.no_grad():
-            for i, offset in zip(bucket.indices, bucket.offsets):
-                p = params[i]
-                p.view(-1).copy_(buffer[offset:offset + p.numel()])
         self._unlanded.discard(b)
-        self._release(buffer)
-        self._issue_gathers()
 
     def land(self, gate: int, indices: list[int]) -> None:
         """A forward reaches gate `gate`: its parameters' buckets land (gate
