@@ -70,6 +70,116 @@ def test_speed_suite_on_loopback(tmp_path: Path) -> None:
     assert f"commit `{rows[0]['commit']}`" in table
 
 
+def test_fsdp2_units_are_the_blocks() -> None:
+    """fully_shard goes on each block, as FSDP2 users apply it: the layers of
+    the MLP, the conv-BN-ReLU blocks of the CNN, each transformer layer."""
+    from hemiola.bench.fsdp import shard_units
+    from hemiola.bench.speed import make_model
+
+    def units(name: str) -> list[str]:
+        return [type(u).__name__ for u in shard_units(make_model(name, 4, 32)[0])]
+
+    assert units("mlp") == ["Linear"] * 5
+    assert units("cnn") == ["Sequential"] * 4 + ["Linear"]
+    assert units("transformer") == ["Embedding", "TransformerEncoderLayer",
+                                    "TransformerEncoderLayer", "Linear"]
+
+
+#: A rank of the FSDP2-against-DDP check: each model trained 4 SGD steps on
+#: this rank's own batch under DDP and under the fsdp2 baseline.
+FSDP2_RANK = """
+import torch, torch.distributed as dist, hemiola
+from hemiola.bench.ddp import ddp_with_hook
+from hemiola.bench.fsdp import fully_shard_model
+from hemiola.bench.netlab import print_result
+from hemiola.bench.speed import make_model
+torch.set_num_threads(1)
+hemiola.init()
+rank = dist.get_rank()
+out = {}
+for name in ("cnn", "transformer"):
+    for kind in ("ddp", "fsdp2"):
+        model, x, y = make_model(name)
+        x = x + rank if x.is_floating_point() else (x + rank) % 8000
+        model = ddp_with_hook(model) if kind == "ddp" else fully_shard_model(model)
+        opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+        losses = []
+        for _ in range(4):
+            opt.zero_grad()
+            loss = torch.nn.functional.cross_entropy(model(x), y)
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+        whole = [p.full_tensor() if hasattr(p, "full_tensor") else p.detach()
+                 for p in model.parameters()]
+        out[f"{name}-{kind}"] = {"losses": losses,
+                                 "params": torch.cat([p.flatten() for p in whole]).tolist()}
+print_result(out)
+dist.destroy_process_group()
+"""
+
+
+def test_fsdp2_baseline_trains_as_ddp() -> None:
+    """Two ranks on different data: the fsdp2 baseline's losses and
+    parameters are DDP's (to float32 rounding), and the ranks agree."""
+    from hemiola.bench.netlab import Loopback, parse_result
+
+    outputs = Loopback(2).run_ranks([sys.executable, "-c", FSDP2_RANK], 29570, 300)
+    ranks = [parse_result(o) for o in outputs]
+    for name in ("cnn", "transformer"):
+        ddp, fsdp2 = ranks[0][f"{name}-ddp"], ranks[0][f"{name}-fsdp2"]
+        assert fsdp2["losses"][-1] < fsdp2["losses"][0], name
+        assert fsdp2["losses"] == pytest.approx(ddp["losses"], rel=1e-6), name
+        assert fsdp2["params"] == pytest.approx(ddp["params"], rel=1e-5, abs=1e-6), name
+        assert ranks[1][f"{name}-fsdp2"]["params"] == fsdp2["params"], name
+
+
+def test_speed_suite_with_fsdp2_and_sharded(tmp_path: Path) -> None:
+    out = bench("speed", "--rates", "none", "--models", "cnn", "--iterations", "2", "--blocks",
+                "1", "--schedules", "sharded", "--baselines", "ddp,fsdp2", "--out", str(tmp_path))
+    assert out.returncode == 0, out.stdout + out.stderr
+    rows = read_lines(tmp_path / "speed.jsonl")
+    assert [r["variant"] for r in rows] == ["ddp", "fsdp2", "hemiola_sharded", "comm",
+                                            "comm_torch"]
+    assert rows[1]["label"] == "torch FSDP2 (fully_shard, ZeRO-2)"
+    assert "| torch FSDP2 (fully_shard, ZeRO-2) |" in report.render(rows, "speed.jsonl")
+
+
+def test_memory_suite(tmp_path: Path) -> None:
+    """Each variant in fresh ranks: peaks measured, and the tensors counted
+    exactly: DDP whole, FSDP2 1/N of everything, sharded whole parameters
+    and 1/N of the gradients and of AdamW's moments (over the ranks)."""
+    out = bench("memory", "--worlds", "2", "--baselines", "ddp,fsdp2", "--schedules", "sharded",
+                "--width", "64", "--layers", "2", "--iterations", "2", "--out", str(tmp_path))
+    assert out.returncode == 0, out.stdout + out.stderr
+    rows = {r["variant"]: r for r in read_lines(tmp_path / "memory.jsonl")}
+    assert list(rows) == ["ddp", "fsdp2", "hemiola_sharded"]
+    for r in rows.values():
+        assert all(k in r for k in STAMP), r
+        assert (r["suite"], r["world"], r["malloc"]) == ("memory", 2, "mmap")
+        assert r["ranks_agree"] and r["loss_last"] < r["loss_first"], r["variant"]
+        assert all(p["peak_reset"] and p["peak_bytes"] > 0 for p in r["ranks"]), r["variant"]
+        assert r["peak_bytes_per_param"] == max(p["peak_bytes_per_param"] for p in r["ranks"])
+    params = rows["ddp"]["params"]
+
+    def total(variant: str, kind: str) -> float:
+        """Bytes per parameter of `kind` summed over the ranks."""
+        return sum(p["tensor_bytes"][kind] for p in rows[variant]["ranks"]) / params
+
+    assert rows["ddp"]["tensor_bytes"]["grads"] == 4 * params
+    assert rows["ddp"]["tensor_bytes_per_param"] == pytest.approx(16, rel=1e-4)
+    assert rows["ddp"]["expected_bytes_per_param"] == 20
+    assert (total("fsdp2", "params"), total("fsdp2", "grads")) == (4, 4)
+    assert total("fsdp2", "state") == pytest.approx(8, rel=1e-4)  # and the step counts
+    sharded = rows["hemiola_sharded"]
+    assert sharded["tensor_bytes"]["params"] == 4 * params  # whole on every rank
+    assert total("hemiola_sharded", "grads") == 4
+    assert total("hemiola_sharded", "state") == pytest.approx(8, rel=1e-3)
+    assert sharded["buckets"] >= 1 and sharded["expected_bytes_per_param"] > 10
+    table = report.render(list(rows.values()), "memory.jsonl")
+    assert "| hemiola sharded |" in table and "mmap malloc" in table
+
+
 def _rows(tmp_path: Path, suite: str = "speed") -> Path:
     base: dict[str, Any] = {"suite": suite, "rate": "1gbit", "model": "mlp", "world": 2,
                             "samples": 20, "params": 9_000_000, "batch": 384, "grad_mb": 36.0,

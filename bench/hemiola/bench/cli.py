@@ -10,6 +10,7 @@ from typing import Any
 #: ``add_arguments(parser)`` and ``run(args) -> int``.
 SUITES = {
     "speed": "iteration time against DDP and its compression hooks, over a limited link",
+    "memory": "peak resident memory per parameter against DDP and FSDP2, at 2 and 4 ranks",
     "convergence": "every schedule trained to the end on the same tasks and seeds",
     "streaming": "DiLoCo-style training (hemiola streaming, torchft) against DDP, over a slow link",
     "groups": "streaming's replica groups: sites of several ranks joined by a slow link",

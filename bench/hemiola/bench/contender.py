@@ -7,6 +7,11 @@ DistributedDataParallel, the baseline: :mod:`hemiola.bench.ddp`).
 COMPRESSION is hemiola's compression (``hemiola.config.COMPRESSIONS``) or,
 for ``ddp``, the communication hook that does the same. For example ``wfbp``,
 ``decoupled+int8``, ``decoupled-late``, ``ddp+powersgd``.
+
+``Contender(FSDP2)`` is torch's FSDP2 (:mod:`hemiola.bench.fsdp`), the
+baseline of ``sharded`` in the speed and memory suites; those suites name it
+themselves, and ``parse`` does not take it (the suites that parse names train
+every other contender through DDP or ``hemiola.wrap``).
 """
 
 from __future__ import annotations
@@ -15,9 +20,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from hemiola.bench.ddp import LABELS as DDP_LABELS
+from hemiola.bench.fsdp import LABEL as FSDP2_LABEL
 from hemiola.config import COMPRESSIONS, SCHEDULES
 
 DDP = "ddp"
+FSDP2 = "fsdp2"
 
 #: schedules with options, as they appear in benchmark tables
 VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
@@ -28,13 +35,17 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     # the approximate step from the rank's own gradient alone, without the
     # preview (the default for SGD; Adam and AdamW take a preview by default)
     "decoupled-own": ("decoupled", {"preview": False}),
+    # the buckets planned from the parameters' reverse order and kept: no
+    # rebuild from the first iteration's arrival order (whose step completes
+    # each old bucket's all-reduce to hand the gradients to the new plan)
+    "sharded-static": ("sharded", {"rebuild_buckets": False}),
 }
 
 
 @dataclass(frozen=True)
 class Contender:
     """One configuration under test: ``schedule`` (a hemiola schedule, a
-    ``VARIANTS`` name or ``ddp``) and ``compression`` ("" for none)."""
+    ``VARIANTS`` name, ``ddp`` or ``fsdp2``) and ``compression`` ("" for none)."""
 
     schedule: str
     compression: str = ""
@@ -65,16 +76,28 @@ class Contender:
         return self.schedule == DDP
 
     @property
+    def is_fsdp2(self) -> bool:
+        """Whether this is torch's FSDP2 (``fully_shard``, ZeRO-2)."""
+        return self.schedule == FSDP2
+
+    @property
+    def is_torch(self) -> bool:
+        """Whether torch trains this contender (DDP or FSDP2), not ``hemiola.wrap``."""
+        return self.is_ddp or self.is_fsdp2
+
+    @property
     def label(self) -> str:
         """How the contender reads in a table."""
         if self.is_ddp:
             return DDP_LABELS[self.compression]
+        if self.is_fsdp2:
+            return FSDP2_LABEL
         return f"hemiola {self.schedule}" + (f" + {self.compression}" if self.compression else "")
 
     def wrap_arguments(self) -> tuple[str, dict[str, Any]]:
         """``hemiola.wrap``'s schedule and keyword options for this contender."""
-        if self.is_ddp:
-            raise ValueError("ddp is torch DDP, not a hemiola schedule")
+        if self.is_torch:
+            raise ValueError(f"{self.schedule} is torch's, not a hemiola schedule")
         schedule, options = VARIANTS.get(self.schedule, (self.schedule, {}))
         if self.compression:
             options = {**options, "compression": self.compression}

@@ -284,9 +284,45 @@ def streaming_table(rows: Rows) -> str:
     return "\n\n".join(parts)
 
 
+def memory_table(rows: Rows) -> str:
+    """One line per variant; per world size its peak resident memory of
+    training in bytes per parameter (the largest over the ranks, and their
+    range), its tensors after the step (parameters + gradients + optimizer
+    state) and what was expected (``hemiola bench memory``)."""
+    worlds = list(dict.fromkeys(r["world"] for r in rows))
+    head = ["configuration"]
+    for world in worlds:
+        head += [f"peak B/param, {world} ranks (ranks)", "tensors (p + g + s)", "expected"]
+    lines = []
+    for variant in dict.fromkeys(r["variant"] for r in rows):
+        mine = [r for r in rows if r["variant"] == variant]
+        cells = [mine[0]["label"]]
+        for world in worlds:
+            r = next((r for r in mine if r["world"] == world), None)
+            if r is None:
+                cells += ["–", "–", "–"]
+                continue
+            each = [p["peak_bytes_per_param"] for p in r["ranks"]]
+            t = {k: v / r["params"] for k, v in r["tensor_bytes"].items()}
+            expected = r.get("expected_bytes_per_param")
+            cell = "–" if expected is None else f"{expected:.1f}"
+            if r.get("expected_largest_bucket_bytes_per_param") is not None:
+                cell += f" ({r['expected_largest_bucket_bytes_per_param']:.1f})"
+            cells += [f"{r['peak_bytes_per_param']:.2f} ({min(each):.2f}–{max(each):.2f})",
+                      f"{r['tensor_bytes_per_param']:.2f} ({t['params']:.1f} + "
+                      f"{t['grads']:.2f} + {t['state']:.2f})", cell]
+        lines.append(cells)
+    first = rows[0]
+    return (f"{first['model']} ({first['params'] / 1e6:.1f}M float32 parameters), "
+            f"{first['optimizer']}, {first['iterations']} iterations, loopback, "
+            f"{first.get('malloc', 'default')} malloc; expected in parentheses: with the "
+            "largest bucket in place of fusion_mb:\n\n" + _table(head, lines))
+
+
 RENDERERS: dict[str, Callable[[Rows], str]] = {
     "speed": speed_table, "convergence": convergence_table, "ps": ps_table,
-    "cluster": cluster_table, "advise": advise_table, "streaming": streaming_table}
+    "cluster": cluster_table, "advise": advise_table, "streaming": streaming_table,
+    "memory": memory_table}
 
 
 def provenance(rows: Rows, source: str) -> str:

@@ -16,6 +16,8 @@ load touches every variant alike:
   DistributedDataParallel over Gloo) and the communication hooks DDP users run
   on slow links, ``ddp_fp16`` (``fp16_compress_hook``) and ``ddp_powersgd``
   (``powerSGD_hook``, rank 2; one bucket): :func:`hemiola.bench.ddp.ddp_with_hook`;
+  ``fsdp2``, torch's ``fully_shard`` with ``reshard_after_forward=False``
+  (ZeRO-2, the peer of ``sharded``; CPU only): :mod:`hemiola.bench.fsdp`;
 - ``hemiola_<contender>`` for each :class:`~hemiola.bench.contender.Contender`
   of ``--schedules`` (``<schedule>+<compression>`` with that ``compression``);
   PowerSGD starts after ``--powersgd-start`` iterations in DDP and hemiola alike;
@@ -44,8 +46,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from hemiola.bench.contender import DDP, VARIANTS, Contender
+from hemiola.bench.contender import DDP, FSDP2, VARIANTS, Contender
 from hemiola.bench.ddp import ddp_with_hook
+from hemiola.bench.fsdp import fully_shard_model
 from hemiola.bench.netlab import Loopback, Network, parse_result, print_result
 from hemiola.bench.record import DEFAULT_OUT, percentiles, write_lines
 
@@ -71,6 +74,7 @@ BASELINES: dict[str, Contender | None] = {
     "ddp_fp16": Contender(DDP, "fp16"),
     "ddp_bf16": Contender(DDP, "bf16"),
     "ddp_powersgd": Contender(DDP, "powersgd"),
+    "fsdp2": Contender(FSDP2),
 }
 DEFAULT_BASELINES = "compute,ddp,ddp_fp16,ddp_powersgd"
 #: How the variants that are not contenders read in a table.
@@ -97,7 +101,7 @@ def make_model(name: str, mlp_batch: int = MLP_BATCH,
                               nn.Flatten(), nn.Linear(256, 10))
         return model, torch.randn(16, 3, 32, 32), torch.randint(0, 10, (16,))
     if name == "transformer":
-        model = _TinyLM()
+        model = TinyLM()
         tokens = torch.randint(0, 8000, (8, 65))
         return model, tokens[:, :-1], tokens[:, 1:].flatten()
     if name == "resnet50":
@@ -108,13 +112,16 @@ def make_model(name: str, mlp_batch: int = MLP_BATCH,
     raise ValueError(f"unknown model {name!r}; known: {', '.join(MODELS)}")
 
 
-class _TinyLM(nn.Module):
-    def __init__(self) -> None:
+class TinyLM(nn.Module):
+    """The ``transformer`` of MODELS (the defaults: 3.5M parameters); the
+    memory suite widens it."""
+
+    def __init__(self, width: int = 256, layers: int = 2, vocab: int = 8000) -> None:
         super().__init__()
-        self.embed = nn.Embedding(8000, 256)
-        layer = nn.TransformerEncoderLayer(256, 4, 1024, dropout=0.0, batch_first=True)
-        self.blocks = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
-        self.out = nn.Linear(256, 8000)
+        self.embed = nn.Embedding(vocab, width)
+        layer = nn.TransformerEncoderLayer(width, 4, 4 * width, dropout=0.0, batch_first=True)
+        self.blocks = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
+        self.out = nn.Linear(width, vocab)
 
     def forward(self, t: torch.Tensor) -> torch.Tensor:
         return self.out(self.blocks(self.embed(t))).flatten(0, 1)
@@ -166,8 +173,10 @@ def _build(contender: Contender | None,
         model = ddp_with_hook(model, contender.compression,
                               powersgd_start=config["powersgd_start"],
                               bucket_cap_mb=config["fusion_mb"])
+    if contender is not None and contender.is_fsdp2:
+        model = fully_shard_model(model)  # the optimizer goes over its shards
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-    if contender is not None and not contender.is_ddp:
+    if contender is not None and not contender.is_torch:
         schedule, wrap_options = contender.wrap_arguments()
         options = {**config["hemiola_options"], **wrap_options}
         if contender.compression == "powersgd":
@@ -202,7 +211,7 @@ def write_timelines(prefix: str, runs: dict[str, Any], variants: dict[str, Any],
     if writer:
         for variant, (model, *_) in variants.items():
             contender = runs[variant]
-            if contender is not None and not contender.is_ddp:
+            if contender is not None and not contender.is_torch:
                 Path(f"{prefix}-{contender.name}.json").write_text(model.timeline())
 
 
@@ -388,6 +397,8 @@ def run(args: argparse.Namespace) -> int:
     baselines = [b for b in args.baselines.split(",") if b]
     if set(baselines) - set(BASELINES):
         raise SystemExit(f"--baselines: any of {', '.join(BASELINES)}")
+    if "fsdp2" in baselines and args.device != "cpu":
+        raise SystemExit("--baselines fsdp2 runs on the CPU (over Gloo) only")
     models = [m for m in args.models.split(",") if m]
     if set(models) - set(MODELS):
         raise SystemExit(f"--models: any of {', '.join(MODELS)}")
