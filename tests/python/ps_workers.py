@@ -346,3 +346,34 @@ def shared_batches_against_servers(rank: int, world: int, served: str
         error = str(e)
     model.close()
     return {"worker": r.worker_index, "error": error}
+
+
+def server_paused(rank: int, world: int, consistency: str, pause_s: float) -> dict[str, Any] | None:
+    """Worker 0 stops the server (SIGSTOP) for `pause_s`, a little less than
+    timeout_s, after 4 iterations, then wakes it (SIGCONT); every worker
+    trains its 10 iterations. The server's watchdog must not blame the
+    workers whose messages queued unread while it was stopped."""
+    import signal
+
+    config = hemiola.ps.PSConfig(consistency=consistency, num_servers=1, timeout_s=4)
+    if rank == 0:
+        _store().set("test_server_pid", str(os.getpid()))
+    served = server_or_none(config)
+    if served is not None:
+        return served
+    r, m, model, opt = _wrapped_mlp(config)
+    done = 0
+    try:
+        for step in range(10):
+            if r.worker_index == 0 and step == 4:
+                pid = int(_store().get("test_server_pid"))
+                os.kill(pid, signal.SIGSTOP)
+                time.sleep(pause_s)
+                os.kill(pid, signal.SIGCONT)
+            _mlp_step(model, opt, step, r)
+            done += 1
+        model.synchronize()
+    except Exception as e:  # noqa: BLE001 - the error is the result
+        return {"worker": r.worker_index, "done": done, "error": f"{type(e).__name__}: {e}"}
+    model.close()
+    return {"worker": r.worker_index, "done": done, "error": None}

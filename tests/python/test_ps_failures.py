@@ -67,3 +67,17 @@ def test_mismatched_models_fail_at_registration() -> None:
     for rank in range(3):
         status, text = outcome[rank]
         assert status == "error" and "differs" in text, (rank, text)
+
+
+@pytest.mark.parametrize("consistency", ["bsp", "eager"])
+def test_a_server_paused_for_less_than_the_timeout_blames_no_worker(consistency: str) -> None:
+    # SIGSTOP for 3.5 s with timeout_s 4: the workers' pushes and pings queue
+    # unread in the server's sockets; woken, its watchdog used to find them
+    # silent (or a bsp round overdue) and name a healthy worker dead.
+    outcome = run_local(ps_workers.server_paused, 4, consistency, 3.5, expect_errors=True,
+                        timeout_s=120)
+    status, stats = outcome[0]
+    assert status == "ok", stats
+    assert stats["dead_workers"] == []
+    for w, result in _by_worker(outcome).items():
+        assert result["error"] is None and result["done"] == 10, (w, result)

@@ -132,6 +132,11 @@ std::chrono::steady_clock::duration Channel::silent_for() const {
   return Clock::now() - last_heard_;
 }
 
+void Channel::excuse(std::chrono::steady_clock::duration gap) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  last_heard_ = std::min(Clock::now(), last_heard_ + gap);
+}
+
 std::string Channel::send_failure() const {
   std::lock_guard<std::mutex> lock(mutex_);
   return send_failure_;

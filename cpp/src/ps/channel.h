@@ -92,6 +92,10 @@ class Channel {
   bool overflowed() const;
   // How long since anything (a message or a ping) arrived from the peer.
   std::chrono::steady_clock::duration silent_for() const;
+  // This process did not run for `gap` (it was paused, or starved of CPU):
+  // what the peer sent meanwhile waits unread in the socket, so that time
+  // does not count as the peer's silence.
+  void excuse(std::chrono::steady_clock::duration gap);
 
  private:
   struct Outgoing {
@@ -124,6 +128,10 @@ class Channel {
   std::chrono::steady_clock::time_point last_heard_;  // guarded by mutex_
   std::thread sender_;
 };
+
+// A watchdog that wakes this much later than it asked to: its process did not
+// run meanwhile (paused, or starved of CPU); see Channel::excuse.
+constexpr std::chrono::milliseconds kPauseGap{2000};
 
 // What the owner of a channel does with each message; false ends the loop
 // (the peer said goodbye).

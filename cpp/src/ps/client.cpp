@@ -45,11 +45,20 @@ void Client::Impl::set_failure(const std::string& message, ErrorCode code) {
 
 void Client::Impl::wait(std::unique_lock<std::mutex>& lock, const std::function<bool()>& done,
                         const std::string& what) {
-  const auto deadline = Clock::now() + timeout();
+  auto deadline = Clock::now() + timeout();
   while (!done()) {
     throw_if_failed();
     check_silent_servers();
-    changed.wait_until(lock, std::min(deadline, Clock::now() + std::chrono::seconds(1)));
+    const auto asked = std::min(deadline, Clock::now() + std::chrono::seconds(1));
+    changed.wait_until(lock, asked);
+    // Woken far later than asked: this worker did not run (paused, starved);
+    // the servers' messages queued unread meanwhile, and the wait's own
+    // deadline is not theirs to have missed.
+    const auto late = Clock::now() - asked;
+    if (late > kPauseGap) {
+      for (auto& channel : channels) channel->excuse(late);
+      deadline += late;
+    }
     if (!done() && Clock::now() >= deadline) {
       throw_if_failed();
       HEMIOLA_THROW(ErrorCode::kTimeout, "worker ", opt.worker_index, ": ", what,

@@ -219,6 +219,15 @@ void Server::Impl::check_silent_workers() {
   }
 }
 
+void Server::Impl::excuse_pause(std::chrono::steady_clock::duration gap) {
+  for (auto& channel : channels) channel->excuse(gap);
+  for (auto& [id, k] : keys) k.round_started += gap;
+  std::cerr << tag() << "did not run for "
+            << std::chrono::duration_cast<std::chrono::milliseconds>(gap).count() / 1000.0
+            << " s (the process was paused or starved of CPU); no worker is blamed for that time"
+            << std::endl;
+}
+
 void Server::Impl::check_stalled_rounds() {
   if (opt.consistency != Consistency::kBsp) return;
   const auto now = Clock::now();
@@ -299,8 +308,16 @@ void Server::serve() {
   auto last_snapshot = Clock::now();
   {
     std::unique_lock<std::mutex> lock(im.mutex);
+    auto last_tick = Clock::now();
     while (im.fatal.empty() && !im.everyone_left()) {
       im.changed.wait_for(lock, std::chrono::milliseconds(100));
+      // The watchdog wakes every 100 ms: a longer gap is time the server
+      // itself did not run (SIGSTOP, a starved machine), in which the
+      // workers' messages queued unread. Blaming them for it named healthy
+      // workers as dead (2 of 6 pauses).
+      const auto now = Clock::now();
+      if (now - last_tick > kPauseGap) im.excuse_pause(now - last_tick);
+      last_tick = now;
       im.check_silent_workers();
       im.check_stalled_rounds();
       if (im.opt.snapshot_every_s > 0 &&

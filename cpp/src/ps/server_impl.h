@@ -147,6 +147,10 @@ struct Server::Impl {
   bool everyone_left() const;
   void check_silent_workers();
   void check_stalled_rounds();
+  // The watchdog did not run for `gap` (the server was paused or starved):
+  // the workers' silence and the rounds' waits during it are the server's,
+  // so their clocks move on by `gap` before anyone is blamed.
+  void excuse_pause(std::chrono::steady_clock::duration gap);
 
   // ---- requests (server_requests.cpp) -----------------------------------------------
   void handle(int w, const Header& h, const std::vector<char>& payload);
