@@ -25,11 +25,11 @@ The schedules differ in what waits for what:
   reduce-scatters are in flight, for the oldest. The step waits for every
   reduce-scatter and steps this rank's shard: ``step / N`` (the profile's
   ``step`` is the optimizer's, element-wise, so a shard of 1/N costs 1/N);
-  then the all-gathers are issued front layers first (plan order
-  reversed), BUCKETS_IN_FLIGHT at once: the next forward waits at each
-  module's first read for the all-gathers of the buckets holding what it
-  reads, landing them in issue order, and each landing issues the next
-  all-gather; the next backward begins once every one has landed. The
+  then every all-gather is issued, front layers first (plan order
+  reversed; they write straight into the parameters, so no buffer bounds
+  them): the next forward waits at each module's first read for the
+  all-gathers of the buckets holding what it reads; the next backward
+  begins once every one has landed. The
   copies into and out of the buckets run on the training thread: they are
   in the measured overhead.
 
@@ -67,9 +67,8 @@ CODINGS = ("none", "fp16", "int8", "powersgd")
 #: the bucket caps of each schedule's plan (Config.fusion_bytes), in bytes
 FUSION = {"wfbp": 25 << 20, "decoupled": 25 << 20, "priority": 4 << 20, "sharded": 4 << 20}
 FIRST_BUCKET = 1 << 20
-#: ``sharded``'s bucket buffers of each kind alive at once
-#: (Config.buckets_in_flight's default): reduce-scatters in flight under
-#: backward, all-gathers issued after the step
+#: ``sharded``'s gradient buckets alive at once (Config.buckets_in_flight's
+#: default): reduce-scatters in flight under backward
 BUCKETS_IN_FLIGHT = 2
 #: the codings a schedule runs with, where not all of CODINGS (``sharded``
 #: refuses any compression in this build)
@@ -200,7 +199,7 @@ def _sharded_program(profile: Profile, plan: list[list[int]], world: int,
     program: list[Segment] = []
     # Forward: at each module's first read, the all-gathers of the last
     # step up to the last one it needs (bucket k's is the (n-1-k)th issued)
-    # land, in issue order, each issuing the one `in_flight` behind it.
+    # land, in issue order.
     reads: dict[float, set[int]] = {}
     for k, bucket in enumerate(plan):
         for i in bucket:
@@ -209,13 +208,10 @@ def _sharded_program(profile: Profile, plan: list[list[int]], world: int,
     landed = 0  # all-gathers landed so far (in issue order)
 
     def land(upto: int) -> list[Segment]:
-        """Lands all-gathers landed..upto one by one: each waits for its
-        own (issued once the one `in_flight` before it landed) and issues
-        the one `in_flight` after it."""
+        """Lands all-gathers landed..upto one by one (all were issued at
+        the step)."""
         nonlocal landed
-        out = [Segment(0.0, ((-1, n + j),),
-                       releases=((-1, n + j + in_flight),) if j + in_flight < n else ())
-               for j in range(landed, upto + 1)]
+        out = [Segment(0.0, ((-1, n + j),)) for j in range(landed, upto + 1)]
         landed = max(landed, upto + 1)
         return out
 
@@ -250,9 +246,9 @@ def _sharded_program(profile: Profile, plan: list[list[int]], world: int,
             program.append(Segment(0.0, ((0, issued - in_flight),)))
             at = point
     program.append(Segment(profile.backward - at, name="backward"))
-    # The step: every reduce-scatter, this rank's shard, the first all-gathers.
+    # The step: every reduce-scatter, this rank's shard, every all-gather.
     program.append(Segment(profile.step / world, tuple((0, k) for k in range(n)),
-                           tuple(range(n, n + min(in_flight, n))), name="step"))
+                           tuple(range(n, 2 * n)), name="step"))
     return program
 
 
