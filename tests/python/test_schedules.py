@@ -296,7 +296,7 @@ def test_striped_reductions_train_as_one_connection_does(schedule: str) -> None:
         assert "stripes" not in r["names"][0] and r["names"][1].endswith("(2 stripes)"), r
 
 
-@pytest.mark.parametrize("schedule", ["wfbp", "priority", "decoupled", "streaming"])
+@pytest.mark.parametrize("schedule", ["wfbp", "priority", "decoupled", "streaming", "sharded"])
 def test_a_dropped_wrapped_model_is_freed(schedule: str) -> None:
     # A sweep, `hemiola advise`, a notebook: each wrap's model, parameters,
     # buckets and engine must go when the user drops them (before the hooks
