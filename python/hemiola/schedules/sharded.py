@@ -26,8 +26,6 @@ new plan's shard.
 from __future__ import annotations
 
 import contextlib
-import math
-import types
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -38,6 +36,7 @@ from hemiola.engine_tensors import dtype_code
 from hemiola.forward_gate import ForwardGate
 from hemiola.schedules.base import Schedule
 from hemiola.schedules.buffers import BufferBroadcast
+from hemiola.schedules.sharded_gradients import clip_, gather_whole, shard_norm
 from hemiola.schedules.sharded_optimizer import (
     ShardedOptimizer,
     refuse_non_elementwise,
@@ -45,10 +44,9 @@ from hemiola.schedules.sharded_optimizer import (
 )
 from hemiola.schedules.sharded_plan import Bucket, ShardPlan
 from hemiola.schedules.sharded_state import (
-    check_shard,
     full_state_dict,
+    install_state_methods,
     load_full_state_dict,
-    shard_state_dict,
 )
 from hemiola.schedules.takeover import take_over_optimizer
 
@@ -150,30 +148,7 @@ class Sharded(Schedule):
         refuse_non_elementwise(optimizer)
         self._optimizer = ShardedOptimizer(optimizer, self.bound.params)
         self._optimizer.point_at(self.plan)
-        schedule = self
-
-        def load_state_dict(opt: torch.optim.Optimizer, state: dict[str, Any]) -> None:
-            """Loads the full state optimizer.state_dict() returned (local:
-            each rank keeps its pieces)."""
-            schedule.synchronize()
-            load_full_state_dict(schedule, state)
-
-        def shard(opt: torch.optim.Optimizer) -> dict[str, Any]:
-            """This rank's shard of the optimizer state, with the plan it was
-            cut by (no communication; load it on this rank with
-            load_shard_state_dict)."""
-            return shard_state_dict(schedule, lambda: torch.optim.Optimizer.state_dict(opt))
-
-        def load_shard(opt: torch.optim.Optimizer, state: dict[str, Any]) -> None:
-            """Loads what shard_state_dict() saved on this rank."""
-            schedule.synchronize()
-            schedule.adopt_plan(check_shard(schedule, state))
-            torch.optim.Optimizer.load_state_dict(
-                opt, {k: v for k, v in state.items() if k != "hemiola_shard"})
-
-        optimizer.load_state_dict = types.MethodType(load_state_dict, optimizer)
-        optimizer.shard_state_dict = types.MethodType(shard, optimizer)
-        optimizer.load_shard_state_dict = types.MethodType(load_shard, optimizer)
+        install_state_methods(optimizer, self)
         return optimizer
 
     @property
@@ -382,7 +357,7 @@ class Sharded(Schedule):
                     grads[piece.index] = self._grads[b][start:start + piece.count]
         opt.set_grads(grads)
         if clip is not None:
-            self._apply_clip(*clip)
+            clip_(self._grads, *clip)
         self._inner_step()
         opt.set_grads({})
         self._start_gathers()
@@ -546,53 +521,16 @@ class Sharded(Schedule):
             raise RuntimeError("model.clip_grad_norm_() goes between backward() and "
                                "optimizer.step()")
         self._finish_reductions()
-        norm = self._shard_norm(float(norm_type))
+        norm = shard_norm(self.bound.engine, self._grads, float(norm_type))
         self._clip = (float(max_norm), norm)
         return torch.tensor(norm)
-
-    def _shard_norm(self, norm_type: float) -> float:
-        """The norm of the averaged gradient over every rank's shard: each
-        rank's partial (a sum of |g|^p, or a maximum), all-gathered in
-        float64, combined in rank order, so every rank gets the same."""
-        partial = 0.0
-        for grads in self._grads:
-            g = grads.double()
-            if g.numel() == 0:
-                continue
-            if math.isinf(norm_type):
-                partial = max(partial, float(g.abs().max()))
-            else:
-                partial += float(g.abs().pow(norm_type).sum())
-        mine = torch.tensor([partial], dtype=torch.float64)
-        every = torch.empty(self._world, dtype=torch.float64)
-        self.bound.engine.all_gather(mine.data_ptr(), every.data_ptr(), FLOAT64, 1).wait()
-        if math.isinf(norm_type):
-            return float(every.max())
-        return float(every.sum()) ** (1.0 / norm_type)
-
-    def _apply_clip(self, max_norm: float, total: float) -> None:
-        # torch's rule: coefficient max_norm / (norm + 1e-6), at most 1, as a
-        # float32 tensor multiplying every gradient.
-        norm = torch.tensor(total, dtype=torch.float32)
-        coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-        for g in self._grads:
-            g.mul_(coef)
 
     def averaged_gradients(self) -> list[torch.Tensor]:
         if not self._reduced:
             raise RuntimeError("model.averaged_gradients() goes between backward() and "
                                "optimizer.step()")
         self._finish_reductions()
-        m = self.bound
-        out = [torch.zeros_like(p) for p in m.params]
-        for b, bucket in enumerate(self.plan.buckets):
-            whole = torch.zeros(bucket.numel, dtype=bucket.dtype)
-            whole[bucket.lo:bucket.hi].copy_(self._grads[b])
-            m.engine.all_gather_chunks(whole.data_ptr(), dtype_code(bucket.dtype),
-                                       bucket.numel, bucket.bounds).wait()
-            for i, offset in zip(bucket.indices, bucket.offsets):
-                out[i].view(-1).copy_(whole[offset:offset + m.params[i].numel()])
-        return out
+        return gather_whole(self.bound.engine, self.plan, self._grads, self.bound.params)
 
     def stats(self) -> dict[str, float]:
         return {"shard_elements": float(self.plan.shard_numel)}

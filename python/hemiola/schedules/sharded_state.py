@@ -17,6 +17,7 @@
 from __future__ import annotations
 
 import copy
+import types
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
@@ -41,6 +42,37 @@ class Sharded(Protocol):
     def sharded_optimizer(self) -> ShardedOptimizer: ...
 
     def adopt_plan(self, order: list[int]) -> None: ...
+
+    def synchronize(self) -> None: ...
+
+
+def install_state_methods(optimizer: torch.optim.Optimizer, schedule: Sharded) -> None:
+    """The optimizer's state methods under ``sharded`` (see the module
+    docstring): ``load_state_dict`` takes the full state;
+    ``shard_state_dict`` and ``load_shard_state_dict`` are added.
+    (``state_dict`` is the take-over's, which asks the schedule.)"""
+
+    def load_state_dict(opt: torch.optim.Optimizer, state: dict[str, Any]) -> None:
+        """Loads the full state optimizer.state_dict() returned (local: each
+        rank keeps its pieces)."""
+        schedule.synchronize()
+        load_full_state_dict(schedule, state)
+
+    def shard(opt: torch.optim.Optimizer) -> dict[str, Any]:
+        """This rank's shard of the optimizer state, with the plan it was cut
+        by (no communication; load it on this rank with load_shard_state_dict)."""
+        return shard_state_dict(schedule, lambda: torch.optim.Optimizer.state_dict(opt))
+
+    def load_shard(opt: torch.optim.Optimizer, state: dict[str, Any]) -> None:
+        """Loads what shard_state_dict() saved on this rank."""
+        schedule.synchronize()
+        schedule.adopt_plan(check_shard(schedule, state))
+        torch.optim.Optimizer.load_state_dict(
+            opt, {k: v for k, v in state.items() if k != "hemiola_shard"})
+
+    optimizer.load_state_dict = types.MethodType(load_state_dict, optimizer)  # type: ignore[method-assign]
+    optimizer.shard_state_dict = types.MethodType(shard, optimizer)  # type: ignore[attr-defined]
+    optimizer.load_shard_state_dict = types.MethodType(load_shard, optimizer)  # type: ignore[attr-defined]
 
 FLOAT64 = dtype_code(torch.float64)
 _KEYS_BYTES = 4096
