@@ -138,6 +138,14 @@ class Sharded(Schedule):
         return ShardPlan(m.params, order, m.config.first_bucket_bytes, m.config.fusion_bytes,
                          self._rank, self._world, self._half)
 
+    def _replan(self, order: list[int]) -> None:
+        """Plans from `order` from now on: the buckets, their counts and the
+        shard's gradients follow (between iterations)."""
+        self.plan = self._make_plan(order)
+        self._grads = [torch.empty(b.hi - b.lo, dtype=b.dtype) for b in self.plan.buckets]
+        self._filled = [0] * len(self.plan.buckets)
+        self._free.clear()
+
     def buckets(self) -> list[list[int]]:
         return [b.indices for b in self.plan.buckets]
 
@@ -168,9 +176,7 @@ class Sharded(Schedule):
         """Plans from `order` from now on (a loaded shard's plan)."""
         self._learn_order = False
         if order != self.plan.order:
-            self.plan = self._make_plan(order)
-            self._grads = [torch.empty(b.hi - b.lo, dtype=b.dtype) for b in self.plan.buckets]
-            self._free.clear()
+            self._replan(order)
             self.sharded_optimizer.point_at(self.plan)
 
     # ---- bucket buffers ------------------------------------------------------
@@ -423,8 +429,7 @@ class Sharded(Schedule):
         m.engine.broadcast(order.data_ptr(), INT64, n, 0).wait()
         self._learn_order = False
         old, old_grads = self.plan, self._grads
-        self.plan = self._make_plan(order.tolist())
-        self._grads = [torch.empty(b.hi - b.lo, dtype=b.dtype) for b in self.plan.buckets]
+        self._replan(order.tolist())
         for b, bucket in enumerate(old.buckets):
             whole = self._buffer(bucket)
             whole[bucket.lo:bucket.hi].copy_(old_grads[b])
@@ -443,9 +448,9 @@ class Sharded(Schedule):
         if opt.optimizer.state:
             # A checkpoint loaded before the first step: its full state is
             # cut again by the new plan.
-            self.plan = old
+            new, self.plan = self.plan, old
             full = full_state_dict(self, lambda: torch.optim.Optimizer.state_dict(opt.optimizer))
-            self.plan = self._make_plan(order.tolist())
+            self.plan = new
             opt.point_at(self.plan)
             load_full_state_dict(self, full)
         else:
