@@ -1213,6 +1213,18 @@ std::string read_refusal(const Socket& s) {
   return text;
 }
 
+// The admitted worker of a one-tensor job trains: from {1, 2}, one pushed
+// gradient of ones under SGD at lr 0.5 pulls back {0.5, 1.5}.
+void expect_one_sgd_step(Client& member) {
+  std::vector<float> x = {1.0f, 2.0f}, g = {1.0f, 1.0f};
+  member.initialize({x.data()}, {sgd(0.5)});
+  member.wait_pull(0, x.data());
+  member.push(0, g.data());
+  member.pull(0);
+  member.wait_pull(0, x.data());
+  EXPECT_EQ(x, (std::vector<float>{0.5f, 1.5f}));
+}
+
 }  // namespace
 
 TEST(ParameterServer, ListensOnTheChosenAddressOnly) {
@@ -1250,13 +1262,7 @@ TEST(ParameterServer, JobTokenAdmitsTheJobAndRefusesStrangers) {
   }
   co.token = "s3cret";
   Client member(co, {"w"}, {2}, store);
-  std::vector<float> x = {1.0f, 2.0f}, g = {1.0f, 1.0f};
-  member.initialize({x.data()}, {sgd(0.5)});
-  member.wait_pull(0, x.data());
-  member.push(0, g.data());
-  member.pull(0);
-  member.wait_pull(0, x.data());
-  EXPECT_EQ(x, (std::vector<float>{0.5f, 1.5f}));
+  expect_one_sgd_step(member);
   // Once the job is complete, even the right token cannot take a second seat.
   try {
     Client late(co, {"w"}, {2}, store);
@@ -1371,13 +1377,7 @@ TEST(ParameterServer, SilentConnectionsDoNotLockTheWorkerOut) {
   const auto joining = std::chrono::steady_clock::now();
   Client member(co, {"w"}, {2}, store);
   EXPECT_LT(std::chrono::steady_clock::now() - joining, std::chrono::milliseconds(1000));
-  std::vector<float> x = {1.0f, 2.0f}, g = {1.0f, 1.0f};
-  member.initialize({x.data()}, {sgd(0.5)});
-  member.wait_pull(0, x.data());
-  member.push(0, g.data());
-  member.pull(0);
-  member.wait_pull(0, x.data());
-  EXPECT_EQ(x, (std::vector<float>{0.5f, 1.5f}));
+  expect_one_sgd_step(member);
   member.close();
   const auto stats = done.get();
   EXPECT_GE(stats.refused, 80 - 64);

@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 import os
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -210,12 +211,24 @@ def worker_dies(rank: int, world: int, consistency: str) -> dict[str, Any] | Non
     served = server_or_none(config)
     if served is not None:
         return served
-    r, m, model, opt = _wrapped_mlp(config)
+    r, _, model, opt = _wrapped_mlp(config)
+
+    def before(step: int) -> None:
+        if r.worker_index == 1 and step == 3:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    return _steps_or_error(r, model, opt, 12, before)
+
+
+def _steps_or_error(r: Any, model: Any, opt: Any, steps: int,
+                    before: Callable[[int], None]) -> dict[str, Any]:
+    """`steps` iterations of the test MLP on this worker, `before(step)`
+    first in each; the iterations done and the error that ended them (None:
+    none), as the worker's result."""
     done = 0
     try:
-        for step in range(12):
-            if r.worker_index == 1 and step == 3:
-                os.kill(os.getpid(), signal.SIGKILL)
+        for step in range(steps):
+            before(step)
             _mlp_step(model, opt, step, r)
             done += 1
         model.synchronize()
@@ -361,19 +374,13 @@ def server_paused(rank: int, world: int, consistency: str, pause_s: float) -> di
     served = server_or_none(config)
     if served is not None:
         return served
-    r, m, model, opt = _wrapped_mlp(config)
-    done = 0
-    try:
-        for step in range(10):
-            if r.worker_index == 0 and step == 4:
-                pid = int(_store().get("test_server_pid"))
-                os.kill(pid, signal.SIGSTOP)
-                time.sleep(pause_s)
-                os.kill(pid, signal.SIGCONT)
-            _mlp_step(model, opt, step, r)
-            done += 1
-        model.synchronize()
-    except Exception as e:  # noqa: BLE001 - the error is the result
-        return {"worker": r.worker_index, "done": done, "error": f"{type(e).__name__}: {e}"}
-    model.close()
-    return {"worker": r.worker_index, "done": done, "error": None}
+    r, _, model, opt = _wrapped_mlp(config)
+
+    def before(step: int) -> None:
+        if r.worker_index == 0 and step == 4:
+            pid = int(_store().get("test_server_pid"))
+            os.kill(pid, signal.SIGSTOP)
+            time.sleep(pause_s)
+            os.kill(pid, signal.SIGCONT)
+
+    return _steps_or_error(r, model, opt, 10, before)

@@ -135,16 +135,22 @@ def resumed(rank: int, world: int, how: str) -> dict[str, Any]:
                 v for k, v in saved["model"].items() if k in dict(m.named_parameters())])}
 
 
-def shard_loaded_elsewhere(rank: int, world: int) -> str:
-    """A shard saved by rank 0 loaded on every rank: refused on the others."""
+def _one_step(rank: int, world: int, timeout_s: float) -> tuple[nn.Module, Any]:
+    """The test MLP wrapped under sharded (SGD), after one step."""
     hemiola.init()
     torch.manual_seed(0)
     m = make_model("mlp")
     model, opt = hemiola.wrap(m, _optimizer("sgd", m.parameters()), schedule="sharded",
-                              timeout_s=60)
+                              timeout_s=timeout_s)
     x, y = make_batch("mlp", 0, rank, world)
     loss_of("mlp", model(x), y).backward()
     opt.step()
+    return model, opt
+
+
+def shard_loaded_elsewhere(rank: int, world: int) -> str:
+    """A shard saved by rank 0 loaded on every rank: refused on the others."""
+    model, opt = _one_step(rank, world, timeout_s=60)
     shard = opt.shard_state_dict()
     shard["hemiola_shard"]["rank"] = 0
     try:
@@ -213,14 +219,7 @@ def state_dict_on_rank_0_only(rank: int, world: int) -> str:
     """DDP's habit, ``if rank == 0: torch.save(optimizer.state_dict())``:
     under sharded the full state is a collective, so rank 0 alone is told so
     (within timeout_s here, at most 30 s)."""
-    hemiola.init()
-    torch.manual_seed(0)
-    m = make_model("mlp")
-    model, opt = hemiola.wrap(m, _optimizer("sgd", m.parameters()), schedule="sharded",
-                              timeout_s=5)
-    x, y = make_batch("mlp", 0, rank, world)
-    loss_of("mlp", model(x), y).backward()
-    opt.step()
+    model, opt = _one_step(rank, world, timeout_s=5)
     if rank != 0:
         return "not called"
     try:

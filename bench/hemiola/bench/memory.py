@@ -67,7 +67,7 @@ from pathlib import Path
 from typing import Any
 
 from hemiola.bench.contender import DDP, FSDP2, VARIANTS, Contender
-from hemiola.bench.netlab import Loopback, parse_result, print_result
+from hemiola.bench.netlab import Loopback, parse_result, rank_main
 from hemiola.bench.record import DEFAULT_OUT, write_lines
 
 #: The model: the bench's transformer (width, layers; vocabulary 8000)
@@ -406,10 +406,4 @@ def run(args: argparse.Namespace) -> int:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) == 3 and sys.argv[1] == "--worker":
-        print_result(worker(json.loads(sys.argv[2])))
-        import torch.distributed as dist
-
-        dist.destroy_process_group()  # torch's Gloo thread must not outlive the interpreter
-    else:
-        sys.exit("run `hemiola bench memory` (this module's entry point is for its ranks)")
+    rank_main(worker, "memory")

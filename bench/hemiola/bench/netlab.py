@@ -26,6 +26,7 @@ import json
 import os
 import shutil
 import subprocess
+import sys
 import tempfile
 import time
 import uuid
@@ -256,6 +257,21 @@ RESULT_TAG = "RESULT "
 def print_result(result: Any) -> None:
     """Reports `result` (JSON-able) from inside a rank (see :func:`parse_result`)."""
     print(RESULT_TAG + json.dumps(result), flush=True)
+
+
+def rank_main(worker: Callable[[Any], Any], suite: str, flag: str = "--worker") -> None:
+    """A suite module's entry point as one of its ranks (``python -m MODULE
+    FLAG JSON``): runs `worker` on the JSON configuration, reports its result
+    (:func:`print_result`) and takes torch's process group down, whose Gloo
+    thread must not outlive the interpreter. Run any other way, it says to
+    run ``hemiola bench SUITE`` instead."""
+    if len(sys.argv) != 3 or sys.argv[1] != flag:
+        sys.exit(f"run `hemiola bench {suite}` (this module's entry point is for its ranks)")
+    print_result(worker(json.loads(sys.argv[2])))
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def parse_result(output: str) -> Any:

@@ -66,7 +66,7 @@ from tqdm import tqdm
 
 import hemiola
 import hemiola.ps
-from hemiola.bench.netlab import Network, parse_result, print_result
+from hemiola.bench.netlab import Network, parse_result, rank_main
 from hemiola.bench.record import DEFAULT_OUT, percentiles, split_ahead, write_lines
 from hemiola.bench.tasks import DIGITS_ARCHITECTURES, DigitsTask
 from hemiola.launch import run_local
@@ -378,11 +378,4 @@ def run(args: argparse.Namespace) -> int:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) == 3 and sys.argv[1] == "--rank":
-        print_result(network_rank(json.loads(sys.argv[2])))
-        import torch.distributed as dist
-
-        if dist.is_initialized():
-            dist.destroy_process_group()  # torch's Gloo thread must not outlive the interpreter
-    else:
-        sys.exit("run `hemiola bench ps` (this module's entry point is for its ranks)")
+    rank_main(network_rank, "ps", "--rank")

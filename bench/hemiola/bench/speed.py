@@ -49,7 +49,7 @@ from torch import nn
 from hemiola.bench.contender import DDP, FSDP2, VARIANTS, Contender
 from hemiola.bench.ddp import ddp_with_hook
 from hemiola.bench.fsdp import fully_shard_model
-from hemiola.bench.netlab import Loopback, Network, parse_result, print_result
+from hemiola.bench.netlab import Loopback, Network, parse_result, rank_main
 from hemiola.bench.record import DEFAULT_OUT, percentiles, write_lines
 
 #: Width and batch of the ``mlp`` model: 9.4M parameters (37.8 MB of float32
@@ -436,10 +436,4 @@ def run(args: argparse.Namespace) -> int:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) == 3 and sys.argv[1] == "--worker":
-        print_result(worker(json.loads(sys.argv[2])))
-        import torch.distributed as dist
-
-        dist.destroy_process_group()  # torch's Gloo thread must not outlive the interpreter
-    else:
-        sys.exit("run `hemiola bench speed` (this module's entry point is for its ranks)")
+    rank_main(worker, "speed")

@@ -12,6 +12,14 @@ if TYPE_CHECKING:
     from hemiola.bound_model import BoundModel
 
 
+def unknown_scaler(schedule: str) -> str:
+    """The refusal of a GradScaler's step that hemiola was not given."""
+    return (f"schedule={schedule!r}: optimizer.step() is driven by a torch.amp.GradScaler "
+            "that hemiola does not know, so the reduced gradients would be applied still "
+            "scaled. Pass it when wrapping: hemiola.wrap(model, optimizer, schedule=..., "
+            "grad_scaler=scaler).")
+
+
 def take_scaler_state(optimizer: Any, bound: BoundModel, scaling: bool) -> bool:
     """Under ``scaler.step(optimizer)``: what GradScaler handed the
     optimizer (it calls our step always, with ``grad_scale`` and
@@ -26,12 +34,7 @@ def take_scaler_state(optimizer: Any, bound: BoundModel, scaling: bool) -> bool:
     if found_inf is None:
         return False
     if not scaling:
-        message = (
-            f"schedule={bound.config.schedule!r}: optimizer.step() is driven by a "
-            "torch.amp.GradScaler that hemiola does not know, so the reduced gradients would "
-            "be applied still scaled. Pass it when wrapping: hemiola.wrap(model, optimizer, "
-            "schedule=..., grad_scaler=scaler)."
-        )
+        message = unknown_scaler(bound.config.schedule)
         bound.reducer.abort(message)
         raise RuntimeError(message)
     grad_scale = getattr(optimizer, "grad_scale", None)

@@ -25,7 +25,6 @@ new plan's shard.
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -36,6 +35,8 @@ from hemiola.engine_tensors import dtype_code
 from hemiola.forward_gate import ForwardGate
 from hemiola.schedules.base import Schedule
 from hemiola.schedules.buffers import BufferBroadcast
+from hemiola.schedules.gated import LandsAtGates
+from hemiola.schedules.scaler_handshake import unknown_scaler
 from hemiola.schedules.sharded_gradients import clip_, gather_whole, shard_norm
 from hemiola.schedules.sharded_optimizer import (
     ShardedOptimizer,
@@ -69,7 +70,7 @@ class _Reduction:
         self.handle = handle
 
 
-class Sharded(Schedule):
+class Sharded(LandsAtGates, Schedule):
     """See the module docstring."""
 
     uses_reducer = False
@@ -392,11 +393,7 @@ class Sharded(Schedule):
                     "scaler.step(optimizer), not optimizer.step()")
             return False
         if not self._scaling:
-            raise RuntimeError(
-                "schedule='sharded': optimizer.step() is driven by a torch.amp.GradScaler that "
-                "hemiola does not know, so the reduced gradients would be applied still "
-                "scaled. Pass it when wrapping: hemiola.wrap(model, optimizer, "
-                "schedule='sharded', grad_scaler=scaler).")
+            raise RuntimeError(unknown_scaler("sharded"))
         optimizer.grad_scale = optimizer.found_inf = None  # the gradients are unscaled already
         mine = float(any(not bool(torch.isfinite(g).all()) for g in self._grads))
         flag = torch.tensor([mine], dtype=torch.float64)
@@ -497,16 +494,6 @@ class Sharded(Schedule):
             return gates[0]
         later = {i for gate in gates[1:] for i in gate}
         return [i for i in gates[0] if i not in later]
-
-    def forward_scope(self) -> contextlib.AbstractContextManager[None]:
-        return self._gate.scope()
-
-    @property
-    def observing(self) -> bool:
-        return self._gate.learning
-
-    def forward_is_compiled(self) -> None:
-        self._gate.land_at_start_only()
 
     def before_forward(self) -> None:
         if not torch.is_grad_enabled():

@@ -27,7 +27,6 @@ memory (contiguous, channels_last, ...): the updater copies them as blocks.
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -44,6 +43,7 @@ from hemiola.schedules.engine_optimizer import (
     slots,
     state_dict_without_unfilled_momentum,
 )
+from hemiola.schedules.gated import LandsAtGates
 from hemiola.schedules.refusals import GradWatch, refuse_scattered_parameters
 from hemiola.schedules.scaler_handshake import take_scaler_state
 from hemiola.schedules.takeover import take_over_optimizer
@@ -65,7 +65,7 @@ def _no_mark(*args: int) -> None:
     raise RuntimeError("hemiola: a gradient was marked before the optimizer was wrapped")
 
 
-class UpdaterSchedule(Schedule):
+class UpdaterSchedule(LandsAtGates, Schedule):
     """The part of ``priority`` and ``decoupled`` that is the same: the
     engine's updater lands each update where the forward gate learnt it is
     first read, and steps the optimizer (see the module docstring). A
@@ -154,16 +154,6 @@ class UpdaterSchedule(Schedule):
         return slots(self._kind, self._optimizer, self.bound.names, self.bound.params)
 
     # ---- the forward -------------------------------------------------------
-
-    def forward_scope(self) -> contextlib.AbstractContextManager[None]:
-        return self._gate.scope()
-
-    @property
-    def observing(self) -> bool:
-        return self._gate.learning
-
-    def forward_is_compiled(self) -> None:
-        self._gate.land_at_start_only()
 
     def before_forward(self) -> None:
         if not torch.is_grad_enabled():
