@@ -31,7 +31,10 @@ def test_contender_names() -> None:
                                                coding="int4")
     assert parse("decoupled+int4") == Spec("decoupled+int4", "hemiola", coding="int4")
     assert "F=2 τ=1" in parse("streaming-h20-f2t1").label
-    for bad in ("streaming-h4-f2t2", "torchft-h20+int8", "streaming-h10+zip", "nope"):
+    assert parse("torchft-h20-f2t5@lr1m0~mix0.5") == Spec(
+        "torchft-h20-f2t5@lr1m0~mix0.5", "torchft", 20, 2, 5, "", 1.0, 0.0, 0.5)
+    for bad in ("streaming-h4-f2t2", "torchft-h20+int8", "torchft-h20-auto", "torchft-h10-f3t1",
+                "streaming-h10+zip", "nope"):
         with pytest.raises(ValueError):
             parse(bad)
     names = default_contenders([10, 20])
@@ -114,6 +117,30 @@ def test_streaming_suite_on_loopback(tmp_path: Path) -> None:
     table = report.render(rows, "streaming.jsonl")
     assert "hemiola streaming H=3" in table and "torch DDP" in table
     assert ("torchft DiLoCo H=3" in table) if HAVE_TORCHFT else ("skipped" in table)
+
+
+@pytest.mark.skipif(not HAVE_TORCHFT, reason="torchft is not installed")
+def test_torchft_is_given_the_same_fragments_delay_mix_and_outer_step(tmp_path: Path) -> None:
+    """torchft's DiLoCo with two fragments trains as hemiola's streaming with
+    the same H, fragments, delay, merge and outer step: blocking, the same
+    held-out loss to float32's precision (the same cut, the same averages);
+    with a delay, within 0.5% (torchft sends a fragment tau steps before its
+    step and lands it there, hemiola sends at its step and lands it tau
+    later). A run that stepped the fragments not being synced (one outer
+    optimizer over the whole model) ended far above."""
+    pairs = ["h4-f2t0@lr1m0", "h4-f2t1@lr1m0~mix0.5"]
+    contenders = ",".join(f"{kind}-{p}" for p in pairs for kind in ("streaming", "torchft"))
+    out = subprocess.run(
+        [sys.executable, "-m", "hemiola", "bench", "streaming", "--rates", "none", "--steps", "8",
+         "--eval-every", "8", "--eval-windows", "16", "--contenders", contenders,
+         "--port", "29870", "--out", str(tmp_path)],
+        capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert out.returncode == 0, out.stdout + out.stderr
+    loss = {r["contender"]: r["heldout_loss"] for r in read_lines(tmp_path / "streaming.jsonl")
+            if r["row"] == "run"}
+    for p, rel in zip(pairs, (1e-6, 5e-3)):
+        assert loss[f"torchft-{p}"] == pytest.approx(loss[f"streaming-{p}"], rel=rel), loss
+        assert loss[f"torchft-{p}"] < 0.9 * 5.545  # trained from ln(256), not thrown back
 
 
 def test_groups_suite_on_loopback(tmp_path: Path) -> None:

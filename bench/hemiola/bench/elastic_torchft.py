@@ -399,24 +399,6 @@ class _QuorumRecorder:
         return getattr(self._client, name)
 
 
-def _fragments(model: Any, count: int) -> list[Any]:
-    """`model`'s parameters cut into `count` contiguous modules of about equal
-    size (each holds the model's own Parameter objects)."""
-    from torch import nn
-
-    params = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
-    total = sum(p.numel() for _, p in params)
-    pieces: list[nn.Module] = [nn.Module() for _ in range(count)]
-    seen = 0
-    for name, p in params:
-        k = min(count - 1, seen * count // total)
-        pieces[k].register_parameter(name.replace(".", "__"), p)
-        seen += p.numel()
-    if any(not list(piece.parameters()) for piece in pieces):
-        raise ValueError(f"the model has too few parameter tensors for {count} fragments")
-    return pieces
-
-
 def worker(config: dict[str, Any]) -> None:
     """One replica group: trains to the run's last inner step under torchft's
     DiLoCo, or kills itself as planned."""
@@ -429,6 +411,7 @@ def worker(config: dict[str, Any]) -> None:
     from torchft.local_sgd import DiLoCo
     from torchft.process_group import ProcessGroupGloo
 
+    from hemiola.bench.streaming_rank import torchft_fragments
     from hemiola.bench.tasks import TASKS
 
     torch.set_num_threads(1)
@@ -476,10 +459,12 @@ def worker(config: dict[str, Any]) -> None:
     recorder = _QuorumRecorder(manager._client)
     manager._client = recorder
     momentum = config["outer_momentum"]
-    outer = torch.optim.SGD(model.parameters(), lr=config["outer_lr"], momentum=momentum,
-                            nesterov=momentum > 0)
-    fragments = (_fragments(model, config["fragments"]) if config["fragments"] > 1
+    fragments = (torchft_fragments(model, config["fragments"]) if config["fragments"] > 1
                  else [model])
+    # one outer optimizer per fragment (one over the whole model would step
+    # the fragments not being synced with the inner gradient in their .grad)
+    outer = [torch.optim.SGD(piece.parameters(), lr=config["outer_lr"], momentum=momentum,
+                             nesterov=momentum > 0) for piece in fragments]
     diloco = DiLoCo(manager, fragments, optimizer, outer, sync_every=config["sync_every"],
                     pin_memory=False, fragment_sync_delay=config["overlap"])
     frags = diloco._fragments

@@ -191,8 +191,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--contenders",
                         help="comma-separated, instead of the default set: compute, ddp, a "
                              "per-step hemiola contender (decoupled+int8), "
-                             "streaming-hH[-fFtT][+CODING][@lrLmM], torchft-hH[@lrLmM] "
-                             "(@lrLmM: outer lr L, momentum M)")
+                             "streaming-hH[-fFtT|-auto][+CODING][@lrLmM][~mixA], "
+                             "torchft-hH[-fFtT][@lrLmM][~mixA] (@lrLmM: outer lr L, "
+                             "momentum M; ~mixA: the merge's alpha)")
     parser.add_argument("--steps", type=int, default=300, help="inner steps (default 300)")
     parser.add_argument("--eval-every", type=int, default=50,
                         help="steps per block; rank 0 evaluates after each (default 50)")

@@ -11,9 +11,13 @@ A contender is named (``parse``):
 - ``streaming-hH[-fFtT|-auto][+CODING][@lrLmM][~mixA]``: ``hemiola.wrap(schedule="streaming",
   sync_every=H, fragments=F, overlap=T, compression=CODING, mix=A)`` (``-auto``:
   fragments and overlap left out, chosen after the first sync);
-- ``torchft-hH[@lrLmM][~mixA]``: torchft's ``torchft.local_sgd.DiLoCo`` (one fragment,
-  blocking), each rank a replica group of one with its own TCPStore, a
-  ``torchft.Manager`` and rank 0 hosting the ``LighthouseServer``.
+- ``torchft-hH[-fFtT][@lrLmM][~mixA]``: torchft's ``torchft.local_sgd.DiLoCo``
+  with F fragments (``torchft_fragments``: the parameters in registration order
+  cut into F contiguous pieces of about equal size, as hemiola cuts them, but
+  at whole tensors) and ``fragment_sync_delay`` T, bucketed as hemiola fuses;
+  each rank a replica group of one with its own TCPStore, a
+  ``torchft.Manager`` and rank 0 hosting the ``LighthouseServer``. Float32
+  only: its quantisation needs triton (GPU kernels).
 
 Every inner optimizer is the task's (AdamW, warmup + cosine); every outer one
 is SGD, by default DiLoCo's (lr 0.7, momentum 0.9, Nesterov); ``@lrLmM`` sets
@@ -112,11 +116,12 @@ def parse(name: str) -> Spec:
         if coding not in CODING_BYTES:
             raise ValueError(f"{name}: unknown coding {coding!r}; known: "
                              f"{', '.join(c for c in CODING_BYTES if c)}")
-        if m["kind"] == "torchft" and (f > 1 or t or coding or auto):  # (@lrLmM is allowed)
-            raise ValueError(f"{name}: the torchft contender is its blocking one-fragment "
-                             "DiLoCo (torchft-hH): its should_quantize needs triton (GPU "
-                             "kernels) and sends float32 without it, and its fragments "
-                             "need the model cut by hand")
+        if m["kind"] == "torchft" and (coding or auto):
+            raise ValueError(f"{name}: torchft's DiLoCo sends float32 on a CPU (its "
+                             "should_quantize needs triton's GPU kernels) and has no chosen "
+                             "shape: write torchft-hH[-fFtT][@lrLmM][~mixA]")
+        if m["kind"] == "torchft" and h % f:
+            raise ValueError(f"{name}: torchft's DiLoCo needs H to be a multiple of F")
         if h < 1 or f < 1 or (t and t * f >= h):
             raise ValueError(f"{name}: needs H >= 1, F >= 1 and tau < H/F")
         lr = float(m["lr"]) if m["lr"] else OUTER["lr"]
@@ -223,10 +228,10 @@ class TorchFT:
                                      wait_for_workers=False) for k in range(contenders)]
         self.managers = 0
 
-    def wrap(self, model: nn.Module, inner: torch.optim.Optimizer, h: int,
-             outer_hyper: dict[str, Any], mix: float = 0.0) -> list[Any]:
-        """A Manager and an entered ``DiLoCo`` around `model` and `inner`;
-        returns what closes them, in order."""
+    def wrap(self, model: nn.Module, inner: torch.optim.Optimizer, spec: Spec) -> list[Any]:
+        """A Manager and an entered ``DiLoCo`` around `model` and `inner` with
+        `spec`'s H, fragments, delay, outer step and mix; returns what closes
+        them, in order."""
         from torchft import Manager
         from torchft.local_sgd import DiLoCo
         from torchft.process_group import ProcessGroupGloo
@@ -242,9 +247,15 @@ class TorchFT:
             rank=0, world_size=1, port=self.port + 50 + 2 * k + self.rank,
             hostname=self.addr, init_sync=False, timeout=timedelta(seconds=300),
             quorum_timeout=timedelta(seconds=300))
-        outer = torch.optim.SGD(model.parameters(), **outer_hyper)
-        diloco = DiLoCo(manager, [model], inner, outer, sync_every=h, pin_memory=False,
-                        fragment_update_alpha=mix)
+        fragments = spec.fragments or 1
+        pieces = torchft_fragments(model, fragments) if fragments > 1 else [model]
+        # one outer optimizer per fragment: a single one over the whole model
+        # would also step the fragments not being synced, with whatever
+        # .grad holds then (the last inner gradient)
+        outer = [torch.optim.SGD(piece.parameters(), **spec.outer) for piece in pieces]
+        diloco = DiLoCo(manager, pieces, inner, outer, sync_every=spec.h, pin_memory=False,
+                        use_bucketization=True, fragment_sync_delay=spec.overlap or 0,
+                        fragment_update_alpha=spec.mix or 0.0)
         diloco.__enter__()
         return [lambda: diloco.__exit__(None, None, None), lambda: manager.shutdown(wait=False)]
 
@@ -252,6 +263,23 @@ class TorchFT:
         """Shuts the lighthouses down (rank 0)."""
         for lighthouse in self.lighthouses:
             lighthouse.shutdown()
+
+
+def torchft_fragments(model: nn.Module, count: int) -> list[nn.Module]:
+    """`model`'s parameters cut into `count` contiguous modules of about equal
+    size for torchft's DiLoCo (each holds the model's own Parameter objects;
+    a tensor belongs to the piece its first element falls in)."""
+    params = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+    total = sum(p.numel() for _, p in params)
+    pieces = [nn.Module() for _ in range(count)]
+    seen = 0
+    for name, p in params:
+        k = min(count - 1, seen * count // total)
+        pieces[k].register_parameter(name.replace(".", "__"), p)
+        seen += p.numel()
+    if any(not list(piece.parameters()) for piece in pieces):
+        raise ValueError(f"the model has too few parameter tensors for {count} fragments")
+    return pieces
 
 
 def _own_address() -> str:
@@ -289,7 +317,7 @@ def build(spec: Spec, task: Any, total: int, seed: int, ft: TorchFT | None) -> R
     elif spec.kind == "torchft":
         if ft is None:
             raise RuntimeError("torchft is not set up on this rank")
-        closers = ft.wrap(model, optimizer, spec.h, spec.outer, spec.mix or 0.0)
+        closers = ft.wrap(model, optimizer, spec)
     return Run(spec, model, optimizer, task.lr_scheduler(optimizer, total), closers=closers)
 
 

@@ -12,8 +12,10 @@ and the function each rank runs:
 from hemiola.bench.tasks.data import (
     corpus_info,
     load_corpus,
+    load_packages,
     load_shapes,
     load_source,
+    packages_info,
     shapes_info,
     source_info,
 )
@@ -23,6 +25,7 @@ from hemiola.bench.tasks.registry import (
     HEADLINE,
     TASKS,
     CharTask,
+    CodeTask,
     DigitsTask,
     Headline,
     LMTask,
@@ -33,7 +36,7 @@ from hemiola.bench.tasks.registry import (
 )
 from hemiola.bench.tasks.runner import RankResult, train_rank
 
-__all__ = ["DATA_INFO", "DIGITS_ARCHITECTURES", "HEADLINE", "TASKS", "CharTask", "DigitsTask",
-           "Headline", "LMTask", "RankResult", "ShapesAdamWTask", "ShapesTask", "Task",
-           "corpus_info", "load_corpus", "load_shapes", "load_source", "metrics_of",
-           "shapes_info", "source_info", "train_rank"]
+__all__ = ["DATA_INFO", "DIGITS_ARCHITECTURES", "HEADLINE", "TASKS", "CharTask", "CodeTask",
+           "DigitsTask", "Headline", "LMTask", "RankResult", "ShapesAdamWTask", "ShapesTask",
+           "Task", "corpus_info", "load_corpus", "load_packages", "load_shapes", "load_source",
+           "metrics_of", "packages_info", "shapes_info", "source_info", "train_rank"]

@@ -4,10 +4,14 @@
   the standard library (``pydoc_data.topics``: ~466 KB), for the byte-level LM;
 - ``load_source``: the first million characters of the standard library's own
   top-level modules (``Lib/*.py`` in name order), for the character-level GPT;
+- ``load_packages``: the standard library's packages (``Lib/<package>/**/*.py``,
+  their tests, ``pydoc_data`` and the codec tables left out: ~5 MB), for the
+  10M-parameter byte-level LM;
 - ``load_shapes``: a structured synthetic 10-class image task (shapes in random
   colours, positions and sizes, a low-contrast distractor, pixel noise).
 
-``corpus_info``, ``source_info`` and ``shapes_info`` fingerprint them for the results file.
+``corpus_info``, ``source_info``, ``packages_info`` and ``shapes_info`` fingerprint
+them for the results file.
 scikit-learn's digits come from ``hemiola.demo.load_digits``.
 """
 
@@ -71,6 +75,42 @@ def source_info() -> dict[str, Any]:
     return {"corpus": "stdlib Lib/*.py", "python": sys.version.split()[0],
             "corpus_chars": len(text), "vocabulary": len(set(text)),
             "corpus_sha256": hashlib.sha256(text.encode("utf-8")).hexdigest()[:16]}
+
+
+#: packages of the standard library left out of ``load_packages``: the
+#: language reference is the byte LM's corpus (``load_corpus``), the codecs are
+#: tables, not prose or code, and the rest is not Python's library
+PACKAGES_LEFT_OUT = ("pydoc_data", "encodings", "site-packages", "idlelib", "lib2to3",
+                     "turtledemo", "__phello__")
+
+
+def load_packages() -> bytes:
+    """The standard library's packages as UTF-8: every ``Lib/<package>/**/*.py``
+    in path order, each followed by a newline, without test directories
+    (``test``, ``tests``, ``test_*``) or ``PACKAGES_LEFT_OUT``. None of it is
+    in ``load_corpus`` or ``load_source`` (top-level modules only), so a model
+    tuned on those meets it new."""
+    import sysconfig
+    from pathlib import Path
+
+    root = Path(sysconfig.get_paths()["stdlib"])
+    parts = []
+    for path in sorted(root.glob("*/**/*.py")):
+        dirs = path.relative_to(root).parts[:-1]
+        if dirs[0] in PACKAGES_LEFT_OUT or dirs[0].startswith("config-") or any(
+                d in ("test", "tests") or d.startswith("test_") for d in dirs):
+            continue
+        parts.append(path.read_bytes() + b"\n")
+    return b"".join(parts)
+
+
+def packages_info() -> dict[str, Any]:
+    """Where the packages corpus came from and its fingerprint."""
+    import sys
+
+    data = load_packages()
+    return {"corpus": "stdlib Lib/<package>/**/*.py", "python": sys.version.split()[0],
+            "corpus_bytes": len(data), "corpus_sha256": hashlib.sha256(data).hexdigest()[:16]}
 
 
 #: The classes of ``load_shapes``: each is inside/outside in the shape's own
