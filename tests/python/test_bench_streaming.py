@@ -161,3 +161,47 @@ def test_groups_suite_on_loopback(tmp_path: Path) -> None:
         assert rows[name]["link_bytes_per_sync"] is None  # loopback: no link to count
     assert rows["inside"]["syncs"] == 0
     assert all(r["ms_per_step"] > 0 for r in rows.values())
+
+
+def test_horizon_intervals() -> None:
+    from hemiola.bench.horizon import interval
+
+    assert interval([2.0]) == (2.0, None)
+    mean, half = interval([1.0, 2.0, 3.0])
+    # t(0.975, 2 degrees of freedom) = 4.3027; standard error 1 / sqrt(3)
+    assert mean == 2.0 and half == pytest.approx(4.3027 / 3 ** 0.5, rel=1e-4)
+
+
+def test_horizon_suite_on_loopback(tmp_path: Path) -> None:
+    """Two seeds of the three runs per replica count; the summary pairs each
+    contender with DDP and one replica alone on the same seed."""
+    out = subprocess.run(
+        [sys.executable, "-m", "hemiola", "bench", "horizon", "--task", "lm", "--rate", "none",
+         "--steps", "4", "--eval-every", "2", "--eval-windows", "4", "--ddp-timing-steps", "2",
+         "--seeds", "2", "--contenders", "compute,streaming-h2@lr1m0", "--port", "29890",
+         "--out", str(tmp_path)],
+        capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert out.returncode == 0, out.stdout + out.stderr
+    rows = read_lines(tmp_path / "horizon.jsonl")
+    runs = [r for r in rows if r["suite"] == "streaming"]
+    assert {(r["phase"], r["contender"]) for r in runs} == {
+        ("quality", "ddp"), ("ddp-timing", "compute"), ("ddp-timing", "ddp"),
+        ("main", "compute"), ("main", "streaming-h2@lr1m0")}
+    summary = {r["contender"]: r for r in rows if r["suite"] == "horizon"}
+    assert list(summary) == ["compute", "streaming-h2@lr1m0", "ddp"]
+    ddp = {r["seed"]: r["heldout_loss"] for r in runs if r["phase"] == "quality"}
+    mine = {r["seed"]: r["heldout_loss"] for r in runs if r["contender"] == "streaming-h2@lr1m0"}
+    bare = {r["seed"]: r["heldout_loss"] for r in runs
+            if r["phase"] == "main" and r["contender"] == "compute"}
+    s = summary["streaming-h2@lr1m0"]
+    assert s["seeds"] == [10, 11] and s["world"] == 2
+    assert s["vs_ddp"][0] == pytest.approx(
+        sum(mine[k] / ddp[k] - 1 for k in ddp) / 2)
+    assert s["vs_one_replica"][0] == pytest.approx(sum(mine[k] - bare[k] for k in ddp) / 2)
+    assert s["vs_ddp"][1] is not None  # two seeds: an interval
+    assert summary["ddp"]["vs_ddp"] == [0.0, 0.0]  # (JSON: lists)
+    assert summary["compute"]["vs_one_replica"] == [0.0, 0.0]
+    # the main run's target was DDP's final loss on its seed
+    assert {r["target_loss"] for r in runs if r["phase"] == "main" and r["seed"] == 10} == {ddp[10]}
+    table = report.render([r for r in rows if r["suite"] == "horizon"], "horizon.jsonl")
+    assert "vs one replica" in table and "hemiola streaming H=2" in table

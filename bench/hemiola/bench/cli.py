@@ -13,6 +13,7 @@ SUITES = {
     "memory": "peak resident memory per parameter against DDP and FSDP2, at 2 and 4 ranks",
     "convergence": "every schedule trained to the end on the same tasks and seeds",
     "streaming": "DiLoCo-style training (hemiola streaming, torchft) against DDP, over a slow link",
+    "horizon": "streaming at a horizon: 3000 steps of a 10M model, K replicas, 95% intervals",
     "groups": "streaming's replica groups: sites of several ranks joined by a slow link",
     "elastic": "elastic streaming: replicas killed at random steps and restarted",
     "elastic_torchft": "the same kills and restarts under torchft's Manager and DiLoCo",

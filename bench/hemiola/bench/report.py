@@ -284,6 +284,49 @@ def streaming_table(rows: Rows) -> str:
     return "\n\n".join(parts)
 
 
+def _interval(value: Any, fmt: str, scale: float = 1.0, sign: bool = False) -> str:
+    """'mean ± half-width' of a (mean, 95% half-width or None) pair."""
+    if value is None:
+        return "–"
+    mean, half = value
+    head = f"{scale * mean:{'+' if sign else ''}{fmt}}"
+    return head if half is None else f"{head} ± {scale * half:{fmt}}"
+
+
+def horizon_table(rows: Rows) -> str:
+    """Per task, rate and replica count: each contender's held-out loss at
+    equal inner steps (and against DDP and one replica alone, paired by seed),
+    at equal wall-clock, its time per step and its time to DDP's final loss;
+    mean ± the 95% t-interval's half-width over the seeds (``hemiola bench
+    horizon``)."""
+    rows = [r for r in rows if r.get("row") == "summary"]
+    parts = []
+    for task, rate, world in dict.fromkeys((r["task"], r["rate"], r["world"]) for r in rows):
+        mine = [r for r in rows if (r["task"], r["rate"], r["world"]) == (task, rate, world)]
+        first = mine[0]
+        head = ["contender", "ms / step", "held-out loss", "vs DDP", "vs one replica",
+                f"loss at {_interval(first['budget_s'], '.0f')} s", "vs one replica then",
+                "s to DDP's loss"]
+        lines = [[r["label"], _interval(r["ms_per_step"], ".1f"),
+                  _interval(r["heldout_loss"], ".4f"),
+                  _interval(r["vs_ddp"], ".2f", 100, sign=True) + "%",
+                  _interval(r["vs_one_replica"], ".4f", sign=True),
+                  _interval(r["loss_at_budget"], ".4f"),
+                  _interval(r["at_budget_vs_one_replica"], ".4f", sign=True),
+                  _interval(r["seconds_to_target"], ".0f")
+                  + ("" if r["reached"] == len(r["seeds"]) else
+                     f" ({r['reached']}/{len(r['seeds'])} reached)")]
+                 for r in mine]
+        seeds = ", ".join(map(str, first["seeds"]))
+        parts.append(
+            f"**{task}** at {rate_label(rate)}, {world} replicas ({first['params'] / 1e6:.1f}M "
+            f"parameters, {first['steps']} inner steps of {first['tokens_per_rank_step']} tokens "
+            f"per replica; seeds {seeds}; held-out loss on {first['eval_windows']} windows every "
+            f"{first['eval_every']} steps; DDP's loss at equal steps from loopback, its time "
+            f"per step at the rate):\n\n" + _table(head, lines))
+    return "\n\n".join(parts)
+
+
 def memory_table(rows: Rows) -> str:
     """One line per variant; per world size its peak resident memory of
     training in bytes per parameter (the largest over the ranks, and their
@@ -322,7 +365,7 @@ def memory_table(rows: Rows) -> str:
 RENDERERS: dict[str, Callable[[Rows], str]] = {
     "speed": speed_table, "convergence": convergence_table, "ps": ps_table,
     "cluster": cluster_table, "advise": advise_table, "streaming": streaming_table,
-    "memory": memory_table}
+    "memory": memory_table, "horizon": horizon_table}
 
 
 def provenance(rows: Rows, source: str) -> str:
