@@ -68,6 +68,9 @@ void bind_engine(py::module_& m) {
       py::arg("numel"), py::arg("dtype"), py::arg("world_size"),
       "world_size + 1 element offsets: rank r's chunk under Engine.reduce_scatter and "
       "Engine.all_gather_chunks is [bounds[r], bounds[r + 1]).");
+  m.def("coded_chunk_bounds", &coded_chunk_bounds, py::arg("numel"), py::arg("world_size"),
+        "world_size + 1 element offsets: rank r's chunk under "
+        "Engine.reduce_scatter_coded (whole blocks of the int8/int4 codings).");
   m.def(
       "plan_fusion",
       [](const std::vector<std::pair<int, size_t>>& specs, const std::vector<size_t>& order,
@@ -343,6 +346,18 @@ void bind_engine(py::module_& m) {
           },
           py::arg("data_ptr"), py::arg("dtype"), py::arg("numel"),
           py::arg("op") = ReduceOp::kAverage)
+      .def(
+          "reduce_scatter_coded",
+          [](Engine& e, uintptr_t data, uintptr_t residual, size_t numel, int coding) {
+            return e.reduce_scatter_coded(make_ref(data, static_cast<int>(DType::kFloat32), numel),
+                                          make_ref(residual, static_cast<int>(DType::kFloat32),
+                                                   numel),
+                                          static_cast<Compression>(coding));
+          },
+          py::arg("data_ptr"), py::arg("residual_ptr"), py::arg("numel"), py::arg("coding"),
+          "An int8/int4 reduce-scatter (average) of a float32 bucket with error feedback in "
+          "`residual` (as many float32 elements); this rank's chunk "
+          "(coded_chunk_bounds) receives the average.")
       .def(
           "all_gather_chunks",
           [](Engine& e, uintptr_t data, int dtype, size_t numel, std::vector<size_t> bounds) {

@@ -12,6 +12,7 @@
 
 #include "core/dtype_math.h"
 #include "core/half_cast.h"
+#include "engine/codec/block_coding.h"
 #include "hemiola/hemiola.h"
 #include "run_ranks.h"
 
@@ -575,7 +576,78 @@ TEST_P(ReduceScatterWorlds, GathersIntoSegmentsInPlace) {
   });
 }
 
+// reduce_scatter_coded: this rank's chunk is the float32 average, in rank
+// order, of every rank's int8/int4 records of it (each rank coding its value
+// plus its residual with its own scales), bit for bit, and the residual keeps
+// what the coding dropped; twice in a row, so the feedback is used.
+template <typename Codes>
+void expect_coded_reduce_scatter(int world, size_t numel, Compression coding) {
+  const std::vector<size_t> bounds = coded_chunk_bounds(numel, world);
+  ASSERT_EQ(bounds.size(), static_cast<size_t>(world) + 1);
+  EXPECT_EQ(bounds.back(), numel);
+  auto input = [numel](int rank, int call) {
+    std::mt19937 rng(static_cast<unsigned>(31 * rank + 7 * call + numel));
+    std::normal_distribution<float> normal;
+    std::vector<float> x(numel);
+    for (float& v : x) v = normal(rng) * (rank + 1.0f);
+    return x;
+  };
+  test::run_ranks(world, [&](Engine& e) {
+    // every rank's residuals and records, as each rank computes its own
+    std::vector<std::vector<float>> residuals(world, std::vector<float>(numel, 0.0f));
+    std::vector<float> residual(numel, 0.0f);
+    for (int call = 0; call < 2; ++call) {
+      std::vector<float> expected(numel, 0.0f);
+      for (int r = 0; r < world; ++r) {
+        std::vector<float> v = input(r, call);
+        for (size_t i = 0; i < numel; ++i) v[i] += residuals[r][i];
+        for (size_t at = 0; at < numel; at += kInt8Block) {
+          const size_t count = std::min(kInt8Block, numel - at);
+          std::vector<uint8_t> record(block_coding::record_bytes<Codes>());
+          block_coding::code<Codes>(v.data() + at, count, record.data());
+          block_coding::decode<Codes, true>(record.data(), count, expected.data() + at);
+        }
+        residuals[r] = v;
+      }
+      for (float& v : expected) v *= 1.0f / static_cast<float>(world);
+      std::vector<float> x = input(e.rank(), call);
+      e.reduce_scatter_coded({x.data(), DType::kFloat32, numel, {}},
+                             {residual.data(), DType::kFloat32, numel, {}}, coding).wait();
+      const size_t lo = bounds[e.rank()], hi = bounds[e.rank() + 1];
+      EXPECT_EQ(0, std::memcmp(x.data() + lo, expected.data() + lo, (hi - lo) * sizeof(float)))
+          << "rank " << e.rank() << " of " << world << ", " << numel << " elements, call " << call;
+      EXPECT_EQ(residual, residuals[e.rank()]) << "rank " << e.rank() << ", call " << call;
+    }
+  });
+}
+
+TEST_P(ReduceScatterWorlds, CodedChunkIsTheAverageOfEveryRanksRecords) {
+  for (const size_t numel : {size_t{1}, size_t{300}, size_t{70001}}) {
+    expect_coded_reduce_scatter<Int8Codes>(GetParam(), numel, Compression::kInt8);
+    expect_coded_reduce_scatter<Int4Codes>(GetParam(), numel, Compression::kInt4);
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(Worlds, ReduceScatterWorlds, ::testing::Values(1, 2, 3, 4));
+
+TEST(CodedChunkBounds, WholeBlocksInRankOrder) {
+  EXPECT_EQ(coded_chunk_bounds(1000, 2), (std::vector<size_t>{0, 512, 1000}));
+  EXPECT_EQ(coded_chunk_bounds(300, 4), (std::vector<size_t>{0, 256, 300, 300, 300}));
+  EXPECT_EQ(coded_chunk_bounds(0, 3), (std::vector<size_t>{0, 0, 0, 0}));
+}
+
+TEST(ReduceScatterCoded, RefusesWhatItCannotCode) {
+  test::run_ranks(1, [](Engine& e) {
+    std::vector<float> x(10), r(9);
+    EXPECT_THROW(e.reduce_scatter_coded({x.data(), DType::kFloat32, 10, {}},
+                                        {r.data(), DType::kFloat32, 9, {}}, Compression::kInt8),
+                 std::exception);
+    std::vector<float> r10(10);
+    EXPECT_THROW(e.reduce_scatter_coded({x.data(), DType::kFloat32, 10, {}},
+                                        {r10.data(), DType::kFloat32, 10, {}}, Compression::kFp16),
+                 std::exception);
+  });
+}
 
 TEST(ChunkBounds, CoverTheTensorInRankOrder) {
   for (int world : {1, 2, 3, 5, 8}) {

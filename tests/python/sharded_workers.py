@@ -79,19 +79,21 @@ def state_is_sharded(rank: int, world: int) -> dict[str, Any]:
             "shard_elements": model.stats()["shard_elements"], "averaged_vs_wfbp": diff}
 
 
-def resumed(rank: int, world: int, how: str) -> dict[str, Any]:
+def resumed(rank: int, world: int, how: str, compression: str | None = None) -> dict[str, Any]:
     """AdamW on the transformer, 3 steps, a checkpoint (`how`: "full", every
     rank's optimizer.state_dict(), rank 0's loaded by all; "shard", each
     rank's shard_state_dict()), 3 more steps; then a fresh wrap loads the
     checkpoint before its first step and takes the same 3 steps. Both ends,
-    and the full state against wfbp's optimizer state at the checkpoint."""
+    and the full state against wfbp's optimizer state at the checkpoint.
+    `compression` (sharded only): int8's residuals travel in the shard."""
     hemiola.init()
 
     def wrapped(schedule: str = "sharded") -> tuple[nn.Module, nn.Module, Any]:
         torch.manual_seed(0)
         m = make_model("transformer")
         model, opt = hemiola.wrap(m, _optimizer("adamw", m.parameters()), schedule=schedule,
-                                  fusion_mb=1 / 16, timeout_s=60)
+                                  fusion_mb=1 / 16, timeout_s=60,
+                                  compression=compression if schedule == "sharded" else None)
         return m, model, opt
 
     def train(model: nn.Module, opt: Any, steps: range) -> None:
@@ -133,6 +135,44 @@ def resumed(rank: int, world: int, how: str) -> dict[str, Any]:
             "full_keys": sorted(full["state"][0]), "states": len(full["state"]),
             "params": len(straight), "moved": max_diff(straight, [
                 v for k, v in saved["model"].items() if k in dict(m.named_parameters())])}
+
+
+def coded_gradients(rank: int, world: int, compression: str) -> dict[str, Any]:
+    """The transformer under sharded with `compression` (int8/int4) beside
+    wfbp in float32, AdamW, 4 steps: the first step's averaged gradients
+    against the exact average (one coding of each rank's gradient apart),
+    the residuals, and how far the parameters end apart."""
+    hemiola.init()
+    torch.manual_seed(0)
+    m = make_model("transformer")
+    x, y = make_batch("transformer", 0, rank, world)
+    loss_of("transformer", m(x), y).backward()  # this rank's own first gradient
+    local = max(p.grad.abs().max().item() for p in m.parameters())
+    runs = {}
+    for schedule, coding in (("sharded", compression), ("wfbp", None)):
+        torch.manual_seed(0)
+        m = make_model("transformer")
+        model, opt = hemiola.wrap(m, _optimizer("adamw", m.parameters()), schedule=schedule,
+                                  fusion_mb=1 / 64, first_bucket_mb=1 / 64, timeout_s=60,
+                                  compression=coding)
+        first = None
+        for step in range(4):
+            x, y = make_batch("transformer", step, rank, world)
+            opt.zero_grad()
+            loss_of("transformer", model(x), y).backward()
+            if step == 0:
+                first = model.averaged_gradients() if schedule == "sharded" else {
+                    n: p.grad.clone() for n, p in m.named_parameters()}
+            opt.step()
+        model.synchronize()
+        runs[schedule] = (first, [p.detach().clone() for p in m.parameters()], model)
+    coded, exact = runs["sharded"][0], runs["wfbp"][0]
+    residuals = runs["sharded"][2]._schedule.residuals()
+    return {"error": max((coded[n] - g).abs().max().item() for n, g in exact.items()),
+            "largest": max(g.abs().max().item() for g in exact.values()), "local": local,
+            "residual_buckets": len(residuals),
+            "residual_max": max(r.abs().max().item() for r in residuals.values()),
+            "params_apart": max_diff(runs["sharded"][1], runs["wfbp"][1])}
 
 
 def _one_step(rank: int, world: int, timeout_s: float) -> tuple[nn.Module, Any]:
@@ -203,9 +243,9 @@ def refusal(rank: int, world: int, case: str) -> str:
             model, opt = hemiola.wrap(m, _optimizer("sgd", m.parameters()), schedule="sharded",
                                       timeout_s=30)
             opt.step()
-        elif case == "int8":
+        elif case == "powersgd":
             hemiola.wrap(m, _optimizer("sgd", m.parameters()), schedule="sharded",
-                         compression="int8", timeout_s=30)
+                         compression="powersgd", timeout_s=30)
         elif case == "non-contiguous":
             m.net[0].weight = nn.Parameter(m.net[0].weight.detach().t().contiguous().t())
             hemiola.wrap(m, _optimizer("sgd", m.parameters()), schedule="sharded",

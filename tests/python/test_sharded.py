@@ -39,6 +39,24 @@ def test_half_precision_reduce_scatters_equal_wfbp_with_the_same_compression(
         assert r["params"] == 0.0 and r["losses"] == 0.0, r
 
 
+@pytest.mark.parametrize("world,compression,levels", [(2, "int8", 127), (3, "int8", 127),
+                                                      (3, "int4", 7)])
+def test_coded_reduce_scatters_deliver_each_ranks_coded_gradient(
+        world: int, compression: str, levels: int) -> None:
+    # Each rank codes its gradient with its own scale per block of 256
+    # (max |v| / levels) and the owner averages the decoded records: each
+    # rank's error is at most half its scale, so the average's is at most half
+    # the largest scale (the engine's test checks the records bit for bit);
+    # the residuals keep the rest, laid out again by the first step's plan.
+    results = run_local(sharded_workers.coded_gradients, world, compression, timeout_s=300)
+    largest_scale = max(r["local"] for r in results.values()) / levels
+    for r in results.values():
+        assert 0 < r["error"] <= largest_scale / 2 * 1.001, r
+        assert r["residual_buckets"] > 1 and 0 < r["residual_max"] <= largest_scale, r
+        # AdamW normalises each step: the runs stay close but are not equal
+        assert 0 < r["params_apart"] < 0.05, r
+
+
 @pytest.mark.parametrize("world,model,optimizer", [(2, "mlp", "sgd"), (3, "transformer", "adamw")])
 def test_clipping_follows_wfbp_within_the_norms_rounding(world: int, model: str,
                                                          optimizer: str) -> None:
@@ -77,6 +95,15 @@ def test_a_checkpoint_resumes_bit_for_bit(how: str) -> None:
         assert r["full_keys"] == ["exp_avg", "exp_avg_sq", "step"]
 
 
+def test_a_shard_checkpoint_resumes_int8_bit_for_bit() -> None:
+    # the residuals (what each rank's coding still owes) are in the shard,
+    # laid out by the plan it was cut by
+    results = run_local(sharded_workers.resumed, 2, "shard", "int8", timeout_s=300)
+    for r in results.values():
+        assert r["moved"] > 1e-3
+        assert r["resume_diff"] == 0.0, r
+
+
 def test_a_shard_loads_only_on_the_rank_that_saved_it() -> None:
     results = run_local(sharded_workers.shard_loaded_elsewhere, 2, timeout_s=120)
     assert results[0] == "loaded"
@@ -111,7 +138,7 @@ def test_a_parameter_read_before_its_all_gather_is_refused_by_name() -> None:
     ("scaler", "step with scaler.step(optimizer), not optimizer.step()"),
     ("step without backward", "no synchronised backward since the last step"),
     ("non-contiguous", "is not contiguous"),
-    ("int8", "compresses its reduce-scatters with 'fp16' or 'bf16'"),
+    ("powersgd", "compresses its reduce-scatters with 'fp16', 'bf16', 'int8' or 'int4'"),
 ])
 def test_misuse_is_refused_saying_what_to_do(case: str, words: str) -> None:
     results = run_local(sharded_workers.refusal, 2, case, timeout_s=120)

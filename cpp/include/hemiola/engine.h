@@ -32,6 +32,11 @@ class EngineImpl;
 // the last chunks may be short or empty (Gloo's ring geometry).
 HEMIOLA_API std::vector<size_t> chunk_bounds(size_t numel, DType dtype, int world_size);
 
+// world_size + 1 element offsets: rank r's chunk under reduce_scatter_coded,
+// whole blocks of the block codings (kInt8Block elements): the blocks cut
+// into world_size runs of ceil(blocks / world_size); the last may be short or empty.
+HEMIOLA_API std::vector<size_t> coded_chunk_bounds(size_t numel, int world_size);
+
 class HEMIOLA_API Engine {
  public:
   // Rendezvous with the other `world_size - 1` ranks through `store` and
@@ -66,6 +71,17 @@ class HEMIOLA_API Engine {
   // The same over the concatenation of `segments` (one dtype), each written
   // where it lies: a bucket's parameters gathered in place, with no buffer.
   Handle all_gather_chunks(std::vector<TensorRef> segments, std::vector<size_t> bounds = {});
+  // A reduce-scatter (average) of a float32 CPU tensor coded as `coding`
+  // (kInt8 or kInt4: a scale per block, error feedback): every rank adds
+  // `residual` (float32, as many elements) to `tensor`, codes it with its own
+  // scales, keeps what the coding dropped in `residual`, and sends chunk c's
+  // records to rank c (coded_chunk_bounds); rank c decodes the ranks' records
+  // of its chunk and averages them in float32, in rank order, into its chunk
+  // of `tensor`. The codes are never summed on the wire, so the precision is
+  // the same at any number of ranks. Outside the chunk `tensor` is left
+  // holding what the coding dropped.
+  Handle reduce_scatter_coded(const TensorRef& tensor, const TensorRef& residual,
+                              Compression coding);
 
   // A gradient reducer over `specs` (one per gradient tensor, in registration
   // order). See reducer.h.

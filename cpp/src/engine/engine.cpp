@@ -6,6 +6,7 @@
 
 #include "comm/gloo_communicator.h"
 #include "comm/ring_chunks.h"
+#include "engine/codec/block_coding.h"
 #include "engine/engine_impl.h"
 #include "engine/reducer/reducer_impl.h"
 #include "engine/streaming/streamer_impl.h"
@@ -19,11 +20,15 @@ namespace {
 // A single collective on caller-owned memory.
 class CollectiveWork final : public Work {
  public:
-  enum class Kind { kAllReduce, kBroadcast, kAllGather, kBarrier, kReduceScatter, kAllGatherChunks };
+  enum class Kind {
+    kAllReduce, kBroadcast, kAllGather, kBarrier, kReduceScatter, kAllGatherChunks,
+    kReduceScatterCoded
+  };
   CollectiveWork(Kind kind, TensorRef a, TensorRef b, ReduceOp op, int root, int world,
-                 std::vector<size_t> bounds = {}, std::vector<TensorRef> segments = {})
+                 std::vector<size_t> bounds = {}, std::vector<TensorRef> segments = {},
+                 Compression coding = Compression::kNone)
       : kind_(kind), a_(a), b_(b), op_(op), root_(root), world_(world),
-        bounds_(std::move(bounds)), segments_(std::move(segments)) {}
+        bounds_(std::move(bounds)), segments_(std::move(segments)), coding_(coding) {}
 
   void run(Communicator& comm, Timeline& timeline) override {
     const int64_t start = timeline.now_us();
@@ -46,6 +51,17 @@ class CollectiveWork final : public Work {
         break;
       }
       case Kind::kAllGatherChunks: comm.all_gather_chunks(segments_, bounds_); break;
+      case Kind::kReduceScatterCoded: {
+        BlockScratch scratch;  // (per call: a bucket's records, freed with the work)
+        float* data = static_cast<float*>(a_.data);
+        float* residual = static_cast<float*>(b_.data);
+        if (coding_ == Compression::kInt8) {
+          reduce_scatter_in_blocks<Int8Codes>(data, residual, a_.numel, comm, scratch);
+        } else {
+          reduce_scatter_in_blocks<Int4Codes>(data, residual, a_.numel, comm, scratch);
+        }
+        break;
+      }
     }
     timeline.record("comm", describe(), "collective", start, timeline.now_us());
   }
@@ -63,6 +79,9 @@ class CollectiveWork final : public Work {
         out << (op_ == ReduceOp::kAverage ? "reduce_scatter(avg)" : "reduce_scatter(sum)");
         break;
       case Kind::kAllGatherChunks: out << "all_gather_chunks"; break;
+      case Kind::kReduceScatterCoded:
+        out << "reduce_scatter(avg, " << (coding_ == Compression::kInt8 ? "int8" : "int4") << ")";
+        break;
     }
     out << " of " << a_.numel << " " << dtype_name(a_.dtype);
     return out.str();
@@ -76,6 +95,7 @@ class CollectiveWork final : public Work {
   int world_;
   std::vector<size_t> bounds_;  // all_gather_chunks: the chunks (empty: the ring's)
   std::vector<TensorRef> segments_;  // all_gather_chunks: what the tensor is made of
+  Compression coding_;  // reduce_scatter_coded: int8 or int4
 };
 
 // After a transport failure: every surviving rank announces through the store
@@ -242,6 +262,22 @@ Handle EngineImpl::all_gather_chunks(std::vector<TensorRef> segments,
                                                  std::move(segments)));
 }
 
+Handle EngineImpl::reduce_scatter_coded(const TensorRef& tensor, const TensorRef& residual,
+                                        Compression coding) {
+  HEMIOLA_CHECK(coding == Compression::kInt8 || coding == Compression::kInt4,
+                "reduce_scatter_coded: the coding must be int8 or int4");
+  HEMIOLA_CHECK(tensor.dtype == DType::kFloat32 && residual.dtype == DType::kFloat32,
+                "reduce_scatter_coded: float32 tensors only, got ", dtype_name(tensor.dtype),
+                " and a ", dtype_name(residual.dtype), " residual");
+  HEMIOLA_CHECK(residual.numel == tensor.numel, "reduce_scatter_coded: the residual has ",
+                residual.numel, " elements, the tensor ", tensor.numel);
+  HEMIOLA_CHECK(tensor.device.type == DeviceType::kCPU && residual.device.type == DeviceType::kCPU,
+                "reduce_scatter_coded: CPU tensors only (the Gloo wire)");
+  return submit(std::make_shared<CollectiveWork>(
+      CollectiveWork::Kind::kReduceScatterCoded, tensor, residual, ReduceOp::kAverage, 0,
+      options_.world_size, std::vector<size_t>{}, std::vector<TensorRef>{}, coding));
+}
+
 Handle EngineImpl::barrier() {
   return submit(std::make_shared<CollectiveWork>(CollectiveWork::Kind::kBarrier, TensorRef{},
                                                  TensorRef{}, ReduceOp::kSum, 0,
@@ -268,6 +304,21 @@ Handle Engine::all_gather_chunks(std::vector<TensorRef> segments, std::vector<si
 
 std::vector<size_t> chunk_bounds(size_t numel, DType dtype, int world_size) {
   return ring_chunks(numel, dtype_size(dtype), world_size);
+}
+
+Handle Engine::reduce_scatter_coded(const TensorRef& tensor, const TensorRef& residual,
+                                    Compression coding) {
+  return impl_->reduce_scatter_coded(tensor, residual, coding);
+}
+
+std::vector<size_t> coded_chunk_bounds(size_t numel, int world_size) {
+  HEMIOLA_CHECK(world_size >= 1, "coded_chunk_bounds: world_size must be at least 1");
+  const size_t ranks = static_cast<size_t>(world_size);
+  const size_t blocks = (numel + kInt8Block - 1) / kInt8Block;
+  const size_t per_rank = (blocks + ranks - 1) / ranks;
+  std::vector<size_t> bounds(ranks + 1);
+  for (size_t r = 0; r <= ranks; ++r) bounds[r] = std::min(numel, r * per_rank * kInt8Block);
+  return bounds;
 }
 
 std::unique_ptr<Reducer> Engine::make_reducer(const std::vector<GradSpec>& specs,

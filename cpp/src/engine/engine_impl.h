@@ -44,6 +44,8 @@ class EngineImpl final : public Scheduler {
   Handle barrier();
   Handle reduce_scatter(const TensorRef& tensor, ReduceOp op);
   Handle all_gather_chunks(std::vector<TensorRef> segments, std::vector<size_t> bounds);
+  Handle reduce_scatter_coded(const TensorRef& tensor, const TensorRef& residual,
+                              Compression coding);
 
  private:
   EngineOptions options_;

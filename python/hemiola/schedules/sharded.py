@@ -16,6 +16,14 @@ only; at most ``Config.buckets_in_flight`` gradient buckets are alive at
 once, so the memory of parameters, gradients, state and buckets is
 4 + 12/N bytes per parameter with AdamW in float32, plus those buffers.
 
+Under ``compression="int8"`` or ``"int4"`` a float32 bucket's reduce-scatter
+is ``Engine.reduce_scatter_coded``: every rank codes its gradients plus its
+residual in blocks with its own scales and sends each owner its chunk's
+records, the owner averages them in float32 (the precision does not depend
+on the number of ranks), and what the coding dropped waits in the rank's
+residual (a float32 bucket per bucket: 4 bytes a parameter more) for the
+next iteration. The all-gathers of the parameters stay exact.
+
 The first iteration learns the order gradients arrive in (rank 0's, as
 ``wfbp``'s rebuild does) and plans the buckets from it for the rest of the
 run; its step completes each old bucket's all-reduce (the all-gather of the
@@ -31,6 +39,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from hemiola._native import C
+from hemiola.config import compression_code
 from hemiola.engine_tensors import dtype_code
 from hemiola.forward_gate import ForwardGate
 from hemiola.schedules.base import Schedule
@@ -58,6 +67,8 @@ INT64 = int(C.DType.int64)
 #: compression -> the dtype float32 gradients travel in
 HALVES: dict[str | None, torch.dtype | None] = {
     None: None, "fp16": torch.float16, "bf16": torch.bfloat16}
+#: the codings whose reduce-scatter is coded in blocks with error feedback
+CODED = ("int8", "int4")
 FLOAT64 = dtype_code(torch.float64)
 
 
@@ -84,13 +95,18 @@ class Sharded(LandsAtGates, Schedule):
                 "schedule='sharded' runs on CPU parameters (the Gloo wire) in this build; its "
                 "GPU path over NCCL's reduce-scatter and all-gather has not run on a GPU yet. "
                 "Use schedule='priority' on a GPU.")
-        if config.compression not in HALVES:
+        if config.compression not in HALVES and config.compression not in CODED:
             raise ValueError(
-                f"schedule='sharded' compresses its reduce-scatters with 'fp16' or 'bf16' "
-                f"(compression={config.compression!r} is not available to it yet); use one of "
-                "those, or schedule='priority' with it")
+                f"schedule='sharded' compresses its reduce-scatters with 'fp16', 'bf16', 'int8' "
+                f"or 'int4' (compression={config.compression!r} is not available to it); use "
+                "one of those, or schedule='priority' with it")
         #: the half type float32 gradients travel in (None: as they are)
-        self._half = HALVES[config.compression]
+        self._half = HALVES.get(config.compression)
+        #: the engine's code of int8/int4 (None: the reduce-scatter is not coded)
+        self._coding = (compression_code(config.compression) if config.compression in CODED
+                        else None)
+        #: per coded bucket: what this rank's codings dropped (error feedback)
+        self._residuals: dict[int, torch.Tensor] = {}
         refuse_scattered(bound.names, bound.params)
         self._world = bound.world_size
         self._rank = bound.rank
@@ -137,15 +153,48 @@ class Sharded(LandsAtGates, Schedule):
     def _make_plan(self, order: list[int]) -> ShardPlan:
         m = self.bound
         return ShardPlan(m.params, order, m.config.first_bucket_bytes, m.config.fusion_bytes,
-                         self._rank, self._world, self._half)
+                         self._rank, self._world, self._half, coded=self._coding is not None)
 
     def _replan(self, order: list[int]) -> None:
         """Plans from `order` from now on: the buckets, their counts and the
         shard's gradients follow (between iterations)."""
-        self.plan = self._make_plan(order)
+        old, self.plan = self.plan, self._make_plan(order)
+        self._residuals = self._moved_residuals(old)
         self._grads = [torch.empty(b.hi - b.lo, dtype=b.dtype) for b in self.plan.buckets]
         self._filled = [0] * len(self.plan.buckets)
         self._free.clear()
+
+    def _moved_residuals(self, old: ShardPlan) -> dict[int, torch.Tensor]:
+        """The residuals laid out by the current plan, each parameter's moved
+        from where `old` kept it (nothing the codings dropped is lost)."""
+        if not self._residuals:
+            return {}
+        moved: dict[int, torch.Tensor] = {}
+        for i, p in enumerate(self.bound.params):
+            ob, oo = old.where[i]
+            if ob not in self._residuals:
+                continue
+            nb, no = self.plan.where[i]
+            if nb not in moved:
+                moved[nb] = torch.zeros(self.plan.buckets[nb].numel)
+            moved[nb][no:no + p.numel()].copy_(self._residuals[ob][oo:oo + p.numel()])
+        return moved
+
+    def _residual(self, b: int) -> torch.Tensor:
+        """Bucket b's residual (zeros the first time)."""
+        if b not in self._residuals:
+            self._residuals[b] = torch.zeros(self.plan.buckets[b].numel)
+        return self._residuals[b]
+
+    def residuals(self) -> dict[int, torch.Tensor]:
+        """Per coded bucket, what this rank's int8/int4 codings dropped and
+        will send with the next gradients (empty without those codings)."""
+        return self._residuals
+
+    def load_residuals(self, residuals: dict[int, torch.Tensor]) -> None:
+        """Takes residuals saved by ``residuals()`` under the current plan."""
+        for b, r in residuals.items():
+            self._residual(int(b)).copy_(r)
 
     def buckets(self) -> list[list[int]]:
         return [b.indices for b in self.plan.buckets]
@@ -271,9 +320,14 @@ class Sharded(LandsAtGates, Schedule):
             b = self._next
             buffer = self._staging.pop(b)
             halved = buffer.dtype != buckets[b].dtype  # averaged already (see mark)
-            handle = self.bound.engine.reduce_scatter(
-                buffer.data_ptr(), dtype_code(buffer.dtype), buffer.numel(),
-                C.ReduceOp.sum if halved else C.ReduceOp.average)
+            if self._coding is not None and buffer.dtype == torch.float32:
+                handle = self.bound.engine.reduce_scatter_coded(
+                    buffer.data_ptr(), self._residual(b).data_ptr(), buffer.numel(),
+                    self._coding)
+            else:
+                handle = self.bound.engine.reduce_scatter(
+                    buffer.data_ptr(), dtype_code(buffer.dtype), buffer.numel(),
+                    C.ReduceOp.sum if halved else C.ReduceOp.average)
             self._reductions.append(_Reduction(b, buffer, handle))
             self._next += 1
         while self._reductions and self._reductions[0].handle.done():

@@ -47,11 +47,12 @@ class Bucket:
 class ShardPlan:
     """The buckets of `params` ready in `order`, and this rank's shard of
     each (see the module docstring). `half`: float32 gradients travel in
-    that dtype (``compression``), which sets where the chunks fall."""
+    that dtype (``compression``), which sets where the chunks fall; `coded`:
+    their reduce-scatter is int8/int4's, whose chunks are whole blocks."""
 
     def __init__(self, params: list[torch.Tensor], order: list[int], first_bucket_bytes: int,
                  fusion_bytes: int, rank: int, world_size: int,
-                 half: torch.dtype | None = None) -> None:
+                 half: torch.dtype | None = None, coded: bool = False) -> None:
         self.order = list(order)
         specs = [(dtype_code(p.dtype), p.numel()) for p in params]
         self.buckets: list[Bucket] = []
@@ -63,7 +64,10 @@ class ShardPlan:
             # A float32 bucket travels in `half` when given (compression):
             # the ring's chunks are the half buffer's.
             wire = half if half is not None and dtype == torch.float32 else dtype
-            bounds = list(C.chunk_bounds(numel, dtype_code(wire), world_size))
+            if coded and dtype == torch.float32:  # int8/int4: whole coding blocks
+                bounds = list(C.coded_chunk_bounds(numel, world_size))
+            else:
+                bounds = list(C.chunk_bounds(numel, dtype_code(wire), world_size))
             lo, hi = bounds[rank], bounds[rank + 1]
             bucket = Bucket(dtype, list(indices), list(offsets), numel, lo, hi, wire, bounds)
             for i, offset in zip(indices, offsets):

@@ -43,6 +43,10 @@ class Sharded(Protocol):
 
     def adopt_plan(self, order: list[int]) -> None: ...
 
+    def residuals(self) -> dict[int, torch.Tensor]: ...
+
+    def load_residuals(self, residuals: dict[int, torch.Tensor]) -> None: ...
+
     def synchronize(self) -> None: ...
 
 
@@ -67,6 +71,7 @@ def install_state_methods(optimizer: torch.optim.Optimizer, schedule: Sharded) -
         """Loads what shard_state_dict() saved on this rank."""
         schedule.synchronize()
         schedule.adopt_plan(check_shard(schedule, state))
+        schedule.load_residuals(state["hemiola_shard"].get("residuals", {}))
         torch.optim.Optimizer.load_state_dict(
             opt, {k: v for k, v in state.items() if k != "hemiola_shard"})
 
@@ -278,7 +283,10 @@ def shard_state_dict(schedule: Sharded, inner: Any) -> dict[str, Any]:
     out["hemiola_shard"] = {"rank": m.rank, "world_size": m.world_size,
                             "order": list(schedule.plan.order),
                             "fusion_bytes": m.config.fusion_bytes,
-                            "first_bucket_bytes": m.config.first_bucket_bytes}
+                            "first_bucket_bytes": m.config.first_bucket_bytes,
+                            "compression": m.config.compression,
+                            # int8/int4: what this rank's codings still owe
+                            "residuals": {b: r.clone() for b, r in schedule.residuals().items()}}
     return out
 
 
@@ -292,14 +300,15 @@ def check_shard(schedule: Sharded, state: dict[str, Any]) -> list[int]:
     m = schedule.bound
     mine = {"rank": m.rank, "world_size": m.world_size,
             "fusion_bytes": m.config.fusion_bytes,
-            "first_bucket_bytes": m.config.first_bucket_bytes}
-    differ = {k: (meta.get(k), v) for k, v in mine.items() if meta.get(k) != v}
+            "first_bucket_bytes": m.config.first_bucket_bytes,
+            "compression": m.config.compression}
+    differ = {k: (meta.get(k), v) for k, v in mine.items() if meta.get(k, v) != v}
     if differ:
         said = ", ".join(f"{k} {saved} (now {now})" for k, (saved, now) in differ.items())
         raise ValueError(f"this optimizer shard was saved with {said}: a shard loads only on the "
-                         "rank that saved it, with the same number of ranks and bucket sizes. "
-                         "To change them, save the full state (optimizer.state_dict(), on "
-                         "every rank) and load that")
+                         "rank that saved it, with the same number of ranks, bucket sizes and "
+                         "compression. To change them, save the full state "
+                         "(optimizer.state_dict(), on every rank) and load that")
     order = [int(i) for i in meta["order"]]
     if sorted(order) != list(range(len(m.params))):
         raise ValueError("this optimizer shard's plan does not cover this model's parameters")

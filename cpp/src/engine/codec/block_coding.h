@@ -257,4 +257,47 @@ void reduce_in_blocks(const PlannedBucket& plan, float* data, Communicator& comm
   }
 }
 
+// Steps 1 and 2 of reduce_in_blocks without the owner's second coding, for a
+// reduce-scatter (Engine::reduce_scatter_coded): `residual` (n floats) is
+// added to `data`, every block coded with this rank's scales (what the coding
+// drops goes back to `residual`), chunk c's records go to rank c, and this
+// rank's chunk of `data` (coded_chunk_bounds) receives the float32 average of
+// the ranks' decoded records, summed in rank order. Outside that chunk `data`
+// is left holding what the coding dropped.
+template <typename Codes>
+void reduce_scatter_in_blocks(float* data, float* residual, size_t n, Communicator& comm,
+                              BlockScratch& scratch) {
+  using namespace block_coding;
+  constexpr size_t kRecord = record_bytes<Codes>();
+  const size_t ranks = static_cast<size_t>(comm.size());
+  const size_t me = static_cast<size_t>(comm.rank());
+  const size_t blocks = (n + kInt8Block - 1) / kInt8Block;
+  const size_t per_rank = (blocks + ranks - 1) / ranks;
+  auto block_count = [&](size_t blk) { return std::min(n, (blk + 1) * kInt8Block) -
+                                              blk * kInt8Block; };
+  for (size_t i = 0; i < n; ++i) data[i] += residual[i];
+  scratch.send.assign(ranks * per_rank * kRecord, 0);
+  for (size_t blk = 0; blk < blocks; ++blk) {
+    code<Codes>(data + blk * kInt8Block, block_count(blk), scratch.send.data() + blk * kRecord);
+  }
+  std::memcpy(residual, data, n * sizeof(float));
+  scratch.received.resize(scratch.send.size());
+  comm.all_to_all(TensorRef{scratch.send.data(), DType::kUInt8, scratch.send.size(), Device{}},
+                  TensorRef{scratch.received.data(), DType::kUInt8, scratch.received.size(),
+                            Device{}});
+  const size_t first_block = std::min(blocks, me * per_rank);
+  const size_t last_block = std::min(blocks, first_block + per_rank);
+  const float inverse_ranks = 1.0f / static_cast<float>(ranks);
+  for (size_t blk = first_block; blk < last_block; ++blk) {
+    float* average = data + blk * kInt8Block;
+    const size_t count = block_count(blk);
+    std::fill(average, average + count, 0.0f);
+    for (size_t r = 0; r < ranks; ++r) {
+      decode<Codes, true>(scratch.received.data() + (r * per_rank + (blk - first_block)) * kRecord,
+                          count, average);
+    }
+    for (size_t i = 0; i < count; ++i) average[i] *= inverse_ranks;
+  }
+}
+
 }  // namespace hemiola
