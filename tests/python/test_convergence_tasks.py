@@ -33,6 +33,20 @@ def test_character_corpus_is_deterministic() -> None:
     assert "def " in text and "import " in text  # Python's own modules
 
 
+def test_the_code_task_is_10m_parameters_on_a_corpus_no_option_was_tuned_on() -> None:
+    code = tasks.TASKS["code"]()
+    model = code.model()
+    assert sum(p.numel() for p in model.parameters()) >= 10_000_000
+    packages = tasks.load_packages()
+    assert packages == tasks.load_packages() and len(packages) > 3_000_000
+    # neither the byte LM's corpus nor the char task's modules are in it
+    assert tasks.load_corpus()[:4096] not in packages
+    assert tasks.load_source()[:4096].encode() not in packages
+    x, y = code.epoch_samples(seed=0, epoch=0)
+    loss = code.loss(model, x[:2], y[:2])
+    assert abs(loss.item() - 5.545) < 0.5  # about ln(256) at the start
+
+
 @pytest.mark.parametrize("name", ["digits", "lm", "char"])
 def test_task_builds(name: str) -> None:
     task = tasks.TASKS[name]()
