@@ -175,6 +175,34 @@ def coded_gradients(rank: int, world: int, compression: str) -> dict[str, Any]:
             "params_apart": max_diff(runs["sharded"][1], runs["wfbp"][1])}
 
 
+def residuals_after(rank: int, world: int) -> dict[str, Any]:
+    """int8 under a GradScaler: how many buckets owe a residual after a good
+    step, after a step skipped for an overflow on rank 1 alone, after the
+    next good step, and after a full optimizer state is loaded."""
+    hemiola.init()
+    torch.manual_seed(0)
+    m = make_model("mlp")
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8)
+    model, opt = hemiola.wrap(m, _optimizer("sgd", m.parameters()), schedule="sharded",
+                              compression="int8", grad_scaler=scaler, fusion_mb=1 / 64,
+                              first_bucket_mb=1 / 64, timeout_s=60)
+    counts = []
+    for step in range(3):
+        x, y = make_batch("mlp", step, rank, world)
+        opt.zero_grad()
+        loss = loss_of("mlp", model(x), y)
+        if step == 1 and rank == 1:
+            loss = loss * float("inf")
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        counts.append(len(model._schedule.residuals()))
+    full = opt.state_dict()
+    opt.load_state_dict(full)
+    counts.append(len(model._schedule.residuals()))
+    return {"counts": counts, "scale": scaler.get_scale()}
+
+
 def _one_step(rank: int, world: int, timeout_s: float) -> tuple[nn.Module, Any]:
     """The test MLP wrapped under sharded (SGD), after one step."""
     hemiola.init()

@@ -95,6 +95,17 @@ def test_a_checkpoint_resumes_bit_for_bit(how: str) -> None:
         assert r["full_keys"] == ["exp_avg", "exp_avg_sq", "step"]
 
 
+def test_int8_residuals_go_with_a_skipped_step_and_a_loaded_full_state() -> None:
+    # an overflow on one rank skips the step everywhere: what the codings
+    # dropped of those gradients goes too; a full state (no rank's own
+    # residuals in it) restarts them at zero
+    results = run_local(sharded_workers.residuals_after, 2, timeout_s=120)
+    for r in results.values():
+        good, skipped, again, loaded = r["counts"]
+        assert good > 1 and skipped == 0 and again == good and loaded == 0, r
+        assert r["scale"] == 2.0 ** 7  # backed off once, alike
+
+
 def test_a_shard_checkpoint_resumes_int8_bit_for_bit() -> None:
     # the residuals (what each rank's coding still owes) are in the shard,
     # laid out by the plan it was cut by

@@ -28,8 +28,10 @@ step, the slowest rank's; the seconds to the target; and the held-out loss
 at equal wall-clock: at the budget B, the shortest total training time among
 the contenders of step 3, each contender's loss at its last evaluation
 within B (DDP's at the last of its loopback evaluations whose step, at its
-measured time per step at the rate, fits in B). Writes OUT/NAME.jsonl;
-``hemiola bench report`` renders the summary.
+measured time per step at the rate, fits in B). The time to the target is
+averaged over the seeds that reached it (the table says how many did).
+Writes OUT/NAME.jsonl (the runs after each, the summary at the end); a
+``bench-report`` block with the filter ``suite=horizon`` renders the summary.
 """
 
 from __future__ import annotations
@@ -72,8 +74,9 @@ def loss_within(evals: list[dict[str, Any]], budget: float) -> float:
 def summarise(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The ``horizon`` rows of the runs in `rows` (module docstring)."""
     out = []
-    for world in sorted({r["world"] for r in rows if r.get("phase") == "main"}):
-        mine = [r for r in rows if r["world"] == world and r.get("row") == "run"]
+    rows = [r for r in rows if r.get("row") == "run"]  # (not a skipped contender's line)
+    for world in sorted({r["world"] for r in rows if r["phase"] == "main"}):
+        mine = [r for r in rows if r["world"] == world]
         seeds = sorted({r["seed"] for r in mine if r["phase"] == "main"})
         ddp = {r["seed"]: r for r in mine if r["phase"] == "quality"}
         ddp_ms = {r["seed"]: r["ms_per_step"] for r in mine
@@ -189,6 +192,8 @@ def run(args: argparse.Namespace) -> int:
                 for phase, part in (("quality", quality), ("ddp-timing", timing),
                                     ("main", main)):
                     rows += [{**r, "phase": phase} for r in part]
+                # every finished run kept, whatever happens to the next
+                write_lines(args.out / f"{args.name}.jsonl", rows)
     summary = summarise(rows)
     from hemiola.bench.report import horizon_table
 

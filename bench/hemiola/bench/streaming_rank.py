@@ -14,7 +14,7 @@ A contender is named (``parse``):
 - ``torchft-hH[-fFtT][@lrLmM][~mixA]``: torchft's ``torchft.local_sgd.DiLoCo``
   with F fragments (``torchft_fragments``: the parameters in registration order
   cut into F contiguous pieces of about equal size, as hemiola cuts them, but
-  at whole tensors) and ``fragment_sync_delay`` T, bucketed as hemiola fuses;
+  at whole tensors) and ``fragment_sync_delay`` T, each fragment one bucket;
   each rank a replica group of one with its own TCPStore, a
   ``torchft.Manager`` and rank 0 hosting the ``LighthouseServer``. Float32
   only: its quantisation needs triton (GPU kernels).
@@ -120,7 +120,7 @@ def parse(name: str) -> Spec:
             raise ValueError(f"{name}: torchft's DiLoCo sends float32 on a CPU (its "
                              "should_quantize needs triton's GPU kernels) and has no chosen "
                              "shape: write torchft-hH[-fFtT][@lrLmM][~mixA]")
-        if m["kind"] == "torchft" and h % f:
+        if m["kind"] == "torchft" and f and h % f:
             raise ValueError(f"{name}: torchft's DiLoCo needs H to be a multiple of F")
         if h < 1 or f < 1 or (t and t * f >= h):
             raise ValueError(f"{name}: needs H >= 1, F >= 1 and tau < H/F")

@@ -73,11 +73,15 @@ FLOAT64 = dtype_code(torch.float64)
 
 
 class _Reduction:
-    """One bucket's reduce-scatter in flight: its buffer and handle."""
+    """One bucket's reduce-scatter in flight: its buffer, its residual
+    (int8/int4; the wire thread writes both until the handle is done) and
+    its handle."""
 
-    def __init__(self, bucket: int, buffer: torch.Tensor, handle: Any) -> None:
+    def __init__(self, bucket: int, buffer: torch.Tensor, handle: Any,
+                 residual: torch.Tensor | None = None) -> None:
         self.bucket = bucket
         self.buffer = buffer
+        self.residual = residual
         self.handle = handle
 
 
@@ -176,14 +180,14 @@ class Sharded(LandsAtGates, Schedule):
                 continue
             nb, no = self.plan.where[i]
             if nb not in moved:
-                moved[nb] = torch.zeros(self.plan.buckets[nb].numel)
+                moved[nb] = torch.zeros(self.plan.buckets[nb].numel, dtype=torch.float32)
             moved[nb][no:no + p.numel()].copy_(self._residuals[ob][oo:oo + p.numel()])
         return moved
 
     def _residual(self, b: int) -> torch.Tensor:
         """Bucket b's residual (zeros the first time)."""
         if b not in self._residuals:
-            self._residuals[b] = torch.zeros(self.plan.buckets[b].numel)
+            self._residuals[b] = torch.zeros(self.plan.buckets[b].numel, dtype=torch.float32)
         return self._residuals[b]
 
     def residuals(self) -> dict[int, torch.Tensor]:
@@ -192,9 +196,17 @@ class Sharded(LandsAtGates, Schedule):
         return self._residuals
 
     def load_residuals(self, residuals: dict[int, torch.Tensor]) -> None:
-        """Takes residuals saved by ``residuals()`` under the current plan."""
+        """Replaces the residuals with those ``residuals()`` returned under
+        the current plan (``{}``: none owed)."""
+        self._wait_reductions()
+        self._residuals = {}
         for b, r in residuals.items():
-            self._residual(int(b)).copy_(r)
+            mine = self._residual(int(b))
+            if mine.numel() != r.numel():
+                raise ValueError(f"the saved residual of bucket {b} has {r.numel()} elements, "
+                                 f"this plan's bucket {mine.numel()}: it was saved by another "
+                                 "plan")
+            mine.copy_(r)
 
     def buckets(self) -> list[list[int]]:
         return [b.indices for b in self.plan.buckets]
@@ -320,15 +332,16 @@ class Sharded(LandsAtGates, Schedule):
             b = self._next
             buffer = self._staging.pop(b)
             halved = buffer.dtype != buckets[b].dtype  # averaged already (see mark)
+            residual = None
             if self._coding is not None and buffer.dtype == torch.float32:
+                residual = self._residual(b)
                 handle = self.bound.engine.reduce_scatter_coded(
-                    buffer.data_ptr(), self._residual(b).data_ptr(), buffer.numel(),
-                    self._coding)
+                    buffer.data_ptr(), residual.data_ptr(), buffer.numel(), self._coding)
             else:
                 handle = self.bound.engine.reduce_scatter(
                     buffer.data_ptr(), dtype_code(buffer.dtype), buffer.numel(),
                     C.ReduceOp.sum if halved else C.ReduceOp.average)
-            self._reductions.append(_Reduction(b, buffer, handle))
+            self._reductions.append(_Reduction(b, buffer, handle, residual))
             self._next += 1
         while self._reductions and self._reductions[0].handle.done():
             self._harvest(self._reductions[0])
@@ -409,6 +422,9 @@ class Sharded(LandsAtGates, Schedule):
         assert opt is not None
         clip, self._clip = self._clip, None
         if self._skipped_by_scaler(opt.optimizer):
+            # What the codings dropped of gradients that are thrown away is
+            # thrown away with them (an overflowing rank's would be garbage).
+            self._residuals = {}
             return
         grads: dict[int, torch.Tensor | None] = {}
         for b, bucket in enumerate(self.plan.buckets):
@@ -423,11 +439,15 @@ class Sharded(LandsAtGates, Schedule):
         opt.set_grads({})
         self._start_gathers()
 
+    def _wait_reductions(self) -> None:
+        """Waits for every reduce-scatter in flight and keeps its chunk."""
+        while self._reductions:
+            self._harvest(self._reductions[0])
+
     def _finish_reductions(self) -> None:
         """Waits for every reduce-scatter of the backward; the shard's
         averaged gradients are in place after it."""
-        while self._reductions:
-            self._harvest(self._reductions[0])
+        self._wait_reductions()
         if self._learn_order:
             self._adopt_observed_order()
 
@@ -556,6 +576,7 @@ class Sharded(LandsAtGates, Schedule):
             self._gate.land_now()
 
     def synchronize(self) -> None:
+        self._wait_reductions()  # (a checkpoint reads the residuals they write)
         while self._unlanded:
             self._land_bucket(max(self._unlanded))
         self._buffers.finish()
