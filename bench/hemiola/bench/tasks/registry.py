@@ -355,6 +355,7 @@ class Headline:
 HEADLINE: dict[str, Headline] = {"digits": Headline("test_accuracy", True, 0.97),
                                  "lm": Headline("heldout_loss", False, 2.1),
                                  "char": Headline("heldout_loss", False, 2.0),
+                                 # (DDP at 2 replicas: 1.466 after 3000 steps, seed 10)
                                  "code": Headline("heldout_loss", False, 1.5),
                                  "shapes": Headline("test_accuracy", True, 0.85),
                                  "shapes-adamw": Headline("test_accuracy", True, 0.85)}
