@@ -20,6 +20,14 @@ ROOT = Path(__file__).resolve().parents[2]
 HAVE_TORCHFT = importlib.util.find_spec("torchft") is not None
 
 
+def bench(*args: str) -> None:
+    """``hemiola bench ARGS`` in its own processes; fails the test with its
+    output when it fails."""
+    out = subprocess.run([sys.executable, "-m", "hemiola", "bench", *args],
+                         capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
 def test_contender_names() -> None:
     assert parse("compute") == Spec("compute", "compute", h=0)
     assert parse("ddp") == Spec("ddp", "ddp")
@@ -69,12 +77,9 @@ def test_streaming_suite_on_loopback(tmp_path: Path) -> None:
     torchft's DiLoCo runs when torchft is installed and is a skipped row otherwise."""
     contenders = ("compute,ddp,decoupled+int8,streaming-h3,streaming-h4-f2t1+int8,torchft-h3,"
                   "torchft-h2")
-    out = subprocess.run(
-        [sys.executable, "-m", "hemiola", "bench", "streaming", "--rates", "none", "--steps", "6",
-         "--eval-every", "3", "--eval-windows", "4", "--contenders", contenders,
-         "--port", "29850", "--out", str(tmp_path)],
-        capture_output=True, text=True, timeout=600, cwd=ROOT)
-    assert out.returncode == 0, out.stdout + out.stderr
+    bench("streaming", "--rates", "none", "--steps", "6",
+          "--eval-every", "3", "--eval-windows", "4", "--contenders", contenders,
+          "--port", "29850", "--out", str(tmp_path))
     rows = read_lines(tmp_path / "streaming.jsonl")
     runs = [r for r in rows if r["row"] == "run"]
     expected = contenders.split(",")
@@ -130,12 +135,9 @@ def test_torchft_is_given_the_same_fragments_delay_mix_and_outer_step(tmp_path: 
     optimizer over the whole model) ended far above."""
     pairs = ["h4-f2t0@lr1m0", "h4-f2t1@lr1m0~mix0.5"]
     contenders = ",".join(f"{kind}-{p}" for p in pairs for kind in ("streaming", "torchft"))
-    out = subprocess.run(
-        [sys.executable, "-m", "hemiola", "bench", "streaming", "--rates", "none", "--steps", "8",
-         "--eval-every", "8", "--eval-windows", "16", "--contenders", contenders,
-         "--port", "29870", "--out", str(tmp_path)],
-        capture_output=True, text=True, timeout=600, cwd=ROOT)
-    assert out.returncode == 0, out.stdout + out.stderr
+    bench("streaming", "--rates", "none", "--steps", "8",
+          "--eval-every", "8", "--eval-windows", "16", "--contenders", contenders,
+          "--port", "29870", "--out", str(tmp_path))
     loss = {r["contender"]: r["heldout_loss"] for r in read_lines(tmp_path / "streaming.jsonl")
             if r["row"] == "run"}
     for p, rel in zip(pairs, (1e-6, 5e-3)):
@@ -148,12 +150,9 @@ def test_groups_suite_on_loopback(tmp_path: Path) -> None:
     contender's replica_ranks left to its default): the three contenders
     run, and the streaming ones' shared copies are bitwise equal on all four
     ranks."""
-    out = subprocess.run(
-        [sys.executable, "-m", "hemiola", "bench", "groups", "--rate", "none", "--steps", "6",
-         "--block", "3", "--sync-every", "3", "--fragments", "1", "--overlap", "0",
-         "--port", "29880", "--out", str(tmp_path)],
-        capture_output=True, text=True, timeout=600, cwd=ROOT)
-    assert out.returncode == 0, out.stdout + out.stderr
+    bench("groups", "--rate", "none", "--steps", "6",
+          "--block", "3", "--sync-every", "3", "--fragments", "1", "--overlap", "0",
+          "--port", "29880", "--out", str(tmp_path))
     rows = {r["contender"]: r for r in read_lines(tmp_path / "groups.jsonl")}
     assert set(rows) == {"inside", "groups", "each"}
     for name in ("groups", "each"):
@@ -175,13 +174,10 @@ def test_horizon_intervals() -> None:
 def test_horizon_suite_on_loopback(tmp_path: Path) -> None:
     """Two seeds of the three runs per replica count; the summary pairs each
     contender with DDP and one replica alone on the same seed."""
-    out = subprocess.run(
-        [sys.executable, "-m", "hemiola", "bench", "horizon", "--task", "lm", "--rate", "none",
-         "--steps", "4", "--eval-every", "2", "--eval-windows", "4", "--ddp-timing-steps", "2",
-         "--seeds", "2", "--contenders", "compute,streaming-h2@lr1m0", "--port", "29890",
-         "--out", str(tmp_path)],
-        capture_output=True, text=True, timeout=600, cwd=ROOT)
-    assert out.returncode == 0, out.stdout + out.stderr
+    bench("horizon", "--task", "lm", "--rate", "none",
+          "--steps", "4", "--eval-every", "2", "--eval-windows", "4", "--ddp-timing-steps", "2",
+          "--seeds", "2", "--contenders", "compute,streaming-h2@lr1m0", "--port", "29890",
+          "--out", str(tmp_path))
     rows = read_lines(tmp_path / "horizon.jsonl")
     runs = [r for r in rows if r["suite"] == "streaming"]
     assert {(r["phase"], r["contender"]) for r in runs} == {

@@ -313,11 +313,9 @@ Handle Engine::reduce_scatter_coded(const TensorRef& tensor, const TensorRef& re
 
 std::vector<size_t> coded_chunk_bounds(size_t numel, int world_size) {
   HEMIOLA_CHECK(world_size >= 1, "coded_chunk_bounds: world_size must be at least 1");
-  const size_t ranks = static_cast<size_t>(world_size);
-  const size_t blocks = (numel + kInt8Block - 1) / kInt8Block;
-  const size_t per_rank = (blocks + ranks - 1) / ranks;
-  std::vector<size_t> bounds(ranks + 1);
-  for (size_t r = 0; r <= ranks; ++r) bounds[r] = std::min(numel, r * per_rank * kInt8Block);
+  const block_coding::BlockChunks chunks(numel, static_cast<size_t>(world_size));
+  std::vector<size_t> bounds(chunks.ranks + 1);
+  for (size_t r = 0; r <= chunks.ranks; ++r) bounds[r] = chunks.bound(r);
   return bounds;
 }
 

@@ -187,6 +187,60 @@ void for_owned(const PlannedBucket& plan, size_t first, size_t last, float* data
   }
 }
 
+// Where a bucket of `n` elements falls into blocks of kInt8Block and the
+// blocks into `ranks` chunks of per_rank = ceil(blocks / ranks) blocks (rank c
+// owns chunk c; the last chunks may be short or empty).
+struct BlockChunks {
+  BlockChunks(size_t numel, size_t world)
+      : n(numel), ranks(world), blocks((numel + kInt8Block - 1) / kInt8Block),
+        per_rank((blocks + world - 1) / world) {}
+  size_t n, ranks, blocks, per_rank;
+  // Elements of block blk (the last may be short).
+  size_t count(size_t blk) const { return std::min(n, (blk + 1) * kInt8Block) - blk * kInt8Block; }
+  size_t first_block(size_t r) const { return std::min(blocks, r * per_rank); }
+  size_t last_block(size_t r) const { return std::min(blocks, first_block(r) + per_rank); }
+  // The element where rank r's chunk begins (r = ranks: n).
+  size_t bound(size_t r) const { return std::min(n, first_block(r) * kInt8Block); }
+};
+
+// Codes every block of `data` (leaving in it what the coding dropped) into
+// scratch.send, per_rank records a rank, and sends chunk c's records to rank c
+// (scratch.received: every rank's records of this rank's chunk, in rank order).
+template <typename Codes>
+void code_and_send(float* data, const BlockChunks& chunks, Communicator& comm,
+                   BlockScratch& scratch) {
+  constexpr size_t kRecord = record_bytes<Codes>();
+  scratch.send.assign(chunks.ranks * chunks.per_rank * kRecord, 0);
+  for (size_t blk = 0; blk < chunks.blocks; ++blk) {
+    code<Codes>(data + blk * kInt8Block, chunks.count(blk), scratch.send.data() + blk * kRecord);
+  }
+  scratch.received.resize(scratch.send.size());
+  comm.all_to_all(TensorRef{scratch.send.data(), DType::kUInt8, scratch.send.size(), Device{}},
+                  TensorRef{scratch.received.data(), DType::kUInt8, scratch.received.size(),
+                            Device{}});
+}
+
+// Rank me's chunk from scratch.received: each block the float32 average of
+// the ranks' decoded records, summed in rank order, written from `out` on.
+template <typename Codes>
+void average_received(const BlockChunks& chunks, size_t me, const BlockScratch& scratch,
+                      float* out) {
+  constexpr size_t kRecord = record_bytes<Codes>();
+  const size_t first_block = chunks.first_block(me);
+  const float inverse_ranks = 1.0f / static_cast<float>(chunks.ranks);
+  for (size_t blk = first_block; blk < chunks.last_block(me); ++blk) {
+    float* average = out + (blk - first_block) * kInt8Block;
+    const size_t count = chunks.count(blk);
+    std::fill(average, average + count, 0.0f);
+    for (size_t r = 0; r < chunks.ranks; ++r) {
+      decode<Codes, true>(
+          scratch.received.data() + (r * chunks.per_rank + (blk - first_block)) * kRecord, count,
+          average);
+    }
+    for (size_t i = 0; i < count; ++i) average[i] *= inverse_ranks;
+  }
+}
+
 }  // namespace block_coding
 
 // All-reduces (averages) the float32 bucket at `data`, laid out as `plan`,
@@ -200,59 +254,37 @@ void reduce_in_blocks(const PlannedBucket& plan, float* data, Communicator& comm
                       std::vector<std::vector<float>>& residuals, BlockScratch& scratch) {
   using namespace block_coding;
   constexpr size_t kRecord = record_bytes<Codes>();
-  const size_t n = plan.numel;
-  const size_t ranks = static_cast<size_t>(comm.size());
+  const BlockChunks chunks(plan.numel, static_cast<size_t>(comm.size()));
   const size_t me = static_cast<size_t>(comm.rank());
-  const size_t blocks = (n + kInt8Block - 1) / kInt8Block;
-  const size_t per_rank = (blocks + ranks - 1) / ranks;  // K
-  auto block_count = [&](size_t blk) { return std::min(n, (blk + 1) * kInt8Block) -
-                                              blk * kInt8Block; };
-  // 1. v = gradient + residual, coded block by block with this rank's scales.
+  // 1. v = gradient + residual, coded block by block with this rank's
+  // scales, each chunk's records sent to its owner.
   add_residuals(plan, data, residuals, used);
-  scratch.send.assign(ranks * per_rank * kRecord, 0);
-  for (size_t blk = 0; blk < blocks; ++blk) {
-    code<Codes>(data + blk * kInt8Block, block_count(blk), scratch.send.data() + blk * kRecord);
-  }
+  code_and_send<Codes>(data, chunks, comm, scratch);
   keep_residuals(plan, data, residuals, used);
-  scratch.received.resize(scratch.send.size());
-  comm.all_to_all(TensorRef{scratch.send.data(), DType::kUInt8, scratch.send.size(), Device{}},
-                  TensorRef{scratch.received.data(), DType::kUInt8, scratch.received.size(),
-                            Device{}});
   // 2. This rank's chunk: the ranks' records decoded and averaged in
   // float32, the owner's residual added, coded again.
-  const size_t first_block = std::min(blocks, me * per_rank);
-  const size_t last_block = std::min(blocks, first_block + per_rank);
-  const size_t first = std::min(n, first_block * kInt8Block);
-  const size_t last = std::min(n, last_block * kInt8Block);
-  scratch.average.assign(last - first, 0.0f);
-  const float inverse_ranks = 1.0f / static_cast<float>(ranks);
-  for (size_t blk = first_block; blk < last_block; ++blk) {
-    float* average = scratch.average.data() + (blk - first_block) * kInt8Block;
-    const size_t count = block_count(blk);
-    for (size_t r = 0; r < ranks; ++r) {
-      decode<Codes, true>(scratch.received.data() + (r * per_rank + (blk - first_block)) * kRecord,
-                          count, average);
-    }
-    for (size_t i = 0; i < count; ++i) average[i] *= inverse_ranks;
-  }
+  const size_t first_block = chunks.first_block(me), last_block = chunks.last_block(me);
+  const size_t first = chunks.bound(me), last = chunks.bound(me + 1);
+  scratch.average.resize(last - first);
+  average_received<Codes>(chunks, me, scratch, scratch.average.data());
   for_owned(plan, first, last, scratch.average.data(), residuals,
             [](float* residual, float* v, size_t count) {
               for (size_t i = 0; i < count; ++i) v[i] += residual[i];
             });
-  scratch.mine.assign(per_rank * kRecord, 0);
+  scratch.mine.assign(chunks.per_rank * kRecord, 0);
   for (size_t blk = first_block; blk < last_block; ++blk) {
-    code<Codes>(scratch.average.data() + (blk - first_block) * kInt8Block, block_count(blk),
+    code<Codes>(scratch.average.data() + (blk - first_block) * kInt8Block, chunks.count(blk),
                 scratch.mine.data() + (blk - first_block) * kRecord);
   }
   for_owned(plan, first, last, scratch.average.data(), residuals,
             [](float* residual, float* v, size_t count) { std::copy(v, v + count, residual); });
   // 3. Every owner's records, decoded on every rank alike.
-  scratch.gathered.resize(ranks * per_rank * kRecord);
+  scratch.gathered.resize(chunks.ranks * chunks.per_rank * kRecord);
   comm.all_gather(TensorRef{scratch.mine.data(), DType::kUInt8, scratch.mine.size(), Device{}},
                   TensorRef{scratch.gathered.data(), DType::kUInt8, scratch.gathered.size(),
                             Device{}});
-  for (size_t blk = 0; blk < blocks; ++blk) {
-    decode<Codes, false>(scratch.gathered.data() + blk * kRecord, block_count(blk),
+  for (size_t blk = 0; blk < chunks.blocks; ++blk) {
+    decode<Codes, false>(scratch.gathered.data() + blk * kRecord, chunks.count(blk),
                          data + blk * kInt8Block);
   }
 }
@@ -261,43 +293,19 @@ void reduce_in_blocks(const PlannedBucket& plan, float* data, Communicator& comm
 // reduce-scatter (Engine::reduce_scatter_coded): `residual` (n floats) is
 // added to `data`, every block coded with this rank's scales (what the coding
 // drops goes back to `residual`), chunk c's records go to rank c, and this
-// rank's chunk of `data` (coded_chunk_bounds) receives the float32 average of
+// rank's chunk of `data` (BlockChunks::bound) receives the float32 average of
 // the ranks' decoded records, summed in rank order. Outside that chunk `data`
 // is left holding what the coding dropped.
 template <typename Codes>
 void reduce_scatter_in_blocks(float* data, float* residual, size_t n, Communicator& comm,
                               BlockScratch& scratch) {
   using namespace block_coding;
-  constexpr size_t kRecord = record_bytes<Codes>();
-  const size_t ranks = static_cast<size_t>(comm.size());
+  const BlockChunks chunks(n, static_cast<size_t>(comm.size()));
   const size_t me = static_cast<size_t>(comm.rank());
-  const size_t blocks = (n + kInt8Block - 1) / kInt8Block;
-  const size_t per_rank = (blocks + ranks - 1) / ranks;
-  auto block_count = [&](size_t blk) { return std::min(n, (blk + 1) * kInt8Block) -
-                                              blk * kInt8Block; };
   for (size_t i = 0; i < n; ++i) data[i] += residual[i];
-  scratch.send.assign(ranks * per_rank * kRecord, 0);
-  for (size_t blk = 0; blk < blocks; ++blk) {
-    code<Codes>(data + blk * kInt8Block, block_count(blk), scratch.send.data() + blk * kRecord);
-  }
+  code_and_send<Codes>(data, chunks, comm, scratch);
   std::memcpy(residual, data, n * sizeof(float));
-  scratch.received.resize(scratch.send.size());
-  comm.all_to_all(TensorRef{scratch.send.data(), DType::kUInt8, scratch.send.size(), Device{}},
-                  TensorRef{scratch.received.data(), DType::kUInt8, scratch.received.size(),
-                            Device{}});
-  const size_t first_block = std::min(blocks, me * per_rank);
-  const size_t last_block = std::min(blocks, first_block + per_rank);
-  const float inverse_ranks = 1.0f / static_cast<float>(ranks);
-  for (size_t blk = first_block; blk < last_block; ++blk) {
-    float* average = data + blk * kInt8Block;
-    const size_t count = block_count(blk);
-    std::fill(average, average + count, 0.0f);
-    for (size_t r = 0; r < ranks; ++r) {
-      decode<Codes, true>(scratch.received.data() + (r * per_rank + (blk - first_block)) * kRecord,
-                          count, average);
-    }
-    for (size_t i = 0; i < count; ++i) average[i] *= inverse_ranks;
-  }
+  average_received<Codes>(chunks, me, scratch, data + chunks.bound(me));
 }
 
 }  // namespace hemiola
